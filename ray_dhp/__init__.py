@@ -1,0 +1,46 @@
+"""ray_dhp: disaggregated hybrid parallelism for vision-language models on Ray Train.
+
+Ulysses sequence parallelism for the vision encoder, Megatron-style tensor parallelism for the
+language model, each module in its own worker group, inside one ``DisaggregatedTrainer.fit()``.
+Imports are lazy: ``import ray_dhp`` has no side effects and does not import Ray or torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DisaggregatedTrainer",
+    "DHPConfig",
+    "ModuleParallel",
+    "TrainLoopConfig",
+    "Topology",
+    "get_context",
+    "demo",
+]
+
+_LAZY = {
+    "DisaggregatedTrainer": ("ray_dhp.trainer", "DisaggregatedTrainer"),
+    "DHPConfig": ("ray_dhp.config", "DHPConfig"),
+    "ModuleParallel": ("ray_dhp.config", "ModuleParallel"),
+    "TrainLoopConfig": ("ray_dhp.train_config", "TrainLoopConfig"),
+    "Topology": ("ray_dhp.topology", "Topology"),
+    "get_context": ("ray_dhp.backend", "get_context"),
+    "demo": ("ray_dhp.demo", None),
+}
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'ray_dhp' has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    mod = importlib.import_module(module)
+    value = mod if attr is None else getattr(mod, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

@@ -1,0 +1,131 @@
+"""The Ray Train backend: one torch.distributed world and the module groups, on every worker.
+
+Ray Train V2 runs `Backend` hooks in the controller actor. A plain exception in ``on_start`` is a
+non-retryable controller error that leaks the worker group (Ray 2.60), so ``on_start`` only does
+cheap, bounded work: it picks the rendezvous address (worker 0) and exports it to the workers.
+Everything that can fail — ``init_process_group``, ``new_group``, the meshes — happens in
+`WorkerContextManager`, which Ray Train enters on each worker around the train function, so a
+failure there takes Ray Train's normal retry path (``FailureConfig``) with nothing leaked.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from ray.train.backend import Backend
+
+logger = logging.getLogger(__name__)
+
+_ENV_ADDR, _ENV_PORT = "RAY_DHP_MASTER_ADDR", "RAY_DHP_MASTER_PORT"
+_CURRENT: Optional["DHPContext"] = None
+
+
+class DHPContext:
+    """What the train function gets from the backend: config, topology, groups, device."""
+
+    def __init__(self, dhp_config, groups):
+        self.dhp_config = dhp_config
+        self.groups = groups
+        self.topology = groups.topology
+        self.device = groups.device
+        self.rank = groups.rank
+
+    @property
+    def roles(self) -> tuple:
+        return self.topology.roles(self.rank)
+
+
+def get_context() -> DHPContext:
+    """The DHP context of this worker (inside a `DisaggregatedTrainer` train function)."""
+    if _CURRENT is None:
+        raise RuntimeError(
+            "ray_dhp.get_context() is only available inside the train function of a "
+            "DisaggregatedTrainer (or a WorkerContextManager block)."
+        )
+    return _CURRENT
+
+
+def _set_rendezvous(addr: str, port: int) -> None:
+    os.environ[_ENV_ADDR], os.environ[_ENV_PORT] = addr, str(port)
+
+
+def _teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class DisaggregatedBackend(Backend):
+    share_cuda_visible_devices = True
+
+    def on_start(self, worker_group, backend_config) -> None:
+        from ray.train._internal.utils import get_address_and_port
+
+        backend_config.validate_workers(len(worker_group))
+        addr, port = worker_group.execute_single(0, get_address_and_port)
+        worker_group.execute(_set_rendezvous, addr, port)
+
+    def on_shutdown(self, worker_group, backend_config) -> None:
+        try:
+            worker_group.execute(_teardown)
+        except Exception as e:  # noqa: BLE001 - workers may already be gone before a restart
+            logger.debug("teardown on shutdown failed: %s", e)
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        import ray.train.torch
+
+        dev = ray.train.torch.get_device()
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+            return dev
+    return torch.device("cpu")
+
+
+class WorkerContextManager:
+    """Entered on every worker around the train function: world, groups, meshes; torn down after."""
+
+    def __init__(self, dhp_config):
+        self.cfg = dhp_config
+
+    def __enter__(self):
+        global _CURRENT
+        from ray_dhp.mesh import build_groups
+
+        import ray.train
+
+        ctx = ray.train.get_context()
+        rank, world = ctx.get_world_rank(), ctx.get_world_size()
+        device = _device()
+        if not dist.is_initialized():
+            # Local mode (num_workers=0) runs no backend hooks: a 1-rank world on a free port.
+            addr = os.environ.get(_ENV_ADDR, "127.0.0.1")
+            port = os.environ.get(_ENV_PORT) or str(_free_port())
+            dist.init_process_group(
+                "nccl" if device.type == "cuda" else "gloo",
+                init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
+                timeout=timedelta(seconds=self.cfg.timeout_s),
+            )
+        _CURRENT = DHPContext(self.cfg, build_groups(self.cfg.topology(), device))
+        if rank == 0:
+            logger.info("ray_dhp layout:\n%s", self.cfg.topology().describe())
+        return _CURRENT
+
+    def __exit__(self, *exc):
+        global _CURRENT
+        _CURRENT = None
+        _teardown()
+        return False
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,193 @@
+"""User-facing configuration: `ModuleParallel` and `DHPConfig` (the backend config)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from ray.train.backend import BackendConfig
+
+from ray_dhp.topology import PLACEMENTS, Topology
+
+SCHEDULES = ("sequential", "pipelined")
+
+
+@dataclass
+class ModuleParallel:
+    """Parallel degrees of one module group.
+
+    Args:
+        sequence_parallel: Ulysses degree (vision encoder only): each image's patches are
+            split over this many workers; attention heads must divide by it.
+        tensor_parallel: Megatron-style degree (language model only): attention heads, KV
+            heads, MLP width and vocabulary are split over this many workers.
+        data_parallel: replicas of the (sharded) module; each sees different samples.
+
+    Example:
+        >>> ModuleParallel(sequence_parallel=2, data_parallel=2)  # 4 vision workers
+    """
+
+    sequence_parallel: int = 1
+    tensor_parallel: int = 1
+    data_parallel: int = 1
+
+    def __post_init__(self):
+        for name in ("sequence_parallel", "tensor_parallel", "data_parallel"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"ModuleParallel.{name} must be an integer >= 1, got {v!r}.")
+        if self.sequence_parallel > 1 and self.tensor_parallel > 1:
+            raise ValueError(
+                "ModuleParallel: use sequence_parallel for the vision module and tensor_parallel "
+                "for the text module, not both in one module."
+            )
+
+    @property
+    def size(self) -> int:
+        return self.sequence_parallel * self.tensor_parallel * self.data_parallel
+
+
+@dataclass
+class DHPConfig(BackendConfig):
+    """How the VLM is split over the Ray Train workers (the DisaggregatedBackend's config).
+
+    Args:
+        model: a ``transformers`` ``PretrainedConfig`` (random init from the seed) or the path of a
+            local Hugging Face model directory (weights loaded with ``from_pretrained``).
+        processor: a ``transformers`` processor object (or a ``ray_dhp.data.VLProcessor``), a
+            local directory to load one from, or None to load it from ``model`` when that is a
+            directory.
+        vision: degrees of the vision group (``sequence_parallel``, ``data_parallel``).
+        text: degrees of the text group (``tensor_parallel``, ``data_parallel``).
+        placement: ``"collocated"`` (every worker hosts a shard of both modules; both groups
+            span all workers) or ``"disjoint"`` (vision workers first, then text workers).
+        schedule: ``"sequential"`` or ``"pipelined"`` micro-batch schedule between the groups
+            (disjoint only); None picks the default for the placement.
+        timeout_s: timeout of collective operations.
+
+    Example:
+        >>> from ray_dhp import DHPConfig, ModuleParallel, demo
+        >>> cfg = DHPConfig(model=demo.tiny_model_config(), processor=demo.tiny_processor(),
+        ...                 vision=ModuleParallel(sequence_parallel=2),
+        ...                 text=ModuleParallel(tensor_parallel=2))
+        >>> cfg.topology().world_size
+        2
+    """
+
+    model: Any = None
+    processor: Any = None
+    vision: ModuleParallel = field(default_factory=ModuleParallel)
+    text: ModuleParallel = field(default_factory=ModuleParallel)
+    placement: str = "collocated"
+    schedule: Optional[str] = None
+    timeout_s: int = 1800
+
+    def __post_init__(self):
+        if self.model is None:
+            raise ValueError(
+                "DHPConfig(model=...) is required: a transformers config (e.g. "
+                "ray_dhp.demo.tiny_model_config()) or a local Hugging Face model directory."
+            )
+        if isinstance(self.model, (str, os.PathLike)):
+            self.model = os.path.abspath(os.fspath(self.model))
+            if not os.path.isdir(self.model):
+                raise ValueError(
+                    f"DHPConfig(model={self.model!r}): not a local directory. Models are loaded "
+                    "from local directories only (download the weights first)."
+                )
+        for name in ("vision", "text"):
+            if not isinstance(getattr(self, name), ModuleParallel):
+                raise ValueError(f"DHPConfig.{name} must be a ModuleParallel, got {getattr(self, name)!r}.")
+        if self.vision.tensor_parallel != 1:
+            raise ValueError("DHPConfig.vision: the vision group uses sequence_parallel, not tensor_parallel.")
+        if self.text.sequence_parallel != 1:
+            raise ValueError("DHPConfig.text: the text group uses tensor_parallel, not sequence_parallel.")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"DHPConfig(placement={self.placement!r}): use one of {PLACEMENTS}.")
+        if self.schedule is None:
+            self.schedule = "sequential"
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"DHPConfig(schedule={self.schedule!r}): use one of {SCHEDULES}.")
+        self.topology()  # validates the group sizes
+        self.validate_model()
+
+    # -- derived -------------------------------------------------------------------------------
+
+    def topology(self) -> Topology:
+        return Topology.build(
+            placement=self.placement,
+            vision_dp=self.vision.data_parallel,
+            vision_sp=self.vision.sequence_parallel,
+            text_dp=self.text.data_parallel,
+            text_tp=self.text.tensor_parallel,
+        )
+
+    @property
+    def num_workers(self) -> int:
+        """How many Ray Train workers this layout needs."""
+        return self.topology().world_size
+
+    def model_config(self):
+        """The transformers config of the model (loaded from the directory if given as a path)."""
+        from ray_dhp.models import load_model_config
+
+        return load_model_config(self.model)
+
+    def validate_model(self) -> None:
+        """Check the degrees against the model's dimensions; raises ValueError saying what to change."""
+        from ray_dhp.models import family_of
+
+        family = family_of(self.model_config())
+        family.validate_layout(self.model_config(), sp=self.vision.sequence_parallel,
+                               tp=self.text.tensor_parallel)
+
+    def validate_workers(self, num_workers: int) -> None:
+        need = self.num_workers
+        if num_workers != need:
+            t = self.topology()
+            how = (f"vision {t.vision.dp}x{t.vision.inner} (= text {t.text.dp}x{t.text.inner})"
+                   if self.placement == "collocated"
+                   else f"vision {t.vision.size} + text {t.text.size}")
+            raise ValueError(
+                f"ScalingConfig(num_workers={num_workers}) does not match the {self.placement} "
+                f"layout, which needs {need} workers ({how}); set num_workers={need} or change "
+                f"the vision/text degrees."
+            )
+
+    # -- BackendConfig -------------------------------------------------------------------------
+
+    @property
+    def backend_cls(self):
+        from ray_dhp.backend import DisaggregatedBackend
+
+        return DisaggregatedBackend
+
+    @property
+    def train_func_context(self):
+        from ray_dhp.backend import WorkerContextManager
+
+        cfg = self
+
+        def make():
+            return WorkerContextManager(cfg)
+
+        return make
+
+    @property
+    def framework(self):
+        from ray.train.v2._internal.util import TrainingFramework
+
+        return TrainingFramework.TORCH
+
+    def to_dict(self) -> dict:
+        return {
+            "vision": vars(self.vision),
+            "text": vars(self.text),
+            "placement": self.placement,
+            "schedule": self.schedule,
+            "model": self.model if isinstance(self.model, str) else type(self.model).__name__,
+        }
+
+
+ModelSpec = Union[str, Any]

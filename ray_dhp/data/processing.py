@@ -1,0 +1,274 @@
+"""Turning one LLaVA record into model inputs for the Qwen-VL families.
+
+The processor renders the conversation in the Qwen chat format itself (the format all three
+families train on) so it knows exactly which characters belong to assistant turns, tokenizes
+the whole text once with offsets, and labels the tokens inside those spans.
+
+Conventions (HF, unshifted labels):
+
+* ``labels`` are -100 everywhere except the assistant turns' content tokens and their closing
+  ``<|im_end|>``. The newline the template writes after ``<|im_end|>`` is *not* trained (the
+  model should stop at ``<|im_end|>``, the eos token); nor are ``<|im_start|>assistant\\n``
+  headers, system/user turns, or image tokens. A token straddling the edge of an assistant
+  span (possible only if the content starts with whitespace that merges with the header's
+  newline) is left untrained.
+* ``mm_token_type_ids`` follows transformers' ``ProcessorMixin.create_mm_token_type_ids``:
+  1 at ``<|image_pad|>``, 2 at ``<|video_pad|>``, 0 elsewhere (``<|vision_start|>`` and
+  ``<|vision_end|>`` are text, 0). The Qwen-VL models need it to build M-RoPE positions.
+* Each ``<image>`` placeholder is replaced in place by
+  ``<|vision_start|>`` + ``grid_t*grid_h*grid_w / merge**2`` x ``<|image_pad|>`` + ``<|vision_end|>``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ray_dhp.data.reading import Record
+
+__all__ = ["BadSample", "Sample", "VLProcessor", "as_vl_processor", "image_grid", "IGNORE_INDEX"]
+
+IGNORE_INDEX = -100
+IMAGE_PLACEHOLDER = "<image>"
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+          "system": "system"}
+_SPECIAL = (
+    ("im_start", "<|im_start|>"), ("im_end", "<|im_end|>"),
+    ("vision_start", "<|vision_start|>"), ("vision_end", "<|vision_end|>"),
+    ("image_pad", "<|image_pad|>"), ("video_pad", "<|video_pad|>"),
+)
+
+
+class BadSample(Exception):
+    """A record that cannot become a training sample; ``reason`` says why, ``where`` locates it."""
+
+    def __init__(self, reason: str, where: str | None = None):
+        self.reason, self.where = reason, where
+        super().__init__(f"{where}: {reason}" if where else reason)
+
+
+@dataclass
+class Sample:
+    """Model inputs of one record (unbatched).
+
+    Attributes:
+        index: position of the record in the dataset.
+        input_ids: ``[L]`` token ids.
+        labels: ``[L]``, -100 except assistant-turn tokens (not shifted).
+        mm_token_type_ids: ``[L]``, 1 at image pads, 0 elsewhere.
+        pixel_values: ``[num_patches, C*T*P*P]`` float32, images concatenated in order, or None.
+        image_grid_thw: ``[num_images, 3]`` or None.
+    """
+
+    index: int
+    input_ids: torch.LongTensor
+    labels: torch.LongTensor
+    mm_token_type_ids: torch.LongTensor
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.LongTensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Sequence length L."""
+        return int(self.input_ids.numel())
+
+
+def image_grid(path_or_pil, image_processor) -> tuple[int, int, int]:
+    """Cheap ``(t, h, w)`` patch grid of one image, from its size only (no pixel decoding).
+
+    Uses the image processor's ``smart_resize`` rule (patch and merge sizes, min/max pixels).
+    """
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    if isinstance(path_or_pil, (str, Path)):
+        with Image.open(path_or_pil) as img:
+            width, height = img.size
+    else:
+        width, height = path_or_pil.size
+    patch, merge = image_processor.patch_size, image_processor.merge_size
+    size = image_processor.size
+    h, w = smart_resize(height, width, factor=patch * merge,
+                        min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"])
+    return 1, h // patch, w // patch
+
+
+def _load_image(path: Path):
+    from PIL import Image
+
+    if not path.is_file():
+        raise BadSample(f"missing image: {path} does not exist")
+    try:
+        with Image.open(path) as img:
+            img.load()
+            return img.convert("RGB")
+    except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError...
+        raise BadSample(f"corrupt image {path}: {type(exc).__name__}: {exc}") from exc
+
+
+def _messages(data: dict) -> list[tuple[str, str]]:
+    """``conversations`` -> ``[(role, text)]`` with roles system/user/assistant; validates shape."""
+    convs = data.get("conversations")
+    if not isinstance(convs, list) or not convs:
+        raise BadSample("malformed record: 'conversations' must be a non-empty list")
+    out = []
+    for turn in convs:
+        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
+            raise BadSample("malformed record: each turn needs 'from' and a string 'value'")
+        role = _ROLES.get(turn.get("from"))
+        if role is None:
+            raise BadSample(f"malformed record: unknown speaker {turn.get('from')!r} "
+                            f"(expected one of {sorted(_ROLES)})")
+        out.append((role, turn["value"]))
+    return out
+
+
+def _image_paths(data: dict, data_root: Path) -> list[Path]:
+    image = data.get("image", data.get("images"))
+    if image is None:
+        return []
+    names = [image] if isinstance(image, str) else image
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise BadSample("malformed record: 'image' must be a path or a list of paths")
+    return [Path(n) if Path(n).is_absolute() else Path(data_root) / n for n in names]
+
+
+class VLProcessor:
+    """Tokenizer + image processor for Qwen-VL training samples (see module docstring).
+
+    Args:
+        tokenizer: a fast tokenizer with the Qwen special tokens (``<|im_start|>``,
+            ``<|im_end|>``, ``<|vision_start|>``, ``<|vision_end|>``, ``<|image_pad|>``).
+        image_processor: a Qwen2-VL style image processor (``patch_size``, ``merge_size``), or
+            None for text-only data.
+        system_prompt: system turn prepended when a conversation has none (None: no system turn).
+    """
+
+    def __init__(self, tokenizer, image_processor=None, *, system_prompt: str | None = None):
+        self.tokenizer, self.image_processor, self.system_prompt = tokenizer, image_processor, system_prompt
+        self.ids = {}
+        for name, token in _SPECIAL:
+            tid = tokenizer.convert_tokens_to_ids(token)
+            if tid is None or tid == tokenizer.unk_token_id:
+                raise ValueError(f"tokenizer has no {token} token; a Qwen-VL tokenizer is required")
+            self.ids[name] = tid
+        self.merge_size = getattr(image_processor, "merge_size", 2)
+
+    @property
+    def pad_token_id(self) -> int:
+        """Id used to pad batches (the tokenizer's pad token)."""
+        return self.tokenizer.pad_token_id
+
+    def process(self, record, data_root, *, max_tokens: int | None = None) -> Sample:
+        """Build the :class:`Sample` of one record.
+
+        Args:
+            record: a :class:`~ray_dhp.data.reading.Record` (or a raw LLaVA dict, index 0).
+            data_root: folder that relative image paths are resolved against.
+            max_tokens: reject samples longer than this (no truncation: it would cut images).
+
+        Raises:
+            BadSample: malformed record, missing/corrupt image, ``<image>`` count != number of
+                images, too many tokens, or no trainable tokens. ``where`` names file and line.
+        """
+        if not isinstance(record, Record):
+            record = Record(0, record, "<dict>", 0)
+        try:
+            return self._process(record, Path(data_root), max_tokens)
+        except BadSample as exc:
+            raise BadSample(exc.reason, record.where) from exc
+
+    def _process(self, record: Record, data_root: Path, max_tokens: int | None) -> Sample:
+        if not record.ok:
+            raise BadSample(record.error)
+        if not isinstance(record.data, dict):
+            raise BadSample("malformed record: not a JSON object")
+        messages = self._validate(_messages(record.data))
+        paths = _image_paths(record.data, data_root)
+        n_placeholders = sum(text.count(IMAGE_PLACEHOLDER) for _, text in messages)
+        if n_placeholders != len(paths):
+            raise BadSample(f"image count mismatch: {n_placeholders} {IMAGE_PLACEHOLDER} "
+                            f"placeholder(s) but {len(paths)} image(s)")
+        pixel_values, grid = self._encode_images([_load_image(p) for p in paths])
+        pads = [] if grid is None else (grid.prod(-1) // self.merge_size**2).tolist()
+        text, spans = self._render(messages, pads)
+        input_ids, labels = self._tokenize(text, spans)
+        if max_tokens is not None and len(input_ids) > max_tokens:
+            raise BadSample(f"too long: {len(input_ids)} tokens > max_tokens={max_tokens}")
+        if not (labels != IGNORE_INDEX).any():
+            raise BadSample("no trainable tokens (the conversation has no assistant turn)")
+        mm = torch.zeros_like(input_ids)
+        mm[input_ids == self.ids["image_pad"]] = 1
+        mm[input_ids == self.ids["video_pad"]] = 2
+        if int((mm == 1).sum()) != sum(pads):
+            raise ValueError("image-pad tokens were merged or split by the tokenizer; "
+                             "<|image_pad|> must be a special token")
+        return Sample(record.index, input_ids, labels, mm, pixel_values, grid)
+
+    def _validate(self, messages: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        specials = [tok for _, tok in _SPECIAL] + [self.tokenizer.pad_token or "<|endoftext|>"]
+        for role, text in messages:
+            hit = next((s for s in specials if s in text), None)
+            if hit is not None:
+                raise BadSample(f"malformed record: a {role} turn contains the special token {hit}")
+            if role == "assistant" and IMAGE_PLACEHOLDER in text:
+                raise BadSample(f"malformed record: {IMAGE_PLACEHOLDER} in an assistant turn")
+        if self.system_prompt is not None and messages[0][0] != "system":
+            messages = [("system", self.system_prompt)] + messages
+        return messages
+
+    def _encode_images(self, images: list):
+        if not images:
+            return None, None
+        if self.image_processor is None:
+            raise BadSample("record has images but the processor has no image processor")
+        out = self.image_processor(images=images, return_tensors="pt")
+        return out["pixel_values"].to(torch.float32), out["image_grid_thw"].to(torch.long)
+
+    def _render(self, messages: list[tuple[str, str]], pads: list[int]):
+        """Chat-format text and the character spans to train (assistant content + ``<|im_end|>``)."""
+        pads_iter = iter(pads)
+        parts, spans, pos = [], [], 0
+        for role, text in messages:
+            if role != "assistant":
+                pieces = text.split(IMAGE_PLACEHOLDER)
+                spans_text = [self._vision_span(next(pads_iter)) for _ in pieces[1:]]
+                text = pieces[0] + "".join(s + p for s, p in zip(spans_text, pieces[1:]))
+            head, body = f"<|im_start|>{role}\n", f"{text}<|im_end|>"
+            if role == "assistant":
+                spans.append((pos + len(head), pos + len(head) + len(body)))
+            parts.append(f"{head}{body}\n")
+            pos += len(parts[-1])
+        return "".join(parts), spans
+
+    def _vision_span(self, n_pads: int) -> str:
+        return "<|vision_start|>" + "<|image_pad|>" * n_pads + "<|vision_end|>"
+
+    def _tokenize(self, text: str, spans: list[tuple[int, int]]):
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = torch.tensor(enc["input_ids"], dtype=torch.long)
+        offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        trained = np.zeros(len(ids), dtype=bool)
+        for start, end in spans:
+            trained |= (offsets[:, 0] >= start) & (offsets[:, 1] <= end) & (offsets[:, 1] > offsets[:, 0])
+        labels = torch.where(torch.from_numpy(trained), ids, torch.full_like(ids, IGNORE_INDEX))
+        return ids, labels
+
+
+def as_vl_processor(obj) -> VLProcessor:
+    """Accept a :class:`VLProcessor`, a full transformers processor or a bare tokenizer.
+
+    A transformers processor (e.g. ``AutoProcessor.from_pretrained(local_dir)``) is recognised
+    by its ``.tokenizer`` and ``.image_processor``; a bare tokenizer gives a text-only processor.
+    """
+    if isinstance(obj, VLProcessor):
+        return obj
+    if hasattr(obj, "tokenizer") and hasattr(obj, "image_processor"):
+        return VLProcessor(obj.tokenizer, obj.image_processor)
+    if hasattr(obj, "convert_tokens_to_ids") and callable(obj):
+        return VLProcessor(obj, None)
+    raise TypeError(f"cannot use {type(obj).__name__} as a processor: pass a ray_dhp VLProcessor, "
+                    "a transformers processor (with .tokenizer and .image_processor) or a tokenizer")

@@ -1,0 +1,77 @@
+"""Deterministic step sampling: which samples form step k, from the seed alone.
+
+Every rank runs the same sampler over the same records, so all ranks agree on each step's
+micro-batches without communicating, and a run resumed from ``state_dict()`` sees exactly the
+samples it would have seen. Epoch ``e`` visits the records in ``randperm(n, seed + e)`` order;
+the data-parallel split of each micro-batch happens in the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_LOG_FIRST = 5
+
+
+class StepSampler:
+    def __init__(self, records, processor, data_root, cfg):
+        if not records:
+            raise ValueError("the training dataset is empty")
+        self.records, self.processor, self.data_root, self.cfg = records, processor, data_root, cfg
+        self.epoch, self.pos, self.skipped = 0, 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list:
+        g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + epoch)
+        return torch.randperm(len(self.records), generator=g).tolist()
+
+    def _next_index(self) -> int:
+        if self.pos == len(self._order):
+            self.epoch += 1
+            self.pos = 0
+            self._order = self._permutation(self.epoch)
+        i = self._order[self.pos]
+        self.pos += 1
+        return i
+
+    def _load(self, i: int):
+        from ray_dhp.data.processing import BadSample
+
+        rec = self.records[i]
+        try:
+            sample = self.processor.process(rec, self.data_root, max_tokens=self.cfg.max_tokens)
+            sample.index = i
+            return sample
+        except BadSample as e:
+            where = f"{getattr(rec, 'source', '?')}:{getattr(rec, 'line', i)}"
+            if self.cfg.bad_data == "strict":
+                raise ValueError(f"bad sample at {where}: {e} (set bad_data='skip' to skip such "
+                                 f"samples)") from e
+            self.skipped += 1
+            if self.skipped <= _LOG_FIRST:
+                logger.warning("skipping bad sample at %s: %s", where, e)
+            return None
+
+    def next_step(self) -> list:
+        """The next step's micro-batches: ``micro_batches`` lists of samples."""
+        need, samples, tries = self.cfg.global_batch_size, [], 0
+        while len(samples) < need:
+            tries += 1
+            if tries > need + 2 * len(self.records):
+                raise ValueError("not enough valid samples in the dataset to fill a batch")
+            s = self._load(self._next_index())
+            if s is not None:
+                samples.append(s)
+        m = self.cfg.micro_batch_size()
+        return [samples[k:k + m] for k in range(0, need, m)]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.pos, self.skipped = state["epoch"], state["pos"], state["skipped"]
+        self._order = self._permutation(self.epoch)

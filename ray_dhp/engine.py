@@ -1,0 +1,272 @@
+"""The DHP training step: vision (Ulysses SP + DP) -> boundary -> text (TP + DP) -> back.
+
+One `DHPEngine` lives on every rank and holds the module shard(s) that rank hosts. `step()` takes
+the step's micro-batches (lists of `Sample`) — the same lists on every rank — and:
+
+1. plans, identically on every rank, which vision replica / text replica gets which samples and
+   which SP rank computes which feature rows (`layout_micro_batch`);
+2. runs the vision forward on local tokens; hands the rows to the text layout (`boundary`);
+3. runs the text forward/backward with the loss normalised by the step's global token count;
+4. returns the feature gradients (exact adjoint) and back-propagates the vision tower;
+5. reduces gradients (SUM over SP and DP, see `parallel/data.py`), clips by the global norm
+   counted once over both modules, and steps both optimizers.
+
+For identical data, seed and hyper-parameters the update equals the single-process one
+(`ray_dhp.reference`), which the tests assert for every layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ray_dhp.mesh import DHPGroups
+from ray_dhp.models import build_model, family_of, load_model_config
+from ray_dhp.optim import build_optimizer
+from ray_dhp.parallel import boundary as bnd
+from ray_dhp.parallel import data as dp
+from ray_dhp.parallel.comm import CommCounter
+from ray_dhp.parallel.tensor import apply_tp_plan, local, partial_grad_params
+from ray_dhp.train_config import TrainLoopConfig
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Next-token targets: ``targets[:, i] = labels[:, i + 1]``, -100 at the end."""
+    return F.pad(labels[:, 1:], (0, 1), value=-100)
+
+
+def count_targets(samples) -> int:
+    return int(sum((s.labels[1:] != -100).sum() for s in samples))
+
+
+def image_rows(sample, merge: int) -> int:
+    if sample.image_grid_thw is None:
+        return 0
+    return int(sample.image_grid_thw.prod(-1).sum()) // (merge * merge)
+
+
+@dataclass
+class MicroBatchLayout:
+    """Who does what for one micro-batch; identical on every rank (plain data)."""
+
+    vision_samples: list        # per vision dp replica: range of sample indices
+    text_samples: list          # per text dp replica: range of sample indices
+    row_offsets: list           # per sample: first global feature row (len = samples + 1)
+    vision_plans: list          # per vision dp replica: VisionShardPlan or None (no images)
+
+
+def layout_micro_batch(samples, topology, family_name: str, vision_config) -> MicroBatchLayout:
+    from ray_dhp.models.vision_qwen import plan_vision_shards
+
+    n = len(samples)
+    v, t = topology.vision, topology.text
+    if n < v.dp or n < t.dp:
+        raise ValueError(
+            f"a micro-batch of {n} samples cannot feed {v.dp} vision and {t.dp} text replicas; "
+            f"raise global_batch_size or lower micro_batches / data_parallel."
+        )
+    merge = vision_config.spatial_merge_size
+    offsets = [0]
+    for s in samples:
+        offsets.append(offsets[-1] + image_rows(s, merge))
+    vs = bnd.split_evenly(n, v.dp)
+    plans = []
+    for rng in vs:
+        grids = [samples[i].image_grid_thw for i in rng if samples[i].image_grid_thw is not None]
+        plans.append(plan_vision_shards(family_name, vision_config, torch.cat(grids), v.inner)
+                     if grids else None)
+    return MicroBatchLayout(vs, bnd.split_evenly(n, t.dp), offsets, plans)
+
+
+class DHPEngine:
+    """Holds this rank's shard(s) of the model and runs exact DHP training steps."""
+
+    def __init__(self, model, groups: DHPGroups, cfg: TrainLoopConfig,
+                 comm: Optional[CommCounter] = None):
+        self.groups, self.cfg, self.comm = groups, cfg, comm
+        self.config = load_model_config(model)
+        self.family = family_of(self.config)
+        topo = groups.topology
+        self.family.validate_layout(self.config, sp=topo.vision.inner, tp=topo.text.inner)
+        full = build_model(model, seed=cfg.seed).to(groups.device)
+        full.train()
+        self.visual = self.text_model = None
+        if groups.is_vision:
+            self.visual = self.family.visual(full)
+        if groups.is_text:
+            full.model.visual = None  # the text shard does not hold the vision tower
+            self.text_model = full
+            if topo.text.inner > 1:
+                apply_tp_plan(full, groups.text_mesh["tp"], self.family.text_tp_plan(self.config.text_config))
+        self.vision_params = list(self.visual.parameters()) if self.visual is not None else []
+        self.text_params = list(self.text_model.parameters()) if self.text_model is not None else []
+        self._partial = (partial_grad_params(self.text_model, self.family.tp_partial_grad_suffixes)
+                         if self.text_model is not None and topo.text.inner > 1 else [])
+        self.vision_opt, self.vision_sched = build_optimizer(
+            self.visual.named_parameters() if self.visual is not None else [], cfg)
+        self.text_opt, self.text_sched = build_optimizer(
+            self.text_model.named_parameters() if self.text_model is not None else [], cfg)
+        self.feature_dim = self.family.feature_dim(self.config)
+        self.step_count = 0
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def step(self, micro_batches: list) -> dict:
+        """One optimizer step over ``micro_batches`` (list of lists of `Sample`)."""
+        n_targets = sum(count_targets(mb) for mb in micro_batches)
+        if n_targets == 0:
+            raise ValueError("the step has no trainable tokens (all labels are -100)")
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for mb in micro_batches:
+            loss_sum += self._micro_batch(mb, n_targets)
+        grad_norm = self._reduce_and_clip()
+        for opt, sched in ((self.vision_opt, self.vision_sched), (self.text_opt, self.text_sched)):
+            if opt is not None:
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+        self.step_count += 1
+        stats = torch.tensor([loss_sum.item() if self._is_text_leader_of_replica() else 0.0])
+        dist.all_reduce(stats)
+        return {"loss": stats[0].item() / n_targets, "grad_norm": grad_norm,
+                "num_targets": n_targets, "lr": self.current_lr()}
+
+    def _micro_batch(self, samples, n_targets: int) -> torch.Tensor:
+        g, topo = self.groups, self.groups.topology
+        lay = layout_micro_batch(samples, topo, self.family.name, self.config.vision_config)
+        has_images = lay.row_offsets[-1] > 0
+        feats = self._vision_forward(samples, lay) if (g.is_vision and has_images) else None
+        text_feats = plan = None
+        if has_images:
+            plan = bnd.plan_boundary(topo, g.rank, self._held_rows(lay), self._needed_rows(lay))
+            text_feats = bnd.features_forward(plan, None if feats is None else feats.detach(),
+                                              self.feature_dim, torch.float32, g.device, comm=self.comm)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        grad_feats = None
+        if g.is_text:
+            j = g.text_coord[0]
+            loss_sum, grad_feats = self._text_forward_backward(
+                [samples[i] for i in lay.text_samples[j]], text_feats, n_targets)
+        if has_images:
+            n_local = 0 if feats is None else feats.shape[0]
+            g_local = bnd.features_backward(plan, grad_feats, n_local, self.feature_dim,
+                                            torch.float32, g.device, comm=self.comm)
+            if feats is not None:  # also with 0 local rows: the SP all-to-alls run in backward
+                feats.backward(g_local)
+        return loss_sum
+
+    def _vision_forward(self, samples, lay: MicroBatchLayout) -> Optional[torch.Tensor]:
+        from ray_dhp.models.vision_qwen import vision_forward
+
+        i, k = self.groups.vision_coord
+        plan = lay.vision_plans[i]
+        if plan is None:
+            return None
+        pv = torch.cat([samples[s].pixel_values for s in lay.vision_samples[i]
+                        if samples[s].pixel_values is not None]).to(self.groups.device)
+        return vision_forward(self.family.name, self.visual, pv, plan, k, self.groups.vision_sp,
+                              comm=self.comm)
+
+    def _held_rows(self, lay: MicroBatchLayout) -> dict:
+        v = self.groups.topology.vision
+        held = {}
+        for i, plan in enumerate(lay.vision_plans):
+            off = lay.row_offsets[lay.vision_samples[i].start]
+            for k in range(v.inner):
+                ids = (plan.order[plan.cuts[k]:plan.cuts[k + 1]] + off) if plan is not None \
+                    else torch.zeros(0, dtype=torch.long)
+                held[v.rank_at(i, k)] = ids
+        return held
+
+    def _needed_rows(self, lay: MicroBatchLayout) -> dict:
+        t = self.groups.topology.text
+        return {t.rank_at(j, k): range(lay.row_offsets[rng.start], lay.row_offsets[rng.stop])
+                for j, rng in enumerate(lay.text_samples) for k in range(t.inner)}
+
+    def _text_forward_backward(self, samples, feats, n_targets: int):
+        from ray_dhp.data.collate import pad_text_batch
+
+        dev = self.groups.device
+        batch = pad_text_batch(samples, self.config.text_config.pad_token_id or 0)
+        enc = None
+        if feats is not None and feats.shape[0] > 0:
+            feats = feats.requires_grad_(True)
+            enc = self.family.encoder_outputs(self.config, feats)
+        grid = batch.get("image_grid_thw")
+        out = self.text_model(
+            input_ids=batch["input_ids"].to(dev), attention_mask=batch["attention_mask"].to(dev),
+            mm_token_type_ids=batch["mm_token_type_ids"].to(dev),
+            image_grid_thw=None if grid is None else grid.to(dev),
+            mm_encoder_outputs=enc, use_cache=False)
+        targets = shift_labels(batch["labels"]).to(dev)
+        with self._loss_context():
+            logits = out.logits
+            loss_sum = F.cross_entropy(logits.flatten(0, 1).float() if not _is_dtensor(logits)
+                                       else logits.flatten(0, 1), targets.flatten(),
+                                       ignore_index=-100, reduction="sum")
+            (loss_sum / n_targets).backward()
+        value = loss_sum.full_tensor() if _is_dtensor(loss_sum) else loss_sum
+        grad = feats.grad if enc is not None else None
+        return value.detach().double().cpu(), grad
+
+    def _loss_context(self):
+        import contextlib
+
+        if self.groups.topology.text.inner > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    # -- gradients -----------------------------------------------------------------------------
+
+    def _reduce_and_clip(self) -> float:
+        g = self.groups
+        v_sq = t_sq = torch.zeros((), dtype=torch.float64)
+        if g.is_vision:
+            params = dp.ensure_grads(self.vision_params)
+            dp.all_reduce_grads(params, g.vision_all, self.comm, "vision.grads")
+            v_sq = dp.squared_norm(params)
+        if g.is_text:
+            params = dp.ensure_grads(self.text_params)
+            dp.all_reduce_grads(self._partial, g.text_tp, self.comm, "text.partial_grads")
+            dp.all_reduce_grads(params, g.text_dp, self.comm, "text.grads")
+            t_sq = dp.squared_norm(params, g.text_tp)
+        topo = g.topology
+        parts = torch.stack([v_sq if g.rank == topo.vision.offset else torch.zeros((), dtype=torch.float64),
+                             t_sq if g.rank == topo.text.offset else torch.zeros((), dtype=torch.float64)])
+        dist.all_reduce(parts)
+        total = float(parts.sum().sqrt())
+        coef = dp.clip_coefficient(total, self.cfg.max_grad_norm)
+        dp.scale_grads(self.vision_params + self.text_params, coef)
+        return total
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _is_text_leader_of_replica(self) -> bool:
+        c = self.groups.text_coord
+        return c is not None and c[1] == 0
+
+    def current_lr(self) -> float:
+        opt = self.vision_opt or self.text_opt
+        return float(opt.param_groups[0]["lr"])
+
+    def named_full_parameters(self) -> dict:
+        """Full (unsharded) parameters this rank hosts, by the model's own names (collective on text ranks)."""
+        out = {}
+        if self.visual is not None:
+            out.update({f"model.visual.{n}": p.detach().clone() for n, p in self.visual.named_parameters()})
+        if self.text_model is not None:
+            for n, p in self.text_model.named_parameters():
+                out[n] = (p.full_tensor() if _is_dtensor(p) else p).detach().clone()
+        return out
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)

@@ -1,0 +1,89 @@
+"""Process groups and device meshes for one worker, built from a `Topology`.
+
+Every rank calls ``new_group`` for every group in the same order (a torch.distributed rule), then
+keeps the groups it belongs to. The text mesh is a 2-D ``DeviceMesh`` ``("dp", "tp")`` built from
+those groups (``DeviceMesh.from_group``), so DTensor tensor parallelism runs on it; it is built only
+on text ranks, which works for both placements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ray_dhp.topology import Topology
+
+
+@dataclass
+class DHPGroups:
+    """The groups one rank takes part in (None where the rank does not host that module)."""
+
+    topology: Topology
+    rank: int
+    device: torch.device
+    vision_sp: Optional[dist.ProcessGroup] = None   # my vision replica's SP ranks
+    vision_dp: Optional[dist.ProcessGroup] = None   # ranks holding my SP slice in other replicas
+    vision_all: Optional[dist.ProcessGroup] = None  # the whole vision group
+    text_tp: Optional[dist.ProcessGroup] = None
+    text_dp: Optional[dist.ProcessGroup] = None
+    text_all: Optional[dist.ProcessGroup] = None
+    text_mesh: Optional[object] = None              # DeviceMesh ("dp", "tp") on text ranks
+
+    @property
+    def is_vision(self) -> bool:
+        return self.topology.vision.coord(self.rank) is not None
+
+    @property
+    def is_text(self) -> bool:
+        return self.topology.text.coord(self.rank) is not None
+
+    @property
+    def vision_coord(self) -> Optional[tuple[int, int]]:
+        """(dp replica, sp rank) of this rank in the vision group."""
+        return self.topology.vision.coord(self.rank)
+
+    @property
+    def text_coord(self) -> Optional[tuple[int, int]]:
+        """(dp replica, tp rank) of this rank in the text group."""
+        return self.topology.text.coord(self.rank)
+
+
+def _new_groups(rank_lists: list[list[int]], rank: int) -> Optional[dist.ProcessGroup]:
+    """Create one group per list (collectively, on every rank); return the one holding ``rank``."""
+    mine = None
+    for ranks in rank_lists:
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            mine = g
+    return mine
+
+
+def build_groups(topology: Topology, device: torch.device) -> DHPGroups:
+    """Create every module group of ``topology`` in the current default process group."""
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed must be initialised before build_groups().")
+    if dist.get_world_size() != topology.world_size:
+        raise RuntimeError(
+            f"world size {dist.get_world_size()} != topology world size {topology.world_size}"
+        )
+    rank = dist.get_rank()
+    v, t = topology.vision, topology.text
+    groups = DHPGroups(topology=topology, rank=rank, device=device)
+    # Fixed order on every rank: vision sp, vision dp, vision all, text tp, text dp, text all.
+    groups.vision_sp = _new_groups(v.inner_groups(), rank)
+    groups.vision_dp = _new_groups(v.dp_groups(), rank)
+    groups.vision_all = _new_groups([v.ranks], rank)
+    groups.text_tp = _new_groups(t.inner_groups(), rank)
+    groups.text_dp = _new_groups(t.dp_groups(), rank)
+    groups.text_all = _new_groups([t.ranks], rank)
+    if groups.is_text:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        groups.text_mesh = DeviceMesh.from_group(
+            [groups.text_dp, groups.text_tp], device.type,
+            mesh=torch.tensor(t.mesh(), dtype=torch.int), mesh_dim_names=("dp", "tp"),
+        )
+    return groups

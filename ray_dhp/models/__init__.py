@@ -1,0 +1,50 @@
+"""Model families: specs (plans as data), loading and building."""
+
+from __future__ import annotations
+
+import os
+
+from ray_dhp.models.base import FamilySpec
+from ray_dhp.models.qwen2_5_vl import SPEC as QWEN2_5_VL
+from ray_dhp.models.qwen2_vl import SPEC as QWEN2_VL
+from ray_dhp.models.qwen3_vl import SPEC as QWEN3_VL
+
+FAMILIES = {s.name: s for s in (QWEN2_VL, QWEN2_5_VL, QWEN3_VL)}
+_BY_MODEL_TYPE = {s.model_type: s for s in FAMILIES.values()}
+
+__all__ = ["FAMILIES", "FamilySpec", "family_of", "load_model_config", "build_model"]
+
+
+def load_model_config(model):
+    """A transformers config from a config object or a local model directory."""
+    if isinstance(model, (str, os.PathLike)):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(os.fspath(model), local_files_only=True)
+    return model
+
+
+def family_of(config) -> FamilySpec:
+    mt = getattr(config, "model_type", None)
+    if mt not in _BY_MODEL_TYPE:
+        raise ValueError(
+            f"model_type {mt!r} is not supported; supported families: {sorted(_BY_MODEL_TYPE)}."
+        )
+    return _BY_MODEL_TYPE[mt]
+
+
+def build_model(model, *, seed: int = 0, dtype=None):
+    """The full transformers model, fp32 by default: random init from ``seed`` (config) or
+    ``from_pretrained`` (local directory). Every rank builds the same model, then keeps its shard."""
+    import torch
+    import transformers
+
+    config = load_model_config(model)
+    cls = getattr(transformers, family_of(config).model_class)
+    if isinstance(model, (str, os.PathLike)):
+        m = cls.from_pretrained(os.fspath(model), local_files_only=True, dtype=dtype or torch.float32)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            m = cls._from_config(config, dtype=dtype or torch.float32)
+    return m

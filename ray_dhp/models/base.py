@@ -1,0 +1,115 @@
+"""What the engine needs to know about a VLM family, as data.
+
+A family file (``qwen2_vl.py``, ``qwen2_5_vl.py``, ``qwen3_vl.py``) builds one `FamilySpec`: its
+transformers class, the tensor-parallel plan of its language model (module path -> ParallelStyle,
+applied with ``parallelize_module``), which parameters get partial gradients under TP, and how its
+vision features are handed to the language model. Mechanisms stay in ``ray_dhp.parallel``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    name: str                      # "qwen2_5_vl"
+    model_type: str                # transformers config.model_type
+    model_class: str               # attribute of the transformers package
+    text_tp_plan: Callable         # (text_config) -> {module path: ParallelStyle}, relative to the model root
+    # Parameter-name suffixes whose gradients are partial sums over TP ranks (per-head norms that
+    # see only the local heads): all-reduced over the TP group before the optimizer.
+    tp_partial_grad_suffixes: tuple = ()
+    num_deepstack: Callable = lambda config: 0  # extra feature chunks handed to the LM
+
+    # -- model access (the seams of transformers' Qwen-VL classes) -----------------------------
+
+    @staticmethod
+    def visual(model) -> torch.nn.Module:
+        return model.model.visual
+
+    @staticmethod
+    def language_model(model) -> torch.nn.Module:
+        return model.model.language_model
+
+    def feature_dim(self, config) -> int:
+        """Width of one merged vision row as it crosses the boundary (deepstack concatenated)."""
+        return self.vision_out_dim(config) * (1 + self.num_deepstack(config))
+
+    @staticmethod
+    def vision_out_dim(config) -> int:
+        """Width of the merger output (Qwen2-VL calls it ``hidden_size``, later families
+        ``out_hidden_size``)."""
+        vc = config.vision_config
+        return getattr(vc, "out_hidden_size", None) or vc.hidden_size
+
+    def encoder_outputs(self, config, feats: torch.Tensor) -> dict:
+        """Wrap boundary features ``[rows, feature_dim]`` as the model's ``mm_encoder_outputs``."""
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        n_deep = self.num_deepstack(config)
+        if n_deep == 0:
+            return {"image": BaseModelOutputWithPooling(pooler_output=(feats,))}
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+
+        chunks = feats.chunk(1 + n_deep, dim=-1)
+        return {"image": BaseModelOutputWithDeepstackFeatures(
+            pooler_output=(chunks[0],), deepstack_features=[(c,) for c in chunks[1:]])}
+
+    # -- validation ----------------------------------------------------------------------------
+
+    def validate_layout(self, config, *, sp: int, tp: int) -> None:
+        """Raise ValueError (saying what to change) if the degrees do not fit the model dims."""
+        vc, tc = config.vision_config, config.text_config
+        vh = vc.num_heads
+        if vh % sp:
+            raise ValueError(
+                f"vision sequence_parallel={sp} must divide the vision attention heads ({vh}); "
+                f"use one of {_divisors(vh)}."
+            )
+        for what, n in (("attention heads", tc.num_attention_heads),
+                        ("KV heads", tc.num_key_value_heads),
+                        ("MLP intermediate size", tc.intermediate_size),
+                        ("vocabulary size", tc.vocab_size)):
+            if n % tp:
+                raise ValueError(
+                    f"text tensor_parallel={tp} must divide the language model's {what} ({n}); "
+                    f"use one of {_divisors(n, limit=64)}."
+                )
+        tied = getattr(config, "tie_word_embeddings", False) or getattr(tc, "tie_word_embeddings", False)
+        if tied and tp > 1:
+            raise ValueError(
+                "text tensor_parallel > 1 with tied input/output embeddings is not supported yet; "
+                "use tensor_parallel=1 or a model with tie_word_embeddings=False."
+            )
+
+
+def _divisors(n: int, limit: int = 1 << 30) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def standard_text_plan(prefix: str = "model.language_model") -> dict:
+    """Megatron-style plan shared by the Qwen2/Qwen2.5/Qwen3 language models.
+
+    Attention q/k/v and MLP gate/up are column-parallel, o/down row-parallel (one all-reduce per
+    block half), the embedding is vocab-parallel, and ``lm_head`` is column-parallel with its
+    logits left sharded over the vocabulary for ``loss_parallel`` (no full-logit gather).
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    layer = f"{prefix}.layers.*"
+    return {
+        f"{prefix}.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        f"{layer}.self_attn.q_proj": ColwiseParallel(),
+        f"{layer}.self_attn.k_proj": ColwiseParallel(),
+        f"{layer}.self_attn.v_proj": ColwiseParallel(),
+        f"{layer}.self_attn.o_proj": RowwiseParallel(),
+        f"{layer}.mlp.gate_proj": ColwiseParallel(),
+        f"{layer}.mlp.up_proj": ColwiseParallel(),
+        f"{layer}.mlp.down_proj": RowwiseParallel(),
+        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    }

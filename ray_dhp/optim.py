@@ -1,0 +1,46 @@
+"""Optimizer and learning-rate schedule (the same code for the sharded engine and the reference)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ray_dhp.train_config import TrainLoopConfig
+
+
+def param_groups(named_params, weight_decay: float) -> list:
+    """AdamW groups: no decay on norms and biases (parameters with fewer than 2 dims)."""
+    decay, no_decay = [], []
+    for _, p in named_params:
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = []
+    if decay:
+        groups.append({"params": decay, "weight_decay": weight_decay})
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def lr_factor(step: int, cfg: TrainLoopConfig) -> float:
+    """Multiplier of the peak lr at optimizer step ``step`` (0-based): linear warmup, then decay."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    span = max(1, cfg.num_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    if cfg.lr_schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_optimizer(named_params, cfg: TrainLoopConfig):
+    """AdamW + LambdaLR for one module's parameters (None if it has none)."""
+    groups = param_groups(named_params, cfg.weight_decay)
+    if not groups:
+        return None, None
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
+    return opt, sched

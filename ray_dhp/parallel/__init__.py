@@ -1,0 +1,1 @@
+"""Parallelism mechanisms, generic over model families (plans live in ray_dhp.models)."""

@@ -1,0 +1,183 @@
+"""Ulysses sequence parallelism for vision attention (DeepSpeed-Ulysses, Jacobs et al. 2023).
+
+Each sequence-parallel (SP) rank holds a contiguous slice of the packed patch sequence. Around
+attention, an all-to-all turns the sequence sharding into a head sharding (every rank then sees
+the whole sequence for ``H / sp`` heads), attention runs per segment of the *global*
+``cu_seqlens``, and a second all-to-all turns the head sharding back into sequence sharding.
+Ranks may hold different numbers of tokens (including zero): the all-to-alls use variable split
+sizes.
+
+The attention forward is installed per module instance (``attn.forward`` is overridden), so
+parameter names and ``state_dict`` keys stay exactly those of the transformers model.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ray_dhp.parallel.comm import CommCounter, record
+
+__all__ = [
+    "UlyssesContext",
+    "all_to_all_rows",
+    "seq_to_heads",
+    "heads_to_seq",
+    "install_ulysses_attention",
+    "ulysses_attention_forward",
+]
+
+_COMM_TAG = "vision.sp"
+
+
+@dataclass
+class UlyssesContext:
+    """What one full-attention call needs to communicate (passed per call, never stored globally).
+
+    Args:
+        group: the SP process group.
+        seq_lens: tokens held by each SP rank (group-rank order = processing order).
+        rank: this process's rank inside ``group``.
+        comm: optional counter; every all-to-all is recorded as ``("all_to_all", "vision.sp")``.
+    """
+
+    group: dist.ProcessGroup
+    seq_lens: list[int]
+    rank: int
+    comm: Optional[CommCounter] = None
+
+    @property
+    def sp(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def local_len(self) -> int:
+        return self.seq_lens[self.rank]
+
+
+def _a2a(x: torch.Tensor, send: list[int], recv: list[int], group, comm) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group)
+    record(comm, "all_to_all", _COMM_TAG, x)
+    return out
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """Variable-split all-to-all along dim 0.
+
+    Forward: ``all_to_all_single`` sending ``send[j]`` rows to rank j and receiving ``recv[i]``
+    rows from rank i. Backward: the same all-to-all with ``send``/``recv`` swapped (its adjoint).
+    Source: DeepSpeed-Ulysses (Jacobs et al. 2023), sequence<->head re-sharding.
+    """
+
+    @staticmethod
+    def forward(ctx, x, send, recv, group, comm):
+        ctx.send, ctx.recv, ctx.group, ctx.comm = send, recv, group, comm
+        return _a2a(x, send, recv, group, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _a2a(grad, ctx.recv, ctx.send, ctx.group, ctx.comm), None, None, None, None
+
+
+def all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int], group, comm=None) -> torch.Tensor:
+    """Autograd-aware variable-split all-to-all along dim 0 (see ``_AllToAllRows``)."""
+    return _AllToAllRows.apply(x, list(send), list(recv), group, comm)
+
+
+def seq_to_heads(x: torch.Tensor, ctx: UlyssesContext) -> torch.Tensor:
+    """Sequence-sharded ``[S_local, *mid, H, hd]`` -> head-sharded ``[S_total, *mid, H/sp, hd]``.
+
+    Forward: all-to-all (head group j goes to rank j); backward: the reverse all-to-all
+    (``heads_to_seq``). DeepSpeed-Ulysses (Jacobs et al. 2023).
+    """
+    s, sp = x.shape[0], ctx.sp
+    *mid, heads, hd = x.shape[1:]
+    x = x.reshape(s, *mid, sp, heads // sp, hd).movedim(-3, 0)  # [sp, S_local, *mid, H/sp, hd]
+    x = x.reshape(sp * s, *mid, heads // sp, hd)
+    return all_to_all_rows(x, [s] * sp, ctx.seq_lens, ctx.group, ctx.comm)
+
+
+def heads_to_seq(y: torch.Tensor, ctx: UlyssesContext) -> torch.Tensor:
+    """Head-sharded ``[S_total, *mid, H/sp, hd]`` -> sequence-sharded ``[S_local, *mid, H, hd]``.
+
+    Forward: all-to-all (sequence slice i goes to rank i); backward: the reverse all-to-all
+    (``seq_to_heads``). DeepSpeed-Ulysses (Jacobs et al. 2023).
+    """
+    s, sp = ctx.local_len, ctx.sp
+    *mid, h, hd = y.shape[1:]
+    y = all_to_all_rows(y, ctx.seq_lens, [s] * sp, ctx.group, ctx.comm)  # [sp * S_local, ...]
+    y = y.reshape(sp, s, *mid, h, hd).movedim(0, -3)  # [S_local, *mid, sp, h, hd]
+    return y.reshape(s, *mid, sp * h, hd)
+
+
+def _model_functions(attn: torch.nn.Module):
+    """The rotary and eager-attention functions of the attention module's own modeling file."""
+    module = sys.modules[type(attn).__module__]
+    return module.apply_rotary_pos_emb_vision, module.eager_attention_forward
+
+
+def _segment_attention(attn, q, k, v, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Attention per segment of ``cu_seqlens`` on ``[S, h, hd]`` tensors, like transformers'
+    non-flash vision path (same attention interface, same scaling). Returns ``[S, h, hd]``."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    if q.shape[0] == 0 or not lengths:
+        return q  # no tokens here: an empty tensor that keeps the autograd graph connected
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.utils.generic import is_flash_attention_requested
+
+    _, eager = _model_functions(attn)
+    impl = attn.config._attn_implementation
+    if is_flash_attention_requested(attn.config):
+        impl = "sdpa"  # varlen flash kernels are not wired here; per-segment SDPA is exact
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager)
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, h, S, hd]
+    outs = [
+        interface(attn, qs, ks, vs, attention_mask=None, scaling=attn.scaling,
+                  dropout=0.0 if not attn.training else attn.attention_dropout, is_causal=False)[0]
+        for qs, ks, vs in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2))
+    ]
+    return torch.cat(outs, dim=1).squeeze(0)  # [S, h, hd]
+
+
+def ulysses_attention_forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
+                              position_embeddings=None, max_seqlen=None,
+                              ulysses: Optional[UlyssesContext] = None, **kwargs) -> torch.Tensor:
+    """Forward of a Qwen vision attention module with optional Ulysses sequence parallelism.
+
+    local qkv -> rotary with the local cos/sin -> (all-to-all to ``[S_total, 3, H/sp, hd]``) ->
+    attention per segment of ``cu_seqlens`` -> (all-to-all back) -> local ``proj``.
+    With ``ulysses=None`` it is local attention and ``cu_seqlens`` are local offsets (window
+    blocks, or sp == 1); with a context, ``cu_seqlens`` are the global offsets in processing order.
+    """
+    rotary, _ = _model_functions(self)
+    s, heads, hd = hidden_states.shape[0], self.num_heads, self.head_dim
+    q, k, v = self.qkv(hidden_states).reshape(s, 3, heads, hd).unbind(1)
+    cos, sin = position_embeddings
+    q, k = rotary(q, k, cos, sin)
+    if ulysses is not None and ulysses.sp > 1:
+        q, k, v = seq_to_heads(torch.stack([q, k, v], dim=1), ulysses).unbind(1)
+    out = _segment_attention(self, q, k, v, cu_seqlens)
+    if ulysses is not None and ulysses.sp > 1:
+        out = heads_to_seq(out, ulysses)
+    return self.proj(out.reshape(s, heads * hd))
+
+
+def install_ulysses_attention(attn: torch.nn.Module, sp: int = 1) -> None:
+    """Override ``attn.forward`` (this instance only) with ``ulysses_attention_forward``.
+
+    Idempotent; parameter names are unchanged. Raises if the head count is not divisible by sp.
+    """
+    if attn.num_heads % sp:
+        raise ValueError(f"vision num_heads={attn.num_heads} is not divisible by the vision sequence-parallel "
+                         f"degree sp={sp}; choose a sequence_parallel degree that divides {attn.num_heads}.")
+    if getattr(attn, "_ray_dhp_ulysses", False):
+        return
+    attn.forward = types.MethodType(ulysses_attention_forward, attn)
+    attn._ray_dhp_ulysses = True

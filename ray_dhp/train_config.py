@@ -1,0 +1,96 @@
+"""`train_loop_config` of the default VLM loop, as one validated dataclass."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import asdict, dataclass, fields
+from typing import Optional
+
+LR_SCHEDULES = ("constant", "cosine", "linear")
+BAD_DATA = ("skip", "strict")
+
+
+@dataclass
+class TrainLoopConfig:
+    """Hyper-parameters of the default loop (keys of ``train_loop_config``).
+
+    Args:
+        lr: peak learning rate of AdamW.
+        global_batch_size: samples per optimizer step, over all data-parallel replicas.
+        num_steps: optimizer steps to run.
+        seed: seeds model init (random-init configs), data order and dropout.
+        log_every: report metrics every this many steps (each report is a barrier).
+        max_grad_norm: global gradient-norm clipping over both modules (None = off).
+        micro_batches: gradient-accumulation micro-batches per step.
+        lr_schedule: "constant", "cosine" or "linear" decay after warmup.
+        warmup_steps: linear warmup steps.
+        weight_decay: AdamW decay (not applied to norms and biases).
+        betas, eps: AdamW moments.
+        bad_data: "skip" (default: skip and count bad samples) or "strict" (fail naming file/line).
+        data_root: folder image paths are relative to (default: the annotation file's folder).
+        max_tokens: samples longer than this many tokens are bad data (None = no limit).
+        checkpoint_every: steps between checkpoints (0 = only at the end).
+        autocast_dtype: None (fp32) or "bfloat16".
+        activation_checkpointing: recompute transformer blocks in backward.
+        dataset_paths: ``{name: annotation file}``; set by `DisaggregatedTrainer` when
+            ``datasets=`` holds paths instead of Ray Datasets.
+    """
+
+    lr: float = 1e-3
+    global_batch_size: int = 4
+    num_steps: int = 20
+    seed: int = 0
+    log_every: int = 5
+    max_grad_norm: Optional[float] = 1.0
+    micro_batches: int = 1
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+    bad_data: str = "skip"
+    data_root: Optional[str] = None
+    max_tokens: Optional[int] = None
+    checkpoint_every: int = 0
+    autocast_dtype: Optional[str] = None
+    activation_checkpointing: bool = False
+    dataset_paths: Optional[dict] = None
+
+    def __post_init__(self):
+        def need(cond, msg):
+            if not cond:
+                raise ValueError(f"train_loop_config: {msg}")
+
+        need(self.lr > 0, f"lr must be > 0, got {self.lr}")
+        for k in ("global_batch_size", "num_steps", "micro_batches", "log_every"):
+            v = getattr(self, k)
+            need(isinstance(v, int) and v >= 1, f"{k} must be an integer >= 1, got {v!r}")
+        need(self.global_batch_size % self.micro_batches == 0,
+             f"global_batch_size={self.global_batch_size} must be divisible by "
+             f"micro_batches={self.micro_batches}")
+        need(self.lr_schedule in LR_SCHEDULES, f"lr_schedule must be one of {LR_SCHEDULES}")
+        need(self.bad_data in BAD_DATA, f"bad_data must be one of {BAD_DATA}")
+        need(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm must be > 0 or None")
+        need(self.warmup_steps >= 0 and self.checkpoint_every >= 0,
+             "warmup_steps and checkpoint_every must be >= 0")
+        need(self.autocast_dtype in (None, "bfloat16"), "autocast_dtype must be None or 'bfloat16'")
+        self.betas = tuple(self.betas)
+
+    @classmethod
+    def from_dict(cls, d: Optional[dict]) -> "TrainLoopConfig":
+        d = dict(d or {})
+        known = {f.name for f in fields(cls)}
+        for k in d:
+            if k not in known:
+                hint = difflib.get_close_matches(k, known, n=1)
+                raise ValueError(
+                    f"train_loop_config: unknown key {k!r}"
+                    + (f"; did you mean {hint[0]!r}?" if hint else f"; known keys: {sorted(known)}")
+                )
+        return cls(**d)
+
+    def micro_batch_size(self) -> int:
+        return self.global_batch_size // self.micro_batches
+
+    def to_dict(self) -> dict:
+        return asdict(self)
