@@ -30,13 +30,18 @@ from ray_dhp.optim import build_optimizer
 from ray_dhp.parallel import boundary as bnd
 from ray_dhp.parallel import data as dp
 from ray_dhp.parallel.comm import CommCounter
-from ray_dhp.parallel.tensor import apply_tp_plan, local, partial_grad_params
+from ray_dhp.parallel.tensor import apply_tp_plan, partial_grad_params
 from ray_dhp.train_config import TrainLoopConfig
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     """Next-token targets: ``targets[:, i] = labels[:, i + 1]``, -100 at the end."""
     return F.pad(labels[:, 1:], (0, 1), value=-100)
+
+
+def upcast(logits: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy in at least fp32."""
+    return logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
 
 
 def count_targets(samples) -> int:
@@ -86,13 +91,13 @@ class DHPEngine:
     """Holds this rank's shard(s) of the model and runs exact DHP training steps."""
 
     def __init__(self, model, groups: DHPGroups, cfg: TrainLoopConfig,
-                 comm: Optional[CommCounter] = None):
-        self.groups, self.cfg, self.comm = groups, cfg, comm
+                 comm: Optional[CommCounter] = None, dtype: torch.dtype = torch.float32):
+        self.groups, self.cfg, self.comm, self.dtype = groups, cfg, comm, dtype
         self.config = load_model_config(model)
         self.family = family_of(self.config)
         topo = groups.topology
         self.family.validate_layout(self.config, sp=topo.vision.inner, tp=topo.text.inner)
-        full = build_model(model, seed=cfg.seed).to(groups.device)
+        full = build_model(model, seed=cfg.seed, dtype=dtype).to(groups.device)
         full.train()
         self.visual = self.text_model = None
         if groups.is_vision:
@@ -130,7 +135,8 @@ class DHPEngine:
                 sched.step()
                 opt.zero_grad(set_to_none=True)
         self.step_count += 1
-        stats = torch.tensor([loss_sum.item() if self._is_text_leader_of_replica() else 0.0])
+        stats = torch.tensor([loss_sum.item() if self._is_text_leader_of_replica() else 0.0],
+                             dtype=torch.float64)
         dist.all_reduce(stats)
         return {"loss": stats[0].item() / n_targets, "grad_norm": grad_norm,
                 "num_targets": n_targets, "lr": self.current_lr()}
@@ -144,7 +150,7 @@ class DHPEngine:
         if has_images:
             plan = bnd.plan_boundary(topo, g.rank, self._held_rows(lay), self._needed_rows(lay))
             text_feats = bnd.features_forward(plan, None if feats is None else feats.detach(),
-                                              self.feature_dim, torch.float32, g.device, comm=self.comm)
+                                              self.feature_dim, self.dtype, g.device, comm=self.comm)
         loss_sum = torch.zeros((), dtype=torch.float64)
         grad_feats = None
         if g.is_text:
@@ -154,7 +160,7 @@ class DHPEngine:
         if has_images:
             n_local = 0 if feats is None else feats.shape[0]
             g_local = bnd.features_backward(plan, grad_feats, n_local, self.feature_dim,
-                                            torch.float32, g.device, comm=self.comm)
+                                            self.dtype, g.device, comm=self.comm)
             if feats is not None:  # also with 0 local rows: the SP all-to-alls run in backward
                 feats.backward(g_local)
         return loss_sum
@@ -167,7 +173,7 @@ class DHPEngine:
         if plan is None:
             return None
         pv = torch.cat([samples[s].pixel_values for s in lay.vision_samples[i]
-                        if samples[s].pixel_values is not None]).to(self.groups.device)
+                        if samples[s].pixel_values is not None]).to(self.groups.device, self.dtype)
         return vision_forward(self.family.name, self.visual, pv, plan, k, self.groups.vision_sp,
                               comm=self.comm)
 
@@ -204,9 +210,7 @@ class DHPEngine:
             mm_encoder_outputs=enc, use_cache=False)
         targets = shift_labels(batch["labels"]).to(dev)
         with self._loss_context():
-            logits = out.logits
-            loss_sum = F.cross_entropy(logits.flatten(0, 1).float() if not _is_dtensor(logits)
-                                       else logits.flatten(0, 1), targets.flatten(),
+            loss_sum = F.cross_entropy(upcast(out.logits).flatten(0, 1), targets.flatten(),
                                        ignore_index=-100, reduction="sum")
             (loss_sum / n_targets).backward()
         value = loss_sum.full_tensor() if _is_dtensor(loss_sum) else loss_sum

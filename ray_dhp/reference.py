@@ -12,17 +12,18 @@ import torch
 import torch.nn.functional as F
 
 from ray_dhp.data.collate import pad_text_batch
-from ray_dhp.engine import count_targets, shift_labels
+from ray_dhp.engine import count_targets, shift_labels, upcast
 from ray_dhp.models import build_model, load_model_config
 from ray_dhp.optim import build_optimizer
 from ray_dhp.train_config import TrainLoopConfig
 
 
 class ReferenceTrainer:
-    def __init__(self, model, cfg: TrainLoopConfig, device="cpu"):
+    def __init__(self, model, cfg: TrainLoopConfig, device="cpu", dtype=torch.float32):
         self.cfg = cfg
         self.config = load_model_config(model)
-        self.model = build_model(model, seed=cfg.seed).to(device)
+        self.model = build_model(model, seed=cfg.seed, dtype=dtype).to(device)
+        self.dtype = dtype
         self.model.train()
         self.device = torch.device(device)
         self.opt, self.sched = build_optimizer(self.model.named_parameters(), cfg)
@@ -33,9 +34,11 @@ class ReferenceTrainer:
         for mb in micro_batches:
             batch = pad_text_batch(mb, self.config.text_config.pad_token_id or 0)
             kwargs = {k: v.to(self.device) for k, v in batch.items() if v is not None and k != "labels"}
+            if "pixel_values" in kwargs:
+                kwargs["pixel_values"] = kwargs["pixel_values"].to(self.dtype)
             out = self.model(**kwargs, use_cache=False)
             targets = shift_labels(batch["labels"]).to(self.device)
-            loss_sum = F.cross_entropy(out.logits.flatten(0, 1).float(), targets.flatten(),
+            loss_sum = F.cross_entropy(upcast(out.logits).flatten(0, 1), targets.flatten(),
                                        ignore_index=-100, reduction="sum")
             (loss_sum / n_targets).backward()
             total += loss_sum.item()
