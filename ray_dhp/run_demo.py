@@ -30,6 +30,7 @@ def main(argv=None) -> dict:
     import ray.train
 
     from ray_dhp import DHPConfig, DisaggregatedTrainer, ModuleParallel, demo
+    from ray_dhp.callbacks import read_history
 
     out = os.path.abspath(args.out or tempfile.mkdtemp(prefix="ray_dhp_demo_"))
     data = demo.make_dataset(os.path.join(out, "data"), num_samples=args.samples, seed=0)
@@ -43,7 +44,7 @@ def main(argv=None) -> dict:
     print(f"[ray_dhp] layout:\n{cfg.topology().describe()}", flush=True)
     if not ray.is_initialized():
         # More logical CPUs than cores so small machines can host the workers.
-        ray.init(num_cpus=max(8, 2 * cfg.num_workers), include_dashboard=False)
+        ray.init(num_cpus=max(8, 2 * cfg.num_workers))
     trainer = DisaggregatedTrainer(
         train_loop_config=dict(lr=args.lr, global_batch_size=args.batch_size, num_steps=args.steps,
                                seed=0, log_every=args.log_every, warmup_steps=3,
@@ -55,8 +56,8 @@ def main(argv=None) -> dict:
         datasets={"train": str(data)},
     )
     result = trainer.fit()
-    hist = result.metrics_dataframe
-    first, last = float(hist["loss"].iloc[0]), float(hist["loss"].iloc[-1])
-    print(f"[ray_dhp] done: {args.steps} steps, loss {first:.4f} (step {int(hist['step'].iloc[0])}) "
-          f"-> {last:.4f} (step {int(hist['step'].iloc[-1])}); storage {out}", flush=True)
-    return {"first_loss": first, "last_loss": last, "metrics": result.metrics}
+    hist = read_history(result)
+    first, last = hist[0], hist[-1]
+    print(f"[ray_dhp] done: loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} "
+          f"(step {last['step']}); metrics history and checkpoints under {result.path}", flush=True)
+    return {"first_loss": first["loss"], "last_loss": last["loss"], "metrics": result.metrics}

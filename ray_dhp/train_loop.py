@@ -61,15 +61,13 @@ def train_loop(config: dict) -> None:
         window_time += time.perf_counter() - t0
         window_tokens += sum(int(s.input_ids.numel()) for mb in micro_batches for s in mb)
         last = step == cfg.num_steps - 1
-        if (step + 1) % cfg.log_every == 0 or last:
+        if step == 0 or (step + 1) % cfg.log_every == 0 or last:
             metrics = {
                 "step": step + 1, "loss": out["loss"], "grad_norm": out["grad_norm"], "lr": out["lr"],
                 "tokens_per_s": window_tokens / max(window_time, 1e-9),
                 "skipped_samples": sampler.skipped, "epoch": sampler.epoch,
             }
             if ctx.rank == 0:
-                print(f"[ray_dhp] step {step + 1}/{cfg.num_steps} loss {out['loss']:.4f} "
-                      f"grad_norm {out['grad_norm']:.3f} tokens/s {metrics['tokens_per_s']:.0f} "
-                      f"skipped {sampler.skipped}", flush=True)
+                logger.info("step %d/%d %s", step + 1, cfg.num_steps, metrics)
             _report(metrics)
             window_tokens, window_time = 0, 0.0

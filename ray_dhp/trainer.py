@@ -77,6 +77,8 @@ class DisaggregatedTrainer(DataParallelTrainer):
             TrainLoopConfig.from_dict(config)  # fail here, before any worker starts
             if not ray_datasets and not paths:
                 raise ValueError('the built-in loop needs datasets={"train": <Dataset or path>}.')
+            run_config = _with_history(run_config or ray.train.RunConfig(),
+                                       TrainLoopConfig.from_dict(config).num_steps)
         elif paths:
             config.setdefault("dataset_paths", paths)
         if dataset_config is None:
@@ -93,6 +95,16 @@ class DisaggregatedTrainer(DataParallelTrainer):
             datasets=ray_datasets,
             dataset_config=dataset_config,
         )
+
+
+def _with_history(run_config, total_steps: int):
+    from ray_dhp.callbacks import MetricsHistory
+
+    callbacks = list(run_config.callbacks or [])
+    if not any(isinstance(c, MetricsHistory) for c in callbacks):
+        callbacks.append(MetricsHistory(total_steps))
+    run_config.callbacks = callbacks
+    return run_config
 
 
 def _split_datasets(datasets: dict) -> tuple[dict, dict]:

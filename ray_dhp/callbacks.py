@@ -1,0 +1,69 @@
+"""Driver-visible progress and metric history for Ray Train V2 runs.
+
+Ray Train V2 keeps only the last metrics in ``Result.metrics``; `MetricsHistory` (a
+``ray.train.UserCallback``, run in the controller) appends every report of rank 0 to
+``<storage_path>/<run name>/ray_dhp_metrics.jsonl`` and logs a one-line progress with ETA.
+`read_history(result)` reads it back on the driver.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Optional
+
+from ray.train.v2.api.callback import UserCallback
+
+logger = logging.getLogger("ray_dhp")
+
+HISTORY_FILE = "ray_dhp_metrics.jsonl"
+
+
+class MetricsHistory(UserCallback):
+    def __init__(self, total_steps: Optional[int] = None):
+        self.total_steps = total_steps
+        self._t0: Optional[float] = None
+        self._step0 = 0
+
+    def _path(self, run_context) -> str:
+        rc = run_context.run_config
+        folder = os.path.join(os.path.expanduser(rc.storage_path), rc.name)
+        os.makedirs(folder, exist_ok=True)
+        return os.path.join(folder, HISTORY_FILE)
+
+    def after_report(self, run_context, metrics, checkpoint):
+        if not metrics:
+            return
+        m = dict(metrics[0])
+        m["time"] = time.time()
+        try:
+            with open(self._path(run_context), "a") as f:
+                f.write(json.dumps(m, default=float) + "\n")
+        except OSError as e:  # remote storage (s3://...) is not a local folder: keep training
+            logger.debug("metrics history not written: %s", e)
+        self._progress(m)
+
+    def _progress(self, m: dict) -> None:
+        step = m.get("step")
+        if step is None:
+            return
+        if self._t0 is None:
+            self._t0, self._step0 = time.time(), step
+            eta = ""
+        else:
+            rate = (step - self._step0) / max(time.time() - self._t0, 1e-9)
+            left = (self.total_steps - step) / rate if self.total_steps and rate > 0 else None
+            eta = f" ETA {left:.0f}s" if left is not None else ""
+        total = f"/{self.total_steps}" if self.total_steps else ""
+        logger.warning("[ray_dhp] step %s%s loss %.4f%s", step, total, m.get("loss", float("nan")), eta)
+
+
+def read_history(result) -> list:
+    """All metrics rank 0 reported during the run of ``result`` (a ``ray.train.Result``)."""
+    path = os.path.join(result.path, HISTORY_FILE)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
