@@ -99,6 +99,8 @@ class DHPEngine:
         self.family.validate_layout(self.config, sp=topo.vision.inner, tp=topo.text.inner)
         full = build_model(model, seed=cfg.seed, dtype=dtype).to(groups.device)
         full.train()
+        if cfg.activation_checkpointing:  # recompute every vision and text block in backward
+            full.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.visual = self.text_model = None
         if groups.is_vision:
             self.visual = self.family.visual(full)
@@ -145,11 +147,12 @@ class DHPEngine:
         g, topo = self.groups, self.groups.topology
         lay = layout_micro_batch(samples, topo, self.family.name, self.config.vision_config)
         has_images = lay.row_offsets[-1] > 0
-        feats = self._vision_forward(samples, lay) if (g.is_vision and has_images) else None
+        with self._autocast():
+            feats = self._vision_forward(samples, lay) if (g.is_vision and has_images) else None
         text_feats = plan = None
         if has_images:
             plan = bnd.plan_boundary(topo, g.rank, self._held_rows(lay), self._needed_rows(lay))
-            text_feats = bnd.features_forward(plan, None if feats is None else feats.detach(),
+            text_feats = bnd.features_forward(plan, None if feats is None else feats.detach().to(self.dtype),
                                               self.feature_dim, self.dtype, g.device, comm=self.comm)
         loss_sum = torch.zeros((), dtype=torch.float64)
         grad_feats = None
@@ -162,7 +165,7 @@ class DHPEngine:
             g_local = bnd.features_backward(plan, grad_feats, n_local, self.feature_dim,
                                             self.dtype, g.device, comm=self.comm)
             if feats is not None:  # also with 0 local rows: the SP all-to-alls run in backward
-                feats.backward(g_local)
+                feats.backward(g_local.to(feats.dtype))
         return loss_sum
 
     def _vision_forward(self, samples, lay: MicroBatchLayout) -> Optional[torch.Tensor]:
@@ -203,11 +206,12 @@ class DHPEngine:
             feats = feats.requires_grad_(True)
             enc = self.family.encoder_outputs(self.config, feats)
         grid = batch.get("image_grid_thw")
-        out = self.text_model(
-            input_ids=batch["input_ids"].to(dev), attention_mask=batch["attention_mask"].to(dev),
-            mm_token_type_ids=batch["mm_token_type_ids"].to(dev),
-            image_grid_thw=None if grid is None else grid.to(dev),
-            mm_encoder_outputs=enc, use_cache=False)
+        with self._autocast():
+            out = self.text_model(
+                input_ids=batch["input_ids"].to(dev), attention_mask=batch["attention_mask"].to(dev),
+                mm_token_type_ids=batch["mm_token_type_ids"].to(dev),
+                image_grid_thw=None if grid is None else grid.to(dev),
+                mm_encoder_outputs=enc, use_cache=False)
         targets = shift_labels(batch["labels"]).to(dev)
         with self._loss_context():
             loss_sum = F.cross_entropy(upcast(out.logits).flatten(0, 1), targets.flatten(),
@@ -216,6 +220,13 @@ class DHPEngine:
         value = loss_sum.full_tensor() if _is_dtensor(loss_sum) else loss_sum
         grad = feats.grad if enc is not None else None
         return value.detach().double().cpu(), grad
+
+    def _autocast(self):
+        import contextlib
+
+        if self.cfg.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.groups.device.type, dtype=getattr(torch, self.cfg.autocast_dtype))
 
     def _loss_context(self):
         import contextlib
