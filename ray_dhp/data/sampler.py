@@ -22,7 +22,8 @@ class StepSampler:
         if not records:
             raise ValueError("the training dataset is empty")
         self.records, self.processor, self.data_root, self.cfg = records, processor, data_root, cfg
-        self.epoch, self.pos, self.skipped = 0, 0, 0
+        self.epoch, self.pos = 0, 0
+        self.bad: set = set()  # indices of records found bad (each counted once per run)
         self._order = self._permutation(0)
 
     def _permutation(self, epoch: int) -> list:
@@ -51,9 +52,10 @@ class StepSampler:
             if self.cfg.bad_data == "strict":
                 raise ValueError(f"bad sample at {where}: {e} (set bad_data='skip' to skip such "
                                  f"samples)") from e
-            self.skipped += 1
-            if self.skipped <= _LOG_FIRST:
-                logger.warning("skipping bad sample at %s: %s", where, e)
+            if i not in self.bad:
+                self.bad.add(i)
+                if len(self.bad) <= _LOG_FIRST:
+                    logger.warning("skipping bad sample at %s: %s", where, e)
             return None
 
     def next_step(self) -> list:
@@ -69,9 +71,14 @@ class StepSampler:
         m = self.cfg.micro_batch_size()
         return [samples[k:k + m] for k in range(0, need, m)]
 
+    @property
+    def skipped(self) -> int:
+        """Distinct bad samples skipped so far in the run."""
+        return len(self.bad)
+
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "pos": self.pos, "skipped": self.skipped}
+        return {"epoch": self.epoch, "pos": self.pos, "bad": sorted(self.bad)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.pos, self.skipped = state["epoch"], state["pos"], state["skipped"]
+        self.epoch, self.pos, self.bad = state["epoch"], state["pos"], set(state.get("bad", ()))
         self._order = self._permutation(self.epoch)

@@ -66,3 +66,21 @@ def test_wrong_worker_count_fails_before_workers_start(tmp_path):
         DisaggregatedTrainer(dhp_config=dhp, datasets={"train": str(tmp_path)},
                              train_loop_config={"num_step": 3},
                              scaling_config=ray.train.ScalingConfig(num_workers=2))
+
+
+def test_bad_lines_are_skipped_and_reported(ray_cluster, tmp_path):
+    data = demo.make_dataset(tmp_path / "data", num_samples=10,
+                             bad_lines=[(2, "missing_image"), (6, "malformed_json")])
+    dhp = DHPConfig(model=demo.tiny_model_config(), processor=demo.tiny_processor())
+    result = _trainer(tmp_path, dhp, {"train": str(data)}, num_steps=3, log_every=3).fit()
+    assert result.metrics["skipped_samples"] == 2
+    assert result.metrics["step"] == 3
+
+
+@pytest.mark.slow
+def test_strict_bad_data_fails_naming_the_line(ray_cluster, tmp_path):
+    data = demo.make_dataset(tmp_path / "data", num_samples=6, bad_lines=[(3, "corrupt_image")])
+    dhp = DHPConfig(model=demo.tiny_model_config(), processor=demo.tiny_processor())
+    with pytest.raises(Exception, match=r"data.jsonl:4"):
+        _trainer(tmp_path, dhp, {"train": str(data)}, num_steps=2, global_batch_size=6,
+                 bad_data="strict").fit()
