@@ -1,0 +1,125 @@
+"""The ``ray-dhp`` command line (also ``python -m ray_dhp``).
+
+Subcommands:
+    train CONFIG.yaml [k=v ...]    build the trainer from the run file and fit it
+    plan CONFIG.yaml [k=v ...]     layout, meshes and per-rank memory (no Ray, no weights)
+    config --print-defaults        a complete run file with every key, commented
+    export CHECKPOINT OUT_DIR      a Hugging Face model directory from a checkpoint
+    docs                           the Markdown configuration reference (docs/configuration.md)
+
+Configuration mistakes (unknown keys, degrees that do not fit the model, worker counts) are
+reported before Ray starts, with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+__all__ = ["main"]
+
+EXIT_CONFIG = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ray-dhp", description="Disaggregated hybrid parallelism "
+                                "(Ulysses SP for the ViT, TP for the LLM) on Ray Train.")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train from a run file")
+    t.add_argument("config", help="YAML run file")
+    t.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    pl = sub.add_parser("plan", help="print the layout and a memory estimate (no Ray)")
+    pl.add_argument("config", help="YAML run file")
+    pl.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    pl.add_argument("--vision-tokens", default="4096", help="patch tokens per sample; a comma "
+                    "list prints one estimate each (default 4096)")
+    pl.add_argument("--text-tokens", type=int, default=512, help="text tokens per sample")
+    pl.add_argument("--attention", choices=["flash", "eager"], default="flash")
+    pl.add_argument("--device-gib", type=float, default=80.0, help="accelerator memory")
+    c = sub.add_parser("config", help="print a complete run file")
+    c.add_argument("--print-defaults", action="store_true", required=True)
+    e = sub.add_parser("export", help="export a checkpoint as a Hugging Face model directory")
+    e.add_argument("checkpoint")
+    e.add_argument("out_dir")
+    sub.add_parser("docs", help="print docs/configuration.md")
+    return p
+
+
+def _load(args):
+    from ray_dhp.run_config import load_run_file
+
+    return load_run_file(args.config, args.overrides)
+
+
+def _cmd_train(args) -> int:
+    from ray_dhp.cli.train import train
+
+    train(_load(args))
+    return 0
+
+
+def _cmd_plan(args) -> int:
+    from ray_dhp.cli.plan import plan_text
+
+    rf = _load(args)
+    tokens = [int(x) for x in str(args.vision_tokens).split(",") if x.strip()]
+    print(plan_text(rf, vision_tokens=tokens, text_tokens=args.text_tokens,
+                    attention=args.attention, device_gib=args.device_gib))
+    return 0
+
+
+def _cmd_config(args) -> int:
+    from ray_dhp.cli.render import defaults_yaml
+
+    print(defaults_yaml(), end="")
+    return 0
+
+
+def _cmd_docs(args) -> int:
+    from ray_dhp.cli.render import markdown_reference
+
+    print(markdown_reference(), end="")
+    return 0
+
+
+def _export_fn():
+    """``ray_dhp.export_hf`` (written separately; imported lazily so the CLI works without it)."""
+    import importlib
+
+    try:
+        return importlib.import_module("ray_dhp.export").export_hf
+    except (ImportError, AttributeError):
+        import ray_dhp
+
+        try:
+            return getattr(ray_dhp, "export_hf")
+        except AttributeError:
+            return None
+
+
+def _cmd_export(args) -> int:
+    export_hf = _export_fn()
+    if export_hf is None:
+        print("ray-dhp export: this install has no ray_dhp.export_hf (ray_dhp/export.py); "
+              "update ray_dhp to a version with checkpoint export.", file=sys.stderr)
+        return 1
+    out = export_hf(args.checkpoint, args.out_dir)
+    print(f"[ray_dhp] exported {args.checkpoint} -> {out or args.out_dir}")
+    return 0
+
+
+_COMMANDS = {"train": _cmd_train, "plan": _cmd_plan, "config": _cmd_config,
+             "export": _cmd_export, "docs": _cmd_docs}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``ray-dhp``; returns the exit status (0 ok, 2 configuration error)."""
+    from ray_dhp.cli.schema import ConfigError
+
+    args = _parser().parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except ConfigError as e:
+        print(f"ray-dhp {args.command}: configuration error: {e}", file=sys.stderr)
+        return EXIT_CONFIG

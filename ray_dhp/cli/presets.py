@@ -1,0 +1,58 @@
+"""Published model dimensions, usable without weights (``model: {family: ..., preset: ...}``).
+
+The dimensions are those of the public Hugging Face ``config.json`` files of Qwen2.5-VL; only the
+fields that shape parameters, parallel degrees and memory are listed (token ids included so a
+config built from them is complete). `ray-dhp plan` builds such a model on the meta device to
+count parameters per rank; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import copy
+
+_QWEN2_5_VL_VISION = {
+    "depth": 32, "hidden_size": 1280, "num_heads": 16, "intermediate_size": 3456,
+    "fullatt_block_indexes": [7, 15, 23, 31], "window_size": 112, "patch_size": 14,
+    "spatial_merge_size": 2, "temporal_patch_size": 2, "tokens_per_second": 2, "in_chans": 3,
+}
+_QWEN2_5_VL_TOKENS = {
+    "image_token_id": 151655, "video_token_id": 151656,
+    "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+}
+
+
+def _qwen2_5_vl(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
+                tied: bool = False) -> dict:
+    return {
+        "model_type": "qwen2_5_vl",
+        "vision_config": {**_QWEN2_5_VL_VISION, "out_hidden_size": hidden},
+        "text_config": {
+            "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "intermediate_size": intermediate,
+            "vocab_size": 152064, "max_position_embeddings": 128000, "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
+                                "mrope_section": [16, 24, 24]},
+            "tie_word_embeddings": tied,
+        },
+        "tie_word_embeddings": tied,
+        **_QWEN2_5_VL_TOKENS,
+    }
+
+
+PRESETS = {
+    "qwen2_5_vl": {
+        "7b": _qwen2_5_vl(3584, 28, 28, 4, 18944),
+        "32b": _qwen2_5_vl(5120, 64, 40, 8, 27648),
+        "72b": _qwen2_5_vl(8192, 80, 64, 8, 29568),
+    },
+}
+
+
+def preset_dims(family: str, preset: str) -> dict:
+    """A deep copy of the published dims of ``family``/``preset``; ValueError listing the known ones."""
+    if family not in PRESETS:
+        raise ValueError(f"model.family={family!r} has no presets; known: {sorted(PRESETS)}.")
+    if preset not in PRESETS[family]:
+        raise ValueError(f"model.preset={preset!r} is not known for {family}; "
+                         f"known: {sorted(PRESETS[family])}.")
+    return copy.deepcopy(PRESETS[family][preset])

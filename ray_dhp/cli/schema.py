@@ -1,0 +1,238 @@
+"""Typed, strict loading of nested dataclasses from plain dicts (YAML) and ``key=value`` overrides.
+
+The rules every section of the run file follows:
+
+* a key that is not a field is an error naming its dotted path, with a ``difflib`` suggestion
+  (searching the same section first, then every key of the file);
+* values are coerced to the field's annotated type (``int``, ``float``, ``str``, ``bool``,
+  ``tuple``/``list``, ``dict``, ``Optional[...]``): YAML reads ``1e-3`` as a string, overrides
+  arrive as strings, and both become floats here;
+* a field whose metadata names a ``section`` is a nested dataclass (loaded recursively); its
+  ``shorthand`` lets a scalar stand for one field (``placement: disjoint``);
+* help strings live in field metadata (``help``) or, for borrowed fields, in the ``Args:`` block
+  of the owning class's docstring (`doc_args`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from dataclasses import MISSING, field, fields
+from typing import Any, Iterable, Optional
+
+__all__ = ["ConfigError", "doc_args", "field_help", "borrow", "option", "section", "from_dict", "leaf_keys",
+           "apply_overrides", "coerce"]
+
+
+class ConfigError(ValueError):
+    """A run-file error that names the dotted key and says how to fix it."""
+
+
+def doc_args(cls) -> dict:
+    """``{name: help}`` from the ``Args:`` block of ``cls.__doc__`` (``a, b: text`` names two)."""
+    lines = (cls.__doc__ or "").splitlines()
+    out: dict = {}
+    try:
+        start = next(i for i, ln in enumerate(lines) if ln.strip() == "Args:")
+    except StopIteration:
+        return out
+    base = len(lines[start]) - len(lines[start].lstrip())
+    names, entry_indent = None, None
+    for ln in lines[start + 1:]:
+        indent = len(ln) - len(ln.lstrip())
+        if ln.strip() and indent <= base:
+            break
+        m = re.match(r"^(\s+)([\w, ]+):\s*(.*)$", ln)
+        if m and (entry_indent is None or len(m.group(1)) == entry_indent):
+            entry_indent = len(m.group(1))
+            names = [n.strip() for n in m.group(2).split(",")]
+            for n in names:
+                out[n] = m.group(3).strip()
+        elif names and ln.strip():
+            for n in names:
+                out[n] = f"{out[n]} {ln.strip()}"
+    return {k: re.sub(r"``?", "", v) for k, v in out.items()}
+
+
+def field_help(cls, f) -> str:
+    """The help string of field ``f`` of ``cls``: its metadata, else the class's ``Args:`` entry."""
+    return f.metadata.get("help") or doc_args(cls).get(f.name, "")
+
+
+def option(default: Any = None, help: str = "", *, factory=None):
+    """A plain field with a help string."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def section(cls, help: str, shorthand: Optional[str] = None):
+    """A nested section field of type ``cls`` (default: ``cls()``)."""
+    return field(default_factory=cls, metadata={"help": help, "section": cls, "shorthand": shorthand})
+
+
+def borrow(owner, names: Iterable[str], rename: Optional[dict] = None) -> list:
+    """``make_dataclass`` specs copying type, default and help of ``owner``'s fields.
+
+    The run file's sections reuse the library's dataclasses this way instead of repeating their
+    fields and defaults; ``rename`` maps a section key to a differently named owner field.
+    """
+    rename = rename or {}
+    docs, by_name = doc_args(owner), {f.name: f for f in fields(owner)}
+    specs = []
+    for name in names:
+        src = by_name[rename.get(name, name)]
+        help_ = docs.get(src.name) or src.metadata.get("help", "")
+        meta = {"help": help_, "source": f"{owner.__name__}.{src.name}"}
+        if src.default is not MISSING:
+            spec = field(default=src.default, metadata=meta)
+        else:
+            spec = field(default_factory=src.default_factory, metadata=meta)
+        specs.append((name, src.type, spec))
+    return specs
+
+
+# -- coercion ---------------------------------------------------------------------------------
+
+_BASE = {"int": int, "float": float, "str": str, "bool": bool, "tuple": tuple, "list": list,
+         "dict": dict}
+
+
+def _parse_type(type_) -> tuple:
+    """(base python type or None for Any, optional?) of an annotation (string or type)."""
+    t = type_ if isinstance(type_, str) else getattr(type_, "__name__", str(type_))
+    optional = t.startswith("Optional[")
+    if optional:
+        t = t[len("Optional["):-1]
+    return _BASE.get(t.split("[")[0]), optional
+
+
+def coerce(value: Any, type_, dotted: str) -> Any:
+    """``value`` converted to the annotated type, or ConfigError naming ``dotted``."""
+    base, optional = _parse_type(type_)
+    if value is None:
+        if optional or base is None:
+            return None
+        raise ConfigError(f"{dotted}: null is not allowed here; give a {base.__name__}.")
+    if base is None:
+        return value
+    ok = not isinstance(value, bool) or base is bool
+    try:
+        if base is bool and isinstance(value, bool):
+            return value
+        if base is int and ok and isinstance(value, (int, str)):
+            return int(value)
+        if base is int and ok and isinstance(value, float) and value.is_integer():
+            return int(value)
+        if base is float and ok and isinstance(value, (int, float, str)):
+            return float(value)
+        if base is str and ok and isinstance(value, (str, int, float)):
+            return str(value)
+        if base in (tuple, list) and isinstance(value, (list, tuple)):
+            return base(value)
+        if base is dict and isinstance(value, dict):
+            return value
+    except ValueError:
+        pass
+    raise ConfigError(f"{dotted}: expected {'null or ' if optional else ''}{base.__name__}, "
+                      f"got {value!r}.")
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+def leaf_keys(cls, prefix: str = "") -> list:
+    """Every dotted key of the dataclass ``cls`` (sections expanded)."""
+    out = []
+    for f in fields(cls):
+        dotted = f"{prefix}{f.name}"
+        sub = f.metadata.get("section")
+        out.extend(leaf_keys(sub, dotted + ".") if sub else [dotted])
+    return out
+
+
+def _suggest(dotted: str, key: str, known: list, root) -> str:
+    """The 'did you mean' part of an unknown-key error."""
+    everywhere = leaf_keys(root) if root is not None else []
+    same_leaf = [k for k in everywhere if k.rsplit(".", 1)[-1] == key]
+    close = difflib.get_close_matches(key, known, n=1)
+    if close:
+        parent = dotted.rsplit(".", 1)[0] + "." if "." in dotted else ""
+        return f"; did you mean {parent + close[0]!r}?"
+    if same_leaf:
+        return f"; did you mean {same_leaf[0]!r}?"
+    close = difflib.get_close_matches(dotted, everywhere, n=1, cutoff=0.7)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    return f"; known keys here: {', '.join(sorted(known))}."
+
+
+def from_dict(cls, data: Any, path: str = "", root=None):
+    """Build the dataclass ``cls`` from ``data``, strictly (see the module docstring)."""
+    root = root or cls
+    where = path or "the run file"
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping of keys to values, got {data!r}.")
+    known = {f.name: f for f in fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{path}.{key}" if path else str(key)
+        if key not in known:
+            what = "unknown key" if path else "unknown section"
+            raise ConfigError(f"{dotted}: {what}{_suggest(dotted, str(key), list(known), root)}")
+        kwargs[key] = _field_value(known[key], value, dotted, root)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _field_value(f: dataclasses.Field, value: Any, dotted: str, root):
+    sub = f.metadata.get("section")
+    if sub is None:
+        return coerce(value, f.type, dotted)
+    shorthand = f.metadata.get("shorthand")
+    if shorthand and value is not None and not isinstance(value, dict):
+        value = {shorthand: value}
+    return from_dict(sub, value, dotted, root)
+
+
+def _parse_value(text: str) -> Any:
+    import yaml
+
+    try:
+        return yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict, overrides: Iterable[str], shorthands: Optional[dict] = None) -> dict:
+    """Set ``a.b.c=value`` overrides on the raw dict ``data`` (values parsed as YAML scalars).
+
+    Typing and unknown-key checks happen afterwards in `from_dict`, so a misspelt override gets the
+    same dotted "did you mean" error as a misspelt YAML key. ``shorthands`` maps a section name to
+    the field its scalar form stands for (``placement: disjoint`` + ``placement.schedule=...``).
+    """
+    shorthands = shorthands or {}
+    data = dict(data or {})
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. optim.lr=3e-4.")
+        key, text = item.split("=", 1)
+        parts = [p for p in key.strip().split(".")]
+        if not all(parts):
+            raise ConfigError(f"override {item!r}: malformed key {key!r}.")
+        node = data
+        for depth, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is not None and not isinstance(child, dict):
+                name = ".".join(parts[:depth + 1])
+                if name not in shorthands:
+                    raise ConfigError(f"override {item!r}: {name} is a value, not a section.")
+                child = {shorthands[name]: child}
+            node[part] = dict(child or {})
+            node = node[part]
+        node[parts[-1]] = _parse_value(text)
+    return data

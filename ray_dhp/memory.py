@@ -1,0 +1,173 @@
+"""Per-rank memory estimates for `ray-dhp plan`: parameters from a meta-device model, activations
+from the model dims. Nothing is allocated: the model is built under ``accelerate.init_empty_weights``.
+
+Model state per rank (what the engine keeps): fp32 weights, fp32 gradients and two fp32 AdamW
+moments = 16 bytes per parameter the rank holds. The vision tower is replicated on every vision
+rank (Ulysses shards tokens, not weights); the text model's TP-planned linears, embedding and head
+are split ``tp`` ways (their row-parallel biases and all norms are replicated).
+
+Activations are a *simple* estimate per transformer block and token, counting the tensors a
+pre-norm block keeps for backward: ``8·h + 4·i`` elements (two norms' inputs and outputs, q, k,
+v, attention output, residual; gate, up, activation and product of the gated MLP). Under
+Ulysses SP each vision rank keeps ``1/sp`` of the tokens; under TP the attention and MLP
+intermediates are split ``tp`` ways while norms and residuals are replicated (no Megatron
+sequence parallelism). With ``attention="eager"`` the ``heads × s²`` score and probability
+matrices of every full-attention layer are added (flash/SDPA kernels keep them out of memory).
+With activation checkpointing only each block's input is kept, plus one block recomputed.
+The logits of the vocab-parallel loss are fp32, ``vocab/tp`` wide, kept twice (logits, grad).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Optional
+
+GIB = 1024 ** 3
+STATE_BYTES_PER_PARAM = 16  # fp32 weight + grad + AdamW exp_avg + exp_avg_sq
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters of one model: totals and what one TP rank of the text model holds."""
+
+    vision: int
+    text: int
+    text_sharded: int  # part of ``text`` split over TP ranks
+
+    def text_per_rank(self, tp: int) -> int:
+        return self.text - self.text_sharded + self.text_sharded // tp
+
+
+def count_params(config) -> ParamCounts:
+    """Count parameters on the meta device and classify them with the family's TP plan."""
+    import torch
+    import transformers
+    from accelerate import init_empty_weights
+
+    from ray_dhp.models import family_of
+
+    family = family_of(config)
+    with init_empty_weights():
+        model = getattr(transformers, family.model_class)._from_config(config, dtype=torch.float32)
+    plan = family.text_tp_plan(config.text_config)
+    vision_names = {f"model.visual.{n}" for n, _ in family.visual(model).named_parameters()}
+    vision = text = sharded = 0
+    for name, p in model.named_parameters():
+        if name in vision_names:
+            vision += p.numel()
+            continue
+        text += p.numel()
+        if _is_sharded(name, plan):
+            sharded += p.numel()
+    return ParamCounts(vision=vision, text=text, text_sharded=sharded)
+
+
+def _is_sharded(param_name: str, plan: dict) -> bool:
+    module, leaf = param_name.rsplit(".", 1)
+    for pattern, style in plan.items():
+        if fnmatch.fnmatchcase(module, pattern):
+            return not (leaf == "bias" and type(style).__name__ == "RowwiseParallel")
+    return False
+
+
+@dataclass(frozen=True)
+class ActivationSettings:
+    """How activations are kept: element bytes, attention kernel, activation checkpointing."""
+
+    dtype_bytes: int = 4           # 4: fp32 (default loop), 2: autocast bfloat16
+    attention: str = "flash"       # "flash" (no s² term) or "eager"
+    checkpointing: bool = False
+
+
+def _block_elems(h: int, i: int) -> int:
+    return 8 * h + 4 * i
+
+
+def vision_activation_bytes(vc, tokens: int, sp: int, s: ActivationSettings,
+                            image_tokens: Optional[int] = None) -> float:
+    """Activation bytes of one vision SP rank for ``tokens`` patch tokens of its replica."""
+    h, i, depth = vc.hidden_size, _vision_mlp(vc), vc.depth
+    local = tokens / sp
+    per_block = local * _block_elems(h, i) * s.dtype_bytes
+    total = depth * local * h * s.dtype_bytes + per_block if s.checkpointing else depth * per_block
+    if s.attention == "eager":
+        seg = image_tokens or tokens
+        full = len(getattr(vc, "fullatt_block_indexes", None) or range(depth))
+        window = (getattr(vc, "window_size", 0) // vc.patch_size) ** 2 or seg
+        windows = depth - full
+        heads = vc.num_heads / sp
+        layers_kept = (1 if s.checkpointing else full)
+        total += 2 * heads * (tokens / seg) * seg * seg * s.dtype_bytes * layers_kept
+        if not s.checkpointing:
+            total += 2 * heads * tokens * min(window, seg) * s.dtype_bytes * windows
+    return total
+
+
+def _vision_mlp(vc) -> int:
+    i = getattr(vc, "intermediate_size", None)
+    return i if i else int(vc.embed_dim * getattr(vc, "mlp_ratio", 4))
+
+
+def text_activation_bytes(tc, tokens: int, tp: int, s: ActivationSettings,
+                          sample_tokens: Optional[int] = None) -> float:
+    """Activation bytes of one text TP rank for ``tokens`` tokens of its replica (incl. logits)."""
+    h, i, layers = tc.hidden_size, tc.intermediate_size, tc.num_hidden_layers
+    kv = 2 * tc.num_key_value_heads * (h // tc.num_attention_heads)
+    replicated = 5 * h
+    sharded = (2 * h + kv + 4 * i) / tp
+    per_block = tokens * (replicated + sharded) * s.dtype_bytes
+    total = layers * tokens * h * s.dtype_bytes + per_block if s.checkpointing else layers * per_block
+    if s.attention == "eager":
+        seq = sample_tokens or tokens
+        heads = tc.num_attention_heads / tp
+        total += 2 * heads * tokens * seq * s.dtype_bytes * (1 if s.checkpointing else layers)
+    return total + 2 * tokens * (tc.vocab_size / tp) * 4
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Estimated bytes of one rank."""
+
+    rank: int
+    roles: tuple
+    params: int
+    state_bytes: float
+    vision_act: float
+    text_act: float
+
+    @property
+    def total(self) -> float:
+        return self.state_bytes + self.vision_act + self.text_act
+
+
+def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int, text_tokens: int,
+                   samples: int, settings: ActivationSettings) -> list:
+    """Per-rank `RankMemory` for micro-batches of ``samples`` samples per replica, each with
+    ``vision_tokens`` patch tokens and ``text_tokens`` text tokens."""
+    vc, tc = config.vision_config, config.text_config
+    merge = vc.spatial_merge_size ** 2
+    sp, tp = topology.vision.inner, topology.text.inner
+    seq = text_tokens + vision_tokens // merge
+    v_act = vision_activation_bytes(vc, samples * vision_tokens, sp, settings, vision_tokens)
+    t_act = text_activation_bytes(tc, samples * seq, tp, settings, seq)
+    out = []
+    for r in range(topology.world_size):
+        roles = topology.roles(r)
+        params = (counts.vision if "vision" in roles else 0) + \
+            (counts.text_per_rank(tp) if "text" in roles else 0)
+        out.append(RankMemory(r, roles, params, params * STATE_BYTES_PER_PARAM,
+                              v_act if "vision" in roles else 0.0,
+                              t_act if "text" in roles else 0.0))
+    return out
+
+
+def estimate_zero3(config, counts: ParamCounts, world: int, *, vision_tokens: int,
+                   text_tokens: int, settings: ActivationSettings) -> float:
+    """Bytes per GPU of the ZeRO-3 baseline: model state split ``world`` ways, one whole sample
+    per GPU (no SP/TP: every activation of that sample stays on its GPU)."""
+    vc, tc = config.vision_config, config.text_config
+    seq = text_tokens + vision_tokens // vc.spatial_merge_size ** 2
+    state = (counts.vision + counts.text) * STATE_BYTES_PER_PARAM / world
+    return (state + vision_activation_bytes(vc, vision_tokens, 1, settings)
+            + text_activation_bytes(tc, seq, 1, settings))

@@ -1,0 +1,244 @@
+"""The run file of ``ray-dhp``: one typed configuration that maps 1:1 to YAML.
+
+Sections are thin dataclasses that build the library's own objects; fields that already exist
+there (`ModuleParallel`, `DHPConfig`, `TrainLoopConfig`) are borrowed, not repeated, so defaults
+and help strings have one source. ``ray-dhp config --print-defaults`` prints every key.
+
+Example:
+    >>> from ray_dhp.run_config import load_run_file
+    >>> rf = load_run_file("examples/tiny.yaml", ["optim.lr=3e-4", "vision.sequence_parallel=2"])
+    >>> rf.dhp_config().num_workers  # doctest: +SKIP
+    2
+
+Relative paths (``model.path``, ``data.train``, ``run.storage_path``...) are resolved against the
+current directory when the file is loaded (Ray workers change directory).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, fields, make_dataclass
+from typing import Optional
+
+from ray_dhp.cli.schema import (ConfigError, apply_overrides, borrow, from_dict, option,
+                                section)
+from ray_dhp.config import DHPConfig, ModuleParallel
+from ray_dhp.train_config import TrainLoopConfig
+
+__all__ = ["RunFile", "ConfigError", "load_run_file", "SHORTHANDS"]
+
+_DATA_KEYS = ("data_root", "max_tokens", "bad_data")
+_CHECKPOINT_KEYS = ("checkpoint_every",)
+_NOT_IN_FILE = ("dataset_paths",)  # filled in from data.train
+
+
+def _optim_keys() -> list:
+    """Every TrainLoopConfig field not claimed by another section (new fields land here)."""
+    taken = set(_DATA_KEYS + _CHECKPOINT_KEYS + _NOT_IN_FILE)
+    return [f.name for f in fields(TrainLoopConfig) if f.name not in taken]
+
+
+@dataclass
+class ModelSection:
+    """Which model to train: one of ``demo``, ``path``, ``family`` + ``preset``, or ``config``."""
+
+    demo: Optional[str] = option("qwen2_5_vl", "tiny random-init demo model of this family "
+                                 "(qwen2_5_vl, qwen2_vl, qwen3_vl); used when path, preset and "
+                                 "config are unset")
+    path: Optional[str] = option(None, "local Hugging Face model directory (weights loaded with "
+                                 "from_pretrained)")
+    family: Optional[str] = option(None, "model family of preset/config (e.g. qwen2_5_vl)")
+    preset: Optional[str] = option(None, "published dims of the family without weights (e.g. "
+                                   "32b); random init, or for `ray-dhp plan`")
+    config: Optional[dict] = option(None, "inline transformers config (vision_config, "
+                                    "text_config, ...); merged over the preset if both are given")
+
+
+@dataclass
+class ProcessorSection:
+    """The processor (tokenizer + image processor)."""
+
+    path: Optional[str] = option(None, "local processor directory (default: the model directory, "
+                                 "or the demo processor for a demo model)")
+
+
+PlacementSection = make_dataclass(
+    "PlacementSection", borrow(DHPConfig, ["mode", "schedule", "timeout_s"],
+                               rename={"mode": "placement"}),
+    namespace={"__doc__": "Where the module groups run (`placement: disjoint` is short for "
+                          "`placement: {mode: disjoint}`).", "__module__": __name__})
+
+
+@dataclass
+class _DataOwn:
+    train: Optional[str] = option(None, "training annotations (LLaVA JSON/JSONL)")
+    demo_samples: int = option(64, "when train is unset: generate the demo shapes set with this "
+                               "many samples into <storage_path>/<run name>/demo_data")
+
+
+DataSection = make_dataclass(
+    "DataSection", borrow(_DataOwn, ["train", "demo_samples"]) + borrow(TrainLoopConfig, _DATA_KEYS),
+    namespace={"__doc__": "Training data.", "__module__": __name__})
+
+OptimSection = make_dataclass(
+    "OptimSection", borrow(TrainLoopConfig, _optim_keys()),
+    namespace={"__doc__": "Optimizer and loop hyper-parameters (TrainLoopConfig).",
+               "__module__": __name__})
+
+
+@dataclass
+class _CheckpointOwn:
+    num_to_keep: Optional[int] = option(None, "keep this many latest checkpoints (null: all)")
+
+
+CheckpointSection = make_dataclass(
+    "CheckpointSection", borrow(TrainLoopConfig, _CHECKPOINT_KEYS) + borrow(_CheckpointOwn, ["num_to_keep"]),
+    namespace={"__doc__": "Checkpointing.", "__module__": __name__})
+
+
+@dataclass
+class ScalingSection:
+    """Ray Train workers (ray.train.ScalingConfig)."""
+
+    num_workers: Optional[int] = option(None, "Ray Train workers (null: derived from the layout; "
+                                        "anything else must equal it)")
+    resources_per_worker: Optional[dict] = option(None, "e.g. {CPU: 1} (null: Ray's default, 1 "
+                                                  "CPU, plus 1 GPU with use_gpu)")
+    use_gpu: bool = option(False, "one GPU per worker (NCCL); false: CPU and gloo")
+
+
+@dataclass
+class RunSection:
+    """The Ray Train run (ray.train.RunConfig) and the local Ray instance."""
+
+    name: Optional[str] = option(None, "run name (null: ray_dhp_<date>_<time>); reusing a name "
+                                 "resumes that run")
+    storage_path: Optional[str] = option(None, "where results and checkpoints go (null: "
+                                         "~/ray_results); must be shared storage on multi-node "
+                                         "clusters")
+    max_failures: int = option(0, "worker-group restarts allowed over the run (-1: unlimited)")
+    num_cpus: Optional[int] = option(None, "logical CPUs of the local Ray that `ray-dhp train` "
+                                     "starts when RAY_ADDRESS is unset (null: enough for the "
+                                     "workers); ignored when joining a cluster")
+
+
+@dataclass
+class RunFile:
+    """A whole ``ray-dhp`` run: model, layout, data, hyper-parameters, Ray resources."""
+
+    model: ModelSection = section(ModelSection, "which model to train")
+    processor: ProcessorSection = section(ProcessorSection, "tokenizer + image processor")
+    vision: ModuleParallel = section(ModuleParallel, "degrees of the vision group "
+                                     "(sequence_parallel, data_parallel)")
+    text: ModuleParallel = section(ModuleParallel, "degrees of the text group "
+                                   "(tensor_parallel, data_parallel)")
+    placement: PlacementSection = section(PlacementSection, "where the module groups run",
+                                          shorthand="mode")
+    data: DataSection = section(DataSection, "training data")
+    optim: OptimSection = section(OptimSection, "optimizer and loop hyper-parameters")
+    checkpoint: CheckpointSection = section(CheckpointSection, "checkpointing")
+    scaling: ScalingSection = section(ScalingSection, "Ray Train workers")
+    run: RunSection = section(RunSection, "the Ray Train run")
+
+    # -- building the library's objects -------------------------------------------------------
+
+    def model_spec(self):
+        """A transformers config (demo, preset, inline) or an absolute local directory."""
+        from ray_dhp.cli.models import build_model_spec
+
+        return build_model_spec(self.model)
+
+    def processor_spec(self):
+        """A processor object (demo), a local directory, or None (load from the model dir)."""
+        if self.processor.path:
+            return os.path.abspath(os.path.expanduser(self.processor.path))
+        m = self.model
+        if not (m.path or m.preset or m.config) and m.demo:
+            from ray_dhp import demo
+
+            return demo.tiny_processor(m.demo)
+        return None
+
+    def dhp_config(self) -> DHPConfig:
+        """The layout (validated against the model's dims; no weights are loaded)."""
+        try:
+            return DHPConfig(model=self.model_spec(), processor=self.processor_spec(),
+                             vision=self.vision, text=self.text, placement=self.placement.mode,
+                             schedule=self.placement.schedule, timeout_s=self.placement.timeout_s)
+        except ConfigError:
+            raise
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def train_loop_config(self, data_path: Optional[str] = None) -> dict:
+        """``train_loop_config`` of the built-in loop (validated as a TrainLoopConfig)."""
+        d = {**asdict(self.optim), **{k: getattr(self.data, k) for k in _DATA_KEYS},
+             **{k: getattr(self.checkpoint, k) for k in _CHECKPOINT_KEYS}}
+        if d.get("data_root"):
+            d["data_root"] = os.path.abspath(os.path.expanduser(d["data_root"]))
+        try:
+            TrainLoopConfig(**d)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        return d
+
+    def run_name(self) -> str:
+        if not self.run.name:
+            self.run.name = time.strftime("ray_dhp_%Y%m%d_%H%M%S")
+        return self.run.name
+
+    def storage_path(self) -> str:
+        return os.path.abspath(os.path.expanduser(self.run.storage_path or "~/ray_results"))
+
+    def num_workers(self, dhp: Optional[DHPConfig] = None) -> int:
+        dhp = dhp or self.dhp_config()
+        n = self.scaling.num_workers
+        if n is not None:
+            try:
+                dhp.validate_workers(n)
+            except ValueError as e:
+                raise ConfigError(f"scaling.num_workers: {e}") from None
+            return n
+        return dhp.num_workers
+
+    def to_dict(self) -> dict:
+        """Plain YAML-able dict (tuples become lists)."""
+        return _plain(asdict(self))
+
+
+def _plain(x):
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
+SHORTHANDS = {"placement": "mode"}
+
+
+def run_file_from_dict(data: dict, overrides=()) -> RunFile:
+    """A `RunFile` from a raw dict plus ``key=value`` overrides (ConfigError on mistakes)."""
+    rf = from_dict(RunFile, apply_overrides(data, overrides, SHORTHANDS))
+    for sec, key in (("model", "path"), ("data", "train"), ("run", "storage_path")):
+        obj = getattr(rf, sec)
+        if getattr(obj, key):
+            setattr(obj, key, os.path.abspath(os.path.expanduser(getattr(obj, key))))
+    return rf
+
+
+def load_run_file(path: Optional[str], overrides=()) -> RunFile:
+    """Read a YAML run file (None: the defaults) and apply ``key=value`` overrides."""
+    import yaml
+
+    data = {}
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError(f"{path}: no such run file.")
+        with open(path) as f:
+            try:
+                data = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    return run_file_from_dict(data, overrides)
