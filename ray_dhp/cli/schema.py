@@ -22,7 +22,7 @@ from dataclasses import MISSING, field, fields
 from typing import Any, Iterable, Optional
 
 __all__ = ["ConfigError", "doc_args", "field_help", "borrow", "option", "section", "from_dict", "leaf_keys",
-           "apply_overrides", "coerce"]
+           "apply_overrides", "set_dotted", "coerce"]
 
 
 class ConfigError(ValueError):
@@ -208,31 +208,42 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+def set_dotted(data: dict, key: str, value: Any, shorthands: Optional[dict] = None) -> dict:
+    """A copy of the raw dict ``data`` with ``a.b.c`` set to ``value`` (a dict value set on a
+    section is merged into it). Typing and unknown keys are checked later by `from_dict`."""
+    shorthands = shorthands or {}
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"malformed key {key!r}.")
+    data = dict(data or {})
+    node = data
+    for depth, part in enumerate(parts):
+        last = depth == len(parts) - 1
+        child = node.get(part)
+        name = ".".join(parts[:depth + 1])
+        if child is not None and not isinstance(child, dict) and (not last or isinstance(value, dict)):
+            if name not in shorthands:
+                raise ConfigError(f"{key}: {name} is a value, not a section.")
+            child = {shorthands[name]: child}
+        if last:
+            node[part] = {**child, **value} if isinstance(child, dict) and isinstance(value, dict) \
+                else value
+        else:
+            node[part] = dict(child or {})
+            node = node[part]
+    return data
+
+
 def apply_overrides(data: dict, overrides: Iterable[str], shorthands: Optional[dict] = None) -> dict:
-    """Set ``a.b.c=value`` overrides on the raw dict ``data`` (values parsed as YAML scalars).
+    """Set ``a.b.c=value`` overrides on (a copy of) the raw dict ``data``; values parse as YAML.
 
     Typing and unknown-key checks happen afterwards in `from_dict`, so a misspelt override gets the
     same dotted "did you mean" error as a misspelt YAML key. ``shorthands`` maps a section name to
     the field its scalar form stands for (``placement: disjoint`` + ``placement.schedule=...``).
     """
-    shorthands = shorthands or {}
-    data = dict(data or {})
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key=value, e.g. optim.lr=3e-4.")
         key, text = item.split("=", 1)
-        parts = [p for p in key.strip().split(".")]
-        if not all(parts):
-            raise ConfigError(f"override {item!r}: malformed key {key!r}.")
-        node = data
-        for depth, part in enumerate(parts[:-1]):
-            child = node.get(part)
-            if child is not None and not isinstance(child, dict):
-                name = ".".join(parts[:depth + 1])
-                if name not in shorthands:
-                    raise ConfigError(f"override {item!r}: {name} is a value, not a section.")
-                child = {shorthands[name]: child}
-            node[part] = dict(child or {})
-            node = node[part]
-        node[parts[-1]] = _parse_value(text)
+        data = set_dotted(data, key, _parse_value(text), shorthands)
     return data

@@ -78,7 +78,7 @@ def train(rf) -> dict:
     init_ray(rf, num_workers)
     result = trainer.fit()
     hist = read_history(result)
-    metrics = dict(result.metrics or {})
+    metrics = dict(result.metrics or (hist[-1] if hist else {}))
     first = hist[0] if hist else metrics
     print(f"[ray_dhp] done: loss {first.get('loss', float('nan')):.4f} (step {first.get('step')}) "
           f"-> {metrics.get('loss', float('nan')):.4f} (step {metrics.get('step')}); "
