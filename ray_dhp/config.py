@@ -63,7 +63,8 @@ class DHPConfig(BackendConfig):
         placement: ``"collocated"`` (every worker hosts a shard of both modules; both groups
             span all workers) or ``"disjoint"`` (vision workers first, then text workers).
         schedule: ``"sequential"`` or ``"pipelined"`` micro-batch schedule between the groups
-            (disjoint only); None picks the default for the placement.
+            (`ray_dhp.schedule`); None picks "pipelined" for disjoint, "sequential" for
+            collocated. Results do not depend on it, only timing does.
         timeout_s: timeout of collective operations.
 
     Example:
@@ -105,8 +106,8 @@ class DHPConfig(BackendConfig):
             raise ValueError("DHPConfig.text: the text group uses tensor_parallel, not sequence_parallel.")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"DHPConfig(placement={self.placement!r}): use one of {PLACEMENTS}.")
-        if self.schedule is None:
-            self.schedule = "sequential"
+        if self.schedule is None:  # overlap the groups when they live on different workers
+            self.schedule = "pipelined" if self.placement == "disjoint" else "sequential"
         if self.schedule not in SCHEDULES:
             raise ValueError(f"DHPConfig(schedule={self.schedule!r}): use one of {SCHEDULES}.")
         self.topology()  # validates the group sizes

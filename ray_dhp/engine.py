@@ -17,6 +17,8 @@ For identical data, seed and hyper-parameters the update equals the single-proce
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -26,7 +28,8 @@ import torch.nn.functional as F
 
 from ray_dhp.mesh import DHPGroups
 from ray_dhp.models import build_model, family_of, load_model_config
-from ray_dhp.optim import build_optimizer
+from ray_dhp.optim import build_optimizer, zero1_owners
+from ray_dhp.schedule import order_for
 from ray_dhp.parallel import boundary as bnd
 from ray_dhp.parallel import data as dp
 from ray_dhp.parallel.comm import CommCounter
@@ -87,12 +90,50 @@ def layout_micro_batch(samples, topology, family_name: str, vision_config) -> Mi
     return MicroBatchLayout(vs, bnd.split_evenly(n, t.dp), offsets, plans)
 
 
+@dataclass
+class _MicroBatch:
+    """Everything one micro-batch carries between the phases of a schedule."""
+
+    samples: list
+    lay: Optional[MicroBatchLayout] = None
+    feats: Optional[torch.Tensor] = None       # vision rows computed here (with graph)
+    plan: Optional[bnd.BoundaryPlan] = None
+    text_feats: Optional[torch.Tensor] = None  # rows in this rank's text layout
+    grad_feats: Optional[torch.Tensor] = None
+    loss_sum: float = 0.0
+
+    @property
+    def has_images(self) -> bool:
+        return any(s.image_grid_thw is not None for s in self.samples)
+
+
+class PhaseTimer:
+    """Wall time per phase of a step (``time_<phase>_s`` metrics)."""
+
+    def __init__(self):
+        self.totals: dict = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.totals[phase] = self.totals.get(phase, 0.0) + time.perf_counter() - t0
+
+    def as_metrics(self) -> dict:
+        return {f"time_{k}_s": v for k, v in self.totals.items()}
+
+
 class DHPEngine:
     """Holds this rank's shard(s) of the model and runs exact DHP training steps."""
 
     def __init__(self, model, groups: DHPGroups, cfg: TrainLoopConfig,
-                 comm: Optional[CommCounter] = None, dtype: torch.dtype = torch.float32):
+                 comm: Optional[CommCounter] = None, dtype: torch.dtype = torch.float32,
+                 schedule: str = "sequential"):
         self.groups, self.cfg, self.comm, self.dtype = groups, cfg, comm, dtype
+        self.schedule = schedule
+        order_for(schedule, 1)  # validates the name
         self.config = load_model_config(model)
         self.family = family_of(self.config)
         topo = groups.topology
@@ -113,12 +154,12 @@ class DHPEngine:
         self.text_params = list(self.text_model.parameters()) if self.text_model is not None else []
         self._partial = (partial_grad_params(self.text_model, self.family.tp_partial_grad_suffixes)
                          if self.text_model is not None and topo.text.inner > 1 else [])
-        self.vision_opt, self.vision_sched = build_optimizer(
-            self.visual.named_parameters() if self.visual is not None else [], cfg)
+        self._build_vision_optimizer()
         self.text_opt, self.text_sched = build_optimizer(
             self.text_model.named_parameters() if self.text_model is not None else [], cfg)
         self.feature_dim = self.family.feature_dim(self.config)
         self.step_count = 0
+        self._timer = PhaseTimer()
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -127,46 +168,67 @@ class DHPEngine:
         n_targets = sum(count_targets(mb) for mb in micro_batches)
         if n_targets == 0:
             raise ValueError("the step has no trainable tokens (all labels are -100)")
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        for mb in micro_batches:
-            loss_sum += self._micro_batch(mb, n_targets)
-        grad_norm = self._reduce_and_clip()
-        for opt, sched in ((self.vision_opt, self.vision_sched), (self.text_opt, self.text_sched)):
-            if opt is not None:
-                opt.step()
-                sched.step()
-                opt.zero_grad(set_to_none=True)
+        timer = self._timer = PhaseTimer()
+        states = [_MicroBatch(mb) for mb in micro_batches]
+        for phase, k in order_for(self.schedule, len(states)):
+            with timer(phase):
+                getattr(self, "_" + phase)(states[k], n_targets)
+        with timer("optimizer"):
+            grad_norm = self._reduce_and_clip()
+            for opt, sched in ((self.vision_opt, self.vision_sched), (self.text_opt, self.text_sched)):
+                if opt is not None:
+                    opt.step()
+                    sched.step()
+            for p in self.vision_params + self.text_params:  # incl. those another rank updates
+                p.grad = None
+            self._zero1_broadcast()
         self.step_count += 1
-        stats = torch.tensor([loss_sum.item() if self._is_text_leader_of_replica() else 0.0],
-                             dtype=torch.float64)
+        loss_sum = sum(s.loss_sum for s in states) if self._is_text_leader_of_replica() else 0.0
+        stats = torch.tensor([float(loss_sum)], dtype=torch.float64)
         dist.all_reduce(stats)
         return {"loss": stats[0].item() / n_targets, "grad_norm": grad_norm,
-                "num_targets": n_targets, "lr": self.current_lr()}
+                "num_targets": n_targets, "lr": self.current_lr(), **timer.as_metrics()}
 
-    def _micro_batch(self, samples, n_targets: int) -> torch.Tensor:
-        g, topo = self.groups, self.groups.topology
-        lay = layout_micro_batch(samples, topo, self.family.name, self.config.vision_config)
-        has_images = lay.row_offsets[-1] > 0
-        with self._autocast():
-            feats = self._vision_forward(samples, lay) if (g.is_vision and has_images) else None
-        text_feats = plan = None
-        if has_images:
-            plan = bnd.plan_boundary(topo, g.rank, self._held_rows(lay), self._needed_rows(lay))
-            text_feats = bnd.features_forward(plan, None if feats is None else feats.detach().to(self.dtype),
-                                              self.feature_dim, self.dtype, g.device, comm=self.comm)
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        grad_feats = None
+    # -- the four phases of a micro-batch (see ray_dhp.schedule) -------------------------------
+
+    def _vision_fwd(self, mb: "_MicroBatch", n_targets: int) -> None:
+        g = self.groups
+        mb.lay = layout_micro_batch(mb.samples, g.topology, self.family.name, self.config.vision_config)
+        if g.is_vision and mb.has_images:
+            with self._autocast():
+                mb.feats = self._vision_forward(mb.samples, mb.lay)
+
+    def _send_features(self, mb: "_MicroBatch", n_targets: int) -> None:
+        if mb.lay is None:  # ranks without a vision role plan here
+            mb.lay = layout_micro_batch(mb.samples, self.groups.topology, self.family.name,
+                                        self.config.vision_config)
+        if not mb.has_images:
+            return
+        g = self.groups
+        mb.plan = bnd.plan_boundary(g.topology, g.rank, self._held_rows(mb.lay), self._needed_rows(mb.lay))
+        local = None if mb.feats is None else mb.feats.detach().to(self.dtype)
+        mb.text_feats = bnd.features_forward(mb.plan, local, self.feature_dim, self.dtype, g.device,
+                                             comm=self.comm)
+
+    def _text_fwd_bwd(self, mb: "_MicroBatch", n_targets: int) -> None:
+        g = self.groups
         if g.is_text:
             j = g.text_coord[0]
-            loss_sum, grad_feats = self._text_forward_backward(
-                [samples[i] for i in lay.text_samples[j]], text_feats, n_targets)
-        if has_images:
-            n_local = 0 if feats is None else feats.shape[0]
-            g_local = bnd.features_backward(plan, grad_feats, n_local, self.feature_dim,
-                                            self.dtype, g.device, comm=self.comm)
-            if feats is not None:  # also with 0 local rows: the SP all-to-alls run in backward
-                feats.backward(g_local.to(feats.dtype))
-        return loss_sum
+            mb.loss_sum, mb.grad_feats = self._text_forward_backward(
+                [mb.samples[i] for i in mb.lay.text_samples[j]], mb.text_feats, n_targets)
+        mb.text_feats = None
+
+    def _return_grads(self, mb: "_MicroBatch", n_targets: int) -> None:
+        if not mb.has_images:
+            return
+        g = self.groups
+        n_local = 0 if mb.feats is None else mb.feats.shape[0]
+        g_local = bnd.features_backward(mb.plan, mb.grad_feats, n_local, self.feature_dim,
+                                        self.dtype, g.device, comm=self.comm)
+        if mb.feats is not None:  # also with 0 local rows: the SP all-to-alls run in backward
+            with self._timer("vision_bwd"):
+                mb.feats.backward(g_local.to(mb.feats.dtype))
+        mb.feats = mb.grad_feats = None
 
     def _vision_forward(self, samples, lay: MicroBatchLayout) -> Optional[torch.Tensor]:
         from ray_dhp.models.vision_qwen import vision_forward
@@ -236,6 +298,40 @@ class DHPEngine:
 
             return loss_parallel()
         return contextlib.nullcontext()
+
+    # -- ZeRO-1 for the vision group -----------------------------------------------------------
+
+    def _build_vision_optimizer(self) -> None:
+        """AdamW for the vision tower; with ``vision_zero1`` each vision rank keeps the optimizer
+        state of its share of the parameters only (ZeRO stage 1): every rank still all-reduces all
+        gradients (they are needed for the global norm anyway), only the owner updates a
+        parameter, and the new values are broadcast from the owners after the step. Plain AdamW
+        over a subset keeps DCP checkpointing by parameter name working unchanged."""
+        self._owners = None
+        named = list(self.visual.named_parameters()) if self.visual is not None else []
+        v = self.groups.topology.vision
+        if named and self.cfg.vision_zero1 and v.size > 1:
+            self._owners = zero1_owners([p.numel() for _, p in named], v.size)
+            me = self.groups.rank - v.offset
+            named = [(n, p) for (n, p), o in zip(named, self._owners) if o == me]
+        self.vision_opt, self.vision_sched = build_optimizer(named, self.cfg)
+
+    def _zero1_broadcast(self) -> None:
+        if self._owners is None:
+            return
+        v = self.groups.topology.vision
+        for owner in range(v.size):
+            params = [p for p, o in zip(self.vision_params, self._owners) if o == owner]
+            flat = torch.cat([p.detach().reshape(-1) for p in params])
+            dist.broadcast(flat, src=v.offset + owner, group=self.groups.vision_all)
+            from ray_dhp.parallel.comm import record
+
+            record(self.comm, "broadcast", "vision.zero1", flat)
+            off = 0
+            with torch.no_grad():
+                for p in params:
+                    p.copy_(flat[off:off + p.numel()].view_as(p))
+                    off += p.numel()
 
     # -- gradients -----------------------------------------------------------------------------
 

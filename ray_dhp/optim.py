@@ -44,3 +44,15 @@ def build_optimizer(named_params, cfg: TrainLoopConfig):
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     return opt, sched
+
+
+def zero1_owners(sizes: list, world: int) -> list:
+    """Assign parameters (by element count) to ``world`` ranks, largest first to the least loaded
+    rank: the ZeRO-1 partition. Deterministic, so every rank computes the same owners."""
+    load = [0] * world
+    owners = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owners[i] = r
+        load[r] += sizes[i]
+    return owners

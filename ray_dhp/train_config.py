@@ -32,6 +32,7 @@ class TrainLoopConfig:
         checkpoint_every: steps between checkpoints (0 = only at the end).
         autocast_dtype: None (fp32) or "bfloat16".
         activation_checkpointing: recompute transformer blocks in backward.
+        vision_zero1: shard the vision optimizer state over the vision group (ZeRO-1).
         dataset_paths: ``{name: annotation file}``; set by `DisaggregatedTrainer` when
             ``datasets=`` holds paths instead of Ray Datasets.
     """
@@ -54,6 +55,7 @@ class TrainLoopConfig:
     checkpoint_every: int = 0
     autocast_dtype: Optional[str] = None
     activation_checkpointing: bool = False
+    vision_zero1: bool = True
     dataset_paths: Optional[dict] = None
 
     def __post_init__(self):

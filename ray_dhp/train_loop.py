@@ -52,7 +52,8 @@ def train_loop(config: dict) -> None:
                                 else ctx.dhp_config.model)
     records, data_root = load_records(cfg)
     sampler = StepSampler(records, processor, data_root, cfg)
-    engine = DHPEngine(ctx.dhp_config.model, ctx.groups, cfg, comm=CommCounter())
+    engine = DHPEngine(ctx.dhp_config.model, ctx.groups, cfg, comm=CommCounter(),
+                       schedule=ctx.dhp_config.schedule)
     window_tokens, window_time = 0, 0.0
     for step in range(cfg.num_steps):
         t0 = time.perf_counter()

@@ -27,7 +27,7 @@ def make_steps(tmp_path, family: str, cfg: TrainLoopConfig, *, num_samples=16, t
     return [sampler.next_step() for _ in range(cfg.num_steps)]
 
 
-def _engine_body(rank, world, family, layout, cfg, steps, dtype):
+def _engine_body(rank, world, family, layout, cfg, steps, dtype, schedule):
     from ray_dhp.engine import DHPEngine
     from ray_dhp.mesh import build_groups
     from ray_dhp.parallel.comm import CommCounter
@@ -35,17 +35,19 @@ def _engine_body(rank, world, family, layout, cfg, steps, dtype):
     topo = Topology.build(**layout)
     groups = build_groups(topo, torch.device("cpu"))
     comm = CommCounter()
-    engine = DHPEngine(demo.tiny_model_config(family), groups, cfg, comm=comm, dtype=dtype)
+    engine = DHPEngine(demo.tiny_model_config(family), groups, cfg, comm=comm, dtype=dtype,
+                       schedule=schedule)
     params0 = engine.named_full_parameters()
     history = [engine.step(mbs) for mbs in steps]
     return {"history": history, "params0": params0, "params": engine.named_full_parameters(),
             "comm": comm.as_dict()}
 
 
-def run_engine(family: str, layout: dict, cfg: TrainLoopConfig, steps, dtype=torch.float32) -> dict:
+def run_engine(family: str, layout: dict, cfg: TrainLoopConfig, steps, dtype=torch.float32,
+               schedule: str = "sequential") -> dict:
     """Run the DHP engine; merge every rank's parameters (each full tensor comes from any host)."""
     world = Topology.build(**layout).world_size
-    outs = run_on_ranks(_engine_body, world, args=(family, layout, cfg, steps, dtype))
+    outs = run_on_ranks(_engine_body, world, args=(family, layout, cfg, steps, dtype, schedule))
     params, params0 = {}, {}
     for o in outs:
         params.update(o["params"])

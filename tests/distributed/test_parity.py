@@ -130,3 +130,27 @@ def test_bf16_autocast_tracks_fp32(fp32_reference):
                      replace(cfg, autocast_dtype="bfloat16"), steps)
     for g, r in zip(got["history"], ref["history"]):
         assert abs(g["loss"] - r["loss"]) <= 1e-2 * r["loss"], (g["loss"], r["loss"])
+
+
+PIPELINED = [
+    ("1v-2t", _layout("disjoint", (1, 1), (2, 1))),
+    ("2v-1t", _layout("disjoint", (2, 1), (1, 1))),
+    ("2v-sp2-2t-dp2", _layout("disjoint", (2, 1), (1, 2))),
+]
+
+
+@pytest.mark.parametrize("name, layout", PIPELINED, ids=[n for n, _ in PIPELINED])
+def test_pipelined_schedule_is_exact(name, layout, tmp_path_factory):
+    """The 1F1B-like schedule between disjoint groups changes timing, never results (fp64, 4
+    micro-batches, asymmetric groups)."""
+    from dataclasses import replace
+
+    cfg = replace(CFG, micro_batches=4)
+    key = "pipelined_steps"
+    if not hasattr(test_pipelined_schedule_is_exact, key):
+        steps = make_steps(tmp_path_factory.mktemp("pipe"), "qwen2_5_vl", cfg)
+        setattr(test_pipelined_schedule_is_exact, key,
+                (steps, run_reference("qwen2_5_vl", cfg, steps, torch.float64)))
+    steps, ref = getattr(test_pipelined_schedule_is_exact, key)
+    got = run_engine("qwen2_5_vl", layout, cfg, steps, torch.float64, schedule="pipelined")
+    assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10)
