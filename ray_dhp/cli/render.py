@@ -91,8 +91,10 @@ def markdown_reference(root=None) -> str:
     ]
     for sec in fields(root):
         cls = sec.metadata["section"]
-        doc = (cls.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
-        out += [f"## `{sec.name}`", "", f"{sec.metadata['help'].capitalize()}. {doc}".strip(), ""]
+        doc = (cls.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ").replace("``", "`")
+        if not cls.__module__.startswith("ray_dhp.run_config"):  # a library class: its own words
+            doc = f"{sec.metadata['help'].capitalize()}."
+        out += [f"## `{sec.name}`", "", doc, ""]
         out += ["| key | type | default | description |", "|---|---|---|---|"]
         for f in fields(cls):
             src = f.metadata.get("source")
