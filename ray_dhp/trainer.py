@@ -77,6 +77,9 @@ class DisaggregatedTrainer(DataParallelTrainer):
             TrainLoopConfig.from_dict(config)  # fail here, before any worker starts
             if not ray_datasets and not paths:
                 raise ValueError('the built-in loop needs datasets={"train": <Dataset or path>}.')
+            if dhp_config.processor is None and not isinstance(dhp_config.model, str):
+                raise ValueError("the built-in loop needs DHPConfig(processor=...) when the model "
+                                 "is a config object (with a model directory it is loaded from there).")
             run_config = _with_history(run_config or ray.train.RunConfig(),
                                        TrainLoopConfig.from_dict(config).num_steps)
         elif paths:

@@ -22,6 +22,7 @@ Conventions (HF, unshifted labels):
 from __future__ import annotations
 
 from dataclasses import dataclass
+import os
 from pathlib import Path
 
 import numpy as np
@@ -266,9 +267,35 @@ def as_vl_processor(obj) -> VLProcessor:
     """
     if isinstance(obj, VLProcessor):
         return obj
+    if isinstance(obj, (str, os.PathLike)):
+        return load_processor(os.fspath(obj))
     if hasattr(obj, "tokenizer") and hasattr(obj, "image_processor"):
         return VLProcessor(obj.tokenizer, obj.image_processor)
     if hasattr(obj, "convert_tokens_to_ids") and callable(obj):
         return VLProcessor(obj, None)
     raise TypeError(f"cannot use {type(obj).__name__} as a processor: pass a ray_dhp VLProcessor, "
                     "a transformers processor (with .tokenizer and .image_processor) or a tokenizer")
+
+
+def load_processor(path: str) -> VLProcessor:
+    """A processor from a local model directory: ``AutoProcessor`` when it loads; otherwise the
+    tokenizer plus the PIL-only Qwen2-VL image processor (transformers' default Qwen image
+    processors need torchvision, which some installs lack)."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    if not os.path.isdir(path):
+        raise ValueError(f"processor path {path!r} is not a local directory")
+    try:
+        proc = AutoProcessor.from_pretrained(path, local_files_only=True)
+        if getattr(proc, "image_processor", None) is not None:
+            return as_vl_processor(proc)
+    except (ImportError, ValueError, OSError, TypeError, AttributeError):
+        pass
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        image = Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True)
+    except OSError:
+        image = None
+    return VLProcessor(tok, image)
