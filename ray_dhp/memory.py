@@ -142,7 +142,8 @@ class RankMemory:
 
 
 def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int, text_tokens: int,
-                   samples: int, settings: ActivationSettings) -> list:
+                   samples: int, settings: ActivationSettings,
+                   state_bytes: float = STATE_BYTES_PER_PARAM) -> list:
     """Per-rank `RankMemory` for micro-batches of ``samples`` samples per replica, each with
     ``vision_tokens`` patch tokens and ``text_tokens`` text tokens."""
     vc, tc = config.vision_config, config.text_config
@@ -156,18 +157,19 @@ def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int,
         roles = topology.roles(r)
         params = (counts.vision if "vision" in roles else 0) + \
             (counts.text_per_rank(tp) if "text" in roles else 0)
-        out.append(RankMemory(r, roles, params, params * STATE_BYTES_PER_PARAM,
+        out.append(RankMemory(r, roles, params, params * state_bytes,
                               v_act if "vision" in roles else 0.0,
                               t_act if "text" in roles else 0.0))
     return out
 
 
 def estimate_zero3(config, counts: ParamCounts, world: int, *, vision_tokens: int,
-                   text_tokens: int, settings: ActivationSettings) -> float:
+                   text_tokens: int, settings: ActivationSettings,
+                   state_bytes: float = STATE_BYTES_PER_PARAM) -> float:
     """Bytes per GPU of the ZeRO-3 baseline: model state split ``world`` ways, one whole sample
     per GPU (no SP/TP: every activation of that sample stays on its GPU)."""
     vc, tc = config.vision_config, config.text_config
     seq = text_tokens + vision_tokens // vc.spatial_merge_size ** 2
-    state = (counts.vision + counts.text) * STATE_BYTES_PER_PARAM / world
+    state = (counts.vision + counts.text) * state_bytes / world
     return (state + vision_activation_bytes(vc, vision_tokens, 1, settings)
             + text_activation_bytes(tc, seq, 1, settings))

@@ -37,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--text-tokens", type=int, default=512, help="text tokens per sample")
     pl.add_argument("--attention", choices=["flash", "eager"], default="flash")
     pl.add_argument("--device-gib", type=float, default=80.0, help="accelerator memory")
+    pl.add_argument("--state-bytes", type=float, default=16.0, help="model-state bytes per "
+                    "parameter (16: fp32 weights+grads+AdamW; 12: bf16 weights+grads, fp32 moments)")
     c = sub.add_parser("config", help="print a complete run file")
     c.add_argument("--print-defaults", action="store_true", required=True)
     e = sub.add_parser("export", help="export a checkpoint as a Hugging Face model directory")
@@ -65,7 +67,8 @@ def _cmd_plan(args) -> int:
     rf = _load(args)
     tokens = [int(x) for x in str(args.vision_tokens).split(",") if x.strip()]
     print(plan_text(rf, vision_tokens=tokens, text_tokens=args.text_tokens,
-                    attention=args.attention, device_gib=args.device_gib))
+                    attention=args.attention, device_gib=args.device_gib,
+                    state_bytes=args.state_bytes))
     return 0
 
 

@@ -34,7 +34,7 @@ def samples_per_replica(rf, topology) -> int:
 
 
 def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention: str = "flash",
-              device_gib: float = 80.0) -> str:
+              device_gib: float = 80.0, state_bytes: float = 16.0) -> str:
     """The full `ray-dhp plan` report for the run file ``rf``."""
     dhp = rf.dhp_config()
     topo, config = dhp.topology(), dhp.model_config()
@@ -49,14 +49,15 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention: str = "fl
         f"workers: {num_workers} (scaling.use_gpu={rf.scaling.use_gpu})",
         "layout:", topo.describe(), "meshes:", *_meshes(topo),
         "",
-        "per-rank parameters (held by the rank; state = fp32 weights + grads + AdamW = 16 B/param):",
+        f"per-rank parameters (held by the rank; state = {state_bytes:g} B/param; 16 = fp32 weights "
+        "+ grads + AdamW, the engine's default):",
     ]
     for r in range(topo.world_size):
         roles = topo.roles(r)
         v = counts.vision if "vision" in roles else 0
         t = counts.text_per_rank(tp) if "text" in roles else 0
         out.append(f"  rank {r} [{'+'.join(roles)}]: vision {_num(v)} + text {_num(t)}"
-                   f" params; weights {_gib((v + t) * 4)}, state {_gib((v + t) * 16)}")
+                   f" params; weights {_gib((v + t) * 4)}, state {_gib((v + t) * state_bytes)}")
     out += ["", f"activation estimate: {samples} sample(s) per replica per micro-batch, "
                 f"{text_tokens} text tokens per sample, {settings.dtype_bytes}-byte activations, "
                 f"{attention} attention, activation checkpointing "
@@ -64,13 +65,14 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention: str = "fl
     for vt in vision_tokens:
         out.append(f"vision tokens per sample = {vt}:")
         for m in estimate_ranks(config, topo, counts, vision_tokens=vt, text_tokens=text_tokens,
-                                samples=samples, settings=settings):
+                                samples=samples, settings=settings,
+                                 state_bytes=state_bytes):
             flag = "fits" if m.total <= device_gib * GIB else "EXCEEDS device"
             out.append(f"  rank {m.rank} memory: state {_gib(m.state_bytes)} + vision act "
                        f"{_gib(m.vision_act)} + text act {_gib(m.text_act)} = {_gib(m.total)}"
                        f"  [{flag}]")
         z = estimate_zero3(config, counts, topo.world_size, vision_tokens=vt,
-                           text_tokens=text_tokens, settings=settings)
+                           text_tokens=text_tokens, settings=settings, state_bytes=state_bytes)
         out.append(f"  (reference: ZeRO-3 over {topo.world_size} GPUs, one sample per GPU, no SP/TP:"
                    f" {_gib(z)} per GPU [{'fits' if z <= device_gib * GIB else 'EXCEEDS device'}])")
     return "\n".join(out)
