@@ -1,0 +1,1 @@
+"""Baseline parallelisations the benchmarks compare DHP against (not part of the library)."""

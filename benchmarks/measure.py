@@ -1,0 +1,250 @@
+"""What the benchmarks measure inside a rank: saved activations, state bytes, collectives, RSS.
+
+* `ActivationCounter`: bytes of the tensors autograd saves for backward during a forward
+  (``torch.autograd.graph.saved_tensors_hooks``), de-duplicated by storage (a storage saved by
+  several ops counts once, at its full size), parameters excluded. Bytes are attributed to
+  ``"vision"`` while any sub-module of the vision tower is running (module hooks), else ``"text"``.
+* `CollectiveCounter`: calls and bytes sent (input buffer size) per collective, by wrapping the
+  ``torch.distributed`` functions and DTensor's functional collectives by name (the outermost call
+  counts once; DeepSpeed's comm layer and FSDP2 go through ``torch.distributed``).
+* `state_bytes`: local bytes of parameters and optimizer state (DTensor / FSDP2 shards count
+  their local shard; DeepSpeed ZeRO-3 its partitions).
+* `RssSampler`: peak resident set size of this process while a labelled region runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import defaultdict
+
+import torch
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _is_param(t: torch.Tensor) -> bool:
+    while t is not None:
+        if isinstance(t, torch.nn.Parameter):
+            return True
+        t = t._base
+    return False
+
+
+class ActivationCounter:
+    """Counts saved-for-backward bytes per tag within ``with counter.count():``."""
+
+    def __init__(self):
+        self.bytes = defaultdict(int)
+        self._seen: set = set()
+        self._depth = 0
+
+    def watch_vision(self, vision_module: torch.nn.Module) -> list:
+        """Tag work inside any sub-module of ``vision_module`` as "vision"; returns hook handles."""
+        handles = []
+        for m in vision_module.modules():
+            handles.append(m.register_forward_pre_hook(self._enter))
+            handles.append(m.register_forward_hook(self._leave))
+        return handles
+
+    def _enter(self, *_):
+        self._depth += 1
+
+    def _leave(self, *_):
+        self._depth -= 1
+
+    def _pack(self, t):
+        if not _is_param(t):
+            loc = _local(t)
+            try:
+                st = loc.untyped_storage()
+                key = (st.data_ptr(), st.nbytes())
+            except (RuntimeError, NotImplementedError):  # storage-less tensor subclasses
+                key, st = (id(loc), loc.numel() * loc.element_size()), None
+            if key not in self._seen:
+                self._seen.add(key)
+                self.bytes["vision" if self._depth > 0 else "text"] += key[1]
+        return t
+
+    @contextlib.contextmanager
+    def count(self):
+        self.bytes.clear()
+        self._seen.clear()
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            yield self
+
+    def as_dict(self) -> dict:
+        return {"vision": int(self.bytes["vision"]), "text": int(self.bytes["text"]),
+                "total": int(sum(self.bytes.values()))}
+
+
+# -- collectives --------------------------------------------------------------------------------
+
+_DIST_NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "_all_gather_base",
+               "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base",
+               "all_to_all", "all_to_all_single", "broadcast", "reduce", "send", "recv", "isend", "irecv",
+               "all_gather_coalesced", "all_reduce_coalesced", "_all_gather_base_coalesced")
+_FUNCOL_NAMES = ("all_reduce", "all_gather_tensor", "all_gather_single", "all_gather_tensor_autograd",
+                 "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all_single",
+                 "all_to_all_single_autograd", "broadcast", "all_reduce_coalesced",
+                 "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced")
+
+
+_INPUT_ARGS = ("input_tensor", "input", "self", "tensor", "input_tensor_list", "input_list", "inputs",
+               "input_tensors", "tensors")
+
+
+def _nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        x = _local(x)
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(y) for y in x)
+    return 0
+
+
+def _sent_bytes(fn, args, kwargs) -> int:
+    """Bytes of the input buffer(s) this rank contributes (the argument named like an input)."""
+    import inspect
+
+    try:
+        bound = inspect.signature(fn).bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        bound = {}
+    for name in _INPUT_ARGS:
+        if name in bound:
+            return _nbytes(bound[name])
+    return _nbytes(args[0]) if args else 0
+
+
+class CollectiveCounter:
+    """Wraps collectives by name while installed (``with counter.installed():``); thread-safe enough
+    for one training thread."""
+
+    def __init__(self):
+        self.stats = defaultdict(lambda: [0, 0])
+        self.enabled = False
+        self._inside = threading.local()
+
+    def _wrap(self, prefix, name, fn):
+        def wrapper(*args, **kwargs):
+            outer = not getattr(self._inside, "on", False)
+            if outer and self.enabled:
+                s = self.stats[f"{prefix}.{name}"]
+                s[0] += 1
+                s[1] += _sent_bytes(fn, args, kwargs)
+            self._inside.on = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if outer:
+                    self._inside.on = False
+        wrapper.__wrapped__ = fn
+        return wrapper
+
+    @contextlib.contextmanager
+    def installed(self):
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
+        import torch.distributed.distributed_c10d as c10d
+
+        saved = []
+        for mod, prefix, names in ((dist, "dist", _DIST_NAMES), (c10d, "dist", _DIST_NAMES),
+                                   (funcol, "funcol", _FUNCOL_NAMES)):
+            for n in names:
+                if hasattr(mod, n):
+                    saved.append((mod, n, getattr(mod, n)))
+                    setattr(mod, n, self._wrap(prefix, n, getattr(mod, n)))
+        try:
+            yield self
+        finally:
+            for mod, n, fn in reversed(saved):
+                setattr(mod, n, fn)
+
+    @contextlib.contextmanager
+    def counting(self):
+        self.stats.clear()
+        self.enabled = True
+        try:
+            yield self
+        finally:
+            self.enabled = False
+
+    def as_dict(self) -> dict:
+        return {k: {"calls": v[0], "bytes": v[1]} for k, v in sorted(self.stats.items())}
+
+
+# -- state and RSS ------------------------------------------------------------------------------
+
+def tensor_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        t = _local(t)
+        key = (t.data_ptr(), t.numel()) if t.numel() else (id(t), 0)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def optimizer_bytes(opt) -> int:
+    if opt is None:
+        return 0
+    return tensor_bytes(v for st in opt.state.values() for v in st.values())
+
+
+def params_bytes(params) -> int:
+    """Local bytes of parameters (DeepSpeed ZeRO-3: the rank's partition ``ds_tensor``)."""
+    out = []
+    for p in params:
+        out.append(p.ds_tensor if hasattr(p, "ds_tensor") else p)
+    return tensor_bytes(out)
+
+
+def rss_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+class RssSampler:
+    """Background thread: the peak RSS seen while ``with sampler.region(label):`` is active."""
+
+    def __init__(self, interval_s: float = 0.005):
+        self.peak = defaultdict(int)
+        self._label = None
+        self._stop = threading.Event()
+        self._interval = interval_s
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        import psutil
+
+        proc = psutil.Process()
+        while not self._stop.is_set():
+            label = self._label
+            if label is not None:
+                self.peak[label] = max(self.peak[label], proc.memory_info().rss)
+            time.sleep(self._interval)
+
+    @contextlib.contextmanager
+    def region(self, label: str):
+        self.peak[label] = max(self.peak[label], rss_bytes())
+        self._label = label
+        try:
+            yield
+        finally:
+            self._label = None
+            self.peak[label] = max(self.peak[label], rss_bytes())
+
+    def close(self):
+        self._stop.set()
