@@ -143,21 +143,23 @@ class RankMemory:
 
 def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int, text_tokens: int,
                    samples: int, settings: ActivationSettings,
-                   state_bytes: float = STATE_BYTES_PER_PARAM) -> list:
+                   state_bytes: float = STATE_BYTES_PER_PARAM, vision_zero1: bool = False) -> list:
     """Per-rank `RankMemory` for micro-batches of ``samples`` samples per replica, each with
-    ``vision_tokens`` patch tokens and ``text_tokens`` text tokens."""
+    ``vision_tokens`` patch tokens and ``text_tokens`` text tokens. With ``vision_zero1`` the
+    ViT's AdamW moments (8 of the state bytes) are sharded over the whole vision group."""
     vc, tc = config.vision_config, config.text_config
     merge = vc.spatial_merge_size ** 2
     sp, tp = topology.vision.inner, topology.text.inner
     seq = text_tokens + vision_tokens // merge
     v_act = vision_activation_bytes(vc, samples * vision_tokens, sp, settings, vision_tokens)
     t_act = text_activation_bytes(tc, samples * seq, tp, settings, seq)
+    moments = 8 * (1 - 1 / topology.vision.size) if vision_zero1 else 0
     out = []
     for r in range(topology.world_size):
         roles = topology.roles(r)
-        params = (counts.vision if "vision" in roles else 0) + \
-            (counts.text_per_rank(tp) if "text" in roles else 0)
-        out.append(RankMemory(r, roles, params, params * state_bytes,
+        v = counts.vision if "vision" in roles else 0
+        params = v + (counts.text_per_rank(tp) if "text" in roles else 0)
+        out.append(RankMemory(r, roles, params, params * state_bytes - v * moments,
                               v_act if "vision" in roles else 0.0,
                               t_act if "text" in roles else 0.0))
     return out

@@ -29,7 +29,8 @@ from ray_dhp.train_config import TrainLoopConfig
 __all__ = ["RunFile", "ConfigError", "load_run_file", "SHORTHANDS"]
 
 _DATA_KEYS = ("data_root", "max_tokens", "bad_data")
-_CHECKPOINT_KEYS = ("checkpoint_every",)
+_CHECKPOINT_KEYS = tuple(k for k in ("checkpoint_every", "resume_from")
+                         if k in {f.name for f in fields(TrainLoopConfig)})
 _NOT_IN_FILE = ("dataset_paths",)  # filled in from data.train
 
 
@@ -221,9 +222,11 @@ SHORTHANDS = {"placement": "mode"}
 def run_file_from_dict(data: dict, overrides=()) -> RunFile:
     """A `RunFile` from a raw dict plus ``key=value`` overrides (ConfigError on mistakes)."""
     rf = from_dict(RunFile, apply_overrides(data, overrides, SHORTHANDS))
-    for sec, key in (("model", "path"), ("data", "train"), ("run", "storage_path")):
+    for sec, key in (("model", "path"), ("data", "train"), ("run", "storage_path"),
+                     ("checkpoint", "resume_from")):
         obj = getattr(rf, sec)
-        if getattr(obj, key):
+        value = getattr(obj, key, None)
+        if isinstance(value, str) and value and "://" not in value:
             setattr(obj, key, os.path.abspath(os.path.expanduser(getattr(obj, key))))
     return rf
 

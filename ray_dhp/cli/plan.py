@@ -43,6 +43,7 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention: str = "fl
     tp = topo.text.inner
     settings = settings_of(rf, attention)
     samples = samples_per_replica(rf, topo)
+    zero1 = bool(getattr(rf.optim, "vision_zero1", False))
     out = [
         f"model: {config.model_type}; parameters: vision {_num(counts.vision)}, "
         f"text {_num(counts.text)} ({_num(counts.text_sharded)} tensor-parallel)",
@@ -61,12 +62,13 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention: str = "fl
     out += ["", f"activation estimate: {samples} sample(s) per replica per micro-batch, "
                 f"{text_tokens} text tokens per sample, {settings.dtype_bytes}-byte activations, "
                 f"{attention} attention, activation checkpointing "
-                f"{'on' if settings.checkpointing else 'off'}; device {device_gib:g} GiB"]
+                f"{'on' if settings.checkpointing else 'off'}, vision ZeRO-1 "
+                f"{'on' if zero1 else 'off'}; device {device_gib:g} GiB"]
     for vt in vision_tokens:
         out.append(f"vision tokens per sample = {vt}:")
         for m in estimate_ranks(config, topo, counts, vision_tokens=vt, text_tokens=text_tokens,
                                 samples=samples, settings=settings,
-                                 state_bytes=state_bytes):
+                                 state_bytes=state_bytes, vision_zero1=zero1):
             flag = "fits" if m.total <= device_gib * GIB else "EXCEEDS device"
             out.append(f"  rank {m.rank} memory: state {_gib(m.state_bytes)} + vision act "
                        f"{_gib(m.vision_act)} + text act {_gib(m.text_act)} = {_gib(m.total)}"
