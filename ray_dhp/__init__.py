@@ -18,6 +18,7 @@ __all__ = [
     "TrainLoopConfig",
     "Topology",
     "get_context",
+    "export_hf",
     "demo",
 ]
 
@@ -28,6 +29,7 @@ _LAZY = {
     "TrainLoopConfig": ("ray_dhp.train_config", "TrainLoopConfig"),
     "Topology": ("ray_dhp.topology", "Topology"),
     "get_context": ("ray_dhp.backend", "get_context"),
+    "export_hf": ("ray_dhp.export", "export_hf"),
     "demo": ("ray_dhp.demo", None),
 }
 

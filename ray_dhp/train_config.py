@@ -30,6 +30,8 @@ class TrainLoopConfig:
         data_root: folder image paths are relative to (default: the annotation file's folder).
         max_tokens: samples longer than this many tokens are bad data (None = no limit).
         checkpoint_every: steps between checkpoints (0 = only at the end).
+        resume_from: checkpoint to start from when the run has none of its own yet: a path (one
+            checkpoint, or a folder of them) or a ``ray.train.Checkpoint``; any layout.
         autocast_dtype: None (fp32) or "bfloat16".
         activation_checkpointing: recompute transformer blocks in backward.
         vision_zero1: shard the vision optimizer state over the vision group (ZeRO-1).
@@ -53,6 +55,7 @@ class TrainLoopConfig:
     data_root: Optional[str] = None
     max_tokens: Optional[int] = None
     checkpoint_every: int = 0
+    resume_from: Optional[str] = None
     autocast_dtype: Optional[str] = None
     activation_checkpointing: bool = False
     vision_zero1: bool = True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Callable, Optional
 
 import torch
 
@@ -31,14 +32,52 @@ def load_records(cfg: TrainLoopConfig):
     return records_from_rows(shard.iter_rows(), source="ray.data:train"), root
 
 
-def _report(metrics: dict, *, checkpoint=None) -> None:
+def _report(metrics: dict, *, checkpoint_dir=None, step: int = 0) -> None:
     import ray.train
 
-    ray.train.report(metrics, checkpoint=checkpoint)
+    if checkpoint_dir is None:
+        ray.train.report(metrics)
+        return
+    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(checkpoint_dir),
+                     checkpoint_dir_name=f"checkpoint_{step:06d}")
 
 
-def train_loop(config: dict) -> None:
-    """Train the configured VLM with DHP; report loss/step/tokens_per_s every ``log_every`` steps."""
+def _resume(cfg: TrainLoopConfig, engine, sampler) -> int:
+    """Load the run's latest checkpoint (after a restart) or ``cfg.resume_from``; the step to
+    start at (0 when there is nothing to resume)."""
+    import ray.train
+
+    from ray_dhp import checkpoint
+
+    source = ray.train.get_checkpoint() or cfg.resume_from
+    return checkpoint.load(source, engine, sampler) if source is not None else 0
+
+
+def _save_and_report(metrics: dict, engine, sampler, hook) -> None:
+    """Every rank writes its shards into its own temp dir, then reports it (Ray merges them)."""
+    import tempfile
+
+    from ray_dhp import checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="ray_dhp_ckpt_") as d:
+        checkpoint.save(d, engine, sampler)
+        hook("checkpoint_saved", engine.step_count)
+        _report(metrics, checkpoint_dir=d, step=engine.step_count)
+
+
+def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
+    """Train the configured VLM with DHP; report loss/step/tokens_per_s every ``log_every`` steps
+    and a sharded checkpoint every ``checkpoint_every`` steps and at the end.
+
+    Args:
+        config: ``train_loop_config`` (keys of `TrainLoopConfig`).
+        hook: optional ``hook(event, step)`` called on every rank at ``"step_end"`` and at
+            ``"checkpoint_saved"`` (shards written, before the report); for instrumentation and
+            fault-injection tests.
+
+    Returns:
+        ``{"resumed_from_step": k, "final_step": n}`` (rank 0's is ``Result.return_value``).
+    """
     from ray_dhp.backend import get_context
     from ray_dhp.data.processing import as_vl_processor
     from ray_dhp.data.sampler import StepSampler
@@ -46,6 +85,7 @@ def train_loop(config: dict) -> None:
     from ray_dhp.parallel.comm import CommCounter
 
     cfg = TrainLoopConfig.from_dict(config)
+    hook = hook or (lambda event, step: None)
     ctx = get_context()
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
     processor = as_vl_processor(ctx.dhp_config.processor if ctx.dhp_config.processor is not None
@@ -54,15 +94,18 @@ def train_loop(config: dict) -> None:
     sampler = StepSampler(records, processor, data_root, cfg)
     engine = DHPEngine(ctx.dhp_config.model, ctx.groups, cfg, comm=CommCounter(),
                        schedule=ctx.dhp_config.schedule)
+    first = _resume(cfg, engine, sampler)
     window_tokens, window_time = 0, 0.0
-    for step in range(cfg.num_steps):
+    for step in range(first, cfg.num_steps):
         t0 = time.perf_counter()
         micro_batches = sampler.next_step()
         out = engine.step(micro_batches)
         window_time += time.perf_counter() - t0
         window_tokens += sum(int(s.input_ids.numel()) for mb in micro_batches for s in mb)
+        hook("step_end", step + 1)
         last = step == cfg.num_steps - 1
-        if step == 0 or (step + 1) % cfg.log_every == 0 or last:
+        save = last or (cfg.checkpoint_every > 0 and (step + 1) % cfg.checkpoint_every == 0)
+        if save or step == first or (step + 1) % cfg.log_every == 0:
             metrics = {
                 "step": step + 1, "loss": out["loss"], "grad_norm": out["grad_norm"], "lr": out["lr"],
                 "tokens_per_s": window_tokens / max(window_time, 1e-9),
@@ -70,5 +113,9 @@ def train_loop(config: dict) -> None:
             }
             if ctx.rank == 0:
                 logger.info("step %d/%d %s", step + 1, cfg.num_steps, metrics)
-            _report(metrics)
+            if save:
+                _save_and_report(metrics, engine, sampler, hook)
+            else:
+                _report(metrics)
             window_tokens, window_time = 0, 0.0
+    return {"resumed_from_step": first, "final_step": engine.step_count}

@@ -30,6 +30,10 @@ class DisaggregatedTrainer(DataParallelTrainer):
             given whole to every worker (not split): the built-in loop shards samples itself,
             deterministically from the seed and step, over the data-parallel replicas.
         dataset_config: ``ray.train.DataConfig`` (default: nothing split, order preserved).
+        resume_from: start from this checkpoint (a ``ray.train.Checkpoint``, e.g. an earlier
+            ``result.checkpoint``, or a path: one checkpoint or a folder of them), written at any
+            layout; passed to the workers as ``train_loop_config["resume_from"]``. After a failure
+            the run resumes from its own latest checkpoint instead.
 
     Example:
         >>> import ray.train
@@ -55,6 +59,7 @@ class DisaggregatedTrainer(DataParallelTrainer):
         run_config=None,
         datasets: Optional[dict] = None,
         dataset_config=None,
+        resume_from=None,
     ):
         import ray.train
 
@@ -68,6 +73,8 @@ class DisaggregatedTrainer(DataParallelTrainer):
             dhp_config.validate_workers(scaling_config.num_workers)
         ray_datasets, paths = _split_datasets(datasets or {})
         config = dict(train_loop_config or {})
+        if resume_from is not None:
+            config["resume_from"] = _checkpoint_source(resume_from)
         if train_loop_per_worker is None:
             from ray_dhp.train_loop import train_loop
 
@@ -98,6 +105,17 @@ class DisaggregatedTrainer(DataParallelTrainer):
             datasets=ray_datasets,
             dataset_config=dataset_config,
         )
+
+
+def _checkpoint_source(resume_from):
+    """A local path made absolute (workers change directory) and checked; a Checkpoint as is."""
+    if isinstance(resume_from, (str, os.PathLike)):
+        path = os.path.abspath(os.fspath(resume_from))
+        if not os.path.isdir(path):
+            raise ValueError(f"resume_from={path!r} is not a directory (a checkpoint or a folder "
+                             "of checkpoints).")
+        return path
+    return resume_from
 
 
 def _with_history(run_config, total_steps: int):

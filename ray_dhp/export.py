@@ -1,0 +1,87 @@
+"""Export a ray_dhp checkpoint as a Hugging Face model directory (safetensors + config.json).
+
+Runs in one process, no process group: the parameters are read from the sharded DCP checkpoint
+with ``no_dist=True`` (DCP assembles every tensor from whichever ranks' shards hold it), put into
+the transformers class of the stored config, and written with ``save_pretrained``. The result
+loads with ``<ModelClass>.from_pretrained(out_dir)`` or ``DHPConfig(model=out_dir)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch
+
+
+def read_model_tensors(directory: str) -> dict:
+    """All model parameters of the checkpoint in ``directory``, full tensors by HF name."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    empty = {k[len("model."):]: torch.empty(v.size, dtype=v.properties.dtype)
+             for k, v in md.items() if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    state = {"model": empty}
+    dcp.load(state, checkpoint_id=directory, no_dist=True)
+    return state["model"]
+
+
+def model_config_of(meta: dict):
+    """The transformers config stored in a checkpoint's metadata."""
+    import transformers
+
+    from ray_dhp.models import FAMILIES
+
+    family = FAMILIES[meta["family"]]
+    cls = getattr(transformers, family.model_class).config_class
+    return cls.from_dict(json.loads(meta["model_config"]))
+
+
+def build_hf_model(config, tensors: dict, dtype: Optional[torch.dtype] = None):
+    """The transformers model of ``config`` holding ``tensors`` (no random init of the weights)."""
+    import transformers
+    from accelerate import init_empty_weights
+
+    from ray_dhp.models import family_of
+
+    cls = getattr(transformers, family_of(config).model_class)
+    with init_empty_weights(include_buffers=False):
+        model = cls._from_config(config, dtype=next(iter(tensors.values())).dtype)
+    result = model.load_state_dict(tensors, strict=False, assign=True)
+    if result.unexpected_keys:
+        raise ValueError(f"checkpoint tensors unknown to {cls.__name__}: {result.unexpected_keys[:5]}")
+    model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"the checkpoint lacks parameters of {cls.__name__}: {missing[:5]}")
+    return model.to(dtype) if dtype is not None else model
+
+
+def export_hf(checkpoint, out_dir: str, *, dtype: Optional[torch.dtype] = None) -> str:
+    """Write the model of a ray_dhp checkpoint as a Hugging Face directory.
+
+    Args:
+        checkpoint: a ``ray.train.Checkpoint`` (e.g. ``result.checkpoint``) or a path: one
+            checkpoint, or a folder of them (its newest complete one is used).
+        out_dir: the directory to write (``config.json`` + ``model.safetensors``).
+        dtype: cast the weights (e.g. ``torch.bfloat16``); None keeps the training dtype.
+
+    Returns:
+        ``out_dir`` as an absolute path.
+
+    Example:
+        >>> from ray_dhp import export_hf
+        >>> export_hf(result.checkpoint, "/tmp/my_vlm")  # doctest: +SKIP
+        >>> Qwen2_5_VLForConditionalGeneration.from_pretrained("/tmp/my_vlm")  # doctest: +SKIP
+    """
+    from ray_dhp import checkpoint as ckpt
+
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    with ckpt.local_dir(checkpoint) as d:
+        d = ckpt.resolve(d)
+        meta = ckpt.read_meta(d)
+        model = build_hf_model(model_config_of(meta), read_model_tensors(d), dtype)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
