@@ -44,6 +44,7 @@ def test_tune_sweep_returns_the_better_trial(ray_start, fast_reports, tmp_path):
 
     grid = sweep(TINY, {"optim.lr": tune.grid_search([1e-6, 3e-3])},
                  overrides=["optim.num_steps=3", "optim.log_every=10", "data.demo_samples=16",
+                            "vision.sequence_parallel=1", "text.tensor_parallel=1",  # 1 worker each
                             f"run.storage_path={tmp_path}", "run.name=sweep"])
     assert len(grid) == 2 and not grid.errors
     losses = {r.config["optim.lr"]: r.metrics["loss"] for r in grid}
