@@ -213,7 +213,7 @@ def resolve(path: str) -> str:
 @contextlib.contextmanager
 def local_dir(checkpoint):
     """A local directory for a ``ray.train.Checkpoint`` (downloaded if remote) or a path."""
-    if isinstance(checkpoint, (str, os.PathLike)):
+    if not _is_ray_checkpoint(checkpoint):
         yield os.fspath(checkpoint)
         return
     import pyarrow.fs
@@ -223,6 +223,11 @@ def local_dir(checkpoint):
         return
     with checkpoint.as_directory() as d:
         yield d
+
+
+def _is_ray_checkpoint(obj) -> bool:
+    # Not ``isinstance(obj, os.PathLike)``: ray.train.Checkpoint defines __fspath__ (to raise).
+    return hasattr(obj, "as_directory") and hasattr(obj, "filesystem")
 
 
 # -- load --------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Optional
 
 import torch
@@ -24,7 +25,9 @@ def read_model_tensors(directory: str) -> dict:
     empty = {k[len("model."):]: torch.empty(v.size, dtype=v.properties.dtype)
              for k, v in md.items() if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
     state = {"model": empty}
-    dcp.load(state, checkpoint_id=directory, no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=directory, no_dist=True)
     return state["model"]
 
 

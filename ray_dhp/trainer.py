@@ -109,7 +109,7 @@ class DisaggregatedTrainer(DataParallelTrainer):
 
 def _checkpoint_source(resume_from):
     """A local path made absolute (workers change directory) and checked; a Checkpoint as is."""
-    if isinstance(resume_from, (str, os.PathLike)):
+    if not hasattr(resume_from, "as_directory"):  # a path (a ray.train.Checkpoint is PathLike too)
         path = os.path.abspath(os.fspath(resume_from))
         if not os.path.isdir(path):
             raise ValueError(f"resume_from={path!r} is not a directory (a checkpoint or a folder "
