@@ -31,7 +31,8 @@ def memory_table(res: dict) -> str:
     runs = res["sweep"][length]
     lines = [f"Per rank (worst rank), vision length {length}, global batch {res['meta']['batch']}:", "",
              "| contender | activations MiB (vision / text) | model MiB (error) | params+grads+optimizer MiB | "
-             "peak RSS MiB | collectives per step (calls, MiB sent by rank 0) |", "|---|---|---|---|---|---|"]
+             "peak RSS MiB | CUDA peak MiB | collectives per step (calls, MiB sent by rank 0) |",
+             "|---|---|---|---|---|---|---|"]
     val = {(v["contender"], str(v["length"])): v for v in res["memory_model"]["validation"]}
     for n in names:
         r = runs[n]
@@ -42,7 +43,7 @@ def memory_table(res: dict) -> str:
         model = f"{v['model'] / MiB:.1f} ({100 * v['rel_err']:+.1f}%)" if v else "—"
         lines.append(f"| {n} | {r['activation_max'] / MiB:.1f} ({r['vision_act_max'] / MiB:.1f} / "
                      f"{r['text_act_max'] / MiB:.1f}) | {model} | {st / MiB:.1f} | {max(r['peak_rss_per_rank']) / MiB:.0f} "
-                     f"| {calls}, {sent:.1f} |")
+                     f"| {max(r['cuda_peak_per_rank']) / MiB:.0f} | {calls}, {sent:.1f} |")
     return "\n".join(lines)
 
 

@@ -1,0 +1,1 @@
+"""The prepared GPU run (see run_gpu.sh)."""
