@@ -184,6 +184,12 @@ def _complete_children(folder: str) -> list:
     return [s for s in subs if os.path.isdir(s) and is_complete(s)]
 
 
+def _looks_like_checkpoint(directory: str) -> bool:
+    """Holds checkpoint files (complete or not), as opposed to a folder of checkpoints."""
+    return any(n in (".metadata", META_FILE, COMMIT_FILE) or n.endswith(".distcp")
+               for n in os.listdir(directory))
+
+
 def resolve(path: str) -> str:
     """The checkpoint directory to load for ``path``.
 
@@ -196,18 +202,19 @@ def resolve(path: str) -> str:
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     if is_complete(path):
         return path
-    if os.path.isfile(os.path.join(path, ".metadata")) or os.path.isfile(os.path.join(path, META_FILE)) \
-            or not _complete_children(path):
-        step = _step_of(path)
-        parent = os.path.dirname(path)
-        older = [c for c in _complete_children(parent) if _step_of(c) < step or step < 0]
-        if not older:
-            raise FileNotFoundError(f"checkpoint {path} is incomplete (torn write) and no complete "
-                                    f"earlier checkpoint was found next to it")
-        best = max(older, key=_step_of)
-        logger.warning("checkpoint %s is incomplete; falling back to %s", path, best)
-        return best
-    return max(_complete_children(path), key=_step_of)
+    if not _looks_like_checkpoint(path):
+        children = _complete_children(path)
+        if not children:
+            raise FileNotFoundError(f"no complete checkpoint in {path}")
+        return max(children, key=_step_of)
+    step = _step_of(path)
+    older = [c for c in _complete_children(os.path.dirname(path)) if _step_of(c) < step or step < 0]
+    if not older:
+        raise FileNotFoundError(f"checkpoint {path} is incomplete (torn write) and no complete "
+                                f"earlier checkpoint was found next to it")
+    best = max(older, key=_step_of)
+    logger.warning("checkpoint %s is incomplete; falling back to %s", path, best)
+    return best
 
 
 @contextlib.contextmanager
@@ -223,6 +230,30 @@ def local_dir(checkpoint):
         return
     with checkpoint.as_directory() as d:
         yield d
+
+
+def latest_of_run():
+    """What a (re)started Ray Train worker resumes from: the newest complete checkpoint in the
+    run's storage folder when that is local, else Ray's registered latest (None if neither).
+
+    Ray registers a checkpoint only once the controller has collected every rank's report, so a
+    worker killed just after ``report`` returned can leave a complete, uploaded checkpoint that
+    ``ray.train.get_checkpoint()`` does not know; the folder scan does not lose it.
+    """
+    import pyarrow.fs
+    import ray.train
+
+    try:
+        storage = ray.train.get_context().get_storage()  # a Ray DeveloperAPI: be defensive
+        local = isinstance(storage.storage_filesystem, pyarrow.fs.LocalFileSystem)
+        folder = storage.experiment_fs_path if local else None
+    except Exception as e:  # noqa: BLE001
+        logger.debug("run folder not available: %s", e)
+        folder = None
+    if folder and os.path.isdir(folder):
+        with contextlib.suppress(FileNotFoundError):
+            return resolve(folder)
+    return ray.train.get_checkpoint()
 
 
 def _is_ray_checkpoint(obj) -> bool:
@@ -290,10 +321,3 @@ def _check_compatible(meta: dict, engine) -> None:
         raise ValueError(f"checkpoint holds a {meta.get('family')} model but this run trains a "
                          f"{engine.family.name} model; use DHPConfig(model=...) of the same family.")
 
-
-def latest(folder: str) -> Optional[str]:
-    """The newest complete checkpoint under ``folder`` (None if there is none)."""
-    try:
-        return resolve(folder)
-    except FileNotFoundError:
-        return None

@@ -45,11 +45,9 @@ def _report(metrics: dict, *, checkpoint_dir=None, step: int = 0) -> None:
 def _resume(cfg: TrainLoopConfig, engine, sampler) -> int:
     """Load the run's latest checkpoint (after a restart) or ``cfg.resume_from``; the step to
     start at (0 when there is nothing to resume)."""
-    import ray.train
-
     from ray_dhp import checkpoint
 
-    source = ray.train.get_checkpoint() or cfg.resume_from
+    source = checkpoint.latest_of_run() or cfg.resume_from
     return checkpoint.load(source, engine, sampler) if source is not None else 0
 
 
@@ -95,6 +93,9 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
     engine = DHPEngine(ctx.dhp_config.model, ctx.groups, cfg, comm=CommCounter(),
                        schedule=ctx.dhp_config.schedule)
     first = _resume(cfg, engine, sampler)
+    if first >= cfg.num_steps:
+        logger.warning("the checkpoint is at step %d >= num_steps=%d: nothing to train; raise "
+                       "num_steps to continue it", first, cfg.num_steps)
     window_tokens, window_time = 0, 0.0
     for step in range(first, cfg.num_steps):
         t0 = time.perf_counter()
