@@ -48,6 +48,7 @@ def parse(argv=None):
     p.add_argument("--skip-ray", action="store_true")
     p.add_argument("--tiny", action="store_true", help="dry run: 2 short lengths, 2 steps, small checks")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--rescore", metavar="JSON", help="recompute ratios/targets/plots/README from a results file")
     a = p.parse_args(argv)
     if a.tiny:
         a.lengths, a.steps, a.sp_length, a.overhead_length, a.overhead_steps = "64,256", 2, 256, 256, 3
@@ -87,7 +88,7 @@ def summarise_sweep(per_rank: list, opts: dict) -> tuple[dict, dict]:
             med = statistics.median(times)
             acts = [r["activations"] for r in runs]
             rows[n] = {
-                "step_time_median_s": med, "step_times_s": times,
+                "step_time_median_s": med, "step_time_min_s": min(times), "step_times_s": times,
                 "vision_tokens_per_s": opts["batch"] * length / med,
                 "losses": runs[0]["losses"],
                 "activations_per_rank": acts,
@@ -103,10 +104,11 @@ def summarise_sweep(per_rank: list, opts: dict) -> tuple[dict, dict]:
     return contenders, sweep
 
 
-def ratios(sweep: dict) -> dict:
+def ratios(sweep: dict, key: str = "step_time_median_s") -> dict:
+    """Throughput ratios ``a/b`` per length, from median (default) or minimum step times."""
     out = {}
     for length, rows in sweep.items():
-        tput = {n: r["vision_tokens_per_s"] for n, r in rows.items()}
+        tput = {n: 1.0 / r[key] for n, r in rows.items()}
         out[length] = {f"{a}/{b}": tput[a] / tput[b] for a in ("dhp", "dhp-disjoint") for b in tput
                        if a in tput and b != a}
     return out
@@ -164,10 +166,12 @@ def targets(res: dict) -> list:
     out = []
     longest = list(res["sweep"])[-1]
     r = res["ratios"][longest].get("dhp/tp")
+    r_min = res["ratios_min"][longest].get("dhp/tp")
     out.append({"name": "DHP >= 1.3x uniform TP vision tokens/s at the longest length", "value": r,
-                "hit": bool(r and r >= 1.3),
-                "detail": f"{_fmt(r)} at {longest} patches (CPU, {res['meta']['ranks']} ranks on "
-                          f"{os.cpu_count()} cores: see README on oversubscription)"})
+                "hit": bool(r and r >= 1.3 and r_min >= 1.3),
+                "detail": f"{_fmt(r)} from median step times, {_fmt(r_min)} from minimum step times, at "
+                          f"{longest} patches ({res['meta']['hardware']}, {res['meta']['ranks']} ranks: see "
+                          "'Reading CPU numbers')"})
     big = res["memory_model"]["big_models"]
     fits = "; ".join(f"{row['model']} {'with' if row['activation_checkpointing'] else 'without'} AC: "
                      f"{row['dhp'] / max(row['zero3'], 1):.1f}× "
@@ -178,18 +182,59 @@ def targets(res: dict) -> list:
                 "value": best, "hit": all(row["dhp"] >= 7 * row["zero3"] for row in big),
                 "detail": f"hit only if every row reaches 7×; best {best:.1f}×. " + fits})
     o = res.get("ray_overhead") or {}
-    ratio = o.get("step_time_ratio_ray_over_plain")
-    out.append({"name": "plugin per-step overhead <= 3%", "value": ratio, "hit": bool(ratio and ratio <= 1.03),
-                "detail": f"Ray/plain per-step median {_fmt(ratio)}" if ratio else "not measured"})
+    if "plain" in o:
+        o.update(overhead_summary(o))
+        detail = (f"Ray/plain per-step ratio {_fmt(o['ratio_min'])} from minimum step times, "
+                  f"{_fmt(o['step_time_ratio_ray_over_plain'])} from medians; the two plain runs alone differ by "
+                  f"{100 * o['plain_vs_plain_median_spread']:.0f}% in median (other jobs on the machine), so "
+                  "medians cannot resolve 3% here; the minimum estimates the uncontended step")
+        out.append({"name": "plugin per-step overhead <= 3%", "value": o["ratio_min"],
+                    "hit": o["ratio_min"] <= 1.03, "detail": detail})
+    else:
+        out.append({"name": "plugin per-step overhead <= 3%", "value": None, "hit": False, "detail": "not measured"})
     return out
+
+
+def overhead_summary(o: dict) -> dict:
+    plain_times = [t for run in o["plain"] for t in run["times"][1:]]
+    meds = [statistics.median(run["times"][1:]) for run in o["plain"]]
+    return {"ratio_min": min(o["ray"]["times"][1:]) / min(plain_times),
+            "plain_vs_plain_median_spread": max(meds) / min(meds) - 1}
+
+
+def finalise(res: dict) -> dict:
+    """Derived numbers (ratios, targets) from the raw measurements; also used by --rescore."""
+    res["ratios"] = ratios(res["sweep"])
+    res["ratios_min"] = ratios(res["sweep"], "step_time_min_s")
+    res["targets"] = targets(res)
+    return res
 
 
 def _fmt(x):
     return "n/a" if x is None else f"{x:.2f}×"
 
 
+def rescore(path: str) -> str:
+    with open(path) as f:
+        res = json.load(f)
+    for rows in res["sweep"].values():
+        for r in rows.values():
+            r["step_time_min_s"] = min(r["step_times_s"])
+    res["meta"]["rescored"] = "ratios/targets recomputed from the raw measurements by --rescore"
+    finalise(res)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    stem = os.path.splitext(os.path.basename(path))[0]
+    report.plots(res, os.path.splitext(path)[0])
+    report.update_readme(os.path.join(HERE, "README.md"), report.markdown(res, stem))
+    print(report.markdown(res, stem))
+    return path
+
+
 def main(argv=None) -> str:
     a = parse(argv)
+    if a.rescore:
+        return rescore(a.rescore)
     from benchmarks.launcher import spawn
     from benchmarks.sweep import sp_scaling_body, sweep_body
 
@@ -211,8 +256,7 @@ def main(argv=None) -> str:
     print(f"[bench] 1/SP check at {a.sp_length}", flush=True)
     sp = spawn(sp_scaling_body, a.ranks, (dict(opts, length=a.sp_length),), backend=a.backend, threads=threads)
     config = shapes.model_config(a.shape)
-    res = {"meta": meta, "contenders": contenders, "sweep": sweep, "ratios": ratios(sweep),
-           "sp_scaling": sp_check(sp, a.sp_length)}
+    res = {"meta": meta, "contenders": contenders, "sweep": sweep, "sp_scaling": sp_check(sp, a.sp_length)}
     mem = validate_model(sweep, config, opts) if a.autocast is None else {"validation": [], "note": "fp32 only"}
     mem.update(gpus=8, gpu_gib=80, reserve_gib=6, budget_gib=74, big_models=mm.big_model_table(8, 80.0, 6.0),
                small_scale=small_scale_fit(config, a.ranks))
@@ -229,7 +273,7 @@ def main(argv=None) -> str:
         except Exception as e:  # noqa: BLE001 - recorded in the results
             res["ray_overhead"] = {"error": f"{type(e).__name__}: {e}"}
     meta["loadavg_after"] = [round(x, 1) for x in os.getloadavg()]
-    res["targets"] = targets(res)
+    finalise(res)
     os.makedirs(a.out, exist_ok=True)
     stem = f"{a.shape}-{hw}-{date}" + ("-tiny" if a.tiny else "")
     path = os.path.join(a.out, stem + ".json")
