@@ -21,8 +21,9 @@ if REPO not in sys.path:
 
 def args_for(device: str, tiny: bool, gpus: int) -> list:
     if device == "cpu":
-        return ["--ranks", "2", "--backend", "gloo", "--contenders", "dhp,dhp-disjoint,tp,fsdp2",
-                "--skip-ray", "--tiny", "--out", os.path.join(tempfile.gettempdir(), "dhp_gpu_dry_run")] \
+        return ["--ranks", "2", "--backend", "gloo", "--autocast", "bfloat16", "--contenders",
+                "dhp,dhp-disjoint,tp,fsdp2,zero3", "--skip-ray", "--tiny",
+                "--out", os.path.join(tempfile.gettempdir(), "dhp_gpu_dry_run")] \
             + ([] if tiny else ["--lengths", "256,1024"])
     ranks = max(1, gpus)
     contenders = "dhp,dhp-disjoint,tp,fsdp2,zero3" if ranks >= 2 else "dhp,tp,fsdp2,zero3"
