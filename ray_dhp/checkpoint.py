@@ -29,7 +29,6 @@ import logging
 import os
 import random
 import re
-from typing import Optional
 
 import torch
 import torch.distributed as dist

@@ -42,6 +42,21 @@ def _report(metrics: dict, *, checkpoint_dir=None, step: int = 0) -> None:
                      checkpoint_dir_name=f"checkpoint_{step:06d}")
 
 
+def _peak_memory_mb_per_rank() -> list:
+    """Peak memory of every rank (CUDA max allocated on GPU, else peak RSS), in MiB."""
+    import resource
+
+    import torch.distributed as dist
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        mine = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, round(mine, 1))
+    return out
+
+
 def _resume(cfg: TrainLoopConfig, engine, sampler) -> int:
     """Load the run's latest checkpoint (after a restart) or ``cfg.resume_from``; the step to
     start at (0 when there is nothing to resume)."""
@@ -96,13 +111,15 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
     if first >= cfg.num_steps:
         logger.warning("the checkpoint is at step %d >= num_steps=%d: nothing to train; raise "
                        "num_steps to continue it", first, cfg.num_steps)
-    window_tokens, window_time = 0, 0.0
+    window_tokens, window_patches, window_time = 0, 0, 0.0
     for step in range(first, cfg.num_steps):
         t0 = time.perf_counter()
         micro_batches = sampler.next_step()
         out = engine.step(micro_batches)
         window_time += time.perf_counter() - t0
         window_tokens += sum(int(s.input_ids.numel()) for mb in micro_batches for s in mb)
+        window_patches += sum(int(s.pixel_values.shape[0]) for mb in micro_batches for s in mb
+                              if s.pixel_values is not None)
         hook("step_end", step + 1)
         last = step == cfg.num_steps - 1
         save = last or (cfg.checkpoint_every > 0 and (step + 1) % cfg.checkpoint_every == 0)
@@ -110,7 +127,10 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
             metrics = {
                 "step": step + 1, "loss": out["loss"], "grad_norm": out["grad_norm"], "lr": out["lr"],
                 "tokens_per_s": window_tokens / max(window_time, 1e-9),
+                "vision_tokens_per_s": window_patches / max(window_time, 1e-9),
                 "skipped_samples": sampler.skipped, "epoch": sampler.epoch,
+                "peak_memory_mb_per_rank": _peak_memory_mb_per_rank(),
+                **{k: v for k, v in out.items() if k.startswith("time_")},  # step-phase times
             }
             if ctx.rank == 0:
                 logger.info("step %d/%d %s", step + 1, cfg.num_steps, metrics)
@@ -118,5 +138,5 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
                 _save_and_report(metrics, engine, sampler, hook)
             else:
                 _report(metrics)
-            window_tokens, window_time = 0, 0.0
+            window_tokens, window_patches, window_time = 0, 0, 0.0
     return {"resumed_from_step": first, "final_step": engine.step_count}

@@ -136,3 +136,16 @@ def resolve_data_root(path, data_root=None) -> Path:
         path = list(path)[0]
     p = Path(path).expanduser().resolve()
     return p if p.is_dir() else p.parent
+
+
+def records_from_rows(rows, source: str = "ray.data") -> list[Record]:
+    """Records from already-parsed rows (e.g. a Ray Dataset's ``iter_rows()``), in order.
+
+    Rows are LLaVA dicts; Ray Data may add columns of None for keys other rows have (an absent
+    ``image`` of a text-only sample reads as None): those None values are dropped.
+    """
+    out = []
+    for i, row in enumerate(rows):
+        data = {k: v for k, v in dict(row).items() if v is not None}
+        out.append(Record(i, data, source, i, line_kind="item"))
+    return out
