@@ -58,12 +58,7 @@ def spawn(fn, world_size: int, args: tuple = (), *, backend: str = "gloo", threa
         p.start()
     results, errors = [None] * world_size, []
     try:
-        for _ in range(world_size):
-            rank, status, out = queue.get(timeout=timeout_s)
-            if status != "ok":
-                errors.append(f"rank {rank}:\n{out}")
-                break
-            results[rank] = torch.load(io.BytesIO(out), weights_only=False)
+        _collect(procs, queue, results, errors, timeout_s)
     finally:
         for p in procs:
             p.join(timeout=5 if errors else timeout_s)
@@ -72,3 +67,33 @@ def spawn(fn, world_size: int, args: tuple = (), *, backend: str = "gloo", threa
     if errors:
         raise RuntimeError("a rank failed\n" + "\n".join(errors))
     return results
+
+
+def _collect(procs, queue, results, errors, timeout_s: float) -> None:
+    """Gather one result per rank; stop at the first error, at a rank that died without
+    reporting (killed, segfault, OOM: its exit code is named) or after ``timeout_s``."""
+    import queue as queue_mod
+    import time
+
+    import torch
+
+    deadline, pending = time.monotonic() + timeout_s, len(procs)
+    while pending:
+        try:
+            rank, status, out = queue.get(timeout=1.0)
+        except queue_mod.Empty:
+            done = {r for r, v in enumerate(results) if v is not None}
+            dead = [(r, p.exitcode) for r, p in enumerate(procs)
+                    if r not in done and p.exitcode not in (None, 0)]
+            if dead:
+                errors.append("; ".join(f"rank {r} died with exit code {c}" for r, c in dead))
+                return
+            if time.monotonic() > deadline:
+                errors.append(f"no result from {pending} rank(s) within {timeout_s:.0f} s")
+                return
+            continue
+        if status != "ok":
+            errors.append(f"rank {rank}:\n{out}")
+            return
+        results[rank] = torch.load(io.BytesIO(out), weights_only=False)
+        pending -= 1
