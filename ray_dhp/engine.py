@@ -32,7 +32,7 @@ from ray_dhp.optim import build_optimizer, zero1_owners
 from ray_dhp.schedule import order_for
 from ray_dhp.parallel import boundary as bnd
 from ray_dhp.parallel import data as dp
-from ray_dhp.parallel.comm import CommCounter
+from ray_dhp.parallel.comm import CommCounter, record
 from ray_dhp.parallel.tensor import apply_tp_plan, partial_grad_params
 from ray_dhp.train_config import TrainLoopConfig
 
@@ -199,9 +199,6 @@ class DHPEngine:
                 mb.feats = self._vision_forward(mb.samples, mb.lay)
 
     def _send_features(self, mb: "_MicroBatch", n_targets: int) -> None:
-        if mb.lay is None:  # ranks without a vision role plan here
-            mb.lay = layout_micro_batch(mb.samples, self.groups.topology, self.family.name,
-                                        self.config.vision_config)
         if not mb.has_images:
             return
         g = self.groups
@@ -324,8 +321,6 @@ class DHPEngine:
             params = [p for p, o in zip(self.vision_params, self._owners) if o == owner]
             flat = torch.cat([p.detach().reshape(-1) for p in params])
             dist.broadcast(flat, src=v.offset + owner, group=self.groups.vision_all)
-            from ray_dhp.parallel.comm import record
-
             record(self.comm, "broadcast", "vision.zero1", flat)
             off = 0
             with torch.no_grad():
