@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from ray.train.backend import Backend
 
+from ray_dhp.launch import free_port
+
 logger = logging.getLogger(__name__)
 
 _ENV_ADDR, _ENV_PORT = "RAY_DHP_MASTER_ADDR", "RAY_DHP_MASTER_PORT"
@@ -105,7 +107,7 @@ class WorkerContextManager:
         if not dist.is_initialized():
             # Local mode (num_workers=0) runs no backend hooks: a 1-rank world on a free port.
             addr = os.environ.get(_ENV_ADDR, "127.0.0.1")
-            port = os.environ.get(_ENV_PORT) or str(_free_port())
+            port = os.environ.get(_ENV_PORT) or str(free_port())
             dist.init_process_group(
                 "nccl" if device.type == "cuda" else "gloo",
                 init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
@@ -122,10 +124,3 @@ class WorkerContextManager:
         _teardown()
         return False
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
