@@ -14,24 +14,6 @@ from ray_dhp.train_config import TrainLoopConfig
 logger = logging.getLogger(__name__)
 
 
-def load_records(cfg: TrainLoopConfig):
-    """(records, data_root): from a path given to the trainer, or from the Ray Dataset "train"."""
-    from ray_dhp.data.reading import read_annotations, resolve_data_root
-
-    paths = cfg.dataset_paths or {}
-    if "train" in paths:
-        return read_annotations(paths["train"]), resolve_data_root(paths["train"], cfg.data_root)
-    import ray.train
-
-    from ray_dhp.data.reading import records_from_rows
-
-    shard = ray.train.get_dataset_shard("train")
-    if shard is None:
-        raise ValueError('no "train" dataset: pass datasets={"train": ...} to the trainer.')
-    root = cfg.data_root or os.getcwd()
-    return records_from_rows(shard.iter_rows(), source="ray.data:train"), root
-
-
 def _report(metrics: dict, *, checkpoint_dir=None, step: int = 0) -> None:
     import ray.train
 
@@ -93,7 +75,7 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
     """
     from ray_dhp.backend import get_context
     from ray_dhp.data.processing import as_vl_processor
-    from ray_dhp.data.sampler import StepSampler
+    from ray_dhp.data.sources import make_sampler
     from ray_dhp.engine import DHPEngine
     from ray_dhp.parallel.comm import CommCounter
 
@@ -103,8 +85,7 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
     processor = as_vl_processor(ctx.dhp_config.processor if ctx.dhp_config.processor is not None
                                 else ctx.dhp_config.model)
-    records, data_root = load_records(cfg)
-    sampler = StepSampler(records, processor, data_root, cfg)
+    sampler = make_sampler(cfg, processor)
     engine = DHPEngine(ctx.dhp_config.model, ctx.groups, cfg, comm=CommCounter(),
                        schedule=ctx.dhp_config.schedule)
     first = _resume(cfg, engine, sampler)

@@ -30,7 +30,12 @@ class StepSampler:
         g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + epoch)
         return torch.randperm(len(self.records), generator=g).tolist()
 
-    def _next_index(self) -> int:
+    def root_for(self, i: int):
+        """Folder that record ``i``'s relative image paths are resolved against."""
+        return self.data_root
+
+    def next_index(self) -> int:
+        """Index (into ``records``) of the next sample in the seeded order; advances the position."""
         if self.pos == len(self._order):
             self.epoch += 1
             self.pos = 0
@@ -39,24 +44,38 @@ class StepSampler:
         self.pos += 1
         return i
 
-    def _load(self, i: int):
+    def process(self, i: int):
+        """Record ``i`` as a `Sample`, or the `BadSample` exception saying why it cannot be one
+        (no policy applied: see `note_bad`)."""
         from ray_dhp.data.processing import BadSample
 
-        rec = self.records[i]
         try:
-            sample = self.processor.process(rec, self.data_root, max_tokens=self.cfg.max_tokens)
-            sample.index = i
-            return sample
+            sample = self.processor.process(self.records[i], self.root_for(i),
+                                            max_tokens=self.cfg.max_tokens)
         except BadSample as e:
-            where = f"{getattr(rec, 'source', '?')}:{getattr(rec, 'line', i)}"
-            if self.cfg.bad_data == "strict":
-                raise ValueError(f"bad sample at {where}: {e} (set bad_data='skip' to skip such "
-                                 f"samples)") from e
-            if i not in self.bad:
-                self.bad.add(i)
-                if len(self.bad) <= _LOG_FIRST:
-                    logger.warning("skipping bad sample at %s: %s", where, e)
+            return e
+        sample.index = i
+        return sample
+
+    def note_bad(self, i: int, error) -> None:
+        """Apply the bad-data policy to record ``i``: raise (strict) or count it once and log the
+        first few (skip)."""
+        rec = self.records[i]
+        where = f"{getattr(rec, 'source', '?')}:{getattr(rec, 'line', i)}"
+        if self.cfg.bad_data == "strict":
+            raise ValueError(f"bad sample at {where}: {error} (set bad_data='skip' to skip such "
+                             f"samples)") from (error if isinstance(error, BaseException) else None)
+        if i not in self.bad:
+            self.bad.add(i)
+            if len(self.bad) <= _LOG_FIRST:
+                logger.warning("skipping bad sample at %s: %s", where, error)
+
+    def _load(self, i: int):
+        out = self.process(i)
+        if isinstance(out, Exception):
+            self.note_bad(i, out)
             return None
+        return out
 
     def next_step(self) -> list:
         """The next step's micro-batches: ``micro_batches`` lists of samples."""
@@ -65,7 +84,7 @@ class StepSampler:
             tries += 1
             if tries > need + 2 * len(self.records):
                 raise ValueError("not enough valid samples in the dataset to fill a batch")
-            s = self._load(self._next_index())
+            s = self._load(self.next_index())
             if s is not None:
                 samples.append(s)
         m = self.cfg.micro_batch_size()
