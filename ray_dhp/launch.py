@@ -46,7 +46,6 @@ def _worker(rank, world_size, port, backend, threads, fn, args, queue):
 def spawn(fn, world_size: int, args: tuple = (), *, backend: str = "gloo", threads: int = 1,
           timeout_s: float = 1800.0) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; results by rank."""
-    import torch
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")

@@ -31,6 +31,7 @@ class DHPGroups:
     text_dp: Optional[dist.ProcessGroup] = None
     text_all: Optional[dist.ProcessGroup] = None
     text_mesh: Optional[object] = None              # DeviceMesh ("dp", "tp") on text ranks
+    data: Optional[dist.ProcessGroup] = None        # all ranks, gloo: the data loader's exchange
 
     @property
     def is_vision(self) -> bool:
@@ -79,6 +80,9 @@ def build_groups(topology: Topology, device: torch.device) -> DHPGroups:
     groups.text_tp = _new_groups(t.inner_groups(), rank)
     groups.text_dp = _new_groups(t.dp_groups(), rank)
     groups.text_all = _new_groups([t.ranks], rank)
+    # The data loader exchanges samples from a background thread: its own (CPU) group, so its
+    # collectives never interleave with the training ones.
+    groups.data = dist.new_group(list(range(topology.world_size)), backend="gloo")
     if groups.is_text:
         from torch.distributed.device_mesh import DeviceMesh
 

@@ -35,6 +35,8 @@ class TrainLoopConfig:
         autocast_dtype: None (fp32) or "bfloat16".
         activation_checkpointing: recompute transformer blocks in backward.
         vision_zero1: shard the vision optimizer state over the vision group (ZeRO-1).
+        prefetch: prepare the next step's samples in a background thread while the current
+            step trains (each sample is decoded once across the cluster either way).
         dataset_paths: ``{name: annotation file}``; set by `DisaggregatedTrainer` when
             ``datasets=`` holds paths instead of Ray Datasets.
     """
@@ -59,6 +61,7 @@ class TrainLoopConfig:
     autocast_dtype: Optional[str] = None
     activation_checkpointing: bool = False
     vision_zero1: bool = True
+    prefetch: bool = True
     dataset_paths: Optional[dict] = None
 
     def __post_init__(self):

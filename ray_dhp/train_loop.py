@@ -75,6 +75,7 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
     """
     from ray_dhp.backend import get_context
     from ray_dhp.data.processing import as_vl_processor
+    from ray_dhp.data.loader import StepLoader
     from ray_dhp.data.sources import make_sampler
     from ray_dhp.engine import DHPEngine
     from ray_dhp.parallel.comm import CommCounter
@@ -85,22 +86,25 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
     processor = as_vl_processor(ctx.dhp_config.processor if ctx.dhp_config.processor is not None
                                 else ctx.dhp_config.model)
-    sampler = make_sampler(cfg, processor)
+    loader = StepLoader(make_sampler(cfg, processor), ctx.groups, prefetch=cfg.prefetch)
     engine = DHPEngine(ctx.dhp_config.model, ctx.groups, cfg, comm=CommCounter(),
                        schedule=ctx.dhp_config.schedule)
-    first = _resume(cfg, engine, sampler)
+    first = _resume(cfg, engine, loader)
     if first >= cfg.num_steps:
         logger.warning("the checkpoint is at step %d >= num_steps=%d: nothing to train; raise "
                        "num_steps to continue it", first, cfg.num_steps)
-    window_tokens, window_patches, window_time = 0, 0, 0.0
+    loader.start(cfg.num_steps - first)  # prepares step k+1 while step k trains
+    window_start = first
+    window_tokens, window_patches, window_time, data_wait = 0, 0, 0.0, 0.0
     for step in range(first, cfg.num_steps):
         t0 = time.perf_counter()
-        micro_batches = sampler.next_step()
+        micro_batches = loader.next()
+        data_wait += time.perf_counter() - t0
         out = engine.step(micro_batches)
         window_time += time.perf_counter() - t0
         window_tokens += sum(int(s.input_ids.numel()) for mb in micro_batches for s in mb)
-        window_patches += sum(int(s.pixel_values.shape[0]) for mb in micro_batches for s in mb
-                              if s.pixel_values is not None)
+        window_patches += sum(int(s.image_grid_thw.prod(-1).sum()) for mb in micro_batches for s in mb
+                              if s.image_grid_thw is not None)
         hook("step_end", step + 1)
         last = step == cfg.num_steps - 1
         save = last or (cfg.checkpoint_every > 0 and (step + 1) % cfg.checkpoint_every == 0)
@@ -109,15 +113,17 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
                 "step": step + 1, "loss": out["loss"], "grad_norm": out["grad_norm"], "lr": out["lr"],
                 "tokens_per_s": window_tokens / max(window_time, 1e-9),
                 "vision_tokens_per_s": window_patches / max(window_time, 1e-9),
-                "skipped_samples": sampler.skipped, "epoch": sampler.epoch,
+                "skipped_samples": loader.skipped, "epoch": loader.epoch,
+                "time_data_wait_s": data_wait / max(1, step + 1 - window_start),
                 "peak_memory_mb_per_rank": _peak_memory_mb_per_rank(),
                 **{k: v for k, v in out.items() if k.startswith("time_")},  # step-phase times
             }
             if ctx.rank == 0:
                 logger.info("step %d/%d %s", step + 1, cfg.num_steps, metrics)
             if save:
-                _save_and_report(metrics, engine, sampler, hook)
+                _save_and_report(metrics, engine, loader, hook)
             else:
                 _report(metrics)
-            window_tokens, window_patches, window_time = 0, 0, 0.0
+            window_tokens, window_patches, window_time, data_wait = 0, 0, 0.0, 0.0
+            window_start = step + 1
     return {"resumed_from_step": first, "final_step": engine.step_count}

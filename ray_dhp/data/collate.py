@@ -29,9 +29,9 @@ def pad_text_batch(samples: Sequence[Sample], pad_id: int, *, pad_to_multiple_of
 
     Returns:
         ``input_ids``, ``attention_mask`` (1 on real tokens), ``labels`` (-100 on padding),
-        ``mm_token_type_ids`` (0 on padding) — all ``[B, L]`` long — plus ``pixel_values`` and
-        ``image_grid_thw``: the samples' images concatenated in batch order, or None if none
-        has images.
+        ``mm_token_type_ids`` (0 on padding) — all ``[B, L]`` long — plus ``image_grid_thw``
+        and ``pixel_values``: the samples' images concatenated in batch order, or None if none
+        has images (``pixel_values`` is also None when the samples came without pixels).
     """
     if not samples:
         raise ValueError("pad_text_batch needs at least one sample")
@@ -43,7 +43,9 @@ def pad_text_batch(samples: Sequence[Sample], pad_id: int, *, pad_to_multiple_of
         "labels": _pad([s.labels for s in samples], length, IGNORE_INDEX),
         "mm_token_type_ids": _pad([s.mm_token_type_ids for s in samples], length, 0),
     }
-    with_images = [s for s in samples if s.pixel_values is not None]
-    batch["pixel_values"] = torch.cat([s.pixel_values for s in with_images]) if with_images else None
-    batch["image_grid_thw"] = torch.cat([s.image_grid_thw for s in with_images]) if with_images else None
+    # Text ranks get the grids without the pixels (only vision ranks hold pixels).
+    grids = [s.image_grid_thw for s in samples if s.image_grid_thw is not None]
+    pixels = [s.pixel_values for s in samples if s.image_grid_thw is not None]
+    batch["image_grid_thw"] = torch.cat(grids) if grids else None
+    batch["pixel_values"] = torch.cat(pixels) if grids and all(p is not None for p in pixels) else None
     return batch

@@ -1,0 +1,230 @@
+"""Each step's samples: decoded once across the cluster, and prepared one step ahead.
+
+Every rank runs the same `StepSampler`, so every rank knows which records form a step without
+asking anyone. Processing them (image decode, resize, patchify, chat template, tokenisation,
+label masking) is the expensive part, and it is split instead of repeated:
+
+1. the step's candidate records are dealt round-robin over *all* ranks (vision and text); each
+   record is processed by its owner only;
+2. the owners exchange, on a dedicated gloo group, the small text side of every sample (token
+   ids, labels, ``mm_token_type_ids``, the image grid, or the reason it is bad) with every rank
+   (``all_gather_object``): every rank then knows the whole step — its layout, its target count,
+   and which candidates were bad, for which replacements are drawn in the same order the
+   single-process sampler would draw them, so the step's samples do not depend on the layout;
+3. each sample's pixels go point-to-point from its owner to the vision ranks of the replica that
+   computes it — and nowhere else (text ranks never hold pixels).
+
+`StepLoader.start` runs this in a background thread one step ahead of training (the exchange uses
+its own process group, so it never interleaves with the training collectives). `state_dict()` is
+the sampler position of the last step *handed out*, which is what a checkpoint must store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StepLoader"]
+
+
+@dataclasses.dataclass
+class _Item:
+    index: int                 # record index
+    sample: object             # Sample without pixels (pixels are attached after routing)
+    owner: int
+    pixel_shape: Optional[tuple] = None
+    pixel_dtype: Optional[torch.dtype] = None
+
+
+class _Fatal:
+    """An unexpected error while processing on the owner: every rank raises it."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+class StepLoader:
+    """Hands out each step's micro-batches (lists of `Sample`), the same on every rank except that
+    a sample carries ``pixel_values`` only on the vision ranks that compute it.
+
+    Args:
+        sampler: the run's `StepSampler` (same seed and records on every rank).
+        groups: this rank's `DHPGroups` (None: a single process, no exchange).
+        prefetch: with `start`, prepare the next step in a background thread.
+    """
+
+    def __init__(self, sampler, groups=None, *, prefetch: bool = True):
+        self.sampler, self.groups, self.prefetch = sampler, groups, prefetch
+        self.group = getattr(groups, "data", None)
+        distributed = groups is not None and dist.is_initialized()
+        self.world = dist.get_world_size() if distributed else 1
+        self.rank = dist.get_rank() if distributed else 0
+        self._state = sampler.state_dict()
+        self._skipped, self._epoch = sampler.skipped, sampler.epoch
+        self._next_owner = 0
+        self._queue: Optional[queue.Queue] = None
+        self._thread: Optional[threading.Thread] = None
+        self.processed_here = 0  # records this rank processed (decoded) so far
+
+    # -- what a checkpoint stores ---------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Sampler position after the last step handed out by `next`."""
+        return self._state
+
+    def load_state_dict(self, state: dict) -> None:
+        if self._thread is not None:
+            raise RuntimeError("load_state_dict must come before start()")
+        self.sampler.load_state_dict(state)
+        self._state = self.sampler.state_dict()
+        self._skipped, self._epoch = self.sampler.skipped, self.sampler.epoch
+
+    @property
+    def skipped(self) -> int:
+        """Distinct bad samples skipped up to the last step handed out."""
+        return self._skipped
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    # -- handing out steps ----------------------------------------------------------------------
+
+    def start(self, num_steps: int) -> None:
+        """Prepare the next ``num_steps`` steps in a background thread, one step ahead."""
+        if not self.prefetch or num_steps <= 0:
+            return
+        self._queue = queue.Queue(maxsize=1)
+        self._thread = threading.Thread(target=self._run, args=(num_steps,), daemon=True,
+                                        name="ray_dhp-data")
+        self._thread.start()
+
+    def _run(self, num_steps: int) -> None:
+        for _ in range(num_steps):
+            try:
+                item = self._produce()
+            except BaseException as exc:  # handed to the training thread, which raises it
+                self._queue.put(exc)
+                return
+            self._queue.put(item)
+
+    def next(self) -> list:
+        """The next step's micro-batches."""
+        if self._queue is not None:
+            item = self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+        else:
+            item = self._produce()
+        micro_batches, self._state, self._skipped, self._epoch = item
+        return micro_batches
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def _produce(self):
+        s = self.sampler
+        need, draws = s.cfg.global_batch_size, 0
+        chosen: list[_Item] = []
+        while len(chosen) < need:
+            candidates = []
+            while len(candidates) < need - len(chosen):
+                draws += 1
+                if draws > need + 2 * len(s.records):
+                    raise ValueError("not enough valid samples in the dataset to fill a batch")
+                i = s.next_index()
+                if i not in s.bad:  # known bad: already counted, no need to process it again
+                    candidates.append(i)
+            owners = [(self._next_owner + q) % self.world for q in range(len(candidates))]
+            self._next_owner = (self._next_owner + len(candidates)) % self.world
+            mine = {q: self._process(i) for q, (i, o) in enumerate(zip(candidates, owners))
+                    if o == self.rank}
+            pixels = {q: x.pixel_values for q, x in mine.items() if not isinstance(x, (Exception, _Fatal))}
+            metas = self._gather_meta(mine)
+            for q, i in enumerate(candidates):
+                meta = metas[q]
+                if isinstance(meta, _Fatal):
+                    raise RuntimeError(f"processing record {i} on rank {owners[q]} failed: {meta.message}")
+                if isinstance(meta, str):
+                    s.note_bad(i, meta)  # strict: raises here, on every rank alike
+                    continue
+                item = _Item(i, meta["sample"], owners[q], meta["pixel_shape"], meta["pixel_dtype"])
+                if owners[q] == self.rank:
+                    item.sample.pixel_values = pixels.get(q)
+                chosen.append(item)
+        self._route_pixels(chosen)
+        m = s.cfg.micro_batch_size()
+        samples = [it.sample for it in chosen]
+        out = [samples[k:k + m] for k in range(0, need, m)]
+        return out, s.state_dict(), s.skipped, s.epoch
+
+    def _process(self, i: int):
+        self.processed_here += 1
+        try:
+            return self.sampler.process(i)
+        except Exception as exc:  # not bad data: a bug or an environment problem
+            logger.exception("processing record %d failed", i)
+            return _Fatal(f"{type(exc).__name__}: {exc}")
+
+    def _gather_meta(self, mine: dict) -> dict:
+        """Every rank's processed candidates, text side only: q -> meta dict | reason | _Fatal."""
+        local = {}
+        for q, x in mine.items():
+            if isinstance(x, _Fatal):
+                local[q] = x
+            elif isinstance(x, Exception):
+                local[q] = str(x)
+            else:
+                pv = x.pixel_values
+                local[q] = {"sample": dataclasses.replace(x, pixel_values=None),
+                            "pixel_shape": None if pv is None else tuple(pv.shape),
+                            "pixel_dtype": None if pv is None else pv.dtype}
+        if self.world == 1:
+            return local
+        parts = [None] * self.world
+        dist.all_gather_object(parts, local, group=self.group)
+        merged = {}
+        for part in parts:
+            merged.update(part)
+        return merged
+
+    def _consumers(self, slot: int) -> list[int]:
+        """Global ranks that need the pixels of the sample at ``slot`` of its micro-batch."""
+        from ray_dhp.parallel.boundary import split_evenly
+
+        v = self.groups.topology.vision
+        for i, rng in enumerate(split_evenly(self.sampler.cfg.micro_batch_size(), v.dp)):
+            if slot in rng:
+                return [v.rank_at(i, k) for k in range(v.inner)]
+        raise AssertionError(slot)
+
+    def _route_pixels(self, chosen: list) -> None:
+        if self.world == 1:
+            return
+        m = self.sampler.cfg.micro_batch_size()
+        requests, keep = [], []  # keep: tensors in flight stay alive until every wait()
+        for pos, it in enumerate(chosen):
+            if it.pixel_shape is None:
+                continue
+            consumers = self._consumers(pos % m)
+            if it.owner == self.rank:
+                for c in consumers:
+                    if c != self.rank:
+                        requests.append(dist.isend(it.sample.pixel_values.contiguous(), dst=c,
+                                                   group=self.group, tag=pos))
+                if self.rank not in consumers:
+                    keep.append(it.sample.pixel_values)
+                    it.sample.pixel_values = None
+            elif self.rank in consumers:
+                buf = torch.empty(it.pixel_shape, dtype=it.pixel_dtype)
+                requests.append(dist.irecv(buf, src=it.owner, group=self.group, tag=pos))
+                it.sample.pixel_values = buf
+        for r in requests:
+            r.wait()
