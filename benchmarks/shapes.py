@@ -25,6 +25,15 @@ SHAPES = {
         text=dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
                   intermediate_size=768),
     ),
+    # The vitheavy ViT with a 2x deeper LLM: at 256 patches per image the vision and text groups
+    # of a 1+1 disjoint split are about equally busy (the regime a pipeline between them is for).
+    "balanced": dict(
+        vision=dict(depth=8, hidden_size=128, num_heads=8, intermediate_size=384, out_hidden_size=256,
+                    fullatt_block_indexes=[3, 7], window_size=112, patch_size=14, spatial_merge_size=2,
+                    temporal_patch_size=2, tokens_per_second=2),
+        text=dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                  intermediate_size=768),
+    ),
     # For the GPU script: the same proportions, 4x wider.
     "vitheavy-wide": dict(
         vision=dict(depth=8, hidden_size=512, num_heads=8, intermediate_size=1536, out_hidden_size=1024,
@@ -51,6 +60,8 @@ def model_config(shape: str = "vitheavy"):
     for k, v in spec["text"].items():
         setattr(tc, k, v)
     tc.head_dim = tc.hidden_size // tc.num_attention_heads
+    if getattr(tc, "layer_types", None) is not None:  # one entry per layer
+        tc.layer_types = [tc.layer_types[0]] * tc.num_hidden_layers
     half = tc.head_dim // 2  # M-RoPE sections (t, h, w) must add up to head_dim / 2
     tc.rope_parameters = {**tc.rope_parameters, "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]}
     tc.max_position_embeddings = 32768
