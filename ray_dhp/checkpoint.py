@@ -111,7 +111,10 @@ def _set_rng_state(state: dict) -> None:
 
 # -- save --------------------------------------------------------------------------------------
 
-def save(directory: str, engine, sampler) -> None:
+PROCESSOR_DIR = "processor"
+
+
+def save(directory: str, engine, sampler, processor=None) -> None:
     """Write this rank's part of a checkpoint of ``engine`` and ``sampler`` (collective).
 
     Args:
@@ -119,6 +122,8 @@ def save(directory: str, engine, sampler) -> None:
             ``ray.train.report(checkpoint=Checkpoint.from_directory(directory))`` on every rank.
         engine: the `DHPEngine`; its ``step_count`` is the checkpoint's step.
         sampler: the `StepSampler` (its position is stored so the next step's data follows).
+        processor: optional `VLProcessor`; rank 0 writes it to ``processor/`` so that
+            `ray_dhp.export_hf` gives a directory with the model *and* its processor.
     """
     os.makedirs(directory, exist_ok=True)
     rank = dist.get_rank()
@@ -126,6 +131,8 @@ def save(directory: str, engine, sampler) -> None:
     torch.save(_rng_state(), os.path.join(directory, f"rng_rank{rank}.pt"))
     dist.barrier()  # every rank's shards and RNG file are on disk before COMMIT
     if rank == 0:
+        if processor is not None:
+            processor.save_pretrained(os.path.join(directory, PROCESSOR_DIR))
         meta = {
             "format_version": FORMAT_VERSION, "step": engine.step_count, "family": engine.family.name,
             "layout": _layout_of(engine), "world_size": engine.groups.topology.world_size,

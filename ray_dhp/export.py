@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import warnings
 from typing import Optional
 
@@ -68,7 +69,10 @@ def export_hf(checkpoint, out_dir: str, *, dtype: Optional[torch.dtype] = None) 
     Args:
         checkpoint: a ``ray.train.Checkpoint`` (e.g. ``result.checkpoint``) or a path: one
             checkpoint, or a folder of them (its newest complete one is used).
-        out_dir: the directory to write (``config.json`` + ``model.safetensors``).
+        out_dir: the directory to write (``config.json`` + ``model.safetensors``, plus the
+            tokenizer and image processor files when the checkpoint holds them — the default
+            train loop saves them — so ``AutoProcessor``/`ray_dhp.data.processing.load_processor`
+            read the same directory).
         dtype: cast the weights (e.g. ``torch.bfloat16``); None keeps the training dtype.
 
     Returns:
@@ -86,5 +90,8 @@ def export_hf(checkpoint, out_dir: str, *, dtype: Optional[torch.dtype] = None) 
         d = ckpt.resolve(d)
         meta = ckpt.read_meta(d)
         model = build_hf_model(model_config_of(meta), read_model_tensors(d), dtype)
-    model.save_pretrained(out_dir, safe_serialization=True)
+        model.save_pretrained(out_dir, safe_serialization=True)
+        proc = os.path.join(d, ckpt.PROCESSOR_DIR)
+        if os.path.isdir(proc):
+            shutil.copytree(proc, out_dir, dirs_exist_ok=True)
     return out_dir

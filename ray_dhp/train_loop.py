@@ -48,14 +48,14 @@ def _resume(cfg: TrainLoopConfig, engine, sampler) -> int:
     return checkpoint.load(source, engine, sampler) if source is not None else 0
 
 
-def _save_and_report(metrics: dict, engine, sampler, hook) -> None:
+def _save_and_report(metrics: dict, engine, sampler, processor, hook) -> None:
     """Every rank writes its shards into its own temp dir, then reports it (Ray merges them)."""
     import tempfile
 
     from ray_dhp import checkpoint
 
     with tempfile.TemporaryDirectory(prefix="ray_dhp_ckpt_") as d:
-        checkpoint.save(d, engine, sampler)
+        checkpoint.save(d, engine, sampler, processor)
         hook("checkpoint_saved", engine.step_count)
         _report(metrics, checkpoint_dir=d, step=engine.step_count)
 
@@ -121,7 +121,7 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
             if ctx.rank == 0:
                 logger.info("step %d/%d %s", step + 1, cfg.num_steps, metrics)
             if save:
-                _save_and_report(metrics, engine, loader, hook)
+                _save_and_report(metrics, engine, loader, processor, hook)
             else:
                 _report(metrics)
             window_tokens, window_patches, window_time, data_wait = 0, 0, 0.0, 0.0

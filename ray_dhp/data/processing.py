@@ -158,6 +158,12 @@ class VLProcessor:
             self.ids[name] = tid
         self.merge_size = getattr(image_processor, "merge_size", 2)
 
+    def save_pretrained(self, directory) -> None:
+        """Write the tokenizer and image processor (``load_processor(directory)`` reads them back)."""
+        self.tokenizer.save_pretrained(directory)
+        if self.image_processor is not None:
+            self.image_processor.save_pretrained(directory)
+
     @property
     def pad_token_id(self) -> int:
         """Id used to pad batches (the tokenizer's pad token)."""

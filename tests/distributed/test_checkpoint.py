@@ -70,7 +70,8 @@ def _train_body(rank, world, layout, cfg, data, model, resume_from, stop, save_a
     for _ in range(first, stop):
         history.append(engine.step(sampler.next_step()))
         if engine.step_count in save_at:
-            checkpoint.save(os.path.join(ckpt_root, f"checkpoint_{engine.step_count:06d}"), engine, sampler)
+            checkpoint.save(os.path.join(ckpt_root, f"checkpoint_{engine.step_count:06d}"), engine, sampler,
+                            processor=demo.tiny_processor(FAMILY))
     logits = _text_logits(engine, probe) if probe is not None and engine.text_model is not None else None
     return {"first": first, "history": history, "params0": params0,
             "params": engine.named_full_parameters(), "logits": logits}
@@ -152,7 +153,7 @@ def test_checkpoint_files_are_unique_per_rank_and_committed(first_half):
     d = os.path.join(root, "checkpoint_000003")
     names = sorted(os.listdir(d))
     assert names == sorted([".metadata", "COMMIT", checkpoint.META_FILE, "__0_0.distcp",
-                            "__1_0.distcp", "rng_rank0.pt", "rng_rank1.pt"])
+                            "__1_0.distcp", "rng_rank0.pt", "rng_rank1.pt", checkpoint.PROCESSOR_DIR])
     assert checkpoint.is_complete(d)
     meta = checkpoint.read_meta(d)
     assert (meta["step"], meta["family"], meta["world_size"]) == (3, FAMILY, 2)
@@ -165,7 +166,7 @@ def test_resume_at_another_layout_matches_uninterrupted_reference(first_half, re
     assert_matches(first["history"] + resumed["history"], resumed["params"], reference)
 
 
-def test_export_hf_loads_and_gives_the_sharded_logits(first_half, resumed, probe, tmp_path):
+def test_export_hf_loads_and_gives_the_sharded_logits(data, first_half, resumed, probe, tmp_path):
     import transformers
 
     from ray_dhp import export_hf
@@ -182,6 +183,16 @@ def test_export_hf_loads_and_gives_the_sharded_logits(first_half, resumed, probe
         logits = model(input_ids=probe.input_ids[None], mm_token_type_ids=probe.mm_token_type_ids[None],
                        use_cache=False).logits
     assert rel_err(logits, resumed["logits"]) <= 1e-5
+    # the processor travels with the model: same tokens, same image grids
+    from ray_dhp.data.processing import load_processor
+
+    rec = {"image": "images/000.png", "conversations": [
+        {"from": "human", "value": "<image>\nWhat is shown?"}, {"from": "gpt", "value": "two red circles"}]}
+    data_root = os.path.dirname(data)
+    a = demo.tiny_processor(FAMILY).process(rec, data_root)
+    b = load_processor(out).process(rec, data_root)
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
+    assert torch.equal(a.image_grid_thw, b.image_grid_thw) and torch.equal(a.pixel_values, b.pixel_values)
 
 
 def test_torn_checkpoint_is_detected_and_skipped(first_half, tmp_path):
