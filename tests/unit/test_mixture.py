@@ -180,3 +180,25 @@ def test_path_datasets_resolve_images_against_their_own_folder(tmp_path):
     assert {s.dataset_of(i) for i in s.bad} == {"small", "large"} and s.skipped == 2
     assert s.root_for(0) == resolve_data_root(large) and s.root_for(9) == resolve_data_root(small)
     assert len(read_annotations(large)) + len(read_annotations(small)) == len(s.records)
+
+
+def test_trainer_checks_weighted_names_before_workers_start(tmp_path):
+    import ray.train
+
+    from ray_dhp import DHPConfig, DisaggregatedTrainer
+
+    a = demo.make_dataset(tmp_path / "a", num_samples=2)
+    dhp = DHPConfig(model=demo.tiny_model_config(), processor=demo.tiny_processor())
+
+    def build(datasets, **loop):
+        return DisaggregatedTrainer(dhp_config=dhp, datasets=datasets, train_loop_config=loop,
+                                    scaling_config=ray.train.ScalingConfig(num_workers=1))
+
+    with pytest.raises(ValueError, match=r"\['ocr'\] not in datasets=.*\['coco'\]"):
+        build({"coco": str(a)}, dataset_weights={"coco": 1, "ocr": 1})
+    with pytest.raises(ValueError, match=r"got \['coco'\]; to mix several, set .*dataset_weights"):
+        build({"coco": str(a)})
+    with pytest.raises(ValueError, match="finite numbers > 0"):
+        build({"coco": str(a)}, dataset_weights={"coco": -1})
+    t = build({"coco": str(a), "ocr": str(a)}, dataset_weights={"coco": 3, "ocr": 1})
+    assert set(t.train_loop_config["dataset_paths"]) == {"coco", "ocr"}
