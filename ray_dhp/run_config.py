@@ -10,7 +10,7 @@ Example:
     >>> rf.dhp_config().num_workers  # doctest: +SKIP
     2
 
-Relative paths (``model.path``, ``data.train``, ``run.storage_path``...) are resolved against the
+Relative paths (``model.path``, ``data.train``, ``data.datasets``, ``run.storage_path``...) are resolved against the
 current directory when the file is loaded (Ray workers change directory).
 """
 
@@ -28,10 +28,10 @@ from ray_dhp.train_config import TrainLoopConfig
 
 __all__ = ["RunFile", "ConfigError", "load_run_file", "SHORTHANDS"]
 
-_DATA_KEYS = ("data_root", "max_tokens", "bad_data")
+_DATA_KEYS = ("data_root", "max_tokens", "bad_data", "dataset_weights")
 _CHECKPOINT_KEYS = tuple(k for k in ("checkpoint_every", "resume_from")
                          if k in {f.name for f in fields(TrainLoopConfig)})
-_NOT_IN_FILE = ("dataset_paths",)  # filled in from data.train
+_NOT_IN_FILE = ("dataset_paths",)  # filled in from data.train and data.datasets
 
 
 def _optim_keys() -> list:
@@ -73,13 +73,16 @@ PlacementSection = make_dataclass(
 
 @dataclass
 class _DataOwn:
-    train: Optional[str] = option(None, "training annotations (LLaVA JSON/JSONL)")
+    train: Optional[str] = option(None, "training annotations (LLaVA JSON/JSONL): the dataset "
+                                  "named \"train\"")
+    datasets: Optional[dict] = option(None, "more named annotation files, {name: path}, mixed "
+                                      "with data.train by data.dataset_weights")
     demo_samples: int = option(64, "when train is unset: generate the demo shapes set with this "
                                "many samples into <storage_path>/<run name>/demo_data")
 
 
 DataSection = make_dataclass(
-    "DataSection", borrow(_DataOwn, ["train", "demo_samples"]) + borrow(TrainLoopConfig, _DATA_KEYS),
+    "DataSection", borrow(_DataOwn, ["train", "datasets", "demo_samples"]) + borrow(TrainLoopConfig, _DATA_KEYS),
     namespace={"__doc__": "Training data.", "__module__": __name__})
 
 OptimSection = make_dataclass(
@@ -225,10 +228,18 @@ def run_file_from_dict(data: dict, overrides=()) -> RunFile:
     for sec, key in (("model", "path"), ("data", "train"), ("run", "storage_path"),
                      ("checkpoint", "resume_from")):
         obj = getattr(rf, sec)
-        value = getattr(obj, key, None)
-        if isinstance(value, str) and value and "://" not in value:
-            setattr(obj, key, os.path.abspath(os.path.expanduser(getattr(obj, key))))
+        if hasattr(obj, key):
+            setattr(obj, key, _absolute(getattr(obj, key)))
+    if rf.data.datasets:
+        rf.data.datasets = {k: _absolute(v) for k, v in rf.data.datasets.items()}
     return rf
+
+
+def _absolute(value):
+    """A local path made absolute (Ray workers change directory); URIs and non-strings as is."""
+    if isinstance(value, str) and value and "://" not in value:
+        return os.path.abspath(os.path.expanduser(value))
+    return value
 
 
 def load_run_file(path: Optional[str], overrides=()) -> RunFile:

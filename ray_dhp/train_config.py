@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import asdict, dataclass, fields
-from typing import Optional
+from typing import Iterable, Optional
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
 BAD_DATA = ("skip", "strict")
@@ -27,7 +28,8 @@ class TrainLoopConfig:
         weight_decay: AdamW decay (not applied to norms and biases).
         betas, eps: AdamW moments.
         bad_data: "skip" (default: skip and count bad samples) or "strict" (fail naming file/line).
-        data_root: folder image paths are relative to (default: the annotation file's folder).
+        data_root: folder image paths are relative to, for every dataset (default: each
+            annotation file's folder; the current directory for Ray Datasets).
         max_tokens: samples longer than this many tokens are bad data (None = no limit).
         checkpoint_every: steps between checkpoints (0 = only at the end).
         resume_from: checkpoint to start from when the run has none of its own yet: a path (one
@@ -37,6 +39,10 @@ class TrainLoopConfig:
         vision_zero1: shard the vision optimizer state over the vision group (ZeRO-1).
         prefetch: prepare the next step's samples in a background thread while the current
             step trains (each sample is decoded once across the cluster either way).
+        dataset_weights: ``{dataset name: weight > 0}``: train on these named datasets (the
+            trainer's ``datasets=``; in a run file, data.train is named "train" and data.datasets
+            holds the others), mixed in these ratios (deterministic, resumable). None: train on
+            the dataset named "train" alone.
         dataset_paths: ``{name: annotation file}``; set by `DisaggregatedTrainer` when
             ``datasets=`` holds paths instead of Ray Datasets.
     """
@@ -62,6 +68,7 @@ class TrainLoopConfig:
     activation_checkpointing: bool = False
     vision_zero1: bool = True
     prefetch: bool = True
+    dataset_weights: Optional[dict] = None
     dataset_paths: Optional[dict] = None
 
     def __post_init__(self):
@@ -83,6 +90,7 @@ class TrainLoopConfig:
              "warmup_steps and checkpoint_every must be >= 0")
         need(self.autocast_dtype in (None, "bfloat16"), "autocast_dtype must be None or 'bfloat16'")
         self.betas = tuple(self.betas)
+        check_dataset_weights(self.dataset_weights)
 
     @classmethod
     def from_dict(cls, d: Optional[dict]) -> "TrainLoopConfig":
@@ -102,3 +110,24 @@ class TrainLoopConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def check_dataset_weights(weights: Optional[dict], names: Optional[Iterable] = None) -> None:
+    """ValueError unless ``weights`` is None or a non-empty ``{name: number > 0}`` whose names are
+    all among ``names`` (the trainer's ``datasets=``; None: not checked)."""
+    if weights is None:
+        return
+    if not isinstance(weights, dict) or not weights:
+        raise ValueError("train_loop_config: dataset_weights must be a non-empty dict "
+                         f"{{dataset name: weight > 0}}, got {weights!r}")
+    bad = {k: w for k, w in weights.items() if isinstance(w, bool)
+           or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0}
+    if bad:
+        raise ValueError(f"train_loop_config: dataset_weights must be finite numbers > 0, got {bad}")
+    if names is not None:
+        names = sorted(names)
+        missing = sorted(str(k) for k in weights if k not in names)
+        if missing:
+            raise ValueError(f"train_loop_config: dataset_weights names {missing} not in datasets= "
+                             f"(the datasets given are {names}); weight only datasets passed "
+                             "to the trainer")

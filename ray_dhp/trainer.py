@@ -26,8 +26,11 @@ class DisaggregatedTrainer(DataParallelTrainer):
         scaling_config: ``ray.train.ScalingConfig``; ``num_workers`` must equal the layout's
             worker count (``dhp_config.num_workers``).
         run_config: ``ray.train.RunConfig``.
-        datasets: ``{"train": ray.data.Dataset | path of a LLaVA JSON/JSONL file}``. Datasets are
-            given whole to every worker (not split): the built-in loop shards samples itself,
+        datasets: ``{name: ray.data.Dataset | path of a LLaVA JSON/JSONL file}``. The built-in
+            loop trains on "train", or, with ``train_loop_config["dataset_weights"] = {name:
+            weight}``, on those datasets mixed in those ratios (each path dataset's images are
+            relative to its own file's folder unless ``data_root`` is set). Datasets are given whole
+            to every worker (not split): the built-in loop shards samples itself,
             deterministically from the seed and step, over the data-parallel replicas.
         dataset_config: ``ray.train.DataConfig`` (default: nothing split, order preserved).
         resume_from: start from this checkpoint (a ``ray.train.Checkpoint``, e.g. an earlier
@@ -81,14 +84,12 @@ class DisaggregatedTrainer(DataParallelTrainer):
             train_loop_per_worker = train_loop
             if paths:
                 config["dataset_paths"] = paths
-            TrainLoopConfig.from_dict(config)  # fail here, before any worker starts
-            if not ray_datasets and not paths:
-                raise ValueError('the built-in loop needs datasets={"train": <Dataset or path>}.')
+            loop_cfg = TrainLoopConfig.from_dict(config)  # fail here, before any worker starts
+            _check_training_datasets(loop_cfg, set(ray_datasets) | set(paths))
             if dhp_config.processor is None and not isinstance(dhp_config.model, str):
                 raise ValueError("the built-in loop needs DHPConfig(processor=...) when the model "
                                  "is a config object (with a model directory it is loaded from there).")
-            run_config = _with_history(run_config or ray.train.RunConfig(),
-                                       TrainLoopConfig.from_dict(config).num_steps)
+            run_config = _with_history(run_config or ray.train.RunConfig(), loop_cfg.num_steps)
         elif paths:
             config.setdefault("dataset_paths", paths)
         if dataset_config is None:
@@ -105,6 +106,18 @@ class DisaggregatedTrainer(DataParallelTrainer):
             datasets=ray_datasets,
             dataset_config=dataset_config,
         )
+
+
+def _check_training_datasets(cfg: TrainLoopConfig, names: set) -> None:
+    """The datasets the built-in loop trains on are among ``datasets=`` (ValueError otherwise)."""
+    from ray_dhp.train_config import check_dataset_weights
+
+    if cfg.dataset_weights is not None:
+        check_dataset_weights(cfg.dataset_weights, names)
+    elif "train" not in names:
+        raise ValueError('the built-in loop needs datasets={"train": <Dataset or path>}'
+                         + (f' (got {sorted(names)}; to mix several, set train_loop_config['
+                            '"dataset_weights"] = {name: weight})' if names else "") + ".")
 
 
 def _checkpoint_source(resume_from):

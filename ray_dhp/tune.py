@@ -36,7 +36,7 @@ def trial_run_file(base: dict, params: dict) -> RunFile:
     return run_file_from_dict(data)
 
 
-def dhp_trainable(params: dict, *, base: dict, data_path: str) -> None:
+def dhp_trainable(params: dict, *, base: dict, datasets: dict) -> None:
     """Tune function trainable: build this trial's `DisaggregatedTrainer` and fit it."""
     import ray.tune
     from ray.tune.integration.ray_train import TuneReportCallback
@@ -45,7 +45,7 @@ def dhp_trainable(params: dict, *, base: dict, data_path: str) -> None:
 
     rf = trial_run_file(base, params)
     trial = ray.tune.get_context().get_trial_id()
-    trainer = build_trainer(rf, data_path=data_path, name=f"{rf.run_name()}_{trial}",
+    trainer = build_trainer(rf, datasets=datasets, name=f"{rf.run_name()}_{trial}",
                             callbacks=[TuneReportCallback()])
     trainer.fit()
 
@@ -118,11 +118,12 @@ def sweep(run_file: Union[str, RunFile, dict, None], param_space: dict, *,
     workers = max(rf.num_workers() for rf in layouts or [base_rf])
     per_worker = (base_rf.scaling.resources_per_worker or {}).get("CPU", 1)
     base = base_rf.to_dict()
-    base = set_dotted(base, "data.train", prepare_data(base_rf))
+    datasets = prepare_data(base_rf)
+    base = set_dotted(base, "data.train", datasets.get("train"))
     base = set_dotted(base, "run.name", base_rf.run_name())
     init_ray(base_rf, workers)
     trainable = ray.tune.with_resources(
-        ray.tune.with_parameters(dhp_trainable, base=base, data_path=base["data"]["train"]),
+        ray.tune.with_parameters(dhp_trainable, base=base, datasets=datasets),
         {"CPU": trial_cpus})
     tuner = ray.tune.Tuner(
         trainable, param_space=param_space,

@@ -2,15 +2,18 @@
 
 Every rank runs the same sampler over the same records, so all ranks agree on each step's
 micro-batches without communicating, and a run resumed from ``state_dict()`` sees exactly the
-samples it would have seen. Epoch ``e`` visits the records in ``randperm(n, seed + e)`` order;
-the data-parallel split of each micro-batch happens in the engine.
+samples it would have seen. One dataset: epoch ``e`` visits the records in
+``randperm(n, seed * 1_000_003 + e)`` order. Several weighted datasets: see `ray_dhp.data.mixture`
+(which dataset each draw comes from, and each dataset's own epochs). The data-parallel split of
+each micro-batch happens in the engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
-import torch
+from ray_dhp.data.mixture import DataSource, Stream, pick
 
 logger = logging.getLogger(__name__)
 
@@ -18,31 +21,66 @@ _LOG_FIRST = 5
 
 
 class StepSampler:
-    def __init__(self, records, processor, data_root, cfg):
-        if not records:
-            raise ValueError("the training dataset is empty")
-        self.records, self.processor, self.data_root, self.cfg = records, processor, data_root, cfg
-        self.epoch, self.pos = 0, 0
-        self.bad: set = set()  # indices of records found bad (each counted once per run)
-        self._order = self._permutation(0)
+    """The run's sample order over one dataset (``StepSampler(records, processor, root, cfg)``) or
+    a weighted mixture of several (`StepSampler.from_sources`).
 
-    def _permutation(self, epoch: int) -> list:
-        g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + epoch)
-        return torch.randperm(len(self.records), generator=g).tolist()
+    Attributes:
+        records: every record of the run; with several datasets, the datasets' records concatenated
+            in name order (``records[i].index == i``, the global index used everywhere below).
+        bad: global indices of records found bad (each counted once per run).
+        cfg: the `TrainLoopConfig`.
+    """
+
+    def __init__(self, records, processor, data_root, cfg):
+        self._setup([DataSource("train", records, data_root)], processor, cfg)
+
+    @classmethod
+    def from_sources(cls, sources: list, processor, cfg) -> "StepSampler":
+        """A sampler over ``sources`` (`DataSource` list): one unweighted source keeps the
+        single-dataset order; weighted sources are mixed (they must all have a weight > 0)."""
+        self = cls.__new__(cls)
+        self._setup(sources, processor, cfg)
+        return self
+
+    def _setup(self, sources, processor, cfg) -> None:
+        if not sources:
+            raise ValueError("no training dataset")
+        legacy = len(sources) == 1 and sources[0].weight is None
+        if not legacy and any(s.weight is None or not s.weight > 0 for s in sources):
+            raise ValueError("every dataset of a mixture needs a weight > 0: "
+                             + ", ".join(f"{s.name}={s.weight}" for s in sources))
+        names = [s.name for s in sources]
+        if len(set(names)) != len(names):
+            raise ValueError(f"dataset names must be unique, got {names}")
+        self.processor, self.cfg, self._legacy = processor, cfg, legacy
+        if legacy:
+            self._streams, self.records = [Stream(sources[0], 0, cfg.seed, True)], sources[0].records
+        else:
+            self._streams, self.records = [], []
+            for src in sorted(sources, key=lambda s: s.name):
+                self._streams.append(Stream(src, len(self.records), cfg.seed, False))
+                self.records += _renumbered(src.records, len(self.records))
+        self.bad: set = set()
+
+    # -- the contract used by the train loop and the distributed loader ----------------------
+
+    def _stream_of(self, i: int) -> Stream:
+        for s in self._streams:
+            if i in s:
+                return s
+        raise IndexError(f"record index {i} is outside the run's {len(self.records)} records")
 
     def root_for(self, i: int):
-        """Folder that record ``i``'s relative image paths are resolved against."""
-        return self.data_root
+        """Folder that record ``i``'s relative image paths are resolved against (its dataset's)."""
+        return self._stream_of(i).root
+
+    def dataset_of(self, i: int) -> str:
+        """Name of the dataset record ``i`` belongs to."""
+        return self._stream_of(i).name
 
     def next_index(self) -> int:
         """Index (into ``records``) of the next sample in the seeded order; advances the position."""
-        if self.pos == len(self._order):
-            self.epoch += 1
-            self.pos = 0
-            self._order = self._permutation(self.epoch)
-        i = self._order[self.pos]
-        self.pos += 1
-        return i
+        return pick(self._streams).next_global()
 
     def process(self, i: int):
         """Record ``i`` as a `Sample`, or the `BadSample` exception saying why it cannot be one
@@ -59,7 +97,7 @@ class StepSampler:
 
     def note_bad(self, i: int, error) -> None:
         """Apply the bad-data policy to record ``i``: raise (strict) or count it once and log the
-        first few (skip)."""
+        first few (skip). In a mixture, a dataset whose every record is bad is an error."""
         rec = self.records[i]
         where = f"{getattr(rec, 'source', '?')}:{getattr(rec, 'line', i)}"
         if self.cfg.bad_data == "strict":
@@ -69,6 +107,10 @@ class StepSampler:
             self.bad.add(i)
             if len(self.bad) <= _LOG_FIRST:
                 logger.warning("skipping bad sample at %s: %s", where, error)
+            s = self._stream_of(i)
+            if not self._legacy and sum(1 for b in self.bad if b in s) == s.size:
+                raise ValueError(f"every record of dataset {s.name!r} is bad (last: {where}: "
+                                 f"{error}); fix it or drop it from dataset_weights")
 
     def _load(self, i: int):
         out = self.process(i)
@@ -90,14 +132,76 @@ class StepSampler:
         m = self.cfg.micro_batch_size()
         return [samples[k:k + m] for k in range(0, need, m)]
 
+    # -- progress -------------------------------------------------------------------------------
+
     @property
     def skipped(self) -> int:
-        """Distinct bad samples skipped so far in the run."""
+        """Distinct bad samples skipped so far in the run (all datasets)."""
         return len(self.bad)
 
+    @property
+    def epoch(self) -> int:
+        """Completed passes over the data. With several datasets each wraps around on its own, and
+        this is the fewest passes any of them has completed (so every record of every dataset has
+        been drawn at least ``epoch`` times); per dataset: `epochs`."""
+        return min(s.epoch for s in self._streams)
+
+    @property
+    def epochs(self) -> dict:
+        """``{dataset name: its epoch}``."""
+        return {s.name: s.epoch for s in self._streams}
+
+    @property
+    def draws(self) -> dict:
+        """``{dataset name: records drawn from it so far}`` (bad ones included)."""
+        return {s.name: s.draws for s in self._streams}
+
+    @property
+    def pos(self) -> int:
+        """Position within the current epoch (one dataset; with several, total draws)."""
+        return self._streams[0].pos if self._legacy else sum(s.draws for s in self._streams)
+
+    # -- checkpointing --------------------------------------------------------------------------
+
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "pos": self.pos, "bad": sorted(self.bad)}
+        """One dataset: ``{"epoch", "pos", "bad"}`` (as always). Several: ``{"datasets": {name:
+        {"epoch", "pos", "draws", "bad"}}}`` with bad indices local to each dataset, so a resumed
+        run may list its datasets differently (added, removed, renamed ones start afresh)."""
+        if self._legacy:
+            s = self._streams[0]
+            return {"epoch": s.epoch, "pos": s.pos, "bad": sorted(self.bad)}
+        return {"datasets": {s.name: {"epoch": s.epoch, "pos": s.pos, "draws": s.draws,
+                                      "bad": sorted(b - s.offset for b in self.bad if b in s)}
+                             for s in self._streams}}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.pos, self.bad = state["epoch"], state["pos"], set(state.get("bad", ()))
-        self._order = self._permutation(self.epoch)
+        """Continue from `state_dict` output. The single-dataset form applies to the only dataset,
+        or in a mixture to the dataset named "train"; datasets the state does not name start at
+        the beginning."""
+        if "datasets" in state:
+            per = state["datasets"]
+        elif self._legacy:
+            per = {self._streams[0].name: state}
+        else:
+            per = {"train": {**state, "draws": 0}}
+        unknown = set(per) - {s.name for s in self._streams}
+        if unknown:
+            logger.warning("sampler state names datasets not in this run (ignored): %s",
+                           sorted(unknown))
+        self.bad = set()
+        for s in self._streams:
+            st = per.get(s.name)
+            if st is None:
+                if not self._legacy:
+                    logger.warning("dataset %r has no sampler state: starting it afresh", s.name)
+                s.set_position(0, 0, 0)
+                continue
+            draws = st.get("draws", st["epoch"] * s.size + st["pos"])
+            s.set_position(st["epoch"], st["pos"], draws)
+            self.bad |= {s.offset + b for b in st.get("bad", ())}
+
+
+def _renumbered(records: list, offset: int) -> list:
+    """Copies of ``records`` whose ``index`` is their global index (from ``offset``)."""
+    return [dataclasses.replace(r, index=offset + k) if dataclasses.is_dataclass(r) else r
+            for k, r in enumerate(records)]

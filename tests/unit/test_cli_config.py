@@ -172,3 +172,33 @@ def test_examples_parse():
     for name in os.listdir(ROOT / "examples"):
         if name.endswith(".yaml") and name != "anyscale_job.yaml":
             load_run_file(str(ROOT / "examples" / name))
+
+
+def test_run_file_mixes_named_datasets(tmp_path, monkeypatch, forbid_ray_init):
+    from ray_dhp import demo
+    from ray_dhp.cli.train import build_trainer, prepare_data
+
+    demo.make_dataset(tmp_path / "coco", num_samples=2)
+    demo.make_dataset(tmp_path / "ocr", num_samples=2)
+    monkeypatch.chdir(tmp_path)  # relative paths are resolved when the file is loaded
+    path = tmp_path / "mix.yaml"
+    path.write_text("data:\n  train: coco/data.jsonl\n  datasets: {ocr: ocr/data.jsonl}\n"
+                    "  dataset_weights: {train: 0.7, ocr: 0.3}\n")
+    rf = load_run_file(str(path))
+    datasets = prepare_data(rf)
+    assert datasets == {"train": str(tmp_path / "coco" / "data.jsonl"),
+                        "ocr": str(tmp_path / "ocr" / "data.jsonl")}
+    assert rf.train_loop_config()["dataset_weights"] == {"train": 0.7, "ocr": 0.3}
+    trainer = build_trainer(rf, datasets=datasets)
+    assert trainer.train_loop_config["dataset_paths"] == datasets
+    for overrides, match in [
+        (["data.dataset_weights=null"], r"data\.datasets: \['ocr'\] need data\.dataset_weights"),
+        (["data.dataset_weights={train: 1, vqa: 1}"],
+         r"data\.dataset_weights: .*\['vqa'\] not in datasets=.*\['ocr', 'train'\]"),
+        (["data.dataset_weights={train: 1, ocr: 0}"], "finite numbers > 0"),
+        (["data.datasets.train=ocr/data.jsonl"], 'the dataset "train" is data.train'),
+        (["data.datasets.ocr=nowhere.jsonl"], r"data\.datasets\.ocr: .*nowhere\.jsonl does not "),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            prepare_data(load_run_file(str(path), overrides))
+    assert not forbid_ray_init

@@ -1,0 +1,204 @@
+"""Several datasets mixed with sampling ratios: exact ratios, per-dataset epochs, exact resume,
+bad samples per dataset, and the single-dataset order unchanged (no process group)."""
+
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+
+from ray_dhp import demo
+from ray_dhp.data.mixture import DataSource, legacy_permutation
+from ray_dhp.data.processing import BadSample
+from ray_dhp.data.reading import Record, read_annotations, resolve_data_root
+from ray_dhp.data.sampler import StepSampler
+from ray_dhp.data.sources import load_sources
+from ray_dhp.train_config import TrainLoopConfig, check_dataset_weights
+
+
+class _Echo:
+    """Processor stand-in: a record becomes (record, root); records whose data says bad raise."""
+
+    def process(self, record, root, *, max_tokens=None):
+        if record.data.get("bad"):
+            raise BadSample("marked bad", record.where)
+        return SimpleNamespace(record=record, root=root, index=None)
+
+
+def _records(name, n, bad=()):
+    return [Record(i, {"id": f"{name}{i}", "bad": i in bad}, f"{name}.jsonl", i + 1)
+            for i in range(n)]
+
+
+def _mix(sizes: dict, weights: dict, seed=0, bad=None, **cfg):
+    bad = bad or {}
+    sources = [DataSource(n, _records(n, k, bad.get(n, ())), f"/data/{n}", weights.get(n))
+               for n, k in sizes.items()]
+    return StepSampler.from_sources(sources, _Echo(), TrainLoopConfig(seed=seed, **cfg))
+
+
+def _draws(sampler, k):
+    return [sampler.next_index() for _ in range(k)]
+
+
+def test_measured_ratios_match_the_weights_over_any_window():
+    s = _mix({"coco": 50, "ocr": 7, "vqa": 300}, {"coco": 0.5, "ocr": 0.3, "vqa": 0.2})
+    names = [s.dataset_of(i) for i in _draws(s, 1000)]
+    counts = Counter(names)
+    for name, w in {"coco": 0.5, "ocr": 0.3, "vqa": 0.2}.items():
+        assert abs(counts[name] / 1000 - w) <= 0.01, counts
+    # not only on average: every prefix is within about one draw of its share
+    seen = Counter()
+    for n, name in enumerate(names, start=1):
+        seen[name] += 1
+        for d, w in {"coco": 0.5, "ocr": 0.3, "vqa": 0.2}.items():
+            assert abs(seen[d] - n * w) < 1, (n, seen)
+    assert s.draws == dict(counts)
+
+
+def test_weights_are_ratios_not_probabilities():
+    a = _mix({"a": 10, "b": 10}, {"a": 7, "b": 3})
+    b = _mix({"a": 10, "b": 10}, {"a": 0.7, "b": 0.3})
+    assert _draws(a, 200) == _draws(b, 200)
+
+
+def test_each_dataset_epoch_visits_each_of_its_records_once_and_wraps_on_its_own():
+    s = _mix({"big": 40, "small": 6}, {"big": 0.5, "small": 0.5})
+    draws = _draws(s, 80)  # 40 from each: big's first epoch, small's epochs 0..5 + 4 draws
+    big = [i for i in draws if s.dataset_of(i) == "big"]
+    small = [i for i in draws if s.dataset_of(i) == "small"]
+    assert sorted(big) == list(range(40))  # "big" sorts first: global 0..39
+    for e in range(6):
+        assert sorted(small[6 * e:6 * e + 6]) == list(range(40, 46))
+    # different epochs of the small dataset use different orders
+    assert len({tuple(small[6 * e:6 * e + 6]) for e in range(6)}) > 1
+    assert s.epochs == {"big": 0, "small": 6} and s.epoch == 0
+    assert [r.index for r in s.records] == list(range(46))
+    assert s.root_for(3) == "/data/big" and s.root_for(45) == "/data/small"
+
+
+def test_order_depends_on_seed_and_not_on_other_datasets():
+    a = _mix({"x": 20, "y": 20}, {"x": 1, "y": 1}, seed=1)
+    b = _mix({"x": 20, "y": 20}, {"x": 1, "y": 1}, seed=1)
+    c = _mix({"x": 20, "y": 20}, {"x": 1, "y": 1}, seed=2)
+    da, db, dc = _draws(a, 60), _draws(b, 60), _draws(c, 60)
+    assert da == db and da != dc
+    # adding a third dataset changes how often x is drawn, not the order within x
+    d = _mix({"x": 20, "y": 20, "z": 5}, {"x": 1, "y": 1, "z": 1}, seed=1)
+    only_x = [i for i in da if a.dataset_of(i) == "x"]
+    assert [i for i in _draws(d, 90) if d.dataset_of(i) == "x"][:len(only_x)] == only_x
+
+
+def test_resume_mid_epoch_continues_with_exactly_the_same_indices():
+    def fresh():
+        return _mix({"a": 13, "b": 5, "c": 29}, {"a": 2, "b": 1, "c": 1}, seed=7,
+                    bad={"b": {2}}, global_batch_size=4, micro_batches=2)
+
+    ref = fresh()
+    for _ in range(9):  # b (5 records) is past its first epoch, a and c mid-epoch
+        ref.next_step()
+    state = ref.state_dict()
+    expected = [[x.index for x in mb] for _ in range(6) for mb in ref.next_step()]
+    assert set(state["datasets"]) == {"a", "b", "c"} and state["datasets"]["b"]["bad"] == [2]
+    assert state["datasets"]["b"]["epoch"] >= 1 and 0 < state["datasets"]["a"]["pos"] < 13
+
+    resumed = fresh()
+    resumed.load_state_dict(state)
+    assert resumed.skipped == 1 and resumed.epochs == {k: v["epoch"] for k, v in
+                                                       state["datasets"].items()}
+    assert [[x.index for x in mb] for _ in range(6) for mb in resumed.next_step()] == expected
+    assert resumed.state_dict() == ref.state_dict()
+
+
+def test_bad_records_of_each_dataset_are_skipped_and_counted_once():
+    s = _mix({"a": 6, "b": 4}, {"a": 1, "b": 1}, bad={"a": {1, 4}, "b": {0}}, global_batch_size=5)
+    for _ in range(8):  # 40 good samples: both datasets wrap several times
+        step = s.next_step()
+        assert sum(len(mb) for mb in step) == 5
+        assert not any(x.record.data["bad"] for mb in step for x in mb)
+    assert s.skipped == 3 and s.bad == {1, 4, 6}
+    assert min(s.epochs.values()) >= 2
+
+
+def test_a_dataset_with_no_valid_record_is_named():
+    s = _mix({"good": 8, "broken": 3}, {"good": 1, "broken": 1}, bad={"broken": {0, 1, 2}})
+    with pytest.raises(ValueError, match="every record of dataset 'broken' is bad"):
+        for _ in range(5):
+            s.next_step()
+
+
+def test_single_dataset_order_is_unchanged():
+    """Without weights, epoch e is randperm(n, seed * 1_000_003 + e) as before mixing existed."""
+    import torch
+
+    def old(n, seed, epoch):  # the formula of the previous implementation, spelled out
+        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        return torch.randperm(n, generator=g).tolist()
+
+    recs = _records("t", 11)
+    s = StepSampler(recs, _Echo(), "/r", TrainLoopConfig(seed=5))
+    assert _draws(s, 11 * 3) == old(11, 5, 0) + old(11, 5, 1) + old(11, 5, 2)
+    assert legacy_permutation(11, 5, 3) == old(11, 5, 3)
+    assert s.records is recs and s.epoch == 2 and s.pos == 11
+    assert s.state_dict() == {"epoch": 2, "pos": 11, "bad": []}
+    t = StepSampler.from_sources([DataSource("train", recs, "/r")], _Echo(), TrainLoopConfig(seed=5))
+    assert _draws(t, 11 * 3) == old(11, 5, 0) + old(11, 5, 1) + old(11, 5, 2)
+
+
+def test_old_single_dataset_state_still_loads():
+    s = StepSampler(_records("t", 9), _Echo(), "/r", TrainLoopConfig(seed=1))
+    s.load_state_dict({"epoch": 2, "pos": 4, "bad": [3]})
+    assert s.epoch == 2 and s.skipped == 1
+    assert _draws(s, 5) == legacy_permutation(9, 1, 2)[4:]
+    # into a mixture: the old state is the "train" dataset's; the others start afresh
+    m = _mix({"train": 9, "extra": 4}, {"train": 1, "extra": 1})
+    m.load_state_dict({"epoch": 1, "pos": 9, "bad": [3]})
+    assert m.epochs == {"extra": 0, "train": 1} and m.bad == {4 + 3}
+
+
+def test_dataset_weights_are_validated():
+    for bad in ({}, {"a": 0}, {"a": -1.0}, {"a": float("nan")}, {"a": "0.5"}, [0.5]):
+        with pytest.raises(ValueError, match="dataset_weights"):
+            TrainLoopConfig(dataset_weights=bad)
+    with pytest.raises(ValueError, match=r"\['ocr'\] not in datasets=.*\['coco', 'train'\]"):
+        check_dataset_weights({"coco": 1, "ocr": 2}, {"train", "coco"})
+    check_dataset_weights({"coco": 1}, {"coco"})
+
+
+def test_path_datasets_resolve_images_against_their_own_folder(tmp_path):
+    small = demo.make_dataset(tmp_path / "small", num_samples=4, bad_lines=[(1, "missing_image")])
+    large = demo.make_dataset(tmp_path / "large", num_samples=9, bad_lines=[(7, "malformed_json")])
+    cfg = TrainLoopConfig(global_batch_size=6, dataset_weights={"small": 1, "large": 2},
+                          dataset_paths={"small": str(small), "large": str(large),
+                                         "unused": str(large)})
+    sources = load_sources(cfg)
+    assert [(s.name, s.root, s.weight) for s in sources] == [
+        ("large", resolve_data_root(large), 2.0), ("small", resolve_data_root(small), 1.0)]
+    s = StepSampler.from_sources(sources, demo.tiny_processor(), cfg)
+    for _ in range(4):  # 24 draws: 8 from small (2 epochs), 16 from large (~2 epochs)
+        assert sum(len(mb) for mb in s.next_step()) == 6
+    # large's images 004..008 exist only in its own folder: resolved per dataset, none were bad
+    assert {s.dataset_of(i) for i in s.bad} == {"small", "large"} and s.skipped == 2
+    assert s.root_for(0) == resolve_data_root(large) and s.root_for(9) == resolve_data_root(small)
+    assert len(read_annotations(large)) + len(read_annotations(small)) == len(s.records)
+
+
+def test_trainer_checks_weighted_names_before_workers_start(tmp_path):
+    import ray.train
+
+    from ray_dhp import DHPConfig, DisaggregatedTrainer
+
+    a = demo.make_dataset(tmp_path / "a", num_samples=2)
+    dhp = DHPConfig(model=demo.tiny_model_config(), processor=demo.tiny_processor())
+
+    def build(datasets, **loop):
+        return DisaggregatedTrainer(dhp_config=dhp, datasets=datasets, train_loop_config=loop,
+                                    scaling_config=ray.train.ScalingConfig(num_workers=1))
+
+    with pytest.raises(ValueError, match=r"\['ocr'\] not in datasets=.*\['coco'\]"):
+        build({"coco": str(a)}, dataset_weights={"coco": 1, "ocr": 1})
+    with pytest.raises(ValueError, match=r"got \['coco'\]; to mix several, set .*dataset_weights"):
+        build({"coco": str(a)})
+    with pytest.raises(ValueError, match="finite numbers > 0"):
+        build({"coco": str(a)}, dataset_weights={"coco": -1})
+    t = build({"coco": str(a), "ocr": str(a)}, dataset_weights={"coco": 3, "ocr": 1})
+    assert set(t.train_loop_config["dataset_paths"]) == {"coco", "ocr"}
