@@ -81,6 +81,10 @@ def _cmd_plan(args) -> int:
     tokens = [int(x) for x in str(args.vision_tokens).split(",") if x.strip()]
     if args.recommend:
         return _recommend(args, rf, tokens)
+    if args.gpus is not None or args.micro_batches is not None:
+        from ray_dhp.cli.schema import ConfigError
+
+        raise ConfigError("--gpus and --micro-batches are options of --recommend; add --recommend.")
     print(plan_text(rf, vision_tokens=tokens, text_tokens=args.text_tokens,
                     attention=args.attention, device_gib=args.device_gib,
                     state_bytes=args.state_bytes))

@@ -243,6 +243,8 @@ def test_cli_without_gpus_uses_the_run_files_workers_and_plan_is_unchanged(capsy
     assert main(["plan", TINY]) == 0
     plain = capsys.readouterr().out
     assert "recommend" not in plain and "placement=collocated world_size=2" in plain
+    assert main(["plan", TINY, "--gpus", "4"]) == 2  # a --recommend option without --recommend
+    assert "add --recommend" in capsys.readouterr().err
 
 
 def test_cli_exits_1_when_nothing_fits(capsys, forbid_ray_init):
