@@ -2,7 +2,8 @@
 
 Subcommands:
     train CONFIG.yaml [k=v ...]    build the trainer from the run file and fit it
-    plan CONFIG.yaml [k=v ...]     layout, meshes and per-rank memory (no Ray, no weights)
+    plan CONFIG.yaml [k=v ...]     layout, meshes and per-rank memory (no Ray, no weights);
+                                   --recommend: the placement the cost model prefers
     config --print-defaults        a complete run file with every key, commented
     export CHECKPOINT OUT_DIR      a Hugging Face model directory from a checkpoint
     docs                           the Markdown configuration reference (docs/configuration.md)
@@ -39,6 +40,18 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--device-gib", type=float, default=80.0, help="accelerator memory")
     pl.add_argument("--state-bytes", type=float, default=16.0, help="model-state bytes per "
                     "parameter (16: fp32 weights+grads+AdamW; 12: bf16 weights+grads, fp32 moments)")
+    r = pl.add_argument_group("recommendation (ray_dhp/recommend.py)")
+    r.add_argument("--recommend", action="store_true", help="rank collocated and disjoint "
+                   "layouts by predicted step time and print the best as a run-file fragment")
+    r.add_argument("--gpus", type=int, default=None, help="GPUs to plan for (default: the run "
+                   "file's worker count)")
+    r.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step "
+                   "(default: optim.micro_batches)")
+    r.add_argument("--top", type=int, default=8, help="layouts to list")
+    r.add_argument("--peak-tflops", type=float, default=None, help="dense peak per GPU (default: "
+                   "989 for bf16 autocast, 67 for fp32: H100/H200 SXM)")
+    r.add_argument("--efficiency", type=float, default=0.4, help="achieved fraction of the peak")
+    r.add_argument("--link-gbs", type=float, default=360.0, help="intra-node link GB/s per GPU")
     c = sub.add_parser("config", help="print a complete run file")
     c.add_argument("--print-defaults", action="store_true", required=True)
     e = sub.add_parser("export", help="export a checkpoint as a Hugging Face model directory")
@@ -66,10 +79,30 @@ def _cmd_plan(args) -> int:
 
     rf = _load(args)
     tokens = [int(x) for x in str(args.vision_tokens).split(",") if x.strip()]
+    if args.recommend:
+        return _recommend(args, rf, tokens)
+    if args.gpus is not None or args.micro_batches is not None:
+        from ray_dhp.cli.schema import ConfigError
+
+        raise ConfigError("--gpus and --micro-batches are options of --recommend; add --recommend.")
     print(plan_text(rf, vision_tokens=tokens, text_tokens=args.text_tokens,
                     attention=args.attention, device_gib=args.device_gib,
                     state_bytes=args.state_bytes))
     return 0
+
+
+def _recommend(args, rf, tokens) -> int:
+    from ray_dhp.cli.recommend import recommend_text
+    from ray_dhp.recommend import Hardware
+
+    hw = Hardware(peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None,
+                  efficiency=args.efficiency, link_bw=args.link_gbs * 1e9)
+    text, ok = recommend_text(rf, gpus=args.gpus, micro_batches=args.micro_batches,
+                              vision_tokens=tokens, text_tokens=args.text_tokens,
+                              attention=args.attention, device_gib=args.device_gib,
+                              state_bytes=args.state_bytes, hardware=hw, top=args.top)
+    print(text)
+    return 0 if ok else 1
 
 
 def _cmd_config(args) -> int:

@@ -1,0 +1,106 @@
+"""``ray-dhp plan --recommend``: the layouts the cost model prefers, and a run-file fragment."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from ray_dhp.cli.plan import settings_of
+from ray_dhp.cli.schema import ConfigError
+
+
+def default_workers(rf) -> int:
+    """The run file's worker count: ``scaling.num_workers``, else the size of its layout."""
+    if rf.scaling.num_workers:
+        return rf.scaling.num_workers
+    from ray_dhp.topology import Topology
+
+    try:
+        return Topology.build(placement=rf.placement.mode, vision_dp=rf.vision.data_parallel,
+                              vision_sp=rf.vision.sequence_parallel, text_dp=rf.text.data_parallel,
+                              text_tp=rf.text.tensor_parallel).world_size
+    except ValueError as e:
+        raise ConfigError(f"{e} (or pass --gpus N)") from None
+
+
+def _fragment_yaml(cand, micro_batches_override) -> str:
+    import yaml
+
+    frag = cand.layout.run_file_fragment()
+    if micro_batches_override is not None:
+        frag["optim"] = {"micro_batches": micro_batches_override}
+    return yaml.safe_dump(frag, sort_keys=False, default_flow_style=False)
+
+
+def _row(i, c) -> str:
+    lay, idle = c.layout, c.idle_fraction
+    iv, it = idle.get("vision", idle.get("vision+text", 0.0)), idle.get("text", idle.get("vision+text", 0.0))
+    return (f"{i:>3}  {lay.placement:<10}  {lay.schedule:<10}  "
+            f"{f'sp{lay.vision_sp} x dp{lay.vision_dp}':<11} {f'tp{lay.text_tp} x dp{lay.text_dp}':<11}"
+            f" {c.step_s:9.4g}  {iv:11.2f}  {it:9.2f}  {c.peak_memory_gib:8.3g}")
+
+
+def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens: int,
+                   attention: str = "flash", device_gib: float = 80.0, state_bytes: float = 16.0,
+                   hardware=None, top: int = 8) -> tuple:
+    """(report, ok): the ranked layouts for the run file ``rf`` on ``gpus`` workers (None: the
+    run file's count) and the fragment of the best one; ``ok`` is False when none fits."""
+    from ray_dhp.cli.plan import _num
+    from ray_dhp.memory import count_params
+    from ray_dhp.models import load_model_config
+    from ray_dhp.recommend import Hardware, Workload, recommend
+
+    hw = hardware or Hardware()
+    n = gpus if gpus is not None else default_workers(rf)
+    if n < 1:
+        raise ConfigError(f"--gpus {n}: need at least one GPU.")
+    m = micro_batches if micro_batches is not None else rf.optim.micro_batches
+    gb = rf.optim.global_batch_size
+    if m < 1 or gb % m:
+        raise ConfigError(f"--micro-batches {m}: must be >= 1 and divide optim.global_batch_size={gb}.")
+    config = load_model_config(rf.model_spec())
+    counts = count_params(config)
+    settings = settings_of(rf, attention)
+    vt = max(vision_tokens)
+    w = Workload(vision_tokens=vt, text_tokens=text_tokens, global_batch_size=gb, micro_batches=m,
+                 settings=settings, state_bytes=state_bytes,
+                 vision_zero1=bool(getattr(rf.optim, "vision_zero1", False)), device_gib=device_gib)
+    cands = recommend(config, n, w, hw, counts=counts)
+    ok = [c for c in cands if c.feasible]
+    out = [
+        f"recommendation for {n} GPUs: {config.model_type} (vision {_num(counts.vision)}, text "
+        f"{_num(counts.text)} parameters)",
+        f"workload: {vt} vision + {text_tokens} text tokens per sample"
+        + (f" (the largest of --vision-tokens {','.join(map(str, vision_tokens))})"
+           if len(vision_tokens) > 1 else "")
+        + f"; global batch {gb} = {m} micro-batch(es) of {w.micro_batch_size}; "
+        f"{settings.dtype_bytes}-byte activations, {attention} attention, checkpointing "
+        f"{'on' if settings.checkpointing else 'off'}, vision ZeRO-1 "
+        f"{'on' if w.vision_zero1 else 'off'}, {state_bytes:g} B/param state; {device_gib:g} GiB "
+        "per GPU",
+        f"cost model (ray_dhp/recommend.py): {hw.flops(settings.dtype_bytes) / 1e12:.0f} TFLOP/s "
+        f"achieved per GPU ({hw.efficiency:.2f} of peak), links {hw.link_bw / 1e9:.0f} GB/s in a "
+        f"node / {hw.internode_bw / 1e9:.0f} GB/s between nodes, {hw.gpus_per_node} GPUs per node",
+        "",
+        "  #  placement   schedule    vision      text         step (s)  vision idle  text idle"
+        "  GiB/GPU",
+    ]
+    out += [_row(i + 1, c) for i, c in enumerate(ok[:top])]
+    if not ok:
+        out.append("  (no layout fits)")
+    dropped = [c for c in cands if not c.feasible]
+    kinds = Counter(c.reason.split(":", 1)[0] for c in dropped)
+    if dropped:
+        out += ["", f"dropped {len(dropped)} of {len(cands)} layouts ("
+                + ", ".join(f"{k}: {v}" for k, v in sorted(kinds.items())) + "); first dropped:"]
+        out += [f"  {c.layout.describe()}: " + ("" if math.isnan(c.step_s) else f"{c.step_s:.4g} s; ")
+                + c.reason for c in dropped[:3]]
+    if ok:
+        best = ok[0]
+        out += ["", f"recommended: {best.layout.describe()} ({best.step_s:.4g} s per step, "
+                    f"{best.peak_memory_gib:.3g} GiB per GPU). Run-file fragment:", "",
+                _fragment_yaml(best, micro_batches).rstrip()]
+    else:
+        out += ["", "no layout fits: lower the state bytes (--state-bytes 12), turn on activation "
+                    "checkpointing or bf16 autocast, shorten the samples, or add GPUs."]
+    return "\n".join(out), bool(ok)
