@@ -87,7 +87,7 @@ def _block_elems(h: int, i: int) -> int:
 def vision_activation_bytes(vc, tokens: int, sp: int, s: ActivationSettings,
                             image_tokens: Optional[int] = None) -> float:
     """Activation bytes of one vision SP rank for ``tokens`` patch tokens of its replica."""
-    h, i, depth = vc.hidden_size, _vision_mlp(vc), vc.depth
+    h, i, depth = vision_width(vc), _vision_mlp(vc), vc.depth
     local = tokens / sp
     per_block = local * _block_elems(h, i) * s.dtype_bytes
     total = depth * local * h * s.dtype_bytes + per_block if s.checkpointing else depth * per_block
@@ -102,6 +102,12 @@ def vision_activation_bytes(vc, tokens: int, sp: int, s: ActivationSettings,
         if not s.checkpointing:
             total += 2 * heads * tokens * min(window, seg) * s.dtype_bytes * windows
     return total
+
+
+def vision_width(vc) -> int:
+    """The ViT's own width: ``embed_dim`` for Qwen2-VL (whose ``hidden_size`` is the LLM width the
+    merger projects to), ``hidden_size`` for Qwen2.5-VL and Qwen3-VL."""
+    return getattr(vc, "embed_dim", None) or vc.hidden_size
 
 
 def _vision_mlp(vc) -> int:

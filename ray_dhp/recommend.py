@@ -67,7 +67,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ray_dhp.memory import GIB, ActivationSettings, estimate_ranks
+from ray_dhp.memory import GIB, ActivationSettings, estimate_ranks, vision_width
 from ray_dhp.topology import Topology
 
 __all__ = ["Hardware", "Workload", "Layout", "PhaseTimes", "Candidate", "recommend",
@@ -202,10 +202,6 @@ def _recompute(settings: ActivationSettings) -> float:
     return 4 / 3 if settings.checkpointing else 1.0
 
 
-def _vision_width(vc) -> int:
-    return getattr(vc, "embed_dim", None) or vc.hidden_size  # Qwen2-VL: embed_dim
-
-
 def _vision_spans(vc) -> tuple:
     """(full-attention blocks, window-attention blocks, patches per window) as ray_dhp.memory
     counts them: Qwen2.5-VL lists its full blocks, the other families attend fully everywhere."""
@@ -220,7 +216,7 @@ def vision_flops(config, vision_params: int, vision_tokens: int,
     from ray_dhp.models import family_of
 
     vc, family = config.vision_config, family_of(config)
-    h, merge = _vision_width(vc), vc.spatial_merge_size ** 2
+    h, merge = vision_width(vc), vc.spatial_merge_size ** 2
     m = merge * h  # the merger's input width
     merger = min(vision_params, (m * m + m * family.vision_out_dim(config))
                  * (1 + family.num_deepstack(config)))
@@ -274,7 +270,7 @@ def phase_times(config, counts, layout: Layout, w: Workload, hw: Hardware) -> Ph
     # vision: compute split 1 : 2 (forward : backward), 1 : 3 with the forward recomputed
     v_comp = sv * vision_flops(config, counts.vision, w.vision_tokens, s) / v.inner / flops
     fwd_share = 0.25 if ckpt else 1 / 3
-    x = sv * w.vision_tokens / v.inner * _vision_width(vc) * s.dtype_bytes  # [tokens/sp, h]
+    x = sv * w.vision_tokens / v.inner * vision_width(vc) * s.dtype_bytes  # [tokens/sp, h]
     bw_sp = _bw(hw, v.inner_groups())
     a2a = _vision_spans(vc)[0] * (_all_to_all(hw, 3 * x, v.inner, bw_sp)
                                   + _all_to_all(hw, x, v.inner, bw_sp))

@@ -252,3 +252,22 @@ def test_cli_exits_1_when_nothing_fits(capsys, forbid_ray_init):
     out = capsys.readouterr().out
     assert "(no layout fits)" in out and "Run-file fragment" not in out
     assert "memory: vision+text ranks need 81.8 GiB > 80 GiB" in out
+
+
+def test_vision_activations_use_the_vit_width_for_every_family():
+    """Qwen2-VL's vision ``hidden_size`` is the LLM width the merger projects to; the ViT's own
+    width is ``embed_dim``. The activation estimate must scale with the ViT width."""
+    from ray_dhp import demo
+    from ray_dhp.memory import ActivationSettings, vision_activation_bytes, vision_width
+
+    s = ActivationSettings()
+    for family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
+        vc = demo.tiny_model_config(family).vision_config
+        base = vision_activation_bytes(vc, 1024, 1, s)
+        wider = vc.__class__.from_dict(vc.to_dict())
+        attr = "embed_dim" if family == "qwen2_vl" else "hidden_size"
+        setattr(wider, attr, 2 * getattr(vc, attr))
+        assert vision_width(wider) == 2 * vision_width(vc)
+        assert vision_activation_bytes(wider, 1024, 1, s) > base
+    vc = demo.tiny_model_config("qwen2_vl").vision_config
+    assert vision_width(vc) == vc.embed_dim != vc.hidden_size
