@@ -193,6 +193,9 @@ class VLProcessor:
             raise BadSample(record.error)
         if not isinstance(record.data, dict):
             raise BadSample("malformed record: not a JSON object")
+        if record.data.get("video") is not None or record.data.get("videos") is not None:
+            raise BadSample("video samples are not supported yet (only images); skip them or "
+                            "convert the video to sampled frames given as 'image' lists")
         messages = self._validate(_messages(record.data))
         paths = _image_paths(record.data, data_root)
         n_placeholders = sum(text.count(IMAGE_PLACEHOLDER) for _, text in messages)
