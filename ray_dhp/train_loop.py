@@ -78,6 +78,8 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
     from ray_dhp.data.loader import StepLoader
     from ray_dhp.data.sources import make_sampler
     from ray_dhp.engine import DHPEngine
+    from ray_dhp.flops import peak_flops, step_flops
+    from ray_dhp.memory import count_params
     from ray_dhp.parallel.comm import CommCounter
 
     cfg = TrainLoopConfig.from_dict(config)
@@ -94,8 +96,10 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
         logger.warning("the checkpoint is at step %d >= num_steps=%d: nothing to train; raise "
                        "num_steps to continue it", first, cfg.num_steps)
     loader.start(cfg.num_steps - first)  # prepares step k+1 while step k trains
+    counts = count_params(engine.config)
+    peak = peak_flops(ctx.groups.device, cfg.autocast_dtype)
     window_start = first
-    window_tokens, window_patches, window_time, data_wait = 0, 0, 0.0, 0.0
+    window_tokens, window_patches, window_time, data_wait, window_flops = 0, 0, 0.0, 0.0, 0.0
     for step in range(first, cfg.num_steps):
         t0 = time.perf_counter()
         micro_batches = loader.next()
@@ -105,6 +109,7 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
         window_tokens += sum(int(s.input_ids.numel()) for mb in micro_batches for s in mb)
         window_patches += sum(int(s.image_grid_thw.prod(-1).sum()) for mb in micro_batches for s in mb
                               if s.image_grid_thw is not None)
+        window_flops += step_flops(engine.config, counts, micro_batches)
         hook("step_end", step + 1)
         last = step == cfg.num_steps - 1
         save = last or (cfg.checkpoint_every > 0 and (step + 1) % cfg.checkpoint_every == 0)
@@ -115,15 +120,19 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
                 "vision_tokens_per_s": window_patches / max(window_time, 1e-9),
                 "skipped_samples": loader.skipped, "epoch": loader.epoch,
                 "time_data_wait_s": data_wait / max(1, step + 1 - window_start),
+                # model FLOPs (no recompute) per second per rank; MFU against the device's peak
+                "model_tflops_per_s_per_rank": window_flops / max(window_time, 1e-9) / ctx.topology.world_size / 1e12,
                 "peak_memory_mb_per_rank": _peak_memory_mb_per_rank(),
                 **{k: v for k, v in out.items() if k.startswith("time_")},  # step-phase times
             }
+            if peak is not None:
+                metrics["mfu"] = metrics["model_tflops_per_s_per_rank"] * 1e12 / peak
             if ctx.rank == 0:
                 logger.info("step %d/%d %s", step + 1, cfg.num_steps, metrics)
             if save:
                 _save_and_report(metrics, engine, loader, processor, hook)
             else:
                 _report(metrics)
-            window_tokens, window_patches, window_time, data_wait = 0, 0, 0.0, 0.0
+            window_tokens, window_patches, window_time, data_wait, window_flops = 0, 0, 0.0, 0.0, 0.0
             window_start = step + 1
     return {"resumed_from_step": first, "final_step": engine.step_count}
