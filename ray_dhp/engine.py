@@ -255,23 +255,43 @@ class DHPEngine:
         return {t.rank_at(j, k): range(lay.row_offsets[rng.start], lay.row_offsets[rng.stop])
                 for j, rng in enumerate(lay.text_samples) for k in range(t.inner)}
 
-    def _text_forward_backward(self, samples, feats, n_targets: int):
-        from ray_dhp.data.collate import pad_text_batch
+    def _text_batch(self, samples) -> dict:
+        """Padded (one sample per row) or, with ``cfg.packing``, packed rows of at most
+        ``cfg.max_tokens`` tokens with per-sample positions, attention and targets."""
+        from ray_dhp.data.collate import pack_text_batch, pad_text_batch
 
+        pad_id = self.config.text_config.pad_token_id or 0
+        if not self.cfg.packing:
+            return pad_text_batch(samples, pad_id)
+        batch = pack_text_batch(samples, pad_id, self.cfg.max_tokens,
+                                rope_index=self.text_model.model.get_rope_index)
+        impl = self.family.language_model(self.text_model).config._attn_implementation
+        if batch["input_ids"].shape[0] > 1 and impl not in _MASKED_ATTENTION:
+            raise ValueError(
+                f"packing into several rows needs a mask-based attention ({_MASKED_ATTENTION}); "
+                f"{impl!r} detects packed samples from positions only in a single row: set "
+                f"max_tokens=None (one row per micro-batch) or use attn_implementation='sdpa'."
+            )
+        return batch
+
+    def _text_forward_backward(self, samples, feats, n_targets: int):
         dev = self.groups.device
-        batch = pad_text_batch(samples, self.config.text_config.pad_token_id or 0)
+        batch = self._text_batch(samples)
         enc = None
         if feats is not None and feats.shape[0] > 0:
             feats = feats.requires_grad_(True)
             enc = self.family.encoder_outputs(self.config, feats)
-        grid = batch.get("image_grid_thw")
+        grid, mask, pos = batch["image_grid_thw"], batch["attention_mask"], batch.get("position_ids")
         with self._autocast():
             out = self.text_model(
-                input_ids=batch["input_ids"].to(dev), attention_mask=batch["attention_mask"].to(dev),
+                input_ids=batch["input_ids"].to(dev),
+                attention_mask=None if mask is None else mask.to(dev),
+                position_ids=None if pos is None else pos.to(dev),
                 mm_token_type_ids=batch["mm_token_type_ids"].to(dev),
                 image_grid_thw=None if grid is None else grid.to(dev),
                 mm_encoder_outputs=enc, use_cache=False)
-        targets = shift_labels(batch["labels"]).to(dev)
+        targets = batch["targets"] if "targets" in batch else shift_labels(batch["labels"])
+        targets = targets.to(dev)
         with self._loss_context():
             loss_sum = F.cross_entropy(upcast(out.logits).flatten(0, 1), targets.flatten(),
                                        ignore_index=-100, reduction="sum")
@@ -370,6 +390,11 @@ class DHPEngine:
             for n, p in self.text_model.named_parameters():
                 out[n] = (p.full_tensor() if _is_dtensor(p) else p).detach().clone()
         return out
+
+
+# Attention implementations whose mask transformers builds from packed position ids for any
+# number of rows (flash kernels infer packing from positions only when there is one row).
+_MASKED_ATTENTION = ("sdpa", "eager", "flex_attention")
 
 
 def _is_dtensor(t) -> bool:

@@ -30,7 +30,13 @@ class TrainLoopConfig:
         bad_data: "skip" (default: skip and count bad samples) or "strict" (fail naming file/line).
         data_root: folder image paths are relative to, for every dataset (default: each
             annotation file's folder; the current directory for Ray Datasets).
-        max_tokens: samples longer than this many tokens are bad data (None = no limit).
+        max_tokens: samples longer than this many tokens are bad data (None = no limit); with
+            ``packing`` also the length of a packed row.
+        packing: concatenate each text replica's samples of a micro-batch into rows of at most
+            ``max_tokens`` tokens (greedy, in sample order; one row if max_tokens is None)
+            instead of padding one sample per row. Each sample keeps its own positions,
+            attention and targets, so the update equals the padded one; it saves the compute
+            spent on padding.
         checkpoint_every: steps between checkpoints (0 = only at the end).
         resume_from: checkpoint to start from when the run has none of its own yet: a path (one
             checkpoint, or a folder of them) or a ``ray.train.Checkpoint``; any layout.
@@ -62,6 +68,7 @@ class TrainLoopConfig:
     bad_data: str = "skip"
     data_root: Optional[str] = None
     max_tokens: Optional[int] = None
+    packing: bool = False
     checkpoint_every: int = 0
     resume_from: Optional[str] = None
     autocast_dtype: Optional[str] = None
@@ -88,6 +95,9 @@ class TrainLoopConfig:
         need(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm must be > 0 or None")
         need(self.warmup_steps >= 0 and self.checkpoint_every >= 0,
              "warmup_steps and checkpoint_every must be >= 0")
+        need(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+             f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
+        need(isinstance(self.packing, bool), f"packing must be true or false, got {self.packing!r}")
         need(self.autocast_dtype in (None, "bfloat16"), "autocast_dtype must be None or 'bfloat16'")
         self.betas = tuple(self.betas)
         check_dataset_weights(self.dataset_weights)

@@ -1,6 +1,6 @@
 """LLaVA-format data pipeline: reading annotations, processing records, collating batches."""
 
-from ray_dhp.data.collate import pad_text_batch
+from ray_dhp.data.collate import pack_text_batch, pad_text_batch
 from ray_dhp.data.processing import (
     IGNORE_INDEX,
     BadSample,
@@ -19,6 +19,7 @@ __all__ = [
     "VLProcessor",
     "as_vl_processor",
     "image_grid",
+    "pack_text_batch",
     "pad_text_batch",
     "read_annotations",
     "resolve_data_root",

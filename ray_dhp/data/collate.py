@@ -1,14 +1,16 @@
-"""Collating :class:`~ray_dhp.data.processing.Sample` objects into a right-padded batch."""
+"""Collating :class:`~ray_dhp.data.processing.Sample` objects into a batch: right-padded (one
+sample per row) or packed (several samples per row, each still seeing only itself)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Optional
 
 import torch
 
 from ray_dhp.data.processing import IGNORE_INDEX, Sample
 
-__all__ = ["pad_text_batch"]
+__all__ = ["pad_text_batch", "pack_text_batch", "pack_rows"]
 
 
 def _pad(rows: list[torch.Tensor], length: int, value: int) -> torch.Tensor:
@@ -16,6 +18,17 @@ def _pad(rows: list[torch.Tensor], length: int, value: int) -> torch.Tensor:
     for i, row in enumerate(rows):
         out[i, : row.numel()] = row
     return out
+
+
+def _images(samples: Sequence[Sample]) -> dict:
+    """``image_grid_thw`` of the samples that have images, in order; their ``pixel_values`` only
+    if every one of them carries pixels (text-only ranks may get grids without pixels)."""
+    with_grid = [s for s in samples if s.image_grid_thw is not None]
+    if not with_grid:
+        return {"pixel_values": None, "image_grid_thw": None}
+    pixels = [s.pixel_values for s in with_grid]
+    return {"pixel_values": None if any(p is None for p in pixels) else torch.cat(pixels),
+            "image_grid_thw": torch.cat([s.image_grid_thw for s in with_grid])}
 
 
 def pad_text_batch(samples: Sequence[Sample], pad_id: int, *, pad_to_multiple_of: int = 1) -> dict:
@@ -30,8 +43,9 @@ def pad_text_batch(samples: Sequence[Sample], pad_id: int, *, pad_to_multiple_of
     Returns:
         ``input_ids``, ``attention_mask`` (1 on real tokens), ``labels`` (-100 on padding),
         ``mm_token_type_ids`` (0 on padding) — all ``[B, L]`` long — plus ``image_grid_thw``
-        and ``pixel_values``: the samples' images concatenated in batch order, or None if none
-        has images (``pixel_values`` is also None when the samples came without pixels).
+        (the grids of the samples that have images, in batch order, or None) and
+        ``pixel_values`` (their patches concatenated in the same order; None if no sample has
+        images or one of them comes without pixels).
     """
     if not samples:
         raise ValueError("pad_text_batch needs at least one sample")
@@ -43,9 +57,100 @@ def pad_text_batch(samples: Sequence[Sample], pad_id: int, *, pad_to_multiple_of
         "labels": _pad([s.labels for s in samples], length, IGNORE_INDEX),
         "mm_token_type_ids": _pad([s.mm_token_type_ids for s in samples], length, 0),
     }
-    # Text ranks get the grids without the pixels (only vision ranks hold pixels).
-    grids = [s.image_grid_thw for s in samples if s.image_grid_thw is not None]
-    pixels = [s.pixel_values for s in samples if s.image_grid_thw is not None]
-    batch["image_grid_thw"] = torch.cat(grids) if grids else None
-    batch["pixel_values"] = torch.cat(pixels) if grids and all(p is not None for p in pixels) else None
+    batch.update(_images(samples))
+    return batch
+
+
+def pack_rows(lengths: Sequence[int], max_tokens: Optional[int]) -> list[range]:
+    """Greedy, order-preserving packing: consecutive samples share a row while the row holds at
+    most ``max_tokens`` tokens (None: one row for all). Returns the sample-index range of each row."""
+    rows, start, used = [], 0, 0
+    for i, n in enumerate(lengths):
+        if max_tokens is not None and n > max_tokens:
+            raise ValueError(f"sample {i} has {n} tokens > max_tokens={max_tokens}; such samples "
+                             f"are bad data and should have been skipped when processing")
+        if max_tokens is not None and i > start and used + n > max_tokens:
+            rows.append(range(start, i))
+            start, used = i, 0
+        used += n
+    rows.append(range(start, len(lengths)))
+    return rows
+
+
+RopeIndex = Callable[..., tuple]
+
+
+def _positions(sample: Sample, rope_index: Optional[RopeIndex]) -> torch.Tensor:
+    """``[3, n]`` M-RoPE positions of ``sample`` alone, as the model computes them."""
+    n = sample.num_tokens
+    if sample.image_grid_thw is None:  # the model's own fallback: 1-D positions on all 3 axes
+        return torch.arange(n).expand(3, n)
+    if rope_index is None:
+        raise ValueError("pack_text_batch needs rope_index (the model's get_rope_index, e.g. "
+                         "model.model.get_rope_index) for samples with images")
+    pos, _ = rope_index(sample.input_ids[None], sample.mm_token_type_ids[None],
+                        image_grid_thw=sample.image_grid_thw)
+    return pos[:, 0].to(torch.long)
+
+
+def pack_text_batch(samples: Sequence[Sample], pad_id: int, max_tokens: Optional[int] = None, *,
+                    rope_index: Optional[RopeIndex] = None) -> dict:
+    """Pack samples, in order, into rows of at most ``max_tokens`` tokens (`pack_rows`).
+
+    Every sample keeps its own attention, positions and targets, so the loss and gradients equal
+    those of the padded batch: positions restart at each sample, no token attends across a
+    sample boundary, and the last token of a sample has no target.
+
+    The block-diagonal causal attention comes from transformers' packed-sequence detection:
+    pass ``position_ids`` and **no** 2-D ``attention_mask`` to the Qwen-VL model; its first row
+    (text positions, 0..n-1 per sample) restarts at each sample, from which
+    ``masking_utils.create_causal_mask`` builds the mask for sdpa, eager and flex attention.
+    (Flash-attention kernels detect packing from positions only for a single row.)
+
+    Args:
+        samples: processed samples (at least one).
+        pad_id: token id written at padded positions of ``input_ids`` (the tail of short rows).
+        max_tokens: row length budget; a longer sample raises ValueError. None: one row.
+        rope_index: the model's ``get_rope_index`` (``model.model.get_rope_index``); needed for
+            samples with images, whose M-RoPE positions depend on the image grids.
+
+    Returns:
+        The keys of `pad_text_batch` (``input_ids``, ``labels``, ``mm_token_type_ids`` are
+        ``[R, L]``; ``attention_mask`` is None, see above; ``pixel_values``/``image_grid_thw``
+        in sample order) plus:
+        ``position_ids`` ``[4, R, L]`` long: row 0 the text positions, rows 1-3 the M-RoPE
+        (temporal, height, width) positions of each sample computed alone (padding: 0, 1, ...,
+        a segment of its own); ``targets`` ``[R, L]``: next-token targets within each sample
+        (-100 at its last token and on padding); ``sample_ids`` ``[R, L]``: index of the
+        token's sample in ``samples``, -1 on padding.
+    """
+    if not samples:
+        raise ValueError("pack_text_batch needs at least one sample")
+    rows = pack_rows([s.num_tokens for s in samples], max_tokens)
+    length = max(sum(samples[i].num_tokens for i in r) for r in rows)
+    cols: dict = {k: [] for k in ("input_ids", "labels", "mm_token_type_ids", "targets",
+                                  "sample_ids", "position_ids")}
+    for r in rows:
+        parts: dict = {k: [] for k in cols}
+        for i in r:
+            s = samples[i]
+            n = s.num_tokens
+            targets = torch.full_like(s.labels, IGNORE_INDEX)
+            targets[:-1] = s.labels[1:]
+            parts["input_ids"].append(s.input_ids)
+            parts["labels"].append(s.labels)
+            parts["mm_token_type_ids"].append(s.mm_token_type_ids)
+            parts["targets"].append(targets)
+            parts["sample_ids"].append(torch.full((n,), i, dtype=torch.long))
+            parts["position_ids"].append(torch.cat([torch.arange(n)[None], _positions(s, rope_index)]))
+        used = sum(samples[i].num_tokens for i in r)
+        parts["position_ids"].append(torch.arange(length - used).expand(4, -1))
+        for k, v in parts.items():
+            cols[k].append(torch.cat(v, dim=-1))
+    fill = {"input_ids": pad_id, "labels": IGNORE_INDEX, "mm_token_type_ids": 0,
+            "targets": IGNORE_INDEX, "sample_ids": -1}
+    batch = {k: _pad(cols[k], length, v) for k, v in fill.items()}
+    batch["attention_mask"] = None
+    batch["position_ids"] = torch.stack(cols["position_ids"], dim=1)
+    batch.update(_images(samples))
     return batch
