@@ -97,12 +97,12 @@ def main(argv=None):
     stem = os.path.join(RESULTS, f"schedules-{a.shape}-cpu{os.cpu_count()}-{date}")
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=2)
-    _plot(rows, stem + ".png")
+    _plot(rows, stem + ".png", a.shape, a.patches, a.micro_batches)
     print(json.dumps(result, indent=2))
     return result
 
 
-def _plot(rows: dict, path: str) -> None:
+def _plot(rows: dict, path: str, shape: str, patches: int, micro: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -112,7 +112,7 @@ def _plot(rows: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.2))
     ax.barh(names, [rows[n]["step_s"] for n in names], color=["#999", "#3a7", "#37a"])
     ax.set_xlabel("median step time (s), 2 workers")
-    ax.set_title("Micro-batch schedules (vitheavy, CPU)")
+    ax.set_title(f"Micro-batch schedules ({shape}, {patches} patches, {micro} micro-batches, CPU)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -45,6 +45,9 @@ class TrainLoopConfig:
         vision_zero1: shard the vision optimizer state over the vision group (ZeRO-1).
         prefetch: prepare the next step's samples in a background thread while the current
             step trains (each sample is decoded once across the cluster either way).
+        data_workers: processes per rank that decode its share of each step (0: decode in the
+            prefetch thread; the GIL then serialises decoding with Python-heavy training steps,
+            so use 1-4 when the step is not dominated by accelerator time).
         dataset_weights: ``{dataset name: weight > 0}``: train on these named datasets (the
             trainer's ``datasets=``; in a run file, data.train is named "train" and data.datasets
             holds the others), mixed in these ratios (deterministic, resumable). None: train on
@@ -75,6 +78,7 @@ class TrainLoopConfig:
     activation_checkpointing: bool = False
     vision_zero1: bool = True
     prefetch: bool = True
+    data_workers: int = 0
     dataset_weights: Optional[dict] = None
     dataset_paths: Optional[dict] = None
 
@@ -93,6 +97,8 @@ class TrainLoopConfig:
         need(self.lr_schedule in LR_SCHEDULES, f"lr_schedule must be one of {LR_SCHEDULES}")
         need(self.bad_data in BAD_DATA, f"bad_data must be one of {BAD_DATA}")
         need(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm must be > 0 or None")
+        need(isinstance(self.data_workers, int) and self.data_workers >= 0,
+             f"data_workers must be an integer >= 0, got {self.data_workers!r}")
         need(self.warmup_steps >= 0 and self.checkpoint_every >= 0,
              "warmup_steps and checkpoint_every must be >= 0")
         need(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),

@@ -77,10 +77,6 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
     from ray_dhp.data.processing import as_vl_processor
     from ray_dhp.data.loader import StepLoader
     from ray_dhp.data.sources import make_sampler
-    from ray_dhp.engine import DHPEngine
-    from ray_dhp.flops import peak_flops, step_flops
-    from ray_dhp.memory import count_params
-    from ray_dhp.parallel.comm import CommCounter
 
     cfg = TrainLoopConfig.from_dict(config)
     hook = hook or (lambda event, step: None)
@@ -88,7 +84,21 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
     processor = as_vl_processor(ctx.dhp_config.processor if ctx.dhp_config.processor is not None
                                 else ctx.dhp_config.model)
-    loader = StepLoader(make_sampler(cfg, processor), ctx.groups, prefetch=cfg.prefetch)
+    loader = StepLoader(make_sampler(cfg, processor), ctx.groups, prefetch=cfg.prefetch,
+                        num_workers=cfg.data_workers)
+    try:
+        return _train(cfg, ctx, loader, processor, hook)
+    finally:
+        loader.close()
+
+
+def _train(cfg: TrainLoopConfig, ctx, loader, processor, hook) -> dict:
+    """The loop itself (see `train_loop`)."""
+    from ray_dhp.engine import DHPEngine
+    from ray_dhp.flops import peak_flops, step_flops
+    from ray_dhp.memory import count_params
+    from ray_dhp.parallel.comm import CommCounter
+
     engine = DHPEngine(ctx.dhp_config.model, ctx.groups, cfg, comm=CommCounter(),
                        schedule=ctx.dhp_config.schedule)
     first = _resume(cfg, engine, loader)

@@ -59,10 +59,13 @@ class StepLoader:
         sampler: the run's `StepSampler` (same seed and records on every rank).
         groups: this rank's `DHPGroups` (None: a single process, no exchange).
         prefetch: with `start`, prepare the next step in a background thread.
+        num_workers: processes (per rank) that decode this rank's share of the samples; 0 decodes
+            in the loader's thread, which the GIL serialises with Python-heavy training work.
     """
 
-    def __init__(self, sampler, groups=None, *, prefetch: bool = True):
+    def __init__(self, sampler, groups=None, *, prefetch: bool = True, num_workers: int = 0):
         self.sampler, self.groups, self.prefetch = sampler, groups, prefetch
+        self.num_workers, self._pool = num_workers, None
         self.group = getattr(groups, "data", None)
         distributed = groups is not None and dist.is_initialized()
         self.world = dist.get_world_size() if distributed else 1
@@ -144,8 +147,8 @@ class StepLoader:
                     candidates.append(i)
             owners = [(self._next_owner + q) % self.world for q in range(len(candidates))]
             self._next_owner = (self._next_owner + len(candidates)) % self.world
-            mine = {q: self._process(i) for q, (i, o) in enumerate(zip(candidates, owners))
-                    if o == self.rank}
+            mine = self._process_many({q: i for q, (i, o) in enumerate(zip(candidates, owners))
+                                       if o == self.rank})
             pixels = {q: x.pixel_values for q, x in mine.items() if not isinstance(x, (Exception, _Fatal))}
             metas = self._gather_meta(mine)
             for q, i in enumerate(candidates):
@@ -165,13 +168,39 @@ class StepLoader:
         out = [samples[k:k + m] for k in range(0, need, m)]
         return out, s.state_dict(), s.skipped, s.epoch
 
-    def _process(self, i: int):
-        self.processed_here += 1
-        try:
-            return self.sampler.process(i)
-        except Exception as exc:  # not bad data: a bug or an environment problem
-            logger.exception("processing record %d failed", i)
-            return _Fatal(f"{type(exc).__name__}: {exc}")
+    def _process_many(self, todo: dict) -> dict:
+        """``{q: record index}`` -> ``{q: Sample | BadSample | _Fatal}``, in worker processes
+        when there are any (the GIL would serialise Python-heavy decoding with the training
+        thread), else here."""
+        self.processed_here += len(todo)
+        if self.num_workers > 0 and todo:
+            pool, qs = self._workers(), list(todo)
+            chunks = [qs[w::self.num_workers] for w in range(self.num_workers)]
+            futures = [(c, pool.submit(_process_in_worker, [todo[q] for q in c])) for c in chunks if c]
+            out = {}
+            for chunk, f in futures:  # one round trip per worker and step
+                try:
+                    out.update(zip(chunk, f.result()))
+                except Exception as exc:  # the worker itself failed (or died)
+                    out.update((q, _Fatal(f"{type(exc).__name__}: {exc}")) for q in chunk)
+            return out
+        return {q: _process_or_fatal(self.sampler, i) for q, i in todo.items()}
+
+    def _workers(self):
+        if self._pool is None:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            self._pool = ProcessPoolExecutor(
+                self.num_workers, mp_context=multiprocessing.get_context("spawn"),
+                initializer=_init_worker, initargs=(self.sampler,))
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the worker processes (the prefetch thread ends by itself after its steps)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     def _gather_meta(self, mine: dict) -> dict:
         """Every rank's processed candidates, text side only: q -> meta dict | reason | _Fatal."""
@@ -228,3 +257,26 @@ class StepLoader:
                 it.sample.pixel_values = buf
         for r in requests:
             r.wait()
+
+
+_WORKER_SAMPLER = None
+
+
+def _init_worker(sampler) -> None:
+    global _WORKER_SAMPLER
+    torch.set_num_threads(1)
+    _WORKER_SAMPLER = sampler
+
+
+def _process_in_worker(indices: list) -> list:
+    return [_process_or_fatal(_WORKER_SAMPLER, i) for i in indices]
+
+
+def _process_or_fatal(sampler, i: int):
+    """``sampler.process(i)``; an unexpected error (not bad data: a bug or an environment
+    problem) becomes a `_Fatal` that every rank raises."""
+    try:
+        return sampler.process(i)
+    except Exception as exc:
+        logger.exception("processing record %d failed", i)
+        return _Fatal(f"{type(exc).__name__}: {exc}")
