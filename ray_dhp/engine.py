@@ -170,10 +170,12 @@ class DHPEngine:
             raise ValueError("the step has no trainable tokens (all labels are -100)")
         timer = self._timer = PhaseTimer()
         states = [_MicroBatch(mb) for mb in micro_batches]
+        self._inflight = bnd.InFlight()  # boundary sends not yet waited for
         for phase, k in order_for(self.schedule, len(states)):
             with timer(phase):
                 getattr(self, "_" + phase)(states[k], n_targets)
         with timer("optimizer"):
+            self._inflight.wait()
             grad_norm = self._reduce_and_clip()
             for opt, sched in ((self.vision_opt, self.vision_sched), (self.text_opt, self.text_sched)):
                 if opt is not None:
@@ -205,7 +207,7 @@ class DHPEngine:
         mb.plan = bnd.plan_boundary(g.topology, g.rank, self._held_rows(mb.lay), self._needed_rows(mb.lay))
         local = None if mb.feats is None else mb.feats.detach().to(self.dtype)
         mb.text_feats = bnd.features_forward(mb.plan, local, self.feature_dim, self.dtype, g.device,
-                                             comm=self.comm)
+                                             comm=self.comm, inflight=self._inflight)
 
     def _text_fwd_bwd(self, mb: "_MicroBatch", n_targets: int) -> None:
         g = self.groups
@@ -221,7 +223,7 @@ class DHPEngine:
         g = self.groups
         n_local = 0 if mb.feats is None else mb.feats.shape[0]
         g_local = bnd.features_backward(mb.plan, mb.grad_feats, n_local, self.feature_dim,
-                                        self.dtype, g.device, comm=self.comm)
+                                        self.dtype, g.device, comm=self.comm, inflight=self._inflight)
         if mb.feats is not None:  # also with 0 local rows: the SP all-to-alls run in backward
             with self._timer("vision_bwd"):
                 mb.feats.backward(g_local.to(mb.feats.dtype))

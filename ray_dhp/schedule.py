@@ -3,12 +3,13 @@
 A schedule is the order of four phases per micro-batch ``k``:
 
 * ``vision_fwd``    vision ranks: forward of micro-batch k on local tokens (keeps its graph)
-* ``send_features`` all ranks: the boundary all-to-all of k's features (vision -> text layout)
+* ``send_features`` vision ranks post k's features (non-blocking point-to-point sends); text ranks
+                    receive them (vision -> text layout)
 * ``text_fwd_bwd``  text ranks: forward + backward of k, yielding the feature gradients
-* ``return_grads``  all ranks: the boundary all-to-all back (its exact adjoint), then the vision
-                    backward of k
+* ``return_grads``  text ranks send the feature gradients back (the exact adjoint), vision ranks
+                    receive them, then run the vision backward of k
 
-Every rank walks the same order, so the boundary collectives match on all ranks. Results do not
+Every rank walks the same order, so the boundary messages of each pair of ranks match in order. Results do not
 depend on the schedule (gradients accumulate per micro-batch in the same order); only timing does.
 
 ``sequential``: V0 S0 T0 R0 V1 S1 T1 R1 ... — in a disjoint placement each group idles while the

@@ -5,9 +5,11 @@ micro-batch's ``pooler_output`` (images in sample order, rows in the model's ori
 Every rank computes the same `BoundaryPlan` from plain data (who holds which ids, who needs which),
 so no metadata is exchanged.
 
-Forward: one ``all_to_all_single`` over the world; each vision rank sends each text rank the rows
-it needs, the text rank re-orders them. Every TP rank of a text replica receives the rows
-(replicated over TP).
+Forward: point-to-point, non-blocking sends; each vision rank sends each text rank the rows it
+needs (only the pairs that exchange rows communicate; a rank's rows to itself are copied), the
+text rank re-orders them. Every TP rank of a text replica receives the rows (replicated over TP).
+The sends are waited for at the end of the step (`InFlight`), so under the pipelined schedule a
+vision rank goes on to its next phase without waiting for the text rank to take the features.
 
 Backward (the exact adjoint): under tensor parallelism every TP rank of a replica ends with the
 *full* gradient of the replicated features (DTensor all-reduces it at the first column-parallel
@@ -45,6 +47,7 @@ class BoundaryPlan:
     recv_perm: torch.Tensor   # received (concatenated by source) -> my text layout
     grad_sources: list        # per world rank: True if that rank returns gradients to me
     returns_grad: bool        # I am a text TP-rank-0 (I send gradients back)
+    rank: int = 0             # my world rank
 
     @property
     def num_out_rows(self) -> int:
@@ -88,44 +91,91 @@ def plan_boundary(topology: Topology, rank: int, held: dict, needed: dict) -> Bo
         raise RuntimeError("boundary plan: the vision group does not cover the rows a text rank needs")
     tc = topology.text.coord(rank)
     return BoundaryPlan(send_pos, recv_counts, perm, grad_sources,
-                        returns_grad=tc is not None and tc[1] == 0)
+                        returns_grad=tc is not None and tc[1] == 0, rank=rank)
 
 
-def _a2a(send: torch.Tensor, in_rows: list, out_rows: list, dim: int, group,
-         comm: Optional[CommCounter], tag: str) -> torch.Tensor:
-    out = send.new_empty(sum(out_rows), dim)
-    record(comm, "all_to_all", tag, send)
-    dist.all_to_all_single(out, send.contiguous(), output_split_sizes=list(out_rows),
-                           input_split_sizes=list(in_rows), group=group)
-    return out
+class InFlight:
+    """Sends posted but not yet waited for (their buffers stay alive here); `wait` them before the
+    buffers may change — the engine does at the end of the step."""
+
+    def __init__(self):
+        self._works: list = []
+
+    def add(self, work, tensor) -> None:
+        self._works.append((work, tensor))
+
+    def wait(self) -> None:
+        for work, _ in self._works:
+            work.wait()
+        self._works.clear()
+
+
+def _exchange(sends: dict, recv_rows: dict, dim: int, like: torch.Tensor, rank: int, group,
+              inflight: Optional[InFlight], comm: Optional[CommCounter], tag: str) -> dict:
+    """Point-to-point: post every receive, then every send (non-blocking), wait for the receives
+    only. ``sends``: peer -> rows to send; ``recv_rows``: peer -> rows to receive. Messages to
+    oneself are copied. Every pair of ranks posts its messages in the same (schedule) order, so
+    they match in order. Returns peer -> received rows."""
+    got, recvs = {}, []
+    for src, n in recv_rows.items():
+        if src == rank:
+            got[src] = sends[rank]
+            continue
+        buf = like.new_empty(n, dim)
+        recvs.append(dist.irecv(buf, src=src, group=group))
+        got[src] = buf
+    sent = 0
+    for dst, rows in sends.items():
+        if dst == rank:
+            continue
+        rows = rows.contiguous()
+        work = dist.isend(rows, dst=dst, group=group)
+        sent += rows.numel() * rows.element_size()
+        if inflight is not None:
+            inflight.add(work, rows)
+        else:
+            work.wait()
+    if sends or recv_rows:
+        record(comm, "p2p", tag, sent)
+    for work in recvs:
+        work.wait()
+    return got
 
 
 def features_forward(plan: BoundaryPlan, local: Optional[torch.Tensor], dim: int, dtype,
-                     device, group=None, comm: Optional[CommCounter] = None) -> torch.Tensor:
-    """Send my vision rows where they are needed; return my text rows (``[rows, dim]``)."""
+                     device, group=None, comm: Optional[CommCounter] = None,
+                     inflight: Optional[InFlight] = None) -> torch.Tensor:
+    """Send my vision rows where they are needed (non-blocking sends, kept in ``inflight``);
+    return my text rows (``[rows, dim]``) once they arrived."""
     if local is None:
         local = torch.zeros(0, dim, dtype=dtype, device=device)
-    send = torch.cat([local[p] for p in plan.send_pos]) if len(plan.send_pos) else local[:0]
-    recv = _a2a(send, [p.numel() for p in plan.send_pos], plan.recv_counts, dim, group, comm,
-                "boundary.fwd")
-    return recv[plan.recv_perm]
+    sends = {dst: local[p] for dst, p in enumerate(plan.send_pos) if p.numel() > 0}
+    recv_rows = {src: n for src, n in enumerate(plan.recv_counts) if n > 0}
+    got = _exchange(sends, recv_rows, dim, local, plan.rank, group, inflight, comm, "boundary.fwd")
+    if not recv_rows:
+        return local.new_zeros(0, dim)
+    return torch.cat([got[src] for src in sorted(got)])[plan.recv_perm]
 
 
 def features_backward(plan: BoundaryPlan, grad_out: Optional[torch.Tensor], num_local: int,
                       dim: int, dtype, device, group=None,
-                      comm: Optional[CommCounter] = None) -> torch.Tensor:
+                      comm: Optional[CommCounter] = None,
+                      inflight: Optional[InFlight] = None) -> torch.Tensor:
     """The adjoint of `features_forward`: gradients of my text rows -> gradients of my vision rows."""
+    sends = {}
     if plan.returns_grad and grad_out is not None:
         g_recv = torch.empty_like(grad_out)
-        g_recv[plan.recv_perm] = grad_out
-        in_rows = list(plan.recv_counts)
-    else:
-        g_recv = torch.zeros(0, dim, dtype=dtype, device=device)
-        in_rows = [0] * len(plan.recv_counts)
-    out_rows = [p.numel() if src else 0 for p, src in zip(plan.send_pos, plan.grad_sources)]
-    back = _a2a(g_recv, in_rows, out_rows, dim, group, comm, "boundary.bwd")
+        g_recv[plan.recv_perm] = grad_out  # back to "concatenated by source" order
+        off = 0
+        for src, n in enumerate(plan.recv_counts):
+            if n > 0:
+                sends[src] = g_recv[off:off + n]
+                off += n
+    recv_rows = {dst: p.numel() for dst, (p, from_dst) in enumerate(zip(plan.send_pos, plan.grad_sources))
+                 if from_dst and p.numel() > 0}
+    like = torch.zeros(0, dim, dtype=dtype, device=device)
+    got = _exchange(sends, recv_rows, dim, like, plan.rank, group, inflight, comm, "boundary.bwd")
     g_local = torch.zeros(num_local, dim, dtype=dtype, device=device)
-    idx = [p for p, src in zip(plan.send_pos, plan.grad_sources) if src]
-    if idx:
-        g_local.index_add_(0, torch.cat(idx), back)
+    for dst in sorted(got):
+        g_local.index_add_(0, plan.send_pos[dst], got[dst])
     return g_local
