@@ -151,17 +151,17 @@ def test_schedule_model_against_the_measured_schedules_run():
     """benchmarks/results/schedules-vitheavy-cpu2-2026-11-30.json: disjoint 1+1 CPU ranks.
 
     Per-module times come from the measured sequential row only; the pipelined/sequential ratio
-    is then predicted (0.78) and compared with the measured one (0.86). The model treats ranks as
-    independent devices, which 2 shared CPU cores are not: the vision rank's own busy time grows
-    from 0.61 s (alone) to 0.67 s (beside a busy text rank). So the prediction must be a lower
-    bound within 0.1, and adding that measured slow-down must bring it within 0.02.
+    is then predicted and compared with the measured one (at the time of writing: 0.777 vs
+    0.830). The model treats ranks as independent devices, which 2 shared CPU cores are not: the
+    vision rank's own busy time grows (0.64 s alone -> 0.68 s beside a busy text rank). So the
+    prediction must be a lower bound within 0.1, and adding that measured slow-down must bring
+    it within 0.02. The figures are read from the result file (re-running the benchmark
+    rewrites it), not pinned here.
     """
     with open(schedule_model.DEFAULT) as f:
         result = json.load(f)
     p = schedule_model.predict(result)
     assert p["predicted_sequential_s"] == pytest.approx(p["measured_sequential_s"])  # by construction
-    assert p["predicted_ratio"] == pytest.approx(0.779, abs=0.005)
-    assert p["measured_ratio"] == pytest.approx(0.860, abs=0.005)
     assert p["predicted_ratio"] <= p["measured_ratio"] < p["predicted_ratio"] + 0.1
     # the boundary time c is not measured; its upper bound changes the prediction by < 0.02
     hi = schedule_model.predict(result, boundary_s=p["boundary_upper_bound_s"])
@@ -170,7 +170,7 @@ def test_schedule_model_against_the_measured_schedules_run():
 
 
 def test_flop_counts_match_the_measured_vision_to_text_time_ratio():
-    """Same run: vision 0.50 s vs text 0.18 s per step (ratio 2.88). The FLOP counts give 3.33;
+    """Same run: vision 0.53 s vs text 0.19 s per step (ratio 2.82). The FLOP counts give 3.33;
     on CPU the LM's small matmuls and the loss run at a different efficiency than the ViT's, so
     only agreement within 25 % is asserted."""
     with open(schedule_model.DEFAULT) as f:
@@ -180,7 +180,6 @@ def test_flop_counts_match_the_measured_vision_to_text_time_ratio():
     # one 16x16-patch image per sample; 16 prompt + 16 answer + vision start/end tokens
     ratio = vision_flops(config, counts.vision, 256) / text_flops(config, counts.text, 256, 34)
     measured = p["vision_s"] / p["text_s"]
-    assert measured == pytest.approx(2.88, abs=0.01)
     assert 0.75 < ratio / measured < 1.25
 
 
