@@ -3,7 +3,7 @@
 Same model shape (``vitheavy``), data and total workers (2). The two disjoint schedules run in the
 same processes, alternating step by step (so machine noise hits both alike); collocated
 (SP=2 / TP=2 on the same 2 workers) runs in its own spawn. Per contender: median step time, and
-per group the idle fraction = time blocked in the boundary collectives / step time (for vision
+per group the idle fraction = time blocked in the boundary exchanges / step time (for vision
 ranks the boundary phases minus the vision backward that runs inside ``return_grads``).
 
     python -m benchmarks.schedules [--patches 1024] [--steps 6]
