@@ -5,7 +5,7 @@ pipelined, same processes). Nothing is fitted: the per-module times come from th
 row only, the pipelined time is predicted from them and compared with the measured one.
 
 From the sequential row (step ``S``, idle fractions ``i_v``, ``i_t`` = time blocked in the
-boundary collectives, see ``benchmarks/schedules.py``): in the sequential order the vision rank
+boundary exchanges, see ``benchmarks/schedules.py``): in the sequential order the vision rank
 waits while text computes and vice versa, so with ``c`` the boundary transfer time of the step
 and ``O`` the work both ranks do outside the micro-batch phases (gradient reduction, global norm,
 optimizer, planning):
