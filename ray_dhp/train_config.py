@@ -32,6 +32,10 @@ class TrainLoopConfig:
             annotation file's folder; the current directory for Ray Datasets).
         max_tokens: samples longer than this many tokens are bad data (None = no limit); with
             ``packing`` also the length of a packed row.
+        micro_batch_tokens: cut each step into micro-batches by tokens instead of by count: in
+            order, as many samples as keep every text replica's share within this many tokens
+            (image placeholders included); the number of micro-batches then varies per step,
+            the update does not. Requires micro_batches=1.
         packing: concatenate each text replica's samples of a micro-batch into rows of at most
             ``max_tokens`` tokens (greedy, in sample order; one row if max_tokens is None)
             instead of padding one sample per row. Each sample keeps its own positions,
@@ -72,6 +76,7 @@ class TrainLoopConfig:
     data_root: Optional[str] = None
     max_tokens: Optional[int] = None
     packing: bool = False
+    micro_batch_tokens: Optional[int] = None
     checkpoint_every: int = 0
     resume_from: Optional[str] = None
     autocast_dtype: Optional[str] = None
@@ -97,6 +102,12 @@ class TrainLoopConfig:
         need(self.lr_schedule in LR_SCHEDULES, f"lr_schedule must be one of {LR_SCHEDULES}")
         need(self.bad_data in BAD_DATA, f"bad_data must be one of {BAD_DATA}")
         need(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm must be > 0 or None")
+        need(self.micro_batch_tokens is None or (isinstance(self.micro_batch_tokens, int)
+                                                 and self.micro_batch_tokens >= 1),
+             f"micro_batch_tokens must be an integer >= 1 or None, got {self.micro_batch_tokens!r}")
+        need(self.micro_batch_tokens is None or self.micro_batches == 1,
+             "set micro_batches=1 (the default) with micro_batch_tokens: the token budget decides "
+             "how many micro-batches a step has")
         need(isinstance(self.data_workers, int) and self.data_workers >= 0,
              f"data_workers must be an integer >= 0, got {self.data_workers!r}")
         need(self.warmup_steps >= 0 and self.checkpoint_every >= 0,

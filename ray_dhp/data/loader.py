@@ -76,6 +76,9 @@ class StepLoader:
         self._queue: Optional[queue.Queue] = None
         self._thread: Optional[threading.Thread] = None
         self.processed_here = 0  # records this rank processed (decoded) so far
+        if groups is not None:  # token-budget micro-batches must feed every replica
+            v, t = groups.topology.vision, groups.topology.text
+            sampler.replicas = (t.dp, max(v.dp, t.dp))
 
     # -- what a checkpoint stores ---------------------------------------------------------------
 
@@ -162,11 +165,9 @@ class StepLoader:
                 if owners[q] == self.rank:
                     item.sample.pixel_values = pixels.get(q)
                 chosen.append(item)
-        self._route_pixels(chosen)
-        m = s.cfg.micro_batch_size()
-        samples = [it.sample for it in chosen]
-        out = [samples[k:k + m] for k in range(0, need, m)]
-        return out, s.state_dict(), s.skipped, s.epoch
+        micro_batches = s.cut([it.sample for it in chosen])  # same cut on every rank
+        self._route_pixels(chosen, [len(mb) for mb in micro_batches])
+        return micro_batches, s.state_dict(), s.skipped, s.epoch
 
     def _process_many(self, todo: dict) -> dict:
         """``{q: record index}`` -> ``{q: Sample | BadSample | _Fatal}``, in worker processes
@@ -208,8 +209,8 @@ class StepLoader:
         for q, x in mine.items():
             if isinstance(x, _Fatal):
                 local[q] = x
-            elif isinstance(x, Exception):
-                local[q] = str(x)
+            elif isinstance(x, Exception):  # BadSample: its reason (the location is known)
+                local[q] = getattr(x, "reason", None) or str(x)
             else:
                 pv = x.pixel_values
                 local[q] = {"sample": dataclasses.replace(x, pixel_values=None),
@@ -224,25 +225,26 @@ class StepLoader:
             merged.update(part)
         return merged
 
-    def _consumers(self, slot: int) -> list[int]:
-        """Global ranks that need the pixels of the sample at ``slot`` of its micro-batch."""
+    def _consumers(self, slot: int, size: int) -> list[int]:
+        """Global ranks that need the pixels of the sample at ``slot`` of its micro-batch of
+        ``size`` samples."""
         from ray_dhp.parallel.boundary import split_evenly
 
         v = self.groups.topology.vision
-        for i, rng in enumerate(split_evenly(self.sampler.cfg.micro_batch_size(), v.dp)):
+        for i, rng in enumerate(split_evenly(size, v.dp)):
             if slot in rng:
                 return [v.rank_at(i, k) for k in range(v.inner)]
         raise AssertionError(slot)
 
-    def _route_pixels(self, chosen: list) -> None:
+    def _route_pixels(self, chosen: list, sizes: list) -> None:
         if self.world == 1:
             return
-        m = self.sampler.cfg.micro_batch_size()
+        slots = [(k, size) for size in sizes for k in range(size)]  # (slot, micro-batch size)
         requests, keep = [], []  # keep: tensors in flight stay alive until every wait()
         for pos, it in enumerate(chosen):
             if it.pixel_shape is None:
                 continue
-            consumers = self._consumers(pos % m)
+            consumers = self._consumers(*slots[pos])
             if it.owner == self.rank:
                 for c in consumers:
                     if c != self.rank:

@@ -99,14 +99,15 @@ class StepSampler:
         """Apply the bad-data policy to record ``i``: raise (strict) or count it once and log the
         first few (skip). In a mixture, a dataset whose every record is bad is an error."""
         rec = self.records[i]
-        where = f"{getattr(rec, 'source', '?')}:{getattr(rec, 'line', i)}"
+        where = getattr(rec, "where", None) or f"{getattr(rec, 'source', '?')}:{getattr(rec, 'line', i)}"
+        reason = getattr(error, "reason", None) or str(error)  # BadSample: without its location
         if self.cfg.bad_data == "strict":
-            raise ValueError(f"bad sample at {where}: {error} (set bad_data='skip' to skip such "
+            raise ValueError(f"bad sample at {where}: {reason} (set bad_data='skip' to skip such "
                              f"samples)") from (error if isinstance(error, BaseException) else None)
         if i not in self.bad:
             self.bad.add(i)
             if len(self.bad) <= _LOG_FIRST:
-                logger.warning("skipping bad sample at %s: %s", where, error)
+                logger.warning("skipping bad sample at %s: %s", where, reason)
             s = self._stream_of(i)
             if not self._legacy and sum(1 for b in self.bad if b in s) == s.size:
                 raise ValueError(f"every record of dataset {s.name!r} is bad (last: {where}: "
@@ -120,7 +121,7 @@ class StepSampler:
         return out
 
     def next_step(self) -> list:
-        """The next step's micro-batches: ``micro_batches`` lists of samples."""
+        """The next step's micro-batches (lists of samples, see `cut`)."""
         need, samples, tries = self.cfg.global_batch_size, [], 0
         while len(samples) < need:
             tries += 1
@@ -129,8 +130,23 @@ class StepSampler:
             s = self._load(self.next_index())
             if s is not None:
                 samples.append(s)
-        m = self.cfg.micro_batch_size()
-        return [samples[k:k + m] for k in range(0, need, m)]
+        return self.cut(samples)
+
+    #: ``(text replicas, fewest samples per micro-batch)`` for token-budget micro-batches; the
+    #: `StepLoader` sets it from the topology (the default suits a single process).
+    replicas = (1, 1)
+
+    def cut(self, samples: list) -> list:
+        """The step's samples as micro-batches (a fixed count, or by ``micro_batch_tokens``)."""
+        from ray_dhp.data.budget import cut_micro_batches
+
+        replicas, min_size = self.replicas
+        budget = self.cfg.micro_batch_tokens
+        lengths = [s.num_tokens for s in samples] if budget is not None else [0] * len(samples)
+        cuts = cut_micro_batches(lengths, micro_batches=self.cfg.micro_batches,
+                                 budget=budget, replicas=replicas,
+                                 min_size=min_size)
+        return [samples[r.start:r.stop] for r in cuts]
 
     # -- progress -------------------------------------------------------------------------------
 

@@ -20,15 +20,12 @@ def _sampler(path, **cfg):
 
 
 def _summary(micro_batches):
-    """Per sample: (index, ids, labels, grid, has pixels, pixel sum)."""
-    out = []
-    for mb in micro_batches:
-        for s in mb:
-            out.append((s.index, s.input_ids.tolist(), s.labels.tolist(),
-                        None if s.image_grid_thw is None else s.image_grid_thw.tolist(),
-                        s.pixel_values is not None,
-                        None if s.pixel_values is None else float(s.pixel_values.double().sum())))
-    return out
+    """Per micro-batch, per sample: (index, ids, labels, grid, has pixels, pixel sum)."""
+    return [[(s.index, s.input_ids.tolist(), s.labels.tolist(),
+              None if s.image_grid_thw is None else s.image_grid_thw.tolist(),
+              s.pixel_values is not None,
+              None if s.pixel_values is None else float(s.pixel_values.double().sum()))
+             for s in mb] for mb in micro_batches]
 
 
 def _body(rank, world, path, layout, cfg, prefetch):
@@ -45,8 +42,9 @@ def _body(rank, world, path, layout, cfg, prefetch):
             "skipped": loader.skipped, "vision": groups.vision_coord, "text": groups.text_coord}
 
 
-def _reference(path, cfg):
+def _reference(path, cfg, replicas=(1, 1)):
     s = _sampler(path, **cfg)
+    s.replicas = replicas
     steps = [_summary(s.next_step()) for _ in range(STEPS)]
     return steps, s.state_dict(), s.skipped
 
@@ -59,40 +57,55 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name, prefetch", [("collocated_sp2_tp2", True), ("disjoint_1v_1t", True),
-                                            ("collocated_sp2dp2_tp2dp2", False)])
-def test_loader_decodes_once_and_matches_the_sampler(tmp_path, name, prefetch):
+@pytest.mark.parametrize("name, prefetch, budget", [
+    ("collocated_sp2_tp2", True, None), ("disjoint_1v_1t", True, None),
+    ("collocated_sp2dp2_tp2dp2", False, None), ("collocated_sp2dp2_tp2dp2", True, 75)])
+def test_loader_decodes_once_and_matches_the_sampler(tmp_path, name, prefetch, budget):
     path = demo.make_dataset(tmp_path / "d", num_samples=14, text_only_every=4, bad_lines=BAD)
     cfg = dict(global_batch_size=4, micro_batches=2, seed=1)
+    if budget is not None:  # token-budget micro-batches: sizes vary from step to step
+        cfg = dict(global_batch_size=8, micro_batch_tokens=budget, seed=1)
     layout = LAYOUTS[name]
     world = 4 if name.endswith("dp2") else 2
     out = run_on_ranks(_body, world, (str(path), layout, cfg, prefetch))
-    ref_steps, ref_state, ref_skipped = _reference(path, cfg)
+    replicas = (layout["text_dp"], max(layout["text_dp"], layout["vision_dp"]))
+    ref_steps, ref_state, ref_skipped = _reference(path, cfg, replicas)
     # Every rank sees the single-process sampler's steps (same records, ids, labels, grids);
     # pixels, where present, are the sampler's own.
     for r in out:
         assert r["state"] == ref_state and r["skipped"] == ref_skipped == 3
         for got, want in zip(r["steps"], ref_steps):
-            assert [g[:4] for g in got] == [w[:4] for w in want]
-            assert all(g[5] == w[5] for g, w in zip(got, want) if g[4])
-    # Each record was processed once across the cluster: the sum over ranks is the number of
-    # draws the sampler made (known-bad records are not processed again).
-    draws = STEPS * cfg["global_batch_size"] + ref_skipped
-    assert sum(r["processed"] for r in out) == draws
+            assert [[g[:4] for g in mb] for mb in got] == [[w[:4] for w in mb] for mb in want]
+            assert all(g[5] == w[5] for gm, wm in zip(got, want) for g, w in zip(gm, wm) if g[4])
+    if budget is not None:
+        sizes = [len(mb) for step in ref_steps for mb in step]
+        assert len(set(sizes)) > 1 and min(sizes) >= 2, sizes  # varying, every replica fed
+    # Each record was processed once across the cluster: the ranks together process exactly what
+    # one process running the loader alone processes (every draw once; known-bad records are
+    # not processed again), not world x that.
+    from ray_dhp.data.loader import StepLoader
+
+    alone = StepLoader(_sampler(path, **cfg), prefetch=False)
+    alone.sampler.replicas = replicas
+    for _ in range(STEPS):
+        alone.next()
+    assert sum(r["processed"] for r in out) == alone.processed_here
+    assert alone.processed_here >= STEPS * cfg["global_batch_size"] + ref_skipped
     assert all(r["processed"] > 0 for r in out)  # the work is spread over every rank
     # Pixels live exactly on the vision ranks of the replica that computes the sample.
-    m = cfg["global_batch_size"] // cfg["micro_batches"]
+    from ray_dhp.parallel.boundary import split_evenly
+
     vdp = layout["vision_dp"]
     for r in out:
         for step in r["steps"]:
-            for pos, s in enumerate(step):
-                if s[3] is None:
-                    assert not s[4]
-                    continue
-                slot = pos % m
-                replica = slot * vdp // m  # split_evenly of m samples over vdp replicas
-                want = r["vision"] is not None and r["vision"][0] == replica
-                assert s[4] == want, (r["vision"], pos)
+            for mb in step:
+                owner = {k: i for i, rng in enumerate(split_evenly(len(mb), vdp)) for k in rng}
+                for slot, s in enumerate(mb):
+                    if s[3] is None:
+                        assert not s[4]
+                        continue
+                    want = r["vision"] is not None and r["vision"][0] == owner[slot]
+                    assert s[4] == want, (r["vision"], slot)
 
 
 def _strict_body(rank, world, path, layout):
