@@ -52,8 +52,10 @@ def test_disjoint_with_ray_data_dataset(ray_cluster, tmp_path):
                     vision=ModuleParallel(), text=ModuleParallel(tensor_parallel=2),
                     placement="disjoint")
     ds = ray.data.read_json(str(data))
+    # also: packed rows, token-budget micro-batches and a decoding process per rank, in Ray workers
     result = _trainer(tmp_path, dhp, {"train": ds}, num_steps=2, log_every=1,
-                      data_root=str(data.parent)).fit()
+                      data_root=str(data.parent), packing=True, max_tokens=64,
+                      micro_batch_tokens=64, data_workers=1).fit()
     assert result.metrics["step"] == 2 and result.metrics["skipped_samples"] == 0
     assert result.metrics["loss"] > 0
 
