@@ -17,30 +17,23 @@ import math
 
 import torch
 
+_VITHEAVY = dict(
+    vision=dict(depth=8, hidden_size=128, num_heads=8, intermediate_size=384, out_hidden_size=256,
+                fullatt_block_indexes=[3, 7], window_size=112, patch_size=14, spatial_merge_size=2,
+                temporal_patch_size=2, tokens_per_second=2),
+    text=dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+              intermediate_size=768),
+)
+
 SHAPES = {
-    "vitheavy": dict(
-        vision=dict(depth=8, hidden_size=128, num_heads=8, intermediate_size=384, out_hidden_size=256,
-                    fullatt_block_indexes=[3, 7], window_size=112, patch_size=14, spatial_merge_size=2,
-                    temporal_patch_size=2, tokens_per_second=2),
-        text=dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
-                  intermediate_size=768),
-    ),
+    "vitheavy": _VITHEAVY,
     # The vitheavy ViT with a 2x deeper LLM: at 256 patches per image the vision and text groups
-    # of a 1+1 disjoint split are about equally busy (the regime a pipeline between them is for).
-    "balanced": dict(
-        vision=dict(depth=8, hidden_size=128, num_heads=8, intermediate_size=384, out_hidden_size=256,
-                    fullatt_block_indexes=[3, 7], window_size=112, patch_size=14, spatial_merge_size=2,
-                    temporal_patch_size=2, tokens_per_second=2),
-        text=dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                  intermediate_size=768),
-    ),
+    # of a 1+1 disjoint split are comparably busy (the regime a pipeline between them is for).
+    "balanced": dict(vision=_VITHEAVY["vision"], text={**_VITHEAVY["text"], "num_hidden_layers": 4}),
     # For the GPU script: the same proportions, 4x wider.
     "vitheavy-wide": dict(
-        vision=dict(depth=8, hidden_size=512, num_heads=8, intermediate_size=1536, out_hidden_size=1024,
-                    fullatt_block_indexes=[3, 7], window_size=112, patch_size=14, spatial_merge_size=2,
-                    temporal_patch_size=2, tokens_per_second=2),
-        text=dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                  intermediate_size=3072),
+        vision={**_VITHEAVY["vision"], "hidden_size": 512, "intermediate_size": 1536, "out_hidden_size": 1024},
+        text={**_VITHEAVY["text"], "hidden_size": 1024, "num_hidden_layers": 4, "intermediate_size": 3072},
     ),
 }
 
