@@ -137,6 +137,10 @@ def _train(cfg: TrainLoopConfig, ctx, loader, processor, hook) -> dict:
             }
             if peak is not None:
                 metrics["mfu"] = metrics["model_tflops_per_s_per_rank"] * 1e12 / peak
+            mix = loader.state_dict().get("datasets")
+            if mix is not None:  # several datasets: samples drawn and passes completed, per dataset
+                metrics["dataset_draws"] = {n: st["draws"] for n, st in mix.items()}
+                metrics["dataset_epochs"] = {n: st["epoch"] for n, st in mix.items()}
             if ctx.rank == 0:
                 logger.info("step %d/%d %s", step + 1, cfg.num_steps, metrics)
             if save:

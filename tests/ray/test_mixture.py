@@ -26,3 +26,5 @@ def test_two_weighted_path_datasets_train_and_report(ray_start, fast_reports, tm
     assert m["step"] == 3 and m["loss"] > 0
     assert m["skipped_samples"] == 2  # one bad line per dataset, each counted once
     assert m["epoch"] == 1  # both datasets finished their first pass
+    assert m["dataset_draws"] == {"shapes": 5, "more": 9}  # 1:2 of 14 draws, to within one
+    assert m["dataset_epochs"] == {"shapes": 1, "more": 1}
