@@ -29,7 +29,7 @@ from ray_dhp.train_config import TrainLoopConfig
 __all__ = ["RunFile", "ConfigError", "load_run_file", "SHORTHANDS"]
 
 _DATA_KEYS = ("data_root", "max_tokens", "packing", "bad_data", "dataset_weights", "prefetch",
-              "data_workers")
+              "data_workers", "max_text_chars", "max_image_pixels", "max_bad_fraction")
 _CHECKPOINT_KEYS = tuple(k for k in ("checkpoint_every", "resume_from")
                          if k in {f.name for f in fields(TrainLoopConfig)})
 _NOT_IN_FILE = ("dataset_paths",)  # filled in from data.train and data.datasets

@@ -32,6 +32,16 @@ class TrainLoopConfig:
             annotation file's folder; the current directory for Ray Datasets).
         max_tokens: samples longer than this many tokens are bad data (None = no limit); with
             ``packing`` also the length of a packed row.
+        max_text_chars: records whose turns hold more characters than this are bad data, found
+            before tokenizing (a runaway line would cost gigabytes in the tokenizer; None = no
+            limit).
+        max_image_pixels: images with more pixels (width x height, read from the file header)
+            are bad data, found before decoding (None = no limit; Pillow's own bomb guard still
+            refuses images over about 179M pixels).
+        max_bad_fraction: in skip mode, fail the run with a summary of the bad samples (counts
+            per reason, first examples, likely fix) once more than this fraction of the records
+            drawn so far are bad (judged after min(200, dataset size) draws; the default 0.25
+            catches a wrong data_root or a broken file early); 1.0 never fails.
         micro_batch_tokens: cut each step into micro-batches by tokens instead of by count: in
             order, as many samples as keep every text replica's share within this many tokens
             (image placeholders included); the number of micro-batches then varies per step,
@@ -75,6 +85,9 @@ class TrainLoopConfig:
     bad_data: str = "skip"
     data_root: Optional[str] = None
     max_tokens: Optional[int] = None
+    max_text_chars: Optional[int] = 1_000_000
+    max_image_pixels: Optional[int] = 50_000_000
+    max_bad_fraction: float = 0.25
     packing: bool = False
     micro_batch_tokens: Optional[int] = None
     checkpoint_every: int = 0
@@ -114,6 +127,13 @@ class TrainLoopConfig:
              "warmup_steps and checkpoint_every must be >= 0")
         need(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
              f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
+        for k in ("max_text_chars", "max_image_pixels"):
+            v = getattr(self, k)
+            need(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+                 f"{k} must be an integer >= 1 or None, got {v!r}")
+        need(isinstance(self.max_bad_fraction, (int, float)) and not isinstance(self.max_bad_fraction, bool)
+             and 0.0 <= self.max_bad_fraction <= 1.0,
+             f"max_bad_fraction must be a number in [0, 1], got {self.max_bad_fraction!r}")
         need(isinstance(self.packing, bool), f"packing must be true or false, got {self.packing!r}")
         need(self.autocast_dtype in (None, "bfloat16"), "autocast_dtype must be None or 'bfloat16'")
         self.betas = tuple(self.betas)

@@ -144,7 +144,7 @@ class StepLoader:
             while len(candidates) < need - len(chosen):
                 draws += 1
                 if draws > need + 2 * len(s.records):
-                    raise ValueError("not enough valid samples in the dataset to fill a batch")
+                    raise s.not_enough_error()
                 i = s.next_index()
                 if i not in s.bad:  # known bad: already counted, no need to process it again
                     candidates.append(i)

@@ -30,7 +30,7 @@ import torch
 
 from ray_dhp.data.reading import Record
 
-__all__ = ["BadSample", "Sample", "VLProcessor", "as_vl_processor", "image_grid", "IGNORE_INDEX"]
+__all__ = ["BadSample", "reason_kind", "Sample", "VLProcessor", "as_vl_processor", "image_grid", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
 IMAGE_PLACEHOLDER = "<image>"
@@ -44,11 +44,28 @@ _SPECIAL = (
 
 
 class BadSample(Exception):
-    """A record that cannot become a training sample; ``reason`` says why, ``where`` locates it."""
+    """A record that cannot become a training sample; ``reason`` says why, ``where`` locates it.
+
+    Reasons read ``"<kind>: <details>"`` (e.g. ``"missing image: /data/x.png does not exist"``);
+    `kind` is the part before the colon, the key bad samples are counted by.
+    """
 
     def __init__(self, reason: str, where: str | None = None):
         self.reason, self.where = reason, where
         super().__init__(f"{where}: {reason}" if where else reason)
+
+    def __reduce__(self):  # pickled by decoding processes: keep reason and location apart
+        return BadSample, (self.reason, self.where)
+
+    @property
+    def kind(self) -> str:
+        return reason_kind(self.reason)
+
+
+def reason_kind(reason: str) -> str:
+    """The category of a bad-sample reason: its text before the first colon."""
+    head = str(reason).split(":", 1)[0].strip()
+    return head if 0 < len(head) <= 40 else "other"
 
 
 @dataclass
@@ -97,17 +114,32 @@ def image_grid(path_or_pil, image_processor) -> tuple[int, int, int]:
     return 1, h // patch, w // patch
 
 
-def _load_image(path: Path):
+def _load_image(path: Path, max_pixels: int | None = None):
+    """The RGB image at ``path``. Its size is read from the header first (PIL's ``open`` is lazy)
+    and an image over ``max_pixels`` is refused before any pixel is decoded."""
     from PIL import Image
 
-    if not path.is_file():
+    try:
+        exists = path.is_file()
+    except (OSError, ValueError) as exc:  # a name too long for the file system, a NUL byte...
+        raise BadSample(f"unusable image path: {str(path)[:200]!r}: {type(exc).__name__}: "
+                        f"{exc}") from exc
+    if not exists:
         raise BadSample(f"missing image: {path} does not exist")
     try:
-        with Image.open(path) as img:
+        with Image.open(path) as img:  # reads the header only
+            width, height = img.size
+            if width <= 0 or height <= 0:
+                raise BadSample(f"corrupt image: {path} has size {width}x{height}")
+            if max_pixels is not None and width * height > max_pixels:
+                raise BadSample(f"image too large: {path} is {width}x{height} = {width * height} "
+                                f"pixels > max_image_pixels={max_pixels} (not decoded)")
             img.load()
             return img.convert("RGB")
+    except BadSample:
+        raise
     except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError...
-        raise BadSample(f"corrupt image {path}: {type(exc).__name__}: {exc}") from exc
+        raise BadSample(f"corrupt image: {path}: {type(exc).__name__}: {exc}") from exc
 
 
 def _messages(data: dict) -> list[tuple[str, str]]:
@@ -169,47 +201,60 @@ class VLProcessor:
         """Id used to pad batches (the tokenizer's pad token)."""
         return self.tokenizer.pad_token_id
 
-    def process(self, record, data_root, *, max_tokens: int | None = None) -> Sample:
+    def process(self, record, data_root, *, max_tokens: int | None = None,
+                max_chars: int | None = None, max_pixels: int | None = None) -> Sample:
         """Build the :class:`Sample` of one record.
 
         Args:
             record: a :class:`~ray_dhp.data.reading.Record` (or a raw LLaVA dict, index 0).
             data_root: folder that relative image paths are resolved against.
             max_tokens: reject samples longer than this (no truncation: it would cut images).
+            max_chars: reject records whose turns hold more characters than this, before
+                tokenizing them (a runaway line would otherwise cost memory in the tokenizer).
+            max_pixels: reject images with more pixels than this, from their header, before
+                decoding them.
 
         Raises:
-            BadSample: malformed record, missing/corrupt image, ``<image>`` count != number of
-                images, too many tokens, or no trainable tokens. ``where`` names file and line.
+            BadSample: anything wrong with this one record: malformed record, missing, corrupt or
+                too large image, an image the image processor refuses (e.g. an aspect ratio over
+                200:1), text the tokenizer refuses (e.g. a lone surrogate), ``<image>`` count !=
+                number of images, too many characters or tokens, or no trainable tokens.
+                ``where`` names file and line. Other errors (a misconfigured tokenizer, a bug)
+                are not about the record and propagate.
         """
         if not isinstance(record, Record):
             record = Record(0, record, "<dict>", 0)
         try:
-            return self._process(record, Path(data_root), max_tokens)
+            return self._process(record, Path(data_root), max_tokens, max_chars, max_pixels)
         except BadSample as exc:
             raise BadSample(exc.reason, record.where) from exc
 
-    def _process(self, record: Record, data_root: Path, max_tokens: int | None) -> Sample:
+    def _process(self, record: Record, data_root: Path, max_tokens, max_chars, max_pixels) -> Sample:
         if not record.ok:
             raise BadSample(record.error)
         if not isinstance(record.data, dict):
             raise BadSample("malformed record: not a JSON object")
         if record.data.get("video") is not None or record.data.get("videos") is not None:
-            raise BadSample("video samples are not supported yet (only images); skip them or "
-                            "convert the video to sampled frames given as 'image' lists")
+            raise BadSample("unsupported: video samples are not supported yet (only images); skip "
+                            "them or convert the video to sampled frames given as 'image' lists")
         messages = self._validate(_messages(record.data))
+        n_chars = sum(len(text) for _, text in messages)
+        if max_chars is not None and n_chars > max_chars:
+            raise BadSample(f"too long: {n_chars} characters > max_text_chars={max_chars} "
+                            "(not tokenized)")
         paths = _image_paths(record.data, data_root)
         n_placeholders = sum(text.count(IMAGE_PLACEHOLDER) for _, text in messages)
         if n_placeholders != len(paths):
             raise BadSample(f"image count mismatch: {n_placeholders} {IMAGE_PLACEHOLDER} "
                             f"placeholder(s) but {len(paths)} image(s)")
-        pixel_values, grid = self._encode_images([_load_image(p) for p in paths])
+        pixel_values, grid = self._encode_images([_load_image(p, max_pixels) for p in paths])
         pads = [] if grid is None else (grid.prod(-1) // self.merge_size**2).tolist()
         text, spans = self._render(messages, pads)
         input_ids, labels = self._tokenize(text, spans)
         if max_tokens is not None and len(input_ids) > max_tokens:
             raise BadSample(f"too long: {len(input_ids)} tokens > max_tokens={max_tokens}")
         if not (labels != IGNORE_INDEX).any():
-            raise BadSample("no trainable tokens (the conversation has no assistant turn)")
+            raise BadSample("no trainable tokens: the conversation has no assistant turn")
         mm = torch.zeros_like(input_ids)
         mm[input_ids == self.ids["image_pad"]] = 1
         mm[input_ids == self.ids["video_pad"]] = 2
@@ -234,8 +279,13 @@ class VLProcessor:
         if not images:
             return None, None
         if self.image_processor is None:
-            raise BadSample("record has images but the processor has no image processor")
-        out = self.image_processor(images=images, return_tensors="pt")
+            raise BadSample("no image processor: the record has images but the processor has no "
+                            "image processor")
+        try:
+            out = self.image_processor(images=images, return_tensors="pt")
+        except Exception as exc:  # e.g. ValueError: aspect ratio over 200 (Qwen's smart_resize)
+            raise BadSample(f"image processor refused the image(s): {type(exc).__name__}: "
+                            f"{exc}") from exc
         return out["pixel_values"].to(torch.float32), out["image_grid_thw"].to(torch.long)
 
     def _render(self, messages: list[tuple[str, str]], pads: list[int]):
@@ -258,7 +308,11 @@ class VLProcessor:
         return "<|vision_start|>" + "<|image_pad|>" * n_pads + "<|vision_end|>"
 
     def _tokenize(self, text: str, spans: list[tuple[int, int]]):
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        try:
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        except Exception as exc:  # e.g. TypeError on a lone surrogate (text that is not UTF-8)
+            raise BadSample(f"tokenizer refused the text: {type(exc).__name__}: "
+                            f"{str(exc)[:200]}") from exc
         ids = torch.tensor(enc["input_ids"], dtype=torch.long)
         offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
         trained = np.zeros(len(ids), dtype=bool)

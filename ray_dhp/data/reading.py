@@ -67,43 +67,85 @@ def _expand(path_or_paths) -> list[Path]:
     return files
 
 
-def _read_json_array(path: Path, text: str) -> Iterable[tuple[int, dict | None, str | None]]:
+def _array_error(path: Path, exc: json.JSONDecodeError) -> ValueError:
+    return ValueError(f"{path}:{exc.lineno}: not a valid JSON array ({exc.msg}, column {exc.colno}); "
+                      "a .json file holds one array of records, use .jsonl for one record per line")
+
+
+def _read_json_array(path: Path, raw: bytes) -> Iterable[tuple[int, dict | None, str | None]]:
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 (byte {raw[exc.start]:#04x}); a JSON array file "
+                         "must be UTF-8 throughout (a .jsonl file loses only its bad lines)") from exc
     try:
         items = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not a valid JSON array ({exc}); a JSON file must hold one array "
-                         "of records, use .jsonl for one record per line") from exc
+        raise _array_error(path, exc) from exc
     if not isinstance(items, list):
         raise ValueError(f"{path}: expected a JSON array of records, got {type(items).__name__}")
     for i, item in enumerate(items):
         if isinstance(item, dict):
             yield i, item, None
         else:
-            yield i, None, f"item is a {type(item).__name__}, not a JSON object"
+            yield i, None, f"not an object: item is a {type(item).__name__}, not a JSON object"
 
 
-def _read_json_lines(text: str) -> Iterable[tuple[int, dict | None, str | None]]:
-    for number, line in enumerate(text.splitlines(), start=1):
+def _parse_line(line: str) -> tuple[dict | None, str | None]:
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return None, f"malformed JSON: {exc.msg} (column {exc.colno})"
+    except RecursionError:
+        return None, "malformed JSON: nested too deeply"
+    if isinstance(item, dict):
+        return item, None
+    return None, f"not an object: line is a {type(item).__name__}, not a JSON object"
+
+
+def _read_json_lines(raw: bytes) -> Iterable[tuple[int, dict | None, str | None]]:
+    """One record per ``\\n``-terminated line (only ``\\n`` ends a line: U+2028, U+0085, form
+    feeds... inside a record are text). Lines are decoded one by one, so a line with bytes that
+    are not UTF-8 is one bad record and the others are kept."""
+    if raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark
+        raw = raw[3:]
+    try:
+        lines = raw.decode("utf-8").split("\n")  # the common case: one decode for the file
+    except UnicodeDecodeError:
+        lines = raw.split(b"\n")
+    for number, line in enumerate(lines, start=1):
+        if isinstance(line, bytes):
+            try:
+                line = line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield number, None, (f"not UTF-8: byte {line[exc.start]:#04x} at column "
+                                     f"{exc.start + 1}")
+                continue
         if not line.strip():
             continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            yield number, None, f"malformed JSON: {exc.msg} (column {exc.colno})"
-            continue
-        if isinstance(item, dict):
-            yield number, item, None
-        else:
-            yield number, None, f"line is a {type(item).__name__}, not a JSON object"
+        data, error = _parse_line(line)
+        yield number, data, error
+
+
+def _is_array(path: Path, raw: bytes) -> bool:
+    """``.jsonl``: lines; ``.json``: an array (unless its content does not start with ``[``,
+    as LLaVA-style ``.json`` files of JSON lines do); other names: by content."""
+    if path.suffix == ".jsonl":
+        return False
+    return raw.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
 
 
 def read_annotations(path_or_paths) -> list[Record]:
     """Read LLaVA-format annotations from JSON (one array) and/or JSONL (one object per line) files.
 
-    A file whose content starts with ``[`` is read as a JSON array, any other as JSON lines
-    (blank lines skipped). Malformed JSONL lines do not abort the read: they come back as
-    records with ``data=None`` and ``error`` set, so the caller's bad-data policy decides.
-    A JSON array file that does not parse raises ``ValueError`` (nothing in it is recoverable).
+    The format comes from the file name: ``.jsonl`` is JSON lines, ``.json`` a JSON array (read
+    as JSON lines when its content does not start with ``[``); other names are told apart by
+    their content. JSON lines are split at ``\\n`` only (blank lines skipped) and decoded one
+    by one: a line that is not UTF-8, not valid JSON or not an object comes back as a record
+    with ``data=None`` and ``error`` set (the rest of the file is kept), so the caller's
+    bad-data policy decides. A JSON array file that does not parse raises ``ValueError``
+    naming the line (nothing in it is recoverable). A UTF-8 byte-order mark is ignored.
 
     Args:
         path_or_paths: a file, a folder (all its ``.json``/``.jsonl`` files, sorted), or a
@@ -114,9 +156,9 @@ def read_annotations(path_or_paths) -> list[Record]:
     """
     records: list[Record] = []
     for path in _expand(path_or_paths):
-        text = path.read_text(encoding="utf-8")
-        is_array = text.lstrip().startswith("[")
-        entries = _read_json_array(path, text) if is_array else _read_json_lines(text)
+        raw = path.read_bytes()
+        is_array = _is_array(path, raw)
+        entries = _read_json_array(path, raw) if is_array else _read_json_lines(raw)
         kind = "item" if is_array else "line"
         for line, data, error in entries:
             records.append(Record(len(records), data, str(path), line, error, line_kind=kind))

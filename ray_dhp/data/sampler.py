@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from ray_dhp.data.bad_data import MIN_JUDGED, BadDataLedger
 from ray_dhp.data.mixture import DataSource, Stream, pick
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class StepSampler:
                 self._streams.append(Stream(src, len(self.records), cfg.seed, False))
                 self.records += _renumbered(src.records, len(self.records))
         self.bad: set = set()
+        self.ledger = BadDataLedger()
 
     # -- the contract used by the train loop and the distributed loader ----------------------
 
@@ -88,8 +90,10 @@ class StepSampler:
         from ray_dhp.data.processing import BadSample
 
         try:
-            sample = self.processor.process(self.records[i], self.root_for(i),
-                                            max_tokens=self.cfg.max_tokens)
+            sample = self.processor.process(
+                self.records[i], self.root_for(i), max_tokens=self.cfg.max_tokens,
+                max_chars=getattr(self.cfg, "max_text_chars", None),
+                max_pixels=getattr(self.cfg, "max_image_pixels", None))
         except BadSample as e:
             return e
         sample.index = i
@@ -97,7 +101,8 @@ class StepSampler:
 
     def note_bad(self, i: int, error) -> None:
         """Apply the bad-data policy to record ``i``: raise (strict) or count it once and log the
-        first few (skip). In a mixture, a dataset whose every record is bad is an error."""
+        first few (skip). In skip mode too much bad data is an error (see `check_budget`), and in
+        a mixture so is a dataset whose every record is bad."""
         rec = self.records[i]
         where = getattr(rec, "where", None) or f"{getattr(rec, 'source', '?')}:{getattr(rec, 'line', i)}"
         reason = getattr(error, "reason", None) or str(error)  # BadSample: without its location
@@ -106,12 +111,35 @@ class StepSampler:
                              f"samples)") from (error if isinstance(error, BaseException) else None)
         if i not in self.bad:
             self.bad.add(i)
+            self.ledger.add(where, reason, self.root_for(i))
             if len(self.bad) <= _LOG_FIRST:
                 logger.warning("skipping bad sample at %s: %s", where, reason)
             s = self._stream_of(i)
             if not self._legacy and sum(1 for b in self.bad if b in s) == s.size:
                 raise ValueError(f"every record of dataset {s.name!r} is bad (last: {where}: "
-                                 f"{error}); fix it or drop it from dataset_weights")
+                                 f"{reason}); fix it or drop it from dataset_weights. "
+                                 + self._summary())
+            self.check_budget()
+
+    def _drawn(self) -> int:
+        """Distinct records drawn so far (each dataset's draws, at most its size)."""
+        return sum(min(s.draws, s.size) for s in self._streams)
+
+    def _summary(self) -> str:
+        return self.ledger.summary(len(self.bad), self._drawn(),
+                                   getattr(self.cfg, "max_bad_fraction", 1.0))
+
+    def check_budget(self) -> None:
+        """Raise once more than ``max_bad_fraction`` of the records drawn so far are bad (judged
+        after ``min(MIN_JUDGED, number of records)`` draws), with the `BadDataLedger` summary."""
+        limit, drawn = getattr(self.cfg, "max_bad_fraction", 1.0), self._drawn()
+        if drawn >= min(MIN_JUDGED, len(self.records)) and len(self.bad) > limit * drawn:
+            raise ValueError("too much bad data: " + self._summary())
+
+    def not_enough_error(self) -> ValueError:
+        """The error when no batch can be filled: why the records were bad."""
+        return ValueError("not enough valid samples in the dataset to fill a batch: "
+                          + self._summary())
 
     def _load(self, i: int):
         out = self.process(i)
@@ -126,7 +154,7 @@ class StepSampler:
         while len(samples) < need:
             tries += 1
             if tries > need + 2 * len(self.records):
-                raise ValueError("not enough valid samples in the dataset to fill a batch")
+                raise self.not_enough_error()
             s = self._load(self.next_index())
             if s is not None:
                 samples.append(s)

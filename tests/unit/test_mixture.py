@@ -18,7 +18,7 @@ from ray_dhp.train_config import TrainLoopConfig, check_dataset_weights
 class _Echo:
     """Processor stand-in: a record becomes (record, root); records whose data says bad raise."""
 
-    def process(self, record, root, *, max_tokens=None):
+    def process(self, record, root, *, max_tokens=None, **limits):
         if record.data.get("bad"):
             raise BadSample("marked bad", record.where)
         return SimpleNamespace(record=record, root=root, index=None)
