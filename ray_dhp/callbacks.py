@@ -39,8 +39,13 @@ class MetricsHistory(UserCallback):
         m = dict(metrics[0])
         m["time"] = time.time()
         try:
-            with open(self._path(run_context), "a") as f:
-                f.write(json.dumps(m, default=float) + "\n")
+            with open(self._path(run_context), "a+b") as f:
+                line = (json.dumps(m, default=float) + "\n").encode()
+                if f.seek(0, os.SEEK_END) > 0:
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":  # the last append was torn: keep it on its own line
+                        line = b"\n" + line
+                f.write(line)
         except OSError as e:  # remote storage (s3://...) is not a local folder: keep training
             logger.debug("metrics history not written: %s", e)
         self._progress(m)
@@ -61,9 +66,24 @@ class MetricsHistory(UserCallback):
 
 
 def read_history(result) -> list:
-    """All metrics rank 0 reported during the run of ``result`` (a ``ray.train.Result``)."""
-    path = os.path.join(result.path, HISTORY_FILE)
+    """All metrics rank 0 reported during the run of ``result`` (a ``ray.train.Result``, or the
+    run folder as a path).
+
+    A torn line (the driver died mid-append: the last line, or one before the lines of a
+    resumed run) is left out with a warning naming it; the other lines are returned.
+    """
+    folder = result if isinstance(result, (str, os.PathLike)) else result.path
+    path = os.path.join(folder, HISTORY_FILE)
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    out = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+            logger.warning("%s:%d: torn metrics line left out (%s)", path, number, e)
+    return out

@@ -10,15 +10,20 @@ Train merges them into one storage directory, so every file name is unique per r
   tensors (vision parameters on every vision rank, text parameters on every text replica) are
   stored once (DCP deduplicates identical keys). Loading into another layout's (DTensor) state
   dict reshards.
-* ``rng_rank<r>.pt`` — each rank's RNG states (restored only at the same layout).
+* ``rng_rank<r>.pt`` — each rank's RNG states, tensors and plain tuples only (read back with
+  ``torch.load(weights_only=True)``: no code runs); restored only at the same layout.
 * ``ray_dhp_checkpoint.json`` (rank 0) — format version, step, family, the layout it was
-  written with, sampler position and the transformers config (for `ray_dhp.export_hf`).
-* ``COMMIT`` (rank 0, written last, after a barrier that follows every rank's shard write).
+  written with, sampler position, the transformers config (compared with the model being
+  trained on load, and used by `ray_dhp.export_hf`) and the size and SHA-256 of every file.
+* ``COMMIT`` (rank 0, written last, after a barrier that follows every rank's shard write): the
+  step and the SHA-256 of the metadata JSON.
 
-A checkpoint counts as complete only if ``COMMIT`` and the metadata exist and every file the
-DCP metadata names is present with at least the recorded size: Ray copies each rank's
-directory separately, so a crash can leave a directory with some ranks' files only.
-`resolve` falls back to the newest complete sibling when given an incomplete one.
+A checkpoint counts as complete only if ``COMMIT`` and the metadata agree and every listed file
+is present at its size: Ray copies each rank's directory separately, so a crash can leave a
+directory with some ranks' files only. Before loading, the content hashes are verified; a torn
+or corrupt checkpoint falls back to the newest complete, intact one before it
+(`ray_dhp.checkpoint_integrity`). DCP's ``.metadata`` is a pickle: load checkpoints only from
+storage you trust (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -28,17 +33,17 @@ import json
 import logging
 import os
 import random
-import re
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from ray_dhp import checkpoint_integrity as integrity
+from ray_dhp.checkpoint_integrity import COMMIT_FILE, META_FILE, is_complete, read_meta
+
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-META_FILE = "ray_dhp_checkpoint.json"
-COMMIT_FILE = "COMMIT"
+FORMAT_VERSION = 2  # 2: file list with content hashes; 1 (still read): sizes from DCP metadata
 VISION_PREFIX = "model.visual."
 
 
@@ -128,99 +133,74 @@ def save(directory: str, engine, sampler, processor=None) -> None:
     os.makedirs(directory, exist_ok=True)
     rank = dist.get_rank()
     dcp.save(train_state(engine), checkpoint_id=directory)
-    torch.save(_rng_state(), os.path.join(directory, f"rng_rank{rank}.pt"))
-    dist.barrier()  # every rank's shards and RNG file are on disk before COMMIT
+    rng = f"rng_rank{rank}.pt"
+    torch.save(_rng_state(), os.path.join(directory, rng))
+    # each rank hashes the files it wrote (in parallel); rank 0 lists them all in the metadata
+    mine = [n for n in os.listdir(directory) if n.startswith(f"__{rank}_") and n.endswith(".distcp")]
+    records = integrity.file_records(directory, mine + [rng])
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, records)  # also the barrier: every rank's files are on disk
     if rank == 0:
         if processor is not None:
             processor.save_pretrained(os.path.join(directory, PROCESSOR_DIR))
+        files = integrity.file_records(directory, [".metadata"]
+                                       + integrity.tree_files(directory, PROCESSOR_DIR))
+        for part in parts:
+            files.update(part)
         meta = {
             "format_version": FORMAT_VERSION, "step": engine.step_count, "family": engine.family.name,
             "layout": _layout_of(engine), "world_size": engine.groups.topology.world_size,
             "sampler": sampler.state_dict(),
             "model_config": engine.config.to_json_string(use_diff=False),
+            "files": files,
         }
-        _write(os.path.join(directory, META_FILE), json.dumps(meta, indent=1))
-        _write(os.path.join(directory, COMMIT_FILE), str(engine.step_count))
-
-
-def _write(path: str, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+        integrity.commit(directory, meta)
 
 
 # -- completeness and lookup -------------------------------------------------------------------
 
-def read_meta(directory: str) -> dict:
-    with open(os.path.join(directory, META_FILE)) as f:
-        return json.load(f)
+def resolve(path: str, verify: bool = True) -> str:
+    """The checkpoint directory to load for ``path``, in one process.
 
-
-def is_complete(directory: str) -> bool:
-    """True if ``directory`` holds a whole checkpoint (COMMIT, metadata and every shard file)."""
-    d = os.fspath(directory)
-    if not all(os.path.isfile(os.path.join(d, f)) for f in (COMMIT_FILE, META_FILE, ".metadata")):
-        return False
-    try:
-        storage = dcp.FileSystemReader(d).read_metadata().storage_data
-    except Exception as e:  # noqa: BLE001 - a truncated .metadata is an incomplete checkpoint
-        logger.warning("unreadable DCP metadata in %s: %s", d, e)
-        return False
-    need: dict = {}
-    for info in storage.values():
-        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in need.items():
-        p = os.path.join(d, name)
-        if not os.path.isfile(p) or os.path.getsize(p) < size:
-            return False
-    return True
-
-
-def _step_of(directory: str) -> int:
-    try:
-        return int(read_meta(directory)["step"])
-    except (OSError, ValueError, KeyError):
-        m = re.search(r"(\d+)$", os.path.basename(os.path.normpath(directory)))
-        return int(m.group(1)) if m else -1
-
-
-def _complete_children(folder: str) -> list:
-    subs = [os.path.join(folder, s) for s in os.listdir(folder)]
-    return [s for s in subs if os.path.isdir(s) and is_complete(s)]
-
-
-def _looks_like_checkpoint(directory: str) -> bool:
-    """Holds checkpoint files (complete or not), as opposed to a folder of checkpoints."""
-    return any(n in (".metadata", META_FILE, COMMIT_FILE) or n.endswith(".distcp")
-               for n in os.listdir(directory))
-
-
-def resolve(path: str) -> str:
-    """The checkpoint directory to load for ``path``.
-
-    ``path`` may be a checkpoint (returned if complete; if not, the newest complete sibling with
-    a lower step is used, with a warning) or a folder of checkpoints (e.g. a run directory: its
-    newest complete one). Raises FileNotFoundError if there is none.
+    ``path`` may be a checkpoint (returned if complete and intact; if not, the newest complete,
+    intact sibling with a lower step is used, with a warning) or a folder of checkpoints (e.g. a
+    run directory: its newest complete, intact one). ``verify=False`` skips the content hashes
+    (sizes only). Raises FileNotFoundError if there is none.
     """
-    path = os.path.abspath(os.fspath(path))
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
-    if is_complete(path):
-        return path
-    if not _looks_like_checkpoint(path):
-        children = _complete_children(path)
-        if not children:
-            raise FileNotFoundError(f"no complete checkpoint in {path}")
-        return max(children, key=_step_of)
-    step = _step_of(path)
-    older = [c for c in _complete_children(os.path.dirname(path)) if _step_of(c) < step or step < 0]
-    if not older:
-        raise FileNotFoundError(f"checkpoint {path} is incomplete (torn write) and no complete "
-                                f"earlier checkpoint was found next to it")
-    best = max(older, key=_step_of)
-    logger.warning("checkpoint %s is incomplete; falling back to %s", path, best)
-    return best
+    found = integrity.candidates(path)
+    return _first_intact(path, found, integrity.verify) if verify else found[0]
+
+
+def _resolve_collective(path: str) -> str:
+    """`resolve` on every rank at once: each rank hashes a share of each candidate's files."""
+    found = integrity.candidates(path)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    steps = [None] * world
+    dist.all_gather_object(steps, [integrity.step_of(c) for c in found])
+    if any(s != steps[0] for s in steps):
+        raise RuntimeError(f"ranks resolved different checkpoints (steps {steps}; this rank: "
+                           f"{found[0]}); is the checkpoint folder changing during the load?")
+
+    def check(c):
+        every = [None] * world
+        dist.all_gather_object(every, integrity.verify(c, part=(rank, world)))
+        return [n for bad in every for n in bad]
+
+    return _first_intact(path, found, check)
+
+
+def _first_intact(path: str, found: list, check) -> str:
+    """The first of ``found`` whose ``check`` lists no corrupt file."""
+    for c in found:
+        bad = check(c)
+        if not bad:
+            if c != found[0]:
+                logger.warning("falling back to checkpoint %s", c)
+            return c
+        logger.warning("checkpoint %s is corrupt (content hash mismatch: %s); trying an older one",
+                       c, ", ".join(bad[:5]))
+    raise FileNotFoundError(f"no intact checkpoint for {path}: every complete one failed its "
+                            f"content-hash check")
 
 
 @contextlib.contextmanager
@@ -258,7 +238,7 @@ def latest_of_run():
         folder = None
     if folder and os.path.isdir(folder):
         with contextlib.suppress(FileNotFoundError):
-            return resolve(folder)
+            return integrity.candidates(folder)[0]  # `load` verifies it (and falls back)
     return ray.train.get_checkpoint()
 
 
@@ -283,10 +263,10 @@ def load(checkpoint, engine, sampler=None) -> int:
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     with local_dir(checkpoint) as d:
-        d = resolve(d)
+        d = _resolve_collective(d)
         meta = read_meta(d)
-        _check_same_choice(int(meta["step"]), d)
         _check_compatible(meta, engine)
+        _check_same_model(meta, engine)
         state = train_state(engine)
         dcp.load(state, checkpoint_id=d)
         for key, (module, opt, sched) in _modules(engine).items():
@@ -294,21 +274,12 @@ def load(checkpoint, engine, sampler=None) -> int:
             _load_sched(sched, opt, state["sched"][key])
         rng = os.path.join(d, f"rng_rank{dist.get_rank()}.pt")
         if meta.get("layout") == _layout_of(engine) and os.path.isfile(rng):
-            _set_rng_state(torch.load(rng, weights_only=False))
+            _set_rng_state(torch.load(rng, weights_only=True))
     engine.step_count = int(meta["step"])
     if sampler is not None:
         sampler.load_state_dict(meta["sampler"])
     logger.info("resumed from %s (step %d)", d, engine.step_count)
     return engine.step_count
-
-
-def _check_same_choice(step: int, directory: str) -> None:
-    """Every rank must load the same checkpoint (each resolves it from the file system)."""
-    steps = [None] * dist.get_world_size()
-    dist.all_gather_object(steps, step)
-    if len(set(steps)) != 1:
-        raise RuntimeError(f"ranks resolved different checkpoints (steps {steps}; this rank: "
-                           f"{directory}); is the checkpoint folder changing during the load?")
 
 
 def _layout_of(engine) -> dict:
@@ -327,3 +298,38 @@ def _check_compatible(meta: dict, engine) -> None:
         raise ValueError(f"checkpoint holds a {meta.get('family')} model but this run trains a "
                          f"{engine.family.name} model; use DHPConfig(model=...) of the same family.")
 
+
+
+# config keys that do not change what the weights mean (names, runtime switches, dropout rates)
+_CONFIG_BENIGN = ("_name_or_path", "transformers_version", "architectures", "dtype", "torch_dtype",
+                  "use_cache", "attn_implementation", "output_attentions", "output_hidden_states",
+                  "return_dict", "initializer_range", "problem_type")
+
+
+def _first_difference(a, b, key: str = ""):
+    """``(dotted key, a value, b value)`` of the first difference of two JSON trees, or None."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if k.startswith("_") or k in _CONFIG_BENIGN or "dropout" in k:
+                continue
+            d = _first_difference(a.get(k), b.get(k), f"{key}.{k}" if key else k)
+            if d is not None:
+                return d
+        return None
+    return None if a == b else (key, a, b)
+
+
+def _check_same_model(meta: dict, engine) -> None:
+    """The stored model config must describe the model being trained (DCP would load a deeper
+    checkpoint into a shallower model without complaint)."""
+    stored = meta.get("model_config")
+    if stored is None:
+        return
+    here = json.loads(engine.config.to_json_string(use_diff=False))
+    diff = _first_difference(json.loads(stored), here)
+    if diff is not None:
+        key, was, now = diff
+        raise ValueError(f"the checkpoint was written for another model: model config {key} is "
+                         f"{was!r} in the checkpoint but {now!r} in this run; resume with the "
+                         f"model it was trained with (or export it and start a new run from that "
+                         f"directory)")

@@ -8,13 +8,17 @@ loads with ``<ModelClass>.from_pretrained(out_dir)`` or ``DHPConfig(model=out_di
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import shutil
 import warnings
 from typing import Optional
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def read_model_tensors(directory: str) -> dict:
@@ -63,8 +67,13 @@ def build_hf_model(config, tensors: dict, dtype: Optional[torch.dtype] = None):
     return model.to(dtype) if dtype is not None else model
 
 
-def export_hf(checkpoint, out_dir: str, *, dtype: Optional[torch.dtype] = None) -> str:
+def export_hf(checkpoint, out_dir: str, *, dtype: Optional[torch.dtype] = None,
+              overwrite: bool = False) -> str:
     """Write the model of a ray_dhp checkpoint as a Hugging Face directory.
+
+    The directory is written under a temporary name next to ``out_dir`` and renamed into place
+    at the end, so ``out_dir`` is never left half written; a non-empty ``out_dir`` is refused
+    unless ``overwrite=True`` (then it is replaced as a whole, not merged into).
 
     Args:
         checkpoint: a ``ray.train.Checkpoint`` (e.g. ``result.checkpoint``) or a path: one
@@ -74,6 +83,7 @@ def export_hf(checkpoint, out_dir: str, *, dtype: Optional[torch.dtype] = None) 
             train loop saves them — so ``AutoProcessor``/`ray_dhp.data.processing.load_processor`
             read the same directory).
         dtype: cast the weights (e.g. ``torch.bfloat16``); None keeps the training dtype.
+        overwrite: replace an existing non-empty ``out_dir``.
 
     Returns:
         ``out_dir`` as an absolute path.
@@ -86,12 +96,67 @@ def export_hf(checkpoint, out_dir: str, *, dtype: Optional[torch.dtype] = None) 
     from ray_dhp import checkpoint as ckpt
 
     out_dir = os.path.abspath(os.fspath(out_dir))
+    _check_target(out_dir, overwrite)
     with ckpt.local_dir(checkpoint) as d:
         d = ckpt.resolve(d)
         meta = ckpt.read_meta(d)
-        model = build_hf_model(model_config_of(meta), read_model_tensors(d), dtype)
-        model.save_pretrained(out_dir, safe_serialization=True)
-        proc = os.path.join(d, ckpt.PROCESSOR_DIR)
-        if os.path.isdir(proc):
-            shutil.copytree(proc, out_dir, dirs_exist_ok=True)
+        with _staging(out_dir) as tmp:
+            _write_export(d, meta, tmp, dtype)
     return out_dir
+
+
+def _write_export(d: str, meta: dict, out: str, dtype) -> None:
+    """Everything the exported directory holds, written into ``out`` (a fresh directory)."""
+    from ray_dhp import checkpoint as ckpt
+
+    model = build_hf_model(model_config_of(meta), read_model_tensors(d), dtype)
+    model.save_pretrained(out, safe_serialization=True)
+    proc = os.path.join(d, ckpt.PROCESSOR_DIR)
+    if os.path.isdir(proc):
+        copy_regular_files(proc, out)
+
+
+def copy_regular_files(src: str, dst: str) -> None:
+    """Copy the regular files under ``src`` into ``dst``; symbolic links are skipped (with a
+    warning), so nothing outside ``src`` is ever copied."""
+    for base, dirs, files in os.walk(src):  # os.walk does not descend into linked folders
+        rel = os.path.relpath(base, src)
+        os.makedirs(os.path.join(dst, rel), exist_ok=True)
+        for name in files + [x for x in dirs if os.path.islink(os.path.join(base, x))]:
+            path = os.path.join(base, name)
+            if os.path.islink(path) or not os.path.isfile(path):
+                logger.warning("export: not copying %s (a symbolic link or not a regular file)", path)
+                continue
+            shutil.copyfile(path, os.path.join(dst, rel, name))
+
+
+def _check_target(out_dir: str, overwrite: bool) -> None:
+    if os.path.lexists(out_dir) and not overwrite and not (
+            os.path.isdir(out_dir) and not os.path.islink(out_dir) and not os.listdir(out_dir)):
+        raise FileExistsError(f"export target {out_dir} exists and is not empty; choose a new "
+                              f"directory or pass overwrite=True (ray-dhp export --overwrite) to "
+                              f"replace it")
+
+
+@contextlib.contextmanager
+def _staging(out_dir: str):
+    """A fresh temporary directory beside ``out_dir``, renamed to ``out_dir`` when the block
+    succeeds (an existing ``out_dir`` is moved aside first and deleted after), removed if not."""
+    tmp = f"{out_dir}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if os.path.lexists(out_dir):
+        old = f"{out_dir}.old-{os.getpid()}"
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    if old is not None:
+        if os.path.isdir(old) and not os.path.islink(old):
+            shutil.rmtree(old)
+        else:
+            os.remove(old)

@@ -57,6 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="export a checkpoint as a Hugging Face model directory")
     e.add_argument("checkpoint")
     e.add_argument("out_dir")
+    e.add_argument("--overwrite", action="store_true",
+                   help="replace OUT_DIR if it exists and is not empty")
     sub.add_parser("docs", help="print docs/configuration.md")
     return p
 
@@ -140,7 +142,7 @@ def _cmd_export(args) -> int:
         print("ray-dhp export: this install has no ray_dhp.export_hf (ray_dhp/export.py); "
               "update ray_dhp to a version with checkpoint export.", file=sys.stderr)
         return 1
-    out = export_hf(args.checkpoint, args.out_dir)
+    out = export_hf(args.checkpoint, args.out_dir, overwrite=args.overwrite)
     print(f"[ray_dhp] exported {args.checkpoint} -> {out or args.out_dir}")
     return 0
 

@@ -15,18 +15,30 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ray_dhp import checkpoint as ckpt
+from ray_dhp import checkpoint_integrity as integrity
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-def _fake_checkpoint(folder, step: int, *, commit: bool = True) -> str:
+def _fake_checkpoint(folder, step: int, *, commit: bool = True, legacy: bool = False) -> str:
+    """The files `ckpt.save` leaves, written by the same helpers (file list, hashes, COMMIT);
+    ``legacy``: a format-1 checkpoint (no file list, plain COMMIT)."""
     d = os.path.join(folder, f"checkpoint_{step:06d}")
     dcp.save({"model": {"w": torch.full((64,), float(step))}}, checkpoint_id=d, no_dist=True)
-    with open(os.path.join(d, ckpt.META_FILE), "w") as f:
-        json.dump({"format_version": ckpt.FORMAT_VERSION, "step": step}, f)
+    torch.save({"torch": torch.get_rng_state()}, os.path.join(d, "rng_rank0.pt"))
+    if legacy:
+        with open(os.path.join(d, ckpt.META_FILE), "w") as f:
+            json.dump({"format_version": 1, "step": step}, f)
+        if commit:
+            with open(os.path.join(d, ckpt.COMMIT_FILE), "w") as f:
+                f.write(str(step))
+        return d
+    files = integrity.file_records(d, [n for n in os.listdir(d)])
+    meta = {"format_version": ckpt.FORMAT_VERSION, "step": step, "files": files}
     if commit:
-        with open(os.path.join(d, ckpt.COMMIT_FILE), "w") as f:
-            f.write(str(step))
+        integrity.commit(d, meta)
+    else:
+        integrity.write_atomic(os.path.join(d, ckpt.META_FILE), json.dumps(meta))
     return d
 
 
@@ -73,3 +85,80 @@ def test_never_falls_forward_or_to_nothing(tmp_path):
         ckpt.resolve(str(tmp_path / "empty"))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         ckpt.resolve(str(tmp_path / "nope"))
+
+
+def test_a_flipped_bit_falls_back_to_the_previous_intact_checkpoint(run_dir):
+    newest = run_dir / "checkpoint_000006"
+    shard = next(p for p in newest.iterdir() if p.name.endswith(".distcp"))
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0x01  # same size: only the content hash can tell
+    shard.write_bytes(bytes(raw))
+    assert ckpt.is_complete(str(newest))  # the cheap scan still accepts it...
+    assert integrity.verify(str(newest)) == [shard.name]  # ...the hash does not
+    assert ckpt.resolve(str(newest)) == str(run_dir / "checkpoint_000004")
+    assert ckpt.resolve(str(run_dir)) == str(run_dir / "checkpoint_000004")
+    assert ckpt.resolve(str(run_dir), verify=False) == str(newest)
+
+
+@pytest.mark.parametrize("damage", ["torn_json", "edited_json", "not_an_object"])
+def test_corrupt_metadata_with_commit_present_falls_back(run_dir, damage):
+    meta = run_dir / "checkpoint_000006" / ckpt.META_FILE
+    text = meta.read_text()
+    meta.write_text({"torn_json": text[: len(text) // 2],
+                     "edited_json": text.replace('"step": 6', '"step": 7'),
+                     "not_an_object": "[6]"}[damage])
+    assert not ckpt.is_complete(str(meta.parent))
+    assert ckpt.resolve(str(run_dir)) == str(run_dir / "checkpoint_000004")
+
+
+def test_scanning_reads_no_pickle(run_dir, monkeypatch):
+    """Finding the latest complete checkpoint reads JSON and file sizes only: DCP's pickled
+    .metadata is not opened (it is read by the load itself)."""
+    def refuse(*a, **k):
+        raise AssertionError("DCP metadata (a pickle) read during a scan")
+
+    monkeypatch.setattr(dcp.FileSystemReader, "read_metadata", refuse)
+    assert ckpt.resolve(str(run_dir)) == str(run_dir / "checkpoint_000006")
+
+
+def test_format_1_checkpoints_still_resolve(tmp_path):
+    _fake_checkpoint(tmp_path, 2, legacy=True)
+    _fake_checkpoint(tmp_path, 4, legacy=True, commit=False)
+    assert ckpt.resolve(str(tmp_path)) == str(tmp_path / "checkpoint_000002")
+
+
+def test_rng_state_is_read_without_unpickling_code(tmp_path):
+    import pickle
+    import random
+
+    path = tmp_path / "rng_rank0.pt"
+    torch.save(ckpt._rng_state(), path)
+    expect = (torch.rand(3), random.random())
+    ckpt._set_rng_state(torch.load(path, weights_only=True))  # what `load` does
+    assert torch.equal(torch.rand(3), expect[0]) and random.random() == expect[1]
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    path.write_bytes(pickle.dumps({"torch": Evil()}))
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(path, weights_only=True)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_difference():
+    from types import SimpleNamespace
+
+    from ray_dhp import demo
+
+    deep = demo.tiny_model_config("qwen2_5_vl")
+    deep.text_config.num_hidden_layers = 2
+    shallow = demo.tiny_model_config("qwen2_5_vl")
+    shallow.text_config.num_hidden_layers = 1
+    shallow.text_config.attention_dropout = 0.1  # not a different model: ignored
+    meta = {"model_config": deep.to_json_string(use_diff=False)}
+    with pytest.raises(ValueError, match=r"text_config\.num_hidden_layers is 2 in the checkpoint "
+                                         r"but 1 in this run"):
+        ckpt._check_same_model(meta, SimpleNamespace(config=shallow))
+    ckpt._check_same_model(meta, SimpleNamespace(config=deep))  # the same model: accepted
