@@ -138,7 +138,9 @@ def _load_image(path: Path, max_pixels: int | None = None):
             return img.convert("RGB")
     except BadSample:
         raise
-    except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError...
+    except Image.DecompressionBombError as exc:  # Pillow's own guard (over ~179M pixels)
+        raise BadSample(f"image too large: {path}: {exc}") from exc
+    except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError...
         raise BadSample(f"corrupt image: {path}: {type(exc).__name__}: {exc}") from exc
 
 
