@@ -12,6 +12,13 @@ label masking), in one run:
   machine noise and the data hit all four alike.
 
     python -m benchmarks.data_pipeline [--steps 8] [--rounds 3]
+
+Before/after a change to the data code (#15): ``--ab OLD_TREE`` times the reader (a 100k-line
+JSONL) and the pipeline (`StepSampler.next_step` and `StepLoader.next`, one process) of this
+tree and of ``OLD_TREE`` (e.g. ``git archive 82c2878 | tar -x -C /tmp/old``), each in a fresh
+subprocess, alternating A/B/B/A... so machine noise hits both alike.
+
+    python -m benchmarks.data_pipeline --ab /tmp/old [--rounds 6]
 """
 
 from __future__ import annotations
@@ -100,6 +107,63 @@ def _body(rank, world, path, batch, steps, rounds):
             "records_processed_per_step": statistics.mean(processed)}
 
 
+_AB_CHILD = """
+import json, sys, time
+from ray_dhp import demo
+from ray_dhp.data.loader import StepLoader
+from ray_dhp.data.reading import read_annotations, resolve_data_root
+from ray_dhp.data.sampler import StepSampler
+from ray_dhp.train_config import TrainLoopConfig
+import ray_dhp
+big, path, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+assert ray_dhp.__file__.startswith(sys.argv[4]), ray_dhp.__file__
+t = time.perf_counter(); n = len(read_annotations(big)); read_s = time.perf_counter() - t
+out = {"reader_lines_per_s": n / read_s}
+proc = demo.tiny_processor()
+for name in ("sampler", "loader"):
+    s = StepSampler(read_annotations(path), proc, resolve_data_root(path),
+                    TrainLoopConfig(global_batch_size=8, num_steps=1000))
+    nxt = s.next_step if name == "sampler" else StepLoader(s, prefetch=False).next
+    nxt()  # warm-up
+    t, k = time.perf_counter(), 0
+    for _ in range(steps):
+        k += sum(len(mb) for mb in nxt())
+    out[name + "_samples_per_s"] = k / (time.perf_counter() - t)
+print(json.dumps(out))
+"""
+
+
+def ab_compare(old_tree: str, rounds: int, steps: int) -> dict:
+    """Reader and one-process pipeline throughput of this tree vs ``old_tree`` (see module doc)."""
+    import subprocess
+    import sys
+
+    new_tree = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trees = {"before": os.path.abspath(old_tree), "after": new_tree}
+    runs = {k: [] for k in trees}
+    with tempfile.TemporaryDirectory() as root:
+        from ray_dhp import demo
+
+        path = str(demo.make_dataset(os.path.join(root, "d"), num_samples=256))
+        lines = open(path, "rb").read().splitlines()
+        big = os.path.join(root, "big.jsonl")
+        with open(big, "wb") as f:
+            f.write(b"\n".join(lines[i % len(lines)] for i in range(100_000)) + b"\n")
+        for r in range(rounds):
+            order = ["before", "after"] if r % 2 == 0 else ["after", "before"]
+            for name in order:
+                env = {**os.environ, "PYTHONPATH": trees[name], "OMP_NUM_THREADS": "1"}
+                res = subprocess.run([sys.executable, "-c", _AB_CHILD, big, path, str(steps),
+                                      trees[name]], env=env, capture_output=True, text=True,
+                                     cwd=trees[name], check=True)
+                runs[name].append(json.loads(res.stdout.strip().splitlines()[-1]))
+    med = {n: {k: statistics.median(x[k] for x in v) for k in v[0]} for n, v in runs.items()}
+    return {"rounds": rounds, "steps": steps, "old_tree": old_tree, "median": med,
+            "after_over_before": {k: round(med["after"][k] / med["before"][k], 3)
+                                  for k in med["after"]},
+            "runs": runs}
+
+
 def main(argv=None):
     from benchmarks.launcher import spawn
 
@@ -107,7 +171,17 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--ab", metavar="OLD_TREE", help="before/after throughput vs an older tree")
     a = p.parse_args(argv)
+    if a.ab:
+        out = {"date": datetime.date.today().isoformat(), "hardware": f"cpu{os.cpu_count()}",
+               **ab_compare(a.ab, a.rounds, 4 * a.steps)}
+        os.makedirs(RESULTS, exist_ok=True)
+        name = f"data-pipeline-ab-cpu{os.cpu_count()}-{out['date']}.json"
+        with open(os.path.join(RESULTS, name), "w") as f:
+            json.dump(out, f, indent=2)
+        print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=2))
+        return out
     from ray_dhp import demo
 
     with tempfile.TemporaryDirectory() as root:
