@@ -158,6 +158,11 @@ def test_checkpoint_files_are_unique_per_rank_and_committed(first_half):
     meta = checkpoint.read_meta(d)
     assert (meta["step"], meta["family"], meta["world_size"]) == (3, FAMILY, 2)
     assert (meta["sampler"]["epoch"], meta["sampler"]["pos"]) == (0, 12)  # 3 steps x 4 samples
+    # every file of every rank is listed with its size and hash, and they verify
+    listed = {n for n in meta["files"] if not n.startswith(checkpoint.PROCESSOR_DIR + os.sep)}
+    assert listed == set(names) - {"COMMIT", checkpoint.META_FILE, checkpoint.PROCESSOR_DIR}
+    assert any(n.startswith(checkpoint.PROCESSOR_DIR + os.sep) for n in meta["files"])
+    assert checkpoint.resolve(d) == d
 
 
 def test_resume_at_another_layout_matches_uninterrupted_reference(first_half, resumed, reference):
@@ -174,6 +179,9 @@ def test_export_hf_loads_and_gives_the_sharded_logits(data, first_half, resumed,
     _, root = first_half
     out = export_hf(os.path.join(root, "checkpoint_000006"), tmp_path / "hf")
     assert {"config.json", "model.safetensors"} <= set(os.listdir(out))
+    with pytest.raises(FileExistsError):  # never merged into an existing export
+        export_hf(os.path.join(root, "checkpoint_000006"), out)
+    assert export_hf(os.path.join(root, "checkpoint_000006"), out, overwrite=True) == str(out)
     model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(out)
     exported = dict(model.named_parameters())
     assert set(exported) == set(resumed["params"])
