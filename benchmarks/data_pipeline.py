@@ -14,9 +14,9 @@ label masking), in one run:
     python -m benchmarks.data_pipeline [--steps 8] [--rounds 3]
 
 Before/after a change to the data code (#15): ``--ab OLD_TREE`` times the reader (a 100k-line
-JSONL) and the pipeline (`StepSampler.next_step` and `StepLoader.next`, one process) of this
-tree and of ``OLD_TREE`` (e.g. ``git archive 82c2878 | tar -x -C /tmp/old``), each in a fresh
-subprocess, alternating A/B/B/A... so machine noise hits both alike.
+JSONL) and the one-process loader (`StepLoader.next` over `StepSampler`: processing included)
+of this tree and of ``OLD_TREE``'s ``ray_dhp/data`` (e.g. ``git archive 82c2878 | tar -x -C
+/tmp/old``), loaded side by side in one process and alternated within each round.
 
     python -m benchmarks.data_pipeline --ab /tmp/old [--rounds 6]
 """
@@ -107,61 +107,71 @@ def _body(rank, world, path, batch, steps, rounds):
             "records_processed_per_step": statistics.mean(processed)}
 
 
-_AB_CHILD = """
-import json, sys, time
-from ray_dhp import demo
-from ray_dhp.data.loader import StepLoader
-from ray_dhp.data.reading import read_annotations, resolve_data_root
-from ray_dhp.data.sampler import StepSampler
-from ray_dhp.train_config import TrainLoopConfig
-import ray_dhp
-big, path, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
-assert ray_dhp.__file__.startswith(sys.argv[4]), ray_dhp.__file__
-t = time.perf_counter(); n = len(read_annotations(big)); read_s = time.perf_counter() - t
-out = {"reader_lines_per_s": n / read_s}
-proc = demo.tiny_processor()
-for name in ("sampler", "loader"):
-    s = StepSampler(read_annotations(path), proc, resolve_data_root(path),
-                    TrainLoopConfig(global_batch_size=8, num_steps=1000))
-    nxt = s.next_step if name == "sampler" else StepLoader(s, prefetch=False).next
-    nxt()  # warm-up
-    t, k = time.perf_counter(), 0
-    for _ in range(steps):
-        k += sum(len(mb) for mb in nxt())
-    out[name + "_samples_per_s"] = k / (time.perf_counter() - t)
-print(json.dumps(out))
-"""
+def _old_modules(old_tree: str) -> dict:
+    """The data modules of ``old_tree`` loaded beside this tree's (as ``_old_<name>``); they
+    share this tree's unchanged helpers (mixture, budget, collate)."""
+    import importlib.util
+    import sys
+
+    mods = {}
+    for name in ("reading", "processing", "sampler", "loader"):
+        path = os.path.join(old_tree, "ray_dhp", "data", f"{name}.py")
+        spec = importlib.util.spec_from_file_location(f"_old_{name}", path)
+        mods[name] = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mods[name]  # dataclasses look their module up there
+        spec.loader.exec_module(mods[name])
+    mods["processing"].Record = mods["reading"].Record  # records of the old reader
+    return mods
+
+
+def _contenders(old_tree: str) -> dict:
+    from ray_dhp import demo
+    from ray_dhp.data import loader, processing, reading, sampler
+
+    proc = demo.tiny_processor()
+    old = _old_modules(old_tree)
+    old_proc = old["processing"].VLProcessor(proc.tokenizer, proc.image_processor)
+    return {"before": (old["reading"], old["sampler"], old["loader"], old_proc),
+            "after": (reading, sampler, loader, proc)}
 
 
 def ab_compare(old_tree: str, rounds: int, steps: int) -> dict:
-    """Reader and one-process pipeline throughput of this tree vs ``old_tree`` (see module doc)."""
-    import subprocess
-    import sys
+    """Reader and one-process loader throughput of this tree's data code vs ``old_tree``'s, in
+    one process, alternating before/after within each round (pairs close in time, so a busy
+    machine slows both alike); ratios are medians over rounds of the paired ratios."""
+    from ray_dhp import demo
+    from ray_dhp.train_config import TrainLoopConfig
 
-    new_tree = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    trees = {"before": os.path.abspath(old_tree), "after": new_tree}
-    runs = {k: [] for k in trees}
+    versions = _contenders(old_tree)
+    times = {v: {"reader": [], "loader": []} for v in versions}
     with tempfile.TemporaryDirectory() as root:
-        from ray_dhp import demo
-
         path = str(demo.make_dataset(os.path.join(root, "d"), num_samples=256))
         lines = open(path, "rb").read().splitlines()
         big = os.path.join(root, "big.jsonl")
         with open(big, "wb") as f:
             f.write(b"\n".join(lines[i % len(lines)] for i in range(100_000)) + b"\n")
-        for r in range(rounds):
-            order = ["before", "after"] if r % 2 == 0 else ["after", "before"]
-            for name in order:
-                env = {**os.environ, "PYTHONPATH": trees[name], "OMP_NUM_THREADS": "1"}
-                res = subprocess.run([sys.executable, "-c", _AB_CHILD, big, path, str(steps),
-                                      trees[name]], env=env, capture_output=True, text=True,
-                                     cwd=trees[name], check=True)
-                runs[name].append(json.loads(res.stdout.strip().splitlines()[-1]))
-    med = {n: {k: statistics.median(x[k] for x in v) for k in v[0]} for n, v in runs.items()}
-    return {"rounds": rounds, "steps": steps, "old_tree": old_tree, "median": med,
-            "after_over_before": {k: round(med["after"][k] / med["before"][k], 3)
-                                  for k in med["after"]},
-            "runs": runs}
+        cfg = TrainLoopConfig(global_batch_size=8, num_steps=1000)
+        for r in range(rounds + 1):  # round 0: warm-up, not counted
+            for v in (["before", "after"] if r % 2 else ["after", "before"]):
+                reading, sampler, loader, proc = versions[v]
+                t = time.perf_counter()
+                records = reading.read_annotations(big)
+                t_read = time.perf_counter() - t
+                small = reading.read_annotations(path)
+                ld = loader.StepLoader(sampler.StepSampler(small, proc, os.path.dirname(path), cfg),
+                                       prefetch=False)
+                t = time.perf_counter()
+                n = sum(len(mb) for _ in range(steps) for mb in ld.next())
+                t_load = time.perf_counter() - t
+                if r:
+                    times[v]["reader"].append(len(records) / t_read)
+                    times[v]["loader"].append(n / t_load)
+    med = {v: {f"{k}_per_s": round(statistics.median(x), 1) for k, x in t.items()}
+           for v, t in times.items()}
+    ratio = {f"{k}_after_over_before": round(statistics.median(
+        a / b for a, b in zip(times["after"][k], times["before"][k])), 3) for k in ("reader", "loader")}
+    return {"rounds": rounds, "steps_per_round": steps, "batch": 8, "reader_lines": 100_000,
+            "old_tree": old_tree, "median": med, **ratio, "per_round": times}
 
 
 def main(argv=None):
@@ -180,7 +190,7 @@ def main(argv=None):
         name = f"data-pipeline-ab-cpu{os.cpu_count()}-{out['date']}.json"
         with open(os.path.join(RESULTS, name), "w") as f:
             json.dump(out, f, indent=2)
-        print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=2))
+        print(json.dumps({k: v for k, v in out.items() if k != "per_round"}, indent=2))
         return out
     from ray_dhp import demo
 
