@@ -67,7 +67,7 @@ def node_label(metadata) -> str:
     return f"{metadata.node_ip}/{metadata.node_id[:8]}"
 
 
-def crossing_warning(topology, crossing: list, node_sizes: dict) -> str:
+def crossing_warning(crossing: list, node_sizes: dict) -> str:
     """The driver-facing text for sp/tp groups that span nodes (empty when there are none)."""
     if not crossing:
         return ""
@@ -103,7 +103,7 @@ class DisaggregatedBackend(Backend):
         node_of = nodes_by_rank(order, nodes)
         logger.info("ray_dhp: DHP ranks by node: %s", {
             n: [r for r in range(len(node_of)) if node_of[r] == n] for n in dict.fromkeys(nodes)})
-        text = crossing_warning(topo, crossing_groups(topo, node_of),
+        text = crossing_warning(crossing_groups(topo, node_of),
                                 {n: nodes.count(n) for n in dict.fromkeys(nodes)})
         refuse = text if text and getattr(backend_config, "node_local", "warn") == "strict" else ""
         if text and not refuse:

@@ -42,7 +42,7 @@ class PlacementTimeoutError(RuntimeError):
 
 
 def start_timeout_s() -> float:
-    """Ray Train's wait for one worker-group placement (``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S``)."""
+    """Ray Train's wait for one placement (``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S``, 60 s)."""
     return float(os.environ.get(_START_TIMEOUT_ENV, 60.0))
 
 

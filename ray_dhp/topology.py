@@ -138,7 +138,8 @@ def inner_groups(topology: Topology) -> list:
     out = []
     for m in (topology.vision, topology.text):
         if m.inner > 1:
-            out += [(f"{m.name} {m.inner_dim} group {k}", g) for k, g in enumerate(m.inner_groups())]
+            out += [(f"{m.name} {m.inner_dim} group {k}", g)
+                    for k, g in enumerate(m.inner_groups())]
     return out
 
 

@@ -117,7 +117,8 @@ def nodes_text(rf, *, nodes: int, gpus_per_node: int, vision_tokens: int, text_t
                "with consecutive ranks under the default PACK strategy; the backend permutes them "
                "only if that keeps more sp/tp groups inside a node):"]
     for k in sorted(set(node_of)):
-        out.append(f"  node {k}: ranks {_ranks_text([r for r in range(len(node_of)) if node_of[r] == k])}")
+        ranks = [r for r in range(len(node_of)) if node_of[r] == k]
+        out.append(f"  node {k}: ranks {_ranks_text(ranks)}")
     out.append(f"collectives per optimizer step ({vision_tokens} vision + {text_tokens} text tokens"
                f" per sample, {w.micro_batches} micro-batch(es) of {w.micro_batch_size}): bytes "
                "one rank sends")

@@ -261,9 +261,12 @@ def test_node_lost_after_checkpoint_and_replaced_finishes_exactly(
     assert not run["thread"].is_alive(), "fit() did not return"
     assert "error" not in run, run.get("error")
     result = run["result"]
-    print(f"[multinode] node lost -> run finished in {run['end'] - t_kill:.1f} s")
     assert result.return_value == {"resumed_from_step": 2, "final_step": 4}
     restart = [r for r in _placements(spec["dir"]) if r["pid"] not in first_pids]
+    started = min(os.path.getmtime(p) for p in glob.glob(os.path.join(spec["dir"], "rank*.json"))
+                  if json.load(open(p))["pid"] not in first_pids)
+    print(f"[multinode] node lost -> new worker group training after {started - t_kill:.1f} s, "
+          f"run finished after {run['end'] - t_kill:.1f} s")
     node_of = _node_of(restart, 4)
     assert set(node_of) == {nodes[0].node_id, nodes[1].node_id, replacement.node_id} \
         - {victim.node_id}, node_of  # the survivor and the replacement

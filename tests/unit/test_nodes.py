@@ -3,12 +3,15 @@
 import itertools
 import random
 import socket
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from ray_dhp import cluster
 from ray_dhp.topology import Topology, crossing_groups, node_local_order, nodes_by_rank
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _crossings(topo, nodes, order):
@@ -167,3 +170,122 @@ def test_init_ray_joins_a_running_cluster_else_starts_a_local_one(monkeypatch, t
         address_file.write_text(addr)
         train.init_ray(_rf(num_cpus=4), 2)
     assert calls[-1] == {"address": addr}
+
+
+# -- plan --nodes and the cost model ----------------------------------------------------------------
+
+def test_plan_nodes_view_marks_what_crosses_the_boundary(capsys, monkeypatch):
+    import ray
+
+    from ray_dhp.cli import main
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("plan must not start Ray"))
+    tiny = str(ROOT / "examples" / "tiny.yaml")  # collocated SP2/TP2 on 2 workers
+    assert main(["plan", tiny, "--nodes", "1", "--gpus-per-node", "2"]) == 0
+    one = capsys.readouterr().out
+    assert "node 0: ranks 0, 1" in one and "CROSSES" not in one
+    assert main(["plan", tiny, "--nodes", "2", "--gpus-per-node", "1"]) == 0
+    two = capsys.readouterr().out
+    assert "node 1: ranks 1" in two
+    for name in ("vision sp all-to-all", "text tp all-reduce", "vision gradients"):
+        assert any(line.strip().startswith(name) and "CROSSES nodes 0|1" in line
+                   for line in two.splitlines()), name
+    assert main(["plan", tiny, "--nodes", "1", "--gpus-per-node", "1"]) == 2
+    assert "1 node(s) x 1 GPU(s) hold 1" in capsys.readouterr().err
+
+
+def test_cost_model_charges_the_network_only_where_groups_cross():
+    from ray_dhp import demo
+    from ray_dhp.memory import count_params
+    from ray_dhp.recommend import Hardware, Layout, Workload, phase_times
+    from ray_dhp.traffic import collective_bytes
+
+    config = demo.tiny_model_config()
+    counts = count_params(config)
+    w = Workload(1024, 64, 4)
+    lay = Layout("collocated", "sequential", 2, 2, 2, 2)  # sp2 x dp2, tp2 x dp2
+    fast, slow = Hardware(gpus_per_node=2), Hardware(gpus_per_node=1)
+    p_fast, p_slow = phase_times(config, counts, lay, w, fast), phase_times(config, counts, lay, w, slow)
+    assert p_slow.text_comm > p_fast.text_comm and p_slow.vision_comm > p_fast.vision_comm
+    vol = collective_bytes(config, counts, lay, w)
+    # the TP part of the text time is exactly (volume / bandwidth + latency) per all-reduce
+    n_ar = config.text_config.num_hidden_layers * 4 + 1
+    assert p_fast.text_comm == pytest.approx(vol["text tp all-reduce"] / fast.link_bw
+                                             + n_ar * fast.latency_s)
+    assert p_slow.text_comm == pytest.approx(vol["text tp all-reduce"] / slow.internode_bw
+                                             + n_ar * slow.latency_s)
+    # a disjoint split whose text group only fits if permuted: vision sp2 + text tp4 on 4 + 2
+    lay = Layout("disjoint", "sequential", 2, 1, 4, 1)
+    # (ranks 0-3 | 4-5: text 2-5 would cross; the backend's order puts text on the 4-GPU node)
+    hw = Hardware(gpus_per_node=4)
+    p = phase_times(config, counts, lay, w, hw)
+    tp_bytes = collective_bytes(config, counts, lay, w)["text tp all-reduce"]
+    assert p.text_comm == pytest.approx(tp_bytes / hw.link_bw + n_ar * hw.latency_s)
+
+
+# -- the backend's on_start with a fake worker group ----------------------------------------------
+
+class _FakeGroup:
+    """Workers on given nodes; records what each worker was told."""
+
+    def __init__(self, nodes):
+        self.workers = [SimpleNamespace(metadata=SimpleNamespace(
+            node_ip="10.0.0.1", node_id=f"{n}" * 12)) for n in nodes]
+        self.env = {}
+
+    def __len__(self):
+        return len(self.workers)
+
+    def get_workers(self):
+        return self.workers
+
+    def execute_single(self, w, fn, *args):
+        return (f"addr-of-worker-{w}", 1234)
+
+    def execute_single_async(self, w, fn, *args):
+        self.env[w] = args
+        return w
+
+
+def _on_start(monkeypatch, nodes, node_local="warn", **layout):
+    import ray
+
+    from ray_dhp import DHPConfig, ModuleParallel, demo
+    from ray_dhp.backend import DisaggregatedBackend
+
+    monkeypatch.setattr(ray, "get", lambda refs: refs)
+    dhp = DHPConfig(model=demo.tiny_model_config(), processor=demo.tiny_processor(),
+                    vision=ModuleParallel(sequence_parallel=layout["sp"],
+                                          data_parallel=layout["vdp"]),
+                    text=ModuleParallel(tensor_parallel=layout["tp"], data_parallel=layout["tdp"]),
+                    placement=layout["placement"], node_local=node_local)
+    group = _FakeGroup(nodes)
+    DisaggregatedBackend().on_start(group, dhp)
+    return group
+
+
+def test_backend_orders_ranks_by_node_and_rendezvous_at_dhp_rank_0(monkeypatch, caplog):
+    # disjoint vision sp2 + text tp4 on nodes of 4 (a) and 2 (b): text goes to a, vision to b
+    g = _on_start(monkeypatch, "aaaabb", placement="disjoint", sp=2, vdp=1, tp=4, tdp=1)
+    ranks = {w: args[2] for w, args in g.env.items()}
+    assert ranks == {0: 2, 1: 3, 2: 4, 3: 5, 4: 0, 5: 1}
+    assert {args[0] for args in g.env.values()} == {"addr-of-worker-4"}  # DHP rank 0's worker
+    assert all(args[3] == "" for args in g.env.values())
+    assert "cross a node boundary" not in caplog.text
+
+
+def test_backend_warns_or_refuses_a_group_across_nodes(monkeypatch, caplog):
+    import logging
+
+    # one worker per node: the sp2 and tp2 groups of a collocated SP2/TP2 cannot be node-local
+    layout = dict(placement="collocated", sp=2, vdp=1, tp=2, tdp=1)
+    with caplog.at_level(logging.WARNING, logger="ray_dhp"):
+        g = _on_start(monkeypatch, "ab", **layout)
+    assert "vision sp group 0 (ranks [0, 1]) spans nodes 10.0.0.1/aaaaaaaa, 10.0.0.1/bbbbbbbb" \
+        in caplog.text and "text tp group 0 (ranks [0, 1])" in caplog.text
+    assert "{10.0.0.1/aaaaaaaa: 1, 10.0.0.1/bbbbbbbb: 1}" in caplog.text
+    assert all(args[3] == "" for args in g.env.values())
+    caplog.clear()
+    g = _on_start(monkeypatch, "ab", "strict", **layout)
+    assert all("text tp group 0" in args[3] for args in g.env.values())  # the workers raise it
+    assert "cross a node boundary" not in caplog.text  # an error then, not a warning
