@@ -79,8 +79,8 @@ def cluster():
         else:
             os.environ["RAY_TMPDIR"] = old_tmp
         shutil.rmtree(short, ignore_errors=True)
-        if was_running:
-            ray.init(num_cpus=8)
+        if was_running:  # as the session fixture had it ("local": never join a stray cluster)
+            ray.init(address="local", num_cpus=8)
 
 
 @pytest.fixture(scope="module")
