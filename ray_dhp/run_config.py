@@ -128,8 +128,10 @@ class RunSection:
                                                   "workers, e.g. after losing a node that is not "
                                                   "replaced (null: wait forever, Ray's default)")
     num_cpus: Optional[int] = option(None, "logical CPUs of the local Ray that `ray-dhp train` "
-                                     "starts when RAY_ADDRESS is unset (null: enough for the "
-                                     "workers); ignored when joining a cluster")
+                                     "starts when there is no cluster to join (neither "
+                                     "RAY_ADDRESS nor one started with `ray start` on this "
+                                     "machine; null: enough for the workers); ignored when "
+                                     "joining a cluster")
 
 
 @dataclass
