@@ -56,7 +56,8 @@ def test_order_is_a_permutation_and_never_worse_than_rays(seed=0):
     for lay in layouts:
         t = Topology.build(**lay)
         for _ in range(10):
-            cuts = sorted(rng.sample(range(1, t.world_size), rng.randint(0, min(3, t.world_size - 1))))
+            k = rng.randint(0, min(3, t.world_size - 1))
+            cuts = sorted(rng.sample(range(1, t.world_size), k))
             sizes = [b - a for a, b in zip([0] + cuts, cuts + [t.world_size])]
             nodes = [f"n{k}" for k, size in enumerate(sizes) for _ in range(size)]
             order = node_local_order(t, nodes)
@@ -73,7 +74,7 @@ def test_worker_count_must_match():
         node_local_order(t, list("aab"))
 
 
-# -- driver checks --------------------------------------------------------------------------------
+# -- driver checks ------------------------------------------------------------------------------
 
 def test_shared_storage_is_a_uri_or_a_network_mount(tmp_path):
     assert cluster.is_shared_storage("s3://bucket/runs") and cluster.is_shared_storage("gs://b/x")
@@ -135,7 +136,7 @@ def test_preflight_warns_when_nodes_cannot_hold_a_whole_group(monkeypatch, tmp_p
     assert _preflight(monkeypatch, _fake_nodes(8), storage=str(tmp_path)) == []  # one node
 
 
-# -- the CLI joins a running cluster --------------------------------------------------------------
+# -- the CLI joins a running cluster ------------------------------------------------------------
 
 def _rf(num_cpus=None):
     return SimpleNamespace(run=SimpleNamespace(num_cpus=num_cpus),
@@ -172,7 +173,7 @@ def test_init_ray_joins_a_running_cluster_else_starts_a_local_one(monkeypatch, t
     assert calls[-1] == {"address": addr}
 
 
-# -- plan --nodes and the cost model ----------------------------------------------------------------
+# -- plan --nodes and the cost model ------------------------------------------------------------
 
 def test_plan_nodes_view_marks_what_crosses_the_boundary(capsys, monkeypatch):
     import ray
@@ -205,7 +206,8 @@ def test_cost_model_charges_the_network_only_where_groups_cross():
     w = Workload(1024, 64, 4)
     lay = Layout("collocated", "sequential", 2, 2, 2, 2)  # sp2 x dp2, tp2 x dp2
     fast, slow = Hardware(gpus_per_node=2), Hardware(gpus_per_node=1)
-    p_fast, p_slow = phase_times(config, counts, lay, w, fast), phase_times(config, counts, lay, w, slow)
+    p_fast = phase_times(config, counts, lay, w, fast)
+    p_slow = phase_times(config, counts, lay, w, slow)
     assert p_slow.text_comm > p_fast.text_comm and p_slow.vision_comm > p_fast.vision_comm
     vol = collective_bytes(config, counts, lay, w)
     # the TP part of the text time is exactly (volume / bandwidth + latency) per all-reduce
@@ -223,7 +225,7 @@ def test_cost_model_charges_the_network_only_where_groups_cross():
     assert p.text_comm == pytest.approx(tp_bytes / hw.link_bw + n_ar * hw.latency_s)
 
 
-# -- the backend's on_start with a fake worker group ----------------------------------------------
+# -- the backend's on_start with a fake worker group --------------------------------------------
 
 class _FakeGroup:
     """Workers on given nodes; records what each worker was told."""
