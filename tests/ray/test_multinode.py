@@ -66,14 +66,16 @@ def cluster():
     short = tempfile.mkdtemp(prefix="rd17", dir="/tmp")  # Ray's socket paths must stay short
     old_tmp = os.environ.get("RAY_TMPDIR")
     os.environ["RAY_TMPDIR"] = short
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    c = None
     try:
+        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
         nodes = [c.add_node(**NODE) for _ in range(2)]
         ray.init(address=c.address)
         yield c, nodes
     finally:
         ray.shutdown()
-        c.shutdown()
+        if c is not None:
+            c.shutdown()
         if old_tmp is None:
             os.environ.pop("RAY_TMPDIR", None)
         else:
