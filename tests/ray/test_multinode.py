@@ -68,7 +68,8 @@ def cluster():
     os.environ["RAY_TMPDIR"] = short
     c = None
     try:
-        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+        c = Cluster(initialize_head=True,  # no dashboard: its port may be taken by others
+                    head_node_args={"num_cpus": 1, "include_dashboard": False})
         nodes = [c.add_node(**NODE) for _ in range(2)]
         ray.init(address=c.address)
         yield c, nodes
