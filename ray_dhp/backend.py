@@ -2,7 +2,10 @@
 
 Ray Train V2 runs `Backend` hooks in the controller actor. A plain exception in ``on_start`` is a
 non-retryable controller error that leaks the worker group (Ray 2.60), so ``on_start`` only does
-cheap, bounded work: it picks the rendezvous address (worker 0) and exports it to the workers.
+cheap, bounded work: it reads which node every worker landed on, orders the DHP ranks so that the
+sp/tp groups stay inside a node (`ray_dhp.topology.node_local_order`), warns about any group the
+placement forces across nodes, picks the rendezvous address (the worker of DHP rank 0, wherever
+it is) and exports rank and address to the workers.
 Everything that can fail — ``init_process_group``, ``new_group``, the meshes — happens in
 `WorkerContextManager`, which Ray Train enters on each worker around the train function, so a
 failure there takes Ray Train's normal retry path (``FailureConfig``) with nothing leaked.
@@ -24,6 +27,7 @@ from ray_dhp.launch import free_port
 logger = logging.getLogger(__name__)
 
 _ENV_ADDR, _ENV_PORT = "RAY_DHP_MASTER_ADDR", "RAY_DHP_MASTER_PORT"
+_ENV_RANK, _ENV_REFUSE = "RAY_DHP_RANK", "RAY_DHP_PLACEMENT_ERROR"
 _CURRENT: Optional["DHPContext"] = None
 
 
@@ -52,8 +56,30 @@ def get_context() -> DHPContext:
     return _CURRENT
 
 
-def _set_rendezvous(addr: str, port: int) -> None:
+def _set_rendezvous(addr: str, port: int, rank: int, refuse: str = "") -> None:
     os.environ[_ENV_ADDR], os.environ[_ENV_PORT] = addr, str(port)
+    os.environ[_ENV_RANK] = str(rank)
+    os.environ[_ENV_REFUSE] = refuse
+
+
+def node_label(metadata) -> str:
+    """A worker's node as people read it: ``ip/node-id-prefix`` (local clusters share an ip)."""
+    return f"{metadata.node_ip}/{metadata.node_id[:8]}"
+
+
+def crossing_warning(crossing: list, node_sizes: dict) -> str:
+    """The driver-facing text for sp/tp groups that span nodes (empty when there are none)."""
+    if not crossing:
+        return ""
+    groups = "; ".join(f"{label} (ranks {ranks}) spans nodes {', '.join(map(str, nodes))}"
+                       for label, ranks, nodes in crossing)
+    sizes = ", ".join(f"{n}: {k}" for n, k in node_sizes.items())
+    return (f"ray_dhp: {len(crossing)} sequence/tensor-parallel group(s) cross a node boundary, "
+            f"so their per-block all-to-all / all-reduce goes over the network: {groups}. Why: "
+            f"the placement put workers on nodes as {{{sizes}}}, and no node-local assignment of "
+            f"whole groups exists for these sizes. Make every node hold a multiple of the group "
+            f"size (resources per worker, GPUs per node) or change the degrees; "
+            f"placement.node_local=strict turns this into an error.")
 
 
 def _teardown() -> None:
@@ -65,11 +91,26 @@ class DisaggregatedBackend(Backend):
     share_cuda_visible_devices = True
 
     def on_start(self, worker_group, backend_config) -> None:
+        import ray
         from ray.train._internal.utils import get_address_and_port
 
+        from ray_dhp.topology import crossing_groups, node_local_order, nodes_by_rank
+
         backend_config.validate_workers(len(worker_group))
-        addr, port = worker_group.execute_single(0, get_address_and_port)
-        worker_group.execute(_set_rendezvous, addr, port)
+        topo = backend_config.topology()
+        nodes = [node_label(w.metadata) for w in worker_group.get_workers()]  # by world rank
+        order = node_local_order(topo, nodes)
+        node_of = nodes_by_rank(order, nodes)
+        logger.info("ray_dhp: DHP ranks by node: %s", {
+            n: [r for r in range(len(node_of)) if node_of[r] == n] for n in dict.fromkeys(nodes)})
+        text = crossing_warning(crossing_groups(topo, node_of),
+                                {n: nodes.count(n) for n in dict.fromkeys(nodes)})
+        refuse = text if text and getattr(backend_config, "node_local", "warn") == "strict" else ""
+        if text and not refuse:
+            logger.warning(text)
+        addr, port = worker_group.execute_single(order.index(0), get_address_and_port)
+        ray.get([worker_group.execute_single_async(w, _set_rendezvous, addr, port, order[w], refuse)
+                 for w in range(len(order))])
 
     def on_shutdown(self, worker_group, backend_config) -> None:
         try:
@@ -102,7 +143,11 @@ class WorkerContextManager:
         import ray.train
 
         ctx = ray.train.get_context()
-        rank, world = ctx.get_world_rank(), ctx.get_world_size()
+        if os.environ.get(_ENV_REFUSE):  # node_local=strict: fail here, on the retry path
+            raise RuntimeError(os.environ[_ENV_REFUSE])
+        # The DHP rank (node-local order, see on_start); Ray's world rank in local mode.
+        rank = int(os.environ.get(_ENV_RANK, ctx.get_world_rank()))
+        world = ctx.get_world_size()
         device = _device()
         if not dist.is_initialized():
             # Local mode (num_workers=0) runs no backend hooks: a 1-rank world on a free port.

@@ -11,6 +11,7 @@ from ray.train.backend import BackendConfig
 from ray_dhp.topology import PLACEMENTS, Topology
 
 SCHEDULES = ("sequential", "pipelined")
+NODE_LOCAL = ("warn", "strict")
 
 
 @dataclass
@@ -66,6 +67,11 @@ class DHPConfig(BackendConfig):
             (`ray_dhp.schedule`); None picks "pipelined" for disjoint, "sequential" for
             collocated. Results do not depend on it, only timing does.
         timeout_s: timeout of collective operations.
+        node_local: ``"warn"`` or ``"strict"``: what to do when the workers' nodes force a
+            sequence/tensor-parallel group across a node boundary (the ranks are otherwise ordered
+            so these groups stay inside a node): a warning in the driver, or an error (before
+            workers start when the cluster's nodes cannot hold the groups; else when the group
+            starts, which counts as a failed attempt for ``FailureConfig``).
 
     Example:
         >>> from ray_dhp import DHPConfig, ModuleParallel, demo
@@ -83,6 +89,7 @@ class DHPConfig(BackendConfig):
     placement: str = "collocated"
     schedule: Optional[str] = None
     timeout_s: int = 1800
+    node_local: str = "warn"
 
     def __post_init__(self):
         if self.model is None:
@@ -110,6 +117,8 @@ class DHPConfig(BackendConfig):
             self.schedule = "pipelined" if self.placement == "disjoint" else "sequential"
         if self.schedule not in SCHEDULES:
             raise ValueError(f"DHPConfig(schedule={self.schedule!r}): use one of {SCHEDULES}.")
+        if self.node_local not in NODE_LOCAL:
+            raise ValueError(f"DHPConfig(node_local={self.node_local!r}): use one of {NODE_LOCAL}.")
         self.topology()  # validates the group sizes
         self.validate_model()
 

@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ray_dhp.memory import GIB, ActivationSettings, estimate_ranks, vision_width
-from ray_dhp.topology import Topology
+from ray_dhp.topology import Topology, fill_nodes
 
 __all__ = ["Hardware", "Workload", "Layout", "PhaseTimes", "Candidate", "recommend",
            "enumerate_layouts", "schedule_time", "vision_flops", "text_flops"]
@@ -243,10 +243,13 @@ def text_flops(config, text_params: int, vision_tokens: int, text_tokens: int,
 
 # -- communication ----------------------------------------------------------------------------
 
-def _bw(hw: Hardware, groups) -> float:
-    """NVLink if every group lies inside one node, else the inter-node bandwidth."""
-    one_node = all(len({r // hw.gpus_per_node for r in g}) <= 1 for g in groups)
+def _bw(hw: Hardware, groups, node_of=None) -> float:
+    """NVLink if every group lies inside one node, else the inter-node bandwidth. ``node_of[r]``:
+    the node of DHP rank ``r`` (default: consecutive ranks fill nodes of ``gpus_per_node``)."""
+    node = node_of.__getitem__ if node_of is not None else (lambda r: r // hw.gpus_per_node)
+    one_node = all(len({node(r) for r in g}) <= 1 for g in groups)
     return hw.link_bw if one_node else hw.internode_bw
+
 
 
 def _all_reduce(hw, nbytes, n, bw) -> float:
@@ -271,7 +274,8 @@ def phase_times(config, counts, layout: Layout, w: Workload, hw: Hardware) -> Ph
     v_comp = sv * vision_flops(config, counts.vision, w.vision_tokens, s) / v.inner / flops
     fwd_share = 0.25 if ckpt else 1 / 3
     x = sv * w.vision_tokens / v.inner * vision_width(vc) * s.dtype_bytes  # [tokens/sp, h]
-    bw_sp = _bw(hw, v.inner_groups())
+    nodes = fill_nodes(topo, hw.gpus_per_node)  # as the backend will order the ranks
+    bw_sp = _bw(hw, v.inner_groups(), nodes)
     a2a = _vision_spans(vc)[0] * (_all_to_all(hw, 3 * x, v.inner, bw_sp)
                                   + _all_to_all(hw, x, v.inner, bw_sp))
     v_comm = a2a * (3 if ckpt else 2)
@@ -280,21 +284,21 @@ def phase_times(config, counts, layout: Layout, w: Workload, hw: Hardware) -> Ph
     t_comp = st * text_flops(config, counts.text, w.vision_tokens, w.text_tokens, s) / t.inner / flops
     n_ar = tc.num_hidden_layers * (6 if ckpt else 4) + 1
     t_comm = n_ar * _all_reduce(hw, tok * tc.hidden_size * s.dtype_bytes, t.inner,
-                                _bw(hw, t.inner_groups()))
+                                _bw(hw, t.inner_groups(), nodes))
     # boundary: features of the replica's samples, replicated over TP
     feat = (w.vision_tokens // vc.spatial_merge_size ** 2) * family_of(config).feature_dim(config) \
         * s.dtype_bytes
-    boundary_bw = _bw(hw, [v.ranks + t.ranks])
+    boundary_bw = _bw(hw, [v.ranks + t.ranks], nodes)
     boundary = max(st * feat, sv * feat / v.inner * t.inner) / boundary_bw + hw.latency_s
     # end of step: gradient reduction (fp32 grads; 2-byte below 16 B/param) + AdamW update
     g = 4 if w.state_bytes >= 16 else 2
     zero1 = w.vision_zero1 and v.size > 1
-    bw_v = _bw(hw, [v.ranks])
+    bw_v = _bw(hw, [v.ranks], nodes)
     v_end = (_all_reduce(hw, counts.vision * g, v.size, bw_v)
              + (_all_to_all(hw, counts.vision * 4, v.size, bw_v) if zero1 else 0.0)
              + counts.vision / (v.size if zero1 else 1) * 2 * w.state_bytes / hw.hbm_bw)
     t_rank = counts.text_per_rank(t.inner)
-    t_end = (_all_reduce(hw, t_rank * g, t.dp, _bw(hw, t.dp_groups()))
+    t_end = (_all_reduce(hw, t_rank * g, t.dp, _bw(hw, t.dp_groups(), nodes))
              + t_rank * 2 * w.state_bytes / hw.hbm_bw)
     return PhaseTimes(vision_fwd=v_comp * fwd_share + a2a, vision_bwd=v_comp * (1 - fwd_share)
                       + v_comm - a2a, text=t_comp + t_comm, boundary=boundary, vision_end=v_end,
@@ -415,3 +419,4 @@ def recommend(config, num_workers: int, workload: Workload, hardware: Hardware =
     return sorted(cands, key=lambda c: (not c.feasible, math.isnan(c.step_s),
                                         c.step_s if not math.isnan(c.step_s) else 0.0,
                                         c.peak_memory_gib if c.memory_gib else 0.0))
+

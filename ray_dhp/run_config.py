@@ -66,7 +66,7 @@ class ProcessorSection:
 
 
 PlacementSection = make_dataclass(
-    "PlacementSection", borrow(DHPConfig, ["mode", "schedule", "timeout_s"],
+    "PlacementSection", borrow(DHPConfig, ["mode", "schedule", "timeout_s", "node_local"],
                                rename={"mode": "placement"}),
     namespace={"__doc__": "Where the module groups run (`placement: disjoint` is short for "
                           "`placement: {mode: disjoint}`).", "__module__": __name__})
@@ -123,9 +123,15 @@ class RunSection:
                                          "~/ray_results); must be shared storage on multi-node "
                                          "clusters")
     max_failures: int = option(0, "worker-group restarts allowed over the run (-1: unlimited)")
+    placement_timeout_s: Optional[float] = option(600.0, "give up (a clear error) after waiting "
+                                                  "this long in total for room to place the "
+                                                  "workers, e.g. after losing a node that is not "
+                                                  "replaced (null: wait forever, Ray's default)")
     num_cpus: Optional[int] = option(None, "logical CPUs of the local Ray that `ray-dhp train` "
-                                     "starts when RAY_ADDRESS is unset (null: enough for the "
-                                     "workers); ignored when joining a cluster")
+                                     "starts when there is no cluster to join (neither "
+                                     "RAY_ADDRESS nor one started with `ray start` on this "
+                                     "machine; null: enough for the workers); ignored when "
+                                     "joining a cluster")
 
 
 @dataclass
@@ -170,7 +176,8 @@ class RunFile:
         try:
             return DHPConfig(model=self.model_spec(), processor=self.processor_spec(),
                              vision=self.vision, text=self.text, placement=self.placement.mode,
-                             schedule=self.placement.schedule, timeout_s=self.placement.timeout_s)
+                             schedule=self.placement.schedule, timeout_s=self.placement.timeout_s,
+                             node_local=self.placement.node_local)
         except ConfigError:
             raise
         except ValueError as e:

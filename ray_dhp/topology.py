@@ -14,7 +14,7 @@ Rank layout (innermost dimension fastest, like ``init_device_mesh``):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 PLACEMENTS = ("collocated", "disjoint")
 
@@ -116,3 +116,116 @@ class Topology:
                 parts.append(f"text(dp={c[0]}, tp={c[1]})")
             lines.append(f"  rank {r}: " + " + ".join(parts))
         return "\n".join(lines)
+
+
+# -- nodes --------------------------------------------------------------------------------------
+#
+# Ray Train gives world ranks grouped by node (workers sorted by node, then GPU id), so the
+# contiguous layout above keeps every sp/tp group inside one node whenever each node holds whole
+# groups. When it does not (nodes of different sizes, a disjoint split whose groups differ in
+# size), `node_local_order` permutes the ranks: the DHP rank of a worker may then differ from its
+# Ray Train world rank. Plain data in, plain data out: unit-tested without Ray.
+
+
+def _lcm(a: int, b: int) -> int:
+    from math import gcd
+
+    return a * b // gcd(a, b)
+
+
+def inner_groups(topology: Topology) -> list:
+    """``[(label, ranks)]`` of every sp (vision) and tp (text) group: the chatty collectives."""
+    out = []
+    for m in (topology.vision, topology.text):
+        if m.inner > 1:
+            out += [(f"{m.name} {m.inner_dim} group {k}", g)
+                    for k, g in enumerate(m.inner_groups())]
+    return out
+
+
+def crossing_groups(topology: Topology, node_of: Sequence) -> list:
+    """``[(label, ranks, nodes)]`` of the sp/tp groups whose DHP ranks span more than one node;
+    ``node_of[r]`` is the node of DHP rank ``r``."""
+    out = []
+    for label, ranks in inner_groups(topology):
+        nodes = list(dict.fromkeys(node_of[r] for r in ranks))
+        if len(nodes) > 1:
+            out.append((label, ranks, nodes))
+    return out
+
+
+def _units(topology: Topology) -> list:
+    """Logical rank blocks that must share a node for every sp/tp group to be node-local."""
+    v, t = topology.vision, topology.text
+    if topology.placement == "collocated":
+        u = _lcm(v.inner, t.inner)
+        return [list(range(k, k + u)) for k in range(0, topology.world_size, u)]
+    return v.inner_groups() + t.inner_groups()
+
+
+def _permuted(topology: Topology, nodes: Sequence) -> list:
+    """World rank -> DHP rank that packs whole units into nodes: best fit, largest units first;
+    the units no node can hold take the fullest nodes' remaining workers (fewest nodes spanned)."""
+    free: dict = {}
+    for w, n in enumerate(nodes):
+        free.setdefault(n, []).append(w)
+    units = _units(topology)
+    world_of, spill = {}, []
+    for unit in sorted(units, key=len, reverse=True):  # stable: logical order among equals
+        fits = [n for n in free if len(free[n]) >= len(unit)]
+        if not fits:
+            spill.append(unit)
+            continue
+        n = min(fits, key=lambda n: len(free[n]))
+        for r in unit:
+            world_of[r] = free[n].pop(0)
+    for unit in spill:  # a whole node at a time, fullest first
+        rest = list(unit)
+        while rest:
+            n = max(free, key=lambda n: len(free[n]))
+            take, rest = rest[:len(free[n])], rest[len(free[n]):]
+            for r in take:
+                world_of[r] = free[n].pop(0)
+    order = [0] * len(nodes)
+    for r, w in world_of.items():
+        order[w] = r
+    return order
+
+
+def node_local_order(topology: Topology, nodes: Sequence) -> list:
+    """The DHP rank of every Ray Train worker: ``order[w]`` for world rank ``w`` on node
+    ``nodes[w]``.
+
+    The identity (Ray's node-grouped order) when it already keeps every sp/tp group on one node;
+    otherwise the permutation that packs whole groups into nodes (best fit, largest first), if it
+    leaves fewer groups across nodes. Groups no node can hold are spread over the fewest nodes.
+
+    Example:
+        >>> t = Topology.build(placement="disjoint", vision_dp=1, vision_sp=2, text_dp=1, text_tp=4)
+        >>> node_local_order(t, ["a", "a", "a", "a", "b", "b"])  # text on a, vision on b
+        [2, 3, 4, 5, 0, 1]
+    """
+    if len(nodes) != topology.world_size:
+        raise ValueError(f"{len(nodes)} workers for a layout of {topology.world_size}.")
+    identity = list(range(topology.world_size))
+    base = len(crossing_groups(topology, list(nodes)))
+    if base == 0:
+        return identity
+    order = _permuted(topology, nodes)
+    better = len(crossing_groups(topology, nodes_by_rank(order, nodes))) < base
+    return order if better else identity
+
+
+def nodes_by_rank(order: Sequence, nodes: Sequence) -> list:
+    """``node_of[r]`` for DHP rank ``r`` from ``order`` (world rank -> DHP rank) and ``nodes``."""
+    node_of = [None] * len(order)
+    for w, r in enumerate(order):
+        node_of[r] = nodes[w]
+    return node_of
+
+
+def fill_nodes(topology: Topology, gpus_per_node: int) -> list:
+    """The node index of every DHP rank when ``gpus_per_node`` workers fill each node in order
+    (Ray Train's PACK placement on idle nodes) and the backend orders the ranks node-locally."""
+    slots = [r // gpus_per_node for r in range(topology.world_size)]
+    return nodes_by_rank(node_local_order(topology, slots), slots)

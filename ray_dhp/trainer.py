@@ -7,6 +7,7 @@ from typing import Any, Callable, Optional
 
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
+from ray_dhp.cluster import DEFAULT_PLACEMENT_TIMEOUT_S, PlacementTimeoutError
 from ray_dhp.config import DHPConfig
 from ray_dhp.train_config import TrainLoopConfig
 
@@ -63,6 +64,7 @@ class DisaggregatedTrainer(DataParallelTrainer):
         datasets: Optional[dict] = None,
         dataset_config=None,
         resume_from=None,
+        placement_timeout_s: Optional[float] = DEFAULT_PLACEMENT_TIMEOUT_S,
     ):
         import ray.train
 
@@ -106,6 +108,37 @@ class DisaggregatedTrainer(DataParallelTrainer):
             datasets=ray_datasets,
             dataset_config=dataset_config,
         )
+        self._dhp_config = dhp_config
+        self._placement_timeout_s = placement_timeout_s
+
+    def fit(self):
+        """Check the cluster (`ray_dhp.cluster.preflight`), then run as ``DataParallelTrainer.fit``;
+        a placement that stays unsatisfiable ends in a ``ControllerError`` wrapping a
+        `PlacementTimeoutError` that says so."""
+        import ray.train
+        from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+
+        from ray_dhp.cluster import bound_placement_retries, preflight, start_timeout_s
+
+        if self.scaling_config.num_workers == 0:
+            return super().fit()
+        preflight(self._dhp_config, self.scaling_config, self.run_config)
+        fc = bound_placement_retries(self.run_config.failure_config, self._placement_timeout_s)
+        self.run_config.failure_config = fc
+        try:
+            return super().fit()
+        except ray.train.ControllerError as e:
+            if not isinstance(e.controller_failure, WorkerGroupStartupTimeoutError):
+                raise
+            tries = fc.controller_failure_limit + 1
+            raise ray.train.ControllerError(PlacementTimeoutError(
+                f"ray_dhp: Ray Train could not place the {self.scaling_config.num_workers} "
+                f"workers of this layout ({self.scaling_config._resources_per_worker_not_none} "
+                f"each) in {tries} attempt(s) of {start_timeout_s():g} s "
+                f"(placement_timeout_s={self._placement_timeout_s}; "
+                f"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S): the cluster no longer has room for "
+                "them — a node was lost and no replacement joined, or the cluster is too small. "
+                "Add nodes (or lower the worker count) and resume the run by its name.")) from e
 
 
 def _check_training_datasets(cfg: TrainLoopConfig, names: set) -> None:

@@ -40,6 +40,12 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--device-gib", type=float, default=80.0, help="accelerator memory")
     pl.add_argument("--state-bytes", type=float, default=16.0, help="model-state bytes per "
                     "parameter (16: fp32 weights+grads+AdamW; 12: bf16 weights+grads, fp32 moments)")
+    pl.add_argument("--nodes", type=int, default=None, help="nodes of the cluster: show which "
+                    "ranks share a node and which collectives cross the node boundary (bytes "
+                    "per step); with --recommend, GPUs = nodes x --gpus-per-node")
+    pl.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (workers) per node")
+    pl.add_argument("--internode-gbs", type=float, default=45.0, help="GB/s per GPU between "
+                    "nodes (one 400 Gb/s NIC per GPU: ~45)")
     r = pl.add_argument_group("recommendation (ray_dhp/recommend.py)")
     r.add_argument("--recommend", action="store_true", help="rank collocated and disjoint "
                    "layouts by predicted step time and print the best as a run-file fragment")
@@ -90,6 +96,13 @@ def _cmd_plan(args) -> int:
     print(plan_text(rf, vision_tokens=tokens, text_tokens=args.text_tokens,
                     attention=args.attention, device_gib=args.device_gib,
                     state_bytes=args.state_bytes))
+    if args.nodes is not None:
+        from ray_dhp.cli.plan import nodes_text
+
+        print(nodes_text(rf, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                         vision_tokens=max(tokens), text_tokens=args.text_tokens,
+                         attention=args.attention, state_bytes=args.state_bytes,
+                         internode_bw=args.internode_gbs * 1e9))
     return 0
 
 
@@ -98,8 +111,12 @@ def _recommend(args, rf, tokens) -> int:
     from ray_dhp.recommend import Hardware
 
     hw = Hardware(peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None,
-                  efficiency=args.efficiency, link_bw=args.link_gbs * 1e9)
-    text, ok = recommend_text(rf, gpus=args.gpus, micro_batches=args.micro_batches,
+                  efficiency=args.efficiency, link_bw=args.link_gbs * 1e9,
+                  internode_bw=args.internode_gbs * 1e9, gpus_per_node=args.gpus_per_node)
+    gpus = args.gpus
+    if gpus is None and args.nodes is not None:
+        gpus = args.nodes * args.gpus_per_node
+    text, ok = recommend_text(rf, gpus=gpus, micro_batches=args.micro_batches,
                               vision_tokens=tokens, text_tokens=args.text_tokens,
                               attention=args.attention, device_gib=args.device_gib,
                               state_bytes=args.state_bytes, hardware=hw, top=args.top)

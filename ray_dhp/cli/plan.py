@@ -78,3 +78,61 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention: str = "fl
         out.append(f"  (reference: ZeRO-3 over {topo.world_size} GPUs, one sample per GPU, no SP/TP:"
                    f" {_gib(z)} per GPU [{'fits' if z <= device_gib * GIB else 'EXCEEDS device'}])")
     return "\n".join(out)
+
+
+def _ranks_text(ranks: list) -> str:
+    return ", ".join(map(str, ranks)) if len(ranks) <= 8 else f"{ranks[0]}-{ranks[-1]}"
+
+
+def nodes_text(rf, *, nodes: int, gpus_per_node: int, vision_tokens: int, text_tokens: int,
+               attention: str = "flash", state_bytes: float = 16.0,
+               internode_bw: float = 45e9) -> str:
+    """The node view of `ray-dhp plan --nodes N --gpus-per-node G`: which DHP ranks share a node
+    (as the backend orders them, `ray_dhp.topology.node_local_order`) and, per collective, the
+    bytes one rank sends per optimizer step and whether its groups cross the node boundary."""
+    from ray_dhp.cli.schema import ConfigError
+    from ray_dhp.memory import count_params
+    from ray_dhp.recommend import Layout, Workload
+    from ray_dhp.topology import node_local_order, nodes_by_rank
+    from ray_dhp.traffic import collective_bytes, collective_groups
+
+    dhp = rf.dhp_config()
+    topo, config = dhp.topology(), dhp.model_config()
+    if nodes < 1 or gpus_per_node < 1:
+        raise ConfigError(f"--nodes {nodes} --gpus-per-node {gpus_per_node}: both must be >= 1.")
+    if topo.world_size > nodes * gpus_per_node:
+        raise ConfigError(f"the layout needs {topo.world_size} workers but {nodes} node(s) x "
+                          f"{gpus_per_node} GPU(s) hold {nodes * gpus_per_node}.")
+    slots = [k for k in range(nodes) for _ in range(gpus_per_node)][:topo.world_size]
+    node_of = nodes_by_rank(node_local_order(topo, slots), slots)
+    layout = Layout(topo.placement, dhp.schedule, topo.vision.inner, topo.vision.dp,
+                    topo.text.inner, topo.text.dp)
+    w = Workload(vision_tokens=vision_tokens, text_tokens=text_tokens,
+                 global_batch_size=rf.optim.global_batch_size, micro_batches=rf.optim.micro_batches,
+                 settings=settings_of(rf, attention), state_bytes=state_bytes,
+                 vision_zero1=bool(getattr(rf.optim, "vision_zero1", False)))
+    volume = collective_bytes(config, count_params(config), layout, w)
+    groups = collective_groups(topo, w.micro_batch_size)
+    out = ["", f"nodes: {nodes} x {gpus_per_node} GPUs; DHP ranks by node (Ray Train fills a node "
+               "with consecutive ranks under the default PACK strategy; the backend permutes them "
+               "only if that keeps more sp/tp groups inside a node):"]
+    for k in sorted(set(node_of)):
+        ranks = [r for r in range(len(node_of)) if node_of[r] == k]
+        out.append(f"  node {k}: ranks {_ranks_text(ranks)}")
+    out.append(f"collectives per optimizer step ({vision_tokens} vision + {text_tokens} text tokens"
+               f" per sample, {w.micro_batches} micro-batch(es) of {w.micro_batch_size}): bytes "
+               "one rank sends")
+    crossing = 0.0
+    for name, gs in groups.items():
+        if not gs or volume[name] == 0:
+            out.append(f"  {name:22s} none")
+            continue
+        spans = sorted({tuple(sorted({node_of[r] for r in g})) for g in gs if
+                        len({node_of[r] for r in g}) > 1})
+        where = ("CROSSES nodes " + ", ".join("|".join(map(str, s)) for s in spans)) if spans \
+            else "inside a node"
+        crossing += volume[name] if spans else 0.0
+        out.append(f"  {name:22s} {_gib(volume[name])}  {where}")
+    out.append(f"over the network per step: {_gib(crossing)} per rank at most "
+               f"(~{crossing / internode_bw * 1e3:.3g} ms at {internode_bw / 1e9:g} GB/s per GPU)")
+    return "\n".join(out)

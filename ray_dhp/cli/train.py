@@ -65,7 +65,7 @@ def build_trainer(rf, *, datasets: dict, name: Optional[str] = None,
                                       resources_per_worker=rf.scaling.resources_per_worker)
     return DisaggregatedTrainer(train_loop_config=rf.train_loop_config(), dhp_config=dhp,
                                 scaling_config=scaling, run_config=run_config,
-                                datasets=datasets)
+                                datasets=datasets, placement_timeout_s=rf.run.placement_timeout_s)
 
 
 def local_num_cpus(rf, num_workers: int) -> int:
@@ -76,17 +76,44 @@ def local_num_cpus(rf, num_workers: int) -> int:
     return max(os.cpu_count() or 1, int(num_workers * per_worker + 0.999) + 1)
 
 
+def running_cluster() -> Optional[str]:
+    """The address of the Ray cluster started on this machine with ``ray start`` (the file Ray
+    itself reads in ``ray.init()``: ``$RAY_TMPDIR/ray/ray_current_cluster``, default /tmp), if
+    its GCS port answers; None when there is none or the file is stale (the cluster is gone)."""
+    import socket
+
+    from ray._common.utils import get_ray_address_file
+
+    path = get_ray_address_file(None)
+    try:
+        with open(path) as f:
+            addr = f.read().strip()
+        host, port = addr.rsplit(":", 1)
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+            return addr
+    except (OSError, ValueError):
+        return None
+
+
 def init_ray(rf, num_workers: int) -> None:
-    """Join the cluster named by ``RAY_ADDRESS`` (e.g. inside ``ray job submit``), else start a
-    local Ray; does nothing if Ray is already initialised in this process."""
+    """Join a running cluster whenever there is one: the one named by ``RAY_ADDRESS`` (e.g.
+    inside ``ray job submit``), else the one ``ray start`` brought up on this machine; start a
+    local Ray (``run.num_cpus`` logical CPUs) only when there is none. Does nothing if Ray is
+    already initialised in this process."""
     import ray
 
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address="auto")
-    else:
-        ray.init(num_cpus=local_num_cpus(rf, num_workers))
+        return
+    addr = running_cluster()
+    if addr is not None:
+        note = " (run.num_cpus is ignored when joining)" if rf.run.num_cpus else ""
+        print(f"[ray_dhp] joining the running Ray cluster at {addr}{note}", flush=True)
+        ray.init(address=addr)
+    else:  # "local": a new instance even if a stale address file is left behind
+        ray.init(address="local", num_cpus=local_num_cpus(rf, num_workers))
 
 
 def train(rf) -> dict:

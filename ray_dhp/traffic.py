@@ -1,0 +1,69 @@
+"""What crosses the network: bytes per optimizer step of each collective, and its rank groups.
+
+The volumes are the ones `ray_dhp.recommend.phase_times` divides by a bandwidth (see its module
+docstring for the derivation); `ray-dhp plan --nodes N --gpus-per-node G` prints them next to
+the node boundary (`ray_dhp.cli.plan.nodes_text`). Plain data, no torch.distributed, no Ray.
+"""
+
+from __future__ import annotations
+
+from ray_dhp.memory import vision_width
+from ray_dhp.recommend import Layout, Workload, _vision_spans, text_tokens_per_sample
+from ray_dhp.topology import Topology
+
+
+COLLECTIVES = ("vision sp all-to-all", "text tp all-reduce", "boundary", "vision gradients",
+               "text dp gradients")
+
+
+def collective_bytes(config, counts, layout: Layout, w: Workload) -> dict:
+    """Bytes one rank sends per optimizer step in each collective of ``layout`` (the volumes
+    `phase_times` divides by a bandwidth): Ulysses all-to-alls and TP all-reduces over the
+    ``M`` micro-batches, the boundary both ways, and the end-of-step gradient reductions (ring
+    all-reduce: ``2 (n - 1) / n`` of the buffer; all-to-all: ``(n - 1) / n``)."""
+    from ray_dhp.models import family_of
+
+    topo, s, m = layout.topology(), w.settings, w.micro_batches
+    v, t = topo.vision, topo.text
+    vc, tc = config.vision_config, config.text_config
+    sv, st = -(-w.micro_batch_size // v.dp), -(-w.micro_batch_size // t.dp)
+    x = sv * w.vision_tokens / v.inner * vision_width(vc) * s.dtype_bytes
+    a2a = _vision_spans(vc)[0] * (3 * x + x) * (v.inner - 1) / v.inner  # one forward pass
+    tok = st * text_tokens_per_sample(config, w.vision_tokens, w.text_tokens)
+    n_ar = tc.num_hidden_layers * (6 if s.checkpointing else 4) + 1
+    ar = n_ar * 2 * (t.inner - 1) / t.inner * tok * tc.hidden_size * s.dtype_bytes
+    feat = (w.vision_tokens // vc.spatial_merge_size ** 2) * family_of(config).feature_dim(config) \
+        * s.dtype_bytes
+    boundary = 2 * max(st * feat, sv * feat / v.inner * t.inner)
+    g = 4 if w.state_bytes >= 16 else 2
+    zero1 = w.vision_zero1 and v.size > 1
+    v_grads = 2 * (v.size - 1) / v.size * counts.vision * g \
+        + ((v.size - 1) / v.size * counts.vision * 4 if zero1 else 0.0)
+    t_grads = 2 * (t.dp - 1) / t.dp * counts.text_per_rank(t.inner) * g
+    return dict(zip(COLLECTIVES, (m * a2a * (3 if s.checkpointing else 2), m * ar,
+                                  m * boundary, v_grads, t_grads)))
+
+
+def boundary_pairs(topology: Topology, micro_batch_size: int) -> list:
+    """``[(vision ranks, text ranks)]`` that exchange features: a vision replica and a text
+    replica sharing samples (both split a micro-batch into contiguous, even shares)."""
+    from ray_dhp.parallel.boundary import split_evenly
+
+    v, t = topology.vision, topology.text
+    vs, ts = split_evenly(micro_batch_size, v.dp), split_evenly(micro_batch_size, t.dp)
+    out = []
+    for i, a in enumerate(vs):
+        for j, b in enumerate(ts):
+            if set(a) & set(b):
+                out.append((v.inner_groups()[i], t.inner_groups()[j]))
+    return out
+
+
+def collective_groups(topology: Topology, micro_batch_size: int) -> dict:
+    """The rank groups of each collective in `COLLECTIVES` (boundary: each exchanging pair)."""
+    v, t = topology.vision, topology.text
+    return dict(zip(COLLECTIVES, (
+        v.inner_groups() if v.inner > 1 else [], t.inner_groups() if t.inner > 1 else [],
+        [sorted(set(a + b)) for a, b in boundary_pairs(topology, micro_batch_size)
+         if len(set(a + b)) > 1],
+        [v.ranks] if v.size > 1 else [], t.dp_groups() if t.dp > 1 else [])))
