@@ -2,8 +2,9 @@
 
 With ``micro_batch_tokens`` set, the step's samples are cut, in order, into micro-batches whose
 text replicas each get at most that many tokens (text tokens, image placeholders included, so
-long images count). Each micro-batch is split over the replicas as the engine splits it
-(contiguous, sizes differing by at most one). The number of micro-batches then varies per step;
+long images count). Each micro-batch is split over the replicas as the engine splits it:
+contiguous, sizes differing by at most one, or, given ``costs`` (``balance="cost"``), by the
+engine's balanced assignment (`ray_dhp.parallel.balance.lpt` of the per-sample text costs). The number of micro-batches then varies per step;
 the update does not: the loss is normalised by the step's target count, so the gradients are the
 same for any cut (the tests assert it).
 """
@@ -12,17 +13,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ray_dhp.parallel.balance import lpt
 from ray_dhp.parallel.boundary import split_evenly
 
 __all__ = ["cut_micro_batches"]
 
 
-def _max_share(lengths: Sequence[int], replicas: int) -> int:
-    return max(sum(lengths[i] for i in rng) for rng in split_evenly(len(lengths), replicas))
+def _max_share(lengths: Sequence[int], replicas: int, costs: Sequence[int] | None = None) -> int:
+    """Most tokens one text replica gets, split as the engine splits (see the module doc)."""
+    parts = split_evenly(len(lengths), replicas) if costs is None else lpt(costs, replicas)
+    return max(sum(lengths[i] for i in part) for part in parts)
 
 
 def cut_micro_batches(lengths: Sequence[int], *, micro_batches: int = 1,
-                      budget: int | None = None, replicas: int = 1, min_size: int = 1) -> list:
+                      budget: int | None = None, replicas: int = 1, min_size: int = 1,
+                      costs: Sequence[int] | None = None) -> list:
     """Ranges of sample indices, one per micro-batch.
 
     Args:
@@ -32,6 +37,8 @@ def cut_micro_batches(lengths: Sequence[int], *, micro_batches: int = 1,
         replicas: text data-parallel replicas a micro-batch is split over.
         min_size: fewest samples a micro-batch may hold (the larger of the vision and text
             data-parallel degrees: every replica needs a sample).
+        costs: per-sample text costs when the engine balances replicas by cost (None: it
+            splits contiguously).
 
     Raises:
         ValueError: a micro-batch of ``min_size`` samples already exceeds the budget.
@@ -40,19 +47,23 @@ def cut_micro_batches(lengths: Sequence[int], *, micro_batches: int = 1,
     if budget is None:
         m = n // micro_batches
         return [range(k, k + m) for k in range(0, n, m)]
+
+    def sub(a, b):
+        return None if costs is None else costs[a:b]
+
     cuts, start = [], 0
     while start < n:
         end = min(n, start + min_size)
-        if _max_share(lengths[start:end], replicas) > budget:
+        if _max_share(lengths[start:end], replicas, sub(start, end)) > budget:
             raise ValueError(
                 f"micro_batch_tokens={budget} is too small: the {end - start} samples every "
                 f"micro-batch needs (one per data-parallel replica) have "
-                f"{_max_share(lengths[start:end], replicas)} tokens on one text replica")
-        while end < n and _max_share(lengths[start:end + 1], replicas) <= budget:
+                f"{_max_share(lengths[start:end], replicas, sub(start, end))} tokens on one text replica")
+        while end < n and _max_share(lengths[start:end + 1], replicas, sub(start, end + 1)) <= budget:
             end += 1
         if 0 < n - end < min_size:  # the tail would be too small: leave it min_size samples
             end = n - min_size if n - min_size >= start + min_size else n
-            if _max_share(lengths[start:end], replicas) > budget:
+            if _max_share(lengths[start:end], replicas, sub(start, end)) > budget:
                 raise ValueError(
                     f"micro_batch_tokens={budget}: cannot cut the step's {n} samples into "
                     f"micro-batches of at least {min_size} samples within the budget")
