@@ -275,7 +275,8 @@ class DHPEngine:
     def balancer(self) -> Balancer:
         """The run's `Balancer` (``cfg.balance``), built on first use from the model config."""
         if getattr(self, "_balancer", None) is None:
-            self._balancer = Balancer.for_config(self.cfg.balance, self.config)
+            self._balancer = Balancer.for_config(self.cfg.balance, self.config,
+                                                 packing=self.cfg.packing)
         return self._balancer
 
     def _text_batch(self, samples) -> dict:

@@ -87,7 +87,8 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
     from ray_dhp.models import load_model_config
     from ray_dhp.parallel.balance import Balancer
 
-    balancer = Balancer.for_config(cfg.balance, load_model_config(ctx.dhp_config.model))
+    balancer = Balancer.for_config(cfg.balance, load_model_config(ctx.dhp_config.model),
+                                   packing=cfg.packing)
     loader = StepLoader(make_sampler(cfg, processor), ctx.groups, prefetch=cfg.prefetch,
                         num_workers=cfg.data_workers, balancer=balancer)
     try:

@@ -153,9 +153,11 @@ class StepSampler:
                         for idx in bal.micro_batches(samples, self.cfg.micro_batches)]
             cuts = cut_micro_batches([0] * len(samples), micro_batches=self.cfg.micro_batches)
         else:
+            def assign(rng):  # the engine's text replicas of those samples
+                return bal.text_replicas(samples[rng.start:rng.stop], replicas)
             cuts = cut_micro_batches([s.num_tokens for s in samples], budget=budget,
                                      replicas=replicas, min_size=min_size,
-                                     costs=bal.text_costs(samples) if cost else None)
+                                     assign=assign if cost else None)
         return [samples[r.start:r.stop] for r in cuts]
 
     # -- progress -------------------------------------------------------------------------------

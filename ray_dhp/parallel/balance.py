@@ -9,7 +9,8 @@ slowest part's cost is as small as a greedy can make it:
 * `lpt` — longest processing time first: samples by decreasing cost, each to the part with the
   least load so far. Ties are broken by fewest samples, then part index (so with ``n >= parts``
   every part gets a sample: an empty part has the least load and the fewest samples), and
-  samples of equal cost by position. It is within 4/3 of the optimal makespan.
+  samples of equal cost by position. It is within 4/3 of the optimal makespan. Text replicas
+  that pad their samples to the longest use `lpt_padded` (a replica costs samples x longest).
 * `balanced_micro_batches` — equal-count micro-batches (as today) whose vision and text costs
   are both even, so neither group of a disjoint pipeline waits on a heavy micro-batch.
 * `decode_owners` — the loader's decode owners (bytes per sample) over all ranks.
@@ -28,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["BALANCE_MODES", "CostModel", "Balancer", "lpt", "contiguous", "imbalance",
+__all__ = ["BALANCE_MODES", "CostModel", "Balancer", "lpt", "lpt_padded", "contiguous", "imbalance",
            "balanced_micro_batches", "decode_owners"]
 
 BALANCE_MODES = ("cost", "count")
@@ -58,6 +59,25 @@ def lpt(costs: Sequence[int], parts: int, *, rotate: int = 0) -> list[list[int]]
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         p = min(range(parts), key=lambda p: (load[p], count[p], (p - rotate) % parts))
         load[p] += costs[i]
+        count[p] += 1
+        out[p].append(i)
+    return [sorted(o) for o in out]
+
+
+def lpt_padded(lengths: Sequence[int], parts: int, cost) -> list[list[int]]:
+    """Like `lpt`, for parts whose samples are padded to the part's longest: a part of ``c``
+    samples, the longest ``L`` tokens, costs ``c * cost(L)``. Samples by decreasing length, each
+    to the part whose cost after adding it is smallest (ties as in `lpt`)."""
+    if parts < 1:
+        raise ValueError(f"parts={parts}: need at least one part")
+    longest, count = [0] * parts, [0] * parts
+    out: list[list[int]] = [[] for _ in range(parts)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        def after(p, i=i):
+            c = count[p] + 1
+            return (c * cost(max(longest[p], lengths[i])), c, p)
+        p = min(range(parts), key=after)
+        longest[p] = max(longest[p], lengths[i])
         count[p] += 1
         out[p].append(i)
     return [sorted(o) for o in out]
@@ -174,10 +194,13 @@ class CostModel:
 @dataclass(frozen=True)
 class Balancer:
     """The run's balance policy: ``mode`` "cost" (balanced by `CostModel`) or "count" (contiguous
-    equal counts, the split before balancing existed)."""
+    equal counts, the split before balancing existed). ``padded``: a text replica pads its
+    samples to its longest (the engine without ``packing``), so its cost is
+    ``samples x cost(longest)``, not the sum."""
 
     mode: str = "count"
     model: Optional[CostModel] = None
+    padded: bool = True
 
     def __post_init__(self):
         if self.mode not in BALANCE_MODES:
@@ -186,9 +209,11 @@ class Balancer:
             raise ValueError("balance='cost' needs a CostModel")
 
     @classmethod
-    def for_config(cls, mode: str, config, counts=None) -> "Balancer":
-        """The policy ``mode`` for the model ``config`` (no cost model is built for "count")."""
-        return cls(mode, CostModel.from_config(config, counts) if mode == "cost" else None)
+    def for_config(cls, mode: str, config, counts=None, *, packing: bool = False) -> "Balancer":
+        """The policy ``mode`` for the model ``config`` (no cost model is built for "count");
+        ``packing``: the engine packs text rows (``TrainLoopConfig.packing``) instead of padding."""
+        return cls(mode, CostModel.from_config(config, counts) if mode == "cost" else None,
+                   padded=not packing)
 
     def vision_costs(self, samples) -> list[int]:
         return [self.model.vision(s.image_grid_thw) for s in samples]
@@ -206,6 +231,8 @@ class Balancer:
         """Sample indices per text data-parallel replica."""
         if self.mode == "count":
             return contiguous(len(samples), parts)
+        if self.padded:
+            return lpt_padded([s.num_tokens for s in samples], parts, self.model.text)
         return lpt(self.text_costs(samples), parts)
 
     def micro_batches(self, samples, m: int) -> list[list[int]]:

@@ -11,7 +11,7 @@ from ray_dhp.data.budget import cut_micro_batches
 from ray_dhp.data.processing import Sample
 from ray_dhp.engine import layout_micro_batch
 from ray_dhp.parallel.balance import (Balancer, CostModel, balanced_micro_batches, contiguous,
-                                      decode_owners, imbalance, lpt)
+                                      decode_owners, imbalance, lpt, lpt_padded)
 from ray_dhp.topology import Topology
 
 
@@ -113,14 +113,29 @@ def test_layout_balanced_vs_count():
     assert rows.tolist() == list(range(0, 16)) + list(range(16 + 256, 16 + 256 + 16))
 
 
+def test_lpt_padded_balances_samples_times_longest():
+    lengths = [290, 256, 256, 256, 98, 98, 50, 50]
+    cost = lambda n: n  # noqa: E731  (linear: a part costs samples x longest)
+    out = lpt_padded(lengths, 2, cost)
+    assert sorted(itertools.chain(*out)) == list(range(8))
+    def worst(parts):
+        return max(len(p) * max(lengths[i] for i in p) if p else 0 for p in parts)
+    best = min(worst([[i for i in range(8) if a[i] == p] for p in range(2)])
+               for a in itertools.product(range(2), repeat=8))
+    assert worst(out) == best == 1160  # the 290-token sample with 3 short ones, not 5
+
+
 def test_budget_with_balanced_replicas_keeps_every_replica_within_budget():
     lengths = [90, 10, 10, 90, 10, 10, 10, 10]
     costs = [n * n for n in lengths]
-    cuts = cut_micro_batches(lengths, budget=100, replicas=2, min_size=2, costs=costs)
+
+    def assign(rng):
+        return lpt(costs[rng.start:rng.stop], 2)
+    cuts = cut_micro_batches(lengths, budget=100, replicas=2, min_size=2, assign=assign)
     assert [i for r in cuts for i in r] == list(range(8))
     for r in cuts:
         sub = lengths[r.start:r.stop]
-        assert max(_loads(sub, lpt(costs[r.start:r.stop], 2))) <= 100
+        assert max(_loads(sub, assign(r))) <= 100
     # by count the same budget needs more micro-batches (contiguous halves are lopsided)
     assert len(cuts) <= len(cut_micro_batches(lengths, budget=100, replicas=2, min_size=2))
 
