@@ -153,11 +153,12 @@ def summarise(per_rank: list) -> dict:
     """Per contender: median wall step (slowest rank), modelled step, busy time per replica."""
     out = {}
     for name in per_rank[0]["steps"]:
-        walls, modelled, v_imb, t_imb, v_busy, t_busy = [], [], [], [], [], []
+        walls, modelled, v_imb, t_imb, v_busy, t_busy, work = [], [], [], [], [], [], []
         for i in range(len(per_rank[0]["steps"][name])):
             ms = [r["steps"][name][i] for r in per_rank]
             walls.append(max(m["wall_s"] for m in ms))
             modelled.append(sum(max(m.get(f"cpu_{p}_s", 0.0) for m in ms) for p in PHASES))
+            work.append(sum(m.get(f"cpu_{p}_s", 0.0) for m in ms for p in PHASES))
             vb = {}
             tb = {}
             for r, m in zip(per_rank, ms):
@@ -174,6 +175,7 @@ def summarise(per_rank: list) -> dict:
             "wall_step_s_median": statistics.median(walls),
             "modelled_step_s_median": statistics.median(modelled),
             "modelled_step_s_mean": statistics.mean(modelled),
+            "total_cpu_s_mean": statistics.mean(work),  # all ranks' work: what balancing keeps
             "vision_busy_imbalance_mean": statistics.mean(v_imb),
             "text_busy_imbalance_mean": statistics.mean(t_imb),
             "vision_busy_s_per_replica_mean": [statistics.mean(c) for c in zip(*v_busy)],

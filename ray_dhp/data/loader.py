@@ -5,7 +5,7 @@ asking anyone. Processing them (image decode, resize, patchify, chat template, t
 label masking) is the expensive part, and it is split instead of repeated:
 
 1. the step's candidate records are dealt over *all* ranks (vision and text), balanced by their
-   image bytes (`decode_costs`, `ray_dhp.parallel.balance.decode_owners`; round-robin with
+   image pixels (`decode_costs`, `ray_dhp.parallel.balance.decode_owners`; round-robin with
    ``balance="count"``); each record is processed by its owner only;
 2. the owners exchange, on a dedicated gloo group, the small text side of every sample (token
    ids, labels, ``mm_token_type_ids``, the image grid, or the reason it is bad) with every rank
@@ -231,7 +231,7 @@ class StepLoader:
         return merged
 
     def _owners(self, candidates: list) -> list:
-        """Decode owner (rank) per candidate: balanced by image bytes (``balance="cost"``) or
+        """Decode owner (rank) per candidate: balanced by image pixels (``balance="cost"``) or
         round-robin; ties rotate from where the previous deal stopped. Same on every rank."""
         from ray_dhp.parallel.balance import decode_owners
 
@@ -291,10 +291,12 @@ def _default_balancer(sampler, groups):
 
 
 def decode_costs(sampler, candidates: list) -> list:
-    """Decode cost per candidate record: its images' file sizes in bytes (decode and resize work
-    grows with the image), plus 1 KiB for the text. Read from the file system, which every rank
-    sees alike (any rank may be asked to decode any record); unreadable: text only."""
-    import os
+    """Decode cost per candidate record: its images' pixel counts, read from the file headers
+    only (decode, resize and patchify work grow with the pixels; file bytes do not track them
+    for well-compressed images), plus 1024 for the text. Every rank reads the same files (any
+    rank may be asked to decode any record), so every rank computes the same costs; an
+    unreadable image counts 0 (its owner reports it as bad data)."""
+    from PIL import Image
 
     from ray_dhp.data.processing import _image_paths
 
@@ -302,10 +304,15 @@ def decode_costs(sampler, candidates: list) -> list:
     for i in candidates:
         cost = 1024
         try:
-            for p in _image_paths(sampler.records[i].data or {}, sampler.root_for(i)):
-                cost += os.path.getsize(p)
-        except Exception:  # missing/malformed: the owner reports it as bad data
-            pass
+            paths = _image_paths(sampler.records[i].data or {}, sampler.root_for(i))
+        except Exception:  # malformed record: bad data, found by its owner
+            paths = []
+        for p in paths:
+            try:
+                with Image.open(p) as img:  # lazy: reads the header, not the pixels
+                    cost += img.width * img.height
+            except Exception:
+                pass
         out.append(cost)
     return out
 

@@ -13,7 +13,7 @@ slowest part's cost is as small as a greedy can make it:
   that pad their samples to the longest use `lpt_padded` (a replica costs samples x longest).
 * `balanced_micro_batches` — equal-count micro-batches (as today) whose vision and text costs
   are both even, so neither group of a disjoint pipeline waits on a heavy micro-batch.
-* `decode_owners` — the loader's decode owners (bytes per sample) over all ranks.
+* `decode_owners` — the loader's decode owners (image pixels per sample) over all ranks.
 
 Every function is pure and depends only on the step's samples (their image grids and token
 counts, known identically on every rank), which the seeded sampler fixes from the seed and the

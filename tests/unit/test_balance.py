@@ -148,3 +148,42 @@ def test_balancer_validation():
     from ray_dhp.train_config import TrainLoopConfig
     with pytest.raises(ValueError, match="balance must be one of"):
         TrainLoopConfig(balance="tokens")
+
+
+def test_sampler_cuts_equal_count_micro_batches_of_even_cost():
+    from ray_dhp.data.sampler import StepSampler
+    from ray_dhp.train_config import TrainLoopConfig
+
+    config = demo.tiny_model_config("qwen2_5_vl")
+    s = StepSampler.__new__(StepSampler)
+    s.cfg = TrainLoopConfig(global_batch_size=8, micro_batches=2)
+    samples = [_sample(0, (32, 32)), _sample(1, (32, 32)), _sample(2, (8, 8)), _sample(3, (8, 8)),
+               _sample(4), _sample(5), _sample(6, (8, 8)), _sample(7, (8, 8))]
+    assert [[x.index for x in mb] for mb in s.cut(samples)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    s.balancer = Balancer.for_config("cost", config)
+    mbs = s.cut(samples)
+    assert sorted(len(mb) for mb in mbs) == [4, 4]
+    assert sorted(x.index for mb in mbs for x in mb) == list(range(8))
+    assert all(sum(x.image_grid_thw is not None and int(x.image_grid_thw.prod()) == 1024
+                   for x in mb) == 1 for mb in mbs)  # one document per micro-batch
+
+
+def test_loader_decode_owners_balance_image_pixels(tmp_path):
+    from ray_dhp.data.loader import StepLoader, decode_costs
+    from ray_dhp.data.reading import read_annotations, resolve_data_root
+    from ray_dhp.data.sampler import StepSampler
+    from ray_dhp.train_config import TrainLoopConfig
+
+    path = demo.make_dataset(tmp_path / "d", num_samples=8, text_only_every=4,
+                             image_sizes=((448, 448), (56, 56), (56, 56)))
+    sampler = StepSampler(read_annotations(path), demo.tiny_processor(), resolve_data_root(path),
+                          TrainLoopConfig(global_batch_size=8))
+    costs = decode_costs(sampler, list(range(8)))
+    assert costs[3] == costs[7] == 1024  # text-only
+    assert costs[0] == 1024 + 448 * 448 and costs[1] == 1024 + 56 * 56
+    loader = StepLoader(sampler, balancer=Balancer.for_config("cost", demo.tiny_model_config()))
+    loader.world = 2  # the owner deal only (no exchange)
+    owners = loader._owners(list(range(8)))  # noqa: SLF001
+    loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(2)]
+    rr = [sum(c for q, c in enumerate(costs) if q % 2 == r) for r in range(2)]
+    assert max(loads) <= max(rr) and max(loads) / (sum(loads) / 2) < 1.5
