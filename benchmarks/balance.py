@@ -20,6 +20,8 @@ ranks or for a core). Derived:
 * ``modelled step``: the step as a dedicated core per rank would run it — the phases are
   separated by synchronisation (boundary hand-off, gradient all-reduce), so it is the sum over
   phases of the slowest rank's CPU time in that phase;
+* ``parallel efficiency``: all ranks' CPU work / (ranks x modelled step) — 1 when no rank waits;
+  unlike step times it does not reward a set for simply having less work;
 * the cost model's own imbalance (max / mean replica cost) for both plans.
 
 On a shared 2-core machine four ranks time-share the cores, so wall step times mostly measure
@@ -175,7 +177,9 @@ def summarise(per_rank: list) -> dict:
             "wall_step_s_median": statistics.median(walls),
             "modelled_step_s_median": statistics.median(modelled),
             "modelled_step_s_mean": statistics.mean(modelled),
-            "total_cpu_s_mean": statistics.mean(work),  # all ranks' work: what balancing keeps
+            "total_cpu_s_mean": statistics.mean(work),  # all ranks' work
+            # the share of the ranks' time spent working in the modelled step (1 = no waiting)
+            "parallel_efficiency": statistics.mean(w / (len(per_rank) * m) for w, m in zip(work, modelled)),
             "vision_busy_imbalance_mean": statistics.mean(v_imb),
             "text_busy_imbalance_mean": statistics.mean(t_imb),
             "vision_busy_s_per_replica_mean": [statistics.mean(c) for c in zip(*v_busy)],

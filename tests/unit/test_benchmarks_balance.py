@@ -32,3 +32,4 @@ def test_summarise_takes_the_slowest_rank_per_phase_and_replica_means():
     assert s["vision_busy_s_per_replica_mean"] == [3, 6] and s["text_busy_s_per_replica_mean"] == [3, 1]
     assert s["vision_busy_imbalance_mean"] == pytest.approx(6 / 4.5)
     assert s["total_cpu_s_mean"] == 2 * (1 + 2 + 3) + 2 * (2 + 4 + 1)
+    assert s["parallel_efficiency"] == pytest.approx(26 / (4 * 9))
