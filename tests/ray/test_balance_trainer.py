@@ -2,6 +2,7 @@
 balancer, so mixed-resolution pixels reach the vision replica the balanced plan assigns (a
 mismatch stops the step with "no pixels here"), and both balance modes train to the same loss."""
 
+import pytest
 import ray.train
 
 from ray_dhp import DHPConfig, DisaggregatedTrainer, ModuleParallel, demo
@@ -19,6 +20,8 @@ def _fit(tmp_path, data, balance):
         datasets={"train": str(data)}).fit()
 
 
+@pytest.mark.slow  # ~3 min on 2 cores; the default run covers loader/engine agreement in
+# tests/distributed/test_loader.py and exactness in tests/distributed/test_balance.py
 def test_cost_balance_trains_like_count_on_mixed_resolutions(ray_start, fast_reports, tmp_path):
     data = demo.make_dataset(tmp_path / "data", num_samples=16, text_only_every=4,
                              image_sizes=((56, 56), (224, 224), (112, 112)))
