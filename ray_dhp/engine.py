@@ -4,7 +4,8 @@ One `DHPEngine` lives on every rank and holds the module shard(s) that rank host
 the step's micro-batches (lists of `Sample`) — the same lists on every rank — and:
 
 1. plans, identically on every rank, which vision replica / text replica gets which samples and
-   which SP rank computes which feature rows (`layout_micro_batch`);
+   which SP rank computes which feature rows (`layout_micro_batch`; samples shared out by cost,
+   `ray_dhp.parallel.balance`);
 2. runs the vision forward on local tokens; hands the rows to the text layout (`boundary`);
 3. runs the text forward/backward with the loss normalised by the step's global token count;
 4. returns the feature gradients (exact adjoint) and back-propagates the vision tower;
@@ -32,6 +33,7 @@ from ray_dhp.optim import build_optimizer, zero1_owners
 from ray_dhp.schedule import order_for
 from ray_dhp.parallel import boundary as bnd
 from ray_dhp.parallel import data as dp
+from ray_dhp.parallel.balance import COUNT, Balancer
 from ray_dhp.parallel.comm import CommCounter, record
 from ray_dhp.parallel.tensor import apply_tp_plan, partial_grad_params
 from ray_dhp.train_config import TrainLoopConfig
@@ -61,13 +63,21 @@ def image_rows(sample, merge: int) -> int:
 class MicroBatchLayout:
     """Who does what for one micro-batch; identical on every rank (plain data)."""
 
-    vision_samples: list        # per vision dp replica: range of sample indices
-    text_samples: list          # per text dp replica: range of sample indices
+    vision_samples: list        # per vision dp replica: ascending list of sample indices
+    text_samples: list          # per text dp replica: ascending list of sample indices
     row_offsets: list           # per sample: first global feature row (len = samples + 1)
     vision_plans: list          # per vision dp replica: VisionShardPlan or None (no images)
 
+    def rows_of(self, indices) -> torch.Tensor:
+        """Global feature rows of the samples ``indices`` (ascending), concatenated in order."""
+        parts = [torch.arange(self.row_offsets[i], self.row_offsets[i + 1]) for i in indices]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
-def layout_micro_batch(samples, topology, family_name: str, vision_config) -> MicroBatchLayout:
+
+def layout_micro_batch(samples, topology, family_name: str, vision_config,
+                       balancer: "Balancer" = COUNT) -> MicroBatchLayout:
+    """The micro-batch's plan: samples per vision and per text replica (``balancer``: by cost,
+    or contiguous equal counts), feature-row offsets, and each replica's SP shard plan."""
     from ray_dhp.models.vision_qwen import plan_vision_shards
 
     n = len(samples)
@@ -81,13 +91,13 @@ def layout_micro_batch(samples, topology, family_name: str, vision_config) -> Mi
     offsets = [0]
     for s in samples:
         offsets.append(offsets[-1] + image_rows(s, merge))
-    vs = bnd.split_evenly(n, v.dp)
+    vs = balancer.vision_replicas(samples, v.dp)
     plans = []
-    for rng in vs:
-        grids = [samples[i].image_grid_thw for i in rng if samples[i].image_grid_thw is not None]
+    for idx in vs:
+        grids = [samples[i].image_grid_thw for i in idx if samples[i].image_grid_thw is not None]
         plans.append(plan_vision_shards(family_name, vision_config, torch.cat(grids), v.inner)
                      if grids else None)
-    return MicroBatchLayout(vs, bnd.split_evenly(n, t.dp), offsets, plans)
+    return MicroBatchLayout(vs, balancer.text_replicas(samples, t.dp), offsets, plans)
 
 
 @dataclass
@@ -195,7 +205,8 @@ class DHPEngine:
 
     def _vision_fwd(self, mb: "_MicroBatch", n_targets: int) -> None:
         g = self.groups
-        mb.lay = layout_micro_batch(mb.samples, g.topology, self.family.name, self.config.vision_config)
+        mb.lay = layout_micro_batch(mb.samples, g.topology, self.family.name,
+                                    self.config.vision_config, self.balancer())
         if g.is_vision and mb.has_images:
             with self._autocast():
                 mb.feats = self._vision_forward(mb.samples, mb.lay)
@@ -236,8 +247,12 @@ class DHPEngine:
         plan = lay.vision_plans[i]
         if plan is None:
             return None
-        pv = torch.cat([samples[s].pixel_values for s in lay.vision_samples[i]
-                        if samples[s].pixel_values is not None]).to(self.groups.device, self.dtype)
+        mine = [samples[s] for s in lay.vision_samples[i] if samples[s].image_grid_thw is not None]
+        if any(s.pixel_values is None for s in mine):
+            raise RuntimeError("a sample this vision replica computes has no pixels here: the "
+                               "loader routed them by another balance than the engine's (give "
+                               "StepLoader the engine's balancer)")
+        pv = torch.cat([s.pixel_values for s in mine]).to(self.groups.device, self.dtype)
         return vision_forward(self.family.name, self.visual, pv, plan, k, self.groups.vision_sp,
                               comm=self.comm)
 
@@ -245,17 +260,24 @@ class DHPEngine:
         v = self.groups.topology.vision
         held = {}
         for i, plan in enumerate(lay.vision_plans):
-            off = lay.row_offsets[lay.vision_samples[i].start]
+            rows = lay.rows_of(lay.vision_samples[i])  # the replica's local row -> global row
             for k in range(v.inner):
-                ids = (plan.order[plan.cuts[k]:plan.cuts[k + 1]] + off) if plan is not None \
+                ids = rows[plan.order[plan.cuts[k]:plan.cuts[k + 1]]] if plan is not None \
                     else torch.zeros(0, dtype=torch.long)
                 held[v.rank_at(i, k)] = ids
         return held
 
     def _needed_rows(self, lay: MicroBatchLayout) -> dict:
         t = self.groups.topology.text
-        return {t.rank_at(j, k): range(lay.row_offsets[rng.start], lay.row_offsets[rng.stop])
-                for j, rng in enumerate(lay.text_samples) for k in range(t.inner)}
+        return {t.rank_at(j, k): lay.rows_of(idx)
+                for j, idx in enumerate(lay.text_samples) for k in range(t.inner)}
+
+    def balancer(self) -> Balancer:
+        """The run's `Balancer` (``cfg.balance``), built on first use from the model config."""
+        if getattr(self, "_balancer", None) is None:
+            self._balancer = Balancer.for_config(self.cfg.balance, self.config,
+                                                 packing=self.cfg.packing)
+        return self._balancer
 
     def _text_batch(self, samples) -> dict:
         """Padded (one sample per row) or, with ``cfg.packing``, packed rows of at most

@@ -19,8 +19,12 @@ checkpointing, which recomputes the forward):
 
 A rank's share: a vision replica gets ``ceil(mb / dp_v)`` of a micro-batch's ``mb`` samples and
 each of its ``sp`` ranks computes ``1/sp`` of them (Ulysses splits tokens for the linears and
-heads for attention); a text rank computes ``ceil(mb / dp_t) / tp``. Time = FLOPs /
-(``peak_flops * efficiency``).
+heads for attention); a text rank computes ``ceil(mb / dp_t) / tp``. With a resolution mix
+(``Workload.vision_mix``, e.g. 70% 256-, 25% 4096-, 5% 16384-patch images) samples are shared
+out by cost (``balance: cost``), so a replica computes the mean share ``mb · E[FLOPs] / dp``, but
+at least the largest sample when the micro-batch holds one (`replica_share`); memory plans for
+the largest size.
+Time = FLOPs / (``peak_flops * efficiency``).
 
 **Communication** (bytes / bandwidth + a fixed latency per collective; NVLink bandwidth when the
 collective's ranks share a node, the inter-node bandwidth otherwise; activations in the run's
@@ -71,7 +75,7 @@ from ray_dhp.memory import GIB, ActivationSettings, estimate_ranks, vision_width
 from ray_dhp.topology import Topology, fill_nodes
 
 __all__ = ["Hardware", "Workload", "Layout", "PhaseTimes", "Candidate", "recommend",
-           "enumerate_layouts", "schedule_time", "vision_flops", "text_flops"]
+           "enumerate_layouts", "schedule_time", "vision_flops", "text_flops", "replica_share"]
 
 
 @dataclass(frozen=True)
@@ -116,11 +120,24 @@ class Workload:
     state_bytes: float = 16.0      # model-state bytes per parameter (see ray_dhp.memory)
     vision_zero1: bool = True
     device_gib: float = 80.0
+    #: A resolution mix ``((patch tokens, fraction), ...)`` (fractions sum to 1) instead of one
+    #: size; ``vision_tokens`` is then its largest (what memory plans for). See `replica_share`.
+    vision_mix: Optional[tuple] = None
 
     def __post_init__(self):
         if self.global_batch_size % self.micro_batches:
             raise ValueError(f"global_batch_size={self.global_batch_size} must be divisible by "
                              f"micro_batches={self.micro_batches}.")
+        if self.vision_mix is not None:
+            fr = [f for _, f in self.vision_mix]
+            if not self.vision_mix or min(fr) <= 0 or abs(sum(fr) - 1) > 1e-6:
+                raise ValueError(f"vision_mix={self.vision_mix}: fractions must be > 0 and sum to 1.")
+            if max(v for v, _ in self.vision_mix) != self.vision_tokens:
+                raise ValueError("vision_tokens must be the largest size of vision_mix.")
+
+    def mix(self) -> tuple:
+        """``((patch tokens, fraction), ...)``: the mix, or the one size with fraction 1."""
+        return self.vision_mix or ((self.vision_tokens, 1.0),)
 
     @property
     def micro_batch_size(self) -> int:
@@ -241,6 +258,20 @@ def text_flops(config, text_params: int, vision_tokens: int, text_tokens: int,
     return (6 * matmul * s + 6 * tc.num_hidden_layers * d * s * s) * _recompute(settings)
 
 
+def replica_share(w: Workload, dp: int, per_sample) -> float:
+    """Sum of ``per_sample(vision_tokens)`` over one data-parallel replica's share of a
+    micro-batch. One size: ``ceil(mb / dp)`` samples. A mix, shared out by cost
+    (``balance: cost``, `ray_dhp.parallel.balance`): the mean share ``mb · E[per_sample] / dp``,
+    but at least the largest sample whenever the micro-batch holds one (a sample is never split
+    over replicas): ``max(mean, P(one in mb) · per_sample(largest))``, an expected value."""
+    if w.vision_mix is None:
+        return -(-w.micro_batch_size // dp) * per_sample(w.vision_tokens)
+    mb = w.micro_batch_size
+    mean = mb * sum(f * per_sample(v) for v, f in w.vision_mix) / dp
+    largest, f_max = max(w.vision_mix)
+    return max(mean, (1 - (1 - f_max) ** mb) * per_sample(largest))
+
+
 # -- communication ----------------------------------------------------------------------------
 
 def _bw(hw: Hardware, groups, node_of=None) -> float:
@@ -268,28 +299,32 @@ def phase_times(config, counts, layout: Layout, w: Workload, hw: Hardware) -> Ph
     v, t = topo.vision, topo.text
     vc, tc = config.vision_config, config.text_config
     flops = hw.flops(s.dtype_bytes)
-    sv, st = -(-w.micro_batch_size // v.dp), -(-w.micro_batch_size // t.dp)
     ckpt = s.checkpointing
+    # per replica and micro-batch (a resolution mix: the balanced share, see replica_share)
+    v_tokens = replica_share(w, v.dp, lambda vt: vt)
+    t_tokens = replica_share(w, t.dp, lambda vt: text_tokens_per_sample(config, vt, w.text_tokens))
     # vision: compute split 1 : 2 (forward : backward), 1 : 3 with the forward recomputed
-    v_comp = sv * vision_flops(config, counts.vision, w.vision_tokens, s) / v.inner / flops
+    v_comp = replica_share(w, v.dp, lambda vt: vision_flops(config, counts.vision, vt, s)) \
+        / v.inner / flops
     fwd_share = 0.25 if ckpt else 1 / 3
-    x = sv * w.vision_tokens / v.inner * vision_width(vc) * s.dtype_bytes  # [tokens/sp, h]
+    x = v_tokens / v.inner * vision_width(vc) * s.dtype_bytes  # [tokens/sp, h]
     nodes = fill_nodes(topo, hw.gpus_per_node)  # as the backend will order the ranks
     bw_sp = _bw(hw, v.inner_groups(), nodes)
     a2a = _vision_spans(vc)[0] * (_all_to_all(hw, 3 * x, v.inner, bw_sp)
                                   + _all_to_all(hw, x, v.inner, bw_sp))
     v_comm = a2a * (3 if ckpt else 2)
     # text: compute + 4 all-reduces of [tokens, hidden] per layer (6 when recomputing) + embedding
-    tok = st * text_tokens_per_sample(config, w.vision_tokens, w.text_tokens)
-    t_comp = st * text_flops(config, counts.text, w.vision_tokens, w.text_tokens, s) / t.inner / flops
+    tok = t_tokens
+    t_comp = replica_share(w, t.dp, lambda vt: text_flops(config, counts.text, vt, w.text_tokens, s)) \
+        / t.inner / flops
     n_ar = tc.num_hidden_layers * (6 if ckpt else 4) + 1
     t_comm = n_ar * _all_reduce(hw, tok * tc.hidden_size * s.dtype_bytes, t.inner,
                                 _bw(hw, t.inner_groups(), nodes))
     # boundary: features of the replica's samples, replicated over TP
-    feat = (w.vision_tokens // vc.spatial_merge_size ** 2) * family_of(config).feature_dim(config) \
-        * s.dtype_bytes
+    feat = family_of(config).feature_dim(config) * s.dtype_bytes / vc.spatial_merge_size ** 2
     boundary_bw = _bw(hw, [v.ranks + t.ranks], nodes)
-    boundary = max(st * feat, sv * feat / v.inner * t.inner) / boundary_bw + hw.latency_s
+    boundary = max(replica_share(w, t.dp, lambda vt: vt) * feat,
+                   v_tokens * feat / v.inner * t.inner) / boundary_bw + hw.latency_s
     # end of step: gradient reduction (fp32 grads; 2-byte below 16 B/param) + AdamW update
     g = 4 if w.state_bytes >= 16 else 2
     zero1 = w.vision_zero1 and v.size > 1

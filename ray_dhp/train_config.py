@@ -9,6 +9,7 @@ from typing import Iterable, Optional
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
 BAD_DATA = ("skip", "strict")
+BALANCE = ("cost", "count")  # = ray_dhp.parallel.balance.BALANCE_MODES
 
 
 @dataclass
@@ -51,6 +52,12 @@ class TrainLoopConfig:
             instead of padding one sample per row. Each sample keeps its own positions,
             attention and targets, so the update equals the padded one; it saves the compute
             spent on padding.
+        balance: how a step's samples are shared out: "cost" (default) gives every vision
+            replica, text replica, micro-batch and decode owner an even share of the work by a
+            per-sample cost model (vision: patches, full attention ~ patches² per image; text:
+            tokens incl. image placeholders, attention ~ tokens²), so mixed resolutions do not
+            leave replicas waiting; "count" splits into contiguous equal counts. The update is
+            the same either way (each sample is computed once).
         checkpoint_every: steps between checkpoints (0 = only at the end).
         resume_from: checkpoint to start from when the run has none of its own yet: a path (one
             checkpoint, or a folder of them) or a ``ray.train.Checkpoint``; any layout.
@@ -90,6 +97,7 @@ class TrainLoopConfig:
     max_bad_fraction: float = 0.25
     packing: bool = False
     micro_batch_tokens: Optional[int] = None
+    balance: str = "cost"
     checkpoint_every: int = 0
     resume_from: Optional[str] = None
     autocast_dtype: Optional[str] = None
@@ -113,6 +121,7 @@ class TrainLoopConfig:
              f"global_batch_size={self.global_batch_size} must be divisible by "
              f"micro_batches={self.micro_batches}")
         need(self.lr_schedule in LR_SCHEDULES, f"lr_schedule must be one of {LR_SCHEDULES}")
+        need(self.balance in BALANCE, f"balance must be one of {BALANCE}, got {self.balance!r}")
         need(self.bad_data in BAD_DATA, f"bad_data must be one of {BAD_DATA}")
         need(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm must be > 0 or None")
         need(self.micro_batch_tokens is None or (isinstance(self.micro_batch_tokens, int)

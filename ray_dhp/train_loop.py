@@ -84,8 +84,13 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
     processor = as_vl_processor(ctx.dhp_config.processor if ctx.dhp_config.processor is not None
                                 else ctx.dhp_config.model)
+    from ray_dhp.models import load_model_config
+    from ray_dhp.parallel.balance import Balancer
+
+    balancer = Balancer.for_config(cfg.balance, load_model_config(ctx.dhp_config.model),
+                                   packing=cfg.packing)
     loader = StepLoader(make_sampler(cfg, processor), ctx.groups, prefetch=cfg.prefetch,
-                        num_workers=cfg.data_workers)
+                        num_workers=cfg.data_workers, balancer=balancer)
     try:
         return _train(cfg, ctx, loader, processor, hook)
     finally:

@@ -34,7 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("config", help="YAML run file")
     pl.add_argument("overrides", nargs="*", help="section.key=value overrides")
     pl.add_argument("--vision-tokens", default="4096", help="patch tokens per sample; a comma "
-                    "list prints one estimate each (default 4096)")
+                    "list prints one estimate each (default 4096); a resolution mix "
+                    "size:weight,... (e.g. 256:0.7,4096:0.25,16384:0.05) makes --recommend cost "
+                    "the mix, balanced by cost")
     pl.add_argument("--text-tokens", type=int, default=512, help="text tokens per sample")
     pl.add_argument("--attention", choices=["flash", "eager"], default="flash")
     pl.add_argument("--device-gib", type=float, default=80.0, help="accelerator memory")
@@ -86,7 +88,9 @@ def _cmd_plan(args) -> int:
     from ray_dhp.cli.plan import plan_text
 
     rf = _load(args)
-    tokens = [int(x) for x in str(args.vision_tokens).split(",") if x.strip()]
+    from ray_dhp.cli.recommend import parse_vision_tokens
+
+    tokens, args.vision_mix = parse_vision_tokens(args.vision_tokens)
     if args.recommend:
         return _recommend(args, rf, tokens)
     if args.gpus is not None or args.micro_batches is not None:
@@ -119,7 +123,8 @@ def _recommend(args, rf, tokens) -> int:
     text, ok = recommend_text(rf, gpus=gpus, micro_batches=args.micro_batches,
                               vision_tokens=tokens, text_tokens=args.text_tokens,
                               attention=args.attention, device_gib=args.device_gib,
-                              state_bytes=args.state_bytes, hardware=hw, top=args.top)
+                              state_bytes=args.state_bytes, hardware=hw, top=args.top,
+                              vision_mix=getattr(args, "vision_mix", None))
     print(text)
     return 0 if ok else 1
 

@@ -23,6 +23,43 @@ def default_workers(rf) -> int:
         raise ConfigError(f"{e} (or pass --gpus N)") from None
 
 
+def parse_vision_tokens(text: str) -> tuple:
+    """``--vision-tokens``: ``(sizes, mix)``. ``"4096"`` or ``"1024,4096"``: sizes, no mix (plan
+    prints one estimate per size, the recommendation plans for the largest). ``"256:0.7,4096:0.25,
+    16384:0.05"``: a resolution mix, ``size:weight`` (weights normalised to fractions)."""
+    items = [x.strip() for x in str(text).split(",") if x.strip()]
+    with_weight = [":" in x for x in items]
+    try:
+        if not any(with_weight):
+            sizes = [int(x) for x in items]
+            mix = None
+        elif all(with_weight):
+            pairs = [(int(a), float(b)) for a, b in (x.split(":", 1) for x in items)]
+            total = sum(w for _, w in pairs)
+            if any(w <= 0 for _, w in pairs) or len({v for v, _ in pairs}) < len(pairs):
+                raise ValueError
+            mix = tuple((v, w / total) for v, w in sorted(pairs))
+            sizes = [v for v, _ in mix]
+        else:
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"--vision-tokens {text!r}: give sizes (4096 or 1024,4096) or a mix of "
+                          "distinct sizes with weights > 0 (256:0.7,4096:0.25,16384:0.05)") from None
+    if not sizes or min(sizes) < 1:
+        raise ConfigError(f"--vision-tokens {text!r}: sizes must be >= 1")
+    return sizes, mix
+
+
+def _workload_line(vt, text_tokens, vision_tokens, vision_mix) -> str:
+    if vision_mix is not None:
+        mix = ", ".join(f"{v} ({f:.0%})" for v, f in vision_mix)
+        return (f"workload: {mix} vision + {text_tokens} text tokens per sample (a resolution "
+                f"mix, shared out by cost as with optim.balance: cost; memory planned for {vt})")
+    return (f"workload: {vt} vision + {text_tokens} text tokens per sample"
+            + (f" (the largest of --vision-tokens {','.join(map(str, vision_tokens))})"
+               if len(vision_tokens) > 1 else ""))
+
+
 def _fragment_yaml(cand, micro_batches_override) -> str:
     import yaml
 
@@ -42,9 +79,10 @@ def _row(i, c) -> str:
 
 def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens: int,
                    attention: str = "flash", device_gib: float = 80.0, state_bytes: float = 16.0,
-                   hardware=None, top: int = 8) -> tuple:
+                   hardware=None, top: int = 8, vision_mix=None) -> tuple:
     """(report, ok): the ranked layouts for the run file ``rf`` on ``gpus`` workers (None: the
-    run file's count) and the fragment of the best one; ``ok`` is False when none fits."""
+    run file's count) and the fragment of the best one; ``ok`` is False when none fits.
+    ``vision_mix``: a resolution mix ``((tokens, fraction), ...)`` (`parse_vision_tokens`)."""
     from ray_dhp.cli.plan import _num
     from ray_dhp.memory import count_params
     from ray_dhp.models import load_model_config
@@ -64,15 +102,14 @@ def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens:
     vt = max(vision_tokens)
     w = Workload(vision_tokens=vt, text_tokens=text_tokens, global_batch_size=gb, micro_batches=m,
                  settings=settings, state_bytes=state_bytes,
-                 vision_zero1=bool(getattr(rf.optim, "vision_zero1", False)), device_gib=device_gib)
+                 vision_zero1=bool(getattr(rf.optim, "vision_zero1", False)), device_gib=device_gib,
+                 vision_mix=vision_mix)
     cands = recommend(config, n, w, hw, counts=counts)
     ok = [c for c in cands if c.feasible]
     out = [
         f"recommendation for {n} GPUs: {config.model_type} (vision {_num(counts.vision)}, text "
         f"{_num(counts.text)} parameters)",
-        f"workload: {vt} vision + {text_tokens} text tokens per sample"
-        + (f" (the largest of --vision-tokens {','.join(map(str, vision_tokens))})"
-           if len(vision_tokens) > 1 else "")
+        _workload_line(vt, text_tokens, vision_tokens, vision_mix)
         + f"; global batch {gb} = {m} micro-batch(es) of {w.micro_batch_size}; "
         f"{settings.dtype_bytes}-byte activations, {attention} attention, checkpointing "
         f"{'on' if settings.checkpointing else 'off'}, vision ZeRO-1 "

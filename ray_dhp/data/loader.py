@@ -4,8 +4,9 @@ Every rank runs the same `StepSampler`, so every rank knows which records form a
 asking anyone. Processing them (image decode, resize, patchify, chat template, tokenisation,
 label masking) is the expensive part, and it is split instead of repeated:
 
-1. the step's candidate records are dealt round-robin over *all* ranks (vision and text); each
-   record is processed by its owner only;
+1. the step's candidate records are dealt over *all* ranks (vision and text), balanced by their
+   image pixels (`decode_costs`, `ray_dhp.parallel.balance.decode_owners`; round-robin with
+   ``balance="count"``); each record is processed by its owner only;
 2. the owners exchange, on a dedicated gloo group, the small text side of every sample (token
    ids, labels, ``mm_token_type_ids``, the image grid, or the reason it is bad) with every rank
    (``all_gather_object``): every rank then knows the whole step — its layout, its target count,
@@ -61,9 +62,14 @@ class StepLoader:
         prefetch: with `start`, prepare the next step in a background thread.
         num_workers: processes (per rank) that decode this rank's share of the samples; 0 decodes
             in the loader's thread, which the GIL serialises with Python-heavy training work.
+        balancer: the run's `ray_dhp.parallel.balance.Balancer` (the engine's: pixels go to the
+            vision replica it assigns); None: contiguous equal counts and round-robin owners.
     """
 
-    def __init__(self, sampler, groups=None, *, prefetch: bool = True, num_workers: int = 0):
+    def __init__(self, sampler, groups=None, *, prefetch: bool = True, num_workers: int = 0,
+                 balancer=None):
+        self.balancer = _default_balancer(sampler, groups) if balancer is None else balancer
+        sampler.balancer = self.balancer
         self.sampler, self.groups, self.prefetch = sampler, groups, prefetch
         self.num_workers, self._pool = num_workers, None
         self.group = getattr(groups, "data", None)
@@ -148,8 +154,7 @@ class StepLoader:
                 i = s.next_index()
                 if i not in s.bad:  # known bad: already counted, no need to process it again
                     candidates.append(i)
-            owners = [(self._next_owner + q) % self.world for q in range(len(candidates))]
-            self._next_owner = (self._next_owner + len(candidates)) % self.world
+            owners = self._owners(candidates)
             mine = self._process_many({q: i for q, (i, o) in enumerate(zip(candidates, owners))
                                        if o == self.rank})
             pixels = {q: x.pixel_values for q, x in mine.items() if not isinstance(x, (Exception, _Fatal))}
@@ -166,7 +171,7 @@ class StepLoader:
                     item.sample.pixel_values = pixels.get(q)
                 chosen.append(item)
         micro_batches = s.cut([it.sample for it in chosen])  # same cut on every rank
-        self._route_pixels(chosen, [len(mb) for mb in micro_batches])
+        self._route_pixels(chosen, micro_batches)
         return micro_batches, s.state_dict(), s.skipped, s.epoch
 
     def _process_many(self, todo: dict) -> dict:
@@ -225,26 +230,37 @@ class StepLoader:
             merged.update(part)
         return merged
 
-    def _consumers(self, slot: int, size: int) -> list[int]:
-        """Global ranks that need the pixels of the sample at ``slot`` of its micro-batch of
-        ``size`` samples."""
-        from ray_dhp.parallel.boundary import split_evenly
+    def _owners(self, candidates: list) -> list:
+        """Decode owner (rank) per candidate: balanced by image pixels (``balance="cost"``) or
+        round-robin; ties rotate from where the previous deal stopped. Same on every rank."""
+        from ray_dhp.parallel.balance import decode_owners
 
+        start, n = self._next_owner, len(candidates)
+        self._next_owner = (start + n) % self.world
+        if self.balancer.mode == "count" or self.world == 1:
+            return [(start + q) % self.world for q in range(n)]
+        return decode_owners(decode_costs(self.sampler, candidates), self.world, start)
+
+    def _consumers_by_sample(self, micro_batches: list) -> dict:
+        """``id(sample)`` -> global ranks that need its pixels: the vision ranks of the replica
+        the engine's `layout_micro_batch` assigns it (same `Balancer`, same samples)."""
         v = self.groups.topology.vision
-        for i, rng in enumerate(split_evenly(size, v.dp)):
-            if slot in rng:
-                return [v.rank_at(i, k) for k in range(v.inner)]
-        raise AssertionError(slot)
+        out = {}
+        for mb in micro_batches:
+            for i, idx in enumerate(self.balancer.vision_replicas(mb, v.dp)):
+                for s in idx:
+                    out[id(mb[s])] = [v.rank_at(i, k) for k in range(v.inner)]
+        return out
 
-    def _route_pixels(self, chosen: list, sizes: list) -> None:
+    def _route_pixels(self, chosen: list, micro_batches: list) -> None:
         if self.world == 1:
             return
-        slots = [(k, size) for size in sizes for k in range(size)]  # (slot, micro-batch size)
+        consumers_of = self._consumers_by_sample(micro_batches)
         requests, keep = [], []  # keep: tensors in flight stay alive until every wait()
         for pos, it in enumerate(chosen):
             if it.pixel_shape is None:
                 continue
-            consumers = self._consumers(*slots[pos])
+            consumers = consumers_of[id(it.sample)]
             if it.owner == self.rank:
                 for c in consumers:
                     if c != self.rank:
@@ -259,6 +275,46 @@ class StepLoader:
                 it.sample.pixel_values = buf
         for r in requests:
             r.wait()
+
+
+def _default_balancer(sampler, groups):
+    """Without an explicit balancer: by count. Refused where it would matter (the run balances by
+    cost and several vision replicas need the engine's assignment to route pixels)."""
+    from ray_dhp.parallel.balance import COUNT
+
+    cost = getattr(sampler.cfg, "balance", "count") == "cost"
+    if cost and groups is not None and groups.topology.vision.dp > 1:
+        raise ValueError("StepLoader: balance='cost' with vision data_parallel > 1 needs the "
+                         "engine's balancer (StepLoader(..., balancer=engine.balancer())), so "
+                         "pixels go to the replica that computes them; or set balance='count'")
+    return COUNT
+
+
+def decode_costs(sampler, candidates: list) -> list:
+    """Decode cost per candidate record: its images' pixel counts, read from the file headers
+    only (decode, resize and patchify work grow with the pixels; file bytes do not track them
+    for well-compressed images), plus 1024 for the text. Every rank reads the same files (any
+    rank may be asked to decode any record), so every rank computes the same costs; an
+    unreadable image counts 0 (its owner reports it as bad data)."""
+    from PIL import Image
+
+    from ray_dhp.data.processing import _image_paths
+
+    out = []
+    for i in candidates:
+        cost = 1024
+        try:
+            paths = _image_paths(sampler.records[i].data or {}, sampler.root_for(i))
+        except Exception:  # malformed record: bad data, found by its owner
+            paths = []
+        for p in paths:
+            try:
+                with Image.open(p) as img:  # lazy: reads the header, not the pixels
+                    cost += img.width * img.height
+            except Exception:
+                pass
+        out.append(cost)
+    return out
 
 
 _WORKER_SAMPLER = None

@@ -163,17 +163,29 @@ class StepSampler:
     #: ``(text replicas, fewest samples per micro-batch)`` for token-budget micro-batches; the
     #: `StepLoader` sets it from the topology (the default suits a single process).
     replicas = (1, 1)
+    #: How micro-batches (and, for the budget, text replicas) are balanced: a
+    #: `ray_dhp.parallel.balance.Balancer`; the `StepLoader` sets the run's (None: by count).
+    balancer = None
 
     def cut(self, samples: list) -> list:
-        """The step's samples as micro-batches (a fixed count, or by ``micro_batch_tokens``)."""
+        """The step's samples as micro-batches: a fixed count (equal counts; with a cost
+        balancer, each of even vision and text cost) or by ``micro_batch_tokens`` (in order)."""
         from ray_dhp.data.budget import cut_micro_batches
 
         replicas, min_size = self.replicas
-        budget = self.cfg.micro_batch_tokens
-        lengths = [s.num_tokens for s in samples] if budget is not None else [0] * len(samples)
-        cuts = cut_micro_batches(lengths, micro_batches=self.cfg.micro_batches,
-                                 budget=budget, replicas=replicas,
-                                 min_size=min_size)
+        budget, bal = self.cfg.micro_batch_tokens, self.balancer
+        cost = bal is not None and bal.mode == "cost"
+        if budget is None:
+            if cost and self.cfg.micro_batches > 1:
+                return [[samples[i] for i in idx]
+                        for idx in bal.micro_batches(samples, self.cfg.micro_batches)]
+            cuts = cut_micro_batches([0] * len(samples), micro_batches=self.cfg.micro_batches)
+        else:
+            def assign(rng):  # the engine's text replicas of those samples
+                return bal.text_replicas(samples[rng.start:rng.stop], replicas)
+            cuts = cut_micro_batches([s.num_tokens for s in samples], budget=budget,
+                                     replicas=replicas, min_size=min_size,
+                                     assign=assign if cost else None)
         return [samples[r.start:r.stop] for r in cuts]
 
     # -- progress -------------------------------------------------------------------------------

@@ -54,30 +54,36 @@ class BoundaryPlan:
         return int(sum(self.recv_counts))
 
 
+def _ids(x) -> torch.Tensor:
+    """A ``range`` or an ascending LongTensor of global row ids, as a LongTensor."""
+    return torch.arange(x.start, x.stop) if isinstance(x, range) else torch.as_tensor(x, dtype=torch.long)
+
+
 def plan_boundary(topology: Topology, rank: int, held: dict, needed: dict) -> BoundaryPlan:
     """Plan one rank's part of the hand-off.
 
     Args:
         held: vision world rank -> LongTensor of the global row ids it computed, in local order.
-        needed: text world rank -> ``range`` of global row ids it consumes (its samples' rows).
+        needed: text world rank -> the global row ids it consumes (its samples' rows), ascending:
+            a ``range`` (contiguous samples) or a LongTensor (any samples, e.g. a balanced
+            assignment); it receives them in that order.
     """
     world = topology.world_size
+    needed = {r: _ids(x) for r, x in needed.items()}
     send_pos, recv_counts, recv_ids = [], [], []
     mine = held.get(rank)
     for dst in range(world):
         if mine is None or dst not in needed:
             send_pos.append(torch.zeros(0, dtype=torch.long))
             continue
-        rng = needed[dst]
-        mask = (mine >= rng.start) & (mine < rng.stop)
-        send_pos.append(mask.nonzero().flatten())
+        send_pos.append(torch.isin(mine, needed[dst]).nonzero().flatten())
     my_need = needed.get(rank)
     for src in range(world):
         ids = held.get(src)
         if my_need is None or ids is None:
             recv_counts.append(0)
             continue
-        sel = ids[(ids >= my_need.start) & (ids < my_need.stop)]
+        sel = ids[torch.isin(ids, my_need)]
         recv_counts.append(int(sel.numel()))
         recv_ids.append(sel)
     # Which text ranks return gradients to me: TP rank 0 of each replica I sent rows to.
@@ -87,8 +93,9 @@ def plan_boundary(topology: Topology, rank: int, held: dict, needed: dict) -> Bo
     ]
     ids = torch.cat(recv_ids) if recv_ids else torch.zeros(0, dtype=torch.long)
     perm = torch.argsort(ids)
-    if my_need is not None and not torch.equal(ids[perm], torch.arange(my_need.start, my_need.stop)):
-        raise RuntimeError("boundary plan: the vision group does not cover the rows a text rank needs")
+    if my_need is not None and not torch.equal(ids[perm], my_need):
+        raise RuntimeError("boundary plan: the vision group does not cover the rows a text rank "
+                           "needs (exactly once, ascending)")
     tc = topology.text.coord(rank)
     return BoundaryPlan(send_pos, recv_counts, perm, grad_sources,
                         returns_grad=tc is not None and tc[1] == 0, rank=rank)

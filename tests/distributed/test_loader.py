@@ -7,6 +7,7 @@ import torch
 from ray_dhp import demo
 from ray_dhp.data.reading import read_annotations, resolve_data_root
 from ray_dhp.data.sampler import StepSampler
+from ray_dhp.topology import Topology
 from ray_dhp.train_config import TrainLoopConfig
 from tests.spawn import run_on_ranks
 
@@ -17,6 +18,13 @@ BAD = [(2, "missing_image"), (5, "malformed_json"), (9, "corrupt_image")]
 def _sampler(path, **cfg):
     return StepSampler(read_annotations(path), demo.tiny_processor(), resolve_data_root(path),
                        TrainLoopConfig(**cfg))
+
+
+def _balancer(cfg):
+    """The engine's balancer for the demo model (``cfg["balance"]``, default "cost")."""
+    from ray_dhp.parallel.balance import Balancer
+
+    return Balancer.for_config(TrainLoopConfig(**cfg).balance, demo.tiny_model_config())
 
 
 def _summary(micro_batches):
@@ -35,7 +43,7 @@ def _body(rank, world, path, layout, cfg, prefetch):
 
     topo = Topology.build(**layout)
     groups = build_groups(topo, torch.device("cpu"))
-    loader = StepLoader(_sampler(path, **cfg), groups, prefetch=prefetch)
+    loader = StepLoader(_sampler(path, **cfg), groups, prefetch=prefetch, balancer=_balancer(cfg))
     loader.start(STEPS)
     steps = [_summary(loader.next()) for _ in range(STEPS)]
     return {"steps": steps, "processed": loader.processed_here, "state": loader.state_dict(),
@@ -44,9 +52,9 @@ def _body(rank, world, path, layout, cfg, prefetch):
 
 def _reference(path, cfg, replicas=(1, 1)):
     s = _sampler(path, **cfg)
-    s.replicas = replicas
-    steps = [_summary(s.next_step()) for _ in range(STEPS)]
-    return steps, s.state_dict(), s.skipped
+    s.replicas, s.balancer = replicas, _balancer(cfg)
+    raw = [s.next_step() for _ in range(STEPS)]
+    return [_summary(st) for st in raw], s.state_dict(), s.skipped, raw
 
 
 LAYOUTS = {
@@ -57,19 +65,20 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name, prefetch, budget", [
-    ("collocated_sp2_tp2", True, None), ("disjoint_1v_1t", True, None),
-    ("collocated_sp2dp2_tp2dp2", False, None), ("collocated_sp2dp2_tp2dp2", True, 75)])
-def test_loader_decodes_once_and_matches_the_sampler(tmp_path, name, prefetch, budget):
+@pytest.mark.parametrize("name, prefetch, budget, balance", [
+    ("collocated_sp2_tp2", True, None, "cost"), ("disjoint_1v_1t", True, None, "cost"),
+    ("collocated_sp2dp2_tp2dp2", False, None, "cost"), ("collocated_sp2dp2_tp2dp2", True, 75, "cost"),
+    ("collocated_sp2dp2_tp2dp2", True, None, "count")])
+def test_loader_decodes_once_and_matches_the_sampler(tmp_path, name, prefetch, budget, balance):
     path = demo.make_dataset(tmp_path / "d", num_samples=14, text_only_every=4, bad_lines=BAD)
-    cfg = dict(global_batch_size=4, micro_batches=2, seed=1)
+    cfg = dict(global_batch_size=4, micro_batches=2, seed=1, balance=balance)
     if budget is not None:  # token-budget micro-batches: sizes vary from step to step
-        cfg = dict(global_batch_size=8, micro_batch_tokens=budget, seed=1)
+        cfg = dict(global_batch_size=8, micro_batch_tokens=budget, seed=1, balance=balance)
     layout = LAYOUTS[name]
     world = 4 if name.endswith("dp2") else 2
     out = run_on_ranks(_body, world, (str(path), layout, cfg, prefetch))
     replicas = (layout["text_dp"], max(layout["text_dp"], layout["vision_dp"]))
-    ref_steps, ref_state, ref_skipped = _reference(path, cfg, replicas)
+    ref_steps, ref_state, ref_skipped, raw = _reference(path, cfg, replicas)
     # Every rank sees the single-process sampler's steps (same records, ids, labels, grids);
     # pixels, where present, are the sampler's own.
     for r in out:
@@ -85,27 +94,41 @@ def test_loader_decodes_once_and_matches_the_sampler(tmp_path, name, prefetch, b
     # not processed again), not world x that.
     from ray_dhp.data.loader import StepLoader
 
-    alone = StepLoader(_sampler(path, **cfg), prefetch=False)
+    alone = StepLoader(_sampler(path, **cfg), prefetch=False, balancer=_balancer(cfg))
     alone.sampler.replicas = replicas
     for _ in range(STEPS):
         alone.next()
     assert sum(r["processed"] for r in out) == alone.processed_here
     assert alone.processed_here >= STEPS * cfg["global_batch_size"] + ref_skipped
     assert all(r["processed"] > 0 for r in out)  # the work is spread over every rank
-    # Pixels live exactly on the vision ranks of the replica that computes the sample.
-    from ray_dhp.parallel.boundary import split_evenly
+    # Pixels live exactly on the vision ranks of the replica the engine's layout assigns the
+    # sample (by cost: not the contiguous split).
+    from ray_dhp.engine import layout_micro_batch
+    from ray_dhp.topology import Topology
 
-    vdp = layout["vision_dp"]
+    topo, vc = Topology.build(**layout), demo.tiny_model_config().vision_config
     for r in out:
-        for step in r["steps"]:
-            for mb in step:
-                owner = {k: i for i, rng in enumerate(split_evenly(len(mb), vdp)) for k in rng}
+        for step, raw_step in zip(r["steps"], raw):
+            for mb, raw_mb in zip(step, raw_step):
+                lay = layout_micro_batch(raw_mb, topo, "qwen2_5_vl", vc, _balancer(cfg))
+                owner = {k: i for i, idx in enumerate(lay.vision_samples) for k in idx}
                 for slot, s in enumerate(mb):
                     if s[3] is None:
                         assert not s[4]
                         continue
                     want = r["vision"] is not None and r["vision"][0] == owner[slot]
                     assert s[4] == want, (r["vision"], slot)
+
+
+def test_cost_balance_needs_the_engines_balancer_with_vision_dp(tmp_path):
+    from ray_dhp.data.loader import StepLoader
+
+    class _Groups:
+        topology = Topology.build(**LAYOUTS["collocated_sp2dp2_tp2dp2"])
+
+    path = demo.make_dataset(tmp_path / "d", num_samples=4)
+    with pytest.raises(ValueError, match="engine's balancer"):
+        StepLoader(_sampler(path, global_batch_size=4), _Groups())
 
 
 def _strict_body(rank, world, path, layout):

@@ -1,0 +1,246 @@
+"""Balanced work for mixed-resolution data: who computes which sample, as plain data.
+
+A step mixes 300-patch photos, 16k-patch documents and text-only samples. Splitting it into
+equal *counts* (`split_evenly`) leaves the replica that drew the document doing most of the
+attention work while the others wait at the gradient all-reduce. Here each sample gets a
+**cost** (`CostModel`, FLOPs-proportional, exact integers) and the samples are assigned so the
+slowest part's cost is as small as a greedy can make it:
+
+* `lpt` — longest processing time first: samples by decreasing cost, each to the part with the
+  least load so far. Ties are broken by fewest samples, then part index (so with ``n >= parts``
+  every part gets a sample: an empty part has the least load and the fewest samples), and
+  samples of equal cost by position. It is within 4/3 of the optimal makespan. Text replicas
+  that pad their samples to the longest use `lpt_padded` (a replica costs samples x longest).
+* `balanced_micro_batches` — equal-count micro-batches (as today) whose vision and text costs
+  are both even, so neither group of a disjoint pipeline waits on a heavy micro-batch.
+* `decode_owners` — the loader's decode owners (image pixels per sample) over all ranks.
+
+Every function is pure and depends only on the step's samples (their image grids and token
+counts, known identically on every rank), which the seeded sampler fixes from the seed and the
+step: every rank computes the same plan without communicating, and a resumed run the same plan
+as the uninterrupted one. The update does not depend on the plan: each sample is computed
+exactly once and the loss is normalised by the step's global target count (the parity tests
+assert it for the balanced plans). ``balance="count"`` keeps the contiguous equal-count split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["BALANCE_MODES", "CostModel", "Balancer", "lpt", "lpt_padded", "contiguous", "imbalance",
+           "balanced_micro_batches", "decode_owners"]
+
+BALANCE_MODES = ("cost", "count")
+
+
+# -- assignments (pure, integer costs) ------------------------------------------------------------
+
+def contiguous(n: int, parts: int) -> list[list[int]]:
+    """Today's split: contiguous chunks of ``range(n)``, sizes differing by at most one."""
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for p in range(parts):
+        size = base + (1 if p < extra else 0)
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
+
+
+def lpt(costs: Sequence[int], parts: int, *, rotate: int = 0) -> list[list[int]]:
+    """Indices of ``costs`` per part (each ascending), minimising the largest part's total
+    greedily (LPT). ``rotate`` shifts which part wins a tie (``(p - rotate) % parts`` first), so
+    repeated calls need not always favour part 0."""
+    if parts < 1:
+        raise ValueError(f"parts={parts}: need at least one part")
+    load, count = [0] * parts, [0] * parts
+    out: list[list[int]] = [[] for _ in range(parts)]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        p = min(range(parts), key=lambda p: (load[p], count[p], (p - rotate) % parts))
+        load[p] += costs[i]
+        count[p] += 1
+        out[p].append(i)
+    return [sorted(o) for o in out]
+
+
+def lpt_padded(lengths: Sequence[int], parts: int, cost) -> list[list[int]]:
+    """Like `lpt`, for parts whose samples are padded to the part's longest: a part of ``c``
+    samples, the longest ``L`` tokens, costs ``c * cost(L)``. Samples by decreasing length, each
+    to the part whose cost after adding it is smallest (ties as in `lpt`)."""
+    if parts < 1:
+        raise ValueError(f"parts={parts}: need at least one part")
+    longest, count = [0] * parts, [0] * parts
+    out: list[list[int]] = [[] for _ in range(parts)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        def after(p, i=i):
+            c = count[p] + 1
+            return (c * cost(max(longest[p], lengths[i])), c, p)
+        p = min(range(parts), key=after)
+        longest[p] = max(longest[p], lengths[i])
+        count[p] += 1
+        out[p].append(i)
+    return [sorted(o) for o in out]
+
+
+def imbalance(costs: Sequence[float], assignment: Sequence[Sequence[int]]) -> float:
+    """Slowest part's cost over the mean part cost (1.0 = perfectly even)."""
+    loads = [sum(costs[i] for i in part) for part in assignment]
+    mean = sum(loads) / len(loads)
+    return max(loads) / mean if mean > 0 else 1.0
+
+
+def balanced_micro_batches(vision: Sequence[int], text: Sequence[int], m: int) -> list[list[int]]:
+    """``m`` micro-batches of equal count (``len / m`` samples each, ascending indices) whose
+    vision and text costs are both even: samples by decreasing combined (normalised) cost, each
+    to the micro-batch with room that leaves the smallest sorted vector of all ``2m`` normalised
+    loads (the largest load first, then the next largest: a tie on the largest, e.g. one huge
+    image, is decided by evening out the rest)."""
+    n = len(vision)
+    if m < 1 or n % m:
+        raise ValueError(f"{n} samples cannot form {m} equal micro-batches")
+    cap = n // m
+    tv, tt = max(1, sum(vision)), max(1, sum(text))  # normalise: v / tv vs t / tt, in integers
+    loads = [[0, 0] for _ in range(m)]  # per micro-batch: (vision * tt, text * tv)
+    out: list[list[int]] = [[] for _ in range(m)]
+    key = [vision[i] * tt + text[i] * tv for i in range(n)]
+    for i in sorted(range(n), key=lambda i: (-key[i], i)):
+        add = (vision[i] * tt, text[i] * tv)
+
+        def after(b):
+            vec = [x for c, ld in enumerate(loads) for x in
+                   ((ld[0] + add[0], ld[1] + add[1]) if c == b else ld)]
+            return (sorted(vec, reverse=True), len(out[b]), b)
+        b = min((b for b in range(m) if len(out[b]) < cap), key=after)
+        loads[b][0] += add[0]
+        loads[b][1] += add[1]
+        out[b].append(i)
+    return [sorted(o) for o in out]
+
+
+def decode_owners(costs: Sequence[int], world: int, start: int = 0) -> list[int]:
+    """Owner rank per candidate (the rank that decodes it): LPT over ``world`` ranks; ties go
+    round-robin from ``start`` so equal-cost candidates spread as the round-robin deal did."""
+    owners = [0] * len(costs)
+    for r, part in enumerate(lpt(costs, world, rotate=start)):
+        for q in part:
+            owners[q] = r
+    return owners
+
+
+# -- the cost model ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CostModel:
+    """Training FLOPs per sample (times a constant, as exact integers), the model of
+    `ray_dhp.recommend` per image:
+
+    * vision, per image of ``p`` patches: the linears ``6·(P_v - merger)·p`` and the merger
+      ``6·merger·p / merge²``; attention ``12·h·p·p`` per full-attention block and
+      ``12·h·p·min(window, p)`` per window block (attention never crosses images);
+    * text, per sample of ``L`` tokens (image placeholders included): ``6·P_matmul·L`` and causal
+      attention ``6·d·L²`` per layer.
+
+    All terms are multiplied by ``merge²`` so they stay integers (only ratios matter).
+    """
+
+    merge: int               # patches per merged row (spatial_merge_size²)
+    vision_linear: int       # per patch
+    vision_full: int         # per patch² of one image
+    vision_window: int       # per patch · min(window, patches) of one image
+    window: int              # patches per attention window (0: no window blocks)
+    text_linear: int         # per token
+    text_quadratic: int      # per token²
+
+    @classmethod
+    def from_config(cls, config, counts=None) -> "CostModel":
+        """From a transformers VLM config (``counts``: `ray_dhp.memory.ParamCounts`, else
+        counted on the meta device)."""
+        from ray_dhp.memory import count_params, vision_width
+        from ray_dhp.models import family_of
+
+        counts = counts or count_params(config)
+        vc, tc, family = config.vision_config, config.text_config, family_of(config)
+        h, merge = vision_width(vc), vc.spatial_merge_size ** 2
+        mw = merge * h
+        merger = min(counts.vision, (mw * mw + mw * family.vision_out_dim(config))
+                     * (1 + family.num_deepstack(config)))
+        full = len(getattr(vc, "fullatt_block_indexes", None) or range(vc.depth))
+        window = (getattr(vc, "window_size", 0) // vc.patch_size) ** 2 if full < vc.depth else 0
+        tied = getattr(config, "tie_word_embeddings", False) or getattr(tc, "tie_word_embeddings", False)
+        matmul = counts.text - (0 if tied else tc.vocab_size * tc.hidden_size)
+        d = tc.num_attention_heads * (getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads)
+        return cls(merge=merge, vision_linear=6 * (counts.vision - merger) * merge + 6 * merger,
+                   vision_full=12 * h * full * merge, vision_window=12 * h * (vc.depth - full) * merge,
+                   window=window, text_linear=6 * matmul * merge,
+                   text_quadratic=6 * tc.num_hidden_layers * d * merge)
+
+    def vision(self, grid_thw) -> int:
+        """Cost of one sample's images (``[n_img, 3]`` grid, or None: 0)."""
+        if grid_thw is None:
+            return 0
+        total = 0
+        for t, hh, ww in grid_thw.tolist() if hasattr(grid_thw, "tolist") else grid_thw:
+            p = int(t) * int(hh) * int(ww)
+            span = min(self.window, p) if self.window else 0
+            total += self.vision_linear * p + self.vision_full * p * p + self.vision_window * p * span
+        return total
+
+    def text(self, num_tokens: int) -> int:
+        """Cost of one sample of ``num_tokens`` tokens in the language model."""
+        return self.text_linear * num_tokens + self.text_quadratic * num_tokens * num_tokens
+
+
+@dataclass(frozen=True)
+class Balancer:
+    """The run's balance policy: ``mode`` "cost" (balanced by `CostModel`) or "count" (contiguous
+    equal counts, the split before balancing existed). ``padded``: a text replica pads its
+    samples to its longest (the engine without ``packing``), so its cost is
+    ``samples x cost(longest)``, not the sum."""
+
+    mode: str = "count"
+    model: Optional[CostModel] = None
+    padded: bool = True
+
+    def __post_init__(self):
+        if self.mode not in BALANCE_MODES:
+            raise ValueError(f"balance={self.mode!r}: use one of {BALANCE_MODES}")
+        if self.mode == "cost" and self.model is None:
+            raise ValueError("balance='cost' needs a CostModel")
+
+    @classmethod
+    def for_config(cls, mode: str, config, counts=None, *, packing: bool = False) -> "Balancer":
+        """The policy ``mode`` for the model ``config`` (no cost model is built for "count");
+        ``packing``: the engine packs text rows (``TrainLoopConfig.packing``) instead of padding."""
+        return cls(mode, CostModel.from_config(config, counts) if mode == "cost" else None,
+                   padded=not packing)
+
+    def vision_costs(self, samples) -> list[int]:
+        return [self.model.vision(s.image_grid_thw) for s in samples]
+
+    def text_costs(self, samples) -> list[int]:
+        return [self.model.text(s.num_tokens) for s in samples]
+
+    def vision_replicas(self, samples, parts: int) -> list[list[int]]:
+        """Sample indices per vision data-parallel replica."""
+        if self.mode == "count":
+            return contiguous(len(samples), parts)
+        return lpt(self.vision_costs(samples), parts)
+
+    def text_replicas(self, samples, parts: int) -> list[list[int]]:
+        """Sample indices per text data-parallel replica."""
+        if self.mode == "count":
+            return contiguous(len(samples), parts)
+        if self.padded:
+            return lpt_padded([s.num_tokens for s in samples], parts, self.model.text)
+        return lpt(self.text_costs(samples), parts)
+
+    def micro_batches(self, samples, m: int) -> list[list[int]]:
+        """Sample indices per micro-batch (``len / m`` each)."""
+        n = len(samples)
+        if self.mode == "count":
+            return [list(range(k, k + n // m)) for k in range(0, n, n // m)]
+        return balanced_micro_batches(self.vision_costs(samples), self.text_costs(samples), m)
+
+
+COUNT = Balancer("count")

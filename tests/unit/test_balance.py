@@ -1,0 +1,189 @@
+"""Balanced assignment of a step's samples (ray_dhp.parallel.balance): pure functions, no ranks."""
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from ray_dhp import demo
+from ray_dhp.data.budget import cut_micro_batches
+from ray_dhp.data.processing import Sample
+from ray_dhp.engine import layout_micro_batch
+from ray_dhp.parallel.balance import (Balancer, CostModel, balanced_micro_batches, contiguous,
+                                      decode_owners, imbalance, lpt, lpt_padded)
+from ray_dhp.topology import Topology
+
+
+def _sample(i, patches_hw=None, tokens=32):
+    grid = None if patches_hw is None else torch.tensor([[1, *patches_hw]])
+    ids = torch.zeros(tokens, dtype=torch.long)
+    return Sample(i, ids, ids.clone(), ids.clone(), image_grid_thw=grid)
+
+
+def _mix(n=8, seed=0):
+    """Photos (8x8 patches), charts (16x16), documents (32x32: 16x the photo) and text-only."""
+    rng = random.Random(seed)
+    sizes = [(8, 8), (16, 16), (32, 32), None]
+    return [_sample(i, rng.choice(sizes), tokens=rng.choice([24, 40, 300])) for i in range(n)]
+
+
+def _loads(costs, parts):
+    return [sum(costs[i] for i in p) for p in parts]
+
+
+def test_lpt_covers_each_index_once_and_feeds_every_part():
+    for n, parts in [(1, 1), (5, 2), (7, 3), (8, 4), (4, 4)]:
+        costs = [0] * n  # all zero (text-only samples on the vision side): still one per part
+        out = lpt(costs, parts)
+        assert sorted(itertools.chain(*out)) == list(range(n))
+        assert all(len(p) >= 1 for p in out) and all(p == sorted(p) for p in out)
+
+
+def test_lpt_beats_contiguous_and_is_near_optimal():
+    costs = [1, 1, 1, 256, 1, 1, 16, 16]  # one 16x document among photos
+    bal, cnt = lpt(costs, 2), contiguous(len(costs), 2)
+    assert max(_loads(costs, bal)) == 256 < max(_loads(costs, cnt))  # the document alone
+    rng = random.Random(1)
+    for _ in range(50):  # against brute force: LPT is within 4/3 of the optimum
+        c = [rng.choice([1, 4, 16, 64, 256]) for _ in range(rng.randint(2, 9))]
+        best = min(max(_loads(c, [[i for i in range(len(c)) if a[i] == p] for p in range(2)]))
+                   for a in itertools.product(range(2), repeat=len(c)))
+        assert max(_loads(c, lpt(c, 2))) <= 4 / 3 * best + 1e-9
+
+
+def test_lpt_is_deterministic_and_ties_follow_position_and_rotation():
+    assert lpt([5, 5, 5, 5], 2) == [[0, 2], [1, 3]]
+    assert lpt([5, 5, 5, 5], 2, rotate=1) == [[1, 3], [0, 2]]
+    assert lpt([3, 9, 3, 9], 2) == lpt([3, 9, 3, 9], 2)
+
+
+def test_imbalance():
+    assert imbalance([1, 1, 1, 1], [[0, 1], [2, 3]]) == 1.0
+    assert imbalance([3, 1], [[0], [1]]) == 1.5
+
+
+def test_balanced_micro_batches_keep_counts_and_even_both_costs():
+    vision = [256, 1, 1, 1, 16, 16, 0, 0]
+    text = [10, 10, 10, 10, 10, 10, 200, 200]
+    out = balanced_micro_batches(vision, text, 2)
+    assert sorted(itertools.chain(*out)) == list(range(8)) and [len(b) for b in out] == [4, 4]
+    # the two long text-only samples and the document are spread, not stacked
+    assert {6, 7} & set(out[0]) and {6, 7} & set(out[1])
+    assert imbalance(text, out) < imbalance(text, contiguous(8, 2))
+    with pytest.raises(ValueError, match="equal micro-batches"):
+        balanced_micro_batches([1, 2, 3], [1, 2, 3], 2)
+
+
+def test_decode_owners_balance_bytes_and_rotate_ties():
+    owners = decode_owners([10_000, 100, 100, 100, 100], world=2)
+    assert owners[0] != owners[1] and owners.count(owners[0]) == 1  # the big image alone
+    assert decode_owners([1, 1, 1, 1], 4, start=2) == [2, 3, 0, 1]  # = round-robin from 2
+
+
+def test_cost_model_grows_quadratically_with_full_attention():
+    config = demo.tiny_model_config("qwen2_5_vl")
+    m = CostModel.from_config(config)
+    small, big = m.vision(torch.tensor([[1, 8, 8]])), m.vision(torch.tensor([[1, 32, 32]]))
+    assert big > 16 * small  # 16x the patches: more than 16x the cost (attention ~ patches^2)
+    assert m.vision(None) == 0
+    # attention never crosses images: two images cost their sum, less than one image of both
+    two = m.vision(torch.tensor([[1, 16, 16], [1, 16, 16]]))
+    assert two == 2 * m.vision(torch.tensor([[1, 16, 16]])) < m.vision(torch.tensor([[1, 16, 32]]))
+    assert m.text(400) > 10 * m.text(40) and isinstance(m.text(3), int)
+    q2 = CostModel.from_config(demo.tiny_model_config("qwen2_vl"))
+    assert q2.window == 0 and q2.vision_window == 0  # every block attends fully
+
+
+def test_layout_balanced_vs_count():
+    config = demo.tiny_model_config("qwen2_5_vl")
+    topo = Topology.build(placement="collocated", vision_dp=2, vision_sp=2, text_dp=2, text_tp=2)
+    samples = [_sample(0, (8, 8)), _sample(1, (32, 32)), _sample(2, (8, 8)), _sample(3, (16, 16)),
+               _sample(4), _sample(5, (8, 8))]
+    bal = Balancer.for_config("cost", config)
+    lay = layout_micro_batch(samples, topo, "qwen2_5_vl", config.vision_config, bal)
+    cnt = layout_micro_batch(samples, topo, "qwen2_5_vl", config.vision_config)
+    assert cnt.vision_samples == [[0, 1, 2], [3, 4, 5]]
+    assert [1] in lay.vision_samples  # the 16x image alone
+    vc = bal.vision_costs(samples)
+    assert imbalance(vc, lay.vision_samples) < imbalance(vc, cnt.vision_samples)
+    assert sorted(itertools.chain(*lay.text_samples)) == list(range(6))
+    # rows of a non-contiguous sample list, in sample order
+    rows = lay.rows_of([0, 2])
+    assert rows.tolist() == list(range(0, 16)) + list(range(16 + 256, 16 + 256 + 16))
+
+
+def test_lpt_padded_balances_samples_times_longest():
+    lengths = [290, 256, 256, 256, 98, 98, 50, 50]
+    cost = lambda n: n  # noqa: E731  (linear: a part costs samples x longest)
+    out = lpt_padded(lengths, 2, cost)
+    assert sorted(itertools.chain(*out)) == list(range(8))
+    def worst(parts):
+        return max(len(p) * max(lengths[i] for i in p) if p else 0 for p in parts)
+    best = min(worst([[i for i in range(8) if a[i] == p] for p in range(2)])
+               for a in itertools.product(range(2), repeat=8))
+    assert worst(out) == best == 1160  # the 290-token sample with 3 short ones, not 5
+
+
+def test_budget_with_balanced_replicas_keeps_every_replica_within_budget():
+    lengths = [90, 10, 10, 90, 10, 10, 10, 10]
+    costs = [n * n for n in lengths]
+
+    def assign(rng):
+        return lpt(costs[rng.start:rng.stop], 2)
+    cuts = cut_micro_batches(lengths, budget=100, replicas=2, min_size=2, assign=assign)
+    assert [i for r in cuts for i in r] == list(range(8))
+    for r in cuts:
+        sub = lengths[r.start:r.stop]
+        assert max(_loads(sub, assign(r))) <= 100
+    # by count the same budget needs more micro-batches (contiguous halves are lopsided)
+    assert len(cuts) <= len(cut_micro_batches(lengths, budget=100, replicas=2, min_size=2))
+
+
+def test_balancer_validation():
+    with pytest.raises(ValueError, match="balance="):
+        Balancer("fastest")
+    with pytest.raises(ValueError, match="CostModel"):
+        Balancer("cost")
+    from ray_dhp.train_config import TrainLoopConfig
+    with pytest.raises(ValueError, match="balance must be one of"):
+        TrainLoopConfig(balance="tokens")
+
+
+def test_sampler_cuts_equal_count_micro_batches_of_even_cost():
+    from ray_dhp.data.sampler import StepSampler
+    from ray_dhp.train_config import TrainLoopConfig
+
+    config = demo.tiny_model_config("qwen2_5_vl")
+    s = StepSampler.__new__(StepSampler)
+    s.cfg = TrainLoopConfig(global_batch_size=8, micro_batches=2)
+    samples = [_sample(0, (32, 32)), _sample(1, (32, 32)), _sample(2, (8, 8)), _sample(3, (8, 8)),
+               _sample(4), _sample(5), _sample(6, (8, 8)), _sample(7, (8, 8))]
+    assert [[x.index for x in mb] for mb in s.cut(samples)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    s.balancer = Balancer.for_config("cost", config)
+    mbs = s.cut(samples)
+    assert sorted(len(mb) for mb in mbs) == [4, 4]
+    assert sorted(x.index for mb in mbs for x in mb) == list(range(8))
+    assert all(sum(x.image_grid_thw is not None and int(x.image_grid_thw.prod()) == 1024
+                   for x in mb) == 1 for mb in mbs)  # one document per micro-batch
+
+
+def test_loader_decode_owners_balance_image_pixels(tmp_path):
+    from ray_dhp.data.loader import StepLoader, decode_costs
+    from ray_dhp.data.reading import read_annotations, resolve_data_root
+    from ray_dhp.data.sampler import StepSampler
+    from ray_dhp.train_config import TrainLoopConfig
+
+    path = demo.make_dataset(tmp_path / "d", num_samples=8, text_only_every=4,
+                             image_sizes=((448, 448), (56, 56), (56, 56)))
+    sampler = StepSampler(read_annotations(path), demo.tiny_processor(), resolve_data_root(path),
+                          TrainLoopConfig(global_batch_size=8))
+    costs = decode_costs(sampler, list(range(8)))
+    assert costs[3] == costs[7] == 1024  # text-only
+    assert costs[0] == 1024 + 448 * 448 and costs[1] == 1024 + 56 * 56
+    loader = StepLoader(sampler, balancer=Balancer.for_config("cost", demo.tiny_model_config()))
+    loader.world = 2  # the owner deal only (no exchange)
+    owners = loader._owners(list(range(8)))  # noqa: SLF001
+    loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(2)]
+    rr = [sum(c for q, c in enumerate(costs) if q % 2 == r) for r in range(2)]
+    assert max(loads) <= max(rr) and max(loads) / (sum(loads) / 2) < 1.5
