@@ -13,7 +13,9 @@ few GiB on a CPU:
 * ``qwen2_vl`` frames: a video of 256-patch frames (one segment per frame: 4 / 16 / 64 segments),
   every block full attention.
 
-Run: ``python -m benchmarks.vit_attention [--sizes 1024 4096 16384] [--reps 3]``; writes
+On a CUDA machine the same script runs the tower on the GPU (fp32 SDPA; the flash-attn varlen
+path needs half precision and ``attn_implementation="flash_attention_2"``). Run:
+``python -m benchmarks.vit_attention [--sizes 1024 4096 16384] [--reps 3]``; writes
 ``benchmarks/results/vit-attention-<hw>-<date>.json`` and ``.png``.
 """
 
@@ -59,12 +61,19 @@ def _grid(family: str, patches: int) -> list:
     return [(patches // 256, 16, 16)]  # a video of 256-patch frames
 
 
+def _sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
 def _time_once(visual, family, pv, plan) -> float:
     from ray_dhp.models.vision_qwen import vision_forward
 
+    _sync(pv.device)
     t0 = time.perf_counter()
     out = vision_forward(family, visual, pv, plan, 0, None)
     out.square().mean().backward()
+    _sync(pv.device)
     visual.zero_grad(set_to_none=True)
     return time.perf_counter() - t0
 
@@ -72,11 +81,12 @@ def _time_once(visual, family, pv, plan) -> float:
 def _measure(family: str, patches: int, reps: int) -> dict:
     from ray_dhp.models.vision_qwen import install_ulysses, plan_vision_shards
 
-    visual = _tower(family)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    visual = _tower(family).to(dev)
     install_ulysses(family, visual)
     grid = torch.tensor(_grid(family, patches))
     plan = plan_vision_shards(family, visual.config, grid, sp=1)
-    pv = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(1))
+    pv = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(1)).to(dev)
     times = {"loop": [], "batched": []}
     for rep in range(reps + 1):  # the first round warms up and is dropped
         for name in ("loop", "batched"):
