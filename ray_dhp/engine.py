@@ -282,7 +282,7 @@ class DHPEngine:
         topo = self.groups.topology
         multiple = pad_multiple(topo.text.inner, topo.text_sequence_parallel)
         if not self.cfg.packing:
-            return pad_text_batch(samples, pad_id, pad_to_multiple_of=multiple)
+            return _pad_tail(pad_text_batch(samples, pad_id), multiple, pad_id)
         batch = pack_text_batch(samples, pad_id, self.cfg.max_tokens,
                                 rope_index=self.text_model.model.get_rope_index, pad_to_multiple_of=multiple)
         impl = self.family.language_model(self.text_model).config._attn_implementation
@@ -410,6 +410,24 @@ class DHPEngine:
             for n, p in self.text_model.named_parameters():
                 out[n] = (p.full_tensor() if _is_dtensor(p) else p).detach().clone()
         return out
+
+
+def _pad_tail(batch: dict, multiple: int, pad_id: int) -> dict:
+    """Right-pad a padded batch to a length that is a multiple of ``multiple`` (text sequence
+    parallelism). The tail is *attended* (mask 1): under causal attention no real token sees a
+    later one, and the tail has no targets, so the loss and gradients are unchanged — and a batch
+    without padding keeps an all-ones mask, so attention stays mask-free (``is_causal``) instead
+    of materialising an ``S x S`` mask."""
+    length = batch["input_ids"].shape[1]
+    extra = -length % multiple
+    if not extra:
+        return batch
+    fill = {"input_ids": pad_id, "attention_mask": 1, "labels": -100, "mm_token_type_ids": 0}
+    out = dict(batch)
+    for key, value in fill.items():
+        t = batch[key]
+        out[key] = torch.cat([t, t.new_full((t.shape[0], extra), value)], dim=1)
+    return out
 
 
 # Attention implementations whose mask transformers builds from packed position ids for any

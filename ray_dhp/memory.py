@@ -125,7 +125,7 @@ def text_activation_bytes(tc, tokens: int, tp: int, s: ActivationSettings,
     sharding begins at the first layer). Measured by ``benchmarks/text_sp.py``."""
     h, i, layers = tc.hidden_size, tc.intermediate_size, tc.num_hidden_layers
     kv = 2 * tc.num_key_value_heads * (h // tc.num_attention_heads)
-    replicated = 2 * h + 3 * h / tp if seq_parallel else 5 * h
+    replicated = 2 * h + 3 * h / tp if seq_parallel else 5 * h  # 2h: the all-gathered linear inputs
     sharded = (2 * h + kv + 4 * i) / tp
     per_block = tokens * (replicated + sharded) * s.dtype_bytes
     kept = (h + (layers - 1) * h / tp) if seq_parallel else layers * h
