@@ -273,8 +273,8 @@ class DHPEngine:
     def _text_batch(self, samples) -> dict:
         """Padded (one sample per row) or, with ``cfg.packing``, packed rows of at most
         ``cfg.max_tokens`` tokens with per-sample positions, attention and targets. With text
-        sequence parallelism the length is padded to a multiple of the TP degree (pad tokens
-        come last, are masked out and have no target, so the loss and gradients are unchanged)."""
+        sequence parallelism the length is padded to a multiple of the TP degree (`_pad_tail`:
+        pad tokens come last and have no target, so the loss and gradients are unchanged)."""
         from ray_dhp.data.collate import pack_text_batch, pad_text_batch
         from ray_dhp.parallel.text_sp import pad_multiple
 
