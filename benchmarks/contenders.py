@@ -54,7 +54,7 @@ def _ce_sum(logits, targets):
 
 
 class DHP:
-    def __init__(self, config, cfg, device, *, sp, tp, placement="collocated", comm=None):
+    def __init__(self, config, cfg, device, *, sp, tp, placement="collocated", comm=None, text_sp=False):
         from ray_dhp.engine import DHPEngine
         from ray_dhp.mesh import build_groups
         from ray_dhp.topology import Topology
@@ -62,7 +62,8 @@ class DHP:
         world = dist.get_world_size()
         dp_v = world // sp if placement == "collocated" else 1
         dp_t = world // tp if placement == "collocated" else 1
-        topo = Topology.build(placement=placement, vision_dp=dp_v, vision_sp=sp, text_dp=dp_t, text_tp=tp)
+        topo = Topology.build(placement=placement, vision_dp=dp_v, vision_sp=sp, text_dp=dp_t, text_tp=tp,
+                              text_sequence_parallel=text_sp)
         self.engine = DHPEngine(config, build_groups(topo, device), cfg, comm=comm)
         self.vision = self.engine.visual
 

@@ -111,13 +111,32 @@ def vision_act_elems(d: Dims, tp: int = 1, ac: bool = False) -> float:
 
 
 def text_act_elems(d: Dims, tp: int = 1, ac: bool = False, seq_shard: bool = False) -> float:
-    """``seq_shard``: Megatron-style sequence parallelism in the LLM (norms, residuals and the
-    checkpointed block inputs sharded over the TP ranks) — not implemented by ray_dhp today."""
+    """``seq_shard``: ray_dhp's text sequence parallelism (``text.sequence_parallel``). The norms
+    and residuals run on ``1/tp`` of the tokens, but the all-gathered inputs of the attention and
+    MLP projections (and of ``lm_head``) are kept whole by the linears that consume them (DTensor
+    styles, as in torchtitan; Megatron re-gathers them in backward instead): ``2h`` per layer stay
+    per token. With checkpointing every block input is ``h/tp`` except the first layer's, which
+    is the whole embedding (the model places the image features and builds the mask and M-RoPE
+    on the whole sequence before the first layer, where sharding begins)."""
+    h = d.t_hidden
+    layer = text_layer_elems(d, tp, seq_shard)
+    if seq_shard:
+        once = h + (2 * h + 4) / tp + 2 * d.t_hd  # final norm on the shard, lm_head input whole
+        kept = h + (d.t_layers - 1) * h / tp
+    else:
+        once = 3 * h + 4 + 2 * d.t_hd
+        kept = d.t_layers * h
+    return (kept + layer if ac else d.t_layers * layer) + once
+
+
+def text_layer_elems(d: Dims, tp: int = 1, seq_shard: bool = False) -> float:
+    """Elements per token one LLM layer saves (see ``text_act_elems``)."""
     h, kvd = d.t_hidden, d.t_kv * d.t_hd
-    rep = tp if seq_shard else 1
-    layer = (6 * h + 2) / rep + (2 * h + 2 * kvd + d.t_heads + 4 * d.t_inter) / tp
-    once = 3 * h + 4 + 2 * d.t_hd
-    return (d.t_layers * h / rep + layer if ac else d.t_layers * layer) + once
+    sharded = (2 * h + 2 * kvd + d.t_heads + 4 * d.t_inter) / tp
+    # two RMSNorms keep their input and normalised input (2h + 1 each); their outputs are the
+    # inputs of q/k/v and gate/up (h each). With seq_shard the norms run on 1/tp of the tokens
+    # and the linears keep the all-gathered (whole) inputs.
+    return 2 * h + (4 * h + 2) / tp + sharded if seq_shard else 6 * h + 2 + sharded
 
 
 def loss_bytes_per_token(d: Dims, tp: int = 1) -> float:
@@ -133,7 +152,7 @@ class Layout:
     sp: int = 1         # DHP vision SP degree
     tp: int = 1         # text TP (DHP) or TP of both (uniform TP)
     vision_zero1: bool = True
-    text_seq_shard: bool = False  # what-if: Megatron-SP in the LLM (see text_act_elems)
+    text_seq_shard: bool = False  # text.sequence_parallel on (see text_act_elems)
 
 
 def text_tokens(d: Dims, length: int, text_extra: int) -> int:

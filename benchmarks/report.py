@@ -64,13 +64,18 @@ def big_model_table(res: dict) -> str:
     lines = [f"Largest single-image vision length (patches) per rank budget {mm['budget_gib']} GiB "
              f"({mm['gpus']}× {mm['gpu_gib']} GB minus {mm['reserve_gib']} GiB reserve), bf16 params/grads/"
              "activations, fp32 master + Adam m, v; flash attention:", "",
-             "| model | act. ckpt | DHP (SP8+TP8) | DHP + text seq-shard (what-if) | uniform TP8 | ZeRO-3 | "
-             "DHP / ZeRO-3 | state GiB DHP / TP / ZeRO-3 |", "|---|---|---|---|---|---|---|---|"]
+             "| model | act. ckpt | DHP (SP8+TP8) | DHP + text SP (SP8+TP8+SP) | uniform TP8 | ZeRO-3 | "
+             "DHP / ZeRO-3 | DHP + text SP / ZeRO-3 | state GiB DHP / TP / ZeRO-3 |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in mm["big_models"]:
         ratio = r["dhp"] / r["zero3"] if r["zero3"] else float("inf")
+        ratio_sp = r["dhp_text_sp"] / r["zero3"] if r["zero3"] else float("inf")
         lines.append(f"| {r['model']} | {'yes' if r['activation_checkpointing'] else 'no'} | {r['dhp']:,} | "
-                     f"{r['dhp_text_sp']:,} | {r['tp']:,} | {r['zero3']:,} | {ratio:.1f}× | "
+                     f"{r['dhp_text_sp']:,} | {r['tp']:,} | {r['zero3']:,} | {ratio:.1f}× | {ratio_sp:.1f}× | "
                      f"{r['dhp_state_gib']} / {r['tp_state_gib']} / {r['zero3_state_gib']} |")
+    lines += ["", "The text-SP column is the memory model with the text activations of "
+              "`text.sequence_parallel: true` as measured by `benchmarks/text_sp.py` (see 'Text sequence "
+              "parallelism, measured' below)."]
     return "\n".join(lines)
 
 

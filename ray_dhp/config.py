@@ -19,8 +19,10 @@ class ModuleParallel:
     """Parallel degrees of one module group.
 
     Args:
-        sequence_parallel: Ulysses degree (vision encoder only): each image's patches are
-            split over this many workers; attention heads must divide by it.
+        sequence_parallel: vision: the Ulysses degree, each image's patches are split over this
+            many workers (attention heads must divide by it). text: true/false, Megatron
+            sequence parallelism over the tensor_parallel ranks (norms, residuals and
+            checkpointed block inputs hold 1/tensor_parallel of the sequence; no extra workers).
         tensor_parallel: Megatron-style degree (language model only): attention heads, KV
             heads, MLP width and vocabulary are split over this many workers.
         data_parallel: replicas of the (sharded) module; each sees different samples.
@@ -29,13 +31,15 @@ class ModuleParallel:
         >>> ModuleParallel(sequence_parallel=2, data_parallel=2)  # 4 vision workers
     """
 
-    sequence_parallel: int = 1
+    sequence_parallel: Union[int, bool] = 1
     tensor_parallel: int = 1
     data_parallel: int = 1
 
     def __post_init__(self):
         for name in ("sequence_parallel", "tensor_parallel", "data_parallel"):
             v = getattr(self, name)
+            if name == "sequence_parallel" and isinstance(v, bool):
+                continue  # the text group's on/off switch (checked by DHPConfig)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"ModuleParallel.{name} must be an integer >= 1, got {v!r}.")
         if self.sequence_parallel > 1 and self.tensor_parallel > 1:
@@ -45,8 +49,13 @@ class ModuleParallel:
             )
 
     @property
+    def sp_degree(self) -> int:
+        """Workers per replica added by ``sequence_parallel`` (1 for the text on/off switch)."""
+        return 1 if isinstance(self.sequence_parallel, bool) else self.sequence_parallel
+
+    @property
     def size(self) -> int:
-        return self.sequence_parallel * self.tensor_parallel * self.data_parallel
+        return self.sp_degree * self.tensor_parallel * self.data_parallel
 
 
 @dataclass
@@ -109,8 +118,14 @@ class DHPConfig(BackendConfig):
                 raise ValueError(f"DHPConfig.{name} must be a ModuleParallel, got {getattr(self, name)!r}.")
         if self.vision.tensor_parallel != 1:
             raise ValueError("DHPConfig.vision: the vision group uses sequence_parallel, not tensor_parallel.")
-        if self.text.sequence_parallel != 1:
-            raise ValueError("DHPConfig.text: the text group uses tensor_parallel, not sequence_parallel.")
+        if isinstance(self.vision.sequence_parallel, bool):
+            raise ValueError("DHPConfig.vision.sequence_parallel is the Ulysses degree (an integer >= 1), "
+                             f"got {self.vision.sequence_parallel!r}.")
+        if not isinstance(self.text.sequence_parallel, bool) and self.text.sequence_parallel != 1:
+            raise ValueError(
+                f"DHPConfig.text.sequence_parallel={self.text.sequence_parallel!r}: for the text group it is "
+                "true/false (Megatron sequence parallelism over the text tensor_parallel ranks), not a degree."
+            )
         if self.placement not in PLACEMENTS:
             raise ValueError(f"DHPConfig(placement={self.placement!r}): use one of {PLACEMENTS}.")
         if self.schedule is None:  # overlap the groups when they live on different workers
@@ -131,6 +146,7 @@ class DHPConfig(BackendConfig):
             vision_sp=self.vision.sequence_parallel,
             text_dp=self.text.data_parallel,
             text_tp=self.text.tensor_parallel,
+            text_sequence_parallel=self.text.sequence_parallel is True,
         )
 
     @property
@@ -150,7 +166,7 @@ class DHPConfig(BackendConfig):
 
         family = family_of(self.model_config())
         family.validate_layout(self.model_config(), sp=self.vision.sequence_parallel,
-                               tp=self.text.tensor_parallel)
+                               tp=self.text.tensor_parallel, text_sp=self.text.sequence_parallel is True)
 
     def validate_workers(self, num_workers: int) -> None:
         need = self.num_workers

@@ -147,7 +147,8 @@ class DHPEngine:
         self.config = load_model_config(model)
         self.family = family_of(self.config)
         topo = groups.topology
-        self.family.validate_layout(self.config, sp=topo.vision.inner, tp=topo.text.inner)
+        self.family.validate_layout(self.config, sp=topo.vision.inner, tp=topo.text.inner,
+                                    text_sp=topo.text_sequence_parallel)
         full = build_model(model, seed=cfg.seed, dtype=dtype).to(groups.device)
         full.train()
         if cfg.activation_checkpointing:  # recompute every vision and text block in backward
@@ -159,7 +160,7 @@ class DHPEngine:
             full.model.visual = None  # the text shard does not hold the vision tower
             self.text_model = full
             if topo.text.inner > 1:
-                apply_tp_plan(full, groups.text_mesh["tp"], self.family.text_tp_plan(self.config.text_config))
+                apply_tp_plan(full, groups.text_mesh["tp"], self._text_plan(full))
         self.vision_params = list(self.visual.parameters()) if self.visual is not None else []
         self.text_params = list(self.text_model.parameters()) if self.text_model is not None else []
         self._partial = (partial_grad_params(self.text_model, self.family.tp_partial_grad_suffixes)
@@ -279,16 +280,33 @@ class DHPEngine:
                                                  packing=self.cfg.packing)
         return self._balancer
 
+    def _text_plan(self, full) -> dict:
+        """The family's TP plan; with text sequence parallelism its SP variant (and the deepstack
+        seam of families that add vision features between decoder layers)."""
+        tc = self.config.text_config
+        if not self.groups.topology.text_sequence_parallel:
+            return self.family.text_tp_plan(tc)
+        from ray_dhp.parallel.text_sp import install_deepstack_shard
+
+        if self.family.num_deepstack(self.config):
+            install_deepstack_shard(self.family.language_model(full), self.groups.text_tp, self.comm)
+        return self.family.text_sp_plan(tc)
+
     def _text_batch(self, samples) -> dict:
         """Padded (one sample per row) or, with ``cfg.packing``, packed rows of at most
-        ``cfg.max_tokens`` tokens with per-sample positions, attention and targets."""
+        ``cfg.max_tokens`` tokens with per-sample positions, attention and targets. With text
+        sequence parallelism the length is padded to a multiple of the TP degree (`_pad_tail`:
+        pad tokens come last and have no target, so the loss and gradients are unchanged)."""
         from ray_dhp.data.collate import pack_text_batch, pad_text_batch
+        from ray_dhp.parallel.text_sp import pad_multiple
 
         pad_id = self.config.text_config.pad_token_id or 0
+        topo = self.groups.topology
+        multiple = pad_multiple(topo.text.inner, topo.text_sequence_parallel)
         if not self.cfg.packing:
-            return pad_text_batch(samples, pad_id)
+            return _pad_tail(pad_text_batch(samples, pad_id), multiple, pad_id)
         batch = pack_text_batch(samples, pad_id, self.cfg.max_tokens,
-                                rope_index=self.text_model.model.get_rope_index)
+                                rope_index=self.text_model.model.get_rope_index, pad_to_multiple_of=multiple)
         impl = self.family.language_model(self.text_model).config._attn_implementation
         if batch["input_ids"].shape[0] > 1 and impl not in _MASKED_ATTENTION:
             raise ValueError(
@@ -414,6 +432,24 @@ class DHPEngine:
             for n, p in self.text_model.named_parameters():
                 out[n] = (p.full_tensor() if _is_dtensor(p) else p).detach().clone()
         return out
+
+
+def _pad_tail(batch: dict, multiple: int, pad_id: int) -> dict:
+    """Right-pad a padded batch to a length that is a multiple of ``multiple`` (text sequence
+    parallelism). The tail is *attended* (mask 1): under causal attention no real token sees a
+    later one, and the tail has no targets, so the loss and gradients are unchanged — and a batch
+    without padding keeps an all-ones mask, so attention stays mask-free (``is_causal``) instead
+    of materialising an ``S x S`` mask."""
+    length = batch["input_ids"].shape[1]
+    extra = -length % multiple
+    if not extra:
+        return batch
+    fill = {"input_ids": pad_id, "attention_mask": 1, "labels": -100, "mm_token_type_ids": 0}
+    out = dict(batch)
+    for key, value in fill.items():
+        t = batch[key]
+        out[key] = torch.cat([t, t.new_full((t.shape[0], extra), value)], dim=1)
+    return out
 
 
 # Attention implementations whose mask transformers builds from packed position ids for any

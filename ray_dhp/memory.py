@@ -10,8 +10,8 @@ Activations are a *simple* estimate per transformer block and token, counting th
 pre-norm block keeps for backward: ``8·h + 4·i`` elements (two norms' inputs and outputs, q, k,
 v, attention output, residual; gate, up, activation and product of the gated MLP). Under
 Ulysses SP each vision rank keeps ``1/sp`` of the tokens; under TP the attention and MLP
-intermediates are split ``tp`` ways while norms and residuals are replicated (no Megatron
-sequence parallelism). With ``attention="eager"`` the ``heads × s²`` score and probability
+intermediates are split ``tp`` ways while norms and residuals are replicated, unless the text
+sequence parallelism is on (then they hold ``1/tp`` of the tokens; see ``text_activation_bytes``). With ``attention="eager"`` the ``heads × s²`` score and probability
 matrices of every full-attention layer are added (flash/SDPA kernels keep them out of memory).
 With activation checkpointing only each block's input is kept, plus one block recomputed.
 The logits of the vocab-parallel loss are fp32, ``vocab/tp`` wide, kept twice (logits, grad).
@@ -116,14 +116,20 @@ def _vision_mlp(vc) -> int:
 
 
 def text_activation_bytes(tc, tokens: int, tp: int, s: ActivationSettings,
-                          sample_tokens: Optional[int] = None) -> float:
-    """Activation bytes of one text TP rank for ``tokens`` tokens of its replica (incl. logits)."""
+                          sample_tokens: Optional[int] = None, seq_parallel: bool = False) -> float:
+    """Activation bytes of one text TP rank for ``tokens`` tokens of its replica (incl. logits).
+
+    ``seq_parallel`` (``text.sequence_parallel``): norms and residuals hold ``1/tp`` of the tokens;
+    the all-gathered inputs of the attention and MLP projections stay whole (``2h``, kept by the
+    linears); checkpointed block inputs are ``h/tp`` except the first layer's (whole embeddings:
+    sharding begins at the first layer). Measured by ``benchmarks/text_sp.py``."""
     h, i, layers = tc.hidden_size, tc.intermediate_size, tc.num_hidden_layers
     kv = 2 * tc.num_key_value_heads * (h // tc.num_attention_heads)
-    replicated = 5 * h
+    replicated = 2 * h + 3 * h / tp if seq_parallel else 5 * h  # 2h: the all-gathered linear inputs
     sharded = (2 * h + kv + 4 * i) / tp
     per_block = tokens * (replicated + sharded) * s.dtype_bytes
-    total = layers * tokens * h * s.dtype_bytes + per_block if s.checkpointing else layers * per_block
+    kept = (h + (layers - 1) * h / tp) if seq_parallel else layers * h
+    total = tokens * kept * s.dtype_bytes + per_block if s.checkpointing else layers * per_block
     if s.attention == "eager":
         seq = sample_tokens or tokens
         heads = tc.num_attention_heads / tp
@@ -158,7 +164,8 @@ def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int,
     sp, tp = topology.vision.inner, topology.text.inner
     seq = text_tokens + vision_tokens // merge
     v_act = vision_activation_bytes(vc, samples * vision_tokens, sp, settings, vision_tokens)
-    t_act = text_activation_bytes(tc, samples * seq, tp, settings, seq)
+    t_act = text_activation_bytes(tc, samples * seq, tp, settings, seq,
+                                  seq_parallel=getattr(topology, "text_sequence_parallel", False))
     moments = 8 * (1 - 1 / topology.vision.size) if vision_zero1 else 0
     out = []
     for r in range(topology.world_size):

@@ -154,10 +154,12 @@ class Layout:
     vision_dp: int
     text_tp: int
     text_dp: int
+    text_sp: bool = False  # text sequence parallelism over the TP ranks (text_tp > 1)
 
     def topology(self) -> Topology:
         return Topology.build(placement=self.placement, vision_dp=self.vision_dp,
-                              vision_sp=self.vision_sp, text_dp=self.text_dp, text_tp=self.text_tp)
+                              vision_sp=self.vision_sp, text_dp=self.text_dp, text_tp=self.text_tp,
+                              text_sequence_parallel=self.text_sp)
 
     @property
     def num_workers(self) -> int:
@@ -165,12 +167,13 @@ class Layout:
 
     def describe(self) -> str:
         return (f"{self.placement} {self.schedule}: vision sp{self.vision_sp}xdp{self.vision_dp}"
-                f" + text tp{self.text_tp}xdp{self.text_dp}")
+                f" + text tp{self.text_tp}{'+sp' if self.text_sp else ''}xdp{self.text_dp}")
 
     def run_file_fragment(self) -> dict:
         """The run-file keys of this layout (``vision``, ``text``, ``placement``, ``scaling``)."""
         return {"vision": {"sequence_parallel": self.vision_sp, "data_parallel": self.vision_dp},
-                "text": {"tensor_parallel": self.text_tp, "data_parallel": self.text_dp},
+                "text": {"tensor_parallel": self.text_tp, "data_parallel": self.text_dp,
+                         **({"sequence_parallel": True} if self.text_sp else {})},
                 "placement": {"mode": self.placement, "schedule": self.schedule},
                 "scaling": {"num_workers": self.num_workers}}
 
@@ -373,15 +376,21 @@ def _divisors(n: int) -> list:
 
 
 def enumerate_layouts(num_workers: int, micro_batches: int = 1) -> list:
-    """Every collocated and disjoint layout of ``num_workers`` (pipelined only when M >= 2)."""
+    """Every collocated and disjoint layout of ``num_workers`` (pipelined only when M >= 2); with
+    text TP > 1 both without and with text sequence parallelism."""
     n = num_workers
-    out = [Layout("collocated", "sequential", sp, n // sp, tp, n // tp)
-           for sp in _divisors(n) for tp in _divisors(n)]
+
+    def sps(tp):
+        return (False, True) if tp > 1 else (False,)
+
+    out = [Layout("collocated", "sequential", sp, n // sp, tp, n // tp, tsp)
+           for sp in _divisors(n) for tp in _divisors(n) for tsp in sps(tp)]
     schedules = ("sequential", "pipelined") if micro_batches > 1 else ("sequential",)
     for nv in range(1, n):
         for sp in _divisors(nv):
             for tp in _divisors(n - nv):
-                out += [Layout("disjoint", sc, sp, nv // sp, tp, (n - nv) // tp) for sc in schedules]
+                out += [Layout("disjoint", sc, sp, nv // sp, tp, (n - nv) // tp, tsp)
+                        for sc in schedules for tsp in sps(tp)]
     return out
 
 
@@ -408,7 +417,8 @@ def evaluate(config, counts, layout: Layout, w: Workload, hw: Hardware = Hardwar
     from ray_dhp.models import family_of
 
     try:
-        family_of(config).validate_layout(config, sp=layout.vision_sp, tp=layout.text_tp)
+        family_of(config).validate_layout(config, sp=layout.vision_sp, tp=layout.text_tp,
+                                          text_sp=layout.text_sp)
     except ValueError as e:
         return Candidate(layout, reason=f"model dims: {e}")
     mb, dp = w.micro_batch_size, max(layout.vision_dp, layout.text_dp)

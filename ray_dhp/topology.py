@@ -68,10 +68,14 @@ class Topology:
     placement: str
     vision: ModuleLayout
     text: ModuleLayout
+    # Megatron sequence parallelism in the language model: between the TP regions the hidden
+    # states are sharded along the sequence over the text TP ranks (needs text_tp > 1).
+    text_sequence_parallel: bool = False
 
     @classmethod
     def build(
-        cls, *, placement: str, vision_dp: int, vision_sp: int, text_dp: int, text_tp: int
+        cls, *, placement: str, vision_dp: int, vision_sp: int, text_dp: int, text_tp: int,
+        text_sequence_parallel: bool = False,
     ) -> "Topology":
         if placement not in PLACEMENTS:
             raise ValueError(
@@ -81,6 +85,14 @@ class Topology:
                         ("text data_parallel", text_dp), ("text tensor_parallel", text_tp)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{what} must be a positive integer, got {v!r}.")
+        if not isinstance(text_sequence_parallel, bool):
+            raise ValueError(f"text sequence_parallel must be true or false, got {text_sequence_parallel!r}.")
+        if text_sequence_parallel and text_tp == 1:
+            raise ValueError(
+                "text sequence_parallel=true shards the sequence over the text tensor-parallel ranks "
+                "and needs text tensor_parallel > 1; set text.tensor_parallel >= 2 or "
+                "text.sequence_parallel=false."
+            )
         nv, nt = vision_dp * vision_sp, text_dp * text_tp
         if placement == "collocated":
             if nv != nt:
@@ -97,6 +109,7 @@ class Topology:
             placement=placement,
             vision=ModuleLayout("vision", "sp", vision_dp, vision_sp, 0),
             text=ModuleLayout("text", "tp", text_dp, text_tp, text_offset),
+            text_sequence_parallel=text_sequence_parallel,
         )
 
     def roles(self, world_rank: int) -> tuple[str, ...]:
@@ -107,7 +120,8 @@ class Topology:
 
     def describe(self) -> str:
         """Human-readable table of which rank runs what (for logs and `ray-dhp plan`)."""
-        lines = [f"placement={self.placement} world_size={self.world_size}"]
+        lines = [f"placement={self.placement} world_size={self.world_size}"
+                 + (" text_sequence_parallel=true" if self.text_sequence_parallel else "")]
         for r in range(self.world_size):
             parts = []
             if (c := self.vision.coord(r)) is not None:

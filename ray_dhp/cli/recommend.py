@@ -72,8 +72,9 @@ def _fragment_yaml(cand, micro_batches_override) -> str:
 def _row(i, c) -> str:
     lay, idle = c.layout, c.idle_fraction
     iv, it = idle.get("vision", idle.get("vision+text", 0.0)), idle.get("text", idle.get("vision+text", 0.0))
+    text = f"tp{lay.text_tp}{'+sp' if lay.text_sp else ''} x dp{lay.text_dp}"
     return (f"{i:>3}  {lay.placement:<10}  {lay.schedule:<10}  "
-            f"{f'sp{lay.vision_sp} x dp{lay.vision_dp}':<11} {f'tp{lay.text_tp} x dp{lay.text_dp}':<11}"
+            f"{f'sp{lay.vision_sp} x dp{lay.vision_dp}':<11} {text:<14}"
             f" {c.step_s:9.4g}  {iv:11.2f}  {it:9.2f}  {c.peak_memory_gib:8.3g}")
 
 
@@ -119,7 +120,7 @@ def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens:
         f"achieved per GPU ({hw.efficiency:.2f} of peak), links {hw.link_bw / 1e9:.0f} GB/s in a "
         f"node / {hw.internode_bw / 1e9:.0f} GB/s between nodes, {hw.gpus_per_node} GPUs per node",
         "",
-        "  #  placement   schedule    vision      text         step (s)  vision idle  text idle"
+        "  #  placement   schedule    vision      text            step (s)  vision idle  text idle"
         "  GiB/GPU",
     ]
     out += [_row(i + 1, c) for i, c in enumerate(ok[:top])]

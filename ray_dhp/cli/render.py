@@ -62,6 +62,8 @@ def defaults_yaml(root=None) -> str:
 
 def _type_name(t) -> str:
     t = t if isinstance(t, str) else getattr(t, "__name__", str(t))
+    if t.startswith("Union["):  # Union[int, bool] -> "int or bool"
+        return " or ".join(p.strip() for p in t[len("Union["):-1].split(","))
     return t.replace("Optional[", "").rstrip("]") + (" or null" if "Optional[" in t else "")
 
 

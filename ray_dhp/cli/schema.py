@@ -110,6 +110,14 @@ def _parse_type(type_) -> tuple:
 
 def coerce(value: Any, type_, dotted: str) -> Any:
     """``value`` converted to the annotated type, or ConfigError naming ``dotted``."""
+    name = type_ if isinstance(type_, str) else getattr(type_, "__name__", str(type_))
+    if name.startswith("Union["):  # Union[int, bool]: a bool stays a bool, else the first type
+        members = [m.strip() for m in name[len("Union["):-1].split(",")]
+        if isinstance(value, bool) and "bool" in members:
+            return value
+        if value is None:
+            raise ConfigError(f"{dotted}: null is not allowed here; give a {' or '.join(members)}.")
+        return coerce(value, members[0], dotted)
     base, optional = _parse_type(type_)
     if value is None:
         if optional or base is None:

@@ -94,7 +94,7 @@ def _positions(sample: Sample, rope_index: Optional[RopeIndex]) -> torch.Tensor:
 
 
 def pack_text_batch(samples: Sequence[Sample], pad_id: int, max_tokens: Optional[int] = None, *,
-                    rope_index: Optional[RopeIndex] = None) -> dict:
+                    rope_index: Optional[RopeIndex] = None, pad_to_multiple_of: int = 1) -> dict:
     """Pack samples, in order, into rows of at most ``max_tokens`` tokens (`pack_rows`).
 
     Every sample keeps its own attention, positions and targets, so the loss and gradients equal
@@ -113,6 +113,8 @@ def pack_text_batch(samples: Sequence[Sample], pad_id: int, max_tokens: Optional
         max_tokens: row length budget; a longer sample raises ValueError. None: one row.
         rope_index: the model's ``get_rope_index`` (``model.model.get_rope_index``); needed for
             samples with images, whose M-RoPE positions depend on the image grids.
+        pad_to_multiple_of: round the row length up to a multiple of this (the text
+            sequence-parallel degree); the extra tail is padding like a short row's.
 
     Returns:
         The keys of `pad_text_batch` (``input_ids``, ``labels``, ``mm_token_type_ids`` are
@@ -128,6 +130,7 @@ def pack_text_batch(samples: Sequence[Sample], pad_id: int, max_tokens: Optional
         raise ValueError("pack_text_batch needs at least one sample")
     rows = pack_rows([s.num_tokens for s in samples], max_tokens)
     length = max(sum(samples[i].num_tokens for i in r) for r in rows)
+    length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
     cols: dict = {k: [] for k in ("input_ids", "labels", "mm_token_type_ids", "targets",
                                   "sample_ids", "position_ids")}
     for r in rows:

@@ -9,7 +9,7 @@ vision features are handed to the language model. Mechanisms stay in ``ray_dhp.p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -24,6 +24,9 @@ class FamilySpec:
     # see only the local heads): all-reduced over the TP group before the optimizer.
     tp_partial_grad_suffixes: tuple = ()
     num_deepstack: Callable = lambda config: 0  # extra feature chunks handed to the LM
+    # (text_config) -> the TP plan with Megatron sequence parallelism; None: not covered (the
+    # driver then refuses text sequence_parallel=true for this family).
+    text_sp_plan: Optional[Callable] = None
 
     # -- model access (the seams of transformers' Qwen-VL classes) -----------------------------
 
@@ -61,9 +64,12 @@ class FamilySpec:
 
     # -- validation ----------------------------------------------------------------------------
 
-    def validate_layout(self, config, *, sp: int, tp: int) -> None:
+    def validate_layout(self, config, *, sp: int, tp: int, text_sp: bool = False) -> None:
         """Raise ValueError (saying what to change) if the degrees do not fit the model dims."""
         vc, tc = config.vision_config, config.text_config
+        if text_sp and self.text_sp_plan is None:
+            raise ValueError(f"text sequence_parallel=true is not covered for the {self.name} family; "
+                             f"set text.sequence_parallel=false.")
         vh = vc.num_heads
         if vh % sp:
             raise ValueError(
@@ -112,4 +118,54 @@ def standard_text_plan(prefix: str = "model.language_model") -> dict:
         f"{layer}.mlp.up_proj": ColwiseParallel(),
         f"{layer}.mlp.down_proj": RowwiseParallel(),
         "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    }
+
+
+def sequence_parallel_text_plan(prefix: str = "model.language_model") -> dict:
+    """`standard_text_plan` plus Megatron sequence parallelism (Korthikanti et al. 2022), with
+    DTensor's own styles (the plan shape of torchtitan's Llama).
+
+    Between the tensor-parallel regions the hidden states are sharded along the sequence over
+    the TP ranks: the norms run on the local tokens (``SequenceParallel``), the attention and
+    MLP inputs are all-gathered along the sequence (``PrepareModuleInput`` Shard(1) ->
+    Replicate) before the column-parallel projections, and the row-parallel ``o_proj`` /
+    ``down_proj`` reduce-scatter into the sequence shard (``output_layouts=Shard(1)``) instead
+    of all-reducing. The residual stream (and every checkpointed block input) is ``S / tp``
+    tokens per rank.
+
+    Sharding begins at the input of the first decoder layer (a local slice, no communication):
+    the Qwen-VL model places the image features into the embeddings, builds the attention mask
+    and the M-RoPE cos/sin from the *full* sequence before the layers, and every layer then gets
+    the full mask and cos/sin as keyword arguments; they meet the hidden states only inside
+    attention, after the all-gather, so they stay whole and consistent. The final norm runs on
+    the shard and ``lm_head`` all-gathers the sequence (vocab-sharded logits for
+    ``loss_parallel`` as before). The sequence length must be a multiple of tp (the engine
+    pads). Qwen3-VL's deepstack additions between layers act on the shard: see
+    ``ray_dhp.parallel.text_sp.install_deepstack_shard``.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    layer = f"{prefix}.layers.*"
+    gather = dict(desired_input_layouts=(Replicate(),), use_local_output=True)
+    return {
+        f"{prefix}.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        f"{prefix}.layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                                 use_local_output=True),
+        f"{layer}.input_layernorm": SequenceParallel(),
+        f"{layer}.self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                 desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                                 use_local_output=True),
+        f"{layer}.self_attn.q_proj": ColwiseParallel(),
+        f"{layer}.self_attn.k_proj": ColwiseParallel(),
+        f"{layer}.self_attn.v_proj": ColwiseParallel(),
+        f"{layer}.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+        f"{layer}.post_attention_layernorm": SequenceParallel(),
+        f"{layer}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), **gather),
+        f"{layer}.mlp.gate_proj": ColwiseParallel(),
+        f"{layer}.mlp.up_proj": ColwiseParallel(),
+        f"{layer}.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+        f"{prefix}.norm": SequenceParallel(use_local_output=True),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     }

@@ -5,13 +5,14 @@ only its heads, so their gradients are partial sums that must be all-reduced ove
 (the loss is right without it, the gradients are silently wrong).
 """
 
-from ray_dhp.models.base import FamilySpec, standard_text_plan
+from ray_dhp.models.base import FamilySpec, sequence_parallel_text_plan, standard_text_plan
 
 SPEC = FamilySpec(
     name="qwen3_vl",
     model_type="qwen3_vl",
     model_class="Qwen3VLForConditionalGeneration",
     text_tp_plan=lambda text_config: standard_text_plan(),
+    text_sp_plan=lambda text_config: sequence_parallel_text_plan(),
     tp_partial_grad_suffixes=("self_attn.q_norm.weight", "self_attn.k_norm.weight"),
     num_deepstack=lambda config: len(config.vision_config.deepstack_visual_indexes),
 )

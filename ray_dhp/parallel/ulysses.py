@@ -123,27 +123,114 @@ def _model_functions(attn: torch.nn.Module):
     return module.apply_rotary_pos_emb_vision, module.eager_attention_forward
 
 
-def _segment_attention(attn, q, k, v, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Attention per segment of ``cu_seqlens`` on ``[S, h, hd]`` tensors, like transformers'
-    non-flash vision path (same attention interface, same scaling). Returns ``[S, h, hd]``."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    if q.shape[0] == 0 or not lengths:
-        return q  # no tokens here: an empty tensor that keeps the autograd graph connected
+def _attention_interface(attn):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.utils.generic import is_flash_attention_requested
 
     _, eager = _model_functions(attn)
     impl = attn.config._attn_implementation
     if is_flash_attention_requested(attn.config):
-        impl = "sdpa"  # varlen flash kernels are not wired here; per-segment SDPA is exact
-    interface = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager)
-    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, h, S, hd]
-    outs = [
-        interface(attn, qs, ks, vs, attention_mask=None, scaling=attn.scaling,
-                  dropout=0.0 if not attn.training else attn.attention_dropout, is_causal=False)[0]
-        for qs, ks, vs in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2))
-    ]
-    return torch.cat(outs, dim=1).squeeze(0)  # [S, h, hd]
+        impl = "sdpa"  # the varlen kernel is called directly (``_flash_varlen``); else masked SDPA
+    return ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager)
+
+
+def _flash_varlen(attn, q, k, v, cu_seqlens: torch.Tensor, max_len: int) -> Optional[torch.Tensor]:
+    """flash-attn's varlen kernel (all segments, one call) when it is installed, the tensors are
+    on a GPU in half precision and the config asks for flash attention; else ``None``."""
+    from transformers.utils.generic import is_flash_attention_requested
+
+    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and is_flash_attention_requested(attn.config)):
+        return None
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    return flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, softmax_scale=attn.scaling,
+                                  dropout_p=attn.attention_dropout if attn.training else 0.0)
+
+
+def segment_index(lengths: list[int], device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token index ``[n_seg, L_max]`` of each segment padded to the longest (pad slots point at
+    token 0) and the ``[n_seg, L_max]`` validity mask, for one batched attention call."""
+    n, longest = len(lengths), max(lengths)
+    lens = torch.tensor(lengths, device=device)
+    starts = torch.cumsum(lens, 0) - lens
+    slot = torch.arange(longest, device=device)
+    valid = slot[None, :] < lens[:, None]
+    return torch.where(valid, starts[:, None] + slot[None, :], 0), valid
+
+
+def _padded_attention(attn, interface, q, k, v, lengths: list[int]) -> torch.Tensor:
+    """One interface call on all segments of ``lengths`` stacked as a batch, each padded to the
+    longest with the pad keys masked out (additive mask: exactly zero weight). Pad queries attend
+    to their segment's real keys; their rows are dropped, so they add exact zeros to the gradients.
+    ``[S, h, hd]`` in, ``[S, h, hd]`` out."""
+    n, longest = len(lengths), max(lengths)
+    mask = valid = None
+    if all(x == longest for x in lengths):  # equal windows / frames: a view, no copy, no mask
+        q, k, v = (t.view(n, longest, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+    else:
+        idx, valid = segment_index(lengths, q.device)
+        q, k, v = (t[idx].transpose(1, 2) for t in (q, k, v))  # [n_seg, h, L_max, hd]
+        mask = torch.zeros(valid.shape, dtype=q.dtype, device=q.device)
+        mask = mask.masked_fill(~valid, torch.finfo(q.dtype).min)[:, None, None, :]
+    out = interface(attn, q, k, v, attention_mask=mask, scaling=attn.scaling,
+                    dropout=0.0 if not attn.training else attn.attention_dropout, is_causal=False)[0]
+    if valid is None:
+        return out.reshape(n * longest, *out.shape[2:])
+    return out[valid]  # [n_seg, L_max, h, hd] -> valid rows in segment order = [S, h, hd]
+
+
+def _length_groups(lengths: list[int], max_pad: float) -> list[list[int]]:
+    """Segment ids grouped so that each group pads to its longest with at most ``max_pad`` times
+    its real tokens: one group (one call) when the lengths are close — windows, equal frames."""
+    if len(lengths) * max(lengths) <= max_pad * sum(lengths):
+        return [list(range(len(lengths)))]
+    groups: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        groups.setdefault(n, []).append(i)
+    return list(groups.values())
+
+
+def _segment_attention(attn, q, k, v, cu_seqlens: torch.Tensor, batched: bool = True,
+                       max_pad: float = 2.0) -> torch.Tensor:
+    """Attention per segment of ``cu_seqlens`` on ``[S, h, hd]`` tensors, like transformers'
+    non-flash vision path (same attention interface, same scaling). Returns ``[S, h, hd]``.
+
+    ``batched`` (default): all segments in one kernel call — flash-attn varlen when available
+    (GPU, half precision, flash requested), else one padded+masked SDPA/eager call (segments of
+    very different lengths, e.g. a big and a small image, go in one call per length so padding
+    never more than doubles the work). ``batched=False``: the per-segment loop (the reference the
+    benchmark compares with)."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    lengths = [n for n in lengths if n > 0]
+    if q.shape[0] == 0 or not lengths:
+        return q  # no tokens here: an empty tensor that keeps the autograd graph connected
+    interface = _attention_interface(attn)
+    if not batched:
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, h, S, hd]
+        outs = [
+            interface(attn, qs, ks, vs, attention_mask=None, scaling=attn.scaling,
+                      dropout=0.0 if not attn.training else attn.attention_dropout, is_causal=False)[0]
+            for qs, ks, vs in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2))
+        ]
+        return torch.cat(outs, dim=1).squeeze(0)  # [S, h, hd]
+    flash = _flash_varlen(attn, q, k, v, cu_seqlens, max(lengths))
+    if flash is not None:
+        return flash
+    groups = _length_groups(lengths, max_pad)
+    if len(groups) == 1:
+        return _padded_attention(attn, interface, q, k, v, lengths)
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    out = q.new_empty(q.shape)
+    for ids in groups:
+        tok = torch.cat([torch.arange(starts[i], starts[i + 1], device=q.device) for i in ids])
+        out = out.index_copy(0, tok, _padded_attention(attn, interface, q[tok], k[tok], v[tok],
+                                                       [lengths[i] for i in ids]))
+    return out
 
 
 def ulysses_attention_forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -163,7 +250,7 @@ def ulysses_attention_forward(self, hidden_states: torch.Tensor, cu_seqlens: tor
     q, k = rotary(q, k, cos, sin)
     if ulysses is not None and ulysses.sp > 1:
         q, k, v = seq_to_heads(torch.stack([q, k, v], dim=1), ulysses).unbind(1)
-    out = _segment_attention(self, q, k, v, cu_seqlens)
+    out = _segment_attention(self, q, k, v, cu_seqlens, batched=getattr(self, "batched_segments", True))
     if ulysses is not None and ulysses.sp > 1:
         out = heads_to_seq(out, ulysses)
     return self.proj(out.reshape(s, heads * hd))
