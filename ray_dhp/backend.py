@@ -160,7 +160,7 @@ class WorkerContextManager:
             )
         _CURRENT = DHPContext(self.cfg, build_groups(self.cfg.topology(), device))
         if rank == 0:
-            logger.info("ray_dhp layout:\n%s", self.cfg.topology().describe())
+            logger.debug("ray_dhp layout:\n%s", self.cfg.topology().describe())  # the CLI prints it once
         return _CURRENT
 
     def __exit__(self, *exc):

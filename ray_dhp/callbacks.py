@@ -62,7 +62,10 @@ class MetricsHistory(UserCallback):
             left = (self.total_steps - step) / rate if self.total_steps and rate > 0 else None
             eta = f" ETA {left:.0f}s" if left is not None else ""
         total = f"/{self.total_steps}" if self.total_steps else ""
-        logger.warning("[ray_dhp] step %s%s loss %.4f%s", step, total, m.get("loss", float("nan")), eta)
+        tps = m.get("tokens_per_s")
+        speed = f" {tps:,.0f} tokens/s" if isinstance(tps, (int, float)) else ""
+        logger.warning("[ray_dhp] step %s%s loss %.4f%s%s", step, total, m.get("loss", float("nan")),
+                       speed, eta)
 
 
 def read_history(result) -> list:

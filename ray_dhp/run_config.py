@@ -32,12 +32,13 @@ _DATA_KEYS = ("data_root", "max_tokens", "packing", "bad_data", "dataset_weights
               "data_workers", "max_text_chars", "max_image_pixels", "max_bad_fraction")
 _CHECKPOINT_KEYS = tuple(k for k in ("checkpoint_every", "resume_from")
                          if k in {f.name for f in fields(TrainLoopConfig)})
+_TRACKING_KEYS = ("tensorboard", "mlflow", "wandb", "ray_report_logs")
 _NOT_IN_FILE = ("dataset_paths",)  # filled in from data.train and data.datasets
 
 
 def _optim_keys() -> list:
     """Every TrainLoopConfig field not claimed by another section (new fields land here)."""
-    taken = set(_DATA_KEYS + _CHECKPOINT_KEYS + _NOT_IN_FILE)
+    taken = set(_DATA_KEYS + _CHECKPOINT_KEYS + _TRACKING_KEYS + _NOT_IN_FILE)
     return [f.name for f in fields(TrainLoopConfig) if f.name not in taken]
 
 
@@ -102,6 +103,12 @@ CheckpointSection = make_dataclass(
     namespace={"__doc__": "Checkpointing.", "__module__": __name__})
 
 
+TrackingSection = make_dataclass(
+    "TrackingSection", borrow(TrainLoopConfig, _TRACKING_KEYS),
+    namespace={"__doc__": "Experiment tracking (TensorBoard, MLflow, W&B) and console output.",
+               "__module__": __name__})
+
+
 @dataclass
 class ScalingSection:
     """Ray Train workers (ray.train.ScalingConfig)."""
@@ -149,6 +156,7 @@ class RunFile:
     data: DataSection = section(DataSection, "training data")
     optim: OptimSection = section(OptimSection, "optimizer and loop hyper-parameters")
     checkpoint: CheckpointSection = section(CheckpointSection, "checkpointing")
+    tracking: TrackingSection = section(TrackingSection, "experiment tracking and console")
     scaling: ScalingSection = section(ScalingSection, "Ray Train workers")
     run: RunSection = section(RunSection, "the Ray Train run")
 
@@ -186,7 +194,8 @@ class RunFile:
     def train_loop_config(self, data_path: Optional[str] = None) -> dict:
         """``train_loop_config`` of the built-in loop (validated as a TrainLoopConfig)."""
         d = {**asdict(self.optim), **{k: getattr(self.data, k) for k in _DATA_KEYS},
-             **{k: getattr(self.checkpoint, k) for k in _CHECKPOINT_KEYS}}
+             **{k: getattr(self.checkpoint, k) for k in _CHECKPOINT_KEYS},
+             **{k: getattr(self.tracking, k) for k in _TRACKING_KEYS}}
         if d.get("data_root"):
             d["data_root"] = os.path.abspath(os.path.expanduser(d["data_root"]))
         try:

@@ -75,6 +75,16 @@ class TrainLoopConfig:
             the dataset named "train" alone.
         dataset_paths: ``{name: annotation file}``; set by `DisaggregatedTrainer` when
             ``datasets=`` holds paths instead of Ray Datasets.
+        tensorboard: write every reported metric as TensorBoard scalars into
+            ``<storage_path>/<run name>/tensorboard`` (from the Ray Train controller).
+        mlflow: None (off) or the keyword arguments of Ray's ``setup_mlflow`` (e.g.
+            ``{tracking_uri: ..., experiment_name: ...}``): the run's config as parameters and
+            every reported metric, logged from rank 0. Needs ``pip install mlflow``.
+        wandb: None (off) or the keyword arguments of Ray's ``setup_wandb`` (e.g. ``{project:
+            ...}``), logged from rank 0. Needs ``pip install wandb``.
+        ray_report_logs: keep Ray Train's per-rank "Reporting training result ..." and
+            "Checkpoint successfully created" log lines (off: the console shows one progress
+            line per report instead).
     """
 
     lr: float = 1e-3
@@ -107,6 +117,10 @@ class TrainLoopConfig:
     data_workers: int = 0
     dataset_weights: Optional[dict] = None
     dataset_paths: Optional[dict] = None
+    tensorboard: bool = True
+    mlflow: Optional[dict] = None
+    wandb: Optional[dict] = None
+    ray_report_logs: bool = False
 
     def __post_init__(self):
         def need(cond, msg):
@@ -145,6 +159,10 @@ class TrainLoopConfig:
              f"max_bad_fraction must be a number in [0, 1], got {self.max_bad_fraction!r}")
         need(isinstance(self.packing, bool), f"packing must be true or false, got {self.packing!r}")
         need(self.autocast_dtype in (None, "bfloat16"), "autocast_dtype must be None or 'bfloat16'")
+        for k in ("mlflow", "wandb"):
+            v = getattr(self, k)
+            need(v is None or isinstance(v, dict),
+                 f"{k} must be null (off) or a dict of keyword arguments for Ray's setup_{k}, got {v!r}")
         self.betas = tuple(self.betas)
         check_dataset_weights(self.dataset_weights)
 

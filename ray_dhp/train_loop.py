@@ -78,7 +78,10 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
     from ray_dhp.data.loader import StepLoader
     from ray_dhp.data.sources import make_sampler
 
+    from ray_dhp.tracking import WorkerTrackers, set_ray_report_logs
+
     cfg = TrainLoopConfig.from_dict(config)
+    set_ray_report_logs(cfg.ray_report_logs)
     hook = hook or (lambda event, step: None)
     ctx = get_context()
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
@@ -91,13 +94,19 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
                                    packing=cfg.packing)
     loader = StepLoader(make_sampler(cfg, processor), ctx.groups, prefetch=cfg.prefetch,
                         num_workers=cfg.data_workers, balancer=balancer)
+    import ray.train
+
+    trackers = WorkerTrackers(mlflow=cfg.mlflow, wandb=cfg.wandb, rank=ctx.rank,
+                              config={**cfg.to_dict(), "dhp": ctx.dhp_config.to_dict()},
+                              run_name=ray.train.get_context().get_experiment_name())
     try:
-        return _train(cfg, ctx, loader, processor, hook)
+        return _train(cfg, ctx, loader, processor, hook, trackers)
     finally:
+        trackers.close()
         loader.close()
 
 
-def _train(cfg: TrainLoopConfig, ctx, loader, processor, hook) -> dict:
+def _train(cfg: TrainLoopConfig, ctx, loader, processor, hook, trackers) -> dict:
     """The loop itself (see `train_loop`)."""
     from ray_dhp.engine import DHPEngine
     from ray_dhp.flops import peak_flops, step_flops
@@ -147,7 +156,8 @@ def _train(cfg: TrainLoopConfig, ctx, loader, processor, hook) -> dict:
                 metrics["dataset_draws"] = {n: st["draws"] for n, st in mix.items()}
                 metrics["dataset_epochs"] = {n: st["epoch"] for n, st in mix.items()}
             if ctx.rank == 0:
-                logger.info("step %d/%d %s", step + 1, cfg.num_steps, metrics)
+                logger.debug("step %d/%d %s", step + 1, cfg.num_steps, metrics)
+            trackers.log(metrics, step + 1)
             if save:
                 _save_and_report(metrics, engine, loader, processor, hook)
             else:

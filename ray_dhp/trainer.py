@@ -91,7 +91,14 @@ class DisaggregatedTrainer(DataParallelTrainer):
             if dhp_config.processor is None and not isinstance(dhp_config.model, str):
                 raise ValueError("the built-in loop needs DHPConfig(processor=...) when the model "
                                  "is a config object (with a model directory it is loaded from there).")
-            run_config = _with_history(run_config or ray.train.RunConfig(), loop_cfg.num_steps)
+            from ray_dhp.callbacks import MetricsHistory
+            from ray_dhp.tracking import TensorBoardLogger
+
+            run_config = _with_callback(run_config or ray.train.RunConfig(),
+                                        MetricsHistory(loop_cfg.num_steps))
+            if loop_cfg.tensorboard:
+                run_config = _with_callback(run_config, TensorBoardLogger(
+                    {"train_loop_config": config, "dhp_config": dhp_config.to_dict()}))
         elif paths:
             config.setdefault("dataset_paths", paths)
         if dataset_config is None:
@@ -164,12 +171,11 @@ def _checkpoint_source(resume_from):
     return resume_from
 
 
-def _with_history(run_config, total_steps: int):
-    from ray_dhp.callbacks import MetricsHistory
-
+def _with_callback(run_config, callback):
+    """``run_config`` with ``callback`` added unless one of its class is already there."""
     callbacks = list(run_config.callbacks or [])
-    if not any(isinstance(c, MetricsHistory) for c in callbacks):
-        callbacks.append(MetricsHistory(total_steps))
+    if not any(isinstance(c, type(callback)) for c in callbacks):
+        callbacks.append(callback)
     run_config.callbacks = callbacks
     return run_config
 
