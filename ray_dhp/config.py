@@ -8,6 +8,7 @@ from typing import Any, Optional, Union
 
 from ray.train.backend import BackendConfig
 
+from ray_dhp.checks import check_fields, checked
 from ray_dhp.topology import PLACEMENTS, Topology
 
 SCHEDULES = ("sequential", "pipelined")
@@ -28,9 +29,9 @@ class ModuleParallel:
         >>> ModuleParallel(sequence_parallel=2, data_parallel=2)  # 4 vision workers
     """
 
-    sequence_parallel: int = 1
-    tensor_parallel: int = 1
-    data_parallel: int = 1
+    sequence_parallel: int = checked(1, ge=1)
+    tensor_parallel: int = checked(1, ge=1)
+    data_parallel: int = checked(1, ge=1)
 
     def __post_init__(self):
         for name in ("sequence_parallel", "tensor_parallel", "data_parallel"):
@@ -65,7 +66,7 @@ class DHPConfig(BackendConfig):
         schedule: ``"sequential"`` or ``"pipelined"`` micro-batch schedule between the groups
             (`ray_dhp.schedule`); None picks "pipelined" for disjoint, "sequential" for
             collocated. Results do not depend on it, only timing does.
-        timeout_s: timeout of collective operations.
+        timeout_s: timeout of collective operations, in seconds.
 
     Example:
         >>> from ray_dhp import DHPConfig, ModuleParallel, demo
@@ -80,9 +81,9 @@ class DHPConfig(BackendConfig):
     processor: Any = None
     vision: ModuleParallel = field(default_factory=ModuleParallel)
     text: ModuleParallel = field(default_factory=ModuleParallel)
-    placement: str = "collocated"
-    schedule: Optional[str] = None
-    timeout_s: int = 1800
+    placement: str = checked("collocated", choices=PLACEMENTS)
+    schedule: Optional[str] = checked(None, choices=(None,) + SCHEDULES)
+    timeout_s: int = checked(1800, gt=0)
 
     def __post_init__(self):
         if self.model is None:
@@ -110,6 +111,7 @@ class DHPConfig(BackendConfig):
             self.schedule = "pipelined" if self.placement == "disjoint" else "sequential"
         if self.schedule not in SCHEDULES:
             raise ValueError(f"DHPConfig(schedule={self.schedule!r}): use one of {SCHEDULES}.")
+        check_fields(self, lambda k: f"DHPConfig.{k}")  # e.g. timeout_s > 0
         self.topology()  # validates the group sizes
         self.validate_model()
 

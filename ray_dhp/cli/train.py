@@ -13,25 +13,15 @@ def prepare_data(rf) -> dict:
     ``data.datasets``, checked against ``data.dataset_weights``. With neither set, the demo set is
     generated as "train" (into ``<storage_path>/<run name>/demo_data``, reused if already there)."""
     from ray_dhp.cli.schema import ConfigError
-    from ray_dhp.train_config import check_dataset_weights
 
-    extra = rf.data.datasets or {}
-    if rf.data.train and "train" in extra:
-        raise ConfigError('data.datasets.train: the dataset "train" is data.train; set one of them.')
-    train = rf.data.train or (None if extra else _DEMO)
-    datasets = {**({"train": train} if train else {}), **extra}
-    if rf.data.dataset_weights is None and extra:
-        raise ConfigError(f"data.datasets: {sorted(extra)} need data.dataset_weights "
-                          "({name: weight}) to be mixed into training.")
-    try:
-        check_dataset_weights(rf.data.dataset_weights, datasets)
-    except ValueError as e:
-        raise ConfigError(f"data.dataset_weights: {e}") from None
+    names = rf.dataset_names()  # the weights checked against the names
+    train = rf.data.train or _DEMO
+    datasets = {**({"train": train} if "train" in names else {}), **(rf.data.datasets or {})}
     for name, path in datasets.items():
         key = "data.train" if name == "train" and rf.data.train else f"data.datasets.{name}"
         if path != _DEMO and (not isinstance(path, str) or not os.path.exists(path)):
             raise ConfigError(f"{key}: {path} does not exist.")
-    if train == _DEMO:
+    if datasets.get("train") == _DEMO:
         datasets["train"] = _demo_data(rf)
     return datasets
 
