@@ -71,6 +71,11 @@ def defaults_yaml(root=None) -> str:
     return "\n".join(lines)
 
 
+def yaml_of(rf) -> str:
+    """The run file ``rf`` (a `RunFile`) as YAML: every key, overrides applied, paths absolute."""
+    return yaml.safe_dump(rf.to_dict(), sort_keys=False, default_flow_style=False, width=WIDTH)
+
+
 def _type_name(t) -> str:
     t = t if isinstance(t, str) else getattr(t, "__name__", str(t))
     return t.replace("Optional[", "").rstrip("]") + (" or null" if "Optional[" in t else "")

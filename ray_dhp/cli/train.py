@@ -83,14 +83,21 @@ def train(rf) -> dict:
     """Run the whole training described by ``rf``; returns the final metrics and result path."""
     from ray_dhp.callbacks import read_history
 
+    from ray_dhp.cli.runs import check_run_folder
+
+    rf.validate()
     dhp = rf.dhp_config()
     num_workers = rf.num_workers(dhp)
+    start = check_run_folder(rf) or 0  # a finished run of the same name is refused here
     print(f"[ray_dhp] layout:\n{dhp.topology().describe()}", flush=True)
+    if start:
+        print(f"[ray_dhp] resuming run {rf.run_name()!r} from its checkpoint at step {start} "
+              f"(to start afresh, give another run.name)", flush=True)
     datasets = prepare_data(rf)
     trainer = build_trainer(rf, datasets=datasets)  # validates before Ray starts workers
     init_ray(rf, num_workers)
     result = trainer.fit()
-    hist = read_history(result)
+    hist = [m for m in read_history(result) if m.get("step", 0) > start]  # this invocation's
     metrics = dict(result.metrics or (hist[-1] if hist else {}))
     first = hist[0] if hist else metrics
     print(f"[ray_dhp] done: loss {first.get('loss', float('nan')):.4f} (step {first.get('step')}) "
