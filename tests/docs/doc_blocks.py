@@ -4,8 +4,9 @@ Every ``bash``, ``console`` and ``python`` block of a tested page must be preced
 just above the fence, blank lines allowed) by one directive, so that no command escapes:
 
 ``<!-- doc-test: run -->``
-    executed in the default suite (bash: one ``bash -e`` script; python: one interpreter;
-    console: every ``$ `` line is run and the lines after it must appear in what it prints).
+    executed in the default suite (bash: one ``bash -e`` script; python: in the page's one
+    interpreter session, so a block continues the previous one like a notebook; console: every
+    ``$ `` line is run and the lines after it must appear in what it prints).
 ``<!-- doc-test: run slow -->``
     executed only by the slow test (it trains, or starts Ray).
 ``<!-- doc-test: check COMMAND -->``
@@ -110,12 +111,57 @@ def _run(cmd: list, cwd: Path, env: dict, timeout: float) -> subprocess.Complete
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def run_block(block: Block, cwd: Path, env: dict, timeout: float = 600) -> str:
+_SESSION = r"""
+import sys, traceback
+scope = {"__name__": "__main__"}
+while True:
+    n = sys.stdin.readline()
+    if not n:
+        break
+    code = sys.stdin.read(int(n))
+    ok = "0"
+    try:
+        exec(compile(code, "<doc block>", "exec"), scope)
+    except BaseException:
+        traceback.print_exc()
+        ok = "1"
+    sys.stderr.flush()
+    print("\n@@doc-block-done@@" + ok, flush=True)
+"""
+
+
+class PythonSession:
+    """One interpreter for the page's python blocks (names persist from block to block)."""
+
+    def __init__(self, cwd: Path, env: dict):
+        self.proc = subprocess.Popen([sys.executable, "-u", "-c", _SESSION], cwd=cwd, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+
+    def run(self, code: str) -> tuple:
+        self.proc.stdin.write(f"{len(code)}\n{code}")
+        self.proc.stdin.flush()
+        out = []
+        for line in self.proc.stdout:
+            if line.startswith("@@doc-block-done@@"):
+                return "".join(out), int(line.strip()[-1])
+            out.append(line)
+        return "".join(out), self.proc.wait()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+
+
+def run_block(block: Block, cwd: Path, env: dict, timeout: float = 600,
+              session: Optional[PythonSession] = None) -> str:
     """Execute ``block``; its combined output. AssertionError naming the block on failure."""
     if block.kind == "check":
         procs = [_run(["bash", "-c", block.arg], cwd, env, timeout)]
     elif block.lang == "python":
-        procs = [_run([sys.executable, "-c", block.text], cwd, env, timeout)]
+        out, rc = session.run(block.text)
+        assert rc == 0, f"{block.where()} failed:\n{out[-4000:]}"
+        return out
     elif block.lang == "console":
         return _run_console(block, cwd, env, timeout)
     else:
@@ -188,16 +234,20 @@ def run_page(page: Path, tmp: Path, *, slow: bool) -> list:
     blocks = parse(page)
     assert not untagged(blocks), f"blocks without a doc-test directive: {untagged(blocks)}"
     env = sandbox(tmp)
+    session = PythonSession(tmp, env)
     done, last = [], None  # last: output of the previous executed block (None if skipped)
-    for block in blocks:
-        if block.kind == "output":
-            if last is not None:
-                check_output([ln for ln in block.text.splitlines() if ln.strip()], last,
-                             f"{block.where()} (output of the block above)")
-            continue
-        if block.kind in ("run", "check") or (block.kind == "run slow" and slow):
-            last = run_block(block, tmp, env)
-            done.append(block.where())
-        elif block.lang in CODE:
-            last = None
+    try:
+        for block in blocks:
+            if block.kind == "output":
+                if last is not None:
+                    check_output([ln for ln in block.text.splitlines() if ln.strip()], last,
+                                 f"{block.where()} (output of the block above)")
+                continue
+            if block.kind in ("run", "check") or (block.kind == "run slow" and slow):
+                last = run_block(block, tmp, env, session=session)
+                done.append(block.where())
+            elif block.lang in CODE:
+                last = None
+    finally:
+        session.close()
     return done
