@@ -208,14 +208,13 @@ def _pattern(line: str) -> tuple:
 def _close(quoted: str, got: str) -> bool:
     if re.fullmatch(r"-?\d+", quoted):
         return quoted == got
-    a, b = float(quoted), float(got)
-    return math.isclose(a, b, rel_tol=0.05, abs_tol=0.5 * 10 ** _decimals_exp(quoted))
+    return math.isclose(float(quoted), float(got), rel_tol=0.05, abs_tol=_rounding(quoted))
 
 
-def _decimals_exp(text: str) -> int:
-    """-d for a number quoted with d decimals (its rounding step), 0 otherwise."""
+def _rounding(text: str) -> float:
+    """Half the last digit's step of a fixed-point number (0.005 for 5.93), 0 otherwise."""
     m = re.fullmatch(r"-?\d+\.(\d+)", text)
-    return -len(m.group(1)) if m else 0
+    return 0.5 * 10 ** -len(m.group(1)) if m else 0.0
 
 
 def check_output(expected: list, output: str, where: str) -> None:

@@ -57,3 +57,18 @@ def test_readme_layout_names_every_module_and_only_those():
     tests = {p.name + "/" for p in (ROOT / "tests").iterdir() if p.is_dir() and p.name[0] != "_"}
     assert all(t in _layout_block() for t in tests), f"README layout: tests folders {tests}"
     assert "gpu/" not in _layout_block() or (ROOT / "tests" / "gpu").is_dir()
+
+
+def test_quoted_outputs_are_compared_tolerantly_but_not_blindly():
+    from tests.docs.doc_blocks import check_output
+
+    printed = "[ray_dhp] done: loss 5.9310 (step 1) -> 3.7440 (step 20); results under /x/tiny_demo"
+    check_output(["[ray_dhp] done: loss 5.93 (step 1) -> 3.74 (step 20); results under .../tiny_demo"],
+                 printed, "here")
+    for stale in ["loss 5.87 (step 1) -> 4.10 (step 20)",  # the quickstart's old quote
+                  "loss 5.93 (step 1) -> 3.74 (step 4)", "results under .../tiny_lr"]:
+        with pytest.raises(AssertionError, match="the page quotes"):
+            check_output([stale], printed, "here")
+    check_output(["lr 6.67e-04"], "lr 6.6667e-04", "here")
+    with pytest.raises(AssertionError):
+        check_output(["lr 6.67e-04"], "lr 2.00e-03", "here")
