@@ -8,6 +8,7 @@ from typing import Any, Optional, Union
 
 from ray.train.backend import BackendConfig
 
+from ray_dhp.checks import check_fields, checked
 from ray_dhp.topology import PLACEMENTS, Topology
 
 SCHEDULES = ("sequential", "pipelined")
@@ -31,9 +32,9 @@ class ModuleParallel:
         >>> ModuleParallel(sequence_parallel=2, data_parallel=2)  # 4 vision workers
     """
 
-    sequence_parallel: Union[int, bool] = 1
-    tensor_parallel: int = 1
-    data_parallel: int = 1
+    sequence_parallel: Union[int, bool] = 1  # an int >= 1 (vision) or a bool (text): see __post_init__
+    tensor_parallel: int = checked(1, ge=1)
+    data_parallel: int = checked(1, ge=1)
 
     def __post_init__(self):
         for name in ("sequence_parallel", "tensor_parallel", "data_parallel"):
@@ -75,7 +76,7 @@ class DHPConfig(BackendConfig):
         schedule: ``"sequential"`` or ``"pipelined"`` micro-batch schedule between the groups
             (`ray_dhp.schedule`); None picks "pipelined" for disjoint, "sequential" for
             collocated. Results do not depend on it, only timing does.
-        timeout_s: timeout of collective operations.
+        timeout_s: timeout of collective operations, in seconds.
         node_local: ``"warn"`` or ``"strict"``: what to do when the workers' nodes force a
             sequence/tensor-parallel group across a node boundary (the ranks are otherwise ordered
             so these groups stay inside a node): a warning in the driver, or an error (before
@@ -95,10 +96,10 @@ class DHPConfig(BackendConfig):
     processor: Any = None
     vision: ModuleParallel = field(default_factory=ModuleParallel)
     text: ModuleParallel = field(default_factory=ModuleParallel)
-    placement: str = "collocated"
-    schedule: Optional[str] = None
-    timeout_s: int = 1800
-    node_local: str = "warn"
+    placement: str = checked("collocated", choices=PLACEMENTS)
+    schedule: Optional[str] = checked(None, choices=(None,) + SCHEDULES)
+    timeout_s: int = checked(1800, gt=0)
+    node_local: str = checked("warn", choices=NODE_LOCAL)
 
     def __post_init__(self):
         if self.model is None:
@@ -134,6 +135,7 @@ class DHPConfig(BackendConfig):
             raise ValueError(f"DHPConfig(schedule={self.schedule!r}): use one of {SCHEDULES}.")
         if self.node_local not in NODE_LOCAL:
             raise ValueError(f"DHPConfig(node_local={self.node_local!r}): use one of {NODE_LOCAL}.")
+        check_fields(self, lambda k: f"DHPConfig.{k}")  # e.g. timeout_s > 0
         self.topology()  # validates the group sizes
         self.validate_model()
 

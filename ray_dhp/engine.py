@@ -185,6 +185,7 @@ class DHPEngine:
         for phase, k in order_for(self.schedule, len(states)):
             with timer(phase):
                 getattr(self, "_" + phase)(states[k], n_targets)
+        lr = self.current_lr()  # the rate this step trains with (the scheduler steps below)
         with timer("optimizer"):
             self._inflight.wait()
             grad_norm = self._reduce_and_clip()
@@ -200,7 +201,7 @@ class DHPEngine:
         stats = torch.tensor([float(loss_sum)], dtype=torch.float64)
         dist.all_reduce(stats)
         return {"loss": stats[0].item() / n_targets, "grad_norm": grad_norm,
-                "num_targets": n_targets, "lr": self.current_lr(), **timer.as_metrics()}
+                "num_targets": n_targets, "lr": lr, **timer.as_metrics()}
 
     # -- the four phases of a micro-batch (see ray_dhp.schedule) -------------------------------
 

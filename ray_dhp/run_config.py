@@ -24,9 +24,10 @@ from typing import Optional
 from ray_dhp.cli.schema import (ConfigError, apply_overrides, borrow, from_dict, option,
                                 section)
 from ray_dhp.config import DHPConfig, ModuleParallel
-from ray_dhp.train_config import TrainLoopConfig
+from ray_dhp.train_config import TrainLoopConfig, check_dataset_weights
 
-__all__ = ["RunFile", "ConfigError", "load_run_file", "SHORTHANDS"]
+__all__ = ["RunFile", "ConfigError", "load_run_file", "run_file_from_dict", "loop_key_in_file",
+           "SHORTHANDS"]
 
 _DATA_KEYS = ("data_root", "max_tokens", "packing", "bad_data", "dataset_weights", "prefetch",
               "data_workers", "max_text_chars", "max_image_pixels", "max_bad_fraction")
@@ -66,6 +67,30 @@ class ProcessorSection:
                                  "or the demo processor for a demo model)")
 
 
+@dataclass
+class _SequenceParallelOwn:
+    vision: int = option(1, "Ulysses degree: each image's patches are split over this many "
+                         "workers; the vision attention heads must divide by it", ge=1)
+    text: bool = option(False, "Megatron sequence parallelism over the tensor_parallel ranks: "
+                        "norms, residuals and checkpointed block inputs hold 1/tensor_parallel "
+                        "of the sequence (no extra workers; needs tensor_parallel > 1)")
+
+
+VisionSection = make_dataclass(
+    "VisionSection", borrow(_SequenceParallelOwn, ["sequence_parallel"],
+                             rename={"sequence_parallel": "vision"})
+    + borrow(ModuleParallel, ["data_parallel"]),
+    namespace={"__doc__": "Degrees of the vision group (the vision encoder takes Ulysses sequence "
+                          "parallelism, not tensor parallelism).", "__module__": __name__})
+
+TextSection = make_dataclass(
+    "TextSection", borrow(ModuleParallel, ["tensor_parallel"])
+    + borrow(_SequenceParallelOwn, ["sequence_parallel"], rename={"sequence_parallel": "text"})
+    + borrow(ModuleParallel, ["data_parallel"]),
+    namespace={"__doc__": "Degrees of the text group (the language model takes tensor "
+                          "parallelism, optionally with Megatron sequence parallelism).",
+               "__module__": __name__})
+
 PlacementSection = make_dataclass(
     "PlacementSection", borrow(DHPConfig, ["mode", "schedule", "timeout_s", "node_local"],
                                rename={"mode": "placement"}),
@@ -80,7 +105,7 @@ class _DataOwn:
     datasets: Optional[dict] = option(None, "more named annotation files, {name: path}, mixed "
                                       "with data.train by data.dataset_weights")
     demo_samples: int = option(64, "when train is unset: generate the demo shapes set with this "
-                               "many samples into <storage_path>/<run name>/demo_data")
+                               "many samples into <storage_path>/<run name>/demo_data", ge=1)
 
 
 DataSection = make_dataclass(
@@ -95,7 +120,8 @@ OptimSection = make_dataclass(
 
 @dataclass
 class _CheckpointOwn:
-    num_to_keep: Optional[int] = option(None, "keep this many latest checkpoints (null: all)")
+    num_to_keep: Optional[int] = option(None, "keep this many latest checkpoints (null: all)",
+                                        ge=1)
 
 
 CheckpointSection = make_dataclass(
@@ -114,9 +140,9 @@ class ScalingSection:
     """Ray Train workers (ray.train.ScalingConfig)."""
 
     num_workers: Optional[int] = option(None, "Ray Train workers (null: derived from the layout; "
-                                        "anything else must equal it)")
+                                        "anything else must equal it)", ge=1)
     resources_per_worker: Optional[dict] = option(None, "e.g. {CPU: 1} (null: Ray's default, 1 "
-                                                  "CPU, plus 1 GPU with use_gpu)")
+                                                  "CPU, plus 1 GPU with use_gpu)", ge=0)
     use_gpu: bool = option(False, "one GPU per worker (NCCL); false: CPU and gloo")
 
 
@@ -124,12 +150,15 @@ class ScalingSection:
 class RunSection:
     """The Ray Train run (ray.train.RunConfig) and the local Ray instance."""
 
-    name: Optional[str] = option(None, "run name (null: ray_dhp_<date>_<time>); reusing a name "
-                                 "resumes that run")
+    name: Optional[str] = option(None, "run name, the folder under storage_path (null: "
+                                 "ray_dhp_<date>_<time>). Reusing the name of an unfinished run "
+                                 "resumes it; a finished run is refused (raise optim.num_steps "
+                                 "to continue it)")
     storage_path: Optional[str] = option(None, "where results and checkpoints go (null: "
                                          "~/ray_results); must be shared storage on multi-node "
                                          "clusters")
-    max_failures: int = option(0, "worker-group restarts allowed over the run (-1: unlimited)")
+    max_failures: int = option(0, "worker-group restarts allowed over the run (-1: unlimited)",
+                               ge=-1)
     placement_timeout_s: Optional[float] = option(600.0, "give up (a clear error) after waiting "
                                                   "this long in total for room to place the "
                                                   "workers, e.g. after losing a node that is not "
@@ -138,7 +167,7 @@ class RunSection:
                                      "starts when there is no cluster to join (neither "
                                      "RAY_ADDRESS nor one started with `ray start` on this "
                                      "machine; null: enough for the workers); ignored when "
-                                     "joining a cluster")
+                                     "joining a cluster", ge=1)
 
 
 @dataclass
@@ -147,10 +176,10 @@ class RunFile:
 
     model: ModelSection = section(ModelSection, "which model to train")
     processor: ProcessorSection = section(ProcessorSection, "tokenizer + image processor")
-    vision: ModuleParallel = section(ModuleParallel, "degrees of the vision group "
-                                     "(sequence_parallel, data_parallel)")
-    text: ModuleParallel = section(ModuleParallel, "degrees of the text group "
-                                   "(tensor_parallel, data_parallel)")
+    vision: VisionSection = section(VisionSection, "degrees of the vision group "
+                                    "(sequence_parallel, data_parallel)")
+    text: TextSection = section(TextSection, "degrees of the text group "
+                                "(tensor_parallel, data_parallel)")
     placement: PlacementSection = section(PlacementSection, "where the module groups run",
                                           shorthand="mode")
     data: DataSection = section(DataSection, "training data")
@@ -179,20 +208,24 @@ class RunFile:
             return demo.tiny_processor(m.demo)
         return None
 
-    def dhp_config(self) -> DHPConfig:
+    def dhp_config(self, with_processor: bool = True) -> DHPConfig:
         """The layout (validated against the model's dims; no weights are loaded)."""
         try:
-            return DHPConfig(model=self.model_spec(), processor=self.processor_spec(),
-                             vision=self.vision, text=self.text, placement=self.placement.mode,
-                             schedule=self.placement.schedule, timeout_s=self.placement.timeout_s,
+            return DHPConfig(model=self.model_spec(),
+                             processor=self.processor_spec() if with_processor else None,
+                             vision=ModuleParallel(**asdict(self.vision)),
+                             text=ModuleParallel(**asdict(self.text)),
+                             placement=self.placement.mode, schedule=self.placement.schedule,
+                             timeout_s=self.placement.timeout_s,
                              node_local=self.placement.node_local)
         except ConfigError:
             raise
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
-    def train_loop_config(self, data_path: Optional[str] = None) -> dict:
-        """``train_loop_config`` of the built-in loop (validated as a TrainLoopConfig)."""
+    def train_loop_config(self) -> dict:
+        """``train_loop_config`` of the built-in loop (validated as a TrainLoopConfig; errors
+        name the run-file keys)."""
         d = {**asdict(self.optim), **{k: getattr(self.data, k) for k in _DATA_KEYS},
              **{k: getattr(self.checkpoint, k) for k in _CHECKPOINT_KEYS},
              **{k: getattr(self.tracking, k) for k in _TRACKING_KEYS}}
@@ -200,9 +233,34 @@ class RunFile:
             d["data_root"] = os.path.abspath(os.path.expanduser(d["data_root"]))
         try:
             TrainLoopConfig(**d)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        except ConfigError as e:
+            raise e.renamed(loop_key_in_file) from None
         return d
+
+    def dataset_names(self) -> list:
+        """The named datasets of the run ("train" is data.train, or the demo set when neither
+        data.train nor data.datasets is set), checked against data.dataset_weights."""
+        extra = self.data.datasets or {}
+        if self.data.train and "train" in extra:
+            raise ConfigError('data.datasets.train: the dataset "train" is data.train; set one '
+                              'of them.')
+        names = (["train"] if self.data.train or not extra else []) + list(extra)
+        if self.data.dataset_weights is None and extra:
+            raise ConfigError(f"data.datasets: {sorted(extra)} need data.dataset_weights "
+                              "({name: weight}) to be mixed into training.")
+        check_dataset_weights(self.data.dataset_weights, names, key="data.dataset_weights")
+        return names
+
+    def validate(self) -> "RunFile":
+        """Every check that needs neither Ray, nor weights, nor the data files: the keys' values
+        (also checked as the file is read), the layout against the model's dimensions, the
+        worker count, the loop's hyper-parameters and the datasets' weights. ``ray-dhp plan``,
+        ``config`` and ``train`` all go through here; errors name the run-file key."""
+        dhp = self.dhp_config(with_processor=False)
+        self.num_workers(dhp)
+        self.train_loop_config()
+        self.dataset_names()
+        return self
 
     def run_name(self) -> str:
         if not self.run.name:
@@ -239,8 +297,20 @@ def _plain(x):
 SHORTHANDS = {"placement": "mode"}
 
 
+def loop_key_in_file(name: str) -> str:
+    """The run-file key of a `TrainLoopConfig` field (``lr`` -> ``optim.lr``)."""
+    if name in _DATA_KEYS:
+        return f"data.{name}"
+    if name in _CHECKPOINT_KEYS:
+        return f"checkpoint.{name}"
+    if name == "dataset_paths":
+        return "data.train/data.datasets"
+    return f"optim.{name}"
+
+
 def run_file_from_dict(data: dict, overrides=()) -> RunFile:
-    """A `RunFile` from a raw dict plus ``key=value`` overrides (ConfigError on mistakes)."""
+    """A validated `RunFile` from a raw dict plus ``key=value`` overrides (ConfigError on
+    mistakes, naming the key; see `RunFile.validate`)."""
     rf = from_dict(RunFile, apply_overrides(data, overrides, SHORTHANDS))
     for sec, key in (("model", "path"), ("data", "train"), ("run", "storage_path"),
                      ("checkpoint", "resume_from")):
@@ -249,7 +319,7 @@ def run_file_from_dict(data: dict, overrides=()) -> RunFile:
             setattr(obj, key, _absolute(getattr(obj, key)))
     if rf.data.datasets:
         rf.data.datasets = {k: _absolute(v) for k, v in rf.data.datasets.items()}
-    return rf
+    return rf.validate()
 
 
 def _absolute(value):

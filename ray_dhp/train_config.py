@@ -5,11 +5,19 @@ from __future__ import annotations
 import difflib
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
+
+from ray_dhp.checks import ConfigError, check_fields, checked, coerce
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
 BAD_DATA = ("skip", "strict")
 BALANCE = ("cost", "count")  # = ray_dhp.parallel.balance.BALANCE_MODES
+_UNTYPED = ("resume_from",)  # a path or a ray.train.Checkpoint
+
+
+def loop_key(name: str) -> str:
+    """How the Python API names a key in messages: ``train_loop_config.lr``."""
+    return f"train_loop_config.{name}"
 
 
 @dataclass
@@ -27,7 +35,8 @@ class TrainLoopConfig:
         lr_schedule: "constant", "cosine" or "linear" decay after warmup.
         warmup_steps: linear warmup steps.
         weight_decay: AdamW decay (not applied to norms and biases).
-        betas, eps: AdamW moments.
+        betas: AdamW's decay rates of the first and second moment estimates, each in [0, 1).
+        eps: AdamW's term added to the denominator (the root of the second moment), > 0.
         bad_data: "skip" (default: skip and count bad samples) or "strict" (fail naming file/line).
         data_root: folder image paths are relative to, for every dataset (default: each
             annotation file's folder; the current directory for Ray Datasets).
@@ -87,34 +96,34 @@ class TrainLoopConfig:
             line per report instead).
     """
 
-    lr: float = 1e-3
-    global_batch_size: int = 4
-    num_steps: int = 20
-    seed: int = 0
-    log_every: int = 5
-    max_grad_norm: Optional[float] = 1.0
-    micro_batches: int = 1
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    betas: tuple = (0.9, 0.999)
-    eps: float = 1e-8
-    bad_data: str = "skip"
+    lr: float = checked(1e-3, gt=0)
+    global_batch_size: int = checked(4, ge=1)
+    num_steps: int = checked(20, ge=1)
+    seed: int = checked(0, ge=0)
+    log_every: int = checked(5, ge=1)
+    max_grad_norm: Optional[float] = checked(1.0, gt=0)
+    micro_batches: int = checked(1, ge=1)
+    lr_schedule: str = checked("constant", choices=LR_SCHEDULES)
+    warmup_steps: int = checked(0, ge=0)
+    weight_decay: float = checked(0.0, ge=0)
+    betas: tuple = checked((0.9, 0.999), length=2, ge=0, lt=1)
+    eps: float = checked(1e-8, gt=0)
+    bad_data: str = checked("skip", choices=BAD_DATA)
     data_root: Optional[str] = None
-    max_tokens: Optional[int] = None
-    max_text_chars: Optional[int] = 1_000_000
-    max_image_pixels: Optional[int] = 50_000_000
-    max_bad_fraction: float = 0.25
+    max_tokens: Optional[int] = checked(None, ge=1)
+    max_text_chars: Optional[int] = checked(1_000_000, ge=1)
+    max_image_pixels: Optional[int] = checked(50_000_000, ge=1)
+    max_bad_fraction: float = checked(0.25, ge=0, le=1)
     packing: bool = False
-    micro_batch_tokens: Optional[int] = None
-    balance: str = "cost"
-    checkpoint_every: int = 0
+    micro_batch_tokens: Optional[int] = checked(None, ge=1)
+    balance: str = checked("cost", choices=BALANCE)
+    checkpoint_every: int = checked(0, ge=0)
     resume_from: Optional[str] = None
-    autocast_dtype: Optional[str] = None
+    autocast_dtype: Optional[str] = checked(None, choices=(None, "bfloat16"))
     activation_checkpointing: bool = False
     vision_zero1: bool = True
     prefetch: bool = True
-    data_workers: int = 0
+    data_workers: int = checked(0, ge=0)
     dataset_weights: Optional[dict] = None
     dataset_paths: Optional[dict] = None
     tensorboard: bool = True
@@ -123,48 +132,32 @@ class TrainLoopConfig:
     ray_report_logs: bool = False
 
     def __post_init__(self):
-        def need(cond, msg):
-            if not cond:
-                raise ValueError(f"train_loop_config: {msg}")
+        self.validate(loop_key)
 
-        need(self.lr > 0, f"lr must be > 0, got {self.lr}")
-        for k in ("global_batch_size", "num_steps", "micro_batches", "log_every"):
-            v = getattr(self, k)
-            need(isinstance(v, int) and v >= 1, f"{k} must be an integer >= 1, got {v!r}")
-        need(self.global_batch_size % self.micro_batches == 0,
-             f"global_batch_size={self.global_batch_size} must be divisible by "
-             f"micro_batches={self.micro_batches}")
-        need(self.lr_schedule in LR_SCHEDULES, f"lr_schedule must be one of {LR_SCHEDULES}")
-        need(self.balance in BALANCE, f"balance must be one of {BALANCE}, got {self.balance!r}")
-        need(self.bad_data in BAD_DATA, f"bad_data must be one of {BAD_DATA}")
-        need(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm must be > 0 or None")
-        need(self.micro_batch_tokens is None or (isinstance(self.micro_batch_tokens, int)
-                                                 and self.micro_batch_tokens >= 1),
-             f"micro_batch_tokens must be an integer >= 1 or None, got {self.micro_batch_tokens!r}")
-        need(self.micro_batch_tokens is None or self.micro_batches == 1,
-             "set micro_batches=1 (the default) with micro_batch_tokens: the token budget decides "
-             "how many micro-batches a step has")
-        need(isinstance(self.data_workers, int) and self.data_workers >= 0,
-             f"data_workers must be an integer >= 0, got {self.data_workers!r}")
-        need(self.warmup_steps >= 0 and self.checkpoint_every >= 0,
-             "warmup_steps and checkpoint_every must be >= 0")
-        need(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-             f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
-        for k in ("max_text_chars", "max_image_pixels"):
-            v = getattr(self, k)
-            need(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
-                 f"{k} must be an integer >= 1 or None, got {v!r}")
-        need(isinstance(self.max_bad_fraction, (int, float)) and not isinstance(self.max_bad_fraction, bool)
-             and 0.0 <= self.max_bad_fraction <= 1.0,
-             f"max_bad_fraction must be a number in [0, 1], got {self.max_bad_fraction!r}")
-        need(isinstance(self.packing, bool), f"packing must be true or false, got {self.packing!r}")
-        need(self.autocast_dtype in (None, "bfloat16"), "autocast_dtype must be None or 'bfloat16'")
-        for k in ("mlflow", "wandb"):
-            v = getattr(self, k)
-            need(v is None or isinstance(v, dict),
-                 f"{k} must be null (off) or a dict of keyword arguments for Ray's setup_{k}, got {v!r}")
-        self.betas = tuple(self.betas)
-        check_dataset_weights(self.dataset_weights)
+    def validate(self, name: Callable[[str], str] = None) -> None:
+        """ConfigError (a ValueError) for the first value not accepted, naming each key with
+        ``name(field)`` (default: ``train_loop_config.<field>``; the run file passes its dotted
+        keys). Types are coerced first (``"1e-3"`` -> 0.001), as the run-file loader does."""
+        name = name or loop_key
+        for f in fields(self):
+            if f.name not in _UNTYPED:
+                setattr(self, f.name, coerce(getattr(self, f.name), f.type, name(f.name)))
+        check_fields(self, name)
+        for template, ok in self._cross_rules():
+            if not ok:
+                raise ConfigError.about(template, name)
+        check_dataset_weights(self.dataset_weights, key=name("dataset_weights"))
+
+    def _cross_rules(self) -> list:
+        """``(message template, holds)`` for the rules that involve several keys."""
+        return [
+            (f"{{global_batch_size}}={self.global_batch_size} must be divisible by "
+             f"{{micro_batches}}={self.micro_batches}.",
+             self.global_batch_size % self.micro_batches == 0),
+            ("{micro_batch_tokens}: set {micro_batches}=1 (the default) with it: the token budget "
+             "decides how many micro-batches a step has.",
+             self.micro_batch_tokens is None or self.micro_batches == 1),
+        ]
 
     @classmethod
     def from_dict(cls, d: Optional[dict]) -> "TrainLoopConfig":
@@ -173,7 +166,7 @@ class TrainLoopConfig:
         for k in d:
             if k not in known:
                 hint = difflib.get_close_matches(k, known, n=1)
-                raise ValueError(
+                raise ConfigError(
                     f"train_loop_config: unknown key {k!r}"
                     + (f"; did you mean {hint[0]!r}?" if hint else f"; known keys: {sorted(known)}")
                 )
@@ -186,22 +179,23 @@ class TrainLoopConfig:
         return asdict(self)
 
 
-def check_dataset_weights(weights: Optional[dict], names: Optional[Iterable] = None) -> None:
-    """ValueError unless ``weights`` is None or a non-empty ``{name: number > 0}`` whose names are
-    all among ``names`` (the trainer's ``datasets=``; None: not checked)."""
+def check_dataset_weights(weights: Optional[dict], names: Optional[Iterable] = None, *,
+                          key: str = "train_loop_config.dataset_weights") -> None:
+    """ConfigError (a ValueError) naming ``key`` unless ``weights`` is None or a non-empty
+    ``{name: number > 0}`` whose names are all among ``names`` (the trainer's ``datasets=``;
+    None: not checked)."""
     if weights is None:
         return
     if not isinstance(weights, dict) or not weights:
-        raise ValueError("train_loop_config: dataset_weights must be a non-empty dict "
-                         f"{{dataset name: weight > 0}}, got {weights!r}")
+        raise ConfigError(f"{key}: must be a non-empty mapping {{dataset name: weight > 0}}, "
+                          f"got {weights!r}.")
     bad = {k: w for k, w in weights.items() if isinstance(w, bool)
            or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0}
     if bad:
-        raise ValueError(f"train_loop_config: dataset_weights must be finite numbers > 0, got {bad}")
+        raise ConfigError(f"{key}: weights must be finite numbers > 0, got {bad}.")
     if names is not None:
         names = sorted(names)
         missing = sorted(str(k) for k in weights if k not in names)
         if missing:
-            raise ValueError(f"train_loop_config: dataset_weights names {missing} not in datasets= "
-                             f"(the datasets given are {names}); weight only datasets passed "
-                             "to the trainer")
+            raise ConfigError(f"{key}: names {missing} not in datasets= (the datasets given are "
+                              f"{names}); weight only datasets passed to the trainer.")

@@ -5,11 +5,14 @@ Subcommands:
     plan CONFIG.yaml [k=v ...]     layout, meshes and per-rank memory (no Ray, no weights);
                                    --recommend: the placement the cost model prefers
     config --print-defaults        a complete run file with every key, commented
+    config CONFIG.yaml [k=v ...]   the run file resolved (overrides applied) and checked
     export CHECKPOINT OUT_DIR      a Hugging Face model directory from a checkpoint
     docs                           the Markdown configuration reference (docs/configuration.md)
 
-Configuration mistakes (unknown keys, degrees that do not fit the model, worker counts) are
-reported before Ray starts, with exit status 2.
+``plan``, ``config`` and ``train`` check a run file the same way (`RunFile.validate`): unknown
+keys, values out of range, degrees that do not fit the model, worker counts, loop settings that
+contradict each other. Mistakes are reported before Ray starts, naming the run-file key, with
+exit status 2. ``train`` also refuses a run name whose run already finished (exit status 2).
 """
 
 from __future__ import annotations
@@ -38,8 +41,11 @@ def _parser() -> argparse.ArgumentParser:
                     "size:weight,... (e.g. 256:0.7,4096:0.25,16384:0.05) makes --recommend cost "
                     "the mix, balanced by cost")
     pl.add_argument("--text-tokens", type=int, default=512, help="text tokens per sample")
-    pl.add_argument("--attention", choices=["flash", "eager"], default="flash")
-    pl.add_argument("--device-gib", type=float, default=80.0, help="accelerator memory")
+    pl.add_argument("--attention", choices=["flash", "eager"], default=None, help="attention "
+                    "kernel of the activation estimate (default: flash with scaling.use_gpu, "
+                    "else eager)")
+    pl.add_argument("--device-gib", type=float, default=None, help="accelerator memory (default: "
+                    "80 with scaling.use_gpu, else no limit is checked)")
     pl.add_argument("--state-bytes", type=float, default=16.0, help="model-state bytes per "
                     "parameter (16: fp32 weights+grads+AdamW; 12: bf16 weights+grads, fp32 moments)")
     pl.add_argument("--nodes", type=int, default=None, help="nodes of the cluster: show which "
@@ -60,8 +66,12 @@ def _parser() -> argparse.ArgumentParser:
                    "989 for bf16 autocast, 67 for fp32: H100/H200 SXM)")
     r.add_argument("--efficiency", type=float, default=0.4, help="achieved fraction of the peak")
     r.add_argument("--link-gbs", type=float, default=360.0, help="intra-node link GB/s per GPU")
-    c = sub.add_parser("config", help="print a complete run file")
-    c.add_argument("--print-defaults", action="store_true", required=True)
+    c = sub.add_parser("config", help="print a complete run file: the defaults, or CONFIG.yaml "
+                       "resolved and checked")
+    c.add_argument("config", nargs="?", help="YAML run file (omit with --print-defaults)")
+    c.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    c.add_argument("--print-defaults", action="store_true", help="every key at its default, "
+                   "commented")
     e = sub.add_parser("export", help="export a checkpoint as a Hugging Face model directory")
     e.add_argument("checkpoint")
     e.add_argument("out_dir")
@@ -114,6 +124,7 @@ def _recommend(args, rf, tokens) -> int:
     from ray_dhp.cli.recommend import recommend_text
     from ray_dhp.recommend import Hardware
 
+    args.attention, args.device_gib = args.attention or "flash", args.device_gib or 80.0
     hw = Hardware(peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None,
                   efficiency=args.efficiency, link_bw=args.link_gbs * 1e9,
                   internode_bw=args.internode_gbs * 1e9, gpus_per_node=args.gpus_per_node)
@@ -130,9 +141,13 @@ def _recommend(args, rf, tokens) -> int:
 
 
 def _cmd_config(args) -> int:
-    from ray_dhp.cli.render import defaults_yaml
+    from ray_dhp.cli.render import defaults_yaml, yaml_of
+    from ray_dhp.cli.schema import ConfigError
 
-    print(defaults_yaml(), end="")
+    if args.print_defaults == bool(args.config):
+        raise ConfigError("give either --print-defaults or a run file (ray-dhp config RUN.yaml "
+                          "[section.key=value ...]).")
+    print(defaults_yaml() if args.print_defaults else yaml_of(_load(args)), end="")
     return 0
 
 

@@ -33,10 +33,29 @@ def samples_per_replica(rf, topology) -> int:
     return max(1, -(-mb // min(topology.vision.dp, topology.text.dp)))
 
 
-def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention: str = "flash",
-              device_gib: float = 80.0, state_bytes: float = 16.0) -> str:
-    """The full `ray-dhp plan` report for the run file ``rf``."""
-    dhp = rf.dhp_config()
+def _fits(total: float, device_gib) -> str:
+    if device_gib is None:
+        return ""
+    return "  [fits]" if total <= device_gib * GIB else "  [EXCEEDS device]"
+
+
+def _too_long(rf, vision_tokens: int, text_tokens: int, merge: int = 4):
+    """The sample's tokens if they exceed data.max_tokens (such samples are skipped), else None."""
+    n = vision_tokens // merge + text_tokens
+    return n if rf.data.max_tokens is not None and n > rf.data.max_tokens else None
+
+
+def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
+              device_gib=None, state_bytes: float = 16.0) -> str:
+    """The full `ray-dhp plan` report for the run file ``rf``. ``attention`` and
+    ``device_gib`` default to flash and 80 GiB with ``scaling.use_gpu``; on CPU to eager (scores
+    counted in full) and no device limit."""
+    gpu = rf.scaling.use_gpu
+    attention = attention or ("flash" if gpu else "eager")
+    if device_gib is None and gpu:
+        device_gib = 80.0
+    device = f"device {device_gib:g} GiB" if device_gib is not None else "CPU: no device limit"
+    dhp = rf.dhp_config(with_processor=False)
     topo, config = dhp.topology(), dhp.model_config()
     num_workers = rf.num_workers(dhp)
     counts = count_params(config)
@@ -63,20 +82,25 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention: str = "fl
                 f"{text_tokens} text tokens per sample, {settings.dtype_bytes}-byte activations, "
                 f"{attention} attention, activation checkpointing "
                 f"{'on' if settings.checkpointing else 'off'}, vision ZeRO-1 "
-                f"{'on' if zero1 else 'off'}; device {device_gib:g} GiB"]
+                f"{'on' if zero1 else 'off'}; {device}"]
     for vt in vision_tokens:
         out.append(f"vision tokens per sample = {vt}:")
+        too_long = _too_long(rf, vt, text_tokens)
+        if too_long is not None:
+            out.append(f"  samples of {too_long} tokens ({vt} // 4 + {text_tokens}) exceed "
+                       f"data.max_tokens={rf.data.max_tokens}: skipped as bad data")
+            continue
         for m in estimate_ranks(config, topo, counts, vision_tokens=vt, text_tokens=text_tokens,
                                 samples=samples, settings=settings,
                                  state_bytes=state_bytes, vision_zero1=zero1):
-            flag = "fits" if m.total <= device_gib * GIB else "EXCEEDS device"
             out.append(f"  rank {m.rank} memory: state {_gib(m.state_bytes)} + vision act "
                        f"{_gib(m.vision_act)} + text act {_gib(m.text_act)} = {_gib(m.total)}"
-                       f"  [{flag}]")
+                       f"{_fits(m.total, device_gib)}")
         z = estimate_zero3(config, counts, topo.world_size, vision_tokens=vt,
                            text_tokens=text_tokens, settings=settings, state_bytes=state_bytes)
-        out.append(f"  (reference: ZeRO-3 over {topo.world_size} GPUs, one sample per GPU, no SP/TP:"
-                   f" {_gib(z)} per GPU [{'fits' if z <= device_gib * GIB else 'EXCEEDS device'}])")
+        unit = "GPU" if gpu else "rank"
+        out.append(f"  (reference: ZeRO-3 over {topo.world_size} {unit}s, one sample per {unit}, "
+                   f"no SP/TP: {_gib(z)} per {unit}{_fits(z, device_gib)})")
     return "\n".join(out)
 
 

@@ -11,6 +11,7 @@ from dataclasses import MISSING, fields
 
 import yaml
 
+from ray_dhp.checks import check_of
 from ray_dhp.cli.schema import field_help
 
 WIDTH = 96
@@ -38,6 +39,16 @@ def yaml_scalar(v) -> str:
     return text[:-4].strip() if text.endswith("\n...") else text
 
 
+def accepts(f) -> str:
+    """What the field accepts beyond its type, in words ("> 0", "one of a, b"; "" if any)."""
+    return check_of(f).describe()
+
+
+def _help_with_range(cls, f) -> str:
+    text, rng = field_help(cls, f), accepts(f)
+    return f"{text} [accepts: {rng}]" if rng else text
+
+
 def _comment(text: str, indent: str) -> list:
     return [f"{indent}# {ln}" for ln in textwrap.wrap(text, WIDTH - len(indent) - 2)] if text else []
 
@@ -54,10 +65,15 @@ def defaults_yaml(root=None) -> str:
         lines += _comment(f"{sec.metadata['help']}.", "")
         lines.append(f"{sec.name}:")
         for f in fields(cls):
-            lines += _comment(field_help(cls, f), "  ")
+            lines += _comment(_help_with_range(cls, f), "  ")
             lines.append(f"  {f.name}: {yaml_scalar(_default(f))}")
         lines.append("")
     return "\n".join(lines)
+
+
+def yaml_of(rf) -> str:
+    """The run file ``rf`` (a `RunFile`) as YAML: every key, overrides applied, paths absolute."""
+    return yaml.safe_dump(rf.to_dict(), sort_keys=False, default_flow_style=False, width=WIDTH)
 
 
 def _type_name(t) -> str:
@@ -88,7 +104,9 @@ def markdown_reference(root=None) -> str:
         "key's type), e.g. `ray-dhp train run.yaml optim.lr=3e-4 vision.sequence_parallel=2`. "
         "`placement: disjoint` is short for `placement: {mode: disjoint}`. Relative paths are "
         "resolved against the current directory. `ray-dhp config --print-defaults` prints all "
-        "keys as a commented YAML file.",
+        "keys as a commented YAML file. Numbers must be finite; *accepts* says what else a "
+        "key requires. Every command (`plan`, `config`, `train`) checks the whole file the same "
+        "way before anything starts.",
         "",
     ]
     for sec in fields(root):
@@ -97,11 +115,11 @@ def markdown_reference(root=None) -> str:
         if not cls.__module__.startswith("ray_dhp.run_config"):  # a library class: its own words
             doc = f"{sec.metadata['help'].capitalize()}."
         out += [f"## `{sec.name}`", "", doc, ""]
-        out += ["| key | type | default | description |", "|---|---|---|---|"]
+        out += ["| key | type | accepts | default | description |", "|---|---|---|---|---|"]
         for f in fields(cls):
             src = f.metadata.get("source")
             help_ = field_help(cls, f) + (f" (`{src}`)" if src else "")
-            out.append(f"| `{sec.name}.{f.name}` | {_type_name(f.type)} | "
+            out.append(f"| `{sec.name}.{f.name}` | {_type_name(f.type)} | {_cell(accepts(f))} | "
                        f"`{_cell(yaml_scalar(_default(f)))}` | {_cell(help_)} |")
         out.append("")
     return "\n".join(out)

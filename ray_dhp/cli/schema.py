@@ -2,11 +2,13 @@
 
 The rules every section of the run file follows:
 
-* a key that is not a field is an error naming its dotted path, with a ``difflib`` suggestion
-  (searching the same section first, then every key of the file);
+* a key that is not a field is an error naming its dotted path, with a suggestion (the same key
+  in another section, a close key of the same section, then any close key of the file);
 * values are coerced to the field's annotated type (``int``, ``float``, ``str``, ``bool``,
   ``tuple``/``list``, ``dict``, ``Optional[...]``): YAML reads ``1e-3`` as a string, overrides
   arrive as strings, and both become floats here;
+* then checked against what the field accepts (`ray_dhp.checks.Check` in its metadata: bounds,
+  choices; numbers are always finite), naming the dotted key;
 * a field whose metadata names a ``section`` is a nested dataclass (loaded recursively); its
   ``shorthand`` lets a scalar stand for one field (``placement: disjoint``);
 * help strings live in field metadata (``help``) or, for borrowed fields, in the ``Args:`` block
@@ -21,12 +23,12 @@ import re
 from dataclasses import MISSING, field, fields
 from typing import Any, Iterable, Optional
 
-__all__ = ["ConfigError", "doc_args", "field_help", "borrow", "option", "section", "from_dict", "leaf_keys",
+from ray_dhp.checks import Check, ConfigError, check_of, coerce
+
+__all__ = ["ConfigError", "Check", "doc_args", "field_help", "borrow", "option", "section", "from_dict", "leaf_keys",
            "apply_overrides", "set_dotted", "coerce"]
 
 
-class ConfigError(ValueError):
-    """A run-file error that names the dotted key and says how to fix it."""
 
 
 def doc_args(cls) -> dict:
@@ -60,11 +62,13 @@ def field_help(cls, f) -> str:
     return f.metadata.get("help") or doc_args(cls).get(f.name, "")
 
 
-def option(default: Any = None, help: str = "", *, factory=None):
-    """A plain field with a help string."""
+def option(default: Any = None, help: str = "", *, factory=None, **check):
+    """A plain field with a help string and what it accepts (`ray_dhp.checks.Check` keywords:
+    ``gt``, ``ge``, ``lt``, ``le``, ``length``, ``choices``; numbers must be finite anyway)."""
+    meta = {"help": help, "check": Check(**check)}
     if factory is not None:
-        return field(default_factory=factory, metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 def section(cls, help: str, shorthand: Optional[str] = None):
@@ -84,67 +88,13 @@ def borrow(owner, names: Iterable[str], rename: Optional[dict] = None) -> list:
     for name in names:
         src = by_name[rename.get(name, name)]
         help_ = docs.get(src.name) or src.metadata.get("help", "")
-        meta = {"help": help_, "source": f"{owner.__name__}.{src.name}"}
+        meta = {"help": help_, "source": f"{owner.__name__}.{src.name}", "check": check_of(src)}
         if src.default is not MISSING:
             spec = field(default=src.default, metadata=meta)
         else:
             spec = field(default_factory=src.default_factory, metadata=meta)
         specs.append((name, src.type, spec))
     return specs
-
-
-# -- coercion ---------------------------------------------------------------------------------
-
-_BASE = {"int": int, "float": float, "str": str, "bool": bool, "tuple": tuple, "list": list,
-         "dict": dict}
-
-
-def _parse_type(type_) -> tuple:
-    """(base python type or None for Any, optional?) of an annotation (string or type)."""
-    t = type_ if isinstance(type_, str) else getattr(type_, "__name__", str(type_))
-    optional = t.startswith("Optional[")
-    if optional:
-        t = t[len("Optional["):-1]
-    return _BASE.get(t.split("[")[0]), optional
-
-
-def coerce(value: Any, type_, dotted: str) -> Any:
-    """``value`` converted to the annotated type, or ConfigError naming ``dotted``."""
-    name = type_ if isinstance(type_, str) else getattr(type_, "__name__", str(type_))
-    if name.startswith("Union["):  # Union[int, bool]: a bool stays a bool, else the first type
-        members = [m.strip() for m in name[len("Union["):-1].split(",")]
-        if isinstance(value, bool) and "bool" in members:
-            return value
-        if value is None:
-            raise ConfigError(f"{dotted}: null is not allowed here; give a {' or '.join(members)}.")
-        return coerce(value, members[0], dotted)
-    base, optional = _parse_type(type_)
-    if value is None:
-        if optional or base is None:
-            return None
-        raise ConfigError(f"{dotted}: null is not allowed here; give a {base.__name__}.")
-    if base is None:
-        return value
-    ok = not isinstance(value, bool) or base is bool
-    try:
-        if base is bool and isinstance(value, bool):
-            return value
-        if base is int and ok and isinstance(value, (int, str)):
-            return int(value)
-        if base is int and ok and isinstance(value, float) and value.is_integer():
-            return int(value)
-        if base is float and ok and isinstance(value, (int, float, str)):
-            return float(value)
-        if base is str and ok and isinstance(value, (str, int, float)):
-            return str(value)
-        if base in (tuple, list) and isinstance(value, (list, tuple)):
-            return base(value)
-        if base is dict and isinstance(value, dict):
-            return value
-    except ValueError:
-        pass
-    raise ConfigError(f"{dotted}: expected {'null or ' if optional else ''}{base.__name__}, "
-                      f"got {value!r}.")
 
 
 # -- loading ----------------------------------------------------------------------------------
@@ -163,12 +113,12 @@ def _suggest(dotted: str, key: str, known: list, root) -> str:
     """The 'did you mean' part of an unknown-key error."""
     everywhere = leaf_keys(root) if root is not None else []
     same_leaf = [k for k in everywhere if k.rsplit(".", 1)[-1] == key]
+    if same_leaf:  # the exact key of another section
+        return f"; did you mean {same_leaf[0]!r}?"
     close = difflib.get_close_matches(key, known, n=1)
     if close:
         parent = dotted.rsplit(".", 1)[0] + "." if "." in dotted else ""
         return f"; did you mean {parent + close[0]!r}?"
-    if same_leaf:
-        return f"; did you mean {same_leaf[0]!r}?"
     close = difflib.get_close_matches(dotted, everywhere, n=1, cutoff=0.7)
     if close:
         return f"; did you mean {close[0]!r}?"
@@ -200,7 +150,11 @@ def from_dict(cls, data: Any, path: str = "", root=None):
 def _field_value(f: dataclasses.Field, value: Any, dotted: str, root):
     sub = f.metadata.get("section")
     if sub is None:
-        return coerce(value, f.type, dotted)
+        value = coerce(value, f.type, dotted)
+        reason = check_of(f).error(value)
+        if reason:
+            raise ConfigError(f"{dotted}: {reason}.")
+        return value
     shorthand = f.metadata.get("shorthand")
     if shorthand and value is not None and not isinstance(value, dict):
         value = {shorthand: value}

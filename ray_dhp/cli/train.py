@@ -13,25 +13,15 @@ def prepare_data(rf) -> dict:
     ``data.datasets``, checked against ``data.dataset_weights``. With neither set, the demo set is
     generated as "train" (into ``<storage_path>/<run name>/demo_data``, reused if already there)."""
     from ray_dhp.cli.schema import ConfigError
-    from ray_dhp.train_config import check_dataset_weights
 
-    extra = rf.data.datasets or {}
-    if rf.data.train and "train" in extra:
-        raise ConfigError('data.datasets.train: the dataset "train" is data.train; set one of them.')
-    train = rf.data.train or (None if extra else _DEMO)
-    datasets = {**({"train": train} if train else {}), **extra}
-    if rf.data.dataset_weights is None and extra:
-        raise ConfigError(f"data.datasets: {sorted(extra)} need data.dataset_weights "
-                          "({name: weight}) to be mixed into training.")
-    try:
-        check_dataset_weights(rf.data.dataset_weights, datasets)
-    except ValueError as e:
-        raise ConfigError(f"data.dataset_weights: {e}") from None
+    names = rf.dataset_names()  # the weights checked against the names
+    train = rf.data.train or _DEMO
+    datasets = {**({"train": train} if "train" in names else {}), **(rf.data.datasets or {})}
     for name, path in datasets.items():
         key = "data.train" if name == "train" and rf.data.train else f"data.datasets.{name}"
         if path != _DEMO and (not isinstance(path, str) or not os.path.exists(path)):
             raise ConfigError(f"{key}: {path} does not exist.")
-    if train == _DEMO:
+    if datasets.get("train") == _DEMO:
         datasets["train"] = _demo_data(rf)
     return datasets
 
@@ -120,14 +110,21 @@ def train(rf) -> dict:
     """Run the whole training described by ``rf``; returns the final metrics and result path."""
     from ray_dhp.callbacks import read_history
 
+    from ray_dhp.cli.runs import check_run_folder
+
+    rf.validate()
     dhp = rf.dhp_config()
     num_workers = rf.num_workers(dhp)
+    start = check_run_folder(rf) or 0  # a finished run of the same name is refused here
     print(f"[ray_dhp] layout:\n{dhp.topology().describe()}", flush=True)
+    if start:
+        print(f"[ray_dhp] resuming run {rf.run_name()!r} from its checkpoint at step {start} "
+              f"(to start afresh, give another run.name)", flush=True)
     datasets = prepare_data(rf)
     trainer = build_trainer(rf, datasets=datasets)  # validates before Ray starts workers
     init_ray(rf, num_workers)
     result = trainer.fit()
-    hist = read_history(result)
+    hist = [m for m in read_history(result) if m.get("step", 0) > start]  # this invocation's
     metrics = dict(result.metrics or (hist[-1] if hist else {}))
     first = hist[0] if hist else metrics
     print(f"[ray_dhp] done: loss {first.get('loss', float('nan')):.4f} (step {first.get('step')}) "

@@ -79,7 +79,7 @@ def test_overrides_are_coerced_to_the_field_types():
       "text.data_parallel=3"], r"sequence_parallel=3 must divide the vision attention heads"),
     (["vision.sequence_parallel=1"], r"products match"),
     (["scaling.num_workers=3"], r"scaling\.num_workers: .*set num_workers=2"),
-    (["optim.lr_schedule=cosin"], r"lr_schedule must be one of"),
+    (["optim.lr_schedule=cosin"], r"optim\.lr_schedule: must be one of constant, cosine, linear"),
 ])
 def test_mistakes_name_the_key_and_the_fix(overrides, match):
     with pytest.raises(ConfigError, match=match):

@@ -61,5 +61,5 @@ def test_num_workers_mismatch_names_the_fix():
 def test_train_loop_config_typo_suggests_the_key():
     with pytest.raises(ValueError, match="did you mean 'global_batch_size'"):
         TrainLoopConfig.from_dict({"global_batchsize": 4})
-    with pytest.raises(ValueError, match="divisible by micro_batches"):
+    with pytest.raises(ValueError, match=r"divisible by train_loop_config\.micro_batches=4"):
         TrainLoopConfig.from_dict({"global_batch_size": 6, "micro_batches": 4})
