@@ -146,7 +146,7 @@ def test_balancer_validation():
     with pytest.raises(ValueError, match="CostModel"):
         Balancer("cost")
     from ray_dhp.train_config import TrainLoopConfig
-    with pytest.raises(ValueError, match="balance must be one of"):
+    with pytest.raises(ValueError, match="balance: must be one of"):
         TrainLoopConfig(balance="tokens")
 
 

@@ -39,7 +39,7 @@ BAD = [  # (override, message): numbers finite and in range, choices, cross-key 
      "optim.micro_batch_tokens: set optim.micro_batches=1"),
     ("optim.micro_batches=3", "optim.global_batch_size=4 must be divisible by optim.micro_batches=3"),
     ("vision.tensor_parallel=2", "vision.tensor_parallel: unknown key; did you mean 'text.tensor_parallel'"),
-    ("text.sequence_parallel=2", "text.sequence_parallel: unknown key; did you mean 'vision.sequence_parallel'"),
+    ("text.sequence_parallel=2", "text.sequence_parallel: expected bool, got 2"),
 ]
 
 
@@ -103,7 +103,8 @@ def test_check_describes_and_rejects():
 
 def test_reference_lists_only_settable_keys_with_what_they_accept():
     ref = markdown_reference()
-    assert "`vision.tensor_parallel`" not in ref and "`text.sequence_parallel`" not in ref
+    assert "`vision.tensor_parallel`" not in ref
+    assert "| `text.sequence_parallel` | bool |" in ref  # on/off, not a degree
     assert "| `optim.lr` | float | > 0 |" in ref
     assert "| `optim.betas` | tuple | 2 numbers, each >= 0 and < 1 |" in ref
     assert "AdamW moments" not in ref
