@@ -44,7 +44,15 @@ class TrainLoopConfig:
         checkpoint_every: steps between checkpoints (0 = only at the end).
         resume_from: checkpoint to start from when the run has none of its own yet: a path (one
             checkpoint, or a folder of them) or a ``ray.train.Checkpoint``; any layout.
-        autocast_dtype: None (fp32) or "bfloat16".
+        precision: the precision policy (`ray_dhp.precision`): "fp32" (fp32 weights, grads and
+            AdamW state: 16 B/param), "bf16_autocast" (the same state, matmuls under bf16
+            autocast), "bf16_mixed" (bf16 weights and grads, fp32 master weights and AdamW
+            moments that the optimizer steps; 16 B/param, half-size weights, grads and
+            activations; checkpoints hold the masters) or "bf16" (bf16 weights, grads and
+            moments, no masters: 8 B/param). None: from autocast_dtype ("fp32", or
+            "bf16_autocast" with autocast_dtype="bfloat16").
+        autocast_dtype: None or "bfloat16" (= precision "bf16_autocast"; kept for older run
+            files; contradicting precision is an error).
         activation_checkpointing: recompute transformer blocks in backward.
         vision_zero1: shard the vision optimizer state over the vision group (ZeRO-1).
         prefetch: prepare the next step's samples in a background thread while the current
@@ -79,6 +87,7 @@ class TrainLoopConfig:
     micro_batch_tokens: Optional[int] = None
     checkpoint_every: int = 0
     resume_from: Optional[str] = None
+    precision: Optional[str] = None
     autocast_dtype: Optional[str] = None
     activation_checkpointing: bool = False
     vision_zero1: bool = True
@@ -115,7 +124,12 @@ class TrainLoopConfig:
         need(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
              f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
         need(isinstance(self.packing, bool), f"packing must be true or false, got {self.packing!r}")
-        need(self.autocast_dtype in (None, "bfloat16"), "autocast_dtype must be None or 'bfloat16'")
+        from ray_dhp.precision import policy_name
+
+        try:
+            policy_name(self.precision, self.autocast_dtype)
+        except ValueError as e:
+            need(False, str(e))
         self.betas = tuple(self.betas)
         check_dataset_weights(self.dataset_weights)
 

@@ -38,8 +38,6 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--text-tokens", type=int, default=512, help="text tokens per sample")
     pl.add_argument("--attention", choices=["flash", "eager"], default="flash")
     pl.add_argument("--device-gib", type=float, default=80.0, help="accelerator memory")
-    pl.add_argument("--state-bytes", type=float, default=16.0, help="model-state bytes per "
-                    "parameter (16: fp32 weights+grads+AdamW; 12: bf16 weights+grads, fp32 moments)")
     r = pl.add_argument_group("recommendation (ray_dhp/recommend.py)")
     r.add_argument("--recommend", action="store_true", help="rank collocated and disjoint "
                    "layouts by predicted step time and print the best as a run-file fragment")
@@ -86,8 +84,7 @@ def _cmd_plan(args) -> int:
 
         raise ConfigError("--gpus and --micro-batches are options of --recommend; add --recommend.")
     print(plan_text(rf, vision_tokens=tokens, text_tokens=args.text_tokens,
-                    attention=args.attention, device_gib=args.device_gib,
-                    state_bytes=args.state_bytes))
+                    attention=args.attention, device_gib=args.device_gib))
     return 0
 
 
@@ -100,7 +97,7 @@ def _recommend(args, rf, tokens) -> int:
     text, ok = recommend_text(rf, gpus=args.gpus, micro_batches=args.micro_batches,
                               vision_tokens=tokens, text_tokens=args.text_tokens,
                               attention=args.attention, device_gib=args.device_gib,
-                              state_bytes=args.state_bytes, hardware=hw, top=args.top)
+                              hardware=hw, top=args.top)
     print(text)
     return 0 if ok else 1
 

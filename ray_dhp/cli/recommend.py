@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from ray_dhp.cli.plan import settings_of
+from ray_dhp.cli.plan import policy_of_run, settings_of
 from ray_dhp.cli.schema import ConfigError
 
 
@@ -41,8 +41,8 @@ def _row(i, c) -> str:
 
 
 def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens: int,
-                   attention: str = "flash", device_gib: float = 80.0, state_bytes: float = 16.0,
-                   hardware=None, top: int = 8) -> tuple:
+                   attention: str = "flash", device_gib: float = 80.0, hardware=None,
+                   top: int = 8) -> tuple:
     """(report, ok): the ranked layouts for the run file ``rf`` on ``gpus`` workers (None: the
     run file's count) and the fragment of the best one; ``ok`` is False when none fits."""
     from ray_dhp.cli.plan import _num
@@ -61,6 +61,7 @@ def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens:
     config = load_model_config(rf.model_spec())
     counts = count_params(config)
     settings = settings_of(rf, attention)
+    state_bytes = float(policy_of_run(rf).state_bytes())  # the engine's policy (optim.precision)
     vt = max(vision_tokens)
     w = Workload(vision_tokens=vt, text_tokens=text_tokens, global_batch_size=gb, micro_batches=m,
                  settings=settings, state_bytes=state_bytes,
@@ -101,6 +102,6 @@ def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens:
                     f"{best.peak_memory_gib:.3g} GiB per GPU). Run-file fragment:", "",
                 _fragment_yaml(best, micro_batches).rstrip()]
     else:
-        out += ["", "no layout fits: lower the state bytes (--state-bytes 12), turn on activation "
+        out += ["", "no layout fits: use optim.precision=bf16 (8 B/param), turn on activation "
                     "checkpointing or bf16 autocast, shorten the samples, or add GPUs."]
     return "\n".join(out), bool(ok)
