@@ -31,6 +31,8 @@ def _worker(rank, world_size, port, backend, threads, fn, args, queue):
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
+        if backend == "nccl":  # CUDA tensors over NCCL, host tensors over gloo (see backend.py)
+            backend = "cpu:gloo,cuda:nccl"
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(minutes=20))
         out = fn(rank, world_size, *args)
         buf = io.BytesIO()
