@@ -6,6 +6,7 @@ Subcommands:
                                    --recommend: the placement the cost model prefers
     config --print-defaults        a complete run file with every key, commented
     export CHECKPOINT OUT_DIR      a Hugging Face model directory from a checkpoint
+                                   (--dtype bfloat16: the weights' dtype; --source DIR)
     docs                           the Markdown configuration reference (docs/configuration.md)
 
 Configuration mistakes (unknown keys, degrees that do not fit the model, worker counts) are
@@ -55,6 +56,11 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="export a checkpoint as a Hugging Face model directory")
     e.add_argument("checkpoint")
     e.add_argument("out_dir")
+    e.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="dtype of the written weights (default: the checkpoint's, fp32)")
+    e.add_argument("--source", default=None, help="model directory to copy "
+                   "generation_config.json and the chat template from (default: the one the "
+                   "run started from, recorded in the checkpoint)")
     sub.add_parser("docs", help="print docs/configuration.md")
     return p
 
@@ -137,7 +143,7 @@ def _cmd_export(args) -> int:
         print("ray-dhp export: this install has no ray_dhp.export_hf (ray_dhp/export.py); "
               "update ray_dhp to a version with checkpoint export.", file=sys.stderr)
         return 1
-    out = export_hf(args.checkpoint, args.out_dir)
+    out = export_hf(args.checkpoint, args.out_dir, dtype=args.dtype, source=args.source)
     print(f"[ray_dhp] exported {args.checkpoint} -> {out or args.out_dir}")
     return 0
 

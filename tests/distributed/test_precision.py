@@ -235,3 +235,38 @@ def test_bf16_mixed_resume_is_exact(tmp_path):
             for n, t in a[kind].items():
                 assert torch.equal(t, b[kind][n]), (kind, n)
     assert os.path.isfile(os.path.join(ckpt, "COMMIT"))
+    _check_export(ckpt, tmp_path, resumed)
+
+
+def _check_export(ckpt, tmp_path, saved_run):
+    """``export --dtype bfloat16`` of the bf16_mixed checkpoint (step 2) writes bf16 weights equal
+    to the masters rounded to bf16, says so in config.json, and copies generation_config.json and
+    the chat template from the source model directory."""
+    import json
+
+    from safetensors import safe_open
+
+    from ray_dhp.export import export_hf
+
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "generation_config.json").write_text(json.dumps({"temperature": 0.25}))
+    (source / "chat_template.jinja").write_text("{{ messages }}")
+    out = export_hf(ckpt, tmp_path / "hf", dtype="bfloat16", source=str(source))
+    assert json.loads(open(os.path.join(out, "generation_config.json")).read())["temperature"] == 0.25
+    assert open(os.path.join(out, "chat_template.jinja")).read() == "{{ messages }}"
+    assert json.load(open(os.path.join(out, "config.json")))["dtype"] == "bfloat16"
+    with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+        assert {f.get_tensor(n).dtype for n in names} == {torch.bfloat16}
+        saved = "model.layers.0.mlp.down_proj.weight"  # transformers' on-disk (legacy) name
+        masters_at_2 = _masters_at_step_2(ckpt, "model.language_model.layers.0.mlp.down_proj.weight")
+        assert torch.equal(f.get_tensor(saved), masters_at_2.to(torch.bfloat16))
+
+
+def _masters_at_step_2(ckpt, name):
+    from ray_dhp.export import read_model_tensors
+
+    t = read_model_tensors(ckpt)[name]
+    assert t.dtype == torch.float32
+    return t

@@ -147,8 +147,10 @@ def test_export_without_the_export_module_fails_clearly(monkeypatch, capsys, tmp
     assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 1
     assert "no ray_dhp.export_hf" in capsys.readouterr().err
     calls = []
-    monkeypatch.setattr(cli, "_export_fn", lambda: lambda c, o: calls.append((c, o)))
-    assert main(["export", "c", "o"]) == 0 and calls == [("c", "o")]
+    monkeypatch.setattr(cli, "_export_fn", lambda: lambda c, o, **kw: calls.append((c, o, kw)))
+    assert main(["export", "c", "o"]) == 0 and calls == [("c", "o", {"dtype": None, "source": None})]
+    assert main(["export", "c", "o", "--dtype", "bfloat16"]) == 0
+    assert calls[-1][2]["dtype"] == "bfloat16"
 
 
 def test_sweep_keys_are_checked_and_grids_expanded():
