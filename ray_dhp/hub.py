@@ -61,7 +61,7 @@ def resolve_model_path(spec, key: str = "model.path", download: Optional[bool] =
     if os.path.isdir(path):
         return path
     if not looks_like_repo_id(text):
-        raise ValueError(f"{key}={text!r}: {path} is not a directory, and not a Hugging Face "
+        raise ValueError(f"{key}={text!r}: {path} is not a local directory, and not a Hugging Face "
                          "model id (org/name). Give a local model directory or an id such as "
                          "Qwen/Qwen2.5-VL-7B-Instruct.")
     from huggingface_hub import snapshot_download

@@ -116,6 +116,7 @@ class Workload:
     state_bytes: float = 16.0      # model-state bytes per parameter (see ray_dhp.memory)
     vision_zero1: bool = True
     device_gib: float = 80.0
+    policy: object = None          # a PrecisionPolicy: exact per-rank state (overrides state_bytes)
 
     def __post_init__(self):
         if self.global_batch_size % self.micro_batches:
@@ -350,7 +351,7 @@ def memory_gib(config, counts, layout: Layout, w: Workload) -> dict:
     """Largest per-rank estimate (GiB) of each group, from `ray_dhp.memory.estimate_ranks`."""
     topo = layout.topology()
     kw = dict(vision_tokens=w.vision_tokens, text_tokens=w.text_tokens, settings=w.settings,
-              state_bytes=w.state_bytes, vision_zero1=w.vision_zero1)
+              state_bytes=w.state_bytes, vision_zero1=w.vision_zero1, policy=w.policy)
     mb = w.micro_batch_size
     by_v = estimate_ranks(config, topo, counts, samples=-(-mb // topo.vision.dp), **kw)
     by_t = estimate_ranks(config, topo, counts, samples=-(-mb // topo.text.dp), **kw)

@@ -74,5 +74,5 @@ def test_uncached_id_says_how_to_download(hub_cache):
 def test_neither_directory_nor_id(hub_cache):
     from ray_dhp.hub import resolve_model_path
 
-    with pytest.raises(ValueError, match="not a directory, and not a Hugging Face model id"):
+    with pytest.raises(ValueError, match="not a local directory, and not a Hugging Face model id"):
         resolve_model_path("./no/such/dir/here")
