@@ -169,14 +169,44 @@ def test_bf16_mixed_masters_equal_the_reference(layout, steps):
     assert worst > 0  # the comparison is not vacuous (bf16 gradients do differ by layout)
 
 
-def _check_body(rank, world):
-    """The device check on a real gloo group: a host scalar over a training group is caught,
-    the same value created on the group's device passes, the host (data) group may carry it."""
+def _old_squared_norm(params, tp_group=None, device=None):
+    """The norm as it was before the NCCL fix: CPU fp64 scalars all-reduced over the TP group."""
     import torch.distributed as dist
 
+    from ray_dhp.parallel.tensor import is_sharded, local
+
+    sharded = torch.zeros((), dtype=torch.float64)
+    replicated = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        g = local(p.grad).detach().double()
+        if is_sharded(p.grad):
+            sharded += g.pow(2).sum()
+        else:
+            replicated += g.pow(2).sum()
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(sharded, group=tp_group)
+    return sharded + replicated
+
+
+def _check_body(rank, world, steps):
+    """The device check on a real gloo group: a host scalar over a training group is caught,
+    the same value created on the group's device passes, the host (data) group may carry it;
+    an engine step with the pre-fix gradient norm (CPU scalars over the TP group) is caught."""
+    import torch.distributed as dist
+
+    from ray_dhp.parallel import data as dp
     from ray_dhp.parallel.devcheck import CollectiveDeviceCheck
 
-    data = dist.new_group(list(range(world)), backend="gloo")
+    engine, groups = _engine(SP2_TP2, CFG)
+    dp.squared_norm = _old_squared_norm
+    old = None
+    try:
+        with CollectiveDeviceCheck(groups.device, host_groups=[groups.data]):
+            engine.step(steps[0])
+    except AssertionError as e:
+        old = str(e)
+
+    data = groups.data
     dev = torch.device("cpu")
     caught = None
     with CollectiveDeviceCheck(dev, host_groups=[data]) as check:
@@ -186,13 +216,14 @@ def _check_body(rank, world):
             dist.all_reduce(torch.stack([torch.zeros(()), torch.ones(())]))
         except AssertionError as e:
             caught = str(e)
-    return caught, check.calls
+    return caught, check.calls, old
 
 
-def test_device_check_catches_a_host_tensor():
-    caught, calls = run_on_ranks(_check_body, 2)[0]
+def test_device_check_catches_a_host_tensor(steps):
+    caught, calls, old = run_on_ranks(_check_body, 2, args=(steps,))[0]
     assert caught is not None and "host tensor" in caught and "NCCL" in caught
     assert calls == 1  # the device tensor; the data group's host tensor is allowed, not counted
+    assert old is not None and "dist.all_reduce sends a host tensor (shape (), torch.float64)" in old
 
 
 def _resume_body(rank, world, layout, cfg, data, ckpt, mode):
