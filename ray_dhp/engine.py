@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from ray_dhp.mesh import DHPGroups
 from ray_dhp.models import build_model, family_of, load_model_config
 from ray_dhp.optim import build_optimizer_for, zero1_owners
-from ray_dhp.precision import policy_of
+from ray_dhp.precision import local_nbytes, policy_of, weight_dtype
 from ray_dhp.schedule import order_for
 from ray_dhp.parallel import boundary as bnd
 from ray_dhp.parallel import data as dp
@@ -134,7 +134,7 @@ class DHPEngine:
                  comm: Optional[CommCounter] = None, dtype: Optional[torch.dtype] = None,
                  schedule: str = "sequential"):
         self.policy = policy_of(cfg)
-        dtype = _weight_dtype(self.policy, dtype)
+        dtype = weight_dtype(self.policy, dtype)
         self.source_model = str(model) if isinstance(model, (str, os.PathLike)) else None
         self.groups, self.cfg, self.comm, self.dtype = groups, cfg, comm, dtype
         self.schedule = schedule
@@ -382,7 +382,7 @@ class DHPEngine:
         stepped, and the bf16 weights refreshed from them."""
         modules = ((self.vision_params, self.vision_opt, self.vision_sched, self.vision_masters),
                    (self.text_params, self.text_opt, self.text_sched, self.text_masters))
-        self.last_grad_bytes = sum(_nbytes(p.grad) for p in self.vision_params + self.text_params
+        self.last_grad_bytes = sum(local_nbytes(p.grad) for p in self.vision_params + self.text_params
                                    if p.grad is not None)
         for params, opt, sched, masters in modules:
             if masters is not None:
@@ -408,19 +408,11 @@ class DHPEngine:
             self._zero1_broadcast()
 
     def state_bytes(self) -> dict:
-        """Bytes this rank holds, measured from the tensors: weights (local shards), the
-        gradients the last step held when the optimizer ran (`last_grad_bytes`; 0 before the
-        first step), fp32 masters and the optimizer's tensors (AdamW moments, after a step)."""
-        params = self.vision_params + self.text_params
-        out = {"weights": sum(_nbytes(p) for p in params),
-               "grads": getattr(self, "last_grad_bytes", 0),
-               "masters": sum(m.nbytes() for m in (self.vision_masters, self.text_masters)
-                              if m is not None),
-               "optimizer": sum(_nbytes(v) for opt in (self.vision_opt, self.text_opt)
-                                if opt is not None for st in opt.state.values()
-                                for v in st.values() if torch.is_tensor(v) and v.dim() > 0)}
-        out["total"] = sum(out.values())
-        return out
+        """Bytes of model state this rank holds, measured from its tensors
+        (`ray_dhp.memory.measure_engine_state`)."""
+        from ray_dhp.memory import measure_engine_state
+
+        return measure_engine_state(self)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -446,25 +438,6 @@ class DHPEngine:
 # Attention implementations whose mask transformers builds from packed position ids for any
 # number of rows (flash kernels infer packing from positions only when there is one row).
 _MASKED_ATTENTION = ("sdpa", "eager", "flex_attention")
-
-
-def _weight_dtype(policy, dtype: Optional[torch.dtype]) -> torch.dtype:
-    """The weights' dtype: the policy's, or an explicit ``dtype`` for the fp32 policies (the
-    fp64 equivalence tests run the fp32 policies in fp64)."""
-    if dtype is None or dtype == policy.param_dtype:
-        return policy.param_dtype
-    if policy.param_dtype != torch.float32:
-        raise ValueError(f"precision={policy.name!r} holds {policy.param_dtype} weights; "
-                         f"dtype={dtype} is only for the fp32 policies")
-    return dtype
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    """Bytes of this rank's part of ``t`` (the local shard of a DTensor)."""
-    from ray_dhp.parallel.tensor import local
-
-    t = local(t)
-    return t.numel() * t.element_size()
 
 
 def _is_dtensor(t) -> bool:

@@ -123,6 +123,27 @@ def rank_state(counts: ParamCounts, topology, rank: int, policy, vision_zero1: b
                      startup_peak=weights + masters + 4 * counts.largest)
 
 
+def measure_engine_state(engine) -> dict:
+    """Bytes a `DHPEngine` holds, measured from its tensors: weights (local shards), the
+    gradients the last step held when the optimizer ran (``engine.last_grad_bytes``; 0 before the
+    first step), fp32 masters and the optimizers' tensors (AdamW moments, after a step). Compare
+    with `rank_state`."""
+    import torch
+
+    from ray_dhp.precision import local_nbytes
+
+    params = engine.vision_params + engine.text_params
+    out = {"weights": sum(local_nbytes(p) for p in params),
+           "grads": getattr(engine, "last_grad_bytes", 0),
+           "masters": sum(m.nbytes() for m in (engine.vision_masters, engine.text_masters)
+                          if m is not None),
+           "optimizer": sum(local_nbytes(v) for opt in (engine.vision_opt, engine.text_opt)
+                            if opt is not None for st in opt.state.values()
+                            for v in st.values() if torch.is_tensor(v) and v.dim() > 0)}
+    out["total"] = sum(out.values())
+    return out
+
+
 def _bytes(dtype) -> int:
     import torch
 

@@ -121,6 +121,25 @@ def policy_of(cfg) -> PrecisionPolicy:
     return POLICIES[policy_name(getattr(cfg, "precision", None), getattr(cfg, "autocast_dtype", None))]
 
 
+def weight_dtype(policy: PrecisionPolicy, dtype: Optional[torch.dtype] = None) -> torch.dtype:
+    """The weights' dtype: the policy's, or an explicit ``dtype`` for the fp32 policies (the
+    fp64 equivalence tests run the fp32 policies in fp64)."""
+    if dtype is None or dtype == policy.param_dtype:
+        return policy.param_dtype
+    if policy.param_dtype != torch.float32:
+        raise ValueError(f"precision={policy.name!r} holds {policy.param_dtype} weights; "
+                         f"dtype={dtype} is only for the fp32 policies")
+    return dtype
+
+
+def local_nbytes(t: torch.Tensor) -> int:
+    """Bytes of this rank's part of ``t`` (the local shard of a DTensor)."""
+    from ray_dhp.parallel.tensor import local
+
+    t = local(t)
+    return t.numel() * t.element_size()
+
+
 # -- fp32 master weights ------------------------------------------------------------------------
 
 def _master_of(p: torch.Tensor) -> torch.nn.Parameter:
@@ -170,6 +189,4 @@ class MasterWeights:
             m.grad = None
 
     def nbytes(self) -> int:
-        from ray_dhp.parallel.tensor import local
-
-        return sum(local(m).numel() * local(m).element_size() for _, m in self.pairs)
+        return sum(local_nbytes(m) for _, m in self.pairs)

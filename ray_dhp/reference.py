@@ -16,17 +16,15 @@ from ray_dhp.engine import count_targets, shift_labels, upcast
 from ray_dhp.models import build_model, load_model_config
 from ray_dhp.optim import build_optimizer_for
 from ray_dhp.parallel.data import clip_coefficient
-from ray_dhp.precision import policy_of
+from ray_dhp.precision import policy_of, weight_dtype
 from ray_dhp.train_config import TrainLoopConfig
 
 
 class ReferenceTrainer:
     def __init__(self, model, cfg: TrainLoopConfig, device="cpu", dtype=None):
-        from ray_dhp.engine import _weight_dtype
-
         self.cfg = cfg
         self.policy = policy_of(cfg)
-        dtype = _weight_dtype(self.policy, dtype)
+        dtype = weight_dtype(self.policy, dtype)
         self.config = load_model_config(model)
         self.model = build_model(model, seed=cfg.seed, dtype=dtype).to(device)
         self.dtype = dtype
