@@ -119,6 +119,13 @@ class DisaggregatedBackend(Backend):
             logger.debug("teardown on shutdown failed: %s", e)
 
 
+def world_backend(device: torch.device) -> str:
+    """The default group's backend: NCCL for CUDA tensors with a gloo twin for CPU tensors on
+    GPU workers (object collectives, checkpoint barriers, anything host-side stays valid; the
+    training collectives themselves send tensors on the device), plain gloo on CPU."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
 def _device() -> torch.device:
     if torch.cuda.is_available():
         import ray.train.torch
@@ -154,7 +161,7 @@ class WorkerContextManager:
             addr = os.environ.get(_ENV_ADDR, "127.0.0.1")
             port = os.environ.get(_ENV_PORT) or str(free_port())
             dist.init_process_group(
-                "nccl" if device.type == "cuda" else "gloo",
+                world_backend(device),
                 init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
                 timeout=timedelta(seconds=self.cfg.timeout_s),
             )

@@ -51,22 +51,28 @@ VISION_PREFIX = "model.visual."
 
 def model_state(engine) -> dict:
     """This rank's parameters by Hugging Face name (vision prefixed ``model.visual.``); DTensors
-    stay sharded. Detached views: DCP loads into them in place."""
+    stay sharded. Detached views: DCP loads into them in place. Under a policy with fp32
+    masters (bf16_mixed) these are the masters the rank updates, so a resume is exact."""
     out = {}
     if engine.visual is not None:
-        out.update({VISION_PREFIX + n: p.detach() for n, p in engine.visual.named_parameters()})
+        src = engine.vision_masters or engine.visual
+        out.update({VISION_PREFIX + n: p.detach() for n, p in src.named_parameters()})
     if engine.text_model is not None:
-        out.update({n: p.detach() for n, p in engine.text_model.named_parameters()})
+        src = engine.text_masters or engine.text_model
+        out.update({n: p.detach() for n, p in src.named_parameters()})
     return out
 
 
 def _modules(engine) -> dict:
-    """{"vision"|"text": (module, optimizer, scheduler)} for the modules this rank hosts."""
+    """{"vision"|"text": (module the optimizer steps, optimizer, scheduler)} for the modules
+    this rank hosts (the fp32 masters' mirror module under bf16_mixed)."""
     out = {}
     if engine.visual is not None and engine.vision_opt is not None:
-        out["vision"] = (engine.visual, engine.vision_opt, engine.vision_sched)
+        m = engine.vision_masters.module if engine.vision_masters else engine.visual
+        out["vision"] = (m, engine.vision_opt, engine.vision_sched)
     if engine.text_model is not None and engine.text_opt is not None:
-        out["text"] = (engine.text_model, engine.text_opt, engine.text_sched)
+        m = engine.text_masters.module if engine.text_masters else engine.text_model
+        out["text"] = (m, engine.text_opt, engine.text_sched)
     return out
 
 
@@ -153,6 +159,8 @@ def save(directory: str, engine, sampler, processor=None) -> None:
             "sampler": sampler.state_dict(),
             "model_config": engine.config.to_json_string(use_diff=False),
             "files": files,
+            "precision": engine.policy.name,
+            "source_model": getattr(engine, "source_model", None),
         }
         integrity.commit(directory, meta)
 
@@ -272,6 +280,7 @@ def load(checkpoint, engine, sampler=None) -> int:
         for key, (module, opt, sched) in _modules(engine).items():
             set_optimizer_state_dict(module, opt, state["optim"][key], options=_optim_options())
             _load_sched(sched, opt, state["sched"][key])
+        engine.params_from_masters()
         rng = os.path.join(d, f"rng_rank{dist.get_rank()}.pt")
         if meta.get("layout") == _layout_of(engine) and os.path.isfile(rng):
             _set_rng_state(torch.load(rng, weights_only=True))

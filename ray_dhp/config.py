@@ -64,11 +64,13 @@ class DHPConfig(BackendConfig):
     """How the VLM is split over the Ray Train workers (the DisaggregatedBackend's config).
 
     Args:
-        model: a ``transformers`` ``PretrainedConfig`` (random init from the seed) or the path of a
-            local Hugging Face model directory (weights loaded with ``from_pretrained``).
+        model: a ``transformers`` ``PretrainedConfig`` (random init from the seed), the path of a
+            local Hugging Face model directory, or a Hub model id (``"Qwen/Qwen2.5-VL-7B-Instruct"``)
+            found in the Hugging Face cache (downloaded once if the Hub is reachable; see
+            `ray_dhp.hub`); resolved here, in the driver, to the directory workers load.
         processor: a ``transformers`` processor object (or a ``ray_dhp.data.VLProcessor``), a
-            local directory to load one from, or None to load it from ``model`` when that is a
-            directory.
+            local directory or Hub id to load one from, or None to load it from ``model`` when
+            that is a directory.
         vision: degrees of the vision group (``sequence_parallel``, ``data_parallel``).
         text: degrees of the text group (``tensor_parallel``, ``data_parallel``).
         placement: ``"collocated"`` (every worker hosts a shard of both modules; both groups
@@ -107,13 +109,14 @@ class DHPConfig(BackendConfig):
                 "DHPConfig(model=...) is required: a transformers config (e.g. "
                 "ray_dhp.demo.tiny_model_config()) or a local Hugging Face model directory."
             )
-        if isinstance(self.model, (str, os.PathLike)):
-            self.model = os.path.abspath(os.fspath(self.model))
-            if not os.path.isdir(self.model):
-                raise ValueError(
-                    f"DHPConfig(model={self.model!r}): not a local directory. Models are loaded "
-                    "from local directories only (download the weights first)."
-                )
+        if isinstance(self.model, (str, os.PathLike)):  # a directory or a Hub id (ray_dhp.hub)
+            from ray_dhp.hub import resolve_model_path
+
+            self.model = resolve_model_path(self.model, "DHPConfig(model=...)")
+        if isinstance(self.processor, (str, os.PathLike)):
+            from ray_dhp.hub import resolve_model_path
+
+            self.processor = resolve_model_path(self.processor, "DHPConfig(processor=...)")
         for name in ("vision", "text"):
             if not isinstance(getattr(self, name), ModuleParallel):
                 raise ValueError(f"DHPConfig.{name} must be a ModuleParallel, got {getattr(self, name)!r}.")

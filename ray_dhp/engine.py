@@ -19,6 +19,7 @@ For identical data, seed and hyper-parameters the update equals the single-proce
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -29,7 +30,8 @@ import torch.nn.functional as F
 
 from ray_dhp.mesh import DHPGroups
 from ray_dhp.models import build_model, family_of, load_model_config
-from ray_dhp.optim import build_optimizer, zero1_owners
+from ray_dhp.optim import build_optimizer_for, zero1_owners
+from ray_dhp.precision import local_nbytes, policy_of, weight_dtype
 from ray_dhp.schedule import order_for
 from ray_dhp.parallel import boundary as bnd
 from ray_dhp.parallel import data as dp
@@ -139,8 +141,11 @@ class DHPEngine:
     """Holds this rank's shard(s) of the model and runs exact DHP training steps."""
 
     def __init__(self, model, groups: DHPGroups, cfg: TrainLoopConfig,
-                 comm: Optional[CommCounter] = None, dtype: torch.dtype = torch.float32,
+                 comm: Optional[CommCounter] = None, dtype: Optional[torch.dtype] = None,
                  schedule: str = "sequential"):
+        self.policy = policy_of(cfg)
+        dtype = weight_dtype(self.policy, dtype)
+        self.source_model = str(model) if isinstance(model, (str, os.PathLike)) else None
         self.groups, self.cfg, self.comm, self.dtype = groups, cfg, comm, dtype
         self.schedule = schedule
         order_for(schedule, 1)  # validates the name
@@ -166,8 +171,9 @@ class DHPEngine:
         self._partial = (partial_grad_params(self.text_model, self.family.tp_partial_grad_suffixes)
                          if self.text_model is not None and topo.text.inner > 1 else [])
         self._build_vision_optimizer()
-        self.text_opt, self.text_sched = build_optimizer(
-            self.text_model.named_parameters() if self.text_model is not None else [], cfg)
+        self.text_opt, self.text_sched, self.text_masters = build_optimizer_for(
+            self.text_model.named_parameters() if self.text_model is not None else [], cfg,
+            self.policy)
         self.feature_dim = self.family.feature_dim(self.config)
         self.step_count = 0
         self._timer = PhaseTimer()
@@ -189,16 +195,11 @@ class DHPEngine:
         with timer("optimizer"):
             self._inflight.wait()
             grad_norm = self._reduce_and_clip()
-            for opt, sched in ((self.vision_opt, self.vision_sched), (self.text_opt, self.text_sched)):
-                if opt is not None:
-                    opt.step()
-                    sched.step()
-            for p in self.vision_params + self.text_params:  # incl. those another rank updates
-                p.grad = None
-            self._zero1_broadcast()
+            self._optimizer_step(dp.clip_coefficient(grad_norm, self.cfg.max_grad_norm))
         self.step_count += 1
         loss_sum = sum(s.loss_sum for s in states) if self._is_text_leader_of_replica() else 0.0
-        stats = torch.tensor([float(loss_sum)], dtype=torch.float64)
+        # Control values travel on the training device: NCCL refuses CPU tensors.
+        stats = torch.tensor([float(loss_sum)], dtype=torch.float64, device=self.groups.device)
         dist.all_reduce(stats)
         return {"loss": stats[0].item() / n_targets, "grad_norm": grad_norm,
                 "num_targets": n_targets, "lr": lr, **timer.as_metrics()}
@@ -346,9 +347,9 @@ class DHPEngine:
     def _autocast(self):
         import contextlib
 
-        if self.cfg.autocast_dtype is None:
+        if self.policy.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.groups.device.type, dtype=getattr(torch, self.cfg.autocast_dtype))
+        return torch.autocast(self.groups.device.type, dtype=self.policy.autocast_dtype)
 
     def _loss_context(self):
         import contextlib
@@ -374,7 +375,8 @@ class DHPEngine:
             self._owners = zero1_owners([p.numel() for _, p in named], v.size)
             me = self.groups.rank - v.offset
             named = [(n, p) for (n, p), o in zip(named, self._owners) if o == me]
-        self.vision_opt, self.vision_sched = build_optimizer(named, self.cfg)
+        self.vision_opt, self.vision_sched, self.vision_masters = build_optimizer_for(
+            named, self.cfg, self.policy)
 
     def _zero1_broadcast(self) -> None:
         if self._owners is None:
@@ -394,25 +396,64 @@ class DHPEngine:
     # -- gradients -----------------------------------------------------------------------------
 
     def _reduce_and_clip(self) -> float:
-        g = self.groups
-        v_sq = t_sq = torch.zeros((), dtype=torch.float64)
+        """Reduce the gradients over replicas; the global norm (each parameter counted once).
+        Every control value lives on ``groups.device`` (valid under NCCL and gloo alike)."""
+        g, dev = self.groups, self.groups.device
+        up = torch.float32 if self.dtype in (torch.bfloat16, torch.float16) else None
+        v_sq = t_sq = torch.zeros((), dtype=torch.float64, device=dev)
         if g.is_vision:
             params = dp.ensure_grads(self.vision_params)
-            dp.all_reduce_grads(params, g.vision_all, self.comm, "vision.grads")
-            v_sq = dp.squared_norm(params)
+            dp.all_reduce_grads(params, g.vision_all, self.comm, "vision.grads", reduce_dtype=up)
+            v_sq = dp.squared_norm(params, device=dev)
         if g.is_text:
             params = dp.ensure_grads(self.text_params)
-            dp.all_reduce_grads(self._partial, g.text_tp, self.comm, "text.partial_grads")
-            dp.all_reduce_grads(params, g.text_dp, self.comm, "text.grads")
-            t_sq = dp.squared_norm(params, g.text_tp)
+            dp.all_reduce_grads(self._partial, g.text_tp, self.comm, "text.partial_grads", reduce_dtype=up)
+            dp.all_reduce_grads(params, g.text_dp, self.comm, "text.grads", reduce_dtype=up)
+            t_sq = dp.squared_norm(params, g.text_tp, device=dev)
         topo = g.topology
-        parts = torch.stack([v_sq if g.rank == topo.vision.offset else torch.zeros((), dtype=torch.float64),
-                             t_sq if g.rank == topo.text.offset else torch.zeros((), dtype=torch.float64)])
+        zero = torch.zeros((), dtype=torch.float64, device=dev)
+        parts = torch.stack([v_sq if g.rank == topo.vision.offset else zero,
+                             t_sq if g.rank == topo.text.offset else zero])
         dist.all_reduce(parts)
-        total = float(parts.sum().sqrt())
-        coef = dp.clip_coefficient(total, self.cfg.max_grad_norm)
-        dp.scale_grads(self.vision_params + self.text_params, coef)
-        return total
+        return float(parts.sum().sqrt())
+
+    def _optimizer_step(self, coef: float) -> None:
+        """Clip by ``coef`` and step both optimizers. With fp32 masters (bf16_mixed) the bf16
+        gradients are upcast into the masters' gradients, clipped there in fp32, the masters
+        stepped, and the bf16 weights refreshed from them."""
+        modules = ((self.vision_params, self.vision_opt, self.vision_sched, self.vision_masters),
+                   (self.text_params, self.text_opt, self.text_sched, self.text_masters))
+        self.last_grad_bytes = sum(local_nbytes(p.grad) for p in self.vision_params + self.text_params
+                                   if p.grad is not None)
+        for params, opt, sched, masters in modules:
+            if masters is not None:
+                masters.grads_to_masters(coef)
+            else:
+                dp.scale_grads(params, coef)
+            if opt is not None:
+                opt.step()
+                sched.step()
+            if masters is not None:
+                masters.masters_to_params()
+        for p in self.vision_params + self.text_params:  # incl. those another rank updates
+            p.grad = None
+        self._zero1_broadcast()
+
+    def params_from_masters(self) -> None:
+        """After loading masters (a checkpoint): round them into the weights, and share the
+        ZeRO-1 owners' values with the other vision ranks (collective on vision ranks)."""
+        for masters in (self.vision_masters, self.text_masters):
+            if masters is not None:
+                masters.masters_to_params()
+        if self.policy.master:  # same on every rank: the broadcast is collective
+            self._zero1_broadcast()
+
+    def state_bytes(self) -> dict:
+        """Bytes of model state this rank holds, measured from its tensors
+        (`ray_dhp.memory.measure_engine_state`)."""
+        from ray_dhp.memory import measure_engine_state
+
+        return measure_engine_state(self)
 
     # -- helpers -------------------------------------------------------------------------------
 

@@ -67,8 +67,37 @@ def build_hf_model(config, tensors: dict, dtype: Optional[torch.dtype] = None):
     return model.to(dtype) if dtype is not None else model
 
 
+# Files of the source model directory that describe how to use the model, copied on export:
+# generation_config.json replaces the default save_pretrained writes; chat templates are copied
+# when the checkpoint's processor did not already bring one.
+SOURCE_FILES = ("generation_config.json", "chat_template.jinja", "chat_template.json")
+
+
+def copy_source_files(source: Optional[str], out_dir: str) -> list:
+    """Copy `SOURCE_FILES` from the source model directory ``source`` (None: nothing); the
+    names copied."""
+    if not source or not os.path.isdir(source):
+        return []
+    copied = []
+    for name in SOURCE_FILES:
+        src, dst = os.path.join(source, name), os.path.join(out_dir, name)
+        if os.path.isfile(src) and (name == "generation_config.json" or not os.path.exists(dst)):
+            shutil.copyfile(src, dst)
+            copied.append(name)
+    return copied
+
+
+def parse_dtype(name: Optional[str]) -> Optional[torch.dtype]:
+    """``"bfloat16"`` / ``"float32"`` / ``"float16"`` (or None) as a torch dtype."""
+    if name is None:
+        return None
+    if name not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"export dtype must be float32, bfloat16 or float16, got {name!r}")
+    return getattr(torch, name)
+
+
 def export_hf(checkpoint, out_dir: str, *, dtype: Optional[torch.dtype] = None,
-              overwrite: bool = False) -> str:
+              overwrite: bool = False, source: Optional[str] = None) -> str:
     """Write the model of a ray_dhp checkpoint as a Hugging Face directory.
 
     The directory is written under a temporary name next to ``out_dir`` and renamed into place
@@ -82,7 +111,11 @@ def export_hf(checkpoint, out_dir: str, *, dtype: Optional[torch.dtype] = None,
             tokenizer and image processor files when the checkpoint holds them — the default
             train loop saves them — so ``AutoProcessor``/`ray_dhp.data.processing.load_processor`
             read the same directory).
-        dtype: cast the weights (e.g. ``torch.bfloat16``); None keeps the training dtype.
+        dtype: cast the weights (e.g. ``torch.bfloat16`` or ``"bfloat16"``); None keeps the
+            checkpoint's dtype (fp32 for the fp32 policies and for bf16_mixed, whose
+            checkpoints hold the fp32 masters). ``config.json`` records the dtype written.
+        source: the model directory the run started from, for ``generation_config.json`` and
+            the chat template (None: the one the checkpoint records, if it still exists).
         overwrite: replace an existing non-empty ``out_dir``.
 
     Returns:
@@ -96,24 +129,28 @@ def export_hf(checkpoint, out_dir: str, *, dtype: Optional[torch.dtype] = None,
     from ray_dhp import checkpoint as ckpt
 
     out_dir = os.path.abspath(os.fspath(out_dir))
+    dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     _check_target(out_dir, overwrite)
     with ckpt.local_dir(checkpoint) as d:
         d = ckpt.resolve(d)
         meta = ckpt.read_meta(d)
         with _staging(out_dir) as tmp:
-            _write_export(d, meta, tmp, dtype)
+            _write_export(d, meta, tmp, dtype, source or meta.get("source_model"))
     return out_dir
 
 
-def _write_export(d: str, meta: dict, out: str, dtype) -> None:
+def _write_export(d: str, meta: dict, out: str, dtype, source: Optional[str]) -> None:
     """Everything the exported directory holds, written into ``out`` (a fresh directory)."""
     from ray_dhp import checkpoint as ckpt
 
     model = build_hf_model(model_config_of(meta), read_model_tensors(d), dtype)
+    if dtype is not None:
+        model.config.dtype = dtype  # config.json says what the weights are
     model.save_pretrained(out, safe_serialization=True)
     proc = os.path.join(d, ckpt.PROCESSOR_DIR)
     if os.path.isdir(proc):
         copy_regular_files(proc, out)
+    copy_source_files(source, out)
 
 
 def copy_regular_files(src: str, dst: str) -> None:

@@ -29,8 +29,10 @@ def _worker(rank, world_size, port, backend, threads, fn, args, queue):
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(threads)
     try:
-        if backend == "nccl":
+        if "nccl" in backend:
             torch.cuda.set_device(rank % torch.cuda.device_count())
+        if backend == "nccl":  # CUDA tensors over NCCL, host tensors over gloo (see backend.py);
+            backend = "cpu:gloo,cuda:nccl"  # "cuda:nccl" alone: NCCL only (CPU tensors refused)
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(minutes=20))
         out = fn(rank, world_size, *args)
         buf = io.BytesIO()

@@ -1,10 +1,14 @@
 """Per-rank memory estimates for `ray-dhp plan`: parameters from a meta-device model, activations
 from the model dims. Nothing is allocated: the model is built under ``accelerate.init_empty_weights``.
 
-Model state per rank (what the engine keeps): fp32 weights, fp32 gradients and two fp32 AdamW
-moments = 16 bytes per parameter the rank holds. The vision tower is replicated on every vision
-rank (Ulysses shards tokens, not weights); the text model's TP-planned linears, embedding and head
-are split ``tp`` ways (their row-parallel biases and all norms are replicated).
+Model state per rank (what the engine keeps) comes from the run's `PrecisionPolicy`
+(`ray_dhp.precision`): weights and gradients in the policy's dtype for every parameter the rank
+holds, plus fp32 masters and AdamW moments for every parameter the rank *updates* (with vision
+ZeRO-1 each ViT parameter is updated by one vision rank: the same greedy partition as the engine,
+`ray_dhp.optim.zero1_owners`). The vision tower is replicated on every vision rank (Ulysses
+shards tokens, not weights); the text model's TP-planned linears, embedding and head are split
+``tp`` ways (their row-parallel biases and all norms are replicated). `rank_state` gives the
+exact bytes, which the tests compare with the engine's tensors after a step.
 
 Activations are a *simple* estimate per transformer block and token, counting the tensors a
 pre-norm block keeps for backward: ``8·h + 4·i`` elements (two norms' inputs and outputs, q, k,
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 GIB = 1024 ** 3
-STATE_BYTES_PER_PARAM = 16  # fp32 weight + grad + AdamW exp_avg + exp_avg_sq
+STATE_BYTES_PER_PARAM = 16  # fp32 weight + grad + AdamW exp_avg + exp_avg_sq (policy fp32)
 
 
 @dataclass(frozen=True)
@@ -34,9 +38,20 @@ class ParamCounts:
     vision: int
     text: int
     text_sharded: int  # part of ``text`` split over TP ranks
+    vision_sizes: tuple = ()   # element count of every ViT parameter, in the model's order
+    largest: int = 0           # element count of the largest single parameter (full, unsharded)
 
     def text_per_rank(self, tp: int) -> int:
         return self.text - self.text_sharded + self.text_sharded // tp
+
+    def vision_updated_by(self, rank_in_group: int, group_size: int, zero1: bool) -> int:
+        """ViT parameters vision rank ``rank_in_group`` updates (all of them without ZeRO-1)."""
+        if not zero1 or group_size == 1 or not self.vision_sizes:
+            return self.vision
+        from ray_dhp.optim import zero1_owners
+
+        owners = zero1_owners(list(self.vision_sizes), group_size)
+        return sum(n for n, o in zip(self.vision_sizes, owners) if o == rank_in_group)
 
 
 def count_params(config) -> ParamCounts:
@@ -52,15 +67,87 @@ def count_params(config) -> ParamCounts:
         model = getattr(transformers, family.model_class)._from_config(config, dtype=torch.float32)
     plan = family.text_tp_plan(config.text_config)
     vision_names = {f"model.visual.{n}" for n, _ in family.visual(model).named_parameters()}
-    vision = text = sharded = 0
+    vision = text = sharded = largest = 0
+    sizes = tuple(p.numel() for _, p in family.visual(model).named_parameters())
     for name, p in model.named_parameters():
+        largest = max(largest, p.numel())
         if name in vision_names:
             vision += p.numel()
             continue
         text += p.numel()
         if _is_sharded(name, plan):
             sharded += p.numel()
-    return ParamCounts(vision=vision, text=text, text_sharded=sharded)
+    return ParamCounts(vision=vision, text=text, text_sharded=sharded, vision_sizes=sizes,
+                       largest=largest)
+
+
+@dataclass(frozen=True)
+class RankState:
+    """Model-state bytes of one rank under a precision policy (see the module docstring)."""
+
+    params: int        # parameters held (local shards)
+    updated: int       # parameters this rank's optimizer steps (ZeRO-1 share of the ViT)
+    weights: int
+    grads: int
+    masters: int
+    optimizer: int     # AdamW moments
+    startup_peak: int  # at engine construction: weights + masters + one full fp32 tensor
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.masters + self.optimizer
+
+
+def rank_state(counts: ParamCounts, topology, rank: int, policy, vision_zero1: bool = False) -> RankState:
+    """Exact model-state bytes of ``rank`` under ``policy`` (a `PrecisionPolicy`).
+
+    The start-up peak is what the rank holds once its engine is built (its weights and fp32
+    masters; AdamW moments appear at the first step) plus one full parameter in fp32, the most
+    a rank materialises beyond what it keeps while building (the largest tensor, e.g. the
+    embedding, before it is sliced).
+    """
+    roles = topology.roles(rank)
+    tp = topology.text.inner
+    v = counts.vision if "vision" in roles else 0
+    t = counts.text_per_rank(tp) if "text" in roles else 0
+    vu = 0
+    if v:
+        vg = topology.vision
+        vu = counts.vision_updated_by(rank - vg.offset, vg.size, vision_zero1)
+    held, updated = v + t, vu + t
+    masters = 4 * updated if policy.master else 0
+    weights = held * policy.weight_bytes()
+    return RankState(params=held, updated=updated, weights=weights,
+                     grads=held * policy.grad_bytes(), masters=masters,
+                     optimizer=updated * 2 * _bytes(policy.moment_dtype),
+                     startup_peak=weights + masters + 4 * counts.largest)
+
+
+def measure_engine_state(engine) -> dict:
+    """Bytes a `DHPEngine` holds, measured from its tensors: weights (local shards), the
+    gradients the last step held when the optimizer ran (``engine.last_grad_bytes``; 0 before the
+    first step), fp32 masters and the optimizers' tensors (AdamW moments, after a step). Compare
+    with `rank_state`."""
+    import torch
+
+    from ray_dhp.precision import local_nbytes
+
+    params = engine.vision_params + engine.text_params
+    out = {"weights": sum(local_nbytes(p) for p in params),
+           "grads": getattr(engine, "last_grad_bytes", 0),
+           "masters": sum(m.nbytes() for m in (engine.vision_masters, engine.text_masters)
+                          if m is not None),
+           "optimizer": sum(local_nbytes(v) for opt in (engine.vision_opt, engine.text_opt)
+                            if opt is not None for st in opt.state.values()
+                            for v in st.values() if torch.is_tensor(v) and v.dim() > 0)}
+    out["total"] = sum(out.values())
+    return out
+
+
+def _bytes(dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _is_sharded(param_name: str, plan: dict) -> bool:
@@ -155,10 +242,13 @@ class RankMemory:
 
 def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int, text_tokens: int,
                    samples: int, settings: ActivationSettings,
-                   state_bytes: float = STATE_BYTES_PER_PARAM, vision_zero1: bool = False) -> list:
+                   state_bytes: float = STATE_BYTES_PER_PARAM, vision_zero1: bool = False,
+                   policy=None) -> list:
     """Per-rank `RankMemory` for micro-batches of ``samples`` samples per replica, each with
-    ``vision_tokens`` patch tokens and ``text_tokens`` text tokens. With ``vision_zero1`` the
-    ViT's AdamW moments (8 of the state bytes) are sharded over the whole vision group."""
+    ``vision_tokens`` patch tokens and ``text_tokens`` text tokens. With a ``policy`` (a
+    `PrecisionPolicy`) the state is `rank_state`'s exact bytes; without, ``state_bytes`` per
+    parameter, and with ``vision_zero1`` the ViT's AdamW moments (8 of the state bytes) are
+    sharded over the whole vision group (the cost model's approximation)."""
     vc, tc = config.vision_config, config.text_config
     merge = vc.spatial_merge_size ** 2
     sp, tp = topology.vision.inner, topology.text.inner
@@ -172,7 +262,9 @@ def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int,
         roles = topology.roles(r)
         v = counts.vision if "vision" in roles else 0
         params = v + (counts.text_per_rank(tp) if "text" in roles else 0)
-        out.append(RankMemory(r, roles, params, params * state_bytes - v * moments,
+        state = (rank_state(counts, topology, r, policy, vision_zero1).total if policy is not None
+                 else params * state_bytes - v * moments)
+        out.append(RankMemory(r, roles, params, state,
                               v_act if "vision" in roles else 0.0,
                               t_act if "text" in roles else 0.0))
     return out

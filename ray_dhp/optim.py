@@ -46,6 +46,22 @@ def build_optimizer(named_params, cfg: TrainLoopConfig):
     return opt, sched
 
 
+def build_optimizer_for(named_params, cfg: TrainLoopConfig, policy):
+    """(optimizer, scheduler, masters) for one module under the `PrecisionPolicy` ``policy``.
+
+    With ``policy.master`` (bf16_mixed) the optimizer steps fp32 copies of the trainable
+    parameters (`ray_dhp.precision.MasterWeights`, same names), so its moments are fp32 too;
+    otherwise it steps the parameters themselves (its moments take their dtype) and ``masters``
+    is None.
+    """
+    from ray_dhp.precision import MasterWeights
+
+    named = [(n, p) for n, p in named_params if p.requires_grad]
+    masters = MasterWeights(named) if policy.master and named else None
+    opt, sched = build_optimizer(masters.named_parameters() if masters else named, cfg)
+    return opt, sched, masters
+
+
 def zero1_owners(sizes: list, world: int) -> list:
     """Assign parameters (by element count) to ``world`` ranks, largest first to the least loaded
     rank: the ZeRO-1 partition. Deterministic, so every rank computes the same owners."""

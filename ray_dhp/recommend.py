@@ -123,6 +123,7 @@ class Workload:
     #: A resolution mix ``((patch tokens, fraction), ...)`` (fractions sum to 1) instead of one
     #: size; ``vision_tokens`` is then its largest (what memory plans for). See `replica_share`.
     vision_mix: Optional[tuple] = None
+    policy: object = None          # a PrecisionPolicy: exact per-rank state (overrides state_bytes)
 
     def __post_init__(self):
         if self.global_batch_size % self.micro_batches:
@@ -398,7 +399,7 @@ def memory_gib(config, counts, layout: Layout, w: Workload) -> dict:
     """Largest per-rank estimate (GiB) of each group, from `ray_dhp.memory.estimate_ranks`."""
     topo = layout.topology()
     kw = dict(vision_tokens=w.vision_tokens, text_tokens=w.text_tokens, settings=w.settings,
-              state_bytes=w.state_bytes, vision_zero1=w.vision_zero1)
+              state_bytes=w.state_bytes, vision_zero1=w.vision_zero1, policy=w.policy)
     mb = w.micro_batch_size
     by_v = estimate_ranks(config, topo, counts, samples=-(-mb // topo.vision.dp), **kw)
     by_t = estimate_ranks(config, topo, counts, samples=-(-mb // topo.text.dp), **kw)

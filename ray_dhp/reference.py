@@ -14,19 +14,24 @@ import torch.nn.functional as F
 from ray_dhp.data.collate import pad_text_batch
 from ray_dhp.engine import count_targets, shift_labels, upcast
 from ray_dhp.models import build_model, load_model_config
-from ray_dhp.optim import build_optimizer
+from ray_dhp.optim import build_optimizer_for
+from ray_dhp.parallel.data import clip_coefficient
+from ray_dhp.precision import policy_of, weight_dtype
 from ray_dhp.train_config import TrainLoopConfig
 
 
 class ReferenceTrainer:
-    def __init__(self, model, cfg: TrainLoopConfig, device="cpu", dtype=torch.float32):
+    def __init__(self, model, cfg: TrainLoopConfig, device="cpu", dtype=None):
         self.cfg = cfg
+        self.policy = policy_of(cfg)
+        dtype = weight_dtype(self.policy, dtype)
         self.config = load_model_config(model)
         self.model = build_model(model, seed=cfg.seed, dtype=dtype).to(device)
         self.dtype = dtype
         self.model.train()
         self.device = torch.device(device)
-        self.opt, self.sched = build_optimizer(self.model.named_parameters(), cfg)
+        self.opt, self.sched, self.masters = build_optimizer_for(
+            self.model.named_parameters(), cfg, self.policy)
 
     def step(self, micro_batches: list) -> dict:
         n_targets = sum(count_targets(mb) for mb in micro_batches)
@@ -36,18 +41,40 @@ class ReferenceTrainer:
             kwargs = {k: v.to(self.device) for k, v in batch.items() if v is not None and k != "labels"}
             if "pixel_values" in kwargs:
                 kwargs["pixel_values"] = kwargs["pixel_values"].to(self.dtype)
-            out = self.model(**kwargs, use_cache=False)
+            with self._autocast():
+                out = self.model(**kwargs, use_cache=False)
             targets = shift_labels(batch["labels"]).to(self.device)
             loss_sum = F.cross_entropy(upcast(out.logits).flatten(0, 1), targets.flatten(),
                                        ignore_index=-100, reduction="sum")
             (loss_sum / n_targets).backward()
             total += loss_sum.item()
-        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if self.masters is None:
+            max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        else:  # bf16 gradients: the norm in fp64, the clipping in the fp32 masters' gradients
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            grad_norm = float(sum(g.double().pow(2).sum() for g in grads).sqrt())
+            self.masters.grads_to_masters(clip_coefficient(grad_norm, self.cfg.max_grad_norm))
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
-        return {"loss": total / n_targets, "grad_norm": float(grad_norm)}
+        if self.masters is not None:
+            self.masters.masters_to_params()
+            self.model.zero_grad(set_to_none=True)
+        return {"loss": total / n_targets, "grad_norm": grad_norm}
+
+    def _autocast(self):
+        import contextlib
+
+        if self.policy.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.policy.autocast_dtype)
 
     def named_parameters(self) -> dict:
         return {n: p.detach().clone() for n, p in self.model.named_parameters()}
+
+    def named_masters(self) -> dict:
+        """The fp32 master weights (bf16_mixed) by parameter name; {} without masters."""
+        if self.masters is None:
+            return {}
+        return {n: p.detach().clone() for n, p in self.masters.named_parameters()}

@@ -50,8 +50,10 @@ class ModelSection:
     demo: Optional[str] = option("qwen2_5_vl", "tiny random-init demo model of this family "
                                  "(qwen2_5_vl, qwen2_vl, qwen3_vl); used when path, preset and "
                                  "config are unset")
-    path: Optional[str] = option(None, "local Hugging Face model directory (weights loaded with "
-                                 "from_pretrained)")
+    path: Optional[str] = option(None, "local Hugging Face model directory, or a Hub model id "
+                                 "(org/name, e.g. Qwen/Qwen2.5-VL-7B-Instruct) found in the "
+                                 "Hugging Face cache (HF_HUB_CACHE), downloaded once if the Hub "
+                                 "is reachable")
     family: Optional[str] = option(None, "model family of preset/config (e.g. qwen2_5_vl)")
     preset: Optional[str] = option(None, "published dims of the family without weights (e.g. "
                                    "32b); random init, or for `ray-dhp plan`")
@@ -63,8 +65,8 @@ class ModelSection:
 class ProcessorSection:
     """The processor (tokenizer + image processor)."""
 
-    path: Optional[str] = option(None, "local processor directory (default: the model directory, "
-                                 "or the demo processor for a demo model)")
+    path: Optional[str] = option(None, "local processor directory or Hub model id (default: the "
+                                 "model directory, or the demo processor for a demo model)")
 
 
 @dataclass
@@ -200,7 +202,12 @@ class RunFile:
     def processor_spec(self):
         """A processor object (demo), a local directory, or None (load from the model dir)."""
         if self.processor.path:
-            return os.path.abspath(os.path.expanduser(self.processor.path))
+            from ray_dhp.hub import resolve_model_path
+
+            try:  # a local directory or a Hub id in the Hugging Face cache
+                return resolve_model_path(self.processor.path, "processor.path")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         m = self.model
         if not (m.path or m.preset or m.config) and m.demo:
             from ray_dhp import demo
@@ -316,10 +323,20 @@ def run_file_from_dict(data: dict, overrides=()) -> RunFile:
                      ("checkpoint", "resume_from")):
         obj = getattr(rf, sec)
         if hasattr(obj, key):
-            setattr(obj, key, _absolute(getattr(obj, key)))
+            fix = _model_location if (sec, key) == ("model", "path") else _absolute
+            setattr(obj, key, fix(getattr(obj, key)))
     if rf.data.datasets:
         rf.data.datasets = {k: _absolute(v) for k, v in rf.data.datasets.items()}
     return rf.validate()
+
+
+def _model_location(value):
+    """``model.path``: a Hub model id (org/name that is no local path) as is, else `_absolute`."""
+    from ray_dhp.hub import looks_like_repo_id
+
+    if isinstance(value, str) and looks_like_repo_id(value) and not os.path.exists(value):
+        return value
+    return _absolute(value)
 
 
 def _absolute(value):

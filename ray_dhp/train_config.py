@@ -7,6 +7,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Callable, Iterable, Optional
 
+from ray_dhp.precision import POLICY_NAMES
 from ray_dhp.checks import ConfigError, check_fields, checked, coerce
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
@@ -70,7 +71,15 @@ class TrainLoopConfig:
         checkpoint_every: steps between checkpoints (0 = only at the end).
         resume_from: checkpoint to start from when the run has none of its own yet: a path (one
             checkpoint, or a folder of them) or a ``ray.train.Checkpoint``; any layout.
-        autocast_dtype: None (fp32) or "bfloat16".
+        precision: the precision policy (`ray_dhp.precision`): "fp32" (fp32 weights, grads and
+            AdamW state: 16 B/param), "bf16_autocast" (the same state, matmuls under bf16
+            autocast), "bf16_mixed" (bf16 weights and grads, fp32 master weights and AdamW
+            moments that the optimizer steps; 16 B/param, half-size weights, grads and
+            activations; checkpoints hold the masters) or "bf16" (bf16 weights, grads and
+            moments, no masters: 8 B/param). None: from autocast_dtype ("fp32", or
+            "bf16_autocast" with autocast_dtype="bfloat16").
+        autocast_dtype: None or "bfloat16" (= precision "bf16_autocast"; kept for older run
+            files; contradicting precision is an error).
         activation_checkpointing: recompute transformer blocks in backward.
         vision_zero1: shard the vision optimizer state over the vision group (ZeRO-1).
         prefetch: prepare the next step's samples in a background thread while the current
@@ -119,6 +128,7 @@ class TrainLoopConfig:
     balance: str = checked("cost", choices=BALANCE)
     checkpoint_every: int = checked(0, ge=0)
     resume_from: Optional[str] = None
+    precision: Optional[str] = checked(None, choices=(None,) + POLICY_NAMES)
     autocast_dtype: Optional[str] = checked(None, choices=(None, "bfloat16"))
     activation_checkpointing: bool = False
     vision_zero1: bool = True
@@ -157,6 +167,10 @@ class TrainLoopConfig:
             ("{micro_batch_tokens}: set {micro_batches}=1 (the default) with it: the token budget "
              "decides how many micro-batches a step has.",
              self.micro_batch_tokens is None or self.micro_batches == 1),
+            ("{autocast_dtype}='bfloat16' contradicts {precision}=" + repr(self.precision)
+             + ": autocast_dtype='bfloat16' is the bf16_autocast policy; drop autocast_dtype "
+             "and keep precision.",
+             self.autocast_dtype is None or self.precision in (None, "bf16_autocast")),
         ]
 
     @classmethod

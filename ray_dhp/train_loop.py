@@ -121,7 +121,8 @@ def _train(cfg: TrainLoopConfig, ctx, loader, processor, hook, trackers) -> dict
                        "num_steps to continue it", first, cfg.num_steps)
     loader.start(cfg.num_steps - first)  # prepares step k+1 while step k trains
     counts = count_params(engine.config)
-    peak = peak_flops(ctx.groups.device, cfg.autocast_dtype)
+    bf16 = torch.bfloat16 in (engine.policy.param_dtype, engine.policy.autocast_dtype)
+    peak = peak_flops(ctx.groups.device, "bfloat16" if bf16 else None)
     window_start = first
     window_tokens, window_patches, window_time, data_wait, window_flops = 0, 0, 0.0, 0.0, 0.0
     for step in range(first, cfg.num_steps):

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# One prepared benchmark run for a lent GPU machine (NCCL, bf16 autocast), results in the same
+# One prepared benchmark run for a lent GPU machine. First benchmarks/gpu/precision_check.py (the
+# engine on an NCCL-only group, bf16_mixed at the 7B text width, CUDA peak vs ray-dhp plan), then
+# the contenders (NCCL, bf16 autocast); results in the same
 # format under benchmarks/results/ (<shape>-<gpu>x<N>-<date>.json + PNGs).
 #
 #   bash benchmarks/gpu/run_gpu.sh                       # on the GPU machine (~3-5 min)

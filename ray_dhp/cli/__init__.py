@@ -7,6 +7,7 @@ Subcommands:
     config --print-defaults        a complete run file with every key, commented
     config CONFIG.yaml [k=v ...]   the run file resolved (overrides applied) and checked
     export CHECKPOINT OUT_DIR      a Hugging Face model directory from a checkpoint
+                                   (--dtype bfloat16: the weights' dtype; --source DIR)
     docs                           the Markdown configuration reference (docs/configuration.md)
 
 ``plan``, ``config`` and ``train`` check a run file the same way (`RunFile.validate`): unknown
@@ -46,8 +47,6 @@ def _parser() -> argparse.ArgumentParser:
                     "else eager)")
     pl.add_argument("--device-gib", type=float, default=None, help="accelerator memory (default: "
                     "80 with scaling.use_gpu, else no limit is checked)")
-    pl.add_argument("--state-bytes", type=float, default=16.0, help="model-state bytes per "
-                    "parameter (16: fp32 weights+grads+AdamW; 12: bf16 weights+grads, fp32 moments)")
     pl.add_argument("--nodes", type=int, default=None, help="nodes of the cluster: show which "
                     "ranks share a node and which collectives cross the node boundary (bytes "
                     "per step); with --recommend, GPUs = nodes x --gpus-per-node")
@@ -77,6 +76,11 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("out_dir")
     e.add_argument("--overwrite", action="store_true",
                    help="replace OUT_DIR if it exists and is not empty")
+    e.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="dtype of the written weights (default: the checkpoint's, fp32)")
+    e.add_argument("--source", default=None, help="model directory to copy "
+                   "generation_config.json and the chat template from (default: the one the "
+                   "run started from, recorded in the checkpoint)")
     sub.add_parser("docs", help="print docs/configuration.md")
     return p
 
@@ -108,15 +112,13 @@ def _cmd_plan(args) -> int:
 
         raise ConfigError("--gpus and --micro-batches are options of --recommend; add --recommend.")
     print(plan_text(rf, vision_tokens=tokens, text_tokens=args.text_tokens,
-                    attention=args.attention, device_gib=args.device_gib,
-                    state_bytes=args.state_bytes))
+                    attention=args.attention, device_gib=args.device_gib))
     if args.nodes is not None:
         from ray_dhp.cli.plan import nodes_text
 
         print(nodes_text(rf, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                          vision_tokens=max(tokens), text_tokens=args.text_tokens,
-                         attention=args.attention, state_bytes=args.state_bytes,
-                         internode_bw=args.internode_gbs * 1e9))
+                         attention=args.attention, internode_bw=args.internode_gbs * 1e9))
     return 0
 
 
@@ -134,7 +136,7 @@ def _recommend(args, rf, tokens) -> int:
     text, ok = recommend_text(rf, gpus=gpus, micro_batches=args.micro_batches,
                               vision_tokens=tokens, text_tokens=args.text_tokens,
                               attention=args.attention, device_gib=args.device_gib,
-                              state_bytes=args.state_bytes, hardware=hw, top=args.top,
+                              hardware=hw, top=args.top,
                               vision_mix=getattr(args, "vision_mix", None))
     print(text)
     return 0 if ok else 1
@@ -179,7 +181,8 @@ def _cmd_export(args) -> int:
         print("ray-dhp export: this install has no ray_dhp.export_hf (ray_dhp/export.py); "
               "update ray_dhp to a version with checkpoint export.", file=sys.stderr)
         return 1
-    out = export_hf(args.checkpoint, args.out_dir, overwrite=args.overwrite)
+    out = export_hf(args.checkpoint, args.out_dir, dtype=args.dtype, source=args.source,
+                    overwrite=args.overwrite)
     print(f"[ray_dhp] exported {args.checkpoint} -> {out or args.out_dir}")
     return 0
 

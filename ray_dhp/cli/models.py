@@ -44,11 +44,12 @@ def build_model_spec(section):
         if section.preset or section.config:
             raise ConfigError("model: give either path (a local model directory) or "
                               "preset/config (dims without weights), not both.")
-        path = os.path.abspath(os.path.expanduser(section.path))
-        if not os.path.isdir(path):
-            raise ConfigError(f"model.path: {path} is not a local directory (models are loaded "
-                              "from local directories only; download the weights first).")
-        return path
+        from ray_dhp.hub import resolve_model_path
+
+        try:  # a local directory or a Hub id (org/name) in the Hugging Face cache
+            return resolve_model_path(section.path, "model.path")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if section.preset or section.config:
         dims = {}
         if section.preset:

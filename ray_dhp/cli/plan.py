@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ray_dhp.memory import GIB, ActivationSettings, count_params, estimate_ranks, estimate_zero3
+from ray_dhp.memory import (GIB, ActivationSettings, count_params, estimate_ranks, estimate_zero3,
+                            rank_state)
 
 
 def _gib(b: float) -> str:
@@ -21,9 +22,21 @@ def _meshes(topology) -> list:
     return lines
 
 
+def policy_of_run(rf):
+    """The `PrecisionPolicy` of the run file (optim.precision / optim.autocast_dtype): the same
+    object the engine builds from its train_loop_config."""
+    from ray_dhp.precision import policy_of
+
+    return policy_of(rf.optim)
+
+
 def settings_of(rf, attention: str) -> ActivationSettings:
-    """Activation settings implied by the run file (autocast dtype, checkpointing)."""
-    return ActivationSettings(dtype_bytes=2 if rf.optim.autocast_dtype == "bfloat16" else 4,
+    """Activation settings implied by the run file (precision policy, checkpointing)."""
+    import torch
+
+    p = policy_of_run(rf)
+    bf16 = torch.bfloat16 in (p.param_dtype, p.autocast_dtype)
+    return ActivationSettings(dtype_bytes=2 if bf16 else 4,
                               attention=attention, checkpointing=rf.optim.activation_checkpointing)
 
 
@@ -46,7 +59,7 @@ def _too_long(rf, vision_tokens: int, text_tokens: int, merge: int = 4):
 
 
 def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
-              device_gib=None, state_bytes: float = 16.0) -> str:
+              device_gib=None) -> str:
     """The full `ray-dhp plan` report for the run file ``rf``. ``attention`` and
     ``device_gib`` default to flash and 80 GiB with ``scaling.use_gpu``; on CPU to eager (scores
     counted in full) and no device limit."""
@@ -63,21 +76,28 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
     settings = settings_of(rf, attention)
     samples = samples_per_replica(rf, topo)
     zero1 = bool(getattr(rf.optim, "vision_zero1", False))
+    policy = policy_of_run(rf)
     out = [
         f"model: {config.model_type}; parameters: vision {_num(counts.vision)}, "
         f"text {_num(counts.text)} ({_num(counts.text_sharded)} tensor-parallel)",
         f"workers: {num_workers} (scaling.use_gpu={rf.scaling.use_gpu})",
         "layout:", topo.describe(), "meshes:", *_meshes(topo),
         "",
-        f"per-rank parameters (held by the rank; state = {state_bytes:g} B/param; 16 = fp32 weights "
-        "+ grads + AdamW, the engine's default):",
+        f"precision (optim.precision): {policy.describe()}",
+        "per-rank model state (held by the rank; masters and AdamW moments only for what it "
+        f"updates{', the ViT split by vision ZeRO-1' if zero1 else ''}); start-up peak = weights "
+        "+ masters + one full fp32 tensor (the largest, "
+        f"{_num(counts.largest)} elements) while the engine is built:",
     ]
     for r in range(topo.world_size):
         roles = topo.roles(r)
         v = counts.vision if "vision" in roles else 0
         t = counts.text_per_rank(tp) if "text" in roles else 0
-        out.append(f"  rank {r} [{'+'.join(roles)}]: vision {_num(v)} + text {_num(t)}"
-                   f" params; weights {_gib((v + t) * 4)}, state {_gib((v + t) * state_bytes)}")
+        st = rank_state(counts, topo, r, policy, zero1)
+        out.append(f"  rank {r} [{'+'.join(roles)}]: vision {_num(v)} + text {_num(t)} params; "
+                   f"weights {_gib(st.weights)}, grads {_gib(st.grads)}, masters "
+                   f"{_gib(st.masters)}, AdamW {_gib(st.optimizer)} = state {_gib(st.total)}; "
+                   f"start-up peak {_gib(st.startup_peak)}")
     out += ["", f"activation estimate: {samples} sample(s) per replica per micro-batch, "
                 f"{text_tokens} text tokens per sample, {settings.dtype_bytes}-byte activations, "
                 f"{attention} attention, activation checkpointing "
@@ -91,13 +111,14 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
                        f"data.max_tokens={rf.data.max_tokens}: skipped as bad data")
             continue
         for m in estimate_ranks(config, topo, counts, vision_tokens=vt, text_tokens=text_tokens,
-                                samples=samples, settings=settings,
-                                 state_bytes=state_bytes, vision_zero1=zero1):
+                                samples=samples, settings=settings, vision_zero1=zero1,
+                                policy=policy):
             out.append(f"  rank {m.rank} memory: state {_gib(m.state_bytes)} + vision act "
                        f"{_gib(m.vision_act)} + text act {_gib(m.text_act)} = {_gib(m.total)}"
                        f"{_fits(m.total, device_gib)}")
         z = estimate_zero3(config, counts, topo.world_size, vision_tokens=vt,
-                           text_tokens=text_tokens, settings=settings, state_bytes=state_bytes)
+                           text_tokens=text_tokens, settings=settings,
+                           state_bytes=policy.state_bytes())
         unit = "GPU" if gpu else "rank"
         out.append(f"  (reference: ZeRO-3 over {topo.world_size} {unit}s, one sample per {unit}, "
                    f"no SP/TP: {_gib(z)} per {unit}{_fits(z, device_gib)})")
@@ -109,7 +130,7 @@ def _ranks_text(ranks: list) -> str:
 
 
 def nodes_text(rf, *, nodes: int, gpus_per_node: int, vision_tokens: int, text_tokens: int,
-               attention: str = "flash", state_bytes: float = 16.0,
+               attention: str = "flash",
                internode_bw: float = 45e9) -> str:
     """The node view of `ray-dhp plan --nodes N --gpus-per-node G`: which DHP ranks share a node
     (as the backend orders them, `ray_dhp.topology.node_local_order`) and, per collective, the
@@ -133,7 +154,8 @@ def nodes_text(rf, *, nodes: int, gpus_per_node: int, vision_tokens: int, text_t
                     topo.text.inner, topo.text.dp)
     w = Workload(vision_tokens=vision_tokens, text_tokens=text_tokens,
                  global_batch_size=rf.optim.global_batch_size, micro_batches=rf.optim.micro_batches,
-                 settings=settings_of(rf, attention), state_bytes=state_bytes,
+                 settings=settings_of(rf, attention),
+                 state_bytes=float(policy_of_run(rf).state_bytes()), policy=policy_of_run(rf),
                  vision_zero1=bool(getattr(rf.optim, "vision_zero1", False)))
     volume = collective_bytes(config, count_params(config), layout, w)
     groups = collective_groups(topo, w.micro_batch_size)

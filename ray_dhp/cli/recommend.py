@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from ray_dhp.cli.plan import settings_of
+from ray_dhp.cli.plan import policy_of_run, settings_of
 from ray_dhp.cli.schema import ConfigError
 
 
@@ -79,8 +79,8 @@ def _row(i, c) -> str:
 
 
 def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens: int,
-                   attention: str = "flash", device_gib: float = 80.0, state_bytes: float = 16.0,
-                   hardware=None, top: int = 8, vision_mix=None) -> tuple:
+                   attention: str = "flash", device_gib: float = 80.0, hardware=None,
+                   top: int = 8, vision_mix=None) -> tuple:
     """(report, ok): the ranked layouts for the run file ``rf`` on ``gpus`` workers (None: the
     run file's count) and the fragment of the best one; ``ok`` is False when none fits.
     ``vision_mix``: a resolution mix ``((tokens, fraction), ...)`` (`parse_vision_tokens`)."""
@@ -100,9 +100,11 @@ def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens:
     config = load_model_config(rf.model_spec())
     counts = count_params(config)
     settings = settings_of(rf, attention)
+    policy = policy_of_run(rf)  # the engine's precision policy (optim.precision)
+    state_bytes = float(policy.state_bytes())
     vt = max(vision_tokens)
     w = Workload(vision_tokens=vt, text_tokens=text_tokens, global_batch_size=gb, micro_batches=m,
-                 settings=settings, state_bytes=state_bytes,
+                 settings=settings, state_bytes=state_bytes, policy=policy,
                  vision_zero1=bool(getattr(rf.optim, "vision_zero1", False)), device_gib=device_gib,
                  vision_mix=vision_mix)
     cands = recommend(config, n, w, hw, counts=counts)
@@ -114,7 +116,7 @@ def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens:
         + f"; global batch {gb} = {m} micro-batch(es) of {w.micro_batch_size}; "
         f"{settings.dtype_bytes}-byte activations, {attention} attention, checkpointing "
         f"{'on' if settings.checkpointing else 'off'}, vision ZeRO-1 "
-        f"{'on' if w.vision_zero1 else 'off'}, {state_bytes:g} B/param state; {device_gib:g} GiB "
+        f"{'on' if w.vision_zero1 else 'off'}, {policy.name} state ({state_bytes:g} B/param); {device_gib:g} GiB "
         "per GPU",
         f"cost model (ray_dhp/recommend.py): {hw.flops(settings.dtype_bytes) / 1e12:.0f} TFLOP/s "
         f"achieved per GPU ({hw.efficiency:.2f} of peak), links {hw.link_bw / 1e9:.0f} GB/s in a "
@@ -139,6 +141,6 @@ def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens:
                     f"{best.peak_memory_gib:.3g} GiB per GPU). Run-file fragment:", "",
                 _fragment_yaml(best, micro_batches).rstrip()]
     else:
-        out += ["", "no layout fits: lower the state bytes (--state-bytes 12), turn on activation "
+        out += ["", "no layout fits: use optim.precision=bf16 (8 B/param), turn on activation "
                     "checkpointing or bf16 autocast, shorten the samples, or add GPUs."]
     return "\n".join(out), bool(ok)

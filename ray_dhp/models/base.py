@@ -85,12 +85,28 @@ class FamilySpec:
                     f"text tensor_parallel={tp} must divide the language model's {what} ({n}); "
                     f"use one of {_divisors(n, limit=64)}."
                 )
+        _reject_dropout(config)
         tied = getattr(config, "tie_word_embeddings", False) or getattr(tc, "tie_word_embeddings", False)
         if tied and tp > 1:
             raise ValueError(
                 "text tensor_parallel > 1 with tied input/output embeddings is not supported yet; "
                 "use tensor_parallel=1 or a model with tie_word_embeddings=False."
             )
+
+
+def _reject_dropout(config) -> None:
+    """Dropout is refused: its masks would have to be drawn identically on ranks that replicate
+    a computation (TP ranks, SP ranks of replicated weights) and independently where they shard
+    it, which the engine does not arrange; a silently different mask per rank would break the
+    equality with the single-process update. Qwen-VL models train with dropout 0."""
+    for where, sub in (("", config), ("text_config.", config.text_config),
+                       ("vision_config.", config.vision_config)):
+        for key, value in sub.to_dict().items():
+            if "dropout" in key and isinstance(value, (int, float)) and value > 0:
+                raise ValueError(
+                    f"model config {where}{key}={value}: dropout is not supported (ranks would "
+                    f"draw different masks); set {where}{key}=0.0 in the model's config.json "
+                    "(or model.config).")
 
 
 def _divisors(n: int, limit: int = 1 << 30) -> list[int]:

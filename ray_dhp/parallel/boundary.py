@@ -172,7 +172,7 @@ def features_backward(plan: BoundaryPlan, grad_out: Optional[torch.Tensor], num_
     sends = {}
     if plan.returns_grad and grad_out is not None:
         g_recv = torch.empty_like(grad_out)
-        g_recv[plan.recv_perm] = grad_out  # back to "concatenated by source" order
+        g_recv[plan.recv_perm.to(grad_out.device)] = grad_out  # back to "concatenated by source" order
         off = 0
         for src, n in enumerate(plan.recv_counts):
             if n > 0:
@@ -184,5 +184,5 @@ def features_backward(plan: BoundaryPlan, grad_out: Optional[torch.Tensor], num_
     got = _exchange(sends, recv_rows, dim, like, plan.rank, group, inflight, comm, "boundary.bwd")
     g_local = torch.zeros(num_local, dim, dtype=dtype, device=device)
     for dst in sorted(got):
-        g_local.index_add_(0, plan.send_pos[dst], got[dst])
+        g_local.index_add_(0, plan.send_pos[dst].to(device), got[dst])  # plans are host tensors
     return g_local

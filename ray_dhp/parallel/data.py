@@ -39,8 +39,13 @@ def ensure_grads(params: Iterable[torch.Tensor]) -> list:
     return out
 
 
-def all_reduce_grads(params: list, group, comm: Optional[CommCounter], tag: str) -> None:
-    """SUM-all-reduce the (local shards of the) gradients of ``params`` over ``group``, bucketed."""
+def all_reduce_grads(params: list, group, comm: Optional[CommCounter], tag: str,
+                     reduce_dtype: Optional[torch.dtype] = None) -> None:
+    """SUM-all-reduce the (local shards of the) gradients of ``params`` over ``group``, bucketed.
+
+    ``reduce_dtype`` (e.g. fp32 for bf16 gradients): each bucket is upcast, summed in that
+    dtype, and rounded back into the gradients once. The buckets live on the gradients' device.
+    """
     if group is None or dist.get_world_size(group) == 1:
         return
     grads = [local(p.grad) for p in params]
@@ -54,6 +59,8 @@ def all_reduce_grads(params: list, group, comm: Optional[CommCounter], tag: str)
             continue
         if bucket:
             flat = torch.cat([b.reshape(-1) for b in bucket])
+            if reduce_dtype is not None and flat.dtype != reduce_dtype:
+                flat = flat.to(reduce_dtype)
             record(comm, "all_reduce", tag, flat)
             dist.all_reduce(flat, group=group)
             off = 0
@@ -63,16 +70,19 @@ def all_reduce_grads(params: list, group, comm: Optional[CommCounter], tag: str)
         bucket, size = ([g], g.numel() * g.element_size()) if g is not None else ([], 0)
 
 
-def squared_norm(params: list, tp_group=None) -> torch.Tensor:
-    """Sum of squared gradient entries, each parameter counted once across TP ranks.
+def squared_norm(params: list, tp_group=None, device=None) -> torch.Tensor:
+    """Sum of squared gradient entries (fp64, on ``device``: the group's device, so the TP
+    all-reduce is valid under NCCL), each parameter counted once across TP ranks.
 
     TP-sharded gradients contribute their local shard (summed over the TP group); replicated
     gradients (identical on every TP rank) are counted once, from this rank.
     """
-    sharded = torch.zeros((), dtype=torch.float64)
-    replicated = torch.zeros((), dtype=torch.float64)
+    if device is None:
+        device = local(params[0].grad).device if params else torch.device("cpu")
+    sharded = torch.zeros((), dtype=torch.float64, device=device)
+    replicated = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
-        g = local(p.grad).detach().double()
+        g = local(p.grad).detach().to(device, torch.float64)
         if is_sharded(p.grad):
             sharded += g.pow(2).sum()
         else:

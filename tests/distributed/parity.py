@@ -43,7 +43,7 @@ def _engine_body(rank, world, family, layout, cfg, steps, dtype, schedule):
             "comm": comm.as_dict()}
 
 
-def run_engine(family: str, layout: dict, cfg: TrainLoopConfig, steps, dtype=torch.float32,
+def run_engine(family: str, layout: dict, cfg: TrainLoopConfig, steps, dtype=None,
                schedule: str = "sequential") -> dict:
     """Run the DHP engine; merge every rank's parameters (each full tensor comes from any host)."""
     world = Topology.build(**layout).world_size
@@ -56,7 +56,7 @@ def run_engine(family: str, layout: dict, cfg: TrainLoopConfig, steps, dtype=tor
             "per_rank": outs}
 
 
-def run_reference(family: str, cfg: TrainLoopConfig, steps, dtype=torch.float32) -> dict:
+def run_reference(family: str, cfg: TrainLoopConfig, steps, dtype=None) -> dict:
     ref = ReferenceTrainer(demo.tiny_model_config(family), cfg, dtype=dtype)
     params0 = ref.named_parameters()
     history = [ref.step(mbs) for mbs in steps]

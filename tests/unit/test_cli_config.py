@@ -148,8 +148,11 @@ def test_export_without_the_export_module_fails_clearly(monkeypatch, capsys, tmp
     assert "no ray_dhp.export_hf" in capsys.readouterr().err
     calls = []
     monkeypatch.setattr(cli, "_export_fn", lambda: lambda c, o, **kw: calls.append((c, o, kw)))
-    assert main(["export", "c", "o"]) == 0 and calls == [("c", "o", {"overwrite": False})]
-    assert main(["export", "c", "o", "--overwrite"]) == 0 and calls[-1][2] == {"overwrite": True}
+    assert main(["export", "c", "o"]) == 0
+    assert calls == [("c", "o", {"dtype": None, "source": None, "overwrite": False})]
+    assert main(["export", "c", "o", "--overwrite"]) == 0 and calls[-1][2]["overwrite"] is True
+    assert main(["export", "c", "o", "--dtype", "bfloat16"]) == 0
+    assert calls[-1][2]["dtype"] == "bfloat16"
 
 
 def test_sweep_keys_are_checked_and_grids_expanded():
