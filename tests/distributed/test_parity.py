@@ -146,7 +146,9 @@ def test_key_bias_gradient_is_not_zero_fp64(steps_cache):
     """The key biases are checked like every other tensor: with rotary embeddings their gradient
     is not zero (q_i . R(j) b_k depends on the key position j, so softmax does not cancel it).
     Measured on this reference (step 1): ||grad k_proj.bias|| / ||grad q_proj.bias|| = 0.25
-    (layer 0) and 0.53 (layer 1)."""
+    (layer 0) and 0.53 (layer 1). Within a head the entries shrink with the rotary frequency: the
+    fastest-rotating dimensions carry 1e-1..1 of the largest, the slowest 1e-5..1e-3 (what makes
+    fp32 parameters after AdamW ill-conditioned, see `FP32_TOL`)."""
     _, ref = steps_cache("qwen2_5_vl")
     g = ref["grads"][0]
     for layer in (0, 1):
