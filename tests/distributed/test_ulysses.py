@@ -32,9 +32,9 @@ CASES = (tuple((f, GRIDS) for f in FAMILIES) + tuple((f, g) for f, g in EMPTY_GR
 # and the thread count) and sums parameter gradients over ranks in another order. Two orders of an
 # N-term fp32 sum differ by ~sqrt(N) u (u = 2^-24 ~ 6e-8) of the terms' magnitude; the longest
 # sums are the weight gradients over N <= ~400 rows x 64 features ~ 3e4 terms, sqrt(N) u ~ 1e-5 at
-# most, and the errors are measured relative to the tensor's largest entry. Measured ~1e-7 at 1
-# and 2 threads, so 1e-5 is a safe bound while any real bug (a wrong row, rotary angle, segment or
-# a missing/doubled gradient) is O(1).
+# most, and the errors are measured relative to the tensor's largest entry. Measured ~1e-7, so
+# 1e-5 is a safe bound while any real bug (a wrong row, rotary angle, segment or a
+# missing/doubled gradient) is O(1).
 RTOL = 1e-5
 
 
