@@ -10,16 +10,32 @@ Usage::
 
 An exception on any rank fails the test with that rank's traceback. The process handling lives
 in `ray_dhp.launch` (shared with the benchmarks).
+
+Each rank runs ``torch.set_num_threads(rank_threads())``: 1 unless the environment variable
+``RAY_DHP_TEST_THREADS`` says otherwise (the suite must pass at 1 and at 2 threads; with it set,
+tests/conftest.py also sets the pytest process's own thread count, where the references run).
 """
 
 from __future__ import annotations
 
+import os
+
 from ray_dhp.launch import free_port, spawn  # noqa: F401
+
+THREADS_ENV = "RAY_DHP_TEST_THREADS"
+
+
+def rank_threads() -> int:
+    """Torch threads per spawned rank: ``$RAY_DHP_TEST_THREADS`` (a positive integer), default 1."""
+    value = os.environ.get(THREADS_ENV, "1")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{THREADS_ENV}={value!r}: expected a positive integer")
+    return int(value)
 
 
 def run_on_ranks(fn, world_size: int, args: tuple = (), timeout_s: float = 600.0) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; return results by rank."""
     try:
-        return spawn(fn, world_size, args, backend="gloo", threads=1, timeout_s=timeout_s)
+        return spawn(fn, world_size, args, backend="gloo", threads=rank_threads(), timeout_s=timeout_s)
     except RuntimeError as e:
         raise AssertionError(f"distributed test body failed\n{e}") from None

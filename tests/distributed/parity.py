@@ -1,8 +1,14 @@
 """Shared parity harness: DHP engine on spawned gloo ranks vs the single-process reference.
 
 Both sides get the same micro-batches (made once here), seed and hyper-parameters. The engine
-side returns, per rank, the loss and grad-norm of every step plus the full parameters it hosts;
-the reference gives the same for the unsharded model.
+side returns, per rank, the loss and grad-norm of every step plus the full parameters it hosts
+(and, with ``grads=True``, the clipped gradients the optimizer sees at every step); the
+reference gives the same for the unsharded model.
+
+Every rank's copy is checked: a parameter held by several ranks (the vision tower on every
+SP/DP rank, replicated text norms and biases on every TP rank, every DP replica) is compared
+with the reference once per rank that holds it, so a replica that drifts is caught even when
+the other copies are right.
 """
 
 from __future__ import annotations
@@ -27,7 +33,45 @@ def make_steps(tmp_path, family: str, cfg: TrainLoopConfig, *, num_samples=16, t
     return [sampler.next_step() for _ in range(cfg.num_steps)]
 
 
-def _engine_body(rank, world, family, layout, cfg, steps, dtype, schedule):
+def named_full_grads(engine) -> dict:
+    """The gradients this rank holds for its parameters, unsharded (collective on text ranks)."""
+    out = {}
+    if engine.visual is not None:
+        out.update({f"model.visual.{n}": p.grad.detach().clone() for n, p in engine.visual.named_parameters()})
+    if engine.text_model is not None:
+        for n, p in engine.text_model.named_parameters():
+            g = p.grad
+            out[n] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+    return out
+
+
+def capture_grads(engine) -> list:
+    """Record, at every step, the reduced and clipped gradients (what the optimizer is given):
+    the engine reduces in ``_reduce_and_clip`` and scales by the clipping coefficient at the start
+    of ``_optimizer_step(coef)``; the same product is taken here (an exact fp multiply)."""
+    seen, optimizer_step = [], engine._optimizer_step
+
+    def wrapped(coef):
+        seen.append({n: g * coef for n, g in named_full_grads(engine).items()})
+        return optimizer_step(coef)
+
+    engine._optimizer_step = wrapped
+    return seen
+
+
+def perturb_local(engine, name: str, eps: float) -> None:
+    """Test-only drift: add ``eps`` to the first entry of THIS rank's copy of ``name`` (its local
+    shard for a TP-sharded weight), in place, without telling any other rank."""
+    params = {f"model.visual.{n}": p for n, p in engine.visual.named_parameters()} if engine.visual else {}
+    if engine.text_model is not None:
+        params.update(engine.text_model.named_parameters())
+    if name in params:
+        p = params[name]
+        with torch.no_grad():
+            (p.to_local() if hasattr(p, "to_local") else p).view(-1)[0] += eps
+
+
+def _engine_body(rank, world, family, layout, cfg, steps, dtype, schedule, grads, drift):
     from ray_dhp.engine import DHPEngine
     from ray_dhp.mesh import build_groups
     from ray_dhp.parallel.comm import CommCounter
@@ -38,29 +82,44 @@ def _engine_body(rank, world, family, layout, cfg, steps, dtype, schedule):
     engine = DHPEngine(demo.tiny_model_config(family), groups, cfg, comm=comm, dtype=dtype,
                        schedule=schedule)
     params0 = engine.named_full_parameters()
+    seen = capture_grads(engine) if grads else None
     history = [engine.step(mbs) for mbs in steps]
+    for r, name, eps in drift:
+        if r == rank:
+            perturb_local(engine, name, eps)
     return {"history": history, "params0": params0, "params": engine.named_full_parameters(),
-            "comm": comm.as_dict()}
+            "grads": seen, "comm": comm.as_dict()}
 
 
-def run_engine(family: str, layout: dict, cfg: TrainLoopConfig, steps, dtype=None,
-               schedule: str = "sequential") -> dict:
-    """Run the DHP engine; merge every rank's parameters (each full tensor comes from any host)."""
-    world = Topology.build(**layout).world_size
-    outs = run_on_ranks(_engine_body, world, args=(family, layout, cfg, steps, dtype, schedule))
+def merge_ranks(outs: list) -> dict:
+    """One dict per quantity from the per-rank results, plus ``per_rank`` (every copy, by rank).
+    ``params``/``params0`` hold one copy of each tensor (the last rank's): use them only where a
+    single copy is enough (e.g. as a reference); `assert_parity` checks every copy."""
     params, params0 = {}, {}
     for o in outs:
         params.update(o["params"])
         params0.update(o["params0"])
-    return {"history": outs[0]["history"], "params": params, "params0": params0,
-            "per_rank": outs}
+    return {"history": outs[0]["history"], "params": params, "params0": params0, "per_rank": outs}
+
+
+def run_engine(family: str, layout: dict, cfg: TrainLoopConfig, steps, dtype=None,
+               schedule: str = "sequential", *, grads: bool = False, drift=()) -> dict:
+    """Run the DHP engine on spawned ranks; ``grads``: also record the clipped gradients of every
+    step; ``drift``: ``(rank, name, eps)`` perturbations applied after training (harness tests)."""
+    world = Topology.build(**layout).world_size
+    outs = run_on_ranks(_engine_body, world,
+                        args=(family, layout, cfg, steps, dtype, schedule, grads, tuple(drift)))
+    return merge_ranks(outs)
 
 
 def run_reference(family: str, cfg: TrainLoopConfig, steps, dtype=None) -> dict:
     ref = ReferenceTrainer(demo.tiny_model_config(family), cfg, dtype=dtype)
     params0 = ref.named_parameters()
+    grads = []
+    ref.opt.register_step_pre_hook(lambda opt, args, kwargs: grads.append(
+        {n: p.grad.detach().clone() for n, p in ref.model.named_parameters()}))
     history = [ref.step(mbs) for mbs in steps]
-    return {"history": history, "params": ref.named_parameters(), "params0": params0}
+    return {"history": history, "params": ref.named_parameters(), "params0": params0, "grads": grads}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -70,24 +129,64 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(num / den) if den > 0 else float(num)
 
 
-def assert_parity(got: dict, ref: dict, *, loss_tol: float, param_tol: float, update_tol: float,
-                  skip=()):
-    """Loss and grad-norm of every step, then every parameter and its update; returns the worst
-    (update error, parameter error, name). ``skip``: name suffixes left out of the tensor checks."""
-    assert set(got["params"]) == set(ref["params"]), (
-        set(got["params"]) ^ set(ref["params"]))
-    for k, (g, r) in enumerate(zip(got["history"], ref["history"])):
-        assert abs(g["loss"] - r["loss"]) <= loss_tol * abs(r["loss"]), (k, g["loss"], r["loss"])
-        assert abs(g["grad_norm"] - r["grad_norm"]) <= loss_tol * r["grad_norm"], (k, g, r)
-    worst = []
-    for name, r in ref["params"].items():
-        if name.endswith(tuple(skip)):
-            continue
-        g = got["params"][name]
-        assert g.shape == r.shape, name
-        e_param = rel_err(g, r)
-        e_update = rel_err(g - got["params0"][name], r - ref["params0"][name])
-        worst.append((e_update, e_param, name))
-        assert e_param <= param_tol, (name, e_param)
-        assert e_update <= update_tol, (name, e_update)
-    return max(worst)
+def copy_errors(per_rank: list, ref: dict, *, key: str = "params", base=None, ref_base=None,
+                skip=()) -> list:
+    """``(error, rank, name)`` for every rank's copy of every tensor in ``per_rank[r][key]``
+    against ``ref[name]``; with ``base``/``ref_base`` (the matching initial tensors) the error
+    of the update ``x - x0`` instead."""
+    errs = []
+    for rank, out in enumerate(per_rank):
+        for name, g in out[key].items():
+            if name.endswith(tuple(skip)):
+                continue
+            r = ref[name]
+            assert g.shape == r.shape, (rank, name, g.shape, r.shape)
+            if base is None:
+                errs.append((rel_err(g, r), rank, name))
+            else:
+                errs.append((rel_err(g - per_rank[rank][base][name], r - ref_base[name]), rank, name))
+    return errs
+
+
+def parity_failures(got: dict, ref: dict, *, loss_tol: float, param_tol=None, update_tol=None,
+                    grad_tol=None, grad_steps=None, skip=()) -> list:
+    """Everything out of tolerance, as ``(what, error, rank, name)``: the loss and grad-norm of
+    every step (rank ``None``), then every rank's copy of every parameter and of its update and,
+    with ``grad_tol``, of the clipped gradient of the first ``grad_steps`` steps (all if None).
+    A tolerance of None skips that check; ``skip``: name suffixes left out of the parameter
+    and update checks."""
+    per_rank = got["per_rank"]
+    hosted = set().union(*(o["params"] for o in per_rank))
+    assert hosted == set(ref["params"]), hosted ^ set(ref["params"])
+    bad = []
+    for k, (g, r) in enumerate(zip(got["history"], ref["history"], strict=True)):
+        for key in ("loss", "grad_norm"):
+            err = abs(g[key] - r[key]) / abs(r[key])
+            if err > loss_tol:
+                bad.append((f"{key} step {k + 1}", err, None, None))
+    if param_tol is not None:
+        bad += [("param", *e) for e in copy_errors(per_rank, ref["params"], skip=skip) if e[0] > param_tol]
+    if update_tol is not None:
+        bad += [("update", *e) for e in copy_errors(per_rank, ref["params"], base="params0",
+                                                    ref_base=ref["params0"], skip=skip)
+                if e[0] > update_tol]
+    if grad_tol is not None:
+        for k, ref_grads in enumerate(ref["grads"][:grad_steps]):
+            step = [{"grads": o["grads"][k]} for o in per_rank]
+            bad += [(f"grad step {k + 1}", *e) for e in copy_errors(step, ref_grads, key="grads")
+                    if e[0] > grad_tol]
+    return bad
+
+
+def assert_parity(got: dict, ref: dict, **tols) -> tuple:
+    """`parity_failures` must be empty; returns the worst (update error, parameter error, name)
+    over every rank's copy (``None`` when updates are not checked)."""
+    bad = parity_failures(got, ref, **tols)
+    assert not bad, "out of tolerance (what, error, rank, name):\n" + "\n".join(map(str, bad))
+    if tols.get("update_tol") is None:
+        return None
+    skip = tols.get("skip", ())
+    e_params = {(r, n): e for e, r, n in copy_errors(got["per_rank"], ref["params"], skip=skip)}
+    e_updates = copy_errors(got["per_rank"], ref["params"], base="params0", ref_base=ref["params0"],
+                            skip=skip)
+    return max((e, e_params[(r, n)], n) for e, r, n in e_updates)

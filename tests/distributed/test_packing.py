@@ -8,9 +8,10 @@ into 2-3 rows, so rows hold several samples and short rows are padded.
 
 Tolerance (fp64): 1e-10 relative on loss, grad-norm, every parameter and every update. Packing
 changes only the summation order inside attention (a longer, masked row) and of the token-sum
-loss; measured: loss <= 2e-16, parameters and updates <= 1e-13 (the worst are the key biases,
-whose exact gradient is zero, see test_parity). Any leak across a sample boundary (attention, positions
-or targets) changes the loss at O(1e-2) or more.
+loss; measured: loss <= 2e-16, parameters and updates <= 1e-13 (the worst are the key biases:
+some of their entries have a gradient that nearly cancels across positions, see test_parity).
+Every rank's copy of every tensor is compared. Any leak across a sample boundary (attention,
+positions or targets) changes the loss at O(1e-2) or more.
 """
 
 from dataclasses import replace
