@@ -27,7 +27,7 @@ def make_steps(tmp_path, family: str, cfg: TrainLoopConfig, *, num_samples=16, t
     return [sampler.next_step() for _ in range(cfg.num_steps)]
 
 
-def _engine_body(rank, world, family, layout, cfg, steps, dtype, schedule):
+def _engine_body(rank, world, family, layout, cfg, steps, dtype, schedule, model=None):
     from ray_dhp.engine import DHPEngine
     from ray_dhp.mesh import build_groups
     from ray_dhp.parallel.comm import CommCounter
@@ -35,8 +35,8 @@ def _engine_body(rank, world, family, layout, cfg, steps, dtype, schedule):
     topo = Topology.build(**layout)
     groups = build_groups(topo, torch.device("cpu"))
     comm = CommCounter()
-    engine = DHPEngine(demo.tiny_model_config(family), groups, cfg, comm=comm, dtype=dtype,
-                       schedule=schedule)
+    model = demo.tiny_model_config(family) if model is None else model
+    engine = DHPEngine(model, groups, cfg, comm=comm, dtype=dtype, schedule=schedule)
     params0 = engine.named_full_parameters()
     history = [engine.step(mbs) for mbs in steps]
     return {"history": history, "params0": params0, "params": engine.named_full_parameters(),
@@ -44,10 +44,11 @@ def _engine_body(rank, world, family, layout, cfg, steps, dtype, schedule):
 
 
 def run_engine(family: str, layout: dict, cfg: TrainLoopConfig, steps, dtype=torch.float32,
-               schedule: str = "sequential") -> dict:
-    """Run the DHP engine; merge every rank's parameters (each full tensor comes from any host)."""
+               schedule: str = "sequential", model=None) -> dict:
+    """Run the DHP engine; merge every rank's parameters (each full tensor comes from any host).
+    ``model``: a model directory or config (default: the family's tiny config)."""
     world = Topology.build(**layout).world_size
-    outs = run_on_ranks(_engine_body, world, args=(family, layout, cfg, steps, dtype, schedule))
+    outs = run_on_ranks(_engine_body, world, args=(family, layout, cfg, steps, dtype, schedule, model))
     params, params0 = {}, {}
     for o in outs:
         params.update(o["params"])
@@ -56,8 +57,8 @@ def run_engine(family: str, layout: dict, cfg: TrainLoopConfig, steps, dtype=tor
             "per_rank": outs}
 
 
-def run_reference(family: str, cfg: TrainLoopConfig, steps, dtype=torch.float32) -> dict:
-    ref = ReferenceTrainer(demo.tiny_model_config(family), cfg, dtype=dtype)
+def run_reference(family: str, cfg: TrainLoopConfig, steps, dtype=torch.float32, model=None) -> dict:
+    ref = ReferenceTrainer(demo.tiny_model_config(family) if model is None else model, cfg, dtype=dtype)
     params0 = ref.named_parameters()
     history = [ref.step(mbs) for mbs in steps]
     return {"history": history, "params": ref.named_parameters(), "params0": params0}
