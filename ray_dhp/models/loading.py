@@ -62,6 +62,14 @@ def build_meta_model(model, *, seed: int = 0, dtype=None) -> MetaModel:
     return MetaModel(module, seed, record, directory)
 
 
+def check_model_directory(path) -> None:
+    """Check a model directory's weights against its config.json from the safetensors headers
+    only (nothing is loaded): raises `CheckpointError` naming the file / tensor for a missing
+    shard, a missing tensor, a shape unlike the config's or a non-float dtype. Run by the driver
+    (`DHPConfig`) so a bad directory fails before any worker starts."""
+    build_meta_model(path)
+
+
 def module_prefix(root: torch.nn.Module, sub: torch.nn.Module) -> str:
     """The parameter-name prefix of ``sub`` inside ``root`` (``""`` for the root itself)."""
     for name, m in root.named_modules():

@@ -149,3 +149,15 @@ def test_missing_tensor_and_missing_weights(saved, tmp_path):
 def test_integer_model_dtype_is_refused():
     with pytest.raises(ValueError, match="not a floating-point dtype"):
         build_meta_model(demo.tiny_model_config(), dtype=torch.int32)
+
+
+def test_driver_rejects_a_directory_with_a_missing_shard(saved, tmp_path):
+    """`DHPConfig` (the driver, before any worker starts) checks the weights' headers."""
+    from ray_dhp.config import DHPConfig
+
+    assert DHPConfig(model=str(saved / "sharded")).model == str(saved / "sharded")
+    d = _copy_dir(saved / "sharded", tmp_path / "d")
+    gone = sorted(n for n in os.listdir(d) if n.endswith(".safetensors"))[0]
+    os.remove(os.path.join(d, gone))
+    with pytest.raises(CheckpointError, match=gone):
+        DHPConfig(model=d)
