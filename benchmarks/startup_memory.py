@@ -143,6 +143,12 @@ def run(dtype_name: str, out_dir: str, order=ORDER) -> dict:
               "machine": "cpu2 (2 cores, 24 GiB, shared with other jobs)", "rows": []}
     name = f"startup-memory-7bwidth-{dtype_name}-cpu2-{date}"
     os.makedirs(out_dir, exist_ok=True)
+    done_path = os.path.join(out_dir, name + ".json")
+    if os.path.isfile(done_path):  # continue an interrupted run of the same day
+        with open(done_path) as f:
+            result["rows"] = json.load(f)["rows"]
+    done = {(r["source"], r["layout"], r["path"]) for r in result["rows"]}
+    order = [c for c in order if c not in done]
     tmp = tempfile.mkdtemp(prefix="startup_memory_")
     sources = {"config": config}
     try:
