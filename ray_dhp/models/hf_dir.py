@@ -143,12 +143,20 @@ class HFDirectory:
 
     def read(self, names, slices: tuple, dtype: torch.dtype) -> torch.Tensor:
         """The slice ``slices`` of the tensor behind ``names``, as ``dtype`` (a fresh tensor)."""
+        key = self.key_of(names)
+        shape = self.headers[key][0]
+        out = torch.empty([s.stop - s.start for s in slices] if slices else shape, dtype=dtype)
+        return self.read_into(names, slices, out)
+
+    def read_into(self, names, slices: tuple, out: torch.Tensor) -> torch.Tensor:
+        """Copy the slice ``slices`` of the tensor behind ``names`` into ``out`` (any dtype and
+        device), with the file mapped only during the copy."""
         from safetensors import safe_open
 
         key = self.key_of(names)
         with safe_open(self.files[key], framework="pt") as f:
-            part = f.get_slice(key)[slices] if slices else f.get_tensor(key)
-        return part.to(dtype=dtype, copy=True) if part.dtype != dtype else part.clone()
+            out.copy_(f.get_slice(key)[slices] if slices else f.get_tensor(key))
+        return out
 
 
 def _model_names(model) -> dict:

@@ -133,7 +133,7 @@ def materialize(meta: MetaModel, parts: dict, device) -> None:
         s.local = torch.empty(shape, dtype=s.param.dtype, device=device)
     if meta.directory is not None:
         for s in slots:
-            s.local.copy_(meta.directory.read(s.names, s.slices, s.param.dtype))
+            meta.directory.read_into(s.names, s.slices, s.local)
     else:
         _fill_random(meta.init, meta.seed, slots)
     for s in slots:
