@@ -12,7 +12,8 @@ seed, on real CPU tensors. Every random draw the reference makes is made again o
 the same shape, dtype and strides, so the generator advances exactly as in the reference; only
 the parameters a rank keeps get a real buffer (from their last full overwrite on), handed to a
 sink when their last recorded operation ran, and dropped. At most one full parameter (plus the
-few of the module being initialised) is alive at a time.
+few of the module being initialised) is alive at a time, and the replay stops once the last kept
+parameter is final (a vision rank never draws the language model's init).
 
 What cannot be replayed this way is refused with an error naming the parameter: a random draw
 outside the parameters while constructing, or a parameter whose value depends on a tensor
@@ -160,9 +161,12 @@ class InitRecord:
         """Re-run the init from ``seed``; call ``sink(names, full_tensor)`` once for every
         parameter storage in ``wanted`` (``names``: all its names), as soon as it is final."""
         live: dict = {}
+        pending = set(wanted)
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(seed)
             for i, op in enumerate(self.ops):
+                if not pending:  # later draws cannot change what was handed out
+                    break
                 s = op.target.storage if op.target is not None else None
                 if s in wanted and i >= self.first_live[s]:
                     if s not in live:
@@ -171,6 +175,7 @@ class InitRecord:
                     _run(op, lambda ref: self._view(live, ref, op))
                     if i == self.last[s]:
                         sink(self.names[s], live.pop(s))
+                        pending.discard(s)
                 elif op.is_random:  # only the generator's advance matters: a throw-away tensor
                     _run(op, self._scratch)
 
