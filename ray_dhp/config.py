@@ -172,6 +172,10 @@ class DHPConfig(BackendConfig):
         family = family_of(self.model_config())
         family.validate_layout(self.model_config(), sp=self.vision.sequence_parallel,
                                tp=self.text.tensor_parallel, text_sp=self.text.sequence_parallel is True)
+        if isinstance(self.model, str):  # every shard there, shapes and dtypes as config.json says
+            from ray_dhp.models.loading import check_model_directory
+
+            check_model_directory(self.model)
 
     def validate_workers(self, num_workers: int) -> None:
         need = self.num_workers

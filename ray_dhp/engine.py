@@ -29,7 +29,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ray_dhp.mesh import DHPGroups
-from ray_dhp.models import build_model, family_of, load_model_config
+from ray_dhp.models import family_of, load_model_config
+from ray_dhp.models.loading import build_meta_model, materialize, module_prefix
 from ray_dhp.optim import build_optimizer_for, zero1_owners
 from ray_dhp.precision import local_nbytes, policy_of, weight_dtype
 from ray_dhp.schedule import order_for
@@ -154,18 +155,7 @@ class DHPEngine:
         topo = groups.topology
         self.family.validate_layout(self.config, sp=topo.vision.inner, tp=topo.text.inner,
                                     text_sp=topo.text_sequence_parallel)
-        full = build_model(model, seed=cfg.seed, dtype=dtype).to(groups.device)
-        full.train()
-        if cfg.activation_checkpointing:  # recompute every vision and text block in backward
-            full.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.visual = self.text_model = None
-        if groups.is_vision:
-            self.visual = self.family.visual(full)
-        if groups.is_text:
-            full.model.visual = None  # the text shard does not hold the vision tower
-            self.text_model = full
-            if topo.text.inner > 1:
-                apply_tp_plan(full, groups.text_mesh["tp"], self._text_plan(full))
+        self._build_shards(model, dtype)
         self.vision_params = list(self.visual.parameters()) if self.visual is not None else []
         self.text_params = list(self.text_model.parameters()) if self.text_model is not None else []
         self._partial = (partial_grad_params(self.text_model, self.family.tp_partial_grad_suffixes)
@@ -177,6 +167,28 @@ class DHPEngine:
         self.feature_dim = self.family.feature_dim(self.config)
         self.step_count = 0
         self._timer = PhaseTimer()
+
+    def _build_shards(self, model, dtype: torch.dtype) -> None:
+        """Build the model on the meta device, keep the modules this rank hosts (TP-sharded on
+        meta), then materialise only those, filled from the directory or the seed's init
+        (identical to the reference's); see `ray_dhp.models.loading`."""
+        g, topo = self.groups, self.groups.topology
+        meta = build_meta_model(model, seed=self.cfg.seed, dtype=dtype)
+        full = meta.module
+        full.train()
+        if self.cfg.activation_checkpointing:  # recompute every vision and text block in backward
+            full.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.visual = self.text_model = None
+        parts = {}
+        if g.is_vision:
+            self.visual = self.family.visual(full)
+            parts[module_prefix(full, self.visual)] = self.visual
+        if g.is_text:
+            full.model.visual = None  # the text shard does not hold the vision tower
+            self.text_model = parts[""] = full
+            if topo.text.inner > 1:
+                apply_tp_plan(full, g.text_mesh["tp"], self._text_plan(full))
+        materialize(meta, parts, g.device)
 
     # -- one step ------------------------------------------------------------------------------
 

@@ -71,7 +71,7 @@ def perturb_local(engine, name: str, eps: float) -> None:
             (p.to_local() if hasattr(p, "to_local") else p).view(-1)[0] += eps
 
 
-def _engine_body(rank, world, family, layout, cfg, steps, dtype, schedule, grads, drift):
+def _engine_body(rank, world, family, layout, cfg, steps, dtype, schedule, grads, drift, model=None):
     from ray_dhp.engine import DHPEngine
     from ray_dhp.mesh import build_groups
     from ray_dhp.parallel.comm import CommCounter
@@ -79,8 +79,8 @@ def _engine_body(rank, world, family, layout, cfg, steps, dtype, schedule, grads
     topo = Topology.build(**layout)
     groups = build_groups(topo, torch.device("cpu"))
     comm = CommCounter()
-    engine = DHPEngine(demo.tiny_model_config(family), groups, cfg, comm=comm, dtype=dtype,
-                       schedule=schedule)
+    model = demo.tiny_model_config(family) if model is None else model
+    engine = DHPEngine(model, groups, cfg, comm=comm, dtype=dtype, schedule=schedule)
     params0 = engine.named_full_parameters()
     seen = capture_grads(engine) if grads else None
     history = [engine.step(mbs) for mbs in steps]
@@ -103,17 +103,18 @@ def merge_ranks(outs: list) -> dict:
 
 
 def run_engine(family: str, layout: dict, cfg: TrainLoopConfig, steps, dtype=None,
-               schedule: str = "sequential", *, grads: bool = False, drift=()) -> dict:
+               schedule: str = "sequential", *, grads: bool = False, drift=(), model=None) -> dict:
     """Run the DHP engine on spawned ranks; ``grads``: also record the clipped gradients of every
-    step; ``drift``: ``(rank, name, eps)`` perturbations applied after training (harness tests)."""
+    step; ``drift``: ``(rank, name, eps)`` perturbations applied after training (harness tests);
+    ``model``: a model directory or config (default: the family's tiny config)."""
     world = Topology.build(**layout).world_size
-    outs = run_on_ranks(_engine_body, world,
-                        args=(family, layout, cfg, steps, dtype, schedule, grads, tuple(drift)))
+    outs = run_on_ranks(_engine_body, world, args=(family, layout, cfg, steps, dtype, schedule,
+                                                   grads, tuple(drift), model))
     return merge_ranks(outs)
 
 
-def run_reference(family: str, cfg: TrainLoopConfig, steps, dtype=None) -> dict:
-    ref = ReferenceTrainer(demo.tiny_model_config(family), cfg, dtype=dtype)
+def run_reference(family: str, cfg: TrainLoopConfig, steps, dtype=None, model=None) -> dict:
+    ref = ReferenceTrainer(demo.tiny_model_config(family) if model is None else model, cfg, dtype=dtype)
     params0 = ref.named_parameters()
     grads = []
     ref.opt.register_step_pre_hook(lambda opt, args, kwargs: grads.append(

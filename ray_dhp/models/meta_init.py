@@ -1,0 +1,223 @@
+"""Random init one parameter at a time, bit-identical to ``cls._from_config`` (the reference).
+
+The model is constructed exactly as the single-process reference constructs it (same class,
+same ``_from_config`` call, same dtype), with two differences: every parameter is moved to the
+``meta`` device as soon as it is registered (buffers stay real, so rotary ``inv_freq`` and the
+like are computed by the model's own code), and a dispatch mode records every operation that
+writes into a parameter — ``torch.nn`` default init during ``__init__``, then transformers'
+``_init_weights`` in ``post_init``. Nothing is drawn from the random generator while recording.
+
+`InitRecord.replay` then runs the recorded operations again, in the same order, from the same
+seed, on real CPU tensors. Every random draw the reference makes is made again on a tensor of
+the same shape, dtype and strides, so the generator advances exactly as in the reference; only
+the parameters a rank keeps get a real buffer (from their last full overwrite on), handed to a
+sink when their last recorded operation ran, and dropped. At most one full parameter (plus the
+few of the module being initialised) is alive at a time, and the replay stops once the last kept
+parameter is final (a vision rank never draws the language model's init).
+
+What cannot be replayed this way is refused with an error naming the parameter: a random draw
+outside the parameters while constructing, or a parameter whose value depends on a tensor
+that is not a parameter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+# aten ops (overload packet names) that draw from the default generator.
+RANDOM_OPS = frozenset({
+    "uniform_", "normal_", "normal", "bernoulli_", "bernoulli", "random_", "exponential_",
+    "geometric_", "cauchy_", "log_normal_", "rand", "randn", "randint", "randperm", "rand_like",
+    "randn_like", "randint_like", "multinomial", "native_dropout", "poisson",
+})
+# In-place ops whose result does not depend on the previous contents of their target.
+OVERWRITE_OPS = frozenset({
+    "uniform_", "normal_", "bernoulli_", "random_", "exponential_", "geometric_", "cauchy_",
+    "log_normal_", "fill_", "zero_", "copy_",
+})
+
+
+@dataclass(frozen=True)
+class MetaRef:
+    """A meta tensor argument of a recorded op: a view into the storage of ``storage``."""
+
+    storage: int
+    size: tuple
+    stride: tuple
+    offset: int
+    dtype: torch.dtype
+
+
+@dataclass
+class RecordedOp:
+    func: object
+    args: tuple
+    kwargs: dict
+    target: Optional[MetaRef]  # the meta tensor the op writes into (None: a read-only op)
+
+    @property
+    def name(self) -> str:
+        return self.func.overloadpacket.__name__
+
+    @property
+    def is_random(self) -> bool:
+        return self.name in RANDOM_OPS
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _snapshot(x):
+    if isinstance(x, torch.Tensor) and x.is_meta:
+        return MetaRef(storage_key(x), tuple(x.size()), tuple(x.stride()), x.storage_offset(), x.dtype)
+    return x
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list = []
+        self.foreign_random: list = []  # random ops on real tensors while constructing
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        leaves = tree_leaves((args, kwargs))
+        if not any(isinstance(a, torch.Tensor) and a.is_meta for a in leaves):
+            if func.overloadpacket.__name__ in RANDOM_OPS:
+                self.foreign_random.append(str(func))
+            return out
+        target = _written_meta_arg(func, args, kwargs)
+        name = func.overloadpacket.__name__
+        if target is not None or name in RANDOM_OPS:
+            self.ops.append(RecordedOp(func, tree_map(_snapshot, args), tree_map(_snapshot, kwargs),
+                                       None if target is None else _snapshot(target)))
+        return out
+
+
+def _written_meta_arg(func, args, kwargs) -> Optional[torch.Tensor]:
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        v = kwargs.get(a.name) if (a.kwarg_only or i >= len(args)) else args[i]
+        if isinstance(v, torch.Tensor) and v.is_meta:
+            return v
+    return None
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Register every new parameter on the meta device (buffers stay where they are made)."""
+    original = torch.nn.Module.register_parameter
+
+    def register(module, name, param):
+        original(module, name, param)
+        p = module._parameters.get(name)
+        if p is not None and not p.is_meta:
+            module._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
+
+    torch.nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original
+
+
+class InitRecord:
+    """The recorded init operations of one meta-constructed model."""
+
+    def __init__(self, model: torch.nn.Module, ops: list):
+        self.ops = ops
+        self.names: dict = {}    # storage -> parameter names (tied parameters share one storage)
+        self.params: dict = {}   # storage -> meta parameter
+        for n, p in model.named_parameters(remove_duplicate=False):
+            self.names.setdefault(storage_key(p), []).append(n)
+            self.params[storage_key(p)] = p
+        self.first_live, self.last = {}, {}
+        for i, op in enumerate(ops):
+            t = op.target
+            if t is None or t.storage not in self.params:
+                continue
+            self.last[t.storage] = i
+            if op.name in OVERWRITE_OPS and self._covers(t) and not _reads_meta(op):
+                self.first_live[t.storage] = i
+        for s, names in self.names.items():
+            if s not in self.first_live:
+                raise ValueError(f"random init: parameter {names[0]} is never fully written by the "
+                                 f"model's init; it cannot be reproduced one parameter at a time")
+
+    def _covers(self, ref: MetaRef) -> bool:
+        p = self.params[ref.storage]
+        return ref.size == tuple(p.size()) and ref.stride == tuple(p.stride()) and ref.offset == p.storage_offset()
+
+    def replay(self, seed: int, wanted: set, sink: Callable[[list, torch.Tensor], None]) -> None:
+        """Re-run the init from ``seed``; call ``sink(names, full_tensor)`` once for every
+        parameter storage in ``wanted`` (``names``: all its names), as soon as it is final."""
+        live: dict = {}
+        pending = set(wanted)
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(seed)
+            for i, op in enumerate(self.ops):
+                if not pending:  # later draws cannot change what was handed out
+                    break
+                s = op.target.storage if op.target is not None else None
+                if s in wanted and i >= self.first_live[s]:
+                    if s not in live:
+                        p = self.params[s]
+                        live[s] = torch.empty_strided(p.size(), p.stride(), dtype=p.dtype)
+                    _run(op, lambda ref: self._view(live, ref, op))
+                    if i == self.last[s]:
+                        sink(self.names[s], live.pop(s))
+                        pending.discard(s)
+                elif op.is_random:  # only the generator's advance matters: a throw-away tensor
+                    _run(op, self._scratch)
+
+    def _view(self, live: dict, ref: MetaRef, op: RecordedOp) -> torch.Tensor:
+        base = live.get(ref.storage)
+        if base is None:
+            what = self.names.get(ref.storage, ["a tensor that is not a parameter"])[0]
+            raise ValueError(f"random init: {op.func} writes {self.names[op.target.storage][0]} "
+                             f"from {what}; this cannot be replayed one parameter at a time")
+        return base.as_strided(ref.size, ref.stride, ref.offset)
+
+    def _scratch(self, ref: MetaRef) -> torch.Tensor:
+        p = self.params.get(ref.storage)
+        if p is not None:
+            base = torch.empty_strided(p.size(), p.stride(), dtype=p.dtype)
+        else:
+            n = ref.offset + 1 + sum((s - 1) * st for s, st in zip(ref.size, ref.stride))
+            base = torch.empty(max(n, 1), dtype=ref.dtype)
+        return base.as_strided(ref.size, ref.stride, ref.offset)
+
+
+def _reads_meta(op: RecordedOp) -> bool:
+    """True if the op reads a meta tensor other than its target (its value depends on it)."""
+    reads = [x for x in tree_leaves((op.args, op.kwargs)) if isinstance(x, MetaRef)]
+    return any(r != op.target for r in reads)
+
+
+def _run(op: RecordedOp, resolve) -> None:
+    def real(x):
+        return resolve(x) if isinstance(x, MetaRef) else x
+
+    op.func(*tree_map(real, op.args), **tree_map(real, op.kwargs))
+
+
+def construct_recorded(build: Callable[[], torch.nn.Module]):
+    """Run ``build()`` with parameters on meta and their init recorded; return (model, record)."""
+    rec = _Recorder()
+    with torch.random.fork_rng(devices=[]), parameters_on_meta(), rec:
+        model = build()
+    if rec.foreign_random:
+        raise ValueError(
+            f"random init: constructing {type(model).__name__} draws random numbers outside its "
+            f"parameters ({sorted(set(rec.foreign_random))}); sharded random init cannot reproduce "
+            f"it. Load the model from a directory instead.")
+    return model, InitRecord(model, rec.ops)

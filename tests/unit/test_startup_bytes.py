@@ -1,0 +1,35 @@
+"""The 32B preset at TP=8: the engine of one rank, built on the meta device, holds exactly the
+parameter bytes ``count_params`` (the model `ray-dhp plan` uses) gives that rank."""
+
+import pytest
+
+from ray_dhp.cli.models import config_from_dims
+from ray_dhp.cli.presets import preset_dims
+from ray_dhp.memory import count_params
+from ray_dhp.startup import meta_engine, rank_parameter_bytes
+from ray_dhp.topology import Topology
+
+
+@pytest.mark.parametrize("placement, rank", [("collocated", 5), ("disjoint", 2)])
+def test_32b_rank_bytes_on_meta_match_the_count(placement, rank):
+    config = config_from_dims(preset_dims("qwen2_5_vl", "32b"), "qwen2_5_vl")
+    v = (1, 8) if placement == "collocated" else (2, 1)   # (sp, dp)
+    topo = Topology.build(placement=placement, vision_sp=v[0], vision_dp=v[1], text_tp=8, text_dp=1)
+    got = rank_parameter_bytes(config, topo, rank)
+    counts = count_params(config)
+    is_vision, is_text = topo.vision.coord(rank) is not None, topo.text.coord(rank) is not None
+    assert got["vision"] == (counts.vision * 4 if is_vision else 0)
+    assert got["text"] == (counts.text_per_rank(8) * 4 if is_text else 0)
+    assert got["total"] == got["vision"] + got["text"] > 0
+
+
+def test_meta_engine_holds_no_memory():
+    import torch
+
+    config = config_from_dims(preset_dims("qwen2_5_vl", "7b"), "qwen2_5_vl")
+    topo = Topology.build(placement="collocated", vision_sp=2, vision_dp=1, text_tp=2, text_dp=1)
+    engine = meta_engine(config, topo, 1)
+    params = list(engine.visual.parameters()) + list(engine.text_model.parameters())
+    assert params and all(p.is_meta for p in params)
+    assert engine.text_model.lm_head.weight.to_local().shape == (152064 // 2, 3584)
+    assert isinstance(engine.vision_params[0], torch.nn.Parameter)
