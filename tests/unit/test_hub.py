@@ -16,14 +16,17 @@ REV = "0123456789abcdef0123456789abcdef01234567"
 @pytest.fixture
 def hub_cache(tmp_path, monkeypatch):
     """An HF_HUB_CACHE holding REPO in the standard layout (models--org--name, refs/main,
-    snapshots/<rev>/) with a tiny Qwen2.5-VL config and processor."""
+    snapshots/<rev>/) with a tiny Qwen2.5-VL (config and weights: the driver checks them)."""
     cache = tmp_path / "hub"
     repo = cache / ("models--" + REPO.replace("/", "--"))
     snap = repo / "snapshots" / REV
     snap.mkdir(parents=True)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(REV)
-    demo.tiny_model_config("qwen2_5_vl").save_pretrained(snap)
+    import transformers
+
+    config = demo.tiny_model_config("qwen2_5_vl")
+    transformers.Qwen2_5_VLForConditionalGeneration._from_config(config).save_pretrained(snap)
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)
