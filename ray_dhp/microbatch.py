@@ -1,0 +1,123 @@
+"""What one DHP step is made of, as plain data and small helpers (no process groups here).
+
+- next-token targets and their count (`shift_labels`, `count_targets`, `upcast`);
+- `MicroBatchLayout` / `layout_micro_batch`: which vision replica and text replica computes which
+  samples of a micro-batch and which SP rank computes which feature rows — identical on every
+  rank, so the layout needs no communication;
+- `_MicroBatch`: what one micro-batch carries between the phases of a schedule;
+- `PhaseTimer`: wall time per phase (the ``time_<phase>_s`` metrics).
+
+`ray_dhp.engine.DHPEngine` runs the phases; these names are re-exported there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ray_dhp.parallel import boundary as bnd
+from ray_dhp.parallel.balance import COUNT, Balancer
+
+__all__ = ["shift_labels", "upcast", "count_targets", "image_rows", "MicroBatchLayout",
+           "layout_micro_batch", "PhaseTimer"]
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Next-token targets: ``targets[:, i] = labels[:, i + 1]``, -100 at the end."""
+    return F.pad(labels[:, 1:], (0, 1), value=-100)
+
+
+def upcast(logits: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy in at least fp32."""
+    return logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
+
+
+def count_targets(samples) -> int:
+    return int(sum((s.labels[1:] != -100).sum() for s in samples))
+
+
+def image_rows(sample, merge: int) -> int:
+    if sample.image_grid_thw is None:
+        return 0
+    return int(sample.image_grid_thw.prod(-1).sum()) // (merge * merge)
+
+
+@dataclass
+class MicroBatchLayout:
+    """Who does what for one micro-batch; identical on every rank (plain data)."""
+
+    vision_samples: list        # per vision dp replica: ascending list of sample indices
+    text_samples: list          # per text dp replica: ascending list of sample indices
+    row_offsets: list           # per sample: first global feature row (len = samples + 1)
+    vision_plans: list          # per vision dp replica: VisionShardPlan or None (no images)
+
+    def rows_of(self, indices) -> torch.Tensor:
+        """Global feature rows of the samples ``indices`` (ascending), concatenated in order."""
+        parts = [torch.arange(self.row_offsets[i], self.row_offsets[i + 1]) for i in indices]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def layout_micro_batch(samples, topology, family_name: str, vision_config,
+                       balancer: "Balancer" = COUNT) -> MicroBatchLayout:
+    """The micro-batch's plan: samples per vision and per text replica (``balancer``: by cost,
+    or contiguous equal counts), feature-row offsets, and each replica's SP shard plan."""
+    from ray_dhp.models.vision_qwen import plan_vision_shards
+
+    n = len(samples)
+    v, t = topology.vision, topology.text
+    if n < v.dp or n < t.dp:
+        raise ValueError(
+            f"a micro-batch of {n} samples cannot feed {v.dp} vision and {t.dp} text replicas; "
+            f"raise global_batch_size or lower micro_batches / data_parallel."
+        )
+    merge = vision_config.spatial_merge_size
+    offsets = [0]
+    for s in samples:
+        offsets.append(offsets[-1] + image_rows(s, merge))
+    vs = balancer.vision_replicas(samples, v.dp)
+    plans = []
+    for idx in vs:
+        grids = [samples[i].image_grid_thw for i in idx if samples[i].image_grid_thw is not None]
+        plans.append(plan_vision_shards(family_name, vision_config, torch.cat(grids), v.inner)
+                     if grids else None)
+    return MicroBatchLayout(vs, balancer.text_replicas(samples, t.dp), offsets, plans)
+
+
+@dataclass
+class _MicroBatch:
+    """Everything one micro-batch carries between the phases of a schedule."""
+
+    samples: list
+    lay: Optional[MicroBatchLayout] = None
+    feats: Optional[torch.Tensor] = None       # vision rows computed here (with graph)
+    plan: Optional[bnd.BoundaryPlan] = None
+    text_feats: Optional[torch.Tensor] = None  # rows in this rank's text layout
+    grad_feats: Optional[torch.Tensor] = None
+    loss_sum: float = 0.0
+
+    @property
+    def has_images(self) -> bool:
+        return any(s.image_grid_thw is not None for s in self.samples)
+
+
+class PhaseTimer:
+    """Wall time per phase of a step (``time_<phase>_s`` metrics)."""
+
+    def __init__(self):
+        self.totals: dict = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.totals[phase] = self.totals.get(phase, 0.0) + time.perf_counter() - t0
+
+    def as_metrics(self) -> dict:
+        return {f"time_{k}_s": v for k, v in self.totals.items()}
