@@ -20,3 +20,20 @@ def ray_start():
 def fast_reports(monkeypatch):
     """Poll worker reports every 0.25 s instead of 2 s (RAY_TRAIN_* vars reach the controller)."""
     monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+
+
+def stop_private_head(head, temp_dir: str) -> None:
+    """Stop a test's own `ray start --head --block` (started with ``start_new_session=True``) by
+    its process group, and remove its temp dir. Never `ray stop`: that stops every Ray on the
+    machine, the session's too."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+
+    os.killpg(head.pid, signal.SIGTERM)
+    try:
+        head.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(head.pid, signal.SIGKILL)
+    shutil.rmtree(temp_dir, ignore_errors=True)

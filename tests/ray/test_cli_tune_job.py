@@ -5,7 +5,6 @@ import math
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from ray_dhp.cli import main
+from tests.ray.conftest import stop_private_head
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "examples" / "tiny.yaml")
@@ -105,9 +105,4 @@ def test_ray_job_submit_runs_the_cli_to_succeeded(tmp_path):
         assert "succeeded" in out.lower() and "[ray_dhp] done: loss" in out, out[-4000:]
         assert [m["step"] for m in _history(tmp_path / "job")] == [1, 3]
     finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-        shutil.rmtree(short, ignore_errors=True)
+        stop_private_head(head, short)

@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -45,6 +44,7 @@ from ray_dhp.callbacks import MetricsHistory
 from ray_dhp.topology import Topology, crossing_groups
 from ray_dhp.train_config import TrainLoopConfig
 from tests.distributed.parity import make_steps, rel_err, run_engine
+from tests.ray.conftest import stop_private_head
 
 ROOT = Path(__file__).resolve().parents[2]
 FAMILY = "qwen2_5_vl"
@@ -335,9 +335,4 @@ def test_cli_train_after_ray_start_joins_that_cluster(tmp_path):
         assert "joining the running Ray cluster at" in out and f":{port}" in out, out[-4000:]
         assert "[ray_dhp] done: loss" in out
     finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-        shutil.rmtree(short, ignore_errors=True)
+        stop_private_head(head, short)
