@@ -40,6 +40,7 @@ import torch.distributed.checkpoint as dcp
 
 from ray_dhp import checkpoint_integrity as integrity
 from ray_dhp.checkpoint_integrity import COMMIT_FILE, META_FILE, is_complete, read_meta
+from ray_dhp.data.sampler import check_state
 
 logger = logging.getLogger(__name__)
 
@@ -275,6 +276,8 @@ def load(checkpoint, engine, sampler=None) -> int:
         meta = read_meta(d)
         _check_compatible(meta, engine)
         _check_same_model(meta, engine)
+        if sampler is not None:  # before the weights: an old data order stops the load early
+            check_state(meta["sampler"])
         state = train_state(engine)
         dcp.load(state, checkpoint_id=d)
         for key, (module, opt, sched) in _modules(engine).items():

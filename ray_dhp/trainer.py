@@ -167,8 +167,25 @@ def _checkpoint_source(resume_from):
         if not os.path.isdir(path):
             raise ValueError(f"resume_from={path!r} is not a directory (a checkpoint or a folder "
                              "of checkpoints).")
+        _check_sampler_state(path)
         return path
     return resume_from
+
+
+def _check_sampler_state(path: str) -> None:
+    """Stop before workers start if the checkpoint's data order cannot be continued (a folder
+    with no complete checkpoint is left to the workers, which say so)."""
+    from ray_dhp import checkpoint_integrity as integrity
+    from ray_dhp.data.sampler import OldSamplerState, check_state
+
+    try:
+        found = integrity.candidates(path)[0]
+    except FileNotFoundError:
+        return
+    try:
+        check_state(integrity.read_meta(found).get("sampler"))
+    except OldSamplerState as e:
+        raise ValueError(f"resume_from={found!r}: {e}") from None
 
 
 def _with_callback(run_config, callback):

@@ -2,10 +2,9 @@
 
 Every rank runs the same sampler over the same records, so all ranks agree on each step's
 micro-batches without communicating, and a run resumed from ``state_dict()`` sees exactly the
-samples it would have seen. One dataset: epoch ``e`` visits the records in
-``randperm(n, seed * 1_000_003 + e)`` order. Several weighted datasets: see `ray_dhp.data.mixture`
-(which dataset each draw comes from, and each dataset's own epochs). The data-parallel split of
-each micro-batch happens in the engine.
+samples it would have seen. The run's datasets are a weighted mixture (one dataset: a mixture of
+one); see `ray_dhp.data.mixture` for which dataset each draw comes from and each dataset's own
+epochs. The data-parallel split of each micro-batch happens in the engine.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import dataclasses
 import logging
 
 from ray_dhp.data.bad_data import MIN_JUDGED, BadDataLedger
-from ray_dhp.data.mixture import DataSource, Stream, pick
+from ray_dhp.data.mixture import OLD_STATE_HELP, DataSource, Stream, pick
 
 logger = logging.getLogger(__name__)
 
@@ -22,8 +21,8 @@ _LOG_FIRST = 5
 
 
 class StepSampler:
-    """The run's sample order over one dataset (``StepSampler(records, processor, root, cfg)``) or
-    a weighted mixture of several (`StepSampler.from_sources`).
+    """The run's sample order over a weighted mixture of datasets (`StepSampler.from_sources`); one
+    dataset, ``StepSampler(records, processor, root, cfg)``, is the mixture of it alone ("train").
 
     Attributes:
         records: every record of the run; with several datasets, the datasets' records concatenated
@@ -37,8 +36,7 @@ class StepSampler:
 
     @classmethod
     def from_sources(cls, sources: list, processor, cfg) -> "StepSampler":
-        """A sampler over ``sources`` (`DataSource` list): one unweighted source keeps the
-        single-dataset order; weighted sources are mixed (they must all have a weight > 0)."""
+        """A sampler over ``sources`` (`DataSource` list, each with a weight > 0), mixed."""
         self = cls.__new__(cls)
         self._setup(sources, processor, cfg)
         return self
@@ -46,21 +44,17 @@ class StepSampler:
     def _setup(self, sources, processor, cfg) -> None:
         if not sources:
             raise ValueError("no training dataset")
-        legacy = len(sources) == 1 and sources[0].weight is None
-        if not legacy and any(s.weight is None or not s.weight > 0 for s in sources):
+        if any(s.weight is None or not s.weight > 0 for s in sources):
             raise ValueError("every dataset of a mixture needs a weight > 0: "
                              + ", ".join(f"{s.name}={s.weight}" for s in sources))
         names = [s.name for s in sources]
         if len(set(names)) != len(names):
             raise ValueError(f"dataset names must be unique, got {names}")
-        self.processor, self.cfg, self._legacy = processor, cfg, legacy
-        if legacy:
-            self._streams, self.records = [Stream(sources[0], 0, cfg.seed, True)], sources[0].records
-        else:
-            self._streams, self.records = [], []
-            for src in sorted(sources, key=lambda s: s.name):
-                self._streams.append(Stream(src, len(self.records), cfg.seed, False))
-                self.records += _renumbered(src.records, len(self.records))
+        self.processor, self.cfg = processor, cfg
+        self._streams, self.records = [], []
+        for src in sorted(sources, key=lambda s: s.name):
+            self._streams.append(Stream(src, len(self.records), cfg.seed))
+            self.records += _renumbered(src.records, len(self.records))
         self.bad: set = set()
         self.ledger = BadDataLedger()
 
@@ -102,7 +96,8 @@ class StepSampler:
     def note_bad(self, i: int, error) -> None:
         """Apply the bad-data policy to record ``i``: raise (strict) or count it once and log the
         first few (skip). In skip mode too much bad data is an error (see `check_budget`), and in
-        a mixture so is a dataset whose every record is bad."""
+        a mixture of several so is a dataset whose every record is bad (with one, the budget or
+        `not_enough_error` says so)."""
         rec = self.records[i]
         where = getattr(rec, "where", None) or f"{getattr(rec, 'source', '?')}:{getattr(rec, 'line', i)}"
         reason = getattr(error, "reason", None) or str(error)  # BadSample: without its location
@@ -115,7 +110,7 @@ class StepSampler:
             if len(self.bad) <= _LOG_FIRST:
                 logger.warning("skipping bad sample at %s: %s", where, reason)
             s = self._stream_of(i)
-            if not self._legacy and sum(1 for b in self.bad if b in s) == s.size:
+            if len(self._streams) > 1 and sum(1 for b in self.bad if b in s) == s.size:
                 raise ValueError(f"every record of dataset {s.name!r} is bad (last: {where}: "
                                  f"{reason}); fix it or drop it from dataset_weights. "
                                  + self._summary())
@@ -212,34 +207,22 @@ class StepSampler:
         """``{dataset name: records drawn from it so far}`` (bad ones included)."""
         return {s.name: s.draws for s in self._streams}
 
-    @property
-    def pos(self) -> int:
-        """Position within the current epoch (one dataset; with several, total draws)."""
-        return self._streams[0].pos if self._legacy else sum(s.draws for s in self._streams)
-
     # -- checkpointing --------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """One dataset: ``{"epoch", "pos", "bad"}`` (as always). Several: ``{"datasets": {name:
-        {"epoch", "pos", "draws", "bad"}}}`` with bad indices local to each dataset, so a resumed
-        run may list its datasets differently (added, removed, renamed ones start afresh)."""
-        if self._legacy:
-            s = self._streams[0]
-            return {"epoch": s.epoch, "pos": s.pos, "bad": sorted(self.bad)}
+        """``{"datasets": {name: {"epoch", "pos", "draws", "bad"}}}`` with bad indices local to
+        each dataset, so a resumed run may list its datasets differently (added, removed, renamed
+        ones start afresh)."""
         return {"datasets": {s.name: {"epoch": s.epoch, "pos": s.pos, "draws": s.draws,
                                       "bad": sorted(b - s.offset for b in self.bad if b in s)}
                              for s in self._streams}}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from `state_dict` output. The single-dataset form applies to the only dataset,
-        or in a mixture to the dataset named "train"; datasets the state does not name start at
-        the beginning."""
-        if "datasets" in state:
-            per = state["datasets"]
-        elif self._legacy:
-            per = {self._streams[0].name: state}
-        else:
-            per = {"train": {**state, "draws": 0}}
+        """Continue from `state_dict` output; datasets the state does not name start at the
+        beginning. The pre-mixture single-dataset form (``{"epoch", "pos", "bad"}``) raises
+        `OldSamplerState`: its order cannot be continued (`OLD_STATE_HELP` says what to do)."""
+        check_state(state)
+        per = state["datasets"]
         unknown = set(per) - {s.name for s in self._streams}
         if unknown:
             logger.warning("sampler state names datasets not in this run (ignored): %s",
@@ -248,13 +231,22 @@ class StepSampler:
         for s in self._streams:
             st = per.get(s.name)
             if st is None:
-                if not self._legacy:
-                    logger.warning("dataset %r has no sampler state: starting it afresh", s.name)
+                logger.warning("dataset %r has no sampler state: starting it afresh", s.name)
                 s.set_position(0, 0, 0)
                 continue
-            draws = st.get("draws", st["epoch"] * s.size + st["pos"])
-            s.set_position(st["epoch"], st["pos"], draws)
+            s.set_position(st["epoch"], st["pos"], st["draws"])
             self.bad |= {s.offset + b for b in st.get("bad", ())}
+
+
+class OldSamplerState(ValueError):
+    """A checkpoint's sampler state in the pre-mixture single-dataset form (see `check_state`)."""
+
+
+def check_state(state) -> None:
+    """Raise `OldSamplerState` (naming what to do) unless ``state`` is a `StepSampler.state_dict`
+    of this version: the driver calls it on ``resume_from`` before workers start."""
+    if not isinstance(state, dict) or not isinstance(state.get("datasets"), dict):
+        raise OldSamplerState(OLD_STATE_HELP.format(state=state))
 
 
 def _renumbered(records: list, offset: int) -> list:

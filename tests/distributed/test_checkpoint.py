@@ -160,7 +160,8 @@ def test_checkpoint_files_are_unique_per_rank_and_committed(first_half):
     assert checkpoint.is_complete(d)
     meta = checkpoint.read_meta(d)
     assert (meta["step"], meta["family"], meta["world_size"]) == (3, FAMILY, 2)
-    assert (meta["sampler"]["epoch"], meta["sampler"]["pos"]) == (0, 12)  # 3 steps x 4 samples
+    train = meta["sampler"]["datasets"]["train"]
+    assert (train["epoch"], train["pos"], train["draws"]) == (0, 12, 12)  # 3 steps x 4 samples
     # every file of every rank is listed with its size and hash, and they verify
     listed = {n for n in meta["files"] if not n.startswith(checkpoint.PROCESSOR_DIR + os.sep)}
     assert listed == set(names) - {"COMMIT", checkpoint.META_FILE, checkpoint.PROCESSOR_DIR}

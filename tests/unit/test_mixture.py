@@ -1,18 +1,23 @@
 """Several datasets mixed with sampling ratios: exact ratios, per-dataset epochs, exact resume,
-bad samples per dataset, and the single-dataset order unchanged (no process group)."""
+bad samples per dataset, one dataset as the mixture of it alone, and resume of states written
+by the previous sampler (no process group)."""
 
+import json
 from collections import Counter
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from ray_dhp import demo
-from ray_dhp.data.mixture import DataSource, legacy_permutation
+from ray_dhp.data.mixture import DataSource, mixture_permutation
 from ray_dhp.data.processing import BadSample
 from ray_dhp.data.reading import Record, read_annotations, resolve_data_root
-from ray_dhp.data.sampler import StepSampler
+from ray_dhp.data.sampler import OldSamplerState, StepSampler
 from ray_dhp.data.sources import load_sources
 from ray_dhp.train_config import TrainLoopConfig, check_dataset_weights
+
+FIXTURE = Path(__file__).parent / "fixtures" / "sampler_states_da3a5fe.json"
 
 
 class _Echo:
@@ -126,33 +131,68 @@ def test_a_dataset_with_no_valid_record_is_named():
             s.next_step()
 
 
-def test_single_dataset_order_is_unchanged():
-    """Without weights, epoch e is randperm(n, seed * 1_000_003 + e) as before mixing existed."""
-    import torch
-
-    def old(n, seed, epoch):  # the formula of the previous implementation, spelled out
-        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-        return torch.randperm(n, generator=g).tolist()
-
+def test_a_single_dataset_is_the_mixture_of_it_alone():
+    """No second order for one dataset: the same draws and state as the mixture {"train": 1}."""
     recs = _records("t", 11)
     s = StepSampler(recs, _Echo(), "/r", TrainLoopConfig(seed=5))
-    assert _draws(s, 11 * 3) == old(11, 5, 0) + old(11, 5, 1) + old(11, 5, 2)
-    assert legacy_permutation(11, 5, 3) == old(11, 5, 3)
-    assert s.records is recs and s.epoch == 2 and s.pos == 11
-    assert s.state_dict() == {"epoch": 2, "pos": 11, "bad": []}
     t = StepSampler.from_sources([DataSource("train", recs, "/r")], _Echo(), TrainLoopConfig(seed=5))
-    assert _draws(t, 11 * 3) == old(11, 5, 0) + old(11, 5, 1) + old(11, 5, 2)
+    u = _mix({"train": 11}, {"train": 0.25}, seed=5)
+    draws = _draws(s, 11 * 3)
+    assert draws == _draws(t, 11 * 3) == _draws(u, 11 * 3)
+    assert draws == sum((mixture_permutation(11, 5, "train", e) for e in range(3)), [])
+    assert s.records == recs and s.epoch == 2 and s.draws == {"train": 33}
+    assert s.state_dict() == u.state_dict() == {
+        "datasets": {"train": {"epoch": 2, "pos": 11, "draws": 33, "bad": []}}}
 
 
-def test_old_single_dataset_state_still_loads():
-    s = StepSampler(_records("t", 9), _Echo(), "/r", TrainLoopConfig(seed=1))
-    s.load_state_dict({"epoch": 2, "pos": 4, "bad": [3]})
-    assert s.epoch == 2 and s.skipped == 1
-    assert _draws(s, 5) == legacy_permutation(9, 1, 2)[4:]
-    # into a mixture: the old state is the "train" dataset's; the others start afresh
-    m = _mix({"train": 9, "extra": 4}, {"train": 1, "extra": 1})
-    m.load_state_dict({"epoch": 1, "pos": 9, "bad": [3]})
-    assert m.epochs == {"extra": 0, "train": 1} and m.bad == {4 + 3}
+def _fixture():
+    with open(FIXTURE) as f:
+        return json.load(f)
+
+
+def test_mixture_checkpoint_of_the_previous_sampler_resumes_exactly():
+    """A state written by the sampler before one sampling path (fixture, commit da3a5fe) continues
+    with the very draws that sampler made after it."""
+    old = _fixture()["mixture"]
+    bad = {k: set(v) for k, v in old["bad"].items()}
+    s = _mix(old["sizes"], old["weights"], seed=old["seed"], bad=bad,
+             global_batch_size=old["global_batch_size"], micro_batches=old["micro_batches"])
+    s.load_state_dict(old["state"])
+    assert _draws(s, len(old["next_draws"])) == old["next_draws"]
+    assert s.skipped == 1  # b's record 2, global 13 + 2
+    fresh = _mix(old["sizes"], old["weights"], seed=old["seed"], bad=bad,
+                 global_batch_size=old["global_batch_size"], micro_batches=old["micro_batches"])
+    for _ in range(old["steps_taken"]):
+        fresh.next_step()
+    assert fresh.state_dict() == old["state"]  # and the new sampler writes that very state
+
+
+def test_single_dataset_checkpoint_of_the_previous_sampler_is_a_clear_error():
+    old = _fixture()["single"]
+    s = StepSampler(_records("t", old["size"], set(old["bad"])), _Echo(), "/r",
+                    TrainLoopConfig(seed=old["seed"], global_batch_size=old["global_batch_size"]))
+    with pytest.raises(OldSamplerState, match=r"single-dataset form.*da3a5fe.*cannot resume "
+                                              r"exactly.*ray-dhp export.*model\.path"):
+        s.load_state_dict(old["state"])
+    assert s.draws == {"train": 0}  # nothing was moved
+
+
+def test_trainer_refuses_an_old_single_dataset_checkpoint_before_workers_start(tmp_path):
+    import ray.train
+
+    from ray_dhp import DHPConfig, DisaggregatedTrainer
+    from ray_dhp.checkpoint_integrity import commit
+
+    ckpt = tmp_path / "run" / "checkpoint_000003"
+    ckpt.mkdir(parents=True)
+    commit(str(ckpt), {"format_version": 2, "step": 3, "files": {},
+                       "sampler": _fixture()["single"]["state"]})
+    a = demo.make_dataset(tmp_path / "a", num_samples=2)
+    dhp = DHPConfig(model=demo.tiny_model_config(), processor=demo.tiny_processor())
+    with pytest.raises(ValueError, match=r"resume_from=.*checkpoint_000003.*single-dataset form"):
+        DisaggregatedTrainer(dhp_config=dhp, datasets={"train": str(a)},
+                             scaling_config=ray.train.ScalingConfig(num_workers=1),
+                             resume_from=str(tmp_path / "run"))
 
 
 def test_dataset_weights_are_validated():
