@@ -6,63 +6,11 @@
 not fit in device memory (saying why), predicts a step time for the rest and ranks them. Nothing
 here touches torch.distributed or Ray; `ray-dhp plan --recommend` prints the result.
 
-**Compute.** Training FLOPs per sample (forward + backward = 3x forward; 4x with activation
-checkpointing, which recomputes the forward):
-
-* vision: ``6 * P_v * L_v`` for the linears over ``L_v`` patch tokens (the merger, ``merge²``
-  times narrower in tokens, is counted per merged row), plus attention ``12 * h_v * L_v * s`` per
-  block, ``s = L_v`` in full-attention blocks and the window (``(window_size / patch_size)²``
-  patches) in Qwen2.5-VL's window blocks;
-* text: ``6 * P_t * L_t`` over ``L_t = text tokens + L_v / merge²`` (image tokens after the
-  merge; the input embedding is a lookup, not counted), plus causal attention ``6 * d * L_t²``
-  per layer (half of the full ``12 * d * L_t²``).
-
-A rank's share: a vision replica gets ``ceil(mb / dp_v)`` of a micro-batch's ``mb`` samples and
-each of its ``sp`` ranks computes ``1/sp`` of them (Ulysses splits tokens for the linears and
-heads for attention); a text rank computes ``ceil(mb / dp_t) / tp``. With a resolution mix
-(``Workload.vision_mix``, e.g. 70% 256-, 25% 4096-, 5% 16384-patch images) samples are shared
-out by cost (``balance: cost``), so a replica computes the mean share ``mb · E[FLOPs] / dp``, but
-at least the largest sample when the micro-batch holds one (`replica_share`); memory plans for
-the largest size.
-Time = FLOPs / (``peak_flops * efficiency``).
-
-**Communication** (bytes / bandwidth + a fixed latency per collective; NVLink bandwidth when the
-collective's ranks share a node, the inter-node bandwidth otherwise; activations in the run's
-dtype, gradients fp32):
-
-* Ulysses (``sp > 1``): per full-attention block two all-to-alls forward (q, k, v to head
-  sharding; the output back), the same two backward (and again in the recompute), each moving
-  ``(sp - 1) / sp`` of its ``[tokens / sp, 3h or h]`` input; window blocks need none;
-* TP (``tp > 1``): two all-reduces of ``[tokens, hidden]`` per layer forward, two backward (two
-  more when recomputing) and one for the vocab-parallel embedding; ring cost ``2 (tp - 1) / tp``;
-* boundary, each way per micro-batch: a text rank receives its replica's features (replicated
-  over TP), a vision rank sends its rows to the ``tp`` ranks of the owning replica; the larger
-  of the two sets the time (the gradients' way back, sent by one TP rank only, is costed the same);
-* end of step: the vision gradients all-reduced over the whole vision group (+ the ZeRO-1
-  parameter broadcast), the text gradients over the text DP group, and the AdamW update, memory
-  bound at ``2 * state_bytes`` per parameter the rank updates over ``hbm_bw``.
-
-**Schedules** (`ray_dhp.schedule`, per-micro-batch phases ``vf`` vision forward, ``vb`` vision
-backward, ``t`` text forward + backward, ``c`` one boundary transfer, ``M`` micro-batches):
-
-* sequential, and every collocated layout: ``M * (vf + vb + t + 2c)``;
-* pipelined (disjoint, ``M >= 2``): the order ``V0 S0 | T0·V1 S1 | R0 T1·V2 S2 | R1 ...`` gives
-  ``vf + max(t, vf) + (M - 2) * max(t, vf + vb) + max(t, vb) + vb + 2Mc``: vision's first
-  forward and last backward are not overlapped, in between text runs ``T(k)`` while vision runs
-  ``B(k-1)`` and ``F(k+1)``. With ``v = vf + vb = t`` (balanced groups, ``c = 0``) it is
-  ``(M + 1) * v``, i.e. ``(M + 1) / M * max(V, T)`` for the step totals ``V = Mv``, ``T = Mt``
-  against ``V + T`` sequential; each ``max(a, b) <= a + b``, so it never exceeds sequential.
-
-plus the end of step (added for collocated layouts, whose ranks do both modules' work; the
-larger of the two for disjoint ones). Per-group idle fraction = 1 - busy / step, busy being the
-group's compute, its own collectives and the boundary transfers.
+The cost model (FLOPs, communication, schedules; its documented formulas) is
+`ray_dhp.cost_model`; its public names are re-exported here.
 
 **Memory** is `ray_dhp.memory`'s per-rank estimate (validated in benchmarks/memory_model.py), with
 two micro-batches of vision activations alive under the pipelined schedule.
-
-The defaults (`Hardware`) are H100/H200 SXM with NVLink 4: they set the compute-to-communication
-balance, so the ranking matters more than the absolute seconds. The schedule part is checked
-against measured CPU phase times in benchmarks/schedule_model.py and docs/placement.md.
 """
 
 from __future__ import annotations
@@ -71,129 +19,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ray_dhp.memory import GIB, ActivationSettings, estimate_ranks, vision_width
-from ray_dhp.topology import Topology, fill_nodes
+from ray_dhp.cost_model import (Hardware, Layout, PhaseTimes, Workload, phase_times,
+                                replica_share, schedule_time, step_time, text_flops,
+                                vision_flops)
+from ray_dhp.memory import GIB, estimate_ranks
 
 __all__ = ["Hardware", "Workload", "Layout", "PhaseTimes", "Candidate", "recommend",
-           "enumerate_layouts", "schedule_time", "vision_flops", "text_flops", "replica_share"]
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """Accelerator and interconnect of the cost model.
-
-    Args:
-        peak_flops: dense matmul peak per device; None: 989e12 for 2-byte activations (H100/H200
-            SXM bf16 tensor cores) and 67e12 for fp32 (their non-tensor-core fp32 peak, what
-            PyTorch's default fp32 matmul precision uses).
-        efficiency: achieved fraction of the peak (model FLOPs utilisation), both modules.
-        link_bw: bytes/s per device and direction inside a node (NVLink 4: 450 GB/s raw, NCCL
-            reaches ~360 GB/s bus bandwidth).
-        internode_bw: bytes/s per device between nodes (one 400 Gb/s NIC per GPU, ~45 GB/s).
-        latency_s: fixed cost of one collective.
-        hbm_bw: device memory bandwidth (H100 SXM 3.35 TB/s; H200 4.8 TB/s), for the optimizer.
-        gpus_per_node: consecutive world ranks per node.
-    """
-
-    peak_flops: Optional[float] = None
-    efficiency: float = 0.4
-    link_bw: float = 360e9
-    internode_bw: float = 45e9
-    latency_s: float = 10e-6
-    hbm_bw: float = 3.35e12
-    gpus_per_node: int = 8
-
-    def flops(self, dtype_bytes: int) -> float:
-        peak = self.peak_flops or (989e12 if dtype_bytes <= 2 else 67e12)
-        return peak * self.efficiency
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What one optimizer step processes, and how state and activations are kept."""
-
-    vision_tokens: int             # patch tokens per sample
-    text_tokens: int               # text tokens per sample, without the image placeholders
-    global_batch_size: int
-    micro_batches: int = 1
-    settings: ActivationSettings = field(default_factory=ActivationSettings)
-    state_bytes: float = 16.0      # model-state bytes per parameter (see ray_dhp.memory)
-    vision_zero1: bool = True
-    device_gib: float = 80.0
-    #: A resolution mix ``((patch tokens, fraction), ...)`` (fractions sum to 1) instead of one
-    #: size; ``vision_tokens`` is then its largest (what memory plans for). See `replica_share`.
-    vision_mix: Optional[tuple] = None
-    policy: object = None          # a PrecisionPolicy: exact per-rank state (overrides state_bytes)
-
-    def __post_init__(self):
-        if self.global_batch_size % self.micro_batches:
-            raise ValueError(f"global_batch_size={self.global_batch_size} must be divisible by "
-                             f"micro_batches={self.micro_batches}.")
-        if self.vision_mix is not None:
-            fr = [f for _, f in self.vision_mix]
-            if not self.vision_mix or min(fr) <= 0 or abs(sum(fr) - 1) > 1e-6:
-                raise ValueError(f"vision_mix={self.vision_mix}: fractions must be > 0 and sum to 1.")
-            if max(v for v, _ in self.vision_mix) != self.vision_tokens:
-                raise ValueError("vision_tokens must be the largest size of vision_mix.")
-
-    def mix(self) -> tuple:
-        """``((patch tokens, fraction), ...)``: the mix, or the one size with fraction 1."""
-        return self.vision_mix or ((self.vision_tokens, 1.0),)
-
-    @property
-    def micro_batch_size(self) -> int:
-        return self.global_batch_size // self.micro_batches
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One candidate: placement, schedule and the degrees of both groups."""
-
-    placement: str
-    schedule: str
-    vision_sp: int
-    vision_dp: int
-    text_tp: int
-    text_dp: int
-    text_sp: bool = False  # text sequence parallelism over the TP ranks (text_tp > 1)
-
-    def topology(self) -> Topology:
-        return Topology.build(placement=self.placement, vision_dp=self.vision_dp,
-                              vision_sp=self.vision_sp, text_dp=self.text_dp, text_tp=self.text_tp,
-                              text_sequence_parallel=self.text_sp)
-
-    @property
-    def num_workers(self) -> int:
-        return self.topology().world_size
-
-    def describe(self) -> str:
-        return (f"{self.placement} {self.schedule}: vision sp{self.vision_sp}xdp{self.vision_dp}"
-                f" + text tp{self.text_tp}{'+sp' if self.text_sp else ''}xdp{self.text_dp}")
-
-    def run_file_fragment(self) -> dict:
-        """The run-file keys of this layout (``vision``, ``text``, ``placement``, ``scaling``)."""
-        return {"vision": {"sequence_parallel": self.vision_sp, "data_parallel": self.vision_dp},
-                "text": {"tensor_parallel": self.text_tp, "data_parallel": self.text_dp,
-                         **({"sequence_parallel": True} if self.text_sp else {})},
-                "placement": {"mode": self.placement, "schedule": self.schedule},
-                "scaling": {"num_workers": self.num_workers}}
-
-
-@dataclass(frozen=True)
-class PhaseTimes:
-    """Predicted seconds on one rank: per micro-batch (``vision_fwd``, ``vision_bwd``, ``text``,
-    ``boundary`` = one transfer) and per step (``vision_end``, ``text_end``: gradient reduction and
-    optimizer). ``vision_comm`` / ``text_comm``: the Ulysses / TP part of the per-micro-batch
-    times."""
-
-    vision_fwd: float
-    vision_bwd: float
-    text: float
-    boundary: float
-    vision_end: float
-    text_end: float
-    vision_comm: float
-    text_comm: float
+           "enumerate_layouts", "schedule_time", "vision_flops", "text_flops", "replica_share",
+           "phase_times", "step_time", "evaluate", "memory_gib"]
 
 
 @dataclass(frozen=True)
@@ -215,159 +48,6 @@ class Candidate:
     @property
     def peak_memory_gib(self) -> float:
         return max(self.memory_gib.values(), default=math.nan)
-
-
-# -- FLOPs ---------------------------------------------------------------------------------------
-
-def _recompute(settings: ActivationSettings) -> float:
-    return 4 / 3 if settings.checkpointing else 1.0
-
-
-def _vision_spans(vc) -> tuple:
-    """(full-attention blocks, window-attention blocks, patches per window) as ray_dhp.memory
-    counts them: Qwen2.5-VL lists its full blocks, the other families attend fully everywhere."""
-    full = len(getattr(vc, "fullatt_block_indexes", None) or range(vc.depth))
-    window = (getattr(vc, "window_size", 0) // vc.patch_size) ** 2
-    return full, vc.depth - full, window
-
-
-def vision_flops(config, vision_params: int, vision_tokens: int,
-                 settings: ActivationSettings = ActivationSettings()) -> float:
-    """Training FLOPs of the vision tower for one sample of ``vision_tokens`` patches."""
-    from ray_dhp.models import family_of
-
-    vc, family = config.vision_config, family_of(config)
-    h, merge = vision_width(vc), vc.spatial_merge_size ** 2
-    m = merge * h  # the merger's input width
-    merger = min(vision_params, (m * m + m * family.vision_out_dim(config))
-                 * (1 + family.num_deepstack(config)))
-    dense = 6 * (vision_params - merger) * vision_tokens + 6 * merger * vision_tokens / merge
-    full, windowed, window = _vision_spans(vc)
-    span = full * vision_tokens + windowed * min(window or vision_tokens, vision_tokens)
-    return (dense + 12 * h * vision_tokens * span) * _recompute(settings)
-
-
-def text_tokens_per_sample(config, vision_tokens: int, text_tokens: int) -> int:
-    return text_tokens + vision_tokens // config.vision_config.spatial_merge_size ** 2
-
-
-def text_flops(config, text_params: int, vision_tokens: int, text_tokens: int,
-               settings: ActivationSettings = ActivationSettings()) -> float:
-    """Training FLOPs of the language model for one sample (its image tokens included)."""
-    tc = config.text_config
-    s = text_tokens_per_sample(config, vision_tokens, text_tokens)
-    tied = getattr(config, "tie_word_embeddings", False) or getattr(tc, "tie_word_embeddings", False)
-    matmul = text_params - (0 if tied else tc.vocab_size * tc.hidden_size)
-    d = tc.num_attention_heads * (getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads)
-    return (6 * matmul * s + 6 * tc.num_hidden_layers * d * s * s) * _recompute(settings)
-
-
-def replica_share(w: Workload, dp: int, per_sample) -> float:
-    """Sum of ``per_sample(vision_tokens)`` over one data-parallel replica's share of a
-    micro-batch. One size: ``ceil(mb / dp)`` samples. A mix, shared out by cost
-    (``balance: cost``, `ray_dhp.parallel.balance`): the mean share ``mb · E[per_sample] / dp``,
-    but at least the largest sample whenever the micro-batch holds one (a sample is never split
-    over replicas): ``max(mean, P(one in mb) · per_sample(largest))``, an expected value."""
-    if w.vision_mix is None:
-        return -(-w.micro_batch_size // dp) * per_sample(w.vision_tokens)
-    mb = w.micro_batch_size
-    mean = mb * sum(f * per_sample(v) for v, f in w.vision_mix) / dp
-    largest, f_max = max(w.vision_mix)
-    return max(mean, (1 - (1 - f_max) ** mb) * per_sample(largest))
-
-
-# -- communication ----------------------------------------------------------------------------
-
-def _bw(hw: Hardware, groups, node_of=None) -> float:
-    """NVLink if every group lies inside one node, else the inter-node bandwidth. ``node_of[r]``:
-    the node of DHP rank ``r`` (default: consecutive ranks fill nodes of ``gpus_per_node``)."""
-    node = node_of.__getitem__ if node_of is not None else (lambda r: r // hw.gpus_per_node)
-    one_node = all(len({node(r) for r in g}) <= 1 for g in groups)
-    return hw.link_bw if one_node else hw.internode_bw
-
-
-
-def _all_reduce(hw, nbytes, n, bw) -> float:
-    return 0.0 if n <= 1 else 2 * (n - 1) / n * nbytes / bw + hw.latency_s
-
-
-def _all_to_all(hw, nbytes, n, bw) -> float:
-    return 0.0 if n <= 1 else (n - 1) / n * nbytes / bw + hw.latency_s
-
-
-def phase_times(config, counts, layout: Layout, w: Workload, hw: Hardware) -> PhaseTimes:
-    """Per-rank seconds of every phase of one step for ``layout`` (see the module docstring)."""
-    from ray_dhp.models import family_of
-
-    topo, s = layout.topology(), w.settings
-    v, t = topo.vision, topo.text
-    vc, tc = config.vision_config, config.text_config
-    flops = hw.flops(s.dtype_bytes)
-    ckpt = s.checkpointing
-    # per replica and micro-batch (a resolution mix: the balanced share, see replica_share)
-    v_tokens = replica_share(w, v.dp, lambda vt: vt)
-    t_tokens = replica_share(w, t.dp, lambda vt: text_tokens_per_sample(config, vt, w.text_tokens))
-    # vision: compute split 1 : 2 (forward : backward), 1 : 3 with the forward recomputed
-    v_comp = replica_share(w, v.dp, lambda vt: vision_flops(config, counts.vision, vt, s)) \
-        / v.inner / flops
-    fwd_share = 0.25 if ckpt else 1 / 3
-    x = v_tokens / v.inner * vision_width(vc) * s.dtype_bytes  # [tokens/sp, h]
-    nodes = fill_nodes(topo, hw.gpus_per_node)  # as the backend will order the ranks
-    bw_sp = _bw(hw, v.inner_groups(), nodes)
-    a2a = _vision_spans(vc)[0] * (_all_to_all(hw, 3 * x, v.inner, bw_sp)
-                                  + _all_to_all(hw, x, v.inner, bw_sp))
-    v_comm = a2a * (3 if ckpt else 2)
-    # text: compute + 4 all-reduces of [tokens, hidden] per layer (6 when recomputing) + embedding
-    tok = t_tokens
-    t_comp = replica_share(w, t.dp, lambda vt: text_flops(config, counts.text, vt, w.text_tokens, s)) \
-        / t.inner / flops
-    n_ar = tc.num_hidden_layers * (6 if ckpt else 4) + 1
-    t_comm = n_ar * _all_reduce(hw, tok * tc.hidden_size * s.dtype_bytes, t.inner,
-                                _bw(hw, t.inner_groups(), nodes))
-    # boundary: features of the replica's samples, replicated over TP
-    feat = family_of(config).feature_dim(config) * s.dtype_bytes / vc.spatial_merge_size ** 2
-    boundary_bw = _bw(hw, [v.ranks + t.ranks], nodes)
-    boundary = max(replica_share(w, t.dp, lambda vt: vt) * feat,
-                   v_tokens * feat / v.inner * t.inner) / boundary_bw + hw.latency_s
-    # end of step: gradient reduction (fp32 grads; 2-byte below 16 B/param) + AdamW update
-    g = 4 if w.state_bytes >= 16 else 2
-    zero1 = w.vision_zero1 and v.size > 1
-    bw_v = _bw(hw, [v.ranks], nodes)
-    v_end = (_all_reduce(hw, counts.vision * g, v.size, bw_v)
-             + (_all_to_all(hw, counts.vision * 4, v.size, bw_v) if zero1 else 0.0)
-             + counts.vision / (v.size if zero1 else 1) * 2 * w.state_bytes / hw.hbm_bw)
-    t_rank = counts.text_per_rank(t.inner)
-    t_end = (_all_reduce(hw, t_rank * g, t.dp, _bw(hw, t.dp_groups(), nodes))
-             + t_rank * 2 * w.state_bytes / hw.hbm_bw)
-    return PhaseTimes(vision_fwd=v_comp * fwd_share + a2a, vision_bwd=v_comp * (1 - fwd_share)
-                      + v_comm - a2a, text=t_comp + t_comm, boundary=boundary, vision_end=v_end,
-                      text_end=t_end, vision_comm=v_comm, text_comm=t_comm)
-
-
-# -- schedules -----------------------------------------------------------------------------------
-
-def schedule_time(schedule: str, micro_batches: int, vision_fwd: float, vision_bwd: float,
-                  text: float, boundary: float = 0.0) -> float:
-    """Seconds of the micro-batch part of a step (see the module docstring for the derivation)."""
-    m, vf, vb, t, c = micro_batches, vision_fwd, vision_bwd, text, boundary
-    if schedule == "sequential" or m == 1:
-        return m * (vf + vb + t + 2 * c)
-    if schedule != "pipelined":
-        raise ValueError(f"schedule={schedule!r}: use 'sequential' or 'pipelined'.")
-    return vf + max(t, vf) + (m - 2) * max(t, vf + vb) + max(t, vb) + vb + 2 * m * c
-
-
-def step_time(layout: Layout, p: PhaseTimes, micro_batches: int) -> tuple:
-    """(step seconds, {group: idle fraction}) of ``layout`` with phase times ``p``."""
-    sched = "sequential" if layout.placement == "collocated" else layout.schedule
-    body = schedule_time(sched, micro_batches, p.vision_fwd, p.vision_bwd, p.text, p.boundary)
-    if layout.placement == "collocated":
-        return body + p.vision_end + p.text_end, {"vision+text": 0.0}
-    step = body + max(p.vision_end, p.text_end)
-    bnd = 2 * micro_batches * p.boundary
-    busy_v = micro_batches * (p.vision_fwd + p.vision_bwd) + bnd + p.vision_end
-    busy_t = micro_batches * p.text + bnd + p.text_end
-    return step, {"vision": max(0.0, 1 - busy_v / step), "text": max(0.0, 1 - busy_t / step)}
 
 
 # -- candidates ----------------------------------------------------------------------------------
@@ -465,4 +145,3 @@ def recommend(config, num_workers: int, workload: Workload, hardware: Hardware =
     return sorted(cands, key=lambda c: (not c.feasible, math.isnan(c.step_s),
                                         c.step_s if not math.isnan(c.step_s) else 0.0,
                                         c.peak_memory_gib if c.memory_gib else 0.0))
-

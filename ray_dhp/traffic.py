@@ -1,6 +1,6 @@
 """What crosses the network: bytes per optimizer step of each collective, and its rank groups.
 
-The volumes are the ones `ray_dhp.recommend.phase_times` divides by a bandwidth (see its module
+The volumes are the ones `ray_dhp.cost_model.phase_times` divides by a bandwidth (see its module
 docstring for the derivation); `ray-dhp plan --nodes N --gpus-per-node G` prints them next to
 the node boundary (`ray_dhp.cli.plan.nodes_text`). Plain data, no torch.distributed, no Ray.
 """
@@ -8,7 +8,7 @@ the node boundary (`ray_dhp.cli.plan.nodes_text`). Plain data, no torch.distribu
 from __future__ import annotations
 
 from ray_dhp.memory import vision_width
-from ray_dhp.recommend import Layout, Workload, _vision_spans, text_tokens_per_sample
+from ray_dhp.cost_model import Layout, Workload, _vision_spans, text_tokens_per_sample
 from ray_dhp.topology import Topology
 
 

@@ -118,7 +118,7 @@ def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens:
         f"{'on' if settings.checkpointing else 'off'}, vision ZeRO-1 "
         f"{'on' if w.vision_zero1 else 'off'}, {policy.name} state ({state_bytes:g} B/param); {device_gib:g} GiB "
         "per GPU",
-        f"cost model (ray_dhp/recommend.py): {hw.flops(settings.dtype_bytes) / 1e12:.0f} TFLOP/s "
+        f"cost model (ray_dhp/cost_model.py): {hw.flops(settings.dtype_bytes) / 1e12:.0f} TFLOP/s "
         f"achieved per GPU ({hw.efficiency:.2f} of peak), links {hw.link_bw / 1e9:.0f} GB/s in a "
         f"node / {hw.internode_bw / 1e9:.0f} GB/s between nodes, {hw.gpus_per_node} GPUs per node",
         "",
