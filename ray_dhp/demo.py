@@ -324,8 +324,3 @@ def make_dataset(
     out.write_text("\n".join(lines) + "\n")
     return out
 
-
-if __name__ == "__main__":
-    from ray_dhp.run_demo import main
-
-    main()

@@ -1,4 +1,7 @@
-"""The main job: train the bundled tiny VLM end to end with DHP on CPU (``python -m ray_dhp.demo``)."""
+"""The main job: train the bundled tiny VLM end to end with DHP on CPU (``python -m ray_dhp.run_demo``).
+
+The job imports the demo's data and model helpers (`ray_dhp.demo`); they do not import it.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import tempfile
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m ray_dhp.demo", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m ray_dhp.run_demo", description=__doc__.splitlines()[0])
     p.add_argument("--family", default="qwen2_5_vl", choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--placement", default="collocated", choices=["collocated", "disjoint"])
@@ -61,3 +64,7 @@ def main(argv=None) -> dict:
     print(f"[ray_dhp] done: loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} "
           f"(step {last['step']}); metrics history and checkpoints under {result.path}", flush=True)
     return {"first_loss": first["loss"], "last_loss": last["loss"], "metrics": result.metrics}
+
+
+if __name__ == "__main__":
+    main()
