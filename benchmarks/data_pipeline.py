@@ -109,17 +109,28 @@ def _body(rank, world, path, batch, steps, rounds):
 
 def _old_modules(old_tree: str) -> dict:
     """The data modules of ``old_tree`` loaded beside this tree's (as ``_old_<name>``); they
-    share this tree's unchanged helpers (mixture, budget, collate)."""
+    share this tree's unchanged helpers (budget, collate). The old sampler gets the old tree's
+    mixture (the single-dataset order changed since): ``ray_dhp.data.mixture`` points at it
+    while the old sampler is imported."""
     import importlib.util
     import sys
 
+    importlib.import_module("ray_dhp.data.mixture")  # this tree's: restored after the old sampler
     mods = {}
-    for name in ("reading", "processing", "sampler", "loader"):
+    for name in ("reading", "processing", "mixture", "sampler", "loader"):
         path = os.path.join(old_tree, "ray_dhp", "data", f"{name}.py")
+        if name == "mixture" and not os.path.isfile(path):
+            continue
         spec = importlib.util.spec_from_file_location(f"_old_{name}", path)
         mods[name] = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = mods[name]  # dataclasses look their module up there
-        spec.loader.exec_module(mods[name])
+        here = sys.modules["ray_dhp.data.mixture"]
+        if name == "sampler" and "mixture" in mods:
+            sys.modules["ray_dhp.data.mixture"] = mods["mixture"]
+        try:
+            spec.loader.exec_module(mods[name])
+        finally:
+            sys.modules["ray_dhp.data.mixture"] = here
     mods["processing"].Record = mods["reading"].Record  # records of the old reader
     return mods
 

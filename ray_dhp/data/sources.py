@@ -32,7 +32,7 @@ def load_records(cfg: TrainLoopConfig, name: str = "train"):
 
 
 def load_sources(cfg: TrainLoopConfig) -> list:
-    """The run's `DataSource` list: "train" alone (unweighted), or each dataset of
+    """The run's `DataSource` list: "train" alone (weight 1: a mixture of one), or each dataset of
     ``cfg.dataset_weights`` with its weight."""
     from ray_dhp.data.mixture import DataSource
 
