@@ -40,7 +40,7 @@ import torch.distributed.checkpoint as dcp
 
 from ray_dhp import checkpoint_integrity as integrity
 from ray_dhp.checkpoint_integrity import COMMIT_FILE, META_FILE, is_complete, read_meta
-from ray_dhp.data.sampler import check_state
+from ray_dhp.data.sampler import OldSamplerState, check_state
 
 logger = logging.getLogger(__name__)
 
@@ -277,7 +277,10 @@ def load(checkpoint, engine, sampler=None) -> int:
         _check_compatible(meta, engine)
         _check_same_model(meta, engine)
         if sampler is not None:  # before the weights: an old data order stops the load early
-            check_state(meta["sampler"])
+            try:
+                check_state(meta["sampler"])
+            except OldSamplerState as e:
+                raise ValueError(f"checkpoint {d}: {e}") from None
         state = train_state(engine)
         dcp.load(state, checkpoint_id=d)
         for key, (module, opt, sched) in _modules(engine).items():

@@ -246,7 +246,8 @@ def check_state(state) -> None:
     """Raise `OldSamplerState` (naming what to do) unless ``state`` is a `StepSampler.state_dict`
     of this version: the driver calls it on ``resume_from`` before workers start."""
     if not isinstance(state, dict) or not isinstance(state.get("datasets"), dict):
-        raise OldSamplerState(OLD_STATE_HELP.format(state=state))
+        keys = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise OldSamplerState(OLD_STATE_HELP.format(state=f"(keys {keys})"))
 
 
 def _renumbered(records: list, offset: int) -> list:
