@@ -24,7 +24,12 @@ import torch.nn.functional as F
 from ray_dhp.microbatch import _MicroBatch, count_targets, shift_labels, upcast
 from ray_dhp.parallel import boundary as bnd
 
-__all__ = ["evaluate"]
+__all__ = ["evaluate", "check_eval_setup", "EVAL_METRICS", "VALIDATION"]
+
+#: The dataset the built-in loop evaluates on (``datasets={"validation": ...}``).
+VALIDATION = "validation"
+#: What an evaluation adds to the step's report.
+EVAL_METRICS = ("eval_loss", "eval_tokens", "eval_samples", "time_eval_s")
 
 
 def evaluate(engine, batches: Iterable[list]) -> dict:
@@ -109,3 +114,53 @@ def _text_loss_sum(engine, samples: list, feats) -> torch.Tensor:
                                    ignore_index=-100, reduction="sum")
     value = loss_sum.full_tensor() if hasattr(loss_sum, "full_tensor") else loss_sum
     return value.detach().double().cpu()
+
+
+def check_eval_setup(cfg, *, has_validation: bool, score_attribute=None, name=None,
+                     validation_key: str = 'datasets["validation"]',
+                     score_key: str = "run_config.checkpoint_config.checkpoint_score_attribute"
+                     ) -> None:
+    """Before any worker starts: a ConfigError (a ValueError) naming the keys when the evaluation
+    settings contradict each other.
+
+    - ``eval_every`` > 0 needs a validation set;
+    - the validation set is not trained on (``dataset_weights`` must not name it);
+    - checkpoints ranked by an evaluation metric (``score_attribute`` "eval_loss"...) need a
+      validation set and an evaluation at every checkpoint step: ``checkpoint_every`` a multiple
+      of ``eval_every`` (Ray Train V2 ranks a checkpoint reported without the attribute as the
+      *best* under ``checkpoint_score_order="min"``, so a missing value must not happen).
+
+    Args:
+        cfg: the `TrainLoopConfig`.
+        has_validation: whether the run has a dataset named "validation".
+        score_attribute: ``CheckpointConfig.checkpoint_score_attribute`` (None: by recency).
+        name: how a loop key is called in messages (default ``train_loop_config.<key>``).
+        validation_key, score_key: how the validation set and the score attribute are called.
+    """
+    from ray_dhp.checks import ConfigError
+    from ray_dhp.train_config import loop_key
+
+    name = name or loop_key
+    if cfg.eval_every > 0 and not has_validation:
+        raise ConfigError(f"{name('eval_every')}={cfg.eval_every} evaluates on a validation set, "
+                          f"but there is none: set {validation_key} (or eval_every=0).")
+    if VALIDATION in (cfg.dataset_weights or {}):
+        raise ConfigError(f"{name('dataset_weights')}: names {VALIDATION!r}, the evaluation set; "
+                          "training on it makes eval_loss meaningless (give a dataset to train "
+                          "on another name).")
+    if not (isinstance(score_attribute, str) and score_attribute.startswith("eval_")):
+        return
+    if not has_validation:
+        raise ConfigError(f"{score_key}={score_attribute!r} ranks checkpoints by an evaluation "
+                          f"metric, but there is no validation set: set {validation_key}.")
+    if score_attribute not in EVAL_METRICS:
+        raise ConfigError(f"{score_key}={score_attribute!r}: an evaluation reports "
+                          f"{list(EVAL_METRICS)}.")
+    every, ck = cfg.eval_every, cfg.checkpoint_every
+    if ck > 0 and (every == 0 or ck % every):
+        when = "only at the end" if every == 0 else f"every {every} steps"
+        raise ConfigError(
+            f"{score_key}={score_attribute!r} ranks checkpoints by an evaluation metric, so each "
+            f"checkpoint step needs an evaluation: {name('checkpoint_every')}={ck} must be a "
+            f"multiple of {name('eval_every')}={every} (evaluations run {when}); e.g. set "
+            f"eval_every={ck}.")
