@@ -1,6 +1,8 @@
 """Evaluation end to end on Ray Train V2 (issue #14): a validation set, ``eval_every``, and
-``CheckpointConfig(checkpoint_score_attribute="eval_loss")`` keeping the best checkpoint."""
+``CheckpointConfig(checkpoint_score_attribute="eval_loss")`` keeping the best checkpoint; the train
+set is a file, the validation set a Ray Dataset."""
 
+import json
 import os
 
 import ray
@@ -8,6 +10,16 @@ import ray.train
 
 from ray_dhp import DHPConfig, DisaggregatedTrainer, ModuleParallel, demo
 from ray_dhp.callbacks import read_history
+
+
+def _ray_dataset(path):
+    """The annotation file as a Ray Dataset, image paths made absolute (the train set's images are
+    relative to its own folder, which data_root would override for both)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for r in rows:
+        if "image" in r:
+            r["image"] = str(path.parent / r["image"])
+    return ray.data.from_items(rows)
 
 
 def test_fit_with_validation_keeps_the_best_checkpoint_by_eval_loss(ray_start, fast_reports, tmp_path):
@@ -26,7 +38,7 @@ def test_fit_with_validation_keeps_the_best_checkpoint_by_eval_loss(ray_start, f
             name="evalrun", storage_path=str(tmp_path / "runs"),
             checkpoint_config=ray.train.CheckpointConfig(
                 num_to_keep=1, checkpoint_score_attribute="eval_loss", checkpoint_score_order="min")),
-        datasets={"train": str(train), "validation": str(val)})
+        datasets={"train": str(train), "validation": _ray_dataset(val)})
     result = trainer.fit()
 
     hist = read_history(result)
