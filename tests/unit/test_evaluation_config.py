@@ -149,3 +149,26 @@ def test_eval_loader_covers_each_valid_record_once_in_order(tmp_path):
         strict = StepSampler(read_annotations(path), demo.tiny_processor(), resolve_data_root(path),
                              TrainLoopConfig(bad_data="strict"))
         list(EvalLoader(strict, None, batch_size=2).batches())
+
+
+def test_tune_callback_forwards_only_reports_with_the_metric(monkeypatch):
+    """Tune requires its metric in every result: with metric="eval_loss" only evaluation reports
+    reach the trial's queue (rank 0's metrics, plus the checkpoint path as Ray's callback adds)."""
+    import ray.tune.integration.ray_train as rt
+
+    from ray_dhp.tune import metric_report_callback
+
+    queue = []
+
+    class _Session:
+        def _get_or_create_inter_actor_queue(self):
+            return type("Q", (), {"put": staticmethod(queue.append)})()
+
+    monkeypatch.setattr(rt, "_in_tune_session", lambda: True)
+    monkeypatch.setattr(rt, "get_session", lambda: _Session())
+    cb = metric_report_callback("eval_loss")
+    cb.after_report(None, [{"step": 1, "loss": 2.0}, {"step": 1, "loss": 2.0}], None)
+    cb.after_report(None, [{"step": 2, "loss": 1.5, "eval_loss": 1.7}, {}], None)
+    assert queue == [{"step": 2, "loss": 1.5, "eval_loss": 1.7}]
+    metric_report_callback().after_report(None, [{"step": 3, "loss": 1.0}], None)  # None: all
+    assert queue[-1] == {"step": 3, "loss": 1.0}
