@@ -4,7 +4,9 @@ set is a file, the validation set a Ray Dataset."""
 
 import json
 import os
+from pathlib import Path
 
+import pytest
 import ray
 import ray.train
 
@@ -58,3 +60,25 @@ def test_fit_with_validation_keeps_the_best_checkpoint_by_eval_loss(ray_start, f
     assert kept == [f"checkpoint_{best_step:06d}", "checkpoint_000008"], kept
     assert os.path.basename(result.checkpoint.path) == "checkpoint_000008"
     assert result.metrics["step"] == 8 and result.metrics["eval_loss"] == evals[8]
+
+
+@pytest.mark.slow
+def test_tune_sweep_on_eval_loss(ray_start, fast_reports, tmp_path):
+    """Tune requires its metric in every result; the first report (step 1) has no eval_loss, so
+    only the evaluation reports (steps 2 and 3) may reach Tune."""
+    from ray import tune
+
+    from ray_dhp.tune import sweep
+
+    val = demo.make_dataset(tmp_path / "val", num_samples=3, seed=3)
+    tiny = str(Path(__file__).resolve().parents[2] / "examples" / "tiny.yaml")
+    grid = sweep(tiny, {"optim.lr": tune.grid_search([1e-6, 3e-3])}, metric="eval_loss",
+                 overrides=["optim.num_steps=3", "optim.log_every=10", "data.demo_samples=16",
+                            f"data.validation={val}", "data.eval_every=2",
+                            "vision.sequence_parallel=1", "text.tensor_parallel=1",
+                            f"run.storage_path={tmp_path}", "run.name=evalsweep"])
+    assert len(grid) == 2 and not grid.errors
+    evals = {r.config["optim.lr"]: r.metrics["eval_loss"] for r in grid}
+    assert all(r.metrics["step"] == 3 for r in grid)  # the last result is the final evaluation
+    best = grid.get_best_result()
+    assert best.metrics["eval_loss"] == min(evals.values()) == evals[3e-3] < evals[1e-6]
