@@ -148,14 +148,20 @@ def check_eval_setup(cfg, *, has_validation: bool, score_attribute=None, name=No
         raise ConfigError(f"{name('dataset_weights')}: names {VALIDATION!r}, the evaluation set; "
                           "training on it makes eval_loss meaningless (give a dataset to train "
                           "on another name).")
-    if not (isinstance(score_attribute, str) and score_attribute.startswith("eval_")):
+    if not isinstance(score_attribute, str):
+        return
+    if score_attribute not in EVAL_METRICS:
+        import difflib
+
+        near = difflib.get_close_matches(score_attribute, EVAL_METRICS, n=1, cutoff=0.8)
+        if score_attribute.startswith("eval_") or near:  # a misspelt evaluation metric
+            raise ConfigError(f"{score_key}={score_attribute!r} is not reported"
+                              + (f"; did you mean {near[0]!r}?" if near else "")
+                              + f" (an evaluation reports {list(EVAL_METRICS)}).")
         return
     if not has_validation:
         raise ConfigError(f"{score_key}={score_attribute!r} ranks checkpoints by an evaluation "
                           f"metric, but there is no validation set: set {validation_key}.")
-    if score_attribute not in EVAL_METRICS:
-        raise ConfigError(f"{score_key}={score_attribute!r}: an evaluation reports "
-                          f"{list(EVAL_METRICS)}.")
     every, ck = cfg.eval_every, cfg.checkpoint_every
     if ck > 0 and (every == 0 or ck % every):
         when = "only at the end" if every == 0 else f"every {every} steps"

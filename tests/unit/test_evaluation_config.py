@@ -56,7 +56,10 @@ CKPT_SCORE = r"run_config\.checkpoint_config\.checkpoint_score_attribute='eval_l
     ({"checkpoint_every": 4}, True, "eval_loss",
      r"checkpoint_every=4 must be a multiple of train_loop_config\.eval_every=0 \(evaluations run "
      r"only at the end\)"),
-    ({}, True, "eval_los", r"'eval_los': an evaluation reports \['eval_loss'"),
+    ({}, True, "eval_los", r"='eval_los' is not reported; did you mean 'eval_loss'\? \(an "
+                           r"evaluation reports \['eval_loss'"),
+    ({}, True, "val_loss", r"='val_loss' is not reported; did you mean 'eval_loss'\?"),
+    ({}, True, "eval_accuracy", r"='eval_accuracy' is not reported \(an evaluation reports"),
     ({"dataset_weights": {"train": 1, "validation": 1}}, True, None,
      r"train_loop_config\.dataset_weights: names 'validation', the evaluation set"),
 ])
