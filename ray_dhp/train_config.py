@@ -73,8 +73,9 @@ class TrainLoopConfig:
             data.validation), report ``eval_loss`` (the loss over the whole validation set,
             token-weighted, forward only) every this many steps and at the end of training;
             0: only at the end.
-        eval_batch_size: validation records per forward (one micro-batch; the last batch may be
-            partial). None: the training micro-batch size (global_batch_size / micro_batches).
+        eval_batch_size: validation records per batch, one forward each (with
+            ``micro_batch_tokens``: cut by that token budget, as training steps are); the last
+            batch may be partial. None: global_batch_size / micro_batches.
         resume_from: checkpoint to start from when the run has none of its own yet: a path (one
             checkpoint, or a folder of them) or a ``ray.train.Checkpoint``; any layout.
         precision: the precision policy (`ray_dhp.precision`): "fp32" (fp32 weights, grads and

@@ -1,7 +1,8 @@
 """The validation set, in batches: every sample exactly once, in file order, decoded once.
 
 `EvalLoader` walks the validation records in their order (record 0, 1, ...) in batches of
-``eval_batch_size`` records and hands each batch out as one micro-batch, the same on every rank
+``eval_batch_size`` records and hands each batch out as one micro-batch (with
+``micro_batch_tokens``: cut by that token budget, as training steps are), the same on every rank
 except that pixels are only where the engine computes them — the `StepLoader` machinery (decode
 owners, text-side exchange, pixel routing), on a process group of its own so an evaluation never
 interleaves with the training loader's prefetch thread.
@@ -45,7 +46,8 @@ class EvalLoader(StepLoader):
         sampler: a `ray_dhp.data.sampler.StepSampler` over the validation records (only its
             records, processing and bad-data policy are used; its seeded order is not).
         groups: this rank's `DHPGroups` (None: one process).
-        batch_size: records per batch (one micro-batch each).
+        batch_size: records per batch (one micro-batch each, or as many as the sampler's
+            ``micro_batch_tokens`` budget needs).
         num_workers, balancer: as for `StepLoader` (the engine's balancer: pixels must go to the
             vision replica that computes them).
         group: the process group of the exchange (default: a new gloo group of all ranks;
@@ -109,7 +111,8 @@ class EvalLoader(StepLoader):
             return []
         samples = [it.sample for it in chosen]
         samples += [ghost_sample() for _ in range(self.min_samples - len(samples))]
-        micro_batches = [samples]
+        # one micro-batch, or with micro_batch_tokens cut by that budget as training steps are
+        micro_batches = s.cut(samples) if s.cfg.micro_batch_tokens is not None else [samples]
         self._route_pixels(chosen, micro_batches)  # ghosts have no pixels: nothing to route
         return micro_batches
 

@@ -6,7 +6,8 @@ real `EvalLoader`: decode owners, pixel routing, ghosts in partial batches), the
 computes the stock transformers model's summed cross-entropy over every valid validation sample
 at the same weights. The validation set has 7 records, two of them
 text-only and one bad (skipped, not replaced), in batches of 3 records: 2, 3 and 1 valid samples;
-with DP2 the batch of 1 cannot feed both replicas and a ghost fills it.
+with DP2 the batch of 1 cannot feed both replicas and a ghost fills it. A slow case cuts the
+batches by a token budget instead (several micro-batches per batch).
 
 Tolerance: fp64, 1e-10 relative (as the parity matrix, see tests/distributed/test_parity.py): the
 only differences are summation orders (~1e-14). Training with evaluations must be *bit-identical*
@@ -74,7 +75,7 @@ def _ref_eval(ref, samples) -> float:
     return total / count_targets(samples)
 
 
-def _body(rank, world, layout, steps, val):
+def _body(rank, world, layout, steps, val, val_cfg):
     from ray_dhp.data.eval_loader import EvalLoader
     from ray_dhp.engine import DHPEngine
     from ray_dhp.mesh import build_groups
@@ -83,7 +84,7 @@ def _body(rank, world, layout, steps, val):
     model = demo.tiny_model_config(FAMILY)
     with_eval = DHPEngine(model, groups, CFG, dtype=torch.float64)
     plain = DHPEngine(model, groups, CFG, dtype=torch.float64)
-    loader = EvalLoader(_val_sampler(val), groups, batch_size=CFG.eval_batch(),
+    loader = EvalLoader(_val_sampler(val, val_cfg), groups, batch_size=val_cfg.eval_batch(),
                         balancer=with_eval.balancer())
     evals = [with_eval.evaluate(loader.batches())]
     history, plain_history = [], []
@@ -97,21 +98,33 @@ def _body(rank, world, layout, steps, val):
     return {"evals": evals, "identical_params": identical,
             "history": [{k: h[k] for k in keep} for h in history],
             "plain_history": [{k: h[k] for k in keep} for h in plain_history],
-            "skipped": loader.skipped}
+            "skipped": loader.skipped,
+            "micro_batches": [len(mbs) for mbs in loader.batches()]}
 
+
+# the validation set as one batch cut by a token budget: 30 tokens per text replica and
+# micro-batch hold one sample (19-26 tokens) each, so 3 micro-batches of 2 samples at DP2
+BUDGET = TrainLoopConfig(global_batch_size=4, micro_batch_tokens=30, eval_batch_size=7)
 
 LAYOUTS = {
     "collocated-sp2-tp2": dict(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1, text_tp=2),
     "disjoint-1v-2t": dict(placement="disjoint", vision_dp=1, vision_sp=1, text_dp=1, text_tp=2),
     "collocated-dp2": dict(placement="collocated", vision_dp=2, vision_sp=1, text_dp=2, text_tp=1),
+    "collocated-dp2-budget": dict(placement="collocated", vision_dp=2, vision_sp=1, text_dp=2,
+                                  text_tp=1),
 }
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=(pytest.mark.slow,) if n.endswith("budget") else ())
+                                  for n in LAYOUTS])
 def test_eval_loss_matches_reference_and_leaves_training_unchanged(name, data):
     steps, val, ref = data
     layout = LAYOUTS[name]
-    outs = run_on_ranks(_body, Topology.build(**layout).world_size, args=(layout, steps, val))
+    val_cfg = BUDGET if name.endswith("budget") else CFG
+    outs = run_on_ranks(_body, Topology.build(**layout).world_size,
+                        args=(layout, steps, val, val_cfg))
+    if name.endswith("budget"):
+        assert outs[0]["micro_batches"] == [3], outs[0]["micro_batches"]
     for rank, out in enumerate(outs):
         assert out["skipped"] == 1, rank
         for k, (got, want) in enumerate(zip(out["evals"], ref["eval"], strict=True)):
