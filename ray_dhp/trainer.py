@@ -29,8 +29,9 @@ class DisaggregatedTrainer(DataParallelTrainer):
         run_config: ``ray.train.RunConfig``.
         datasets: ``{name: ray.data.Dataset | path of a LLaVA JSON/JSONL file}``. The built-in
             loop evaluates on "validation" when given (``eval_loss`` every
-            ``train_loop_config["eval_every"]`` steps and at the end) and trains on "train", or, with ``train_loop_config["dataset_weights"] = {name:
-            weight}``, on those datasets mixed in those ratios (each path dataset's images are
+            ``train_loop_config["eval_every"]`` steps and at the end) and trains on "train", or,
+            with ``train_loop_config["dataset_weights"] = {name: weight}``, on those datasets
+            mixed in those ratios (each path dataset's images are
             relative to its own file's folder unless ``data_root`` is set). Datasets are given whole
             to every worker (not split): the built-in loop shards samples itself,
             deterministically from the seed and step, over the data-parallel replicas.
