@@ -64,8 +64,10 @@ class MetricsHistory(UserCallback):
         total = f"/{self.total_steps}" if self.total_steps else ""
         tps = m.get("tokens_per_s")
         speed = f" {tps:,.0f} tokens/s" if isinstance(tps, (int, float)) else ""
-        logger.warning("[ray_dhp] step %s%s loss %.4f%s%s", step, total, m.get("loss", float("nan")),
-                       speed, eta)
+        ev = m.get("eval_loss")
+        ev = f" eval_loss {ev:.4f}" if isinstance(ev, (int, float)) else ""
+        logger.warning("[ray_dhp] step %s%s loss %.4f%s%s%s", step, total, m.get("loss", float("nan")),
+                       ev, speed, eta)
 
 
 def read_history(result) -> list:

@@ -120,6 +120,13 @@ class DHPEngine:
         return {"loss": stats[0].item() / n_targets, "grad_norm": grad_norm,
                 "num_targets": n_targets, "lr": lr, **timer.as_metrics()}
 
+    def evaluate(self, batches) -> dict:
+        """The loss over ``batches`` (an iterable of micro-batch lists) with the current weights,
+        forward only: no gradient, no optimizer/scheduler/RNG effect (`ray_dhp.evaluation`)."""
+        from ray_dhp.evaluation import evaluate
+
+        return evaluate(self, batches)
+
     # -- the four phases of a micro-batch (see ray_dhp.schedule) -------------------------------
 
     def _vision_fwd(self, mb: "_MicroBatch", n_targets: int) -> None:

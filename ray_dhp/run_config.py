@@ -30,7 +30,8 @@ __all__ = ["RunFile", "ConfigError", "load_run_file", "run_file_from_dict", "loo
            "SHORTHANDS"]
 
 _DATA_KEYS = ("data_root", "max_tokens", "packing", "bad_data", "dataset_weights", "prefetch",
-              "data_workers", "max_text_chars", "max_image_pixels", "max_bad_fraction")
+              "data_workers", "max_text_chars", "max_image_pixels", "max_bad_fraction",
+              "eval_every", "eval_batch_size")
 _CHECKPOINT_KEYS = tuple(k for k in ("checkpoint_every", "resume_from")
                          if k in {f.name for f in fields(TrainLoopConfig)})
 _TRACKING_KEYS = ("tensorboard", "mlflow", "wandb", "ray_report_logs")
@@ -106,12 +107,15 @@ class _DataOwn:
                                   "named \"train\"")
     datasets: Optional[dict] = option(None, "more named annotation files, {name: path}, mixed "
                                       "with data.train by data.dataset_weights")
+    validation: Optional[str] = option(None, "validation annotations (LLaVA JSON/JSONL): the "
+                                       "dataset named \"validation\", evaluated (eval_loss over "
+                                       "all of it) every data.eval_every steps and at the end")
     demo_samples: int = option(64, "when train is unset: generate the demo shapes set with this "
                                "many samples into <storage_path>/<run name>/demo_data", ge=1)
 
 
 DataSection = make_dataclass(
-    "DataSection", borrow(_DataOwn, ["train", "datasets", "demo_samples"]) + borrow(TrainLoopConfig, _DATA_KEYS),
+    "DataSection", borrow(_DataOwn, ["train", "validation", "datasets", "demo_samples"]) + borrow(TrainLoopConfig, _DATA_KEYS),
     namespace={"__doc__": "Training data.", "__module__": __name__})
 
 OptimSection = make_dataclass(
@@ -122,12 +126,17 @@ OptimSection = make_dataclass(
 
 @dataclass
 class _CheckpointOwn:
-    num_to_keep: Optional[int] = option(None, "keep this many latest checkpoints (null: all)",
-                                        ge=1)
+    num_to_keep: Optional[int] = option(None, "keep this many checkpoints, the latest or, with "
+                                        "score_attribute, the best (null: all)", ge=1)
+    score_attribute: Optional[str] = option(None, "rank checkpoints by this reported metric, "
+                                            "e.g. eval_loss (needs data.validation; "
+                                            "checkpoint_every a multiple of data.eval_every); "
+                                            "null: by recency")
+    score_order: str = option("min", "min or max: which score is best", choices=("min", "max"))
 
 
 CheckpointSection = make_dataclass(
-    "CheckpointSection", borrow(TrainLoopConfig, _CHECKPOINT_KEYS) + borrow(_CheckpointOwn, ["num_to_keep"]),
+    "CheckpointSection", borrow(TrainLoopConfig, _CHECKPOINT_KEYS) + borrow(_CheckpointOwn, ["num_to_keep", "score_attribute", "score_order"]),
     namespace={"__doc__": "Checkpointing.", "__module__": __name__})
 
 
@@ -248,10 +257,15 @@ class RunFile:
         """The named datasets of the run ("train" is data.train, or the demo set when neither
         data.train nor data.datasets is set), checked against data.dataset_weights."""
         extra = self.data.datasets or {}
+        if self.data.validation and "validation" in extra:
+            raise ConfigError('data.datasets.validation: the dataset "validation" is '
+                              'data.validation; set one of them.')
         if self.data.train and "train" in extra:
             raise ConfigError('data.datasets.train: the dataset "train" is data.train; set one '
                               'of them.')
         names = (["train"] if self.data.train or not extra else []) + list(extra)
+        names += ["validation"] if self.data.validation else []
+        extra = {k: v for k, v in extra.items() if k != "validation"}
         if self.data.dataset_weights is None and extra:
             raise ConfigError(f"data.datasets: {sorted(extra)} need data.dataset_weights "
                               "({name: weight}) to be mixed into training.")
@@ -265,8 +279,13 @@ class RunFile:
         ``config`` and ``train`` all go through here; errors name the run-file key."""
         dhp = self.dhp_config(with_processor=False)
         self.num_workers(dhp)
-        self.train_loop_config()
-        self.dataset_names()
+        loop = TrainLoopConfig(**self.train_loop_config())
+        names = self.dataset_names()
+        from ray_dhp.evaluation import check_eval_setup
+
+        check_eval_setup(loop, has_validation="validation" in names,
+                         score_attribute=self.checkpoint.score_attribute, name=loop_key_in_file,
+                         validation_key="data.validation", score_key="checkpoint.score_attribute")
         return self
 
     def run_name(self) -> str:
@@ -319,7 +338,7 @@ def run_file_from_dict(data: dict, overrides=()) -> RunFile:
     """A validated `RunFile` from a raw dict plus ``key=value`` overrides (ConfigError on
     mistakes, naming the key; see `RunFile.validate`)."""
     rf = from_dict(RunFile, apply_overrides(data, overrides, SHORTHANDS))
-    for sec, key in (("model", "path"), ("data", "train"), ("run", "storage_path"),
+    for sec, key in (("model", "path"), ("data", "train"), ("data", "validation"), ("run", "storage_path"),
                      ("checkpoint", "resume_from")):
         obj = getattr(rf, sec)
         if hasattr(obj, key):

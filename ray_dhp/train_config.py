@@ -69,6 +69,13 @@ class TrainLoopConfig:
             leave replicas waiting; "count" splits into contiguous equal counts. The update is
             the same either way (each sample is computed once).
         checkpoint_every: steps between checkpoints (0 = only at the end).
+        eval_every: with a validation set (``datasets={"validation": ...}``; run file:
+            data.validation), report ``eval_loss`` (the loss over the whole validation set,
+            token-weighted, forward only) every this many steps and at the end of training;
+            0: only at the end.
+        eval_batch_size: validation records per batch, one forward each (with
+            ``micro_batch_tokens``: cut by that token budget, as training steps are); the last
+            batch may be partial. None: global_batch_size / micro_batches.
         resume_from: checkpoint to start from when the run has none of its own yet: a path (one
             checkpoint, or a folder of them) or a ``ray.train.Checkpoint``; any layout.
         precision: the precision policy (`ray_dhp.precision`): "fp32" (fp32 weights, grads and
@@ -127,6 +134,8 @@ class TrainLoopConfig:
     micro_batch_tokens: Optional[int] = checked(None, ge=1)
     balance: str = checked("cost", choices=BALANCE)
     checkpoint_every: int = checked(0, ge=0)
+    eval_every: int = checked(0, ge=0)
+    eval_batch_size: Optional[int] = checked(None, ge=1)
     resume_from: Optional[str] = None
     precision: Optional[str] = checked(None, choices=(None,) + POLICY_NAMES)
     autocast_dtype: Optional[str] = checked(None, choices=(None, "bfloat16"))
@@ -188,6 +197,10 @@ class TrainLoopConfig:
 
     def micro_batch_size(self) -> int:
         return self.global_batch_size // self.micro_batches
+
+    def eval_batch(self) -> int:
+        """Validation records per forward (`eval_batch_size`, default the micro-batch size)."""
+        return self.eval_batch_size or self.micro_batch_size()
 
     def to_dict(self) -> dict:
         return asdict(self)

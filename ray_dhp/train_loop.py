@@ -61,8 +61,9 @@ def _save_and_report(metrics: dict, engine, sampler, processor, hook) -> None:
 
 
 def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
-    """Train the configured VLM with DHP; report loss/step/tokens_per_s every ``log_every`` steps
-    and a sharded checkpoint every ``checkpoint_every`` steps and at the end.
+    """Train the configured VLM with DHP; report loss/step/tokens_per_s every ``log_every`` steps,
+    a sharded checkpoint every ``checkpoint_every`` steps and at the end, and, with a
+    "validation" dataset, ``eval_loss`` every ``eval_every`` steps and at the end.
 
     Args:
         config: ``train_loop_config`` (keys of `TrainLoopConfig`).
@@ -94,19 +95,24 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
                                    packing=cfg.packing)
     loader = StepLoader(make_sampler(cfg, processor), ctx.groups, prefetch=cfg.prefetch,
                         num_workers=cfg.data_workers, balancer=balancer)
+    from ray_dhp.data.eval_loader import make_eval_loader
+
+    eval_loader = make_eval_loader(cfg, processor, ctx.groups, balancer)  # None: no validation set
     import ray.train
 
     trackers = WorkerTrackers(mlflow=cfg.mlflow, wandb=cfg.wandb, rank=ctx.rank,
                               config={**cfg.to_dict(), "dhp": ctx.dhp_config.to_dict()},
                               run_name=ray.train.get_context().get_experiment_name())
     try:
-        return _train(cfg, ctx, loader, processor, hook, trackers)
+        return _train(cfg, ctx, loader, processor, hook, trackers, eval_loader)
     finally:
         trackers.close()
         loader.close()
+        if eval_loader is not None:
+            eval_loader.close()
 
 
-def _train(cfg: TrainLoopConfig, ctx, loader, processor, hook, trackers) -> dict:
+def _train(cfg: TrainLoopConfig, ctx, loader, processor, hook, trackers, eval_loader=None) -> dict:
     """The loop itself (see `train_loop`)."""
     from ray_dhp.engine import DHPEngine
     from ray_dhp.flops import peak_flops, step_flops
@@ -138,7 +144,9 @@ def _train(cfg: TrainLoopConfig, ctx, loader, processor, hook, trackers) -> dict
         hook("step_end", step + 1)
         last = step == cfg.num_steps - 1
         save = last or (cfg.checkpoint_every > 0 and (step + 1) % cfg.checkpoint_every == 0)
-        if save or step == first or (step + 1) % cfg.log_every == 0:
+        evaluate = eval_loader is not None and (
+            last or (cfg.eval_every > 0 and (step + 1) % cfg.eval_every == 0))
+        if save or evaluate or step == first or (step + 1) % cfg.log_every == 0:
             metrics = {
                 "step": step + 1, "loss": out["loss"], "grad_norm": out["grad_norm"], "lr": out["lr"],
                 "tokens_per_s": window_tokens / max(window_time, 1e-9),
@@ -150,6 +158,10 @@ def _train(cfg: TrainLoopConfig, ctx, loader, processor, hook, trackers) -> dict
                 "peak_memory_mb_per_rank": _peak_memory_mb_per_rank(),
                 **{k: v for k, v in out.items() if k.startswith("time_")},  # step-phase times
             }
+            if evaluate:  # outside the timed window: tokens_per_s stays the training speed
+                t_eval = time.perf_counter()
+                metrics.update(engine.evaluate(eval_loader.batches()))
+                metrics["time_eval_s"] = time.perf_counter() - t_eval
             if peak is not None:
                 metrics["mfu"] = metrics["model_tflops_per_s_per_rank"] * 1e12 / peak
             mix = loader.state_dict().get("datasets")

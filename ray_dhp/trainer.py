@@ -28,8 +28,10 @@ class DisaggregatedTrainer(DataParallelTrainer):
             worker count (``dhp_config.num_workers``).
         run_config: ``ray.train.RunConfig``.
         datasets: ``{name: ray.data.Dataset | path of a LLaVA JSON/JSONL file}``. The built-in
-            loop trains on "train", or, with ``train_loop_config["dataset_weights"] = {name:
-            weight}``, on those datasets mixed in those ratios (each path dataset's images are
+            loop evaluates on "validation" when given (``eval_loss`` every
+            ``train_loop_config["eval_every"]`` steps and at the end) and trains on "train", or,
+            with ``train_loop_config["dataset_weights"] = {name: weight}``, on those datasets
+            mixed in those ratios (each path dataset's images are
             relative to its own file's folder unless ``data_root`` is set). Datasets are given whole
             to every worker (not split): the built-in loop shards samples itself,
             deterministically from the seed and step, over the data-parallel replicas.
@@ -88,6 +90,7 @@ class DisaggregatedTrainer(DataParallelTrainer):
                 config["dataset_paths"] = paths
             loop_cfg = TrainLoopConfig.from_dict(config)  # fail here, before any worker starts
             _check_training_datasets(loop_cfg, set(ray_datasets) | set(paths))
+            _check_evaluation(loop_cfg, set(ray_datasets) | set(paths), run_config)
             if dhp_config.processor is None and not isinstance(dhp_config.model, str):
                 raise ValueError("the built-in loop needs DHPConfig(processor=...) when the model "
                                  "is a config object (with a model directory it is loaded from there).")
@@ -158,6 +161,15 @@ def _check_training_datasets(cfg: TrainLoopConfig, names: set) -> None:
         raise ValueError('the built-in loop needs datasets={"train": <Dataset or path>}'
                          + (f' (got {sorted(names)}; to mix several, set train_loop_config['
                             '"dataset_weights"] = {name: weight})' if names else "") + ".")
+
+
+def _check_evaluation(cfg: TrainLoopConfig, names: set, run_config) -> None:
+    """Evaluation settings against ``datasets=`` and the checkpoint ranking (ConfigError)."""
+    from ray_dhp.evaluation import VALIDATION, check_eval_setup
+
+    ckpt = getattr(run_config, "checkpoint_config", None)
+    check_eval_setup(cfg, has_validation=VALIDATION in names,
+                     score_attribute=getattr(ckpt, "checkpoint_score_attribute", None))
 
 
 def _checkpoint_source(resume_from):

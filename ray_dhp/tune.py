@@ -25,7 +25,26 @@ from typing import Optional, Sequence, Union
 from ray_dhp.cli.schema import ConfigError, leaf_keys, set_dotted
 from ray_dhp.run_config import SHORTHANDS, RunFile, load_run_file, run_file_from_dict
 
-__all__ = ["sweep", "trial_run_file", "dhp_trainable"]
+__all__ = ["sweep", "trial_run_file", "dhp_trainable", "metric_report_callback"]
+
+
+def metric_report_callback(metric: Optional[str] = None):
+    """A ``TuneReportCallback`` (for the trainer's ``RunConfig(callbacks=...)`` inside a Tune
+    trial) that forwards only the reports carrying ``metric`` (None: every report).
+
+    Tune checks that *every* result it gets holds its ``metric``; ``eval_loss`` is in the reports
+    of evaluation steps only (every ``eval_every`` steps and the last one), so with
+    ``TuneConfig(metric="eval_loss")`` forward only those: Tune's schedulers and
+    ``get_best_result()`` then see the evaluations, in order.
+    """
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    class _MetricReportCallback(TuneReportCallback):
+        def after_report(self, run_context, metrics, checkpoint):
+            if metric is None or (metrics and metric in metrics[0]):
+                super().after_report(run_context, metrics, checkpoint)
+
+    return _MetricReportCallback()
 
 
 def trial_run_file(base: dict, params: dict) -> RunFile:
@@ -36,17 +55,17 @@ def trial_run_file(base: dict, params: dict) -> RunFile:
     return run_file_from_dict(data)
 
 
-def dhp_trainable(params: dict, *, base: dict, datasets: dict) -> None:
-    """Tune function trainable: build this trial's `DisaggregatedTrainer` and fit it."""
+def dhp_trainable(params: dict, *, base: dict, datasets: dict, metric: Optional[str] = None) -> None:
+    """Tune function trainable: build this trial's `DisaggregatedTrainer` and fit it; with
+    ``metric`` only the reports that carry it go to Tune (`metric_report_callback`)."""
     import ray.tune
-    from ray.tune.integration.ray_train import TuneReportCallback
 
     from ray_dhp.cli.train import build_trainer
 
     rf = trial_run_file(base, params)
     trial = ray.tune.get_context().get_trial_id()
     trainer = build_trainer(rf, datasets=datasets, name=f"{rf.run_name()}_{trial}",
-                            callbacks=[TuneReportCallback()])
+                            callbacks=[metric_report_callback(metric)])
     trainer.fit()
 
 
@@ -95,7 +114,9 @@ def sweep(run_file: Union[str, RunFile, dict, None], param_space: dict, *,
             section key (``"vision": {...}``) is merged into that section, so layout degrees that
             must change together can be swept as one choice.
         overrides: ``key=value`` strings applied to the base first.
-        metric, mode: what "best" means (default: lowest final ``loss``).
+        metric, mode: what "best" means (default: lowest final ``loss``); an evaluation metric
+            (``eval_loss``) needs ``data.validation``, and Tune then sees the evaluation
+            reports only.
         num_samples: Tune repetitions of the search space.
         max_concurrent_trials: default: as many as the cluster's CPUs fit (each trial needs its
             workers' CPUs plus ``trial_cpus`` for its driver).
@@ -114,6 +135,10 @@ def sweep(run_file: Union[str, RunFile, dict, None], param_space: dict, *,
     base_rf = (run_file_from_dict(run_file, overrides) if isinstance(run_file, dict)
                else load_run_file(run_file, overrides))
     _check_keys(param_space)
+    if metric.startswith("eval_") and not base_rf.data.validation \
+            and "validation" not in (base_rf.data.datasets or {}):
+        raise ConfigError(f"sweep metric={metric!r} is an evaluation metric: set data.validation "
+                          "in the run file.")
     layouts = [trial_run_file(base_rf.to_dict(), combo) for combo in _grid_values(param_space)]
     workers = max(rf.num_workers() for rf in layouts or [base_rf])
     per_worker = (base_rf.scaling.resources_per_worker or {}).get("CPU", 1)
@@ -123,7 +148,8 @@ def sweep(run_file: Union[str, RunFile, dict, None], param_space: dict, *,
     base = set_dotted(base, "run.name", base_rf.run_name())
     init_ray(base_rf, workers)
     trainable = ray.tune.with_resources(
-        ray.tune.with_parameters(dhp_trainable, base=base, datasets=datasets),
+        ray.tune.with_parameters(dhp_trainable, base=base, datasets=datasets,
+                                 metric=metric if metric.startswith("eval_") else None),
         {"CPU": trial_cpus})
     tuner = ray.tune.Tuner(
         trainable, param_space=param_space,

@@ -17,8 +17,11 @@ def prepare_data(rf) -> dict:
     names = rf.dataset_names()  # the weights checked against the names
     train = rf.data.train or _DEMO
     datasets = {**({"train": train} if "train" in names else {}), **(rf.data.datasets or {})}
+    if rf.data.validation:
+        datasets["validation"] = rf.data.validation
+    own = {"train": "data.train" if rf.data.train else None, "validation": "data.validation"}
     for name, path in datasets.items():
-        key = "data.train" if name == "train" and rf.data.train else f"data.datasets.{name}"
+        key = own.get(name) or f"data.datasets.{name}"
         if path != _DEMO and (not isinstance(path, str) or not os.path.exists(path)):
             raise ConfigError(f"{key}: {path} does not exist.")
     if datasets.get("train") == _DEMO:
@@ -45,7 +48,9 @@ def build_trainer(rf, *, datasets: dict, name: Optional[str] = None,
     from ray_dhp.trainer import DisaggregatedTrainer
 
     dhp = rf.dhp_config()
-    checkpoint = ray.train.CheckpointConfig(num_to_keep=rf.checkpoint.num_to_keep)
+    checkpoint = ray.train.CheckpointConfig(num_to_keep=rf.checkpoint.num_to_keep,
+                                            checkpoint_score_attribute=rf.checkpoint.score_attribute,
+                                            checkpoint_score_order=rf.checkpoint.score_order)
     run_config = ray.train.RunConfig(
         name=name or rf.run_name(), storage_path=rf.storage_path(),
         checkpoint_config=checkpoint,
