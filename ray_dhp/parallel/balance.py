@@ -9,8 +9,12 @@ slowest part's cost is as small as a greedy can make it:
 * `lpt` — longest processing time first: samples by decreasing cost, each to the part with the
   least load so far. Ties are broken by fewest samples, then part index (so with ``n >= parts``
   every part gets a sample: an empty part has the least load and the fewest samples), and
-  samples of equal cost by position. It is within 4/3 of the optimal makespan. Text replicas
-  that pad their samples to the longest use `lpt_padded` (a replica costs samples x longest).
+  samples of equal cost by position. It is within 4/3 of the optimal makespan.
+* `padded_groups` — a text replica that pads its samples (no ``packing``) runs them as groups,
+  one forward/backward each, padded to the group's own longest: one 290-token document no longer
+  pads five 64-token samples to 290. The cut minimises ``sum(size x cost(longest)) + call x
+  groups`` exactly (dynamic programming over the samples in length order); `lpt_grouped`
+  assigns the text replicas by that cost (`lpt_padded`: one padded batch per replica).
 * `balanced_micro_batches` — equal-count micro-batches (as today) whose vision and text costs
   are both even, so neither group of a disjoint pipeline waits on a heavy micro-batch.
 * `decode_owners` — the loader's decode owners (image pixels per sample) over all ranks.
