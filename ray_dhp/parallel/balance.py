@@ -40,10 +40,11 @@ __all__ = ["BALANCE_MODES", "TEXT_CALL_TOKENS", "CostModel", "Balancer", "lpt", 
 BALANCE_MODES = ("cost", "count")
 
 #: The fixed cost of one text forward/backward call, in tokens of linear cost: what splitting a
-#: text replica's samples into one more padded group must save. Fitted on CPU (vitheavy, one
-#: thread: ~25 tokens, `benchmarks/balance.py --fit`); GPUs pay more per call (kernel launches,
-#: less parallel work in a short batch), hence the margin.
-TEXT_CALL_TOKENS = 64
+#: text replica's samples into one more padded group must save. Measured (`benchmarks/balance.py`,
+#: ``cost_model_fit``): ~25 tokens for a plain single-process call of the vitheavy LM, 215-280
+#: inside the TP=2 engine step (DTensor dispatch and TP collectives per layer); a 7B-class LM on
+#: a GPU pays kernel launches and TP latency of the same order (~10-30 ms, a few hundred tokens).
+TEXT_CALL_TOKENS = 256
 
 
 # -- assignments (pure, integer costs) ------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Balanced work is exact: with mixed resolutions (16..512 patches per image, 32x, plus text-only
+"""Balanced work is exact: with mixed resolutions (16..1024 patches per image, 64x, plus text-only
 samples) the cost-balanced plan — samples per vision replica, per text replica (run as several
 padded groups) and per micro-batch, none of them contiguous — gives the same loss, grad-norm, parameters and parameter
 updates as the single-process reference (fp64, every parameter; tolerance 1e-10 as in
@@ -23,13 +23,13 @@ from ray_dhp.train_config import TrainLoopConfig
 from tests.distributed.parity import assert_parity, run_engine, run_reference
 
 FAMILY = "qwen2_5_vl"
-SIZES = ((56, 56), (224, 224), (112, 112), (56, 56), (448, 224))  # 16, 256, 64, 16, 512 patches
-CFG = TrainLoopConfig(lr=1e-3, global_batch_size=8, micro_batches=2, num_steps=2,
+SIZES = ((56, 56), (448, 448), (112, 112), (56, 56), (224, 224))  # 16, 1024, 64, 16, 256 patches
+CFG = TrainLoopConfig(lr=1e-3, global_batch_size=12, micro_batches=2, num_steps=2,
                       max_grad_norm=0.5, weight_decay=0.1, balance="cost")
 
 
 def _mixed_steps(tmp_path, cfg):
-    path = demo.make_dataset(tmp_path / "mixed", num_samples=16, seed=3, text_only_every=4,
+    path = demo.make_dataset(tmp_path / "mixed", num_samples=24, seed=3, text_only_every=4,
                              image_sizes=SIZES)
     sampler = StepSampler(read_annotations(path), demo.tiny_processor(FAMILY, max_side=448),
                           resolve_data_root(path), cfg)
@@ -60,7 +60,7 @@ def test_balanced_plan_is_exact_with_mixed_resolutions_fp64(tmp_path, name, layo
     assert any(lay.vision_samples != contiguous(len(lay.row_offsets) - 1, topo.vision.dp)
                or lay.text_samples != contiguous(len(lay.row_offsets) - 1, topo.text.dp)
                for lay in lays)
-    # and some text replica runs its samples as several padded groups (the 148-token sample
+    # and some text replica runs its samples as several padded groups (the 276-token sample
     # alone, the short ones together): their feature rows are taken apart and put back
     assert any(len(groups) > 1 for lay in lays for groups in lay.text_groups)
     got = run_engine(FAMILY, layout, CFG, steps, torch.float64, schedule=schedule)
