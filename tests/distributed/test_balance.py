@@ -40,6 +40,10 @@ def _mixed_steps(tmp_path, cfg):
 LAYOUTS = [
     ("collocated-sp2dp2-tp2dp2", dict(placement="collocated", vision_dp=2, vision_sp=2,
                                       text_dp=2, text_tp=2), "sequential"),
+    pytest.param("collocated-sp2dp2-tp2dp2-text-sp", dict(placement="collocated", vision_dp=2,
+                                                          vision_sp=2, text_dp=2, text_tp=2,
+                                                          text_sequence_parallel=True),
+                 "sequential", marks=pytest.mark.slow),
     pytest.param("disjoint-dp2-dp2-pipelined", dict(placement="disjoint", vision_dp=2, vision_sp=1,
                                                     text_dp=2, text_tp=1), "pipelined",
                  marks=pytest.mark.slow),
