@@ -1,7 +1,7 @@
 """Balanced work is exact: with mixed resolutions (16..1024 patches per image, 64x, plus text-only
 samples) the cost-balanced plan — samples per vision replica, per text replica (run as several
-padded groups) and per micro-batch, none of them contiguous — gives the same loss, grad-norm, parameters and parameter
-updates as the single-process reference (fp64, every parameter; tolerance 1e-10 as in
+padded groups) and per micro-batch, none of them contiguous — gives the same loss, grad-norm,
+parameters and parameter updates as the single-process reference (fp64, every parameter; tolerance 1e-10 as in
 test_parity.py: only summation orders differ, a sample computed twice or not at all is O(1)).
 
 The reference trains each step as ONE micro-batch, so the test also proves that the balanced
