@@ -1,8 +1,9 @@
 """Balanced work is exact: with mixed resolutions (16..1024 patches per image, 64x, plus text-only
 samples) the cost-balanced plan — samples per vision replica, per text replica (run as several
 padded groups) and per micro-batch, none of them contiguous — gives the same loss, grad-norm,
-parameters and parameter updates as the single-process reference (fp64, every parameter; tolerance 1e-10 as in
-test_parity.py: only summation orders differ, a sample computed twice or not at all is O(1)).
+parameters and parameter updates as the single-process reference (fp64, every parameter;
+tolerance 1e-10 as in test_parity.py: only summation orders differ, a sample computed twice or
+not at all is O(1)).
 
 The reference trains each step as ONE micro-batch, so the test also proves that the balanced
 cut into micro-batches does not change the update (the loss is normalised by the step's target
