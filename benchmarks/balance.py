@@ -3,13 +3,17 @@
 Vision DP=2 x SP=2 / text TP=2 x DP=2, collocated on 4 gloo ranks, model shape ``vitheavy``
 (`shapes.py`). Every step holds 12 samples in a seeded random order: 1 document (1024 patches),
 3 charts (256), 4 photos (64) — 16x between the largest and smallest — and 4 text-only samples
-(256 text tokens). Three contenders train on them, interleaved step by step in rotating order
-(so machine noise hits all alike), each in its own `DHPEngine` (same seed, same initial weights):
+(256 or 64 text tokens). Four contenders train on them, interleaved step by step in rotating
+order (so machine noise hits all alike), each in its own `DHPEngine` (same seed, same initial
+weights):
 
-* ``count``  — today's split: contiguous equal-count ranges per replica (``balance: count``);
-* ``cost``   — the cost-balanced plan (``balance: cost``, `ray_dhp.parallel.balance`);
-* ``equal``  — the same number of samples and patches with equal sizes (8 images of 256 patches
-  + the same 4 text-only samples): the well-balanced case the mixed set should come close to.
+* ``count``       — today's split: contiguous equal-count ranges per replica (``balance: count``);
+* ``cost_1batch`` — balanced by cost, each text replica one batch padded to its longest (the
+  plan before padded groups);
+* ``cost``        — ``balance: cost``: balanced by cost, each text replica's samples run as
+  padded groups (`ray_dhp.parallel.balance.padded_groups`);
+* ``equal``       — the same number of samples and patches with equal sizes (8 images of 256
+  patches + the same 4 text-only samples), balanced by cost: the case the mix should come close to.
 
 Measured per step and rank: wall time, and per phase the **thread CPU time** (`time.thread_time`;
 torch runs single-threaded here, so it is the rank's own compute, not time waiting for other
@@ -21,14 +25,17 @@ ranks or for a core). Derived:
   separated by synchronisation (boundary hand-off, gradient all-reduce), so it is the sum over
   phases of the slowest rank's CPU time in that phase;
 * ``parallel efficiency``: all ranks' CPU work / (ranks x modelled step) — 1 when no rank waits;
-  unlike step times it does not reward a set for simply having less work;
-* the cost model's own imbalance (max / mean replica cost) for both plans.
+* from the plans: the cost model's imbalance (max / mean replica cost), the text tokens run incl.
+  padding over the real ones, and the text calls per replica;
+* the cost model's fit: measured busy times against the modelled costs (least squares);
+* the losses of ``cost`` and ``cost_1batch`` against ``count`` on the same steps (same update).
 
-On a shared 2-core machine four ranks time-share the cores, so wall step times mostly measure
-the *total* work (which balancing does not change); the modelled step and the busy imbalance
-show what a machine with one core (or one GPU) per rank gets.
+``--repeats`` independent runs (fresh ranks); the figures are medians over the repeats of each
+run's medians over its steps. On a shared 2-core machine four ranks time-share the cores, so wall
+step times mostly measure the *total* work; the modelled step and the busy imbalance show what a
+machine with one core (or one GPU) per rank gets.
 
-    python -m benchmarks.balance [--steps 6] [--rounds 2] [--text-only-tokens 256] [--out ...]
+    python -m benchmarks.balance [--steps 4] [--rounds 1] [--repeats 3] [--text-only-tokens 64]
 """
 
 from __future__ import annotations
@@ -73,23 +80,47 @@ def make_step(sizes: list, config, seed: int, text_tokens: int = TEXT_ONLY_TOKEN
             for i, p in enumerate(order)]
 
 
-def model_imbalance(steps: list, config) -> dict:
-    """The cost model's max/mean replica cost of both plans (vision; text replicas pad their
-    samples to the longest, so a text replica costs samples x cost(longest)), per step."""
-    from ray_dhp.parallel.balance import Balancer, imbalance
+CONTENDERS = ("count", "cost_1batch", "cost", "equal")
 
-    ref = Balancer.for_config("cost", config)
 
-    def padded(samples, parts):
-        loads = [len(p) * ref.model.text(max(samples[i].num_tokens for i in p)) for p in parts]
-        return max(loads) / (sum(loads) / len(loads))
+def balancer_of(name: str, config):
+    """The contender's `Balancer`: ``count``; ``cost`` (text replicas run as padded groups);
+    ``cost_1batch`` — by cost, but one padded batch per text replica (a call cost no split can
+    save: the plan before padded groups); ``equal`` balances by cost."""
+    import dataclasses
 
+    from ray_dhp.parallel.balance import Balancer
+
+    if name == "count":
+        return Balancer.for_config("count", config)
+    bal = Balancer.for_config("cost", config)
+    if name == "cost_1batch":
+        return dataclasses.replace(bal, model=dataclasses.replace(bal.model, text_call=10 ** 30))
+    return bal
+
+
+def model_imbalance(steps: list, config, names=("count", "cost_1batch", "cost")) -> dict:
+    """Per contender and step, from the plans alone: the cost model's max/mean replica cost
+    (vision: sum of image costs; text: the replica's padded groups, ``group size x
+    cost(longest) + call`` each), the text tokens run incl. padding over the real tokens, and
+    the number of text forward/backward calls per replica."""
+    from ray_dhp.parallel.balance import imbalance
+
+    ref = balancer_of("cost", config).model
     out = {}
-    for mode in ("count", "cost"):
-        bal = Balancer.for_config(mode, config)
-        v = [imbalance(ref.vision_costs(s), bal.vision_replicas(s, 2)) for s in steps]
-        t = [padded(s, bal.text_replicas(s, 2)) for s in steps]
-        out[mode] = {"vision": v, "text": t}
+    for name in names:
+        bal = balancer_of(name, config)
+        v, t, pad, calls = [], [], [], []
+        for s in steps:
+            v.append(imbalance([ref.vision(x.image_grid_thw) for x in s], bal.vision_replicas(s, 2)))
+            groups = [bal.text_groups(s, idx) for idx in bal.text_replicas(s, 2)]
+            loads = [sum(len(g) * ref.text(max(s[i].num_tokens for i in g)) + ref.text_call for g in gs)
+                     for gs in groups]
+            t.append(max(loads) / (sum(loads) / len(loads)))
+            run = sum(len(g) * max(s[i].num_tokens for i in g) for gs in groups for g in gs)
+            pad.append(run / sum(x.num_tokens for x in s))
+            calls.append([len(gs) for gs in groups])
+        out[name] = {"vision": v, "text": t, "text_tokens_run_over_real": pad, "text_calls": calls}
     return out
 
 
@@ -130,8 +161,11 @@ def _body(rank, world, steps_n, rounds, seed, text_tokens):
     config = model_config("vitheavy")
     groups = build_groups(Topology.build(**LAYOUT), torch.device("cpu"))
     base = dict(lr=1e-5, global_batch_size=len(MIX), micro_batches=1, num_steps=1, seed=seed)
-    engines = {name: DHPEngine(config, groups, TrainLoopConfig(**base, balance=mode))
-               for name, mode in (("count", "count"), ("cost", "cost"), ("equal", "cost"))}
+    engines = {}
+    for name in CONTENDERS:
+        e = DHPEngine(config, groups, TrainLoopConfig(**base, balance="count" if name == "count" else "cost"))
+        e._balancer = balancer_of(name, config)  # benchmark-only: the contender's plan
+        engines[name] = e
     mixed = [make_step(MIX, config, seed + k, text_tokens) for k in range(steps_n)]
     equal = [make_step(EQUAL, config, seed + k, text_tokens) for k in range(steps_n)]
     for name, e in engines.items():  # warm-up
@@ -196,20 +230,24 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    s = result["summary"]
+    s, reps = result["summary"], result["repeats"]
     names = list(s)
-    fig, ax = plt.subplots(1, 3, figsize=(14, 4))
-    ax[0].bar(names, [s[n]["modelled_step_s_median"] for n in names], label="modelled (1 core/rank)")
-    ax[0].plot(names, [s[n]["wall_step_s_median"] for n in names], "ko", label="wall (shared 2 cores)")
-    ax[0].set_ylabel("step time (s, median)")
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    x = range(len(names))
+    ax[0].bar(x, [s[n]["modelled_step_s_median"] for n in names], label="modelled (1 core/rank), median")
+    for k, rep in enumerate(result["per_repeat"]):
+        ax[0].plot(x, [rep[n]["modelled_step_s_median"] for n in names], "k.",
+                   label="each repeat" if k == 0 else None)
+    ax[0].set_xticks(x, names)
+    ax[0].set_ylabel(f"step time (s): median of {reps} repeats")
     ax[0].legend()
     for j, side in enumerate(("vision", "text")):
         width = 0.35
         for rep in range(2):
-            ax[1 + j].bar([i + (rep - 0.5) * width for i in range(len(names))],
+            ax[1 + j].bar([i + (rep - 0.5) * width for i in x],
                           [s[n][f"{side}_busy_s_per_replica_mean"][rep] for n in names], width,
                           label=f"{side} replica {rep}")
-        ax[1 + j].set_xticks(range(len(names)), names)
+        ax[1 + j].set_xticks(x, names)
         ax[1 + j].set_ylabel("busy CPU s per step (mean)")
         ax[1 + j].set_title(f"{side} replicas")
         ax[1 + j].legend()
@@ -219,10 +257,30 @@ def plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=90)
 
 
+def combine(per_repeat: list) -> dict:
+    """Per contender, the median over repeats of each repeat's medians and means."""
+    out = {}
+    for name in per_repeat[0]:
+        runs = [r[name] for r in per_repeat]
+        out[name] = {k: (statistics.median(r[k] for r in runs) if not isinstance(runs[0][k], list)
+                         else [statistics.median(c) for c in zip(*(r[k] for r in runs))])
+                     for k in runs[0] if not k.endswith("_s") and not k.endswith("_replica")}
+    return out
+
+
+def ratios(summary: dict, key: str = "modelled_step_s_median") -> dict:
+    s = summary
+    return {"cost_vs_count": s["count"][key] / s["cost"][key],
+            "cost_1batch_vs_count": s["count"][key] / s["cost_1batch"][key],
+            "cost_vs_equal_sizes": s["equal"][key] / s["cost"][key],
+            "cost_1batch_vs_equal_sizes": s["equal"][key] / s["cost_1batch"][key]}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=6, help="distinct mixed steps (random orders)")
-    p.add_argument("--rounds", type=int, default=2, help="passes over the steps")
+    p.add_argument("--steps", type=int, default=4, help="distinct mixed steps (random orders)")
+    p.add_argument("--rounds", type=int, default=1, help="passes over the steps")
+    p.add_argument("--repeats", type=int, default=3, help="independent runs (fresh ranks)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--text-only-tokens", type=int, default=TEXT_ONLY_TOKENS,
                    help="length of the text-only samples")
@@ -232,25 +290,34 @@ def main(argv=None) -> dict:
     steps = [make_step(MIX, config, args.seed + k, args.text_only_tokens) for k in range(args.steps)]
     imb = model_imbalance(steps, config)
     t0 = time.perf_counter()
-    per_rank = spawn(_body, 4, (args.steps, args.rounds, args.seed, args.text_only_tokens),
-                     threads=1)
-    summary = summarise(per_rank)
-    s = summary
+    per_repeat, loads, losses = [], [], []
+    for _ in range(args.repeats):
+        per_rank = spawn(_body, 4, (args.steps, args.rounds, args.seed, args.text_only_tokens),
+                         threads=1)
+        per_repeat.append(summarise(per_rank))
+        for v in per_repeat[-1].values():
+            v["rounds"] = args.rounds
+        losses.append(loss_agreement(per_rank))
+        loads.append(os.getloadavg()[0])
+    summary = combine(per_repeat)
     result = {
         "benchmark": "balance", "layout": LAYOUT, "shape": "vitheavy", "mix_patches": MIX,
         "equal_patches": EQUAL, "text_only_tokens": args.text_only_tokens, "steps": args.steps,
-        "rounds": args.rounds, "seed": args.seed, "date": datetime.date.today().isoformat(),
-        "machine": f"{os.cpu_count()} CPU cores, shared with other jobs (load average "
-                   f"{os.getloadavg()[0]:.1f} at the end); 4 ranks, 1 torch thread each",
-        "model_imbalance": {m: {k: statistics.mean(v) for k, v in d.items()} for m, d in imb.items()},
-        "model_imbalance_per_step": imb,
+        "rounds": args.rounds, "repeats": args.repeats, "seed": args.seed,
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{os.cpu_count()} CPU cores, shared with other jobs (load average after each "
+                   f"repeat: {', '.join(f'{x:.1f}' for x in loads)}); 4 ranks, 1 torch thread each",
+        "model_imbalance": {m: {k: statistics.mean(v) for k, v in d.items() if k != "text_calls"}
+                            for m, d in imb.items()},
+        "model_per_step": imb,
         "summary": summary,
-        "speedup_cost_vs_count": {
-            "modelled": s["count"]["modelled_step_s_median"] / s["cost"]["modelled_step_s_median"],
-            "wall": s["count"]["wall_step_s_median"] / s["cost"]["wall_step_s_median"]},
-        "cost_vs_equal_sizes": {
-            "modelled": s["equal"]["modelled_step_s_median"] / s["cost"]["modelled_step_s_median"],
-            "wall": s["equal"]["wall_step_s_median"] / s["cost"]["wall_step_s_median"]},
+        "modelled_ratios": {k: statistics.median(ratios(r)[k] for r in per_repeat)
+                            for k in ratios(per_repeat[0])},
+        "modelled_ratios_per_repeat": [ratios(r) for r in per_repeat],
+        "wall_ratios_per_repeat": [ratios(r, "wall_step_s_median") for r in per_repeat],
+        "loss_max_rel_diff_vs_count": max(losses),
+        "cost_model_fit": fit(per_repeat, config, args.seed, args.text_only_tokens),
+        "per_repeat": per_repeat,
         "elapsed_s": time.perf_counter() - t0,
     }
     os.makedirs(args.out, exist_ok=True)
@@ -259,11 +326,59 @@ def main(argv=None) -> dict:
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=1)
     plot(result, stem + ".png")
-    print(json.dumps({k: result[k] for k in ("model_imbalance", "speedup_cost_vs_count",
-                                             "cost_vs_equal_sizes")}, indent=1))
-    for n, v in s.items():
-        print(n, {k: v[k] for k in v if not isinstance(v[k], list) or k.endswith("_mean")})
+    print(json.dumps({k: result[k] for k in ("model_imbalance", "modelled_ratios", "cost_model_fit",
+                                             "modelled_ratios_per_repeat", "loss_max_rel_diff_vs_count",
+                                             "machine")}, indent=1))
+    for n, v in summary.items():
+        print(n, {k: v[k] for k in v if k.endswith(("_median", "_mean", "efficiency"))})
     return result
+
+
+def fit(per_repeat: list, config, seed: int, text_tokens: int) -> dict:
+    """The cost model against the measured busy times (every contender, step and replica):
+    least squares of text busy = per_call x calls + per_token x tokens run (padding included),
+    and of vision busy = intercept + slope x modelled image cost; R² of each."""
+    import numpy as np
+
+    ref = balancer_of("cost", config).model
+    tx, ty, vx, vy = [], [], [], []
+    for rep in per_repeat:
+        for name in rep:
+            bal = balancer_of(name, config)
+            for i, (tb, vb) in enumerate(zip(rep[name]["text_busy_s_per_replica"],
+                                             rep[name]["vision_busy_s_per_replica"])):
+                k = i % (len(rep[name]["text_busy_s_per_replica"]) // rep[name]["rounds"])
+                st = make_step(EQUAL if name == "equal" else MIX, config, seed + k, text_tokens)
+                for j, idx in enumerate(bal.text_replicas(st, 2)):
+                    gs = bal.text_groups(st, idx)
+                    tx.append([len(gs), sum(len(g) * max(st[q].num_tokens for q in g) for g in gs)])
+                    ty.append(tb[j])
+                for j, idx in enumerate(bal.vision_replicas(st, 2)):
+                    vx.append([1.0, sum(ref.vision(st[q].image_grid_thw) for q in idx)])
+                    vy.append(vb[j])
+
+    def lsq(x, y):
+        x, y = np.array(x, float), np.array(y, float)
+        c = np.linalg.lstsq(x, y, rcond=None)[0]
+        return c, 1 - float(((x @ c - y) ** 2).sum() / ((y - y.mean()) ** 2).sum())
+    (call, tok), tr2 = lsq(tx, ty)
+    (v0, v1), vr2 = lsq(vx, vy)
+    call, tok, v0, v1 = (float(x) for x in (call, tok, v0, v1))
+    return {"text": {"per_call_ms": call * 1e3, "per_token_ms": tok * 1e3,
+                     "call_in_tokens": call / tok, "r2": tr2, "points": len(ty)},
+            "vision": {"intercept_ms": v0 * 1e3, "ms_per_1e9_cost": v1 * 1e12, "r2": vr2,
+                       "points": len(vy)}}
+
+
+def loss_agreement(per_rank: list) -> float:
+    """Largest relative difference of a mixed-set contender's loss from ``count``'s on the same
+    step and round (same weights, same samples: only the plan differs, so fp32 rounding only)."""
+    steps = per_rank[0]["steps"]
+    worst = 0.0
+    for name in ("cost_1batch", "cost"):
+        for a, b in zip(steps[name], steps["count"]):
+            worst = max(worst, abs(a["loss"] - b["loss"]) / abs(b["loss"]))
+    return worst
 
 
 if __name__ == "__main__":

@@ -150,9 +150,25 @@ class DHPEngine:
         g = self.groups
         if g.is_text:
             j = g.text_coord[0]
-            mb.loss_sum, mb.grad_feats = self._text_forward_backward(
-                [mb.samples[i] for i in mb.lay.text_samples[j]], mb.text_feats, n_targets)
+            groups = mb.lay.text_groups[j] if mb.lay.text_groups else [mb.lay.text_samples[j]]
+            mb.loss_sum, mb.grad_feats = self._text_groups(mb, mb.lay.text_samples[j], groups, n_targets)
         mb.text_feats = None
+
+    def _text_groups(self, mb: "_MicroBatch", mine: list, groups: list, n_targets: int):
+        """The replica's samples ``mine`` run as ``groups`` (each padded to its own longest),
+        one forward/backward after the other; each group takes its rows of the replica's
+        features, whose gradient accumulates over the groups. Loss sum and feature gradient."""
+        if len(groups) == 1:
+            return self._text_forward_backward([mb.samples[i] for i in mine], mb.text_feats, n_targets)
+        feats = mb.text_feats
+        if feats is not None and feats.shape[0] > 0:
+            feats = feats.detach().requires_grad_(True)
+        loss_sum = 0.0
+        for grp, rows in zip(groups, mb.lay.group_rows(mine, groups)):
+            sub = None if feats is None else feats.index_select(0, rows.to(feats.device))
+            loss, _ = self._text_forward_backward([mb.samples[i] for i in grp], sub, n_targets)
+            loss_sum = loss_sum + loss
+        return loss_sum, None if feats is None else feats.grad
 
     def _return_grads(self, mb: "_MicroBatch", n_targets: int) -> None:
         if not mb.has_images:
@@ -246,7 +262,7 @@ class DHPEngine:
         batch = self._text_batch(samples)
         enc = None
         if feats is not None and feats.shape[0] > 0:
-            feats = feats.requires_grad_(True)
+            feats = feats if feats.requires_grad else feats.requires_grad_(True)
             enc = self.family.encoder_outputs(self.config, feats)
         grid, mask, pos = batch["image_grid_thw"], batch["attention_mask"], batch.get("position_ids")
         with self._autocast():
@@ -264,7 +280,7 @@ class DHPEngine:
                                        ignore_index=-100, reduction="sum")
             (loss_sum / n_targets).backward()
         value = loss_sum.full_tensor() if _is_dtensor(loss_sum) else loss_sum
-        grad = feats.grad if enc is not None else None
+        grad = feats.grad if enc is not None and feats.is_leaf else None
         return value.detach().double().cpu(), grad
 
     def _autocast(self):

@@ -55,17 +55,30 @@ class MicroBatchLayout:
     text_samples: list          # per text dp replica: ascending list of sample indices
     row_offsets: list           # per sample: first global feature row (len = samples + 1)
     vision_plans: list          # per vision dp replica: VisionShardPlan or None (no images)
+    text_groups: Optional[list] = None  # per text replica: its samples as padded groups run in
+    #                                     turn (lists of sample indices); None: one group each
 
     def rows_of(self, indices) -> torch.Tensor:
         """Global feature rows of the samples ``indices`` (ascending), concatenated in order."""
         parts = [torch.arange(self.row_offsets[i], self.row_offsets[i + 1]) for i in indices]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
+    def group_rows(self, mine, groups) -> list:
+        """Per group of ``groups`` (sample indices, a cut of ``mine``): the positions of its
+        samples' rows within ``rows_of(mine)`` (a text replica's features), in group order."""
+        start, at = {}, 0
+        for i in mine:
+            start[i] = at
+            at += self.row_offsets[i + 1] - self.row_offsets[i]
+        return [torch.cat([torch.arange(start[i], start[i] + self.row_offsets[i + 1] - self.row_offsets[i])
+                           for i in grp]) if grp else torch.zeros(0, dtype=torch.long) for grp in groups]
+
 
 def layout_micro_batch(samples, topology, family_name: str, vision_config,
                        balancer: "Balancer" = COUNT) -> MicroBatchLayout:
     """The micro-batch's plan: samples per vision and per text replica (``balancer``: by cost,
-    or contiguous equal counts), feature-row offsets, and each replica's SP shard plan."""
+    or contiguous equal counts), feature-row offsets, each vision replica's SP shard plan and
+    each text replica's padded groups."""
     from ray_dhp.models.vision_qwen import plan_vision_shards
 
     n = len(samples)
@@ -85,7 +98,8 @@ def layout_micro_batch(samples, topology, family_name: str, vision_config,
         grids = [samples[i].image_grid_thw for i in idx if samples[i].image_grid_thw is not None]
         plans.append(plan_vision_shards(family_name, vision_config, torch.cat(grids), v.inner)
                      if grids else None)
-    return MicroBatchLayout(vs, balancer.text_replicas(samples, t.dp), offsets, plans)
+    ts = balancer.text_replicas(samples, t.dp)
+    return MicroBatchLayout(vs, ts, offsets, plans, [balancer.text_groups(samples, idx) for idx in ts])
 
 
 @dataclass

@@ -66,8 +66,10 @@ class TrainLoopConfig:
             replica, text replica, micro-batch and decode owner an even share of the work by a
             per-sample cost model (vision: patches, full attention ~ patches² per image; text:
             tokens incl. image placeholders, attention ~ tokens²), so mixed resolutions do not
-            leave replicas waiting; "count" splits into contiguous equal counts. The update is
-            the same either way (each sample is computed once).
+            leave replicas waiting, and a text replica that pads runs its samples as padded
+            groups of similar length; "count" splits into contiguous equal counts, one padded
+            batch per text replica. The update is the same either way (each sample is
+            computed once).
         checkpoint_every: steps between checkpoints (0 = only at the end).
         eval_every: with a validation set (``datasets={"validation": ...}``; run file:
             data.validation), report ``eval_loss`` (the loss over the whole validation set,

@@ -9,8 +9,12 @@ slowest part's cost is as small as a greedy can make it:
 * `lpt` — longest processing time first: samples by decreasing cost, each to the part with the
   least load so far. Ties are broken by fewest samples, then part index (so with ``n >= parts``
   every part gets a sample: an empty part has the least load and the fewest samples), and
-  samples of equal cost by position. It is within 4/3 of the optimal makespan. Text replicas
-  that pad their samples to the longest use `lpt_padded` (a replica costs samples x longest).
+  samples of equal cost by position. It is within 4/3 of the optimal makespan.
+* `padded_groups` — a text replica that pads its samples (no ``packing``) runs them as groups,
+  one forward/backward each, padded to the group's own longest: one 290-token document no longer
+  pads five 64-token samples to 290. The cut minimises ``sum(size x cost(longest)) + call x
+  groups`` exactly (dynamic programming over the samples in length order); `lpt_grouped`
+  assigns the text replicas by that cost (`lpt_padded`: one padded batch per replica).
 * `balanced_micro_batches` — equal-count micro-batches (as today) whose vision and text costs
   are both even, so neither group of a disjoint pipeline waits on a heavy micro-batch.
 * `decode_owners` — the loader's decode owners (image pixels per sample) over all ranks.
@@ -29,10 +33,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["BALANCE_MODES", "CostModel", "Balancer", "lpt", "lpt_padded", "contiguous", "imbalance",
-           "balanced_micro_batches", "decode_owners"]
+__all__ = ["BALANCE_MODES", "TEXT_CALL_TOKENS", "CostModel", "Balancer", "lpt", "lpt_padded",
+           "lpt_grouped", "padded_groups", "contiguous", "imbalance", "balanced_micro_batches",
+           "decode_owners"]
 
 BALANCE_MODES = ("cost", "count")
+
+#: The fixed cost of one text forward/backward call, in tokens of linear cost: what splitting a
+#: text replica's samples into one more padded group must save. Measured (`benchmarks/balance.py`,
+#: ``cost_model_fit``): ~25 tokens for a plain single-process call of the vitheavy LM, 215-280
+#: inside the TP=2 engine step (DTensor dispatch and TP collectives per layer); a 7B-class LM on
+#: a GPU pays kernel launches and TP latency of the same order (~10-30 ms, a few hundred tokens).
+TEXT_CALL_TOKENS = 256
 
 
 # -- assignments (pure, integer costs) ------------------------------------------------------------
@@ -79,6 +91,53 @@ def lpt_padded(lengths: Sequence[int], parts: int, cost) -> list[list[int]]:
         p = min(range(parts), key=after)
         longest[p] = max(longest[p], lengths[i])
         count[p] += 1
+        out[p].append(i)
+    return [sorted(o) for o in out]
+
+
+def _grouped_after(lengths: Sequence[int], best: Sequence[int], cost, call: int) -> int:
+    """The cheapest split of ``lengths`` (sorted descending) into padded groups of consecutive
+    lengths, given ``best[j]`` = that of the first ``j`` lengths: a group ``j..k-1`` costs
+    ``(k - j) * cost(lengths[j]) + call`` (padded to its first, the longest)."""
+    k = len(lengths)
+    return min(best[j] + (k - j) * cost(lengths[j]) + call for j in range(k))
+
+
+def padded_groups(lengths: Sequence[int], cost, call: int) -> list[list[int]]:
+    """Indices of ``lengths`` cut into groups (each ascending; groups longest first) that are run
+    one after the other, each padded to its own longest: the cut minimising
+    ``sum(group size * cost(longest)) + call * groups`` (``call``: the fixed cost of one more
+    forward/backward call). Exact: an optimal cut groups samples consecutive in length order,
+    which dynamic programming over that order finds."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    ls = [lengths[i] for i in order]
+    best, cut = [0], [0]
+    for k in range(1, len(ls) + 1):
+        j = min(range(k), key=lambda j: (best[j] + (k - j) * cost(ls[j]) + call, j))
+        best.append(best[j] + (k - j) * cost(ls[j]) + call)
+        cut.append(j)
+    groups, k = [], len(ls)
+    while k > 0:
+        groups.append(sorted(order[cut[k]:k]))
+        k = cut[k]
+    return groups[::-1]
+
+
+def lpt_grouped(lengths: Sequence[int], parts: int, cost, call: int) -> list[list[int]]:
+    """Like `lpt_padded`, for parts that run their samples as `padded_groups`: a part costs its
+    best cut into padded groups. Samples by decreasing length, each to the part whose cost after
+    adding it is smallest (ties as in `lpt`); since each sample is the part's shortest so far,
+    the part's best cut grows by one step of the dynamic programme."""
+    if parts < 1:
+        raise ValueError(f"parts={parts}: need at least one part")
+    lens: list[list[int]] = [[] for _ in range(parts)]
+    best: list[list[int]] = [[0] for _ in range(parts)]
+    out: list[list[int]] = [[] for _ in range(parts)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        after = [_grouped_after(lens[p] + [lengths[i]], best[p], cost, call) for p in range(parts)]
+        p = min(range(parts), key=lambda p: (after[p], len(out[p]), p))
+        lens[p].append(lengths[i])
+        best[p].append(after[p])
         out[p].append(i)
     return [sorted(o) for o in out]
 
@@ -142,6 +201,8 @@ class CostModel:
       attention ``6·d·L²`` per layer.
 
     All terms are multiplied by ``merge²`` so they stay integers (only ratios matter).
+    ``text_call``, the fixed cost of one more text forward/backward call, is the linear cost of
+    `TEXT_CALL_TOKENS` tokens.
     """
 
     merge: int               # patches per merged row (spatial_merge_size²)
@@ -151,6 +212,7 @@ class CostModel:
     window: int              # patches per attention window (0: no window blocks)
     text_linear: int         # per token
     text_quadratic: int      # per token²
+    text_call: int = 0       # per text forward/backward call (a padded group, `padded_groups`)
 
     @classmethod
     def from_config(cls, config, counts=None) -> "CostModel":
@@ -173,7 +235,8 @@ class CostModel:
         return cls(merge=merge, vision_linear=6 * (counts.vision - merger) * merge + 6 * merger,
                    vision_full=12 * h * full * merge, vision_window=12 * h * (vc.depth - full) * merge,
                    window=window, text_linear=6 * matmul * merge,
-                   text_quadratic=6 * tc.num_hidden_layers * d * merge)
+                   text_quadratic=6 * tc.num_hidden_layers * d * merge,
+                   text_call=6 * matmul * merge * TEXT_CALL_TOKENS)
 
     def vision(self, grid_thw) -> int:
         """Cost of one sample's images (``[n_img, 3]`` grid, or None: 0)."""
@@ -228,12 +291,23 @@ class Balancer:
         return lpt(self.vision_costs(samples), parts)
 
     def text_replicas(self, samples, parts: int) -> list[list[int]]:
-        """Sample indices per text data-parallel replica."""
+        """Sample indices per text data-parallel replica (padded: each costs its best cut into
+        `padded_groups`)."""
         if self.mode == "count":
             return contiguous(len(samples), parts)
         if self.padded:
-            return lpt_padded([s.num_tokens for s in samples], parts, self.model.text)
+            return lpt_grouped([s.num_tokens for s in samples], parts, self.model.text,
+                               self.model.text_call)
         return lpt(self.text_costs(samples), parts)
+
+    def text_groups(self, samples, indices: Sequence[int]) -> list[list[int]]:
+        """A text replica's samples ``indices`` as the groups it runs one after the other, each
+        padded to its own longest (`padded_groups`); one group by count or with packing."""
+        if self.mode == "count" or not self.padded or len(indices) < 2:
+            return [list(indices)]
+        cut = padded_groups([samples[i].num_tokens for i in indices], self.model.text,
+                            self.model.text_call)
+        return [[indices[q] for q in g] for g in cut]
 
     def micro_batches(self, samples, m: int) -> list[list[int]]:
         """Sample indices per micro-batch (``len / m`` each)."""

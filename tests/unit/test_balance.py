@@ -11,7 +11,8 @@ from ray_dhp.data.budget import cut_micro_batches
 from ray_dhp.data.processing import Sample
 from ray_dhp.engine import layout_micro_batch
 from ray_dhp.parallel.balance import (Balancer, CostModel, balanced_micro_batches, contiguous,
-                                      decode_owners, imbalance, lpt, lpt_padded)
+                                      decode_owners, imbalance, lpt, lpt_grouped, lpt_padded,
+                                      padded_groups)
 from ray_dhp.topology import Topology
 
 
@@ -123,6 +124,77 @@ def test_lpt_padded_balances_samples_times_longest():
     best = min(worst([[i for i in range(8) if a[i] == p] for p in range(2)])
                for a in itertools.product(range(2), repeat=8))
     assert worst(out) == best == 1160  # the 290-token sample with 3 short ones, not 5
+
+
+def _partitions(items):
+    """Every partition of ``items`` into non-empty groups."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in _partitions(rest):
+        yield [[first]] + part
+        for k in range(len(part)):
+            yield part[:k] + [[first] + part[k]] + part[k + 1:]
+
+
+def _grouped(lengths, groups, cost, call):
+    return sum(len(g) * cost(max(lengths[i] for i in g)) + call for g in groups)
+
+
+def test_padded_groups_is_the_cheapest_cut_by_brute_force():
+    cost = lambda n: 6 * n + n * n // 50  # noqa: E731  (linear + attention)
+    rng = random.Random(2)
+    for _ in range(40):
+        lengths = [rng.choice([20, 50, 64, 98, 256, 290]) for _ in range(rng.randint(1, 7))]
+        call = rng.choice([0, 100, 1000, 10_000])
+        out = padded_groups(lengths, cost, call)
+        assert sorted(itertools.chain(*out)) == list(range(len(lengths)))
+        assert all(g == sorted(g) for g in out)
+        best = min(_grouped(lengths, p, cost, call) for p in _partitions(list(range(len(lengths)))))
+        assert _grouped(lengths, out, cost, call) == best
+    # a large call cost keeps one group (today's single padded batch); none splits off the long one
+    assert padded_groups([290, 50, 50, 50], cost, 10**9) == [[0, 1, 2, 3]]
+    assert padded_groups([50, 290, 50, 50], cost, 0) == [[1], [0, 2, 3]]
+
+
+def test_lpt_grouped_feeds_every_part_and_beats_padded_lpt():
+    cost = lambda n: n  # noqa: E731
+    for n, parts in [(1, 1), (5, 2), (7, 3), (4, 4)]:
+        out = lpt_grouped([10] * n, parts, cost, 5)
+        assert sorted(itertools.chain(*out)) == list(range(n)) and all(out)
+    lengths = [290, 256, 256, 256, 98, 98, 98, 50, 50, 50, 50, 50]
+    call = 64
+
+    def grouped_cost(part):  # the part's best cut (padded_groups is exact, tested above)
+        sub = [lengths[i] for i in part]
+        return _grouped(sub, padded_groups(sub, cost, call), cost, call)
+    out = lpt_grouped(lengths, 2, cost, call)
+    assert out == lpt_grouped(lengths, 2, cost, call)  # deterministic
+    best = min(max(grouped_cost([i for i in range(12) if a[i] == p]) for p in range(2))
+               for a in itertools.product(range(2), repeat=12) if 0 < sum(a) < 12)
+    assert max(grouped_cost(p) for p in out) <= 4 / 3 * best
+    # against one padded batch per replica (lpt_padded, the engine before groups): less work
+    single = max(len(p) * max(lengths[i] for i in p) for p in lpt_padded(lengths, 2, cost))
+    assert max(grouped_cost(p) for p in out) < single
+
+
+def test_layout_text_groups_and_their_feature_rows():
+    config = demo.tiny_model_config("qwen2_5_vl")
+    topo = Topology.build(placement="collocated", vision_dp=1, vision_sp=1, text_dp=1, text_tp=1)
+    # a long image sample and short text-only ones: worth two padded groups
+    samples = [_sample(0, (8, 8), tokens=30), _sample(1, tokens=20), _sample(2, (32, 32), tokens=400),
+               _sample(3, tokens=24), _sample(4, (8, 8), tokens=28)]
+    bal = Balancer.for_config("cost", config)
+    lay = layout_micro_batch(samples, topo, "qwen2_5_vl", config.vision_config, bal)
+    (groups,) = lay.text_groups
+    assert groups[0] == [2] and sorted(groups[1]) == [0, 1, 3, 4]
+    # rows of each group within the replica's features (sample order 0..4: 16, 0, 256, 0, 16 rows)
+    rows = lay.group_rows(lay.text_samples[0], groups)
+    assert rows[0].tolist() == list(range(16, 16 + 256))
+    assert rows[1].tolist() == list(range(16)) + list(range(272, 288))
+    cnt = layout_micro_batch(samples, topo, "qwen2_5_vl", config.vision_config)
+    assert cnt.text_groups == [[[0, 1, 2, 3, 4]]]  # by count: one padded batch, as before
 
 
 def test_budget_with_balanced_replicas_keeps_every_replica_within_budget():

@@ -33,3 +33,28 @@ def test_summarise_takes_the_slowest_rank_per_phase_and_replica_means():
     assert s["vision_busy_imbalance_mean"] == pytest.approx(6 / 4.5)
     assert s["total_cpu_s_mean"] == 2 * (1 + 2 + 3) + 2 * (2 + 4 + 1)
     assert s["parallel_efficiency"] == pytest.approx(26 / (4 * 9))
+
+
+def test_combine_takes_medians_over_repeats_and_ratios_compare_contenders():
+    def rep(count, cost, one, equal):
+        return {n: {"modelled_step_s_median": v, "vision_busy_s_per_replica_mean": [v, 2 * v],
+                    "wall_s": [v]} for n, v in
+                (("count", count), ("cost", cost), ("cost_1batch", one), ("equal", equal))}
+    reps = [rep(4.0, 2.0, 3.0, 1.8), rep(5.0, 2.5, 3.5, 2.0), rep(4.4, 2.2, 9.0, 2.1)]
+    s = bb.combine(reps)
+    assert s["count"]["modelled_step_s_median"] == 4.4 and s["cost_1batch"]["modelled_step_s_median"] == 3.5
+    assert s["cost"]["vision_busy_s_per_replica_mean"] == [2.2, 4.4]
+    assert "wall_s" not in s["cost"]  # per-step lists stay in the repeats
+    r = bb.ratios(reps[0])
+    assert r["cost_vs_count"] == 2.0 and r["cost_vs_equal_sizes"] == pytest.approx(0.9)
+
+
+def test_model_plans_pad_less_with_groups():
+    config = model_config("vitheavy")
+    steps = [bb.make_step(bb.MIX, config, k, 64) for k in range(2)]
+    imb = bb.model_imbalance(steps, config)
+    for k in range(2):  # groups run fewer padded tokens than one padded batch per replica
+        assert (imb["cost"]["text_tokens_run_over_real"][k]
+                < imb["cost_1batch"]["text_tokens_run_over_real"][k]
+                <= imb["count"]["text_tokens_run_over_real"][k])
+        assert max(imb["cost"]["text_calls"][k]) > 1 and imb["count"]["text_calls"][k] == [1, 1]
