@@ -97,13 +97,16 @@ class TemplateRenderer:
         for i, (role, _) in enumerate(messages):
             if role != "assistant":
                 continue
+            if i == 0:
+                raise ChatTemplateError("chat template: the conversation opens with an assistant "
+                                        "turn; nothing renders the prompt before it")
             head = self.text(messages[:i], add_generation_prompt=True)
             upto = self.text(messages[:i + 1])
             if not (whole.startswith(upto) and upto.startswith(head)):
                 raise ChatTemplateError(
                     f"chat template: the template renders the conversation up to turn {i + 1} "
-                    "differently from the start of the whole conversation (e.g. one that opens "
-                    "with an assistant turn), so the reply's tokens cannot be located")
+                    "differently from the start of the whole conversation, so the reply's "
+                    "tokens cannot be located")
             reply = upto[len(head):]
             end = reply.find(self.eos)
             spans.append((len(head), len(head) + (end + len(self.eos) if end >= 0 else len(reply))))

@@ -39,6 +39,11 @@ def check_pixel_limits(min_pixels, max_pixels, *, unit: Optional[int] = None,
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"{name(key)}: must be an integer >= 1 (pixels: width x height), "
                               f"got {value!r}.")
+    if unit and max_pixels is not None and max_pixels < unit * unit:
+        raise ConfigError(f"{name('max_pixels')}={max_pixels}: below one merged patch unit "
+                          f"({unit}x{unit} = {unit * unit} pixels for this model's patch_size x "
+                          f"spatial_merge_size); the image processor cannot make images that "
+                          f"small. Use at least {unit * unit}.")
     low, high = _limits(image_processor)
     lo, hi = (min_pixels if min_pixels is not None else low), (max_pixels if max_pixels is not None else high)
     if lo is not None and hi is not None and lo > hi:
@@ -48,11 +53,6 @@ def check_pixel_limits(min_pixels, max_pixels, *, unit: Optional[int] = None,
                  if min_pixels is not None else
                  f"{name('max_pixels')}={hi} < the image processor's min_pixels={lo}")
         raise ConfigError(f"{which}: min_pixels must not exceed max_pixels.")
-    if unit and max_pixels is not None and max_pixels < unit * unit:
-        raise ConfigError(f"{name('max_pixels')}={max_pixels}: below one merged patch unit "
-                          f"({unit}x{unit} = {unit * unit} pixels for this model's patch_size x "
-                          f"spatial_merge_size); the image processor cannot make images that "
-                          f"small. Use at least {unit * unit}.")
 
 
 def with_pixel_limits(image_processor, min_pixels=None, max_pixels=None):
