@@ -5,15 +5,15 @@ Both renderers share one contract: ``render(messages, system_prompt) -> (text, s
 hold ``<image>`` placeholders; ``text`` is the rendered conversation with one image-pad token
 (``<|image_pad|>``) per image, which the caller expands to the image's pad count
 (`expand_image_pads`, as transformers' Qwen-VL processors do); ``spans`` are the ``[start, end)``
-character ranges of each assistant reply: its content and the end-of-turn (eos) token
-``<|im_end|>``, not what the template writes after it (a newline).
+character ranges of each assistant reply: its content and the end-of-turn token ``<|im_end|>``,
+not what the template writes after it (a newline).
 
 * `TemplateRenderer`: the model's own chat template (the processor's or the tokenizer's
   ``chat_template``, rendered by ``tokenizer.apply_chat_template``), so the prompt is what the
   model was tuned on, e.g. the default system prompt of the Qwen2/2.5-VL-Instruct templates. A
   reply is located by rendering the conversation up to it (ending with the generation prompt)
   and up to its end: both must be prefixes of the whole rendering, and the reply is what lies
-  between them, up to and including the first eos token.
+  between them, up to and including the first ``<|im_end|>``.
 * `QwenFormat`: ray_dhp's own Qwen chat format (no default system prompt), used only when the
   processor has no chat template.
 
@@ -63,13 +63,15 @@ class TemplateRenderer:
     """Renders with a Jinja chat template through ``tokenizer.apply_chat_template``.
 
     Args:
-        tokenizer: the tokenizer (it renders the template and knows the eos token).
+        tokenizer: the tokenizer that renders the template.
         chat_template: the template text.
+        end_of_turn: the token that closes a reply (trained; what follows it is not). Qwen's
+            ``<|im_end|>`` whatever the tokenizer's eos token is (base Qwen2-VL checkpoints
+            name ``<|endoftext|>`` as eos).
     """
 
-    def __init__(self, tokenizer, chat_template: str):
-        self.tokenizer, self.chat_template = tokenizer, chat_template
-        self.eos = tokenizer.eos_token or EOS
+    def __init__(self, tokenizer, chat_template: str, end_of_turn: str = EOS):
+        self.tokenizer, self.chat_template, self.eos = tokenizer, chat_template, end_of_turn
         self._omits_system = None
 
     def text(self, messages: list, *, add_generation_prompt: bool = False) -> str:

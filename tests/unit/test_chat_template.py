@@ -229,3 +229,15 @@ def test_run_file_keys_and_errors():
     ]:
         with pytest.raises(ConfigError, match=match):
             run_file_from_dict(data)
+
+
+def test_processor_pickles_with_its_template_and_limits(images):
+    """Data-worker processes get the processor pickled: same template, system prompt and size."""
+    import pickle
+
+    proc = tiny_processor().configured(system_prompt="Be terse.", max_pixels=28 * 28 * 5)
+    copy = pickle.loads(pickle.dumps(proc))
+    record = CASES["two_images"][0]
+    a, b = proc.process(record, images), copy.process(record, images)
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
+    assert torch.equal(a.image_grid_thw, b.image_grid_thw)
