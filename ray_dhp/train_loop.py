@@ -105,8 +105,8 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
 
 
 def _configured_processor(cfg: TrainLoopConfig, ctx):
-    """The run's processor with the loop's system prompt and min/max pixels; rank 0 logs the
-    prompt format once."""
+    """The run's processor with the loop's system prompt and min/max pixels; rank 0 says once when
+    there is no chat template to render with (debug level otherwise: the console stays quiet)."""
     from ray_dhp.data.processing import as_vl_processor
 
     processor = as_vl_processor(ctx.dhp_config.processor if ctx.dhp_config.processor is not None
@@ -115,7 +115,7 @@ def _configured_processor(cfg: TrainLoopConfig, ctx):
     processor = processor.configured(system_prompt=system, min_pixels=cfg.min_pixels,
                                      max_pixels=cfg.max_pixels)
     if ctx.rank == 0 and processor.uses_chat_template:
-        logger.info("prompts: the processor's chat template (system prompt: %s)",
+        logger.debug("prompts: the processor's chat template (system prompt: %s)",
                     "the template's default" if system is None else repr(system))
     elif ctx.rank == 0:
         logger.warning("prompts: the processor has no chat template; rendering ray_dhp's own "

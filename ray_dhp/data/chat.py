@@ -76,10 +76,15 @@ class TemplateRenderer:
 
     def text(self, messages: list, *, add_generation_prompt: bool = False) -> str:
         """The template's rendering of ``[(role, text)]`` (images as single pad tokens)."""
+        from jinja2.exceptions import TemplateError
+
         conversation = [{"role": r, "content": _content(r, t)} for r, t in messages]
-        return self.tokenizer.apply_chat_template(
-            conversation, chat_template=self.chat_template, tokenize=False,
-            add_generation_prompt=add_generation_prompt)
+        try:
+            return self.tokenizer.apply_chat_template(
+                conversation, chat_template=self.chat_template, tokenize=False,
+                add_generation_prompt=add_generation_prompt)
+        except TemplateError as exc:  # e.g. a template's raise_exception("roles must alternate")
+            raise ChatTemplateError(f"chat template: {type(exc).__name__}: {exc}") from exc
 
     def omits_system(self) -> bool:
         """Whether the template writes no system turn for a conversation without one (a template

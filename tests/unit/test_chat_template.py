@@ -241,3 +241,17 @@ def test_processor_pickles_with_its_template_and_limits(images):
     a, b = proc.process(record, images), copy.process(record, images)
     assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
     assert torch.equal(a.image_grid_thw, b.image_grid_thw)
+
+
+def test_a_template_that_refuses_a_conversation_makes_a_bad_sample(images):
+    strict = ("{% for m in messages %}{% if m['role'] == 'user' and loop.index0 % 2 == 1 %}"
+              "{{ raise_exception('roles must alternate') }}{% endif %}"
+              "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    proc = VLProcessor(build_tokenizer(), None, chat_template=strict)
+    ok = {"conversations": _turns(("human", "Repeat: one"), ("gpt", "one"))}
+    assert proc.tokenizer.decode(proc.process(ok, images).input_ids) == \
+        "<|im_start|>user\nRepeat: one<|im_end|>\n<|im_start|>assistant\none<|im_end|>\n"
+    two_users = {"conversations": _turns(("human", "Repeat:"), ("human", "one"), ("gpt", "one"))}
+    with pytest.raises(BadSample, match="chat template: TemplateError: roles must alternate"):
+        proc.process(two_users, images)
