@@ -29,6 +29,7 @@ __all__ = [
     "FAMILIES",
     "SPECIAL_TOKENS",
     "CHAT_TEMPLATE",
+    "DEFAULT_SYSTEM_PROMPT",
     "build_tokenizer",
     "tiny_model_config",
     "tiny_processor",
@@ -49,16 +50,36 @@ SPECIAL_TOKENS = (
     "<|video_pad|>",
 )
 
-#: Qwen-style chat template (no default system prompt, like Qwen3-VL's).
+#: Default system prompt of the Qwen2/2.5-VL-Instruct chat templates (and of :data:`CHAT_TEMPLATE`).
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+
+#: Qwen2-VL-style chat template (written for ray_dhp, following the rendering rules of the
+#: Qwen2/2.5-VL-Instruct templates): a conversation that does not open with a system message gets
+#: :data:`DEFAULT_SYSTEM_PROMPT`; each message is ``<|im_start|>{role}\n{content}<|im_end|>\n``;
+#: content is a string or a list of items: ``{"type": "image"}`` (or any item with an ``image`` /
+#: ``image_url`` key) -> ``<|vision_start|><|image_pad|><|vision_end|>``, videos likewise with
+#: ``<|video_pad|>``, text items verbatim; ``add_vision_id`` prefixes "Picture N: " / "Video N: ";
+#: ``add_generation_prompt`` ends with ``<|im_start|>assistant\n``.
 CHAT_TEMPLATE = (
+    "{% set counts = namespace(image=0, video=0) %}"
     "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\n" + DEFAULT_SYSTEM_PROMPT + "<|im_end|>\n"
+    "{% endif %}"
     "<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for item in message['content'] %}"
-    "{% if item['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif item['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% if item['type'] == 'image' or 'image' in item or 'image_url' in item %}"
+    "{% set counts.image = counts.image + 1 %}"
+    "{% if add_vision_id %}Picture {{ counts.image }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif item['type'] == 'video' or 'video' in item %}"
+    "{% set counts.video = counts.video + 1 %}"
+    "{% if add_vision_id %}Video {{ counts.video }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in item %}{{ item['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -80,7 +101,7 @@ def _corpus() -> list[str]:
             for shape in SHAPES:
                 captions.append(f"{word} {colour} {shape}{'s' if count > 1 else ''}")
     extra = [
-        "system", "user", "assistant", "You are a helpful assistant.", PROMPT,
+        "system", "user", "assistant", DEFAULT_SYSTEM_PROMPT, PROMPT,
         "Repeat:", "What is in the picture?", "How many shapes are there?",
     ]
     return (captions + extra) * 2

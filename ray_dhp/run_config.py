@@ -35,12 +35,13 @@ _DATA_KEYS = ("data_root", "max_tokens", "packing", "bad_data", "dataset_weights
 _CHECKPOINT_KEYS = tuple(k for k in ("checkpoint_every", "resume_from")
                          if k in {f.name for f in fields(TrainLoopConfig)})
 _TRACKING_KEYS = ("tensorboard", "mlflow", "wandb", "ray_report_logs")
+_PROCESSOR_KEYS = ("system_prompt", "min_pixels", "max_pixels")
 _NOT_IN_FILE = ("dataset_paths",)  # filled in from data.train and data.datasets
 
 
 def _optim_keys() -> list:
     """Every TrainLoopConfig field not claimed by another section (new fields land here)."""
-    taken = set(_DATA_KEYS + _CHECKPOINT_KEYS + _TRACKING_KEYS + _NOT_IN_FILE)
+    taken = set(_DATA_KEYS + _CHECKPOINT_KEYS + _TRACKING_KEYS + _PROCESSOR_KEYS + _NOT_IN_FILE)
     return [f.name for f in fields(TrainLoopConfig) if f.name not in taken]
 
 
@@ -63,11 +64,15 @@ class ModelSection:
 
 
 @dataclass
-class ProcessorSection:
-    """The processor (tokenizer + image processor)."""
-
+class _ProcessorOwn:
     path: Optional[str] = option(None, "local processor directory or Hub model id (default: the "
                                  "model directory, or the demo processor for a demo model)")
+
+
+ProcessorSection = make_dataclass(
+    "ProcessorSection", borrow(_ProcessorOwn, ["path"]) + borrow(TrainLoopConfig, _PROCESSOR_KEYS),
+    namespace={"__doc__": "The processor (tokenizer + image processor; the prompt is rendered "
+                          "with its chat template).", "__module__": __name__})
 
 
 @dataclass
@@ -244,7 +249,8 @@ class RunFile:
         name the run-file keys)."""
         d = {**asdict(self.optim), **{k: getattr(self.data, k) for k in _DATA_KEYS},
              **{k: getattr(self.checkpoint, k) for k in _CHECKPOINT_KEYS},
-             **{k: getattr(self.tracking, k) for k in _TRACKING_KEYS}}
+             **{k: getattr(self.tracking, k) for k in _TRACKING_KEYS},
+             **{k: getattr(self.processor, k) for k in _PROCESSOR_KEYS}}
         if d.get("data_root"):
             d["data_root"] = os.path.abspath(os.path.expanduser(d["data_root"]))
         try:
@@ -286,6 +292,11 @@ class RunFile:
         check_eval_setup(loop, has_validation="validation" in names,
                          score_attribute=self.checkpoint.score_attribute, name=loop_key_in_file,
                          validation_key="data.validation", score_key="checkpoint.score_attribute")
+        from ray_dhp.data.pixels import check_run_pixels
+
+        pixels = (self.processor.min_pixels, self.processor.max_pixels)
+        if pixels != (None, None):  # against the model's patch unit and the processor's limits
+            check_run_pixels(*pixels, self.dhp_config(), loop_key_in_file)
         return self
 
     def run_name(self) -> str:
@@ -329,6 +340,8 @@ def loop_key_in_file(name: str) -> str:
         return f"data.{name}"
     if name in _CHECKPOINT_KEYS:
         return f"checkpoint.{name}"
+    if name in _PROCESSOR_KEYS:
+        return f"processor.{name}"
     if name == "dataset_paths":
         return "data.train/data.datasets"
     return f"optim.{name}"

@@ -70,6 +70,16 @@ class TrainLoopConfig:
             groups of similar length; "count" splits into contiguous equal counts, one padded
             batch per text replica. The update is the same either way (each sample is
             computed once).
+        system_prompt: the system message of conversations that have none, when the processor
+            has a chat template (`ray_dhp.data.chat`): None = the template's default (the
+            Qwen2/2.5-VL-Instruct templates: "You are a helpful assistant."), "" = no system
+            message where the template allows it (Qwen2/2.5-VL's always write one: then an empty
+            one), any other text = that system message. Without a chat template (ray_dhp's own
+            Qwen format): a system message only when set to a non-empty text.
+        min_pixels, max_pixels: the image processor resizes every image to an area within
+            [min_pixels, max_pixels] pixels, sides multiples of patch_size x merge_size (28 px;
+            32 px for Qwen3-VL) (None: the processor's own limits). This sets the vision tokens
+            per image; max_image_pixels instead refuses oversized source files.
         checkpoint_every: steps between checkpoints (0 = only at the end).
         eval_every: with a validation set (``datasets={"validation": ...}``; run file:
             data.validation), report ``eval_loss`` (the loss over the whole validation set,
@@ -135,6 +145,9 @@ class TrainLoopConfig:
     packing: bool = False
     micro_batch_tokens: Optional[int] = checked(None, ge=1)
     balance: str = checked("cost", choices=BALANCE)
+    system_prompt: Optional[str] = None
+    min_pixels: Optional[int] = checked(None, ge=1)
+    max_pixels: Optional[int] = checked(None, ge=1)
     checkpoint_every: int = checked(0, ge=0)
     eval_every: int = checked(0, ge=0)
     eval_batch_size: Optional[int] = checked(None, ge=1)
@@ -182,6 +195,12 @@ class TrainLoopConfig:
              + ": autocast_dtype='bfloat16' is the bf16_autocast policy; drop autocast_dtype "
              "and keep precision.",
              self.autocast_dtype is None or self.precision in (None, "bf16_autocast")),
+            (f"{{min_pixels}}={self.min_pixels} > {{max_pixels}}={self.max_pixels}: the image "
+             "area range is empty; lower min_pixels or raise max_pixels.",
+             None in (self.min_pixels, self.max_pixels) or self.min_pixels <= self.max_pixels),
+            ("{system_prompt}: must not contain the '<image>' placeholder (images belong to the "
+             "records' user turns).",
+             self.system_prompt is None or "<image>" not in self.system_prompt),
         ]
 
     @classmethod

@@ -75,7 +75,6 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
         ``{"resumed_from_step": k, "final_step": n}`` (rank 0's is ``Result.return_value``).
     """
     from ray_dhp.backend import get_context
-    from ray_dhp.data.processing import as_vl_processor
     from ray_dhp.data.loader import StepLoader
     from ray_dhp.data.sources import make_sampler
 
@@ -86,8 +85,7 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
     hook = hook or (lambda event, step: None)
     ctx = get_context()
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
-    processor = as_vl_processor(ctx.dhp_config.processor if ctx.dhp_config.processor is not None
-                                else ctx.dhp_config.model)
+    processor = _configured_processor(cfg, ctx)
     from ray_dhp.models import load_model_config
     from ray_dhp.parallel.balance import Balancer
 
@@ -110,6 +108,25 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
         loader.close()
         if eval_loader is not None:
             eval_loader.close()
+
+
+def _configured_processor(cfg: TrainLoopConfig, ctx):
+    """The run's processor with the loop's system prompt and min/max pixels; rank 0 says once when
+    there is no chat template to render with (debug level otherwise: the console stays quiet)."""
+    from ray_dhp.data.processing import as_vl_processor
+
+    processor = as_vl_processor(ctx.dhp_config.processor if ctx.dhp_config.processor is not None
+                                else ctx.dhp_config.model)
+    system = cfg.system_prompt if cfg.system_prompt is not None else processor.system_prompt
+    processor = processor.configured(system_prompt=system, min_pixels=cfg.min_pixels,
+                                     max_pixels=cfg.max_pixels)
+    if ctx.rank == 0 and processor.uses_chat_template:
+        logger.debug("prompts: the processor's chat template (system prompt: %s)",
+                    "the template's default" if system is None else repr(system))
+    elif ctx.rank == 0:
+        logger.warning("prompts: the processor has no chat template; rendering ray_dhp's own "
+                       "Qwen chat format (no default system prompt)")
+    return processor
 
 
 def _train(cfg: TrainLoopConfig, ctx, loader, processor, hook, trackers, eval_loader=None) -> dict:

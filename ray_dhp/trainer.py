@@ -9,7 +9,7 @@ from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
 from ray_dhp.cluster import DEFAULT_PLACEMENT_TIMEOUT_S, PlacementTimeoutError
 from ray_dhp.config import DHPConfig
-from ray_dhp.train_config import TrainLoopConfig
+from ray_dhp.train_config import TrainLoopConfig, loop_key
 
 
 class DisaggregatedTrainer(DataParallelTrainer):
@@ -91,6 +91,9 @@ class DisaggregatedTrainer(DataParallelTrainer):
             loop_cfg = TrainLoopConfig.from_dict(config)  # fail here, before any worker starts
             _check_training_datasets(loop_cfg, set(ray_datasets) | set(paths))
             _check_evaluation(loop_cfg, set(ray_datasets) | set(paths), run_config)
+            from ray_dhp.data.pixels import check_run_pixels
+
+            check_run_pixels(loop_cfg.min_pixels, loop_cfg.max_pixels, dhp_config, loop_key)
             if dhp_config.processor is None and not isinstance(dhp_config.model, str):
                 raise ValueError("the built-in loop needs DHPConfig(processor=...) when the model "
                                  "is a config object (with a model directory it is loaded from there).")

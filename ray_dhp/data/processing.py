@@ -1,8 +1,9 @@
 """Turning one LLaVA record into model inputs for the Qwen-VL families.
 
-The processor renders the conversation in the Qwen chat format itself (the format all three
-families train on) so it knows exactly which characters belong to assistant turns, tokenizes
-the whole text once with offsets, and labels the tokens inside those spans.
+The processor renders the conversation with the model's own chat template when the processor (or
+its tokenizer) has one, else in ray_dhp's own Qwen chat format (`ray_dhp.data.chat`); it knows
+exactly which characters belong to assistant replies, tokenizes the whole text once with
+offsets, and labels the tokens inside those spans.
 
 Conventions (HF, unshifted labels):
 
@@ -15,8 +16,9 @@ Conventions (HF, unshifted labels):
 * ``mm_token_type_ids`` follows transformers' ``ProcessorMixin.create_mm_token_type_ids``:
   1 at ``<|image_pad|>``, 2 at ``<|video_pad|>``, 0 elsewhere (``<|vision_start|>`` and
   ``<|vision_end|>`` are text, 0). The Qwen-VL models need it to build M-RoPE positions.
-* Each ``<image>`` placeholder is replaced in place by
-  ``<|vision_start|>`` + ``grid_t*grid_h*grid_w / merge**2`` x ``<|image_pad|>`` + ``<|vision_end|>``.
+* Each ``<image>`` placeholder becomes an image item of its message, which the Qwen templates
+  render as ``<|vision_start|><|image_pad|><|vision_end|>``; the pad is then repeated
+  ``grid_t*grid_h*grid_w / merge**2`` times, as transformers' Qwen-VL processors do.
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ray_dhp.data.chat import (IMAGE_PLACEHOLDER, ChatTemplateError, QwenFormat,
+                               TemplateRenderer, expand_image_pads)
 from ray_dhp.data.reading import Record
 
 __all__ = ["BadSample", "reason_kind", "Sample", "VLProcessor", "as_vl_processor", "image_grid", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
-IMAGE_PLACEHOLDER = "<image>"
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
           "system": "system"}
 _SPECIAL = (
@@ -179,11 +182,21 @@ class VLProcessor:
             ``<|im_end|>``, ``<|vision_start|>``, ``<|vision_end|>``, ``<|image_pad|>``).
         image_processor: a Qwen2-VL style image processor (``patch_size``, ``merge_size``), or
             None for text-only data.
-        system_prompt: system turn prepended when a conversation has none (None: no system turn).
+        system_prompt: system message of conversations that have none: None = the chat
+            template's default (Qwen2/2.5-VL-Instruct: "You are a helpful assistant."; our own
+            format: none), "" = none where the template allows it (else an empty one), text =
+            that message.
+        chat_template: the Jinja chat template to render with (default: the tokenizer's); with
+            neither, ray_dhp's own Qwen format is used (`uses_chat_template` is then False).
     """
 
-    def __init__(self, tokenizer, image_processor=None, *, system_prompt: str | None = None):
+    def __init__(self, tokenizer, image_processor=None, *, system_prompt: str | None = None,
+                 chat_template: str | None = None):
         self.tokenizer, self.image_processor, self.system_prompt = tokenizer, image_processor, system_prompt
+        template = chat_template or getattr(tokenizer, "chat_template", None)
+        if isinstance(template, dict):  # several named templates: the default one
+            template = template.get("default")
+        self.renderer = TemplateRenderer(tokenizer, template) if template else QwenFormat()
         self.ids = {}
         for name, token in _SPECIAL:
             tid = tokenizer.convert_tokens_to_ids(token)
@@ -192,9 +205,30 @@ class VLProcessor:
             self.ids[name] = tid
         self.merge_size = getattr(image_processor, "merge_size", 2)
 
+    @property
+    def uses_chat_template(self) -> bool:
+        """Whether prompts are rendered with a chat template (False: our own Qwen format)."""
+        return self.renderer.chat_template is not None
+
+    def configured(self, *, system_prompt=None, min_pixels=None, max_pixels=None) -> "VLProcessor":
+        """A copy with this system prompt and the image processor resizing into
+        ``[min_pixels, max_pixels]`` (None keeps the processor's limit;
+        `ray_dhp.data.pixels.with_pixel_limits`)."""
+        from ray_dhp.data.pixels import with_pixel_limits
+
+        return VLProcessor(self.tokenizer, with_pixel_limits(self.image_processor, min_pixels, max_pixels),
+                           system_prompt=system_prompt, chat_template=self.renderer.chat_template)
+
     def save_pretrained(self, directory) -> None:
-        """Write the tokenizer and image processor (``load_processor(directory)`` reads them back)."""
-        self.tokenizer.save_pretrained(directory)
+        """Write the tokenizer (with the chat template in use) and image processor
+        (``load_processor(directory)`` reads them back)."""
+        tokenizer = self.tokenizer
+        if self.uses_chat_template and tokenizer.chat_template != self.renderer.chat_template:
+            import copy
+
+            tokenizer = copy.copy(tokenizer)
+            tokenizer.chat_template = self.renderer.chat_template
+        tokenizer.save_pretrained(directory)
         if self.image_processor is not None:
             self.image_processor.save_pretrained(directory)
 
@@ -251,7 +285,11 @@ class VLProcessor:
                             f"placeholder(s) but {len(paths)} image(s)")
         pixel_values, grid = self._encode_images([_load_image(p, max_pixels) for p in paths])
         pads = [] if grid is None else (grid.prod(-1) // self.merge_size**2).tolist()
-        text, spans = self._render(messages, pads)
+        try:
+            text, spans = self.renderer.render(messages, self.system_prompt)
+        except ChatTemplateError as exc:
+            raise BadSample(str(exc)) from exc
+        text, spans = expand_image_pads(text, spans, pads)
         input_ids, labels = self._tokenize(text, spans)
         if max_tokens is not None and len(input_ids) > max_tokens:
             raise BadSample(f"too long: {len(input_ids)} tokens > max_tokens={max_tokens}")
@@ -273,8 +311,6 @@ class VLProcessor:
                 raise BadSample(f"malformed record: a {role} turn contains the special token {hit}")
             if role == "assistant" and IMAGE_PLACEHOLDER in text:
                 raise BadSample(f"malformed record: {IMAGE_PLACEHOLDER} in an assistant turn")
-        if self.system_prompt is not None and messages[0][0] != "system":
-            messages = [("system", self.system_prompt)] + messages
         return messages
 
     def _encode_images(self, images: list):
@@ -289,25 +325,6 @@ class VLProcessor:
             raise BadSample(f"image processor refused the image(s): {type(exc).__name__}: "
                             f"{exc}") from exc
         return out["pixel_values"].to(torch.float32), out["image_grid_thw"].to(torch.long)
-
-    def _render(self, messages: list[tuple[str, str]], pads: list[int]):
-        """Chat-format text and the character spans to train (assistant content + ``<|im_end|>``)."""
-        pads_iter = iter(pads)
-        parts, spans, pos = [], [], 0
-        for role, text in messages:
-            if role != "assistant":
-                pieces = text.split(IMAGE_PLACEHOLDER)
-                spans_text = [self._vision_span(next(pads_iter)) for _ in pieces[1:]]
-                text = pieces[0] + "".join(s + p for s, p in zip(spans_text, pieces[1:]))
-            head, body = f"<|im_start|>{role}\n", f"{text}<|im_end|>"
-            if role == "assistant":
-                spans.append((pos + len(head), pos + len(head) + len(body)))
-            parts.append(f"{head}{body}\n")
-            pos += len(parts[-1])
-        return "".join(parts), spans
-
-    def _vision_span(self, n_pads: int) -> str:
-        return "<|vision_start|>" + "<|image_pad|>" * n_pads + "<|vision_end|>"
 
     def _tokenize(self, text: str, spans: list[tuple[int, int]]):
         try:
@@ -335,7 +352,8 @@ def as_vl_processor(obj) -> VLProcessor:
     if isinstance(obj, (str, os.PathLike)):
         return load_processor(os.fspath(obj))
     if hasattr(obj, "tokenizer") and hasattr(obj, "image_processor"):
-        return VLProcessor(obj.tokenizer, obj.image_processor)
+        return VLProcessor(obj.tokenizer, obj.image_processor,
+                           chat_template=getattr(obj, "chat_template", None))
     if hasattr(obj, "convert_tokens_to_ids") and callable(obj):
         return VLProcessor(obj, None)
     raise TypeError(f"cannot use {type(obj).__name__} as a processor: pass a ray_dhp VLProcessor, "

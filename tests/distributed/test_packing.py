@@ -3,8 +3,9 @@
 The packed engine (`TrainLoopConfig.packing`) is compared with the padded single-process
 reference (`ray_dhp.reference`, the stock transformers forward), on the parity harness's
 batches: 3 steps, 2 micro-batches of 4 samples mixing image sizes and a text-only sample,
-clipping active. With ``max_tokens=64`` (samples are 19-35 tokens) a replica's 4 samples pack
-into 2-3 rows, so rows hold several samples and short rows are padded.
+clipping active. With ``max_tokens=80`` (samples are 30-43 tokens, the template's system turn
+included) a replica's 4 samples pack into 2-3 rows, so rows hold several samples and short rows
+are padded.
 
 Tolerance (fp64): 1e-10 relative on loss, grad-norm, every parameter and every update. Packing
 changes only the summation order inside attention (a longer, masked row) and of the token-sum
@@ -25,7 +26,7 @@ from tests.distributed.parity import assert_parity, make_steps, run_engine, run_
 
 CFG = TrainLoopConfig(lr=1e-3, global_batch_size=8, micro_batches=2, num_steps=3,
                       max_grad_norm=0.5, weight_decay=0.1, lr_schedule="cosine", warmup_steps=1,
-                      max_tokens=64)
+                      max_tokens=80)
 
 
 def _layout(placement, vision, text):
@@ -37,12 +38,12 @@ SINGLE = _layout("collocated", (1, 1), (1, 1))
 TP2 = _layout("collocated", (2, 1), (2, 1))
 CASES = [
     # (family, layout name, layout, max_tokens, default run?)
-    ("qwen2_5_vl", "single", SINGLE, 64, True),
-    ("qwen2_5_vl", "sp2-tp2", TP2, 64, True),
+    ("qwen2_5_vl", "single", SINGLE, 80, True),
+    ("qwen2_5_vl", "sp2-tp2", TP2, 80, True),
     ("qwen2_5_vl", "sp2-tp2-one-row", TP2, None, False),
-    ("qwen3_vl", "single", SINGLE, 64, False),
-    ("qwen3_vl", "sp2-tp2", TP2, 64, False),
-    ("qwen2_vl", "disjoint-1v-tp2dp2", _layout("disjoint", (1, 1), (2, 2)), 64, False),
+    ("qwen3_vl", "single", SINGLE, 80, False),
+    ("qwen3_vl", "sp2-tp2", TP2, 80, False),
+    ("qwen2_vl", "disjoint-1v-tp2dp2", _layout("disjoint", (1, 1), (2, 2)), 80, False),
 ]
 
 

@@ -103,8 +103,13 @@ def test_chat_template_renders_qwen_format():
         {"role": "assistant", "content": "two red circles"},
     ]
     text = build_tokenizer().apply_chat_template(messages, tokenize=False)
-    assert text == ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe the image."
-                    "<|im_end|>\n<|im_start|>assistant\ntwo red circles<|im_end|>\n")
+    body = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe the image."
+            "<|im_end|>\n<|im_start|>assistant\ntwo red circles<|im_end|>\n")
+    # Qwen2-VL's rule: a conversation without a system message gets the default one
+    assert text == "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n" + body
+    own = build_tokenizer().apply_chat_template([{"role": "system", "content": "Be brief."}] + messages,
+                                                tokenize=False)
+    assert own == "<|im_start|>system\nBe brief.<|im_end|>\n" + body
 
 
 # --- tiny configs and models -----------------------------------------------------------------

@@ -11,7 +11,7 @@ from ray_dhp.data.collate import pack_rows
 from ray_dhp.demo import make_dataset, tiny_model_config, tiny_processor
 from ray_dhp.models import build_model
 
-MAX_TOKENS = 64  # samples here are 19-32 tokens: rows of 2-3 samples plus a padded tail
+MAX_TOKENS = 80  # samples here are 30-43 tokens (system turn included): rows of 2 samples
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,163 @@
+"""Rendering a conversation as prompt text, with the character spans of the replies to train.
+
+Both renderers share one contract: ``render(messages, system_prompt) -> (text, spans)``.
+``messages`` are ``(role, text)`` turns (roles system/user/assistant) whose user and system texts
+hold ``<image>`` placeholders; ``text`` is the rendered conversation with one image-pad token
+(``<|image_pad|>``) per image, which the caller expands to the image's pad count
+(`expand_image_pads`, as transformers' Qwen-VL processors do); ``spans`` are the ``[start, end)``
+character ranges of each assistant reply: its content and the end-of-turn token ``<|im_end|>``,
+not what the template writes after it (a newline).
+
+* `TemplateRenderer`: the model's own chat template (the processor's or the tokenizer's
+  ``chat_template``, rendered by ``tokenizer.apply_chat_template``), so the prompt is what the
+  model was tuned on, e.g. the default system prompt of the Qwen2/2.5-VL-Instruct templates. A
+  reply is located by rendering the conversation up to it (ending with the generation prompt)
+  and up to its end: both must be prefixes of the whole rendering, and the reply is what lies
+  between them, up to and including the first ``<|im_end|>``.
+* `QwenFormat`: ray_dhp's own Qwen chat format (no default system prompt), used only when the
+  processor has no chat template.
+
+``system_prompt``: None = the template's default (our format: none); ``""`` = no system message
+where the template allows it (a template that always writes one, like Qwen2-VL's, gets an empty
+one); any other text = that system message. A conversation with its own system turn keeps it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["IMAGE_PLACEHOLDER", "ChatTemplateError", "TemplateRenderer", "QwenFormat",
+           "expand_image_pads"]
+
+IMAGE_PLACEHOLDER = "<image>"
+IMAGE_PAD = "<|image_pad|>"
+EOS = "<|im_end|>"
+
+
+class ChatTemplateError(ValueError):
+    """The template renders this conversation in a way its replies cannot be located in (the
+    record is then bad data: `ray_dhp.data.processing.BadSample`)."""
+
+
+def _with_system(messages: list, system_prompt) -> list:
+    """``messages`` with a leading system turn of ``system_prompt`` if it has none (and one is
+    asked for: not None)."""
+    if system_prompt is None or (messages and messages[0][0] == "system"):
+        return list(messages)
+    return [("system", system_prompt)] + list(messages)
+
+
+def _content(role: str, text: str):
+    """A chat message's content: the text itself, or (with ``<image>`` placeholders) the list of
+    image and text items the multimodal templates read."""
+    if role == "assistant" or IMAGE_PLACEHOLDER not in text:
+        return text
+    items = []
+    for i, piece in enumerate(text.split(IMAGE_PLACEHOLDER)):
+        if i:
+            items.append({"type": "image"})
+        if piece:
+            items.append({"type": "text", "text": piece})
+    return items
+
+
+class TemplateRenderer:
+    """Renders with a Jinja chat template through ``tokenizer.apply_chat_template``.
+
+    Args:
+        tokenizer: the tokenizer that renders the template.
+        chat_template: the template text.
+        end_of_turn: the token that closes a reply (trained; what follows it is not). Qwen's
+            ``<|im_end|>`` whatever the tokenizer's eos token is (base Qwen2-VL checkpoints
+            name ``<|endoftext|>`` as eos).
+    """
+
+    def __init__(self, tokenizer, chat_template: str, end_of_turn: str = EOS):
+        self.tokenizer, self.chat_template, self.eos = tokenizer, chat_template, end_of_turn
+        self._omits_system = None
+
+    def text(self, messages: list, *, add_generation_prompt: bool = False) -> str:
+        """The template's rendering of ``[(role, text)]`` (images as single pad tokens)."""
+        from jinja2.exceptions import TemplateError
+
+        conversation = [{"role": r, "content": _content(r, t)} for r, t in messages]
+        try:
+            return self.tokenizer.apply_chat_template(
+                conversation, chat_template=self.chat_template, tokenize=False,
+                add_generation_prompt=add_generation_prompt)
+        except TemplateError as exc:  # e.g. a template's raise_exception("roles must alternate")
+            raise ChatTemplateError(f"chat template: {type(exc).__name__}: {exc}") from exc
+
+    def omits_system(self) -> bool:
+        """Whether the template writes no system turn for a conversation without one (a template
+        with a default system prompt writes it; then ``system_prompt=""`` becomes an empty
+        system message)."""
+        if self._omits_system is None:
+            bare = self.text([("user", "x")])
+            self._omits_system = self.text([("system", ""), ("user", "x")]).endswith(bare)
+        return self._omits_system
+
+    def render(self, messages: list, system_prompt=None) -> tuple[str, list]:
+        if system_prompt == "" and self.omits_system():
+            system_prompt = None
+        messages = _with_system(messages, system_prompt)
+        whole = self.text(messages)
+        spans = []
+        for i, (role, _) in enumerate(messages):
+            if role != "assistant":
+                continue
+            if i == 0:
+                raise ChatTemplateError("chat template: the conversation opens with an assistant "
+                                        "turn; nothing renders the prompt before it")
+            head = self.text(messages[:i], add_generation_prompt=True)
+            upto = self.text(messages[:i + 1])
+            if not (whole.startswith(upto) and upto.startswith(head)):
+                raise ChatTemplateError(
+                    f"chat template: the template renders the conversation up to turn {i + 1} "
+                    "differently from the start of the whole conversation, so the reply's "
+                    "tokens cannot be located")
+            reply = upto[len(head):]
+            end = reply.find(self.eos)
+            spans.append((len(head), len(head) + (end + len(self.eos) if end >= 0 else len(reply))))
+        return whole, spans
+
+
+class QwenFormat:
+    """ray_dhp's own Qwen chat format: ``<|im_start|>{role}\\n{text}<|im_end|>\\n`` per turn, no
+    default system prompt, each ``<image>`` replaced in place by
+    ``<|vision_start|><|image_pad|><|vision_end|>``."""
+
+    chat_template = None
+
+    def render(self, messages: list, system_prompt=None) -> tuple[str, list]:
+        parts, spans, pos = [], [], 0
+        for role, text in _with_system(messages, system_prompt or None):
+            if role != "assistant":
+                text = text.replace(IMAGE_PLACEHOLDER, f"<|vision_start|>{IMAGE_PAD}<|vision_end|>")
+            head, body = f"<|im_start|>{role}\n", f"{text}{EOS}"
+            if role == "assistant":
+                spans.append((pos + len(head), pos + len(head) + len(body)))
+            parts.append(f"{head}{body}\n")
+            pos += len(parts[-1])
+        return "".join(parts), spans
+
+
+def expand_image_pads(text: str, spans: list, pads: list) -> tuple[str, list]:
+    """Replace the i-th ``<|image_pad|>`` of ``text`` by ``pads[i]`` of them (the image's merged
+    patch count) and move ``spans`` along.
+
+    Raises:
+        ValueError: the text holds another number of image pads than there are images (the chat
+            template does not render images as ``<|image_pad|>``).
+    """
+    pieces = text.split(IMAGE_PAD)
+    if len(pieces) - 1 != len(pads):
+        raise ValueError(f"the chat template rendered {len(pieces) - 1} {IMAGE_PAD} token(s) for "
+                         f"{len(pads)} image(s); the template must write one {IMAGE_PAD} per image "
+                         "item ({'type': 'image'}) of a message")
+    cuts, pos, out = [], len(pieces[0]), [pieces[0]]  # cuts: (pad's position, characters added)
+    for n, piece in zip(pads, pieces[1:]):
+        cuts.append((pos, (n - 1) * len(IMAGE_PAD)))
+        out.append(IMAGE_PAD * n + piece)
+        pos += len(IMAGE_PAD) + len(piece)
+    moved = [(s + sum(d for p, d in cuts if p < s), e + sum(d for p, d in cuts if p < e))
+             for s, e in spans]
+    return "".join(out), moved
