@@ -1,6 +1,6 @@
 """Train the bundled tiny VLM with your own train loop and a custom loss (docs/custom_loop.md).
 
-    python examples/custom_loss.py [--steps 8] [--storage /tmp/ray_dhp_custom] [--resume-from CKPT]
+    python examples/custom_loss.py [--steps 8] [--storage ~/ray_results] [--resume-from CKPT]
 
 Vision Ulysses SP=2 and text TP=2 collocated on 2 Ray workers, as in the demo, but the
 ``train_loop_per_worker`` is ours: it builds the engine and the loader from ray_dhp's building
@@ -13,6 +13,7 @@ with label smoothing and a z-loss — all from per-token statistics that are exa
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -71,7 +72,7 @@ def main(argv=None):
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--storage", default="/tmp/ray_dhp_custom")
+    p.add_argument("--storage", default="~/ray_results")
     p.add_argument("--name", default="custom_loss")
     p.add_argument("--data", default="/tmp/ray_dhp_custom_data")
     p.add_argument("--resume-from", default=None, help="a checkpoint (e.g. of an earlier run)")
@@ -87,7 +88,7 @@ def main(argv=None):
         dhp_config=dhp,
         scaling_config=ray.train.ScalingConfig(num_workers=dhp.num_workers,
                                                resources_per_worker={"CPU": 1}),
-        run_config=ray.train.RunConfig(name=args.name, storage_path=args.storage,
+        run_config=ray.train.RunConfig(name=args.name, storage_path=os.path.expanduser(args.storage),
                                        callbacks=[MetricsHistory(args.steps)]),  # progress lines
         datasets={"train": str(path)},
         resume_from=args.resume_from,
