@@ -96,38 +96,61 @@ def steps(tmp_path_factory):
     return make_steps(tmp_path_factory.mktemp("open_loop"), FAMILY, CFG)
 
 
+class StepTokenMean:
+    """Cross-entropy over a count fixed beforehand (picklable): with it, micro-batches given to
+    separate forward_backward calls accumulate the gradient of one step's token mean."""
+
+    def __init__(self, num_targets: int):
+        self.num_targets = num_targets
+
+    def __call__(self, inputs):
+        return F.cross_entropy(inputs.logits.flatten(0, 1), inputs.targets.flatten(),
+                               ignore_index=-100, reduction="sum") / self.num_targets
+
+
 def _step_vs_open_loop_body(rank, world, layout, cfg, steps):
-    """Two engines on the same ranks and data: one trained by step(), one by forward_backward
-    with a user-written cross-entropy + optimizer_step."""
-    from ray_dhp.engine import DHPEngine
+    """Three engines on the same ranks and data: one trained by step(); one by forward_backward
+    with a user-written cross-entropy + optimizer_step; one accumulating one forward_backward
+    per micro-batch (normalised by the whole step's count) before optimizer_step."""
+    from ray_dhp.engine import DHPEngine, count_targets
     from ray_dhp.mesh import build_groups
 
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
-    a = DHPEngine(demo.tiny_model_config(FAMILY), groups, cfg, dtype=torch.float64)
-    b = DHPEngine(demo.tiny_model_config(FAMILY), groups, cfg, dtype=torch.float64)
-    hist_a, hist_b, grads_a, grads_b = [], [], capture_grads(a), capture_grads(b)
+    engines = [DHPEngine(demo.tiny_model_config(FAMILY), groups, cfg, dtype=torch.float64)
+               for _ in range(3)]
+    grads = [capture_grads(e) for e in engines]
+    hist = [[], [], []]
     for mbs in steps:
-        hist_a.append(a.step(mbs))
-        fb = b.forward_backward(mbs, loss_fn=user_cross_entropy)
-        hist_b.append({**fb, **b.optimizer_step()})
-    return {"a": (hist_a, a.named_full_parameters(), grads_a),
-            "b": (hist_b, b.named_full_parameters(), grads_b), "step_count": b.step_count}
+        hist[0].append(engines[0].step(mbs))
+        fb = engines[1].forward_backward(mbs, loss_fn=user_cross_entropy)
+        hist[1].append({**fb, **engines[1].optimizer_step()})
+        loss_fn = StepTokenMean(sum(count_targets(mb) for mb in mbs))
+        loss = sum(engines[2].forward_backward([mb], loss_fn=loss_fn)["loss"] for mb in mbs)
+        hist[2].append({"loss": loss, **engines[2].optimizer_step()})
+    return {"runs": [(h, e.named_full_parameters(), g) for h, e, g in zip(hist, engines, grads)],
+            "step_count": [e.step_count for e in engines]}
 
 
 def test_forward_backward_plus_optimizer_step_is_step(steps):
+    """Also with gradient accumulation over several forward_backward calls. 1e-12: the same
+    operations in the same order except the loss-value sums and, for accumulation, the order
+    in which micro-batch gradients are added (fp64)."""
     layout = _layout((2, 1), (2, 1))
     for out in run_on_ranks(_step_vs_open_loop_body, 2, args=(layout, CFG, steps)):
-        (ha, pa, ga), (hb, pb, gb) = out["a"], out["b"]
-        assert out["step_count"] == len(steps)
-        for x, y in zip(ha, hb, strict=True):
-            assert set(x) == set(y)
-            for key in ("loss", "grad_norm", "lr", "num_targets", "num_samples"):
-                assert abs(x[key] - y[key]) <= 1e-12 * abs(x[key]), (key, x[key], y[key])
-        for k in range(len(steps)):  # the clipped gradients each optimizer step received
-            for name, g in ga[k].items():
-                assert torch.allclose(gb[k][name], g, rtol=1e-12, atol=0), (k, name)
-        for name, p in pa.items():
-            assert torch.allclose(pb[name], p, rtol=1e-12, atol=0), name
+        assert out["step_count"] == [len(steps)] * 3
+        (ha, pa, ga), *others = out["runs"]
+        for hb, pb, gb in others:
+            for x, y in zip(ha, hb, strict=True):
+                keys = set(y) & {"loss", "grad_norm", "lr", "num_targets", "num_samples"}
+                assert {"loss", "grad_norm", "lr"} <= keys
+                for key in keys:
+                    assert abs(x[key] - y[key]) <= 1e-12 * abs(x[key]), (key, x[key], y[key])
+            for k in range(len(steps)):  # the clipped gradients each optimizer step received
+                assert set(gb[k]) == set(ga[k])
+                for name, g in ga[k].items():
+                    assert torch.allclose(gb[k][name], g, rtol=1e-12, atol=0), (k, name)
+            for name, p in pa.items():
+                assert torch.allclose(pb[name], p, rtol=1e-12, atol=0), name
 
 
 CASES = [
