@@ -24,8 +24,7 @@ from ray_dhp.loss import cross_entropy_loss
 from ray_dhp.reference import ReferenceTrainer
 from ray_dhp.topology import Topology
 from ray_dhp.train_config import TrainLoopConfig
-from tests.distributed.parity import (assert_parity, capture_grads, make_steps, merge_ranks,
-                                      named_full_grads)
+from tests.distributed.parity import assert_parity, capture_grads, make_steps, merge_ranks
 from tests.spawn import run_on_ranks
 
 CFG = TrainLoopConfig(lr=1e-3, global_batch_size=8, micro_batches=2, num_steps=3,
