@@ -1,13 +1,16 @@
 """The DHP training step: vision (Ulysses SP + DP) -> boundary -> text (TP + DP) -> back.
 
 One `DHPEngine` lives on every rank and holds the module shard(s) that rank hosts. `step()` takes
-the step's micro-batches (lists of `Sample`) — the same lists on every rank — and:
+the step's micro-batches (lists of `Sample`) — the same lists on every rank — and is exactly
+`forward_backward()` (steps 1-4, with a pluggable loss: `ray_dhp.loss`) then `optimizer_step()`
+(step 5); both are public for custom train loops (docs/custom_loop.md):
 
 1. plans, identically on every rank, which vision replica / text replica gets which samples and
    which SP rank computes which feature rows (`layout_micro_batch`; samples shared out by cost,
    `ray_dhp.parallel.balance`);
 2. runs the vision forward on local tokens; hands the rows to the text layout (`boundary`);
-3. runs the text forward/backward with the loss normalised by the step's global token count;
+3. runs the text forward/backward with the loss normalised by the step's global token count
+   (or the given ``loss_fn``);
 4. returns the feature gradients (exact adjoint) and back-propagates the vision tower;
 5. reduces gradients (SUM over SP and DP, see `parallel/data.py`), clips by the global norm
    counted once over both modules, and steps both optimizers.
@@ -23,8 +26,8 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from ray_dhp.loss import LossInputs, backward_loss, sample_ids_of
 from ray_dhp.mesh import DHPGroups
 from ray_dhp.microbatch import (  # noqa: F401  (re-exported: ray_dhp.engine.layout_micro_batch ...)
     MicroBatchLayout, PhaseTimer, _MicroBatch, count_targets, layout_micro_batch,
@@ -71,6 +74,7 @@ class DHPEngine:
         self.feature_dim = self.family.feature_dim(self.config)
         self.step_count = 0
         self._timer = PhaseTimer()
+        self._loss_fn, self._num_samples = None, 0  # set by forward_backward for its phases
 
     def _build_shards(self, model, dtype: torch.dtype) -> None:
         """Build the model on the meta device, keep the modules this rank hosts (TP-sharded on
@@ -97,28 +101,47 @@ class DHPEngine:
     # -- one step ------------------------------------------------------------------------------
 
     def step(self, micro_batches: list) -> dict:
-        """One optimizer step over ``micro_batches`` (list of lists of `Sample`)."""
+        """One optimizer step over ``micro_batches`` (list of lists of `Sample`): exactly
+        `forward_backward` (default loss) then `optimizer_step`."""
+        out = self.forward_backward(micro_batches)
+        out.update(self.optimizer_step())
+        return out
+
+    def forward_backward(self, micro_batches: list, loss_fn=None) -> dict:
+        """Forward and backward over ``micro_batches`` (the same lists on every rank): gradients
+        accumulate in the parameters until `optimizer_step`. ``loss_fn(LossInputs) -> scalar``
+        (default `ray_dhp.loss.cross_entropy_loss`; contract in `ray_dhp.loss`). Collective on
+        every rank; returns ``loss`` (the sum of the loss_fn values over micro-batches and text
+        replicas, the same on every rank), ``num_targets`` and ``num_samples``."""
         n_targets = sum(count_targets(mb) for mb in micro_batches)
         if n_targets == 0:
             raise ValueError("the step has no trainable tokens (all labels are -100)")
-        timer = self._timer = PhaseTimer()
+        self._loss_fn, self._num_samples = loss_fn, sum(len(mb) for mb in micro_batches)
         states = [_MicroBatch(mb) for mb in micro_batches]
         self._inflight = bnd.InFlight()  # boundary sends not yet waited for
         for phase, k in order_for(self.schedule, len(states)):
-            with timer(phase):
+            with self._timer(phase):
                 getattr(self, "_" + phase)(states[k], n_targets)
-        lr = self.current_lr()  # the rate this step trains with (the scheduler steps below)
-        with timer("optimizer"):
+        with self._timer("optimizer"):  # as before the split: the boundary's last sends
             self._inflight.wait()
+        loss = sum(s.loss_sum for s in states) if self._is_text_leader_of_replica() else 0.0
+        # Control values travel on the training device: NCCL refuses CPU tensors.
+        stats = torch.tensor([float(loss)], dtype=torch.float64, device=self.groups.device)
+        dist.all_reduce(stats)
+        return {"loss": stats[0].item(), "num_targets": n_targets, "num_samples": self._num_samples}
+
+    def optimizer_step(self) -> dict:
+        """Reduce the accumulated gradients over replicas, clip by the global norm, step both
+        optimizers and schedulers, zero the gradients (collective on every rank). Returns
+        ``grad_norm`` (before clipping), ``lr`` (the rate this step used) and the ``time_*_s``
+        of the phases since the previous optimizer step."""
+        lr = self.current_lr()  # the rate this step trains with (the scheduler steps below)
+        with self._timer("optimizer"):
             grad_norm = self._reduce_and_clip()
             self._optimizer_step(dp.clip_coefficient(grad_norm, self.cfg.max_grad_norm))
         self.step_count += 1
-        loss_sum = sum(s.loss_sum for s in states) if self._is_text_leader_of_replica() else 0.0
-        # Control values travel on the training device: NCCL refuses CPU tensors.
-        stats = torch.tensor([float(loss_sum)], dtype=torch.float64, device=self.groups.device)
-        dist.all_reduce(stats)
-        return {"loss": stats[0].item() / n_targets, "grad_norm": grad_norm,
-                "num_targets": n_targets, "lr": lr, **timer.as_metrics()}
+        times, self._timer = self._timer.as_metrics(), PhaseTimer()
+        return {"grad_norm": grad_norm, "lr": lr, **times}
 
     def evaluate(self, batches) -> dict:
         """The loss over ``batches`` (an iterable of micro-batch lists) with the current weights,
@@ -257,12 +280,16 @@ class DHPEngine:
             )
         return batch
 
-    def _text_forward_backward(self, samples, feats, n_targets: int):
+    def _text_logits(self, samples, feats):
+        """The text forward of ``samples`` (with ``feats``, their image features): the batch,
+        the encoder outputs placed into it (None without images) and the (vocab-sharded)
+        logits. Shared by training and `ray_dhp.evaluation`."""
         dev = self.groups.device
         batch = self._text_batch(samples)
         enc = None
         if feats is not None and feats.shape[0] > 0:
-            feats = feats if feats.requires_grad else feats.requires_grad_(True)
+            if torch.is_grad_enabled() and not feats.requires_grad:
+                feats.requires_grad_(True)
             enc = self.family.encoder_outputs(self.config, feats)
         grid, mask, pos = batch["image_grid_thw"], batch["attention_mask"], batch.get("position_ids")
         with self._autocast():
@@ -273,15 +300,17 @@ class DHPEngine:
                 mm_token_type_ids=batch["mm_token_type_ids"].to(dev),
                 image_grid_thw=None if grid is None else grid.to(dev),
                 mm_encoder_outputs=enc, use_cache=False)
+        return batch, enc, out.logits
+
+    def _text_forward_backward(self, samples, feats, n_targets: int):
+        dev = self.groups.device
+        batch, enc, logits = self._text_logits(samples, feats)
         targets = batch["targets"] if "targets" in batch else shift_labels(batch["labels"])
-        targets = targets.to(dev)
-        with self._loss_context():
-            loss_sum = F.cross_entropy(upcast(out.logits).flatten(0, 1), targets.flatten(),
-                                       ignore_index=-100, reduction="sum")
-            (loss_sum / n_targets).backward()
-        value = loss_sum.full_tensor() if _is_dtensor(loss_sum) else loss_sum
+        inputs = LossInputs(upcast(logits), targets.to(dev), sample_ids_of(batch, samples).to(dev),
+                            list(samples), n_targets, self._num_samples)
+        value = backward_loss(self._loss_fn, inputs, self.groups.topology.text.inner > 1)
         grad = feats.grad if enc is not None and feats.is_leaf else None
-        return value.detach().double().cpu(), grad
+        return value, grad
 
     def _autocast(self):
         import contextlib
@@ -289,15 +318,6 @@ class DHPEngine:
         if self.policy.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.groups.device.type, dtype=self.policy.autocast_dtype)
-
-    def _loss_context(self):
-        import contextlib
-
-        if self.groups.topology.text.inner > 1:
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            return loss_parallel()
-        return contextlib.nullcontext()
 
     # -- ZeRO-1 for the vision group -----------------------------------------------------------
 

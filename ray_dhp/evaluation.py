@@ -92,25 +92,19 @@ def _loss_sum(engine, samples: list) -> torch.Tensor:
 
 
 def _text_loss_sum(engine, samples: list, feats) -> torch.Tensor:
-    """The text forward of `DHPEngine._text_forward_backward`, without backward: the summed
-    cross-entropy of ``samples``' targets (vocab-parallel under TP), as a float64 CPU scalar."""
-    dev = engine.groups.device
-    batch = engine._text_batch(samples)
-    enc = None
-    if feats is not None and feats.shape[0] > 0:
-        enc = engine.family.encoder_outputs(engine.config, feats)
-    grid, mask, pos = batch["image_grid_thw"], batch["attention_mask"], batch.get("position_ids")
-    with engine._autocast():
-        out = engine.text_model(
-            input_ids=batch["input_ids"].to(dev),
-            attention_mask=None if mask is None else mask.to(dev),
-            position_ids=None if pos is None else pos.to(dev),
-            mm_token_type_ids=batch["mm_token_type_ids"].to(dev),
-            image_grid_thw=None if grid is None else grid.to(dev),
-            mm_encoder_outputs=enc, use_cache=False)
+    """The text forward of `DHPEngine._text_forward_backward` (`DHPEngine._text_logits`),
+    without backward: the summed cross-entropy of ``samples``' targets (vocab-parallel under TP),
+    as a float64 CPU scalar."""
+    batch, _, logits = engine._text_logits(samples, feats)
     targets = batch["targets"] if "targets" in batch else shift_labels(batch["labels"])
-    with engine._loss_context():
-        loss_sum = F.cross_entropy(upcast(out.logits).flatten(0, 1), targets.to(dev).flatten(),
+    ctx = contextlib.nullcontext()
+    if engine.groups.topology.text.inner > 1:  # vocab-sharded logits
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        ctx = loss_parallel()
+    with ctx:
+        loss_sum = F.cross_entropy(upcast(logits).flatten(0, 1),
+                                   targets.to(engine.groups.device).flatten(),
                                    ignore_index=-100, reduction="sum")
     value = loss_sum.full_tensor() if hasattr(loss_sum, "full_tensor") else loss_sum
     return value.detach().double().cpu()

@@ -9,10 +9,10 @@ scatter), so the tests also check our vision drivers and boundary against transf
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ray_dhp.data.collate import pad_text_batch
 from ray_dhp.engine import count_targets, shift_labels, upcast
+from ray_dhp.loss import LossInputs, backward_loss, sample_ids_of
 from ray_dhp.models import build_model, load_model_config
 from ray_dhp.optim import build_optimizer_for
 from ray_dhp.parallel.data import clip_coefficient
@@ -33,8 +33,11 @@ class ReferenceTrainer:
         self.opt, self.sched, self.masters = build_optimizer_for(
             self.model.named_parameters(), cfg, self.policy)
 
-    def step(self, micro_batches: list) -> dict:
+    def step(self, micro_batches: list, loss_fn=None) -> dict:
+        """One optimizer step; ``loss_fn`` as in `DHPEngine.forward_backward` (`ray_dhp.loss`),
+        here given each whole micro-batch as one replica's rows, with plain logits."""
         n_targets = sum(count_targets(mb) for mb in micro_batches)
+        n_samples = sum(len(mb) for mb in micro_batches)
         total = 0.0
         for mb in micro_batches:
             batch = pad_text_batch(mb, self.config.text_config.pad_token_id or 0)
@@ -44,10 +47,9 @@ class ReferenceTrainer:
             with self._autocast():
                 out = self.model(**kwargs, use_cache=False)
             targets = shift_labels(batch["labels"]).to(self.device)
-            loss_sum = F.cross_entropy(upcast(out.logits).flatten(0, 1), targets.flatten(),
-                                       ignore_index=-100, reduction="sum")
-            (loss_sum / n_targets).backward()
-            total += loss_sum.item()
+            inputs = LossInputs(upcast(out.logits), targets, sample_ids_of(batch, mb).to(self.device),
+                                list(mb), n_targets, n_samples)
+            total += float(backward_loss(loss_fn, inputs, tensor_parallel=False))
         if self.masters is None:
             max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
@@ -61,7 +63,7 @@ class ReferenceTrainer:
         if self.masters is not None:
             self.masters.masters_to_params()
             self.model.zero_grad(set_to_none=True)
-        return {"loss": total / n_targets, "grad_norm": grad_norm}
+        return {"loss": total, "grad_norm": grad_norm}
 
     def _autocast(self):
         import contextlib

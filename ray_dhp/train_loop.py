@@ -9,19 +9,10 @@ from typing import Callable, Optional
 
 import torch
 
+from ray_dhp.loop import build_engine, load_checkpoint, report as _report, report_checkpoint
 from ray_dhp.train_config import TrainLoopConfig
 
 logger = logging.getLogger(__name__)
-
-
-def _report(metrics: dict, *, checkpoint_dir=None, step: int = 0) -> None:
-    import ray.train
-
-    if checkpoint_dir is None:
-        ray.train.report(metrics)
-        return
-    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(checkpoint_dir),
-                     checkpoint_dir_name=f"checkpoint_{step:06d}")
 
 
 def _peak_memory_mb_per_rank() -> list:
@@ -40,24 +31,14 @@ def _peak_memory_mb_per_rank() -> list:
 
 
 def _resume(cfg: TrainLoopConfig, engine, sampler) -> int:
-    """Load the run's latest checkpoint (after a restart) or ``cfg.resume_from``; the step to
-    start at (0 when there is nothing to resume)."""
-    from ray_dhp import checkpoint
-
-    source = checkpoint.latest_of_run() or cfg.resume_from
-    return checkpoint.load(source, engine, sampler) if source is not None else 0
+    """The run's latest checkpoint (after a restart) or ``cfg.resume_from``: `ray_dhp.loop`."""
+    return load_checkpoint(engine, sampler, cfg.resume_from)
 
 
 def _save_and_report(metrics: dict, engine, sampler, processor, hook) -> None:
     """Every rank writes its shards into its own temp dir, then reports it (Ray merges them)."""
-    import tempfile
-
-    from ray_dhp import checkpoint
-
-    with tempfile.TemporaryDirectory(prefix="ray_dhp_ckpt_") as d:
-        checkpoint.save(d, engine, sampler, processor)
-        hook("checkpoint_saved", engine.step_count)
-        _report(metrics, checkpoint_dir=d, step=engine.step_count)
+    report_checkpoint(metrics, engine, sampler, processor,
+                      on_saved=lambda: hook("checkpoint_saved", engine.step_count))
 
 
 def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
@@ -75,9 +56,7 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
         ``{"resumed_from_step": k, "final_step": n}`` (rank 0's is ``Result.return_value``).
     """
     from ray_dhp.backend import get_context
-    from ray_dhp.data.loader import StepLoader
-    from ray_dhp.data.sources import make_sampler
-
+    from ray_dhp.loop import build_loader, build_processor
     from ray_dhp.tracking import WorkerTrackers, set_ray_report_logs
 
     cfg = TrainLoopConfig.from_dict(config)
@@ -85,17 +64,11 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
     hook = hook or (lambda event, step: None)
     ctx = get_context()
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
-    processor = _configured_processor(cfg, ctx)
-    from ray_dhp.models import load_model_config
-    from ray_dhp.parallel.balance import Balancer
-
-    balancer = Balancer.for_config(cfg.balance, load_model_config(ctx.dhp_config.model),
-                                   packing=cfg.packing)
-    loader = StepLoader(make_sampler(cfg, processor), ctx.groups, prefetch=cfg.prefetch,
-                        num_workers=cfg.data_workers, balancer=balancer)
+    processor = build_processor(ctx, cfg)
+    loader = build_loader(cfg, ctx=ctx, processor=processor)  # the engine's balancer, from the config
     from ray_dhp.data.eval_loader import make_eval_loader
 
-    eval_loader = make_eval_loader(cfg, processor, ctx.groups, balancer)  # None: no validation set
+    eval_loader = make_eval_loader(cfg, processor, ctx.groups, loader.balancer)  # None: no validation set
     import ray.train
 
     trackers = WorkerTrackers(mlflow=cfg.mlflow, wandb=cfg.wandb, rank=ctx.rank,
@@ -110,34 +83,13 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
             eval_loader.close()
 
 
-def _configured_processor(cfg: TrainLoopConfig, ctx):
-    """The run's processor with the loop's system prompt and min/max pixels; rank 0 says once when
-    there is no chat template to render with (debug level otherwise: the console stays quiet)."""
-    from ray_dhp.data.processing import as_vl_processor
-
-    processor = as_vl_processor(ctx.dhp_config.processor if ctx.dhp_config.processor is not None
-                                else ctx.dhp_config.model)
-    system = cfg.system_prompt if cfg.system_prompt is not None else processor.system_prompt
-    processor = processor.configured(system_prompt=system, min_pixels=cfg.min_pixels,
-                                     max_pixels=cfg.max_pixels)
-    if ctx.rank == 0 and processor.uses_chat_template:
-        logger.debug("prompts: the processor's chat template (system prompt: %s)",
-                    "the template's default" if system is None else repr(system))
-    elif ctx.rank == 0:
-        logger.warning("prompts: the processor has no chat template; rendering ray_dhp's own "
-                       "Qwen chat format (no default system prompt)")
-    return processor
-
-
 def _train(cfg: TrainLoopConfig, ctx, loader, processor, hook, trackers, eval_loader=None) -> dict:
     """The loop itself (see `train_loop`)."""
-    from ray_dhp.engine import DHPEngine
     from ray_dhp.flops import peak_flops, step_flops
     from ray_dhp.memory import count_params
     from ray_dhp.parallel.comm import CommCounter
 
-    engine = DHPEngine(ctx.dhp_config.model, ctx.groups, cfg, comm=CommCounter(),
-                       schedule=ctx.dhp_config.schedule)
+    engine = build_engine(cfg, ctx, comm=CommCounter())
     first = _resume(cfg, engine, loader)
     if first >= cfg.num_steps:
         logger.warning("the checkpoint is at step %d >= num_steps=%d: nothing to train; raise "

@@ -10,7 +10,7 @@ import pytest
 
 from tests.docs.doc_blocks import ROOT, parse, run_page, untagged
 
-PAGES = ["README.md", "docs/quickstart.md", "docs/use_your_model.md"]
+PAGES = ["README.md", "docs/quickstart.md", "docs/use_your_model.md", "docs/custom_loop.md"]
 
 
 @pytest.mark.parametrize("page", PAGES)

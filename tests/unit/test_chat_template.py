@@ -261,22 +261,22 @@ def test_the_train_loop_applies_the_settings_and_warns_once_without_a_template(c
     import logging
     from types import SimpleNamespace
 
-    from ray_dhp.train_loop import _configured_processor
+    from ray_dhp.loop import build_processor
 
     def ctx(processor, rank=0):
         return SimpleNamespace(rank=rank, dhp_config=SimpleNamespace(processor=processor, model=None))
 
     cfg = TrainLoopConfig(system_prompt="Be terse.", min_pixels=28 * 28 * 12, max_pixels=28 * 28 * 20)
-    proc = _configured_processor(cfg, ctx(tiny_processor()))
+    proc = build_processor(ctx(tiny_processor()), cfg)
     assert proc.system_prompt == "Be terse." and proc.uses_chat_template
     assert (proc.image_processor.size["shortest_edge"], proc.image_processor.size["longest_edge"]) == (9408, 15680)
     kept = VLProcessor(build_tokenizer(), None, system_prompt="Mine.")
-    assert _configured_processor(TrainLoopConfig(), ctx(kept)).system_prompt == "Mine."  # unset keeps it
+    assert build_processor(ctx(kept), TrainLoopConfig()).system_prompt == "Mine."  # unset keeps it
     tok = build_tokenizer()
     bare = type(tok)(tokenizer_object=tok.backend_tokenizer, pad_token="<|endoftext|>", eos_token="<|im_end|>")
-    with caplog.at_level(logging.WARNING, logger="ray_dhp.train_loop"):
-        _configured_processor(TrainLoopConfig(), ctx(VLProcessor(bare, None)))
-        _configured_processor(TrainLoopConfig(), ctx(VLProcessor(bare, None), rank=1))
+    with caplog.at_level(logging.WARNING, logger="ray_dhp.loop"):
+        build_processor(ctx(VLProcessor(bare, None)), TrainLoopConfig())
+        build_processor(ctx(VLProcessor(bare, None), rank=1), TrainLoopConfig())
     assert [r.message for r in caplog.records].count(
         "prompts: the processor has no chat template; rendering ray_dhp's own Qwen chat format "
         "(no default system prompt)") == 1
