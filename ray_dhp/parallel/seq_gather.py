@@ -61,14 +61,18 @@ class _ColumnFromGathered(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_full, x_shard, regather, weight, bias):
+        out = F.linear(x_full, weight, bias)  # under autocast: in its dtype, like nn.Linear
         ctx.regather, ctx.has_bias = regather, bias is not None
-        ctx.save_for_backward(x_shard, weight)
-        return F.linear(x_full, weight, bias)
+        # backward computes in the forward's dtype (autocast is off in backward; autograd casts
+        # the returned gradients to each input's dtype): keep the shard already in that dtype
+        ctx.save_for_backward(x_shard.to(out.dtype), weight)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         x_shard, weight = ctx.saved_tensors
         x_full = ctx.regather.take(x_shard.detach())
+        weight = weight.to(grad.dtype)
         g2 = grad.reshape(-1, grad.shape[-1])
         grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
         grad_w = g2.t().matmul(x_full.reshape(-1, x_full.shape[-1])) if ctx.needs_input_grad[3] else None
