@@ -38,7 +38,11 @@ def _run(module, x, w_out):
     return out, shapes
 
 
-def _body(rank, world, gathered: bool):
+def _body(rank, world):
+    return {"gathered": _case(rank, world, True), "control": _case(rank, world, False)}
+
+
+def _case(rank, world, gathered: bool):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, parallelize_module
@@ -72,9 +76,10 @@ def _body(rank, world, gathered: bool):
 
 
 def test_gathered_colwise_is_exact_and_saves_the_shard():
-    for rank, r in enumerate(run_on_ranks(_body, 2, (True,))):
+    out = run_on_ranks(_body, 2)
+    for rank, r in enumerate(o["gathered"] for o in out):
         assert max(r["out"], r["x_grad"], r["w_grads"], r["b_grad"]) < 1e-12, (rank, r)
         # numel of what was saved (B*S*D = 48 would be the gathered input, in any view)
         assert B * S * D not in r["shapes"] and B * S // 2 * D in r["shapes"], r["shapes"]
-    for r in run_on_ranks(_body, 2, (False,)):  # the control: DTensor's styles keep the whole input
+    for r in (o["control"] for o in out):  # the control: DTensor's styles keep the whole input
         assert max(r["out"], r["x_grad"], r["w_grads"]) < 1e-12 and B * S * D in r["shapes"], r

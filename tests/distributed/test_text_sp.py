@@ -96,6 +96,7 @@ def test_text_sequence_parallel_fp32_within_parity_tolerance(tmp_path):
         assert all(torch.equal(p, ref["params0"][n]) for n, p in out["params0"].items())
 
 
+@pytest.mark.slow
 def test_text_sequence_parallel_under_bf16_autocast_with_checkpointing(tmp_path):
     """bf16 autocast (matmuls in bf16, fp32 state) with activation checkpointing: the projections
     that re-gather their input in backward compute in the forward's dtype (autocast is off in
