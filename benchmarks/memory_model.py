@@ -111,18 +111,17 @@ def vision_act_elems(d: Dims, tp: int = 1, ac: bool = False) -> float:
 
 
 def text_act_elems(d: Dims, tp: int = 1, ac: bool = False, seq_shard: bool = False) -> float:
-    """``seq_shard``: ray_dhp's text sequence parallelism (``text.sequence_parallel``). The norms
-    and residuals run on ``1/tp`` of the tokens, but the all-gathered inputs of the attention and
-    MLP projections (and of ``lm_head``) are kept whole by the linears that consume them (DTensor
-    styles, as in torchtitan; Megatron re-gathers them in backward instead): ``2h`` per layer stay
-    per token. With checkpointing every block input is ``h/tp`` except the first layer's, which
-    is the whole embedding (the model places the image features and builds the mask and M-RoPE
-    on the whole sequence before the first layer, where sharding begins)."""
+    """``seq_shard``: ray_dhp's text sequence parallelism (``text.sequence_parallel``): every
+    per-token activation of a layer is ``1/tp`` — the norms and residuals run on the local
+    tokens, and the column-parallel projections (q/k/v, gate/up, ``lm_head``) keep only the
+    sequence shard of their all-gathered input and re-gather it in backward (Megatron-LM; see
+    ``ray_dhp.parallel.seq_gather``). With checkpointing every block input is ``h/tp`` (the first
+    layer's too: its slice is a copy). Whole on every rank stay only the M-RoPE cos/sin."""
     h = d.t_hidden
     layer = text_layer_elems(d, tp, seq_shard)
     if seq_shard:
-        once = h + (2 * h + 4) / tp + 2 * d.t_hd  # final norm on the shard, lm_head input whole
-        kept = h + (d.t_layers - 1) * h / tp
+        once = (3 * h + 4) / tp + 2 * d.t_hd  # final norm and lm_head input on the shard
+        kept = d.t_layers * h / tp
     else:
         once = 3 * h + 4 + 2 * d.t_hd
         kept = d.t_layers * h
@@ -134,9 +133,9 @@ def text_layer_elems(d: Dims, tp: int = 1, seq_shard: bool = False) -> float:
     h, kvd = d.t_hidden, d.t_kv * d.t_hd
     sharded = (2 * h + 2 * kvd + d.t_heads + 4 * d.t_inter) / tp
     # two RMSNorms keep their input and normalised input (2h + 1 each); their outputs are the
-    # inputs of q/k/v and gate/up (h each). With seq_shard the norms run on 1/tp of the tokens
-    # and the linears keep the all-gathered (whole) inputs.
-    return 2 * h + (4 * h + 2) / tp + sharded if seq_shard else 6 * h + 2 + sharded
+    # inputs of q/k/v and gate/up (h each). With seq_shard all of it is on 1/tp of the tokens
+    # (the linears keep the shard of their gathered input).
+    return (6 * h + 2) / tp + sharded if seq_shard else 6 * h + 2 + sharded
 
 
 def loss_bytes_per_token(d: Dims, tp: int = 1) -> float:

@@ -32,22 +32,38 @@ def _cases(world: int) -> list:
 
 
 def _count_layer_inputs(engine, acts) -> list:
-    """Count the decoder-layer inputs (seen before the TP plan's input hooks) into ``acts`` as
-    "text", each storage once together with what ``acts`` saw: non-reentrant activation
-    checkpointing keeps exactly these per block. Returns the hook handles."""
-    from benchmarks.measure import _local
+    """Count the decoder-layer inputs into ``acts`` as "text", each storage once together with
+    what ``acts`` saw: non-reentrant activation checkpointing keeps exactly these per block —
+    the positional input and every tensor among the keyword arguments (the M-RoPE cos/sin and
+    the attention mask, held by the checkpointed call until its backward). transformers
+    checkpoints a layer's ``forward``, inside its module hooks, so the input kept is the one
+    after the TP plan's pre-hooks (layer 0: the sequence slice): the hook is registered after
+    them. Returns the hook handles."""
+    import torch
 
-    def hook(_mod, args):
-        try:
-            st = _local(args[0]).untyped_storage()
-            key = (st.data_ptr(), st.nbytes())
-        except RuntimeError:  # the recompute in backward sees the same inputs (already counted)
-            return
-        if key not in acts._seen:
-            acts._seen.add(key)
-            acts.bytes["text"] += key[1]
+    from benchmarks.measure import _is_param, _local
 
-    return [layer.register_forward_pre_hook(hook, prepend=True)
+    def tensors(x):
+        if isinstance(x, torch.Tensor):
+            yield x
+        elif isinstance(x, (tuple, list)):
+            for y in x:
+                yield from tensors(y)
+
+    def hook(_mod, args, kwargs):
+        for t in tensors((args, list(kwargs.values()))):
+            if _is_param(t):
+                continue
+            try:
+                st = _local(t).untyped_storage()
+                key = (st.data_ptr(), st.nbytes())
+            except RuntimeError:
+                continue
+            if key not in acts._seen:
+                acts._seen.add(key)
+                acts.bytes["text"] += key[1]
+
+    return [layer.register_forward_pre_hook(hook, with_kwargs=True)
             for layer in engine.family.language_model(engine.text_model).layers]
 
 

@@ -288,11 +288,14 @@ def phase_times(config, counts, layout: Layout, w: Workload, hw: Hardware) -> Ph
     a2a = _vision_spans(vc)[0] * (_all_to_all(hw, 3 * x, v.inner, bw_sp)
                                   + _all_to_all(hw, x, v.inner, bw_sp))
     v_comm = a2a * (3 if ckpt else 2)
-    # text: compute + 4 all-reduces of [tokens, hidden] per layer (6 when recomputing) + embedding
+    # text: compute + 4 all-reduces of [tokens, hidden] per layer (6 when recomputing) + embedding;
+    # text SP turns each into an all-gather + reduce-scatter (same bytes) and re-gathers in backward
     tok = t_tokens
     t_comp = replica_share(w, t.dp, lambda vt: text_flops(config, counts.text, vt, w.text_tokens, s)) \
         / t.inner / flops
     n_ar = tc.num_hidden_layers * (6 if ckpt else 4) + 1
+    if layout.text_sp:  # + the projection inputs all-gathered again in backward (2 x half an all-reduce)
+        n_ar += tc.num_hidden_layers + 0.5
     t_comm = n_ar * _all_reduce(hw, tok * tc.hidden_size * s.dtype_bytes, t.inner,
                                 _bw(hw, t.inner_groups(), nodes))
     # boundary: features of the replica's samples, replicated over TP

@@ -206,16 +206,16 @@ def text_activation_bytes(tc, tokens: int, tp: int, s: ActivationSettings,
                           sample_tokens: Optional[int] = None, seq_parallel: bool = False) -> float:
     """Activation bytes of one text TP rank for ``tokens`` tokens of its replica (incl. logits).
 
-    ``seq_parallel`` (``text.sequence_parallel``): norms and residuals hold ``1/tp`` of the tokens;
-    the all-gathered inputs of the attention and MLP projections stay whole (``2h``, kept by the
-    linears); checkpointed block inputs are ``h/tp`` except the first layer's (whole embeddings:
-    sharding begins at the first layer). Measured by ``benchmarks/text_sp.py``."""
+    ``seq_parallel`` (``text.sequence_parallel``): every per-token activation is ``1/tp`` — norms
+    and residuals run on the local tokens, the column-parallel projections keep only the sequence
+    shard of their all-gathered input (re-gathered in backward), and every checkpointed block
+    input is ``h/tp``. Measured by ``benchmarks/text_sp.py``."""
     h, i, layers = tc.hidden_size, tc.intermediate_size, tc.num_hidden_layers
     kv = 2 * tc.num_key_value_heads * (h // tc.num_attention_heads)
-    replicated = 2 * h + 3 * h / tp if seq_parallel else 5 * h  # 2h: the all-gathered linear inputs
+    replicated = 5 * h / tp if seq_parallel else 5 * h
     sharded = (2 * h + kv + 4 * i) / tp
     per_block = tokens * (replicated + sharded) * s.dtype_bytes
-    kept = (h + (layers - 1) * h / tp) if seq_parallel else layers * h
+    kept = layers * h / tp if seq_parallel else layers * h
     total = tokens * kept * s.dtype_bytes + per_block if s.checkpointing else layers * per_block
     if s.attention == "eager":
         seq = sample_tokens or tokens

@@ -80,8 +80,10 @@ class _SequenceParallelOwn:
     vision: int = option(1, "Ulysses degree: each image's patches are split over this many "
                          "workers; the vision attention heads must divide by it", ge=1)
     text: bool = option(False, "Megatron sequence parallelism over the tensor_parallel ranks: "
-                        "norms, residuals and checkpointed block inputs hold 1/tensor_parallel "
-                        "of the sequence (no extra workers; needs tensor_parallel > 1)")
+                        "every text activation kept for backward (norms, residuals, projection "
+                        "inputs, checkpointed block inputs) holds 1/tensor_parallel of the "
+                        "sequence; turn it on for long images (no extra workers; needs "
+                        "tensor_parallel > 1)")
 
 
 VisionSection = make_dataclass(

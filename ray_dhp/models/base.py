@@ -138,50 +138,46 @@ def standard_text_plan(prefix: str = "model.language_model") -> dict:
 
 
 def sequence_parallel_text_plan(prefix: str = "model.language_model") -> dict:
-    """`standard_text_plan` plus Megatron sequence parallelism (Korthikanti et al. 2022), with
-    DTensor's own styles (the plan shape of torchtitan's Llama).
+    """`standard_text_plan` plus Megatron sequence parallelism (Korthikanti et al. 2022): the plan
+    shape of torchtitan's Llama, with Megatron-LM's saved-activation economy.
 
     Between the tensor-parallel regions the hidden states are sharded along the sequence over
-    the TP ranks: the norms run on the local tokens (``SequenceParallel``), the attention and
-    MLP inputs are all-gathered along the sequence (``PrepareModuleInput`` Shard(1) ->
-    Replicate) before the column-parallel projections, and the row-parallel ``o_proj`` /
-    ``down_proj`` reduce-scatter into the sequence shard (``output_layouts=Shard(1)``) instead
-    of all-reducing. The residual stream (and every checkpointed block input) is ``S / tp``
-    tokens per rank.
+    the TP ranks: the norms run on the local tokens (DTensor ``SequenceParallel``), the attention
+    and MLP inputs are all-gathered along the sequence before the column-parallel projections,
+    and the row-parallel ``o_proj`` / ``down_proj`` reduce-scatter into the sequence shard
+    (``RowwiseParallel(output_layouts=Shard(1))``) instead of all-reducing. The column-parallel
+    projections (q/k/v, gate/up, ``lm_head``) are `GatheredColwise`: one all-gather per module,
+    and each linear saves only the sequence shard for its weight gradient, re-gathering it in
+    backward (DTensor's ``ColwiseParallel`` would save the gathered input, ``S`` tokens per rank).
+    The residual stream, every saved activation of a block and every checkpointed block input
+    is ``S / tp`` tokens per rank.
 
-    Sharding begins at the input of the first decoder layer (a local slice, no communication):
-    the Qwen-VL model places the image features into the embeddings, builds the attention mask
-    and the M-RoPE cos/sin from the *full* sequence before the layers, and every layer then gets
-    the full mask and cos/sin as keyword arguments; they meet the hidden states only inside
-    attention, after the all-gather, so they stay whole and consistent. The final norm runs on
-    the shard and ``lm_head`` all-gathers the sequence (vocab-sharded logits for
+    Sharding begins at the input of the first decoder layer (`ShardSequence`: a local slice,
+    copied so the whole embedding output is not kept; no communication): the Qwen-VL model
+    places the image features into the embeddings, builds the attention mask and the M-RoPE
+    cos/sin from the *full* sequence before the layers, and every layer then gets the full mask
+    and cos/sin as keyword arguments; they meet the hidden states only inside attention, after
+    the all-gather, so they stay whole and consistent. The final norm runs on the shard and
+    ``lm_head`` all-gathers the sequence (vocab-sharded ``Shard(-1)`` logits for
     ``loss_parallel`` as before). The sequence length must be a multiple of tp (the engine
     pads). Qwen3-VL's deepstack additions between layers act on the shard: see
     ``ray_dhp.parallel.text_sp.install_deepstack_shard``.
     """
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel)
+    from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
+
+    from ray_dhp.parallel.seq_gather import GatheredColwise, ShardSequence
 
     layer = f"{prefix}.layers.*"
-    gather = dict(desired_input_layouts=(Replicate(),), use_local_output=True)
     return {
         f"{prefix}.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        f"{prefix}.layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                                 use_local_output=True),
+        f"{prefix}.layers.0": ShardSequence(),
         f"{layer}.input_layernorm": SequenceParallel(),
-        f"{layer}.self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                                 desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                                                 use_local_output=True),
-        f"{layer}.self_attn.q_proj": ColwiseParallel(),
-        f"{layer}.self_attn.k_proj": ColwiseParallel(),
-        f"{layer}.self_attn.v_proj": ColwiseParallel(),
+        f"{layer}.self_attn": GatheredColwise(("q_proj", "k_proj", "v_proj"), input_kwarg="hidden_states"),
         f"{layer}.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
         f"{layer}.post_attention_layernorm": SequenceParallel(),
-        f"{layer}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), **gather),
-        f"{layer}.mlp.gate_proj": ColwiseParallel(),
-        f"{layer}.mlp.up_proj": ColwiseParallel(),
+        f"{layer}.mlp": GatheredColwise(("gate_proj", "up_proj")),
         f"{layer}.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
         f"{prefix}.norm": SequenceParallel(use_local_output=True),
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+        "lm_head": GatheredColwise(("",), output_placement=Shard(-1)),
     }

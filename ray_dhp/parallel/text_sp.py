@@ -1,7 +1,9 @@
 """Megatron sequence parallelism for the language model: the seams DTensor styles cannot see.
 
-The plan itself (``ray_dhp.models.base.sequence_parallel_text_plan``) is DTensor parallel styles
-only. What is left here is model glue that runs between the styled modules:
+The plan itself (``ray_dhp.models.base.sequence_parallel_text_plan``) is parallel styles only
+(DTensor's, and ``ray_dhp.parallel.seq_gather``'s for the column-parallel projections, which keep
+only the sequence shard for backward). What is left here is model glue that runs between the
+styled modules:
 
 * Qwen3-VL's deepstack: after each of the first decoder layers the model adds vision features
   at the image-token positions (``_deepstack_process(hidden, visual_pos_masks, embeds)``) with
