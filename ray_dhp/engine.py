@@ -40,6 +40,7 @@ from ray_dhp.parallel.balance import Balancer
 from ray_dhp.parallel.comm import CommCounter, record
 from ray_dhp.parallel.tensor import apply_tp_plan, partial_grad_params
 from ray_dhp.train_config import TrainLoopConfig
+from ray_dhp.tuning import apply_tuning, tuning_of, vision_trains
 
 
 class DHPEngine:
@@ -60,10 +61,12 @@ class DHPEngine:
         self.family.validate_layout(self.config, sp=topo.vision.inner, tp=topo.text.inner,
                                     text_sp=topo.text_sequence_parallel)
         self._build_shards(model, dtype)
-        self.vision_params = list(self.visual.parameters()) if self.visual is not None else []
-        self.text_params = list(self.text_model.parameters()) if self.text_model is not None else []
+        self.tuning = tuning_of(cfg)  # per-module choices: frozen parameters are left out below
+        held = apply_tuning(self.visual, self.text_model, self.tuning)
+        self.vision_params, self.text_params, self.frozen_params = held
         self._partial = (partial_grad_params(self.text_model, self.family.tp_partial_grad_suffixes)
                          if self.text_model is not None and topo.text.inner > 1 else [])
+        self._partial = [p for p in self._partial if p.requires_grad]
         self._build_vision_optimizer()
         self.text_opt, self.text_sched, self.text_masters = build_optimizer_for(
             self.text_model.named_parameters() if self.text_model is not None else [], cfg,
@@ -127,7 +130,7 @@ class DHPEngine:
         mb.lay = layout_micro_batch(mb.samples, g.topology, self.family.name,
                                     self.config.vision_config, self.balancer())
         if g.is_vision and mb.has_images:
-            with self._autocast():
+            with self._autocast(), torch.set_grad_enabled(vision_trains(self.tuning)):
                 mb.feats = self._vision_forward(mb.samples, mb.lay)
 
     def _send_features(self, mb: "_MicroBatch", n_targets: int) -> None:
@@ -148,7 +151,7 @@ class DHPEngine:
         mb.text_feats = None
 
     def _return_grads(self, mb: "_MicroBatch", n_targets: int) -> None:
-        if not mb.has_images:
+        if not mb.has_images or not vision_trains(self.tuning):  # frozen vision: no feature grads
             return
         g = self.groups
         n_local = 0 if mb.feats is None else mb.feats.shape[0]
@@ -239,7 +242,7 @@ class DHPEngine:
         batch = self._text_batch(samples)
         enc = None
         if feats is not None and feats.shape[0] > 0:
-            feats = feats.requires_grad_(True)
+            feats = feats.requires_grad_(vision_trains(self.tuning))
             enc = self.family.encoder_outputs(self.config, feats)
         grid, mask, pos = batch["image_grid_thw"], batch["attention_mask"], batch.get("position_ids")
         with self._autocast():
@@ -255,7 +258,8 @@ class DHPEngine:
         with self._loss_context():
             loss_sum = F.cross_entropy(upcast(out.logits).flatten(0, 1), targets.flatten(),
                                        ignore_index=-100, reduction="sum")
-            (loss_sum / n_targets).backward()
+            if loss_sum.requires_grad:  # not with a frozen LLM and a text-only micro-batch
+                (loss_sum / n_targets).backward()
         value = loss_sum.full_tensor() if _is_dtensor(loss_sum) else loss_sum
         grad = feats.grad if enc is not None else None
         return value.detach().double().cpu(), grad
@@ -285,14 +289,15 @@ class DHPEngine:
         parameter, and the new values are broadcast from the owners after the step. Plain AdamW
         over a subset keeps DCP checkpointing by parameter name working unchanged."""
         self._owners = None
-        named = list(self.visual.named_parameters()) if self.visual is not None else []
+        named = [(n, p) for n, p in self.visual.named_parameters()
+                 if p.requires_grad] if self.visual is not None else []
         v = self.groups.topology.vision
         if named and self.cfg.vision_zero1 and v.size > 1:
             self._owners = zero1_owners([p.numel() for _, p in named], v.size)
             me = self.groups.rank - v.offset
             named = [(n, p) for (n, p), o in zip(named, self._owners) if o == me]
         self.vision_opt, self.vision_sched, self.vision_masters = build_optimizer_for(
-            named, self.cfg, self.policy)
+            named, self.cfg, self.policy, prefix="model.visual.")
 
     def _zero1_broadcast(self) -> None:
         if self._owners is None:
@@ -378,8 +383,9 @@ class DHPEngine:
         return c is not None and c[1] == 0
 
     def current_lr(self) -> float:
-        opt = self.vision_opt or self.text_opt
-        return float(opt.param_groups[0]["lr"])
+        from ray_dhp.optim import lr_factor
+
+        return self.cfg.lr * lr_factor(self.step_count, self.cfg)  # the base lr (per-module: x ratio)
 
     def named_full_parameters(self) -> dict:
         """Full (unsharded) parameters this rank hosts, by the model's own names (collective on text ranks)."""

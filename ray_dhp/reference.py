@@ -18,6 +18,7 @@ from ray_dhp.optim import build_optimizer_for
 from ray_dhp.parallel.data import clip_coefficient
 from ray_dhp.precision import policy_of, weight_dtype
 from ray_dhp.train_config import TrainLoopConfig
+from ray_dhp.tuning import freeze, tuning_of
 
 
 class ReferenceTrainer:
@@ -29,6 +30,7 @@ class ReferenceTrainer:
         self.model = build_model(model, seed=cfg.seed, dtype=dtype).to(device)
         self.dtype = dtype
         self.model.train()
+        freeze(self.model, tuning_of(cfg))  # per-module choices (ray_dhp.tuning)
         self.device = torch.device(device)
         self.opt, self.sched, self.masters = build_optimizer_for(
             self.model.named_parameters(), cfg, self.policy)
@@ -46,7 +48,8 @@ class ReferenceTrainer:
             targets = shift_labels(batch["labels"]).to(self.device)
             loss_sum = F.cross_entropy(upcast(out.logits).flatten(0, 1), targets.flatten(),
                                        ignore_index=-100, reduction="sum")
-            (loss_sum / n_targets).backward()
+            if loss_sum.requires_grad:  # not with a frozen LLM and a text-only micro-batch
+                (loss_sum / n_targets).backward()
             total += loss_sum.item()
         if self.masters is None:
             max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")

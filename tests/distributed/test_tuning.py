@@ -1,0 +1,94 @@
+"""Per-module training choices (`ray_dhp.tuning`) are exact: a frozen vision tower, a frozen
+language model and per-module learning rates / weight decay give the single-process reference's
+loss, clipped gradients and updates (fp64, 1e-10 relative, as `test_parity.py`: in fp64 the only
+differences are summation orders, ~1e-14), on every rank's copy, at collocated SP2/TP2 and at
+disjoint 1 vision + 2 text ranks. Frozen parameters stay bit-identical, get no gradient, and the
+state each rank measures equals `ray_dhp.memory.rank_state` (the plan) with the frozen parts
+holding weights only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from ray_dhp import demo
+from ray_dhp.topology import Topology
+from ray_dhp.train_config import TrainLoopConfig
+from ray_dhp.tuning import tuning_of
+from tests.distributed.parity import assert_parity, make_steps, run_engine, run_reference
+
+FAMILY = "qwen2_5_vl"
+BASE = TrainLoopConfig(lr=1e-3, global_batch_size=8, micro_batches=2, num_steps=3,
+                       max_grad_norm=0.5, weight_decay=0.1, lr_schedule="cosine", warmup_steps=1)
+SP2_TP2 = dict(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1, text_tp=2)
+DISJOINT_1_2 = dict(placement="disjoint", vision_dp=1, vision_sp=1, text_dp=1, text_tp=2)
+LAYOUTS = {"sp2-tp2": SP2_TP2, "disjoint-1v-2t": DISJOINT_1_2}
+
+CHOICES = {
+    "frozen-vision": {"vision": {"train": False}},               # the tower; the merger trains
+    "frozen-vision-merger": {"vision": {"train": False}, "merger": {"train": False}},
+    "frozen-llm": {"llm": {"train": False}},
+    "per-module-lr": {"vision": {"lr": 3e-3, "weight_decay": 0.0}, "merger": {"lr": 5e-4},
+                      "llm": {"lr": 2e-3, "weight_decay": 0.05}},
+}
+DEFAULT = {("frozen-vision", "sp2-tp2"), ("frozen-llm", "disjoint-1v-2t"),
+           ("per-module-lr", "sp2-tp2")}
+
+
+def _params():
+    for choice in CHOICES:
+        for layout in LAYOUTS:
+            marks = () if (choice, layout) in DEFAULT else (pytest.mark.slow,)
+            yield pytest.param(choice, layout, marks=marks, id=f"{choice}-{layout}")
+
+
+@pytest.fixture(scope="module")
+def steps(tmp_path_factory):
+    return make_steps(tmp_path_factory.mktemp("tuning"), FAMILY, BASE)
+
+
+def _frozen_names(ref: dict) -> set:
+    return set(ref["params"]) - set(ref["grads"][0])
+
+
+@pytest.mark.parametrize("choice, layout", list(_params()))
+def test_tuning_parity_fp64(choice, layout, steps):
+    cfg = replace(BASE, modules=CHOICES[choice])
+    ref = run_reference(FAMILY, cfg, steps, torch.float64)
+    got = run_engine(FAMILY, LAYOUTS[layout], cfg, steps, torch.float64, grads=True)
+    assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10, grad_tol=1e-10)
+
+    tuning = tuning_of(cfg)
+    frozen = _frozen_names(ref)
+    assert frozen == {n for n in ref["params"] if not tuning.trains(n)}
+    if choice == "per-module-lr":
+        assert not frozen
+    else:
+        assert frozen
+    for rank, out in enumerate(got["per_rank"]):
+        for step_grads in out["grads"]:  # frozen parameters never get a gradient
+            assert not frozen & set(step_grads), (rank, sorted(frozen & set(step_grads))[:3])
+        for name in frozen & set(out["params"]):  # and never change, on any rank
+            assert torch.equal(out["params"][name], out["params0"][name]), (rank, name)
+        trained = set(out["params"]) - frozen
+        assert all(set(g) == trained for g in out["grads"]), rank
+    _assert_state_is_the_plan(got, cfg, LAYOUTS[layout])
+
+
+def _assert_state_is_the_plan(got: dict, cfg: TrainLoopConfig, layout: dict) -> None:
+    """Each rank's measured weights / grads / masters / AdamW bytes equal the plan's."""
+    from ray_dhp.memory import count_params, rank_state
+    from ray_dhp.precision import policy_of
+
+    topo = Topology.build(**layout)
+    counts = count_params(demo.tiny_model_config(FAMILY), tuning_of(cfg))
+    policy = policy_of(cfg)
+    for rank, out in enumerate(got["per_rank"]):
+        want = rank_state(counts, topo, rank, policy, cfg.vision_zero1)
+        st = out["state"]
+        # fp64 run: the plan counts the policy's fp32 bytes, the engine holds 8-byte tensors
+        assert (st["weights"], st["grads"], st["masters"], st["optimizer"]) == \
+            (2 * want.weights, 2 * want.grads, 2 * want.masters, 2 * want.optimizer), (rank, st, want)
