@@ -40,7 +40,7 @@ from ray_dhp.parallel.balance import Balancer
 from ray_dhp.parallel.comm import CommCounter, record
 from ray_dhp.parallel.tensor import apply_tp_plan, partial_grad_params
 from ray_dhp.train_config import TrainLoopConfig
-from ray_dhp.tuning import apply_tuning, tuning_of, vision_trains
+from ray_dhp.tuning import apply_tuning, check_layout, tuning_of, vision_trains
 
 
 class DHPEngine:
@@ -62,6 +62,13 @@ class DHPEngine:
                                     text_sp=topo.text_sequence_parallel)
         self._build_shards(model, dtype)
         self.tuning = tuning_of(cfg)  # per-module choices: frozen parameters are left out below
+        if self.tuning.lora is not None and self.text_model is not None:  # PEFT LoRA, TP-exact
+            from ray_dhp.models.lora import add_lora
+
+            check_layout(self.tuning, topo.text_sequence_parallel)
+            tp = topo.text.inner > 1
+            add_lora(self.text_model, self.tuning.lora, cfg.seed, groups.text_mesh["tp"] if tp else None,
+                     self.family.text_tp_plan(self.config.text_config) if tp else None)
         held = apply_tuning(self.visual, self.text_model, self.tuning)
         self.vision_params, self.text_params, self.frozen_params = held
         self._partial = (partial_grad_params(self.text_model, self.family.tp_partial_grad_suffixes)

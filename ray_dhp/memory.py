@@ -74,6 +74,11 @@ def count_params(config, tuning=None) -> ParamCounts:
     with init_empty_weights():
         model = getattr(transformers, family.model_class)._from_config(config, dtype=torch.float32)
     plan = family.text_tp_plan(config.text_config)
+    if tuning is not None and tuning.lora is not None:  # PEFT adapters, sharded by their plan
+        from ray_dhp.models.lora import counting_plan, inject
+
+        inject(model, tuning.lora, seed=0)
+        plan = counting_plan(plan, tuning.lora.target_modules)
     vision_names = {f"model.visual.{n}" for n, _ in family.visual(model).named_parameters()}
     trains = (lambda name: True) if tuning is None else tuning.trains
     vision = text = sharded = largest = v_frozen = t_frozen = t_frozen_sharded = 0

@@ -30,7 +30,12 @@ class ReferenceTrainer:
         self.model = build_model(model, seed=cfg.seed, dtype=dtype).to(device)
         self.dtype = dtype
         self.model.train()
-        freeze(self.model, tuning_of(cfg))  # per-module choices (ray_dhp.tuning)
+        tuning = tuning_of(cfg)  # per-module choices (ray_dhp.tuning), PEFT LoRA adapters
+        if tuning.lora is not None:
+            from ray_dhp.models.lora import add_lora
+
+            add_lora(self.model, tuning.lora, cfg.seed)
+        freeze(self.model, tuning)
         self.device = torch.device(device)
         self.opt, self.sched, self.masters = build_optimizer_for(
             self.model.named_parameters(), cfg, self.policy)

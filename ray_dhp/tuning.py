@@ -185,11 +185,10 @@ def tuning_of(cfg) -> Tuning:
 # -- applying ----------------------------------------------------------------------------------
 
 def freeze(module, tuning: Tuning, prefix: str = "") -> None:
-    """``requires_grad_(False)`` on every parameter of ``module`` (named ``prefix + name`` in
-    the full model) that does not train under ``tuning``."""
-    for name, p in module.named_parameters():
-        if not tuning.trains(prefix + name):
-            p.requires_grad_(False)
+    """``requires_grad`` of every parameter of ``module`` (named ``prefix + name`` in the full
+    model): whether it trains under ``tuning``."""
+    for name, p in module.named_parameters():  # both ways: PEFT's injection freezes the rest
+        p.requires_grad_(tuning.trains(prefix + name))
 
 
 def vision_trains(tuning: Tuning) -> bool:
@@ -211,3 +210,13 @@ def apply_tuning(visual, text_model, tuning: Tuning) -> tuple:
         for p in module.parameters():
             out[slot if p.requires_grad else 2].append(p)
     return out
+
+
+def check_layout(tuning: Tuning, text_sequence_parallel: bool,
+                 key: str = "train_loop_config.modules") -> None:
+    """ConfigError for choices the layout cannot take: LoRA with text sequence parallelism
+    (its row-parallel layers reduce-scatter into a sequence shard; the adapters' plan covers
+    the plain TP plan only)."""
+    if tuning.lora is not None and text_sequence_parallel:
+        raise ConfigError(f"{key}.llm.lora: LoRA adapters are not covered with text sequence "
+                          f"parallelism (text.sequence_parallel=true); turn one of them off.")
