@@ -161,6 +161,7 @@ def save(directory: str, engine, sampler, processor=None) -> None:
             "files": files,
             "precision": engine.policy.name,
             "source_model": getattr(engine, "source_model", None),
+            "modules": engine.cfg.modules,  # per-module choices / LoRA (ray_dhp.tuning): export
         }
         integrity.commit(directory, meta)
 

@@ -265,7 +265,11 @@ class RunFile:
         ``config`` and ``train`` all go through here; errors name the run-file key."""
         dhp = self.dhp_config(with_processor=False)
         self.num_workers(dhp)
-        self.train_loop_config()
+        loop = self.train_loop_config()
+        from ray_dhp.tuning import check_layout, parse_tuning
+
+        check_layout(parse_tuning(loop.get("modules"), key=loop_key_in_file("modules")),
+                     dhp.text.sequence_parallel is True, key=loop_key_in_file("modules"))
         self.dataset_names()
         return self
 

@@ -9,7 +9,7 @@ from typing import Callable, Iterable, Optional
 
 from ray_dhp.precision import POLICY_NAMES
 from ray_dhp.checks import ConfigError, check_fields, checked, coerce
-from ray_dhp.tuning import parse_tuning
+from ray_dhp.tuning import parse_tuning_named
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
 BAD_DATA = ("skip", "strict")
@@ -165,7 +165,7 @@ class TrainLoopConfig:
             if not ok:
                 raise ConfigError.about(template, name)
         check_dataset_weights(self.dataset_weights, key=name("dataset_weights"))
-        parse_tuning(self.modules, key=name("modules"))
+        parse_tuning_named(self.modules, name)
 
     def _cross_rules(self) -> list:
         """``(message template, holds)`` for the rules that involve several keys."""

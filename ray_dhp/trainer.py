@@ -88,6 +88,9 @@ class DisaggregatedTrainer(DataParallelTrainer):
                 config["dataset_paths"] = paths
             loop_cfg = TrainLoopConfig.from_dict(config)  # fail here, before any worker starts
             _check_training_datasets(loop_cfg, set(ray_datasets) | set(paths))
+            from ray_dhp.tuning import check_layout, tuning_of
+
+            check_layout(tuning_of(loop_cfg), dhp_config.text.sequence_parallel is True)
             if dhp_config.processor is None and not isinstance(dhp_config.model, str):
                 raise ValueError("the built-in loop needs DHPConfig(processor=...) when the model "
                                  "is a config object (with a model directory it is loaded from there).")

@@ -129,6 +129,17 @@ def parse_tuning(spec: Optional[dict], key: str = "train_loop_config.modules") -
     return tuning
 
 
+def parse_tuning_named(spec: Optional[dict], name: Callable[[str], str]) -> Tuning:
+    """`parse_tuning` whose errors keep a template (``{modules}``), so that the run file can
+    rename the key (``optim.modules...``) like every other `TrainLoopConfig` error."""
+    mark = "\x00"
+    try:
+        return parse_tuning(spec, key=mark)
+    except ConfigError as e:
+        template = str(e).replace("{", "{{").replace("}", "}}").replace(mark, "{modules}")
+        raise ConfigError.about(template, name) from None
+
+
 def _parse_lora(spec, where: str) -> LoraChoice:
     if spec is True:
         spec = {}
@@ -148,6 +159,11 @@ def _parse_lora(spec, where: str) -> LoraChoice:
     if not targets or bad:
         raise ConfigError(f"{where}.target_modules: {bad or 'empty'}: choose among the language "
                           f"model's linears {list(DEFAULT_LORA_TARGETS)}.")
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        raise ConfigError(f"{where}: LoRA uses PEFT, which is not installed: "
+                          f"pip install 'ray_dhp[lora]' (or pip install peft).")
     return LoraChoice(r=r, alpha=alpha, target_modules=tuple(targets))
 
 

@@ -119,3 +119,58 @@ def add_lora(model: torch.nn.Module, choice, seed: int, tp_mesh=None, base_plan=
         from ray_dhp.parallel.tensor import apply_tp_plan
 
         apply_tp_plan(model, tp_mesh, lora_tp_plan(base_plan, choice.target_modules))
+
+
+# -- export --------------------------------------------------------------------------------------
+
+LORA_EXPORTS = ("merge", "adapter")
+
+
+def split_tensors(tensors: dict) -> tuple:
+    """(base tensors by the plain transformers names, adapter tensors by their PEFT names)."""
+    base, adapters = {}, {}
+    for name, t in tensors.items():
+        if ".lora_A." in name or ".lora_B." in name:
+            adapters[name] = t
+        else:
+            base[name.replace(".base_layer.", ".")] = t
+    return base, adapters
+
+
+def merged_tensors(tensors: dict, choice) -> dict:
+    """The plain model's tensors with every adapter merged: ``W + (alpha / r) B A`` (PEFT's
+    merge, computed in fp64 and rounded once to the weight's dtype)."""
+    base, adapters = split_tensors(tensors)
+    scaling = choice.alpha / choice.r
+    for name in [n for n in adapters if ".lora_A." in n]:
+        layer = name.split(".lora_A.")[0]
+        a, b = adapters[name], adapters[name.replace(".lora_A.", ".lora_B.")]
+        w = base[f"{layer}.weight"]
+        base[f"{layer}.weight"] = (w.double() + scaling * (b.double() @ a.double())).to(w.dtype)
+    return base
+
+
+def write_adapter_dir(model, adapters: dict, choice, out: str, source=None) -> None:
+    """A PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``) of the
+    adapters, written by PEFT itself (``PeftModel.save_pretrained``) for the plain ``model``;
+    it loads with ``PeftModel.from_pretrained(base_model, out)``."""
+    from peft import get_peft_model
+
+    config = peft_config(choice)
+    config.base_model_name_or_path = source
+    peft_model = get_peft_model(model, config, adapter_name=ADAPTER)
+    state = {f"base_model.model.{n}": t.to(next(peft_model.parameters()).dtype)
+             for n, t in adapters.items()}
+    result = peft_model.load_state_dict(state, strict=False)
+    if result.unexpected_keys:
+        raise ValueError(f"adapter tensors unknown to the PEFT model: {result.unexpected_keys[:5]}")
+    peft_model.save_pretrained(out)
+
+
+def check_adapter_export(tuning) -> None:
+    """An adapter directory holds only the adapters: refuse it when other parts trained too."""
+    trained = [m for m in ("vision", "merger") if tuning.choice(m).train]
+    if trained:
+        raise ValueError(f"lora='adapter' writes only the LoRA adapters, but {' and '.join(trained)} "
+                         f"trained too (modules.{trained[0]}.train is true): export with "
+                         f"lora='merge' (a full model), or freeze them in the run.")

@@ -9,6 +9,7 @@ holding weights only.
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -146,3 +147,61 @@ def test_lora_parity_fp64(layout, steps):
         for name in set(out["params"]) - trained:
             assert torch.equal(out["params"][name], out["params0"][name]), (rank, name)
     _assert_state_is_the_plan(got, cfg, LAYOUTS[layout])
+
+
+LORA_ONLY = {"vision": {"train": False}, "merger": {"train": False},
+             "llm": {"lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj",
+                                                                     "down_proj"]}}}
+
+
+def test_lora_resume_and_export_merged_or_adapter(tmp_path):
+    """LoRA (column- and row-parallel targets) with the vision side frozen: 3 steps at
+    collocated SP2/TP2 + save + resume at disjoint 1+2 + 3 steps == 6 steps of the PEFT
+    reference (fp64, 1e-10); the final checkpoint exports (a) merged into a plain transformers
+    model and (b) as a PEFT adapter directory loaded with ``PeftModel.from_pretrained`` onto
+    the base model; both give the reference's logits."""
+    import transformers
+    from peft import PeftModel
+
+    from ray_dhp import export_hf
+    from ray_dhp.models import build_model
+    from ray_dhp.reference import ReferenceTrainer
+    from tests.distributed.test_checkpoint import (CFG, COLLOCATED_SP2_TP2, DISJOINT_1V_2T, DTYPE,
+                                                   _sampler, assert_matches, run)
+
+    cfg = replace(CFG, modules=LORA_ONLY)
+    data = str(demo.make_dataset(tmp_path / "data", num_samples=16, seed=0, text_only_every=4,
+                                 image_sizes=((56, 56), (84, 56), (112, 84))))
+    sampler = _sampler(data, cfg)
+    trainer = ReferenceTrainer(demo.tiny_model_config(FAMILY), cfg, dtype=DTYPE)
+    ref = {"history": [trainer.step(sampler.next_step()) for _ in range(cfg.num_steps)],
+           "params": trainer.named_parameters()}
+    root = str(tmp_path / "ckpts")
+    first = run(COLLOCATED_SP2_TP2, data, stop=3, save_at=(3,), ckpt_root=root, cfg=cfg)
+    second = run(DISJOINT_1V_2T, data, resume_from=root, save_at=(6,), ckpt_root=root, cfg=cfg)
+    assert second["first"] == 3
+    assert_matches(first["history"] + second["history"], second, ref)
+
+    final = f"{root}/checkpoint_000006"
+    ids = torch.tensor([[5, 17, 42, 7, 99, 3, 64, 11]])
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids),
+                  mm_token_type_ids=torch.zeros_like(ids), use_cache=False)
+    with torch.no_grad():
+        want = trainer.model(**kwargs).logits
+    cls = getattr(transformers, "Qwen2_5_VLForConditionalGeneration")
+
+    merged = cls.from_pretrained(export_hf(final, str(tmp_path / "merged")), dtype=DTYPE)
+    assert not any(".lora_" in n or "base_layer" in n for n, _ in merged.named_parameters())
+    adapter_dir = export_hf(final, str(tmp_path / "adapter"), lora="adapter")
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(adapter_dir))
+    base = build_model(demo.tiny_model_config(FAMILY), seed=cfg.seed, dtype=DTYPE)
+    with_adapter = PeftModel.from_pretrained(base, adapter_dir)
+    with torch.no_grad():
+        for model in (merged, with_adapter):
+            got = model(**kwargs).logits
+            assert (got - want).abs().max() <= 1e-10 * want.abs().max(), (got - want).abs().max()
+    with pytest.raises(ValueError, match="trained too"):  # adapters only, but the ViT trained
+        from ray_dhp.models.lora import check_adapter_export
+        from ray_dhp.tuning import parse_tuning
+
+        check_adapter_export(parse_tuning(LORA))
