@@ -73,7 +73,6 @@ class DHPEngine:
         self.vision_params, self.text_params, self.frozen_params = held
         self._partial = (partial_grad_params(self.text_model, self.family.tp_partial_grad_suffixes)
                          if self.text_model is not None and topo.text.inner > 1 else [])
-        self._partial = [p for p in self._partial if p.requires_grad]
         self._build_vision_optimizer()
         self.text_opt, self.text_sched, self.text_masters = build_optimizer_for(
             self.text_model.named_parameters() if self.text_model is not None else [], cfg,
@@ -158,7 +157,10 @@ class DHPEngine:
         mb.text_feats = None
 
     def _return_grads(self, mb: "_MicroBatch", n_targets: int) -> None:
-        if not mb.has_images or not vision_trains(self.tuning):  # frozen vision: no feature grads
+        if not mb.has_images:
+            return
+        if not vision_trains(self.tuning):  # frozen vision side: no feature gradients go back
+            mb.feats = mb.grad_feats = None
             return
         g = self.groups
         n_local = 0 if mb.feats is None else mb.feats.shape[0]

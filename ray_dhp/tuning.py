@@ -236,3 +236,14 @@ def check_layout(tuning: Tuning, text_sequence_parallel: bool,
     if tuning.lora is not None and text_sequence_parallel:
         raise ConfigError(f"{key}.llm.lora: LoRA adapters are not covered with text sequence "
                           f"parallelism (text.sequence_parallel=true); turn one of them off.")
+
+
+def same_structure(saved: Optional[dict], current: Optional[dict]) -> str:
+    """Why a checkpoint saved under the ``modules`` choice ``saved`` cannot resume under
+    ``current`` ("" if it can): which modules train and the LoRA adapters decide which
+    parameters, optimizer states and masters exist; learning rates and weight decay may differ."""
+    a, b = parse_tuning(saved), parse_tuning(current)
+    if a.lora != b.lora:
+        return "the LoRA adapters differ"
+    changed = [m for m in MODULES if a.choice(m).train != b.choice(m).train]
+    return f"{', '.join(changed)} train(s) in one and not the other" if changed else ""

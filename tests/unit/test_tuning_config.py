@@ -107,3 +107,11 @@ def test_plan_counts_frozen_parts_as_weights_only():
     assert full.total - frozen.total == t * (policy.state_bytes() - policy.weight_bytes())
     lora = count_params(config, parse_tuning({"llm": {"lora": {"r": 4}}}))
     assert lora.text > counts.text and lora.text_frozen == counts.text
+
+
+def test_resume_needs_the_same_trained_modules():
+    from ray_dhp.tuning import same_structure
+
+    assert same_structure(None, {"merger": {"lr": 1e-4}}) == ""  # rates may change
+    assert "vision" in same_structure(None, {"vision": {"train": False}})
+    assert "LoRA" in same_structure({"llm": {"lora": {"r": 4}}}, {"llm": {"lora": {"r": 8}}})
