@@ -162,6 +162,7 @@ def save(directory: str, engine, sampler, processor=None) -> None:
             "files": files,
             "precision": engine.policy.name,
             "source_model": getattr(engine, "source_model", None),
+            "modules": engine.cfg.modules,  # per-module choices / LoRA (ray_dhp.tuning): export
         }
         integrity.commit(directory, meta)
 
@@ -312,6 +313,13 @@ def _check_compatible(meta: dict, engine) -> None:
     if meta.get("family") != engine.family.name:
         raise ValueError(f"checkpoint holds a {meta.get('family')} model but this run trains a "
                          f"{engine.family.name} model; use DHPConfig(model=...) of the same family.")
+    from ray_dhp.tuning import same_structure
+
+    why = same_structure(meta.get("modules"), engine.cfg.modules)
+    if why:
+        raise ValueError(f"checkpoint was trained with modules={meta.get('modules')!r}, this run "
+                         f"has modules={engine.cfg.modules!r}: {why}; resume with the run's "
+                         f"optim.modules (train_loop_config['modules']).")
 
 
 

@@ -43,6 +43,7 @@ from ray_dhp.parallel.balance import Balancer
 from ray_dhp.parallel.comm import CommCounter, record
 from ray_dhp.parallel.tensor import apply_tp_plan, partial_grad_params
 from ray_dhp.train_config import TrainLoopConfig
+from ray_dhp.tuning import apply_tuning, check_layout, tuning_of, vision_trains
 
 
 class DHPEngine:
@@ -63,8 +64,16 @@ class DHPEngine:
         self.family.validate_layout(self.config, sp=topo.vision.inner, tp=topo.text.inner,
                                     text_sp=topo.text_sequence_parallel)
         self._build_shards(model, dtype)
-        self.vision_params = list(self.visual.parameters()) if self.visual is not None else []
-        self.text_params = list(self.text_model.parameters()) if self.text_model is not None else []
+        self.tuning = tuning_of(cfg)  # per-module choices: frozen parameters are left out below
+        if self.tuning.lora is not None and self.text_model is not None:  # PEFT LoRA, TP-exact
+            from ray_dhp.models.lora import add_lora
+
+            check_layout(self.tuning, topo.text_sequence_parallel)
+            tp = topo.text.inner > 1
+            add_lora(self.text_model, self.tuning.lora, cfg.seed, groups.text_mesh["tp"] if tp else None,
+                     self.family.text_tp_plan(self.config.text_config) if tp else None)
+        held = apply_tuning(self.visual, self.text_model, self.tuning)
+        self.vision_params, self.text_params, self.frozen_params = held
         self._partial = (partial_grad_params(self.text_model, self.family.tp_partial_grad_suffixes)
                          if self.text_model is not None and topo.text.inner > 1 else [])
         self._build_vision_optimizer()
@@ -157,7 +166,7 @@ class DHPEngine:
         mb.lay = layout_micro_batch(mb.samples, g.topology, self.family.name,
                                     self.config.vision_config, self.balancer())
         if g.is_vision and mb.has_images:
-            with self._autocast():
+            with self._autocast(), torch.set_grad_enabled(vision_trains(self.tuning)):
                 mb.feats = self._vision_forward(mb.samples, mb.lay)
 
     def _send_features(self, mb: "_MicroBatch", n_targets: int) -> None:
@@ -185,7 +194,7 @@ class DHPEngine:
             return self._text_forward_backward([mb.samples[i] for i in mine], mb.text_feats, n_targets)
         feats = mb.text_feats
         if feats is not None and feats.shape[0] > 0:
-            feats = feats.detach().requires_grad_(True)
+            feats = feats.detach().requires_grad_(vision_trains(self.tuning))
         loss_sum = 0.0
         for grp, rows in zip(groups, mb.lay.group_rows(mine, groups)):
             sub = None if feats is None else feats.index_select(0, rows.to(feats.device))
@@ -195,6 +204,9 @@ class DHPEngine:
 
     def _return_grads(self, mb: "_MicroBatch", n_targets: int) -> None:
         if not mb.has_images:
+            return
+        if not vision_trains(self.tuning):  # frozen vision side: no feature gradients go back
+            mb.feats = mb.grad_feats = None
             return
         g = self.groups
         n_local = 0 if mb.feats is None else mb.feats.shape[0]
@@ -288,7 +300,7 @@ class DHPEngine:
         batch = self._text_batch(samples)
         enc = None
         if feats is not None and feats.shape[0] > 0:
-            if torch.is_grad_enabled() and not feats.requires_grad:
+            if torch.is_grad_enabled() and vision_trains(self.tuning) and not feats.requires_grad:
                 feats.requires_grad_(True)
             enc = self.family.encoder_outputs(self.config, feats)
         grid, mask, pos = batch["image_grid_thw"], batch["attention_mask"], batch.get("position_ids")
@@ -328,14 +340,15 @@ class DHPEngine:
         parameter, and the new values are broadcast from the owners after the step. Plain AdamW
         over a subset keeps DCP checkpointing by parameter name working unchanged."""
         self._owners = None
-        named = list(self.visual.named_parameters()) if self.visual is not None else []
+        named = [(n, p) for n, p in self.visual.named_parameters()
+                 if p.requires_grad] if self.visual is not None else []
         v = self.groups.topology.vision
         if named and self.cfg.vision_zero1 and v.size > 1:
             self._owners = zero1_owners([p.numel() for _, p in named], v.size)
             me = self.groups.rank - v.offset
             named = [(n, p) for (n, p), o in zip(named, self._owners) if o == me]
         self.vision_opt, self.vision_sched, self.vision_masters = build_optimizer_for(
-            named, self.cfg, self.policy)
+            named, self.cfg, self.policy, prefix="model.visual.")
 
     def _zero1_broadcast(self) -> None:
         if self._owners is None:
@@ -421,8 +434,9 @@ class DHPEngine:
         return c is not None and c[1] == 0
 
     def current_lr(self) -> float:
-        opt = self.vision_opt or self.text_opt
-        return float(opt.param_groups[0]["lr"])
+        from ray_dhp.optim import lr_factor
+
+        return self.cfg.lr * lr_factor(self.step_count, self.cfg)  # the base lr (per-module: x ratio)
 
     def named_full_parameters(self) -> dict:
         """Full (unsharded) parameters this rank hosts, by the model's own names (collective on text ranks)."""

@@ -97,7 +97,7 @@ def parse_dtype(name: Optional[str]) -> Optional[torch.dtype]:
 
 
 def export_hf(checkpoint, out_dir: str, *, dtype: Optional[torch.dtype] = None,
-              overwrite: bool = False, source: Optional[str] = None) -> str:
+              overwrite: bool = False, source: Optional[str] = None, lora: str = "merge") -> str:
     """Write the model of a ray_dhp checkpoint as a Hugging Face directory.
 
     The directory is written under a temporary name next to ``out_dir`` and renamed into place
@@ -117,6 +117,11 @@ def export_hf(checkpoint, out_dir: str, *, dtype: Optional[torch.dtype] = None,
         source: the model directory the run started from, for ``generation_config.json`` and
             the chat template (None: the one the checkpoint records, if it still exists).
         overwrite: replace an existing non-empty ``out_dir``.
+        lora: for a run with LoRA adapters (``modules.llm.lora``): "merge" (default) writes the
+            full model with the adapters merged into the weights; "adapter" writes a PEFT
+            adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``, for
+            ``PeftModel.from_pretrained(base_model, out_dir)``; refused if the vision tower or
+            the merger trained too).
 
     Returns:
         ``out_dir`` as an absolute path.
@@ -135,18 +140,32 @@ def export_hf(checkpoint, out_dir: str, *, dtype: Optional[torch.dtype] = None,
         d = ckpt.resolve(d)
         meta = ckpt.read_meta(d)
         with _staging(out_dir) as tmp:
-            _write_export(d, meta, tmp, dtype, source or meta.get("source_model"))
+            _write_export(d, meta, tmp, dtype, source or meta.get("source_model"), lora)
     return out_dir
 
 
-def _write_export(d: str, meta: dict, out: str, dtype, source: Optional[str]) -> None:
+def _write_export(d: str, meta: dict, out: str, dtype, source: Optional[str],
+                  lora: str = "merge") -> None:
     """Everything the exported directory holds, written into ``out`` (a fresh directory)."""
     from ray_dhp import checkpoint as ckpt
+    from ray_dhp.models import lora as lora_mod
+    from ray_dhp.tuning import parse_tuning
 
-    model = build_hf_model(model_config_of(meta), read_model_tensors(d), dtype)
-    if dtype is not None:
-        model.config.dtype = dtype  # config.json says what the weights are
-    model.save_pretrained(out, safe_serialization=True)
+    if lora not in lora_mod.LORA_EXPORTS:
+        raise ValueError(f"lora must be one of {lora_mod.LORA_EXPORTS}, got {lora!r}")
+    tensors, tuning = read_model_tensors(d), parse_tuning(meta.get("modules"))
+    if tuning.lora is not None and lora == "adapter":
+        lora_mod.check_adapter_export(tuning)
+        base, adapters = lora_mod.split_tensors(tensors)
+        lora_mod.write_adapter_dir(build_hf_model(model_config_of(meta), base, dtype), adapters,
+                                   tuning.lora, out, source)
+    else:
+        if tuning.lora is not None:
+            tensors = lora_mod.merged_tensors(tensors, tuning.lora)
+        model = build_hf_model(model_config_of(meta), tensors, dtype)
+        if dtype is not None:
+            model.config.dtype = dtype  # config.json says what the weights are
+        model.save_pretrained(out, safe_serialization=True)
     proc = os.path.join(d, ckpt.PROCESSOR_DIR)
     if os.path.isdir(proc):
         copy_regular_files(proc, out)

@@ -133,7 +133,8 @@ def backward_loss(loss_fn: Optional[LossFn], inputs: LossInputs, tensor_parallel
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
                              f"{tuple(getattr(loss, 'shape', ()))}")
-        loss.backward()
+        if loss.requires_grad:  # not with a frozen LLM and a micro-batch without images
+            loss.backward()
     value = loss.full_tensor() if _is_dtensor(loss) else loss
     return value.detach().double().cpu().reshape(())
 

@@ -38,24 +38,32 @@ class ParamCounts:
     vision: int
     text: int
     text_sharded: int  # part of ``text`` split over TP ranks
-    vision_sizes: tuple = ()   # element count of every ViT parameter, in the model's order
+    vision_sizes: tuple = ()   # element count of every trained ViT parameter, in the model's order
     largest: int = 0           # element count of the largest single parameter (full, unsharded)
+    # frozen parameters (`ray_dhp.tuning`): held, but no gradient, master or optimizer state
+    vision_frozen: int = 0
+    text_frozen: int = 0
+    text_frozen_sharded: int = 0
 
     def text_per_rank(self, tp: int) -> int:
         return self.text - self.text_sharded + self.text_sharded // tp
 
+    def text_frozen_per_rank(self, tp: int) -> int:
+        return self.text_frozen - self.text_frozen_sharded + self.text_frozen_sharded // tp
+
     def vision_updated_by(self, rank_in_group: int, group_size: int, zero1: bool) -> int:
         """ViT parameters vision rank ``rank_in_group`` updates (all of them without ZeRO-1)."""
         if not zero1 or group_size == 1 or not self.vision_sizes:
-            return self.vision
+            return self.vision - self.vision_frozen
         from ray_dhp.optim import zero1_owners
 
         owners = zero1_owners(list(self.vision_sizes), group_size)
         return sum(n for n, o in zip(self.vision_sizes, owners) if o == rank_in_group)
 
 
-def count_params(config) -> ParamCounts:
-    """Count parameters on the meta device and classify them with the family's TP plan."""
+def count_params(config, tuning=None) -> ParamCounts:
+    """Count parameters on the meta device and classify them with the family's TP plan; with a
+    `ray_dhp.tuning.Tuning`, also count the frozen ones."""
     import torch
     import transformers
     from accelerate import init_empty_weights
@@ -66,19 +74,30 @@ def count_params(config) -> ParamCounts:
     with init_empty_weights():
         model = getattr(transformers, family.model_class)._from_config(config, dtype=torch.float32)
     plan = family.text_tp_plan(config.text_config)
+    if tuning is not None and tuning.lora is not None:  # PEFT adapters, sharded by their plan
+        from ray_dhp.models.lora import counting_plan, inject
+
+        inject(model, tuning.lora, seed=0)
+        plan = counting_plan(plan, tuning.lora.target_modules)
     vision_names = {f"model.visual.{n}" for n, _ in family.visual(model).named_parameters()}
-    vision = text = sharded = largest = 0
-    sizes = tuple(p.numel() for _, p in family.visual(model).named_parameters())
+    trains = (lambda name: True) if tuning is None else tuning.trains
+    vision = text = sharded = largest = v_frozen = t_frozen = t_frozen_sharded = 0
+    sizes = tuple(p.numel() for n, p in family.visual(model).named_parameters()
+                  if trains(f"model.visual.{n}"))
     for name, p in model.named_parameters():
         largest = max(largest, p.numel())
         if name in vision_names:
             vision += p.numel()
+            v_frozen += 0 if trains(name) else p.numel()
             continue
         text += p.numel()
+        t_frozen += 0 if trains(name) else p.numel()
         if _is_sharded(name, plan):
             sharded += p.numel()
+            t_frozen_sharded += 0 if trains(name) else p.numel()
     return ParamCounts(vision=vision, text=text, text_sharded=sharded, vision_sizes=sizes,
-                       largest=largest)
+                       largest=largest, vision_frozen=v_frozen, text_frozen=t_frozen,
+                       text_frozen_sharded=t_frozen_sharded)
 
 
 @dataclass(frozen=True)
@@ -114,11 +133,12 @@ def rank_state(counts: ParamCounts, topology, rank: int, policy, vision_zero1: b
     if v:
         vg = topology.vision
         vu = counts.vision_updated_by(rank - vg.offset, vg.size, vision_zero1)
-    held, updated = v + t, vu + t
+    frozen = (counts.vision_frozen if v else 0) + (counts.text_frozen_per_rank(tp) if t else 0)
+    held, updated = v + t, vu + t - (counts.text_frozen_per_rank(tp) if t else 0)
     masters = 4 * updated if policy.master else 0
     weights = held * policy.weight_bytes()
     return RankState(params=held, updated=updated, weights=weights,
-                     grads=held * policy.grad_bytes(), masters=masters,
+                     grads=(held - frozen) * policy.grad_bytes(), masters=masters,
                      optimizer=updated * 2 * _bytes(policy.moment_dtype),
                      startup_peak=weights + masters + 4 * counts.largest)
 
@@ -132,7 +152,7 @@ def measure_engine_state(engine) -> dict:
 
     from ray_dhp.precision import local_nbytes
 
-    params = engine.vision_params + engine.text_params
+    params = engine.vision_params + engine.text_params + getattr(engine, "frozen_params", [])
     out = {"weights": sum(local_nbytes(p) for p in params),
            "grads": getattr(engine, "last_grad_bytes", 0),
            "masters": sum(m.nbytes() for m in (engine.vision_masters, engine.text_masters)

@@ -9,17 +9,28 @@ import torch
 from ray_dhp.train_config import TrainLoopConfig
 
 
-def param_groups(named_params, weight_decay: float) -> list:
-    """AdamW groups: no decay on norms and biases (parameters with fewer than 2 dims)."""
-    decay, no_decay = [], []
-    for _, p in named_params:
-        if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
+def param_groups(named_params, weight_decay: float, lr: float = None, tuning=None,
+                 prefix: str = "") -> list:
+    """AdamW groups: no decay on norms and biases (parameters with fewer than 2 dims); with a
+    `ray_dhp.tuning.Tuning`, one group per module's (lr, weight decay) (parameter names are
+    ``prefix + name`` in the full model). Decayed groups come first, then the others, in the
+    order their first parameter appears (one group of each without per-module choices)."""
+    decay, no_decay = {}, {}
+    for name, p in named_params:
+        if not p.requires_grad:
+            continue
+        p_lr, p_wd = (lr, weight_decay) if tuning is None else tuning.hyper(prefix + name, lr, weight_decay)
+        if p.ndim >= 2:
+            decay.setdefault((p_lr, p_wd), []).append(p)
+        else:
+            no_decay.setdefault((p_lr, 0.0), []).append(p)
     groups = []
-    if decay:
-        groups.append({"params": decay, "weight_decay": weight_decay})
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
+    for table in (decay, no_decay):
+        for (g_lr, g_wd), params in table.items():
+            group = {"params": params, "weight_decay": g_wd}
+            if g_lr is not None and g_lr != lr:
+                group["lr"] = g_lr
+            groups.append(group)
     return groups
 
 
@@ -36,9 +47,14 @@ def lr_factor(step: int, cfg: TrainLoopConfig) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(named_params, cfg: TrainLoopConfig):
-    """AdamW + LambdaLR for one module's parameters (None if it has none)."""
-    groups = param_groups(named_params, cfg.weight_decay)
+def build_optimizer(named_params, cfg: TrainLoopConfig, prefix: str = ""):
+    """AdamW + LambdaLR for one module's parameters (None if it has none); per-module lr and
+    weight decay from ``cfg.modules`` (`ray_dhp.tuning`), names taken as ``prefix + name``."""
+    from ray_dhp.tuning import tuning_of
+
+    tuning = tuning_of(cfg)
+    groups = param_groups(named_params, cfg.weight_decay, cfg.lr,
+                          None if tuning.default else tuning, prefix)
     if not groups:
         return None, None
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False)
@@ -46,7 +62,7 @@ def build_optimizer(named_params, cfg: TrainLoopConfig):
     return opt, sched
 
 
-def build_optimizer_for(named_params, cfg: TrainLoopConfig, policy):
+def build_optimizer_for(named_params, cfg: TrainLoopConfig, policy, prefix: str = ""):
     """(optimizer, scheduler, masters) for one module under the `PrecisionPolicy` ``policy``.
 
     With ``policy.master`` (bf16_mixed) the optimizer steps fp32 copies of the trainable
@@ -58,7 +74,7 @@ def build_optimizer_for(named_params, cfg: TrainLoopConfig, policy):
 
     named = [(n, p) for n, p in named_params if p.requires_grad]
     masters = MasterWeights(named) if policy.master and named else None
-    opt, sched = build_optimizer(masters.named_parameters() if masters else named, cfg)
+    opt, sched = build_optimizer(masters.named_parameters() if masters else named, cfg, prefix)
     return opt, sched, masters
 
 

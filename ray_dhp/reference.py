@@ -18,6 +18,7 @@ from ray_dhp.optim import build_optimizer_for
 from ray_dhp.parallel.data import clip_coefficient
 from ray_dhp.precision import policy_of, weight_dtype
 from ray_dhp.train_config import TrainLoopConfig
+from ray_dhp.tuning import freeze, tuning_of
 
 
 class ReferenceTrainer:
@@ -29,6 +30,12 @@ class ReferenceTrainer:
         self.model = build_model(model, seed=cfg.seed, dtype=dtype).to(device)
         self.dtype = dtype
         self.model.train()
+        tuning = tuning_of(cfg)  # per-module choices (ray_dhp.tuning), PEFT LoRA adapters
+        if tuning.lora is not None:
+            from ray_dhp.models.lora import add_lora
+
+            add_lora(self.model, tuning.lora, cfg.seed)
+        freeze(self.model, tuning)
         self.device = torch.device(device)
         self.opt, self.sched, self.masters = build_optimizer_for(
             self.model.named_parameters(), cfg, self.policy)

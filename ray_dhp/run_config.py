@@ -287,7 +287,8 @@ class RunFile:
         ``config`` and ``train`` all go through here; errors name the run-file key."""
         dhp = self.dhp_config(with_processor=False)
         self.num_workers(dhp)
-        loop = TrainLoopConfig(**self.train_loop_config())
+        raw = self.train_loop_config()
+        loop = TrainLoopConfig(**raw)
         names = self.dataset_names()
         from ray_dhp.evaluation import check_eval_setup
 
@@ -299,6 +300,10 @@ class RunFile:
         pixels = (self.processor.min_pixels, self.processor.max_pixels)
         if pixels != (None, None):  # against the model's patch unit and the processor's limits
             check_run_pixels(*pixels, self.dhp_config(), loop_key_in_file)
+        from ray_dhp.tuning import check_layout, parse_tuning
+
+        check_layout(parse_tuning(raw.get("modules"), key=loop_key_in_file("modules")),
+                     dhp.text.sequence_parallel is True, key=loop_key_in_file("modules"))
         return self
 
     def run_name(self) -> str:

@@ -9,6 +9,7 @@ from typing import Callable, Iterable, Optional
 
 from ray_dhp.precision import POLICY_NAMES
 from ray_dhp.checks import ConfigError, check_fields, checked, coerce
+from ray_dhp.tuning import parse_tuning_named
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
 BAD_DATA = ("skip", "strict")
@@ -122,6 +123,12 @@ class TrainLoopConfig:
         ray_report_logs: keep Ray Train's per-rank "Reporting training result ..." and
             "Checkpoint successfully created" log lines (off: the console shows one progress
             line per report instead).
+        modules: per-module training choices (`ray_dhp.tuning`), a mapping of ``vision`` (the
+            vision tower), ``merger`` and ``llm`` (the language model) to ``{train: bool, lr:
+            float, weight_decay: float}``; ``llm`` also takes ``lora: {r, alpha,
+            target_modules}`` (PEFT LoRA adapters; the base weights are frozen). A module not
+            named trains with lr and weight_decay. Frozen modules keep no gradients, optimizer
+            state or fp32 masters. None: everything trains.
     """
 
     lr: float = checked(1e-3, gt=0)
@@ -164,6 +171,7 @@ class TrainLoopConfig:
     mlflow: Optional[dict] = None
     wandb: Optional[dict] = None
     ray_report_logs: bool = False
+    modules: Optional[dict] = None
 
     def __post_init__(self):
         self.validate(loop_key)
@@ -181,6 +189,7 @@ class TrainLoopConfig:
             if not ok:
                 raise ConfigError.about(template, name)
         check_dataset_weights(self.dataset_weights, key=name("dataset_weights"))
+        parse_tuning_named(self.modules, name)
 
     def _cross_rules(self) -> list:
         """``(message template, holds)`` for the rules that involve several keys."""

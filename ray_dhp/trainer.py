@@ -94,6 +94,9 @@ class DisaggregatedTrainer(DataParallelTrainer):
             from ray_dhp.data.pixels import check_run_pixels
 
             check_run_pixels(loop_cfg.min_pixels, loop_cfg.max_pixels, dhp_config, loop_key)
+            from ray_dhp.tuning import check_layout, tuning_of
+
+            check_layout(tuning_of(loop_cfg), dhp_config.text.sequence_parallel is True)
             if dhp_config.processor is None and not isinstance(dhp_config.model, str):
                 raise ValueError("the built-in loop needs DHPConfig(processor=...) when the model "
                                  "is a config object (with a model directory it is loaded from there).")

@@ -81,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--source", default=None, help="model directory to copy "
                    "generation_config.json and the chat template from (default: the one the "
                    "run started from, recorded in the checkpoint)")
+    e.add_argument("--lora", choices=["merge", "adapter"], default="merge",
+                   help="a LoRA run (optim.modules.llm.lora): merge the adapters into the "
+                   "weights (a full model, default) or write a PEFT adapter directory")
     sub.add_parser("docs", help="print docs/configuration.md")
     return p
 
@@ -182,7 +185,7 @@ def _cmd_export(args) -> int:
               "update ray_dhp to a version with checkpoint export.", file=sys.stderr)
         return 1
     out = export_hf(args.checkpoint, args.out_dir, dtype=args.dtype, source=args.source,
-                    overwrite=args.overwrite)
+                    overwrite=args.overwrite, lora=args.lora)
     print(f"[ray_dhp] exported {args.checkpoint} -> {out or args.out_dir}")
     return 0
 

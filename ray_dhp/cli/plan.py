@@ -71,7 +71,10 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
     dhp = rf.dhp_config(with_processor=False)
     topo, config = dhp.topology(), dhp.model_config()
     num_workers = rf.num_workers(dhp)
-    counts = count_params(config)
+    from ray_dhp.tuning import tuning_of
+
+    tuning = tuning_of(rf.optim)  # optim.modules: frozen parts hold weights only
+    counts = count_params(config, None if tuning.default else tuning)
     tp = topo.text.inner
     settings = settings_of(rf, attention)
     samples = samples_per_replica(rf, topo)
@@ -80,6 +83,8 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
     out = [
         f"model: {config.model_type}; parameters: vision {_num(counts.vision)}, "
         f"text {_num(counts.text)} ({_num(counts.text_sharded)} tensor-parallel)",
+        *([f"frozen (optim.modules): vision {_num(counts.vision_frozen)}, text "
+           f"{_num(counts.text_frozen)}"] if counts.vision_frozen or counts.text_frozen else []),
         f"workers: {num_workers} (scaling.use_gpu={rf.scaling.use_gpu})",
         "layout:", topo.describe(), "meshes:", *_meshes(topo),
         "",

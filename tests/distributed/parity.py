@@ -34,12 +34,16 @@ def make_steps(tmp_path, family: str, cfg: TrainLoopConfig, *, num_samples=16, t
 
 
 def named_full_grads(engine) -> dict:
-    """The gradients this rank holds for its parameters, unsharded (collective on text ranks)."""
+    """The gradients this rank holds for its parameters, unsharded (collective on text ranks);
+    frozen parameters (`ray_dhp.tuning`) have none and are left out."""
     out = {}
     if engine.visual is not None:
-        out.update({f"model.visual.{n}": p.grad.detach().clone() for n, p in engine.visual.named_parameters()})
+        out.update({f"model.visual.{n}": p.grad.detach().clone() for n, p in engine.visual.named_parameters()
+                    if p.requires_grad})
     if engine.text_model is not None:
         for n, p in engine.text_model.named_parameters():
+            if not p.requires_grad:
+                continue
             g = p.grad
             out[n] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
     return out
@@ -88,7 +92,7 @@ def _engine_body(rank, world, family, layout, cfg, steps, dtype, schedule, grads
         if r == rank:
             perturb_local(engine, name, eps)
     return {"history": history, "params0": params0, "params": engine.named_full_parameters(),
-            "grads": seen, "comm": comm.as_dict()}
+            "grads": seen, "comm": comm.as_dict(), "state": engine.state_bytes()}
 
 
 def merge_ranks(outs: list) -> dict:
@@ -118,7 +122,7 @@ def run_reference(family: str, cfg: TrainLoopConfig, steps, dtype=None, model=No
     params0 = ref.named_parameters()
     grads = []
     ref.opt.register_step_pre_hook(lambda opt, args, kwargs: grads.append(
-        {n: p.grad.detach().clone() for n, p in ref.model.named_parameters()}))
+        {n: p.grad.detach().clone() for n, p in ref.model.named_parameters() if p.grad is not None}))
     history = [ref.step(mbs) for mbs in steps]
     return {"history": history, "params": ref.named_parameters(), "params0": params0, "grads": grads}
 

@@ -149,10 +149,11 @@ def test_export_without_the_export_module_fails_clearly(monkeypatch, capsys, tmp
     calls = []
     monkeypatch.setattr(cli, "_export_fn", lambda: lambda c, o, **kw: calls.append((c, o, kw)))
     assert main(["export", "c", "o"]) == 0
-    assert calls == [("c", "o", {"dtype": None, "source": None, "overwrite": False})]
+    assert calls == [("c", "o", {"dtype": None, "source": None, "overwrite": False, "lora": "merge"})]
     assert main(["export", "c", "o", "--overwrite"]) == 0 and calls[-1][2]["overwrite"] is True
     assert main(["export", "c", "o", "--dtype", "bfloat16"]) == 0
     assert calls[-1][2]["dtype"] == "bfloat16"
+    assert main(["export", "c", "o", "--lora", "adapter"]) == 0 and calls[-1][2]["lora"] == "adapter"
 
 
 def test_sweep_keys_are_checked_and_grids_expanded():

@@ -88,6 +88,16 @@ def test_trainer_checks_train_loop_config_before_workers_start(no_ray):
                                          r"train_loop_config\.micro_batches=1"):
         DisaggregatedTrainer(train_loop_config={"micro_batches": 2, "micro_batch_tokens": 99},
                              dhp_config=cfg, datasets={"train": str(Path(TINY))})
+    with pytest.raises(ValueError, match=r"train_loop_config\.modules\.visoin: unknown module"):
+        DisaggregatedTrainer(train_loop_config={"modules": {"visoin": {"train": False}}},
+                             dhp_config=cfg, datasets={"train": str(Path(TINY))})
+    sp = DHPConfig(model=demo.tiny_model_config(), processor=demo.tiny_processor(),
+                   vision=ModuleParallel(sequence_parallel=2),
+                   text=ModuleParallel(tensor_parallel=2, sequence_parallel=True))
+    with pytest.raises(ValueError, match=r"train_loop_config\.modules\.llm\.lora: LoRA adapters "
+                                         r"are not covered with text sequence parallelism"):
+        DisaggregatedTrainer(train_loop_config={"modules": {"llm": {"lora": {"r": 4}}}},
+                             dhp_config=sp, datasets={"train": str(Path(TINY))})
     with pytest.raises(ValueError, match=r"DHPConfig\.timeout_s: must be > 0"):
         DHPConfig(model=demo.tiny_model_config(), timeout_s=0)
     assert not no_ray
