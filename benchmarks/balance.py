@@ -125,7 +125,7 @@ def model_imbalance(steps: list, config, names=("count", "cost_1batch", "cost"))
 
 
 class _CpuTimer:
-    """A `ray_dhp.engine.PhaseTimer` that also sums each phase's thread CPU time."""
+    """A `ray_dhp.step.engine.PhaseTimer` that also sums each phase's thread CPU time."""
 
     def __init__(self):
         import contextlib
@@ -151,11 +151,11 @@ class _CpuTimer:
 
 
 def _body(rank, world, steps_n, rounds, seed, text_tokens):
-    import ray_dhp.engine as eng
-    from ray_dhp.engine import DHPEngine
-    from ray_dhp.mesh import build_groups
-    from ray_dhp.topology import Topology
-    from ray_dhp.train_config import TrainLoopConfig
+    import ray_dhp.step.engine as eng
+    from ray_dhp.step.engine import DHPEngine
+    from ray_dhp.step.mesh import build_groups
+    from ray_dhp.step.topology import Topology
+    from ray_dhp.train.loop_config import TrainLoopConfig
 
     eng.PhaseTimer = _CpuTimer  # benchmark-only: CPU time per phase as well as wall time
     config = model_config("vitheavy")

@@ -6,7 +6,7 @@ tower module it runs, for activation tagging) and ``state()`` (local parameter /
 optimizer bytes). Gradients are laid out like the parameters in every contender (fp32), so the
 gradient bytes equal the parameter bytes.
 
-* ``dhp``: `ray_dhp.engine.DHPEngine`, collocated, vision SP = world, text TP = world.
+* ``dhp``: `ray_dhp.step.engine.DHPEngine`, collocated, vision SP = world, text TP = world.
 * ``dhp-disjoint``: `DHPEngine`, vision SP = world/2 on the first half, text TP = world/2 on the rest.
 * ``tp``: uniform tensor parallelism (DTensor) of both modules; every rank runs the whole batch.
 * ``fsdp2``: ``fully_shard`` per block + root; rank r runs sample r (ZeRO-3 equivalent).
@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ray_dhp.engine import count_targets, shift_labels
+from ray_dhp.step.engine import count_targets, shift_labels
 from ray_dhp.models import build_model
-from ray_dhp.train_config import TrainLoopConfig
+from ray_dhp.train.loop_config import TrainLoopConfig
 
 from benchmarks import measure
 
@@ -55,9 +55,9 @@ def _ce_sum(logits, targets):
 
 class DHP:
     def __init__(self, config, cfg, device, *, sp, tp, placement="collocated", comm=None, text_sp=False):
-        from ray_dhp.engine import DHPEngine
-        from ray_dhp.mesh import build_groups
-        from ray_dhp.topology import Topology
+        from ray_dhp.step.engine import DHPEngine
+        from ray_dhp.step.mesh import build_groups
+        from ray_dhp.step.topology import Topology
 
         world = dist.get_world_size()
         dp_v = world // sp if placement == "collocated" else 1
@@ -82,7 +82,7 @@ class UniformTP:
         from torch.distributed.device_mesh import init_device_mesh
 
         from ray_dhp.models.base import standard_text_plan
-        from ray_dhp.optim import build_optimizer
+        from ray_dhp.step.optim import build_optimizer
         from ray_dhp.parallel.tensor import apply_tp_plan
 
         from benchmarks.baselines.vit_tp import parallelize_vit
@@ -151,7 +151,7 @@ class FSDP2(_DataParallel):
             fully_shard(layer)
         fully_shard(self.model)
         self.vision = self.model.model.visual
-        from ray_dhp.optim import build_optimizer
+        from ray_dhp.step.optim import build_optimizer
 
         self.opt, _ = build_optimizer(self.model.named_parameters(), cfg)
 
@@ -192,7 +192,7 @@ class Zero3(_DataParallel):
     def __init__(self, config, cfg, device):
         import deepspeed
 
-        from ray_dhp.optim import param_groups
+        from ray_dhp.step.optim import param_groups
 
         self.cfg, self.device = cfg, device
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)

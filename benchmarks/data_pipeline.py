@@ -38,7 +38,7 @@ def _sampler(path, batch, seed=0):
     from ray_dhp import demo
     from ray_dhp.data.reading import read_annotations, resolve_data_root
     from ray_dhp.data.sampler import StepSampler
-    from ray_dhp.train_config import TrainLoopConfig
+    from ray_dhp.train.loop_config import TrainLoopConfig
 
     cfg = TrainLoopConfig(global_batch_size=batch, num_steps=1000, seed=seed)
     return StepSampler(read_annotations(path), demo.tiny_processor(), resolve_data_root(path), cfg), cfg
@@ -63,9 +63,9 @@ def _body(rank, world, path, batch, steps, rounds):
 
     from ray_dhp import demo
     from ray_dhp.data.loader import StepLoader
-    from ray_dhp.engine import DHPEngine
-    from ray_dhp.mesh import build_groups
-    from ray_dhp.topology import Topology
+    from ray_dhp.step.engine import DHPEngine
+    from ray_dhp.step.mesh import build_groups
+    from ray_dhp.step.topology import Topology
 
     topo = Topology.build(**LAYOUTS[world])
     groups = build_groups(topo, torch.device("cpu"))
@@ -137,7 +137,7 @@ def _old_modules(old_tree: str) -> dict:
 
 def _contenders(old_tree: str) -> dict:
     from ray_dhp import demo
-    from ray_dhp.data import loader, processing, reading, sampler
+    from ray_dhp.data import loader, reading, sampler
 
     proc = demo.tiny_processor()
     old = _old_modules(old_tree)
@@ -151,7 +151,7 @@ def ab_compare(old_tree: str, rounds: int, steps: int) -> dict:
     one process, alternating before/after within each round (pairs close in time, so a busy
     machine slows both alike); ratios are medians over rounds of the paired ratios."""
     from ray_dhp import demo
-    from ray_dhp.train_config import TrainLoopConfig
+    from ray_dhp.train.loop_config import TrainLoopConfig
 
     versions = _contenders(old_tree)
     times = {v: {"reader": [], "loader": []} for v in versions}

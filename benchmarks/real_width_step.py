@@ -6,7 +6,7 @@ parameters). Each rank builds only its shards (meta + materialise), trains one o
 ``--samples`` synthetic samples with one ``--patches``-patch image each under ``--precision``,
 and reports: its peak RSS (``ru_maxrss``), the state it holds after the step (weights, grads at the
 optimizer, fp32 masters, AdamW moments — measured from the tensors, `DHPEngine.state_bytes`),
-what `ray-dhp plan`'s policy arithmetic says it holds (`ray_dhp.memory.rank_state`), the loss and
+what `ray-dhp plan`'s policy arithmetic says it holds (`ray_dhp.planning.memory.rank_state`), the loss and
 the step time. Results: ``results/real-width-step-<width>-<precision>-cpu2-<date>.json``.
 
     python -m benchmarks.real_width_step [--precision bf16] [--patches 256]
@@ -38,11 +38,11 @@ def _rank_body(rank, world, config, precision, samples, patches):
     import torch
 
     from benchmarks.shapes import make_batch
-    from ray_dhp.engine import DHPEngine
-    from ray_dhp.memory import count_params, rank_state
-    from ray_dhp.mesh import build_groups
-    from ray_dhp.topology import Topology
-    from ray_dhp.train_config import TrainLoopConfig
+    from ray_dhp.step.engine import DHPEngine
+    from ray_dhp.planning.memory import count_params, rank_state
+    from ray_dhp.step.mesh import build_groups
+    from ray_dhp.step.topology import Topology
+    from ray_dhp.train.loop_config import TrainLoopConfig
 
     topo = Topology.build(**LAYOUT)
     groups = build_groups(topo, torch.device("cpu"))
@@ -63,8 +63,8 @@ def _rank_body(rank, world, config, precision, samples, patches):
 
 
 def run(width: str, precision: str, samples: int, patches: int, out_dir: str) -> dict:
-    from ray_dhp.launch import spawn
-    from ray_dhp.memory import count_params
+    from ray_dhp.train.launch import spawn
+    from ray_dhp.planning.memory import count_params
 
     config = model_config(width)
     counts = count_params(config)

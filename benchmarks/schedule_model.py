@@ -1,4 +1,4 @@
-"""The schedule part of the cost model (`ray_dhp.recommend.schedule_time`) against measurement.
+"""The schedule part of the cost model (`ray_dhp.planning.recommend.schedule_time`) against measurement.
 
 Input: a ``benchmarks/schedules.py`` result (disjoint 1 vision + 1 text rank, sequential and
 pipelined, same processes). Nothing is fitted: the per-module times come from the *sequential*
@@ -26,7 +26,7 @@ import json
 import os
 import sys
 
-from ray_dhp.recommend import schedule_time
+from ray_dhp.planning.recommend import schedule_time
 
 DEFAULT = os.path.join(os.path.dirname(__file__), "results", "schedules-vitheavy-cpu2-2026-11-30.json")
 

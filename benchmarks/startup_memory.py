@@ -74,11 +74,11 @@ def _old_build(model, groups, cfg, dtype):
 def _rank_body(rank, world, layout, model, path_name, dtype_name):
     import torch
 
-    from ray_dhp.engine import DHPEngine
-    from ray_dhp.mesh import build_groups
+    from ray_dhp.step.engine import DHPEngine
+    from ray_dhp.step.mesh import build_groups
     from ray_dhp.models.loading import local_parameter_bytes
-    from ray_dhp.topology import Topology
-    from ray_dhp.train_config import TrainLoopConfig
+    from ray_dhp.step.topology import Topology
+    from ray_dhp.train.loop_config import TrainLoopConfig
 
     dtype = getattr(torch, dtype_name)
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
@@ -116,7 +116,7 @@ def _save_body(rank, world, config, dtype_name, path):
 
 def _save_directory(config, dtype_name, root) -> str:
     """Save the model once, in a process of its own (its memory is returned when it exits)."""
-    from ray_dhp.launch import spawn
+    from ray_dhp.train.launch import spawn
 
     path = os.path.join(root, "qwen2_5_vl_7bwidth")
     spawn(_save_body, 1, (config, dtype_name, path))
@@ -135,7 +135,7 @@ ORDER = [("config", "collocated SP2/TP2", "new"), ("directory", "collocated SP2/
 def run(dtype_name: str, out_dir: str, order=ORDER) -> dict:
     import torch
 
-    from ray_dhp.launch import spawn
+    from ray_dhp.train.launch import spawn
 
     dtype = getattr(torch, dtype_name)
     config = model_config()

@@ -1,4 +1,4 @@
-"""Model state saved per rank by freezing modules or training LoRA adapters (`ray_dhp.tuning`).
+"""Model state saved per rank by freezing modules or training LoRA adapters (`ray_dhp.step.tuning`).
 
 Two parts, both collocated SP=2 / TP=2 under the bf16_mixed policy (bf16 weights and grads,
 fp32 masters and AdamW moments) with vision ZeRO-1:
@@ -6,7 +6,7 @@ fp32 masters and AdamW moments) with vision ZeRO-1:
 * measured: a small Qwen2.5-VL (text hidden 512, 4 layers, vocab 8192; ViT 8 blocks of width
   640) on 2 spawned gloo ranks, one optimizer step per choice; each rank's weights, gradients
   at the optimizer, masters and moments counted from its tensors (`DHPEngine.state_bytes`),
-  next to what `ray-dhp plan` computes (`ray_dhp.memory.rank_state`);
+  next to what `ray-dhp plan` computes (`ray_dhp.planning.memory.rank_state`);
 * plan: the same choices for the published Qwen2.5-VL-7B dims (`ray-dhp plan` arithmetic, which
   the test suite checks equals the measured bytes to the byte; nothing is allocated).
 
@@ -49,10 +49,10 @@ def small_config():
 
 
 def _planned(config, modules, rank: int) -> dict:
-    from ray_dhp.memory import count_params, rank_state
-    from ray_dhp.precision import POLICIES
-    from ray_dhp.topology import Topology
-    from ray_dhp.tuning import parse_tuning
+    from ray_dhp.planning.memory import count_params, rank_state
+    from ray_dhp.step.precision import POLICIES
+    from ray_dhp.step.topology import Topology
+    from ray_dhp.step.tuning import parse_tuning
 
     tuning = parse_tuning(modules)
     st = rank_state(count_params(config, None if tuning.default else tuning), Topology.build(**LAYOUT),
@@ -64,10 +64,10 @@ def _rank_body(rank, world, config):
     import torch
 
     from benchmarks.shapes import make_batch
-    from ray_dhp.engine import DHPEngine
-    from ray_dhp.mesh import build_groups
-    from ray_dhp.topology import Topology
-    from ray_dhp.train_config import TrainLoopConfig
+    from ray_dhp.step.engine import DHPEngine
+    from ray_dhp.step.mesh import build_groups
+    from ray_dhp.step.topology import Topology
+    from ray_dhp.train.loop_config import TrainLoopConfig
 
     groups = build_groups(Topology.build(**LAYOUT), torch.device("cpu"))
     out = {}
@@ -83,7 +83,7 @@ def _rank_body(rank, world, config):
 def run(out_dir: str) -> dict:
     from ray_dhp.cli.models import config_from_dims
     from ray_dhp.cli.presets import preset_dims
-    from ray_dhp.launch import spawn
+    from ray_dhp.train.launch import spawn
 
     config = small_config()
     ranks = spawn(_rank_body, 2, (config,), backend="gloo", threads=1, timeout_s=1800)

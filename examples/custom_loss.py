@@ -68,7 +68,7 @@ def main(argv=None):
     import ray
     import ray.train
 
-    from ray_dhp.callbacks import MetricsHistory
+    from ray_dhp.train.callbacks import MetricsHistory
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=8)

@@ -33,7 +33,7 @@ def main(argv=None) -> dict:
     import ray.train
 
     from ray_dhp import DHPConfig, DisaggregatedTrainer, ModuleParallel, demo
-    from ray_dhp.callbacks import read_history
+    from ray_dhp.train.callbacks import read_history
 
     out = os.path.abspath(args.out or tempfile.mkdtemp(prefix="ray_dhp_demo_"))
     data = demo.make_dataset(os.path.join(out, "data"), num_samples=args.samples, seed=0)

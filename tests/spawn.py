@@ -9,7 +9,7 @@ Usage::
     results = run_on_ranks(body, world_size=4, args=(arg,))   # list indexed by rank
 
 An exception on any rank fails the test with that rank's traceback. The process handling lives
-in `ray_dhp.launch` (shared with the benchmarks).
+in `ray_dhp.train.launch` (shared with the benchmarks).
 
 Each rank runs ``torch.set_num_threads(rank_threads())``: 1 unless the environment variable
 ``RAY_DHP_TEST_THREADS`` says otherwise (the suite must pass at 1 and at 2 threads; with it set,
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 
-from ray_dhp.launch import free_port, spawn  # noqa: F401
+from ray_dhp.train.launch import free_port, spawn  # noqa: F401
 
 THREADS_ENV = "RAY_DHP_TEST_THREADS"
 

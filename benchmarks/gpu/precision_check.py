@@ -57,13 +57,13 @@ def _body(rank, world, policy, tiny, patches, batch):
     import torch
 
     from benchmarks import shapes
-    from ray_dhp.engine import DHPEngine
-    from ray_dhp.memory import count_params, rank_state
-    from ray_dhp.mesh import build_groups
+    from ray_dhp.step.engine import DHPEngine
+    from ray_dhp.planning.memory import count_params, rank_state
+    from ray_dhp.step.mesh import build_groups
     from ray_dhp.parallel.devcheck import CollectiveDeviceCheck
-    from ray_dhp.precision import POLICIES
-    from ray_dhp.topology import Topology
-    from ray_dhp.train_config import TrainLoopConfig
+    from ray_dhp.step.precision import POLICIES
+    from ray_dhp.step.topology import Topology
+    from ray_dhp.train.loop_config import TrainLoopConfig
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
@@ -111,7 +111,7 @@ def main(argv=None) -> list:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
     a = p.parse_args(argv)
-    from ray_dhp.launch import spawn
+    from ray_dhp.train.launch import spawn
 
     if a.device == "cuda":
         import torch

@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (workers) per node")
     pl.add_argument("--internode-gbs", type=float, default=45.0, help="GB/s per GPU between "
                     "nodes (one 400 Gb/s NIC per GPU: ~45)")
-    r = pl.add_argument_group("recommendation (ray_dhp/recommend.py)")
+    r = pl.add_argument_group("recommendation (ray_dhp/planning/recommend.py)")
     r.add_argument("--recommend", action="store_true", help="rank collocated and disjoint "
                    "layouts by predicted step time and print the best as a run-file fragment")
     r.add_argument("--gpus", type=int, default=None, help="GPUs to plan for (default: the run "
@@ -89,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load(args):
-    from ray_dhp.run_config import load_run_file
+    from ray_dhp.run_file import load_run_file
 
     return load_run_file(args.config, args.overrides)
 
@@ -127,7 +127,7 @@ def _cmd_plan(args) -> int:
 
 def _recommend(args, rf, tokens) -> int:
     from ray_dhp.cli.recommend import recommend_text
-    from ray_dhp.recommend import Hardware
+    from ray_dhp.planning.recommend import Hardware
 
     args.attention, args.device_gib = args.attention or "flash", args.device_gib or 80.0
     hw = Hardware(peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None,
@@ -168,7 +168,7 @@ def _export_fn():
     import importlib
 
     try:
-        return importlib.import_module("ray_dhp.export").export_hf
+        return importlib.import_module("ray_dhp.checkpointing.export").export_hf
     except (ImportError, AttributeError):
         import ray_dhp
 
@@ -181,7 +181,7 @@ def _export_fn():
 def _cmd_export(args) -> int:
     export_hf = _export_fn()
     if export_hf is None:
-        print("ray-dhp export: this install has no ray_dhp.export_hf (ray_dhp/export.py); "
+        print("ray-dhp export: this install has no ray_dhp.export_hf (ray_dhp/checkpointing/export.py); "
               "update ray_dhp to a version with checkpoint export.", file=sys.stderr)
         return 1
     out = export_hf(args.checkpoint, args.out_dir, dtype=args.dtype, source=args.source,

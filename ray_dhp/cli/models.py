@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
 
 from ray_dhp.cli.schema import ConfigError
 
@@ -44,7 +43,7 @@ def build_model_spec(section):
         if section.preset or section.config:
             raise ConfigError("model: give either path (a local model directory) or "
                               "preset/config (dims without weights), not both.")
-        from ray_dhp.hub import resolve_model_path
+        from ray_dhp.models.hub import resolve_model_path
 
         try:  # a local directory or a Hub id (org/name) in the Hugging Face cache
             return resolve_model_path(section.path, "model.path")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ray_dhp.memory import (GIB, ActivationSettings, count_params, estimate_ranks, estimate_zero3,
-                            rank_state)
+from ray_dhp.planning.memory import (GIB, ActivationSettings, count_params, estimate_ranks,
+                                     estimate_zero3, rank_state)
 
 
 def _gib(b: float) -> str:
@@ -25,7 +25,7 @@ def _meshes(topology) -> list:
 def policy_of_run(rf):
     """The `PrecisionPolicy` of the run file (optim.precision / optim.autocast_dtype): the same
     object the engine builds from its train_loop_config."""
-    from ray_dhp.precision import policy_of
+    from ray_dhp.step.precision import policy_of
 
     return policy_of(rf.optim)
 
@@ -71,7 +71,7 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
     dhp = rf.dhp_config(with_processor=False)
     topo, config = dhp.topology(), dhp.model_config()
     num_workers = rf.num_workers(dhp)
-    from ray_dhp.tuning import tuning_of
+    from ray_dhp.step.tuning import tuning_of
 
     tuning = tuning_of(rf.optim)  # optim.modules: frozen parts hold weights only
     counts = count_params(config, None if tuning.default else tuning)
@@ -138,13 +138,13 @@ def nodes_text(rf, *, nodes: int, gpus_per_node: int, vision_tokens: int, text_t
                attention: str = "flash",
                internode_bw: float = 45e9) -> str:
     """The node view of `ray-dhp plan --nodes N --gpus-per-node G`: which DHP ranks share a node
-    (as the backend orders them, `ray_dhp.topology.node_local_order`) and, per collective, the
+    (as the backend orders them, `ray_dhp.step.topology.node_local_order`) and, per collective, the
     bytes one rank sends per optimizer step and whether its groups cross the node boundary."""
     from ray_dhp.cli.schema import ConfigError
-    from ray_dhp.memory import count_params
-    from ray_dhp.recommend import Layout, Workload
-    from ray_dhp.topology import node_local_order, nodes_by_rank
-    from ray_dhp.traffic import collective_bytes, collective_groups
+    from ray_dhp.planning.memory import count_params
+    from ray_dhp.planning.recommend import Layout, Workload
+    from ray_dhp.step.topology import node_local_order, nodes_by_rank
+    from ray_dhp.planning.traffic import collective_bytes, collective_groups
 
     dhp = rf.dhp_config()
     topo, config = dhp.topology(), dhp.model_config()

@@ -13,7 +13,7 @@ def default_workers(rf) -> int:
     """The run file's worker count: ``scaling.num_workers``, else the size of its layout."""
     if rf.scaling.num_workers:
         return rf.scaling.num_workers
-    from ray_dhp.topology import Topology
+    from ray_dhp.step.topology import Topology
 
     try:
         return Topology.build(placement=rf.placement.mode, vision_dp=rf.vision.data_parallel,
@@ -85,9 +85,9 @@ def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens:
     run file's count) and the fragment of the best one; ``ok`` is False when none fits.
     ``vision_mix``: a resolution mix ``((tokens, fraction), ...)`` (`parse_vision_tokens`)."""
     from ray_dhp.cli.plan import _num
-    from ray_dhp.memory import count_params
+    from ray_dhp.planning.memory import count_params
     from ray_dhp.models import load_model_config
-    from ray_dhp.recommend import Hardware, Workload, recommend
+    from ray_dhp.planning.recommend import Hardware, Workload, recommend
 
     hw = hardware or Hardware()
     n = gpus if gpus is not None else default_workers(rf)
@@ -118,7 +118,7 @@ def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens:
         f"{'on' if settings.checkpointing else 'off'}, vision ZeRO-1 "
         f"{'on' if w.vision_zero1 else 'off'}, {policy.name} state ({state_bytes:g} B/param); {device_gib:g} GiB "
         "per GPU",
-        f"cost model (ray_dhp/cost_model.py): {hw.flops(settings.dtype_bytes) / 1e12:.0f} TFLOP/s "
+        f"cost model (ray_dhp/planning/cost_model.py): {hw.flops(settings.dtype_bytes) / 1e12:.0f} TFLOP/s "
         f"achieved per GPU ({hw.efficiency:.2f} of peak), links {hw.link_bw / 1e9:.0f} GB/s in a "
         f"node / {hw.internode_bw / 1e9:.0f} GB/s between nodes, {hw.gpus_per_node} GPUs per node",
         "",

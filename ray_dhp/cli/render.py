@@ -1,6 +1,6 @@
 """Render the run-file schema: a commented YAML of the defaults and the Markdown reference.
 
-Both are generated from the dataclasses (`ray_dhp.run_config.RunFile`), so they cannot drift from
+Both are generated from the dataclasses (`ray_dhp.run_file.RunFile`), so they cannot drift from
 the code; ``docs/configuration.md`` is the output of `markdown_reference` (a unit test checks).
 """
 
@@ -55,7 +55,7 @@ def _comment(text: str, indent: str) -> list:
 
 def defaults_yaml(root=None) -> str:
     """A complete run file with every key at its default, commented from the help strings."""
-    from ray_dhp.run_config import RunFile
+    from ray_dhp.run_file import RunFile
 
     root = root or RunFile
     lines = ["# ray-dhp run file: every key with its default value.",
@@ -89,7 +89,7 @@ def _cell(text: str) -> str:
 
 def markdown_reference(root=None) -> str:
     """``docs/configuration.md``: every section and key with type, default and help."""
-    from ray_dhp.run_config import RunFile
+    from ray_dhp.run_file import RunFile
 
     root = root or RunFile
     out = [
@@ -112,7 +112,7 @@ def markdown_reference(root=None) -> str:
     for sec in fields(root):
         cls = sec.metadata["section"]
         doc = (cls.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ").replace("``", "`")
-        if not cls.__module__.startswith("ray_dhp.run_config"):  # a library class: its own words
+        if not cls.__module__.startswith("ray_dhp.run_file"):  # a library class: its own words
             doc = f"{sec.metadata['help'].capitalize()}."
         out += [f"## `{sec.name}`", "", doc, ""]
         out += ["| key | type | accepts | default | description |", "|---|---|---|---|---|"]

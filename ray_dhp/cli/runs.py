@@ -12,7 +12,7 @@ from ray_dhp.checks import ConfigError
 
 def checkpoint_step(folder: str) -> Optional[int]:
     """Step of the newest complete checkpoint in the run folder ``folder`` (None: none)."""
-    from ray_dhp import checkpoint
+    from ray_dhp.checkpointing import checkpoint
 
     if not os.path.isdir(folder):
         return None

@@ -45,7 +45,7 @@ def build_trainer(rf, *, datasets: dict, name: Optional[str] = None,
     validated before any worker starts."""
     import ray.train
 
-    from ray_dhp.trainer import DisaggregatedTrainer
+    from ray_dhp.train.trainer import DisaggregatedTrainer
 
     dhp = rf.dhp_config()
     checkpoint = ray.train.CheckpointConfig(num_to_keep=rf.checkpoint.num_to_keep,
@@ -113,7 +113,7 @@ def init_ray(rf, num_workers: int) -> None:
 
 def train(rf) -> dict:
     """Run the whole training described by ``rf``; returns the final metrics and result path."""
-    from ray_dhp.callbacks import read_history
+    from ray_dhp.train.callbacks import read_history
 
     from ray_dhp.cli.runs import check_run_folder
 

@@ -40,7 +40,7 @@ def ghost_sample(pad_id: int = 0):
 
 
 class EvalLoader(StepLoader):
-    """The validation set's batches for `ray_dhp.evaluation.evaluate`.
+    """The validation set's batches for `ray_dhp.step.evaluation.evaluate`.
 
     Args:
         sampler: a `ray_dhp.data.sampler.StepSampler` over the validation records (only its

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from ray_dhp.train_config import TrainLoopConfig
+from ray_dhp.train.loop_config import TrainLoopConfig
 
 
 def load_records(cfg: TrainLoopConfig, name: str = "train"):

@@ -36,7 +36,7 @@ def family_of(config) -> FamilySpec:
 def build_model(model, *, seed: int = 0, dtype=None):
     """The full transformers model, fp32 by default: random init from ``seed`` (config) or
     ``from_pretrained`` (local directory). This is the single-process reference's model
-    (`ray_dhp.reference`); the engine never builds it whole: it builds on the meta device and
+    (`ray_dhp.step.reference`); the engine never builds it whole: it builds on the meta device and
     materialises only its shards, with the same values (`ray_dhp.models.loading`)."""
     import torch
     import transformers

@@ -42,7 +42,7 @@ def target_regex(targets) -> str:
 
 
 def peft_config(choice):
-    """The ``peft.LoraConfig`` of a `ray_dhp.tuning.LoraChoice` (dropout 0, no bias)."""
+    """The ``peft.LoraConfig`` of a `ray_dhp.step.tuning.LoraChoice` (dropout 0, no bias)."""
     from peft import LoraConfig
 
     return LoraConfig(r=choice.r, lora_alpha=choice.alpha, lora_dropout=0.0, bias="none",
@@ -103,7 +103,7 @@ def lora_tp_plan(base_plan: dict, targets) -> dict:
 
 def counting_plan(base_plan: dict, targets) -> dict:
     """The plan by parameter-owning module after injection (``P`` -> ``P.base_layer``), plus
-    the adapters': what `ray_dhp.memory.count_params` classifies sharded parameters with."""
+    the adapters': what `ray_dhp.planning.memory.count_params` classifies sharded parameters with."""
     plan = {}
     for pattern, style in base_plan.items():
         key = f"{pattern}.base_layer" if pattern.rsplit(".", 1)[-1] in targets else pattern

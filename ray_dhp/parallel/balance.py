@@ -192,7 +192,7 @@ def decode_owners(costs: Sequence[int], world: int, start: int = 0) -> list[int]
 @dataclass(frozen=True)
 class CostModel:
     """Training FLOPs per sample (times a constant, as exact integers), the model of
-    `ray_dhp.recommend` per image:
+    `ray_dhp.planning.recommend` per image:
 
     * vision, per image of ``p`` patches: the linears ``6·(P_v - merger)·p`` and the merger
       ``6·merger·p / merge²``; attention ``12·h·p·p`` per full-attention block and
@@ -216,9 +216,9 @@ class CostModel:
 
     @classmethod
     def from_config(cls, config, counts=None) -> "CostModel":
-        """From a transformers VLM config (``counts``: `ray_dhp.memory.ParamCounts`, else
+        """From a transformers VLM config (``counts``: `ray_dhp.planning.memory.ParamCounts`, else
         counted on the meta device)."""
-        from ray_dhp.memory import count_params, vision_width
+        from ray_dhp.planning.memory import count_params, vision_width
         from ray_dhp.models import family_of
 
         counts = counts or count_params(config)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ray_dhp.parallel.comm import CommCounter, record
-from ray_dhp.topology import Topology
+from ray_dhp.step.topology import Topology
 
 
 def split_evenly(n: int, parts: int) -> list[range]:

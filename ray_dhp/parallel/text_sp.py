@@ -61,7 +61,7 @@ class _CopyToTP(torch.autograd.Function):
 
 def _deepstack_shard(self, hidden_states, visual_pos_masks, visual_embeds):
     group, comm = self._ray_dhp_sp
-    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    rank = dist.get_rank(group)
     s_local = hidden_states.shape[1]
     mask, rows = local_visual_rows(visual_pos_masks.to(hidden_states.device), rank * s_local, (rank + 1) * s_local)
     visual_embeds = _CopyToTP.apply(visual_embeds.to(hidden_states.device, hidden_states.dtype), group, comm)

@@ -153,7 +153,7 @@ def _flash_varlen(attn, q, k, v, cu_seqlens: torch.Tensor, max_len: int) -> Opti
 def segment_index(lengths: list[int], device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Token index ``[n_seg, L_max]`` of each segment padded to the longest (pad slots point at
     token 0) and the ``[n_seg, L_max]`` validity mask, for one batched attention call."""
-    n, longest = len(lengths), max(lengths)
+    longest = max(lengths)
     lens = torch.tensor(lengths, device=device)
     starts = torch.cumsum(lens, 0) - lens
     slot = torch.arange(longest, device=device)

@@ -18,9 +18,9 @@ import torch
 from ray_dhp import demo
 from ray_dhp.data.reading import read_annotations, resolve_data_root
 from ray_dhp.data.sampler import StepSampler
-from ray_dhp.reference import ReferenceTrainer
-from ray_dhp.topology import Topology
-from ray_dhp.train_config import TrainLoopConfig
+from ray_dhp.step.reference import ReferenceTrainer
+from ray_dhp.step.topology import Topology
+from ray_dhp.train.loop_config import TrainLoopConfig
 from tests.spawn import run_on_ranks
 
 
@@ -35,7 +35,7 @@ def make_steps(tmp_path, family: str, cfg: TrainLoopConfig, *, num_samples=16, t
 
 def named_full_grads(engine) -> dict:
     """The gradients this rank holds for its parameters, unsharded (collective on text ranks);
-    frozen parameters (`ray_dhp.tuning`) have none and are left out."""
+    frozen parameters (`ray_dhp.step.tuning`) have none and are left out."""
     out = {}
     if engine.visual is not None:
         out.update({f"model.visual.{n}": p.grad.detach().clone() for n, p in engine.visual.named_parameters()
@@ -76,8 +76,8 @@ def perturb_local(engine, name: str, eps: float) -> None:
 
 
 def _engine_body(rank, world, family, layout, cfg, steps, dtype, schedule, grads, drift, model=None):
-    from ray_dhp.engine import DHPEngine
-    from ray_dhp.mesh import build_groups
+    from ray_dhp.step.engine import DHPEngine
+    from ray_dhp.step.mesh import build_groups
     from ray_dhp.parallel.comm import CommCounter
 
     topo = Topology.build(**layout)

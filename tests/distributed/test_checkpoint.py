@@ -1,7 +1,7 @@
 """Checkpoints that lose nothing: save at one layout, resume at another, export, import.
 
 The invariant: 3 steps at layout A + save + load at layout B + 3 steps == 6 uninterrupted steps
-of the single-process reference (`ray_dhp.reference`), for the losses of every step and every
+of the single-process reference (`ray_dhp.step.reference`), for the losses of every step and every
 rank's copy of every parameter. Both runs draw their data from a real `StepSampler`, so the data
 position must be restored too; the cosine schedule with warmup and AdamW's moments make a lost
 scheduler or optimizer state an O(lr) parameter error, far above the tolerance.
@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from ray_dhp import demo
-from ray_dhp.train_config import TrainLoopConfig
+from ray_dhp.train.loop_config import TrainLoopConfig
 from tests.distributed.parity import copy_errors, merge_ranks, rel_err
 from tests.spawn import run_on_ranks
 
@@ -61,10 +61,10 @@ def _text_logits(engine, sample):
 def _train_body(rank, world, layout, cfg, data, model, resume_from, stop, save_at, ckpt_root, probe):
     """Build the engine at ``layout``, optionally load ``resume_from``, train until step ``stop``
     saving at the steps in ``save_at``; return history, full parameters and probe logits."""
-    from ray_dhp import checkpoint
-    from ray_dhp.engine import DHPEngine
-    from ray_dhp.mesh import build_groups
-    from ray_dhp.topology import Topology
+    from ray_dhp.checkpointing import checkpoint
+    from ray_dhp.step.engine import DHPEngine
+    from ray_dhp.step.mesh import build_groups
+    from ray_dhp.step.topology import Topology
 
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
     engine = DHPEngine(model if model is not None else demo.tiny_model_config(FAMILY), groups, cfg,
@@ -85,7 +85,7 @@ def _train_body(rank, world, layout, cfg, data, model, resume_from, stop, save_a
 
 def run(layout, data, *, stop=None, resume_from=None, save_at=(), ckpt_root=None,
         probe=None, model=None, cfg=CFG):
-    from ray_dhp.topology import Topology
+    from ray_dhp.step.topology import Topology
 
     world = Topology.build(**layout).world_size
     stop = cfg.num_steps if stop is None else stop
@@ -115,7 +115,7 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(data):
-    from ray_dhp.reference import ReferenceTrainer
+    from ray_dhp.step.reference import ReferenceTrainer
 
     sampler = _sampler(data, CFG)
     ref = ReferenceTrainer(demo.tiny_model_config(FAMILY), CFG, dtype=DTYPE)
@@ -150,7 +150,7 @@ def resumed(data, first_half, probe):
 
 
 def test_checkpoint_files_are_unique_per_rank_and_committed(first_half):
-    from ray_dhp import checkpoint
+    from ray_dhp.checkpointing import checkpoint
 
     _, root = first_half
     d = os.path.join(root, "checkpoint_000003")
@@ -208,7 +208,7 @@ def test_export_hf_loads_and_gives_the_sharded_logits(data, first_half, resumed,
 
 
 def test_torn_checkpoint_is_detected_and_skipped(first_half, tmp_path):
-    from ray_dhp import checkpoint
+    from ray_dhp.checkpointing import checkpoint
 
     _, root = first_half
     run_dir = tmp_path / "run"
@@ -234,7 +234,7 @@ def test_pretrained_directory_loads_into_a_dhp_layout(data, tmp_path):
     """``DHPConfig(model=dir)``: weights from ``save_pretrained`` (not the seed's random init)
     reach every shard; the first loss and update equal the unsharded model's."""
     from ray_dhp.models import build_model
-    from ray_dhp.reference import ReferenceTrainer
+    from ray_dhp.step.reference import ReferenceTrainer
 
     model_dir = str(tmp_path / "pretrained")
     build_model(demo.tiny_model_config(FAMILY), seed=1234).save_pretrained(model_dir)

@@ -22,10 +22,10 @@ from ray_dhp import demo
 from ray_dhp.data.collate import pad_text_batch
 from ray_dhp.data.reading import read_annotations, resolve_data_root
 from ray_dhp.data.sampler import StepSampler
-from ray_dhp.engine import count_targets, shift_labels
-from ray_dhp.reference import ReferenceTrainer
-from ray_dhp.topology import Topology
-from ray_dhp.train_config import TrainLoopConfig
+from ray_dhp.step.engine import count_targets, shift_labels
+from ray_dhp.step.reference import ReferenceTrainer
+from ray_dhp.step.topology import Topology
+from ray_dhp.train.loop_config import TrainLoopConfig
 from tests.distributed.parity import make_steps
 from tests.spawn import run_on_ranks
 
@@ -77,8 +77,8 @@ def _ref_eval(ref, samples) -> float:
 
 def _body(rank, world, layout, steps, val, val_cfg):
     from ray_dhp.data.eval_loader import EvalLoader
-    from ray_dhp.engine import DHPEngine
-    from ray_dhp.mesh import build_groups
+    from ray_dhp.step.engine import DHPEngine
+    from ray_dhp.step.mesh import build_groups
 
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
     model = demo.tiny_model_config(FAMILY)

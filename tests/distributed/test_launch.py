@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from ray_dhp.launch import spawn
+from ray_dhp.train.launch import spawn
 
 
 def _rank_times_world(rank, world):

@@ -1,5 +1,5 @@
 """The open loop: `forward_backward` + `optimizer_step` is `step()`, and a custom loss trains
-exactly like the single-process reference with the same loss (`ray_dhp.loss` contract).
+exactly like the single-process reference with the same loss (`ray_dhp.step.loss` contract).
 
 fp64 throughout, on the parity harness's batches (3 steps, 2 micro-batches of 4 samples mixing
 image sizes and a text-only sample, clipping active). Tolerance 1e-10 relative, as in
@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from ray_dhp import demo
-from ray_dhp.loss import cross_entropy_loss
-from ray_dhp.reference import ReferenceTrainer
-from ray_dhp.topology import Topology
-from ray_dhp.train_config import TrainLoopConfig
+from ray_dhp.step.loss import cross_entropy_loss
+from ray_dhp.step.reference import ReferenceTrainer
+from ray_dhp.step.topology import Topology
+from ray_dhp.train.loop_config import TrainLoopConfig
 from tests.distributed.parity import assert_parity, capture_grads, make_steps, merge_ranks
 from tests.spawn import run_on_ranks
 
@@ -65,8 +65,8 @@ def _layout(vision, text, placement="collocated", text_sp=False):
 
 def _open_loop_body(rank, world, layout, cfg, steps, loss_fn):
     """The engine trained by forward_backward(loss_fn) + optimizer_step, in fp64."""
-    from ray_dhp.engine import DHPEngine
-    from ray_dhp.mesh import build_groups
+    from ray_dhp.step.engine import DHPEngine
+    from ray_dhp.step.mesh import build_groups
 
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
     engine = DHPEngine(demo.tiny_model_config(FAMILY), groups, cfg, dtype=torch.float64)
@@ -111,8 +111,8 @@ def _step_vs_open_loop_body(rank, world, layout, cfg, steps):
     """Three engines on the same ranks and data: one trained by step(); one by forward_backward
     with a user-written cross-entropy + optimizer_step; one accumulating one forward_backward
     per micro-batch (normalised by the whole step's count) before optimizer_step."""
-    from ray_dhp.engine import DHPEngine, count_targets
-    from ray_dhp.mesh import build_groups
+    from ray_dhp.step.engine import DHPEngine, count_targets
+    from ray_dhp.step.mesh import build_groups
 
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
     engines = [DHPEngine(demo.tiny_model_config(FAMILY), groups, cfg, dtype=torch.float64)
@@ -180,7 +180,7 @@ def test_custom_loss_matches_the_reference(steps, name, layout, loss_fn, packing
 
 
 def test_a_loss_fn_must_return_a_scalar(steps):
-    from ray_dhp.loss import LossInputs, backward_loss
+    from ray_dhp.step.loss import LossInputs, backward_loss
 
     logits = torch.randn(1, 3, 5, requires_grad=True)
     inputs = LossInputs(logits, torch.tensor([[1, -100, 2]]), torch.zeros(1, 3, dtype=torch.long),
@@ -195,7 +195,7 @@ def test_a_loss_fn_must_return_a_scalar(steps):
 def test_smoothed_loss_is_torchs():
     """On plain logits the smoothing term equals torch's own (which `loss_parallel` cannot run
     on sharded logits: its label smoothing mixes DTensors and plain tensors)."""
-    from ray_dhp.loss import LossInputs
+    from ray_dhp.step.loss import LossInputs
 
     torch.manual_seed(0)
     logits = torch.randn(2, 5, 11, dtype=torch.float64)

@@ -1,7 +1,7 @@
 """Packed text collation trains exactly like padded collation.
 
 The packed engine (`TrainLoopConfig.packing`) is compared with the padded single-process
-reference (`ray_dhp.reference`, the stock transformers forward), on the parity harness's
+reference (`ray_dhp.step.reference`, the stock transformers forward), on the parity harness's
 batches: 3 steps, 2 micro-batches of 4 samples mixing image sizes and a text-only sample,
 clipping active. With ``max_tokens=80`` (samples are 30-43 tokens, the template's system turn
 included) a replica's 4 samples pack into 2-3 rows, so rows hold several samples and short rows
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from ray_dhp.data.collate import pack_rows
-from ray_dhp.train_config import TrainLoopConfig
+from ray_dhp.train.loop_config import TrainLoopConfig
 from tests.distributed.parity import assert_parity, make_steps, run_engine, run_reference
 
 CFG = TrainLoopConfig(lr=1e-3, global_batch_size=8, micro_batches=2, num_steps=3,

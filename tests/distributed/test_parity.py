@@ -1,5 +1,5 @@
 """The invariant: a DHP step updates every parameter exactly as one process training the
-unsharded model (stock transformers forward, `ray_dhp.reference`) would.
+unsharded model (stock transformers forward, `ray_dhp.step.reference`) would.
 
 Every case runs 3 optimizer steps with global-norm clipping active (max_grad_norm=0.5 is below
 the measured norms 3.5-5.5) and 2 gradient-accumulation micro-batches, on batches that mix image
@@ -24,7 +24,7 @@ Tolerances:
 import pytest
 import torch
 
-from ray_dhp.train_config import TrainLoopConfig
+from ray_dhp.train.loop_config import TrainLoopConfig
 from tests.distributed.parity import (assert_parity, make_steps, parity_failures, rel_err, run_engine,
                                       run_reference)
 

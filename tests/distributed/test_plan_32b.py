@@ -24,10 +24,10 @@ def _meta_rank0_body(rank, world, path, policies):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from ray_dhp.models import family_of
-    from ray_dhp.optim import zero1_owners
+    from ray_dhp.step.optim import zero1_owners
     from ray_dhp.parallel.tensor import apply_tp_plan, local
-    from ray_dhp.precision import POLICIES
-    from ray_dhp.run_config import load_run_file
+    from ray_dhp.step.precision import POLICIES
+    from ray_dhp.run_file import load_run_file
 
     rf = load_run_file(path)
     topo = rf.dhp_config().topology()
@@ -62,9 +62,9 @@ POLICIES_CHECKED = ("bf16_autocast", "bf16_mixed", "bf16")
 
 def test_32b_tp8_rank_state_matches_plan():
     from ray_dhp.cli.plan import plan_text
-    from ray_dhp.memory import count_params, rank_state
-    from ray_dhp.precision import POLICIES
-    from ray_dhp.run_config import load_run_file
+    from ray_dhp.planning.memory import count_params, rank_state
+    from ray_dhp.step.precision import POLICIES
+    from ray_dhp.run_file import load_run_file
 
     measured = run_on_ranks(_meta_rank0_body, 1, args=(EXAMPLE, POLICIES_CHECKED))[0]
     for precision in POLICIES_CHECKED:

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from ray_dhp import demo
-from ray_dhp.precision import POLICY_NAMES
-from ray_dhp.topology import Topology
-from ray_dhp.train_config import TrainLoopConfig
+from ray_dhp.step.precision import POLICY_NAMES
+from ray_dhp.step.topology import Topology
+from ray_dhp.train.loop_config import TrainLoopConfig
 from tests.distributed.parity import make_steps, rel_err
 from tests.spawn import run_on_ranks
 
@@ -33,8 +33,8 @@ def steps(tmp_path_factory):
 
 
 def _engine(layout, cfg):
-    from ray_dhp.engine import DHPEngine
-    from ray_dhp.mesh import build_groups
+    from ray_dhp.step.engine import DHPEngine
+    from ray_dhp.step.mesh import build_groups
 
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
     return DHPEngine(demo.tiny_model_config(FAMILY), groups, cfg), groups
@@ -57,11 +57,11 @@ def _bytes_body(rank, world, layout, steps):
                          ids=["sp2-tp2", "disjoint-2v-2t"])
 def test_rank_bytes_equal_the_plan_for_every_policy(layout, steps):
     """Weights, gradients, fp32 masters and AdamW moments measured from each rank's tensors
-    after one step equal `ray_dhp.memory.rank_state` (what `ray-dhp plan` prints) exactly, for
+    after one step equal `ray_dhp.planning.memory.rank_state` (what `ray-dhp plan` prints) exactly, for
     every policy; with 2 vision ranks and ZeRO-1 (the default) the ViT's masters and moments are
     split by the engine's own partition. Every collective of the step passes the device check."""
-    from ray_dhp.memory import count_params, rank_state
-    from ray_dhp.precision import POLICIES
+    from ray_dhp.planning.memory import count_params, rank_state
+    from ray_dhp.step.precision import POLICIES
 
     outs = run_on_ranks(_bytes_body, Topology.build(**layout).world_size, args=(layout, steps))
     topo = Topology.build(**layout)
@@ -117,7 +117,7 @@ def _full(engine) -> dict:
 
 
 def _reference(cfg, steps):
-    from ray_dhp.reference import ReferenceTrainer
+    from ray_dhp.step.reference import ReferenceTrainer
 
     ref = ReferenceTrainer(demo.tiny_model_config(FAMILY), cfg)
     seen = {}
@@ -227,7 +227,7 @@ def test_device_check_catches_a_host_tensor(steps):
 
 
 def _resume_body(rank, world, layout, cfg, data, ckpt, mode):
-    from ray_dhp import checkpoint
+    from ray_dhp.checkpointing import checkpoint
     from ray_dhp.data.reading import read_annotations, resolve_data_root
     from ray_dhp.data.sampler import StepSampler
 
@@ -277,7 +277,7 @@ def _check_export(ckpt, tmp_path, saved_run):
 
     from safetensors import safe_open
 
-    from ray_dhp.export import export_hf
+    from ray_dhp.checkpointing.export import export_hf
 
     source = tmp_path / "source"
     source.mkdir()
@@ -296,7 +296,7 @@ def _check_export(ckpt, tmp_path, saved_run):
 
 
 def _masters_at_step_2(ckpt, name):
-    from ray_dhp.export import read_model_tensors
+    from ray_dhp.checkpointing.export import read_model_tensors
 
     t = read_model_tensors(ckpt)[name]
     assert t.dtype == torch.float32

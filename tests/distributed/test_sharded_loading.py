@@ -18,7 +18,7 @@ import torch
 
 from ray_dhp import demo
 from ray_dhp.models import build_model
-from ray_dhp.train_config import TrainLoopConfig
+from ray_dhp.train.loop_config import TrainLoopConfig
 from tests.distributed.parity import assert_parity, make_steps, run_engine, run_reference
 from tests.spawn import run_on_ranks
 
@@ -46,11 +46,11 @@ def test_sharded_directory_first_step_parity_fp64(layout, sharded_dir, tmp_path)
 
 
 def _holdings_body(rank, world, layout, model):
-    from ray_dhp.engine import DHPEngine
-    from ray_dhp.mesh import build_groups
+    from ray_dhp.step.engine import DHPEngine
+    from ray_dhp.step.mesh import build_groups
     from ray_dhp.models.loading import local_parameter_bytes
     from ray_dhp.parallel.tensor import local
-    from ray_dhp.topology import Topology
+    from ray_dhp.step.topology import Topology
 
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
     engine = DHPEngine(model, groups, TrainLoopConfig(global_batch_size=2, seed=5))
@@ -75,7 +75,7 @@ def _slice_of(full: torch.Tensor, shape_local: tuple, shard_dims: list, tp_rank:
 @pytest.mark.parametrize("layout,source", [(DISJOINT, "config"), (COLLOCATED, "directory")],
                          ids=["disjoint-1v-2t-config", "collocated-sp2-tp2-directory"])
 def test_each_rank_holds_only_its_shards_bit_identical(layout, source, sharded_dir):
-    from ray_dhp.memory import count_params
+    from ray_dhp.planning.memory import count_params
 
     model = demo.tiny_model_config(FAMILY) if source == "config" else sharded_dir
     ref = build_model(model, seed=5)  # the old full build every rank used to make

@@ -1,9 +1,9 @@
-"""Per-module training choices (`ray_dhp.tuning`) are exact: a frozen vision tower, a frozen
+"""Per-module training choices (`ray_dhp.step.tuning`) are exact: a frozen vision tower, a frozen
 language model and per-module learning rates / weight decay give the single-process reference's
 loss, clipped gradients and updates (fp64, 1e-10 relative, as `test_parity.py`: in fp64 the only
 differences are summation orders, ~1e-14), on every rank's copy, at collocated SP2/TP2 and at
 disjoint 1 vision + 2 text ranks. Frozen parameters stay bit-identical, get no gradient, and the
-state each rank measures equals `ray_dhp.memory.rank_state` (the plan) with the frozen parts
+state each rank measures equals `ray_dhp.planning.memory.rank_state` (the plan) with the frozen parts
 holding weights only.
 """
 
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from ray_dhp import demo
-from ray_dhp.topology import Topology
-from ray_dhp.train_config import TrainLoopConfig
-from ray_dhp.tuning import tuning_of
+from ray_dhp.step.topology import Topology
+from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.step.tuning import tuning_of
 from tests.distributed.parity import assert_parity, make_steps, run_engine, run_reference
 
 FAMILY = "qwen2_5_vl"
@@ -81,8 +81,8 @@ def test_tuning_parity_fp64(choice, layout, steps):
 
 def _assert_state_is_the_plan(got: dict, cfg: TrainLoopConfig, layout: dict) -> None:
     """Each rank's measured weights / grads / masters / AdamW bytes equal the plan's."""
-    from ray_dhp.memory import count_params, rank_state
-    from ray_dhp.precision import policy_of
+    from ray_dhp.planning.memory import count_params, rank_state
+    from ray_dhp.step.precision import policy_of
 
     topo = Topology.build(**layout)
     counts = count_params(demo.tiny_model_config(FAMILY), tuning_of(cfg))
@@ -105,7 +105,7 @@ def test_resume_with_frozen_modules_is_exact(choice, tmp_path):
     """3 steps at collocated SP2/TP2 + save + resume at disjoint 1+2 + 3 steps == 6 steps of the
     reference (losses, every rank's copy of every parameter, fp64 1e-10): the optimizer and
     scheduler states of the trained parts, and the frozen weights, survive the round trip."""
-    from ray_dhp.reference import ReferenceTrainer
+    from ray_dhp.step.reference import ReferenceTrainer
     from tests.distributed.test_checkpoint import (CFG, COLLOCATED_SP2_TP2, DISJOINT_1V_2T, DTYPE,
                                                    _sampler, assert_matches, run)
 
@@ -165,7 +165,7 @@ def test_lora_resume_and_export_merged_or_adapter(tmp_path):
 
     from ray_dhp import export_hf
     from ray_dhp.models import build_model
-    from ray_dhp.reference import ReferenceTrainer
+    from ray_dhp.step.reference import ReferenceTrainer
     from tests.distributed.test_checkpoint import (CFG, COLLOCATED_SP2_TP2, DISJOINT_1V_2T, DTYPE,
                                                    _sampler, assert_matches, run)
 
@@ -202,6 +202,6 @@ def test_lora_resume_and_export_merged_or_adapter(tmp_path):
             assert (got - want).abs().max() <= 1e-10 * want.abs().max(), (got - want).abs().max()
     with pytest.raises(ValueError, match="trained too"):  # adapters only, but the ViT trained
         from ray_dhp.models.lora import check_adapter_export
-        from ray_dhp.tuning import parse_tuning
+        from ray_dhp.step.tuning import parse_tuning
 
         check_adapter_export(parse_tuning(LORA))

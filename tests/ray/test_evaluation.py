@@ -11,7 +11,7 @@ import ray
 import ray.train
 
 from ray_dhp import DHPConfig, DisaggregatedTrainer, ModuleParallel, demo
-from ray_dhp.callbacks import read_history
+from ray_dhp.train.callbacks import read_history
 
 
 def _ray_dataset(path):
@@ -68,7 +68,7 @@ def test_tune_sweep_on_eval_loss(ray_start, fast_reports, tmp_path):
     only the evaluation reports (steps 2 and 3) may reach Tune."""
     from ray import tune
 
-    from ray_dhp.tune import sweep
+    from ray_dhp.train.tune import sweep
 
     val = demo.make_dataset(tmp_path / "val", num_samples=3, seed=3)
     tiny = str(Path(__file__).resolve().parents[2] / "examples" / "tiny.yaml")

@@ -26,8 +26,8 @@ import ray.train
 import torch
 
 from ray_dhp import DHPConfig, DisaggregatedTrainer, ModuleParallel, demo
-from ray_dhp.callbacks import MetricsHistory, read_history
-from ray_dhp.train_config import TrainLoopConfig
+from ray_dhp.train.callbacks import MetricsHistory, read_history
+from ray_dhp.train.loop_config import TrainLoopConfig
 from tests.distributed.parity import copy_errors, make_steps, run_engine
 
 FAMILY = "qwen2_5_vl"
@@ -48,8 +48,8 @@ def _fp64_loop(fault=None):
 
         import torch
 
-        from ray_dhp import engine
-        from ray_dhp.train_loop import train_loop
+        from ray_dhp.step import engine
+        from ray_dhp.train.loop import train_loop
 
         base = getattr(engine.DHPEngine, "fp32_base", engine.DHPEngine)
 
@@ -109,7 +109,7 @@ def _fit_with_fault(tmp_path, data, fault: dict):
 
 
 def _final_params(checkpoint) -> dict:
-    from ray_dhp.export import read_model_tensors
+    from ray_dhp.checkpointing.export import read_model_tensors
 
     with checkpoint.as_directory() as d:
         return read_model_tensors(d)

@@ -40,9 +40,9 @@ import ray.train
 from ray.cluster_utils import Cluster
 
 from ray_dhp import DHPConfig, DisaggregatedTrainer, ModuleParallel, demo
-from ray_dhp.callbacks import MetricsHistory
-from ray_dhp.topology import Topology, crossing_groups
-from ray_dhp.train_config import TrainLoopConfig
+from ray_dhp.train.callbacks import MetricsHistory
+from ray_dhp.step.topology import Topology, crossing_groups
+from ray_dhp.train.loop_config import TrainLoopConfig
 from tests.distributed.parity import make_steps, rel_err, run_engine
 from tests.ray.conftest import stop_private_head
 
@@ -108,8 +108,8 @@ def _recording_loop(spec: dict):
     ``spec["go"]`` exists."""
 
     def loop(config):
-        from ray_dhp.backend import get_context
-        from ray_dhp.train_loop import train_loop
+        from ray_dhp.train.backend import get_context
+        from ray_dhp.train.loop import train_loop
 
         ctx = get_context()
         rc = ray.get_runtime_context()
@@ -160,7 +160,7 @@ def _node_of(records: list, world: int) -> list:
 
 
 def _assert_equal_to_reference(result, ref):
-    from ray_dhp.export import read_model_tensors
+    from ray_dhp.checkpointing.export import read_model_tensors
 
     want = ref["history"][-1]["loss"]
     assert abs(result.metrics["loss"] - want) <= 1e-6 * want, (result.metrics["loss"], want)

@@ -9,8 +9,8 @@ import pytest
 import ray.train
 
 from ray_dhp import DHPConfig, DisaggregatedTrainer, ModuleParallel, demo
-from ray_dhp.callbacks import read_history
-from ray_dhp.tracking import TENSORBOARD_DIR
+from ray_dhp.train.callbacks import read_history
+from ray_dhp.train.tracking import TENSORBOARD_DIR
 
 
 def read_scalars(logdir: str) -> dict:

@@ -5,7 +5,7 @@ import ray
 import ray.train
 
 from ray_dhp import DHPConfig, DisaggregatedTrainer, ModuleParallel, demo
-from ray_dhp.callbacks import read_history
+from ray_dhp.train.callbacks import read_history
 
 
 @pytest.fixture(scope="module")

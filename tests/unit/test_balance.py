@@ -9,11 +9,11 @@ import torch
 from ray_dhp import demo
 from ray_dhp.data.budget import cut_micro_batches
 from ray_dhp.data.processing import Sample
-from ray_dhp.engine import layout_micro_batch
+from ray_dhp.step.engine import layout_micro_batch
 from ray_dhp.parallel.balance import (Balancer, CostModel, balanced_micro_batches, contiguous,
                                       decode_owners, imbalance, lpt, lpt_grouped, lpt_padded,
                                       padded_groups)
-from ray_dhp.topology import Topology
+from ray_dhp.step.topology import Topology
 
 
 def _sample(i, patches_hw=None, tokens=32):
@@ -217,14 +217,14 @@ def test_balancer_validation():
         Balancer("fastest")
     with pytest.raises(ValueError, match="CostModel"):
         Balancer("cost")
-    from ray_dhp.train_config import TrainLoopConfig
+    from ray_dhp.train.loop_config import TrainLoopConfig
     with pytest.raises(ValueError, match="balance: must be one of"):
         TrainLoopConfig(balance="tokens")
 
 
 def test_sampler_cuts_equal_count_micro_batches_of_even_cost():
     from ray_dhp.data.sampler import StepSampler
-    from ray_dhp.train_config import TrainLoopConfig
+    from ray_dhp.train.loop_config import TrainLoopConfig
 
     config = demo.tiny_model_config("qwen2_5_vl")
     s = StepSampler.__new__(StepSampler)
@@ -244,7 +244,7 @@ def test_loader_decode_owners_balance_image_pixels(tmp_path):
     from ray_dhp.data.loader import StepLoader, decode_costs
     from ray_dhp.data.reading import read_annotations, resolve_data_root
     from ray_dhp.data.sampler import StepSampler
-    from ray_dhp.train_config import TrainLoopConfig
+    from ray_dhp.train.loop_config import TrainLoopConfig
 
     path = demo.make_dataset(tmp_path / "d", num_samples=8, text_only_every=4,
                              image_sizes=((448, 448), (56, 56), (56, 56)))

@@ -10,7 +10,7 @@ from ray_dhp.checks import ConfigError
 from ray_dhp.data import IGNORE_INDEX, BadSample, VLProcessor, image_grid
 from ray_dhp.data.processing import load_processor
 from ray_dhp.demo import DEFAULT_SYSTEM_PROMPT, build_tokenizer, tiny_model_config, tiny_processor
-from ray_dhp.train_config import TrainLoopConfig
+from ray_dhp.train.loop_config import TrainLoopConfig
 
 DEFAULT = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
 #: a Qwen-style template without a default system prompt (like Qwen3-VL's)
@@ -216,7 +216,7 @@ def test_trainer_rejects_max_pixels_below_one_patch_unit_before_workers_start(tm
 
 
 def test_run_file_keys_and_errors():
-    from ray_dhp.run_config import run_file_from_dict
+    from ray_dhp.run_file import run_file_from_dict
 
     rf = run_file_from_dict({"processor": {"system_prompt": "", "min_pixels": 3136, "max_pixels": 6272}})
     loop = rf.train_loop_config()
@@ -261,7 +261,7 @@ def test_the_train_loop_applies_the_settings_and_warns_once_without_a_template(c
     import logging
     from types import SimpleNamespace
 
-    from ray_dhp.loop import build_processor
+    from ray_dhp.train.custom_loop import build_processor
 
     def ctx(processor, rank=0):
         return SimpleNamespace(rank=rank, dhp_config=SimpleNamespace(processor=processor, model=None))
@@ -274,7 +274,7 @@ def test_the_train_loop_applies_the_settings_and_warns_once_without_a_template(c
     assert build_processor(ctx(kept), TrainLoopConfig()).system_prompt == "Mine."  # unset keeps it
     tok = build_tokenizer()
     bare = type(tok)(tokenizer_object=tok.backend_tokenizer, pad_token="<|endoftext|>", eos_token="<|im_end|>")
-    with caplog.at_level(logging.WARNING, logger="ray_dhp.loop"):
+    with caplog.at_level(logging.WARNING, logger="ray_dhp.train.custom_loop"):
         build_processor(ctx(VLProcessor(bare, None)), TrainLoopConfig())
         build_processor(ctx(VLProcessor(bare, None), rank=1), TrainLoopConfig())
     assert [r.message for r in caplog.records].count(

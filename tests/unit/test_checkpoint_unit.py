@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ray_dhp import checkpoint as ckpt
-from ray_dhp import checkpoint_integrity as integrity
+from ray_dhp.checkpointing import checkpoint as ckpt
+from ray_dhp.checkpointing import integrity
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

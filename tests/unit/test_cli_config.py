@@ -13,8 +13,8 @@ import yaml
 from ray_dhp.cli import main
 from ray_dhp.cli.render import defaults_yaml, markdown_reference
 from ray_dhp.cli.schema import ConfigError
-from ray_dhp.run_config import RunFile, load_run_file
-from ray_dhp.train_config import TrainLoopConfig
+from ray_dhp.run_file import RunFile, load_run_file
+from ray_dhp.train.loop_config import TrainLoopConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "examples" / "tiny.yaml")
@@ -159,7 +159,7 @@ def test_export_without_the_export_module_fails_clearly(monkeypatch, capsys, tmp
 def test_sweep_keys_are_checked_and_grids_expanded():
     from ray import tune
 
-    from ray_dhp.tune import _check_keys, _grid_values, trial_run_file
+    from ray_dhp.train.tune import _check_keys, _grid_values, trial_run_file
 
     space = {"optim.lr": tune.grid_search([1e-4, 1e-3]),
              "vision": tune.grid_search([{"sequence_parallel": 2},

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from ray_dhp import export
-from ray_dhp.callbacks import HISTORY_FILE, MetricsHistory, read_history
-from ray_dhp.checkpoint_integrity import write_atomic
+from ray_dhp.checkpointing import export
+from ray_dhp.train.callbacks import HISTORY_FILE, MetricsHistory, read_history
+from ray_dhp.checkpointing.integrity import write_atomic
 
 
 def _ctx(tmp_path):

@@ -9,7 +9,7 @@ import ray
 from ray_dhp import demo
 from ray_dhp.cli import main
 from ray_dhp.cli.schema import ConfigError
-from ray_dhp.run_config import load_run_file
+from ray_dhp.run_file import load_run_file
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "examples" / "tiny.yaml")
@@ -124,7 +124,7 @@ def test_run_file_validation_reaches_the_trainer(files, tmp_path):
 
 
 def test_sweep_on_eval_loss_needs_a_validation_set(no_ray):
-    from ray_dhp.tune import sweep
+    from ray_dhp.train.tune import sweep
 
     with pytest.raises(ConfigError, match="sweep metric='eval_loss' is an evaluation metric: set "
                                           "data.validation"):
@@ -138,7 +138,7 @@ def test_eval_loader_covers_each_valid_record_once_in_order(tmp_path):
     from ray_dhp.data.eval_loader import EvalLoader
     from ray_dhp.data.reading import read_annotations, resolve_data_root
     from ray_dhp.data.sampler import StepSampler
-    from ray_dhp.train_config import TrainLoopConfig
+    from ray_dhp.train.loop_config import TrainLoopConfig
 
     path = demo.make_dataset(tmp_path, num_samples=5, bad_lines=[(1, "corrupt_image")])
     sampler = StepSampler(read_annotations(path), demo.tiny_processor(), resolve_data_root(path),
@@ -159,7 +159,7 @@ def test_tune_callback_forwards_only_reports_with_the_metric(monkeypatch):
     reach the trial's queue (rank 0's metrics, plus the checkpoint path as Ray's callback adds)."""
     import ray.tune.integration.ray_train as rt
 
-    from ray_dhp.tune import metric_report_callback
+    from ray_dhp.train.tune import metric_report_callback
 
     queue = []
 

@@ -4,9 +4,9 @@ import torch
 
 from ray_dhp import demo
 from ray_dhp.data.processing import Sample
-from ray_dhp.flops import peak_flops, step_flops
-from ray_dhp.memory import count_params
-from ray_dhp.recommend import text_flops, vision_flops
+from ray_dhp.planning.flops import peak_flops, step_flops
+from ray_dhp.planning.memory import count_params
+from ray_dhp.planning.recommend import text_flops, vision_flops
 
 
 def _sample(tokens, grids=None):

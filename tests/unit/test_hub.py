@@ -34,8 +34,8 @@ def hub_cache(tmp_path, monkeypatch):
 
 
 def test_cached_id_resolves_to_its_snapshot(hub_cache):
-    from ray_dhp.config import DHPConfig
-    from ray_dhp.hub import resolve_model_path
+    from ray_dhp.layout import DHPConfig
+    from ray_dhp.models.hub import resolve_model_path
 
     assert resolve_model_path(REPO) == hub_cache
     cfg = DHPConfig(model=REPO, processor=REPO)
@@ -44,7 +44,7 @@ def test_cached_id_resolves_to_its_snapshot(hub_cache):
 
 
 def test_run_file_keeps_the_id_and_resolves_it(hub_cache):
-    from ray_dhp.run_config import load_run_file
+    from ray_dhp.run_file import load_run_file
 
     rf = load_run_file(None, [f"model.path={REPO}", f"processor.path={REPO}", "model.demo=null"])
     assert rf.model.path == REPO  # not turned into <cwd>/Qwen/Tiny-VL-Test
@@ -53,7 +53,7 @@ def test_run_file_keeps_the_id_and_resolves_it(hub_cache):
 
 
 def test_a_local_directory_wins_over_the_cache(hub_cache, tmp_path):
-    from ray_dhp.hub import resolve_model_path
+    from ray_dhp.models.hub import resolve_model_path
 
     local = tmp_path / "Qwen" / "Tiny-VL-Test"
     local.mkdir(parents=True)
@@ -62,8 +62,8 @@ def test_a_local_directory_wins_over_the_cache(hub_cache, tmp_path):
 
 def test_uncached_id_says_how_to_download(hub_cache):
     from ray_dhp.cli.schema import ConfigError
-    from ray_dhp.config import DHPConfig
-    from ray_dhp.run_config import load_run_file
+    from ray_dhp.layout import DHPConfig
+    from ray_dhp.run_file import load_run_file
 
     with pytest.raises(ValueError) as e:
         DHPConfig(model="Qwen/Not-Cached")
@@ -75,7 +75,7 @@ def test_uncached_id_says_how_to_download(hub_cache):
 
 
 def test_neither_directory_nor_id(hub_cache):
-    from ray_dhp.hub import resolve_model_path
+    from ray_dhp.models.hub import resolve_model_path
 
     with pytest.raises(ValueError, match="not a local directory, and not a Hugging Face model id"):
         resolve_model_path("./no/such/dir/here")

@@ -15,7 +15,7 @@ from ray_dhp.data.processing import BadSample
 from ray_dhp.data.reading import Record, read_annotations, resolve_data_root
 from ray_dhp.data.sampler import OldSamplerState, StepSampler
 from ray_dhp.data.sources import load_sources
-from ray_dhp.train_config import TrainLoopConfig, check_dataset_weights
+from ray_dhp.train.loop_config import TrainLoopConfig, check_dataset_weights
 
 FIXTURE = Path(__file__).parent / "fixtures" / "sampler_states_da3a5fe.json"
 
@@ -181,7 +181,7 @@ def test_trainer_refuses_an_old_single_dataset_checkpoint_before_workers_start(t
     import ray.train
 
     from ray_dhp import DHPConfig, DisaggregatedTrainer
-    from ray_dhp.checkpoint_integrity import commit
+    from ray_dhp.checkpointing.integrity import commit
 
     ckpt = tmp_path / "run" / "checkpoint_000003"
     ckpt.mkdir(parents=True)

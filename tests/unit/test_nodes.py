@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from ray_dhp import cluster
-from ray_dhp.topology import Topology, crossing_groups, node_local_order, nodes_by_rank
+from ray_dhp.train import cluster
+from ray_dhp.step.topology import Topology, crossing_groups, node_local_order, nodes_by_rank
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -197,9 +197,9 @@ def test_plan_nodes_view_marks_what_crosses_the_boundary(capsys, monkeypatch):
 
 def test_cost_model_charges_the_network_only_where_groups_cross():
     from ray_dhp import demo
-    from ray_dhp.memory import count_params
-    from ray_dhp.recommend import Hardware, Layout, Workload, phase_times
-    from ray_dhp.traffic import collective_bytes
+    from ray_dhp.planning.memory import count_params
+    from ray_dhp.planning.recommend import Hardware, Layout, Workload, phase_times
+    from ray_dhp.planning.traffic import collective_bytes
 
     config = demo.tiny_model_config()
     counts = count_params(config)
@@ -253,7 +253,7 @@ def _on_start(monkeypatch, nodes, node_local="warn", **layout):
     import ray
 
     from ray_dhp import DHPConfig, ModuleParallel, demo
-    from ray_dhp.backend import DisaggregatedBackend
+    from ray_dhp.train.backend import DisaggregatedBackend
 
     monkeypatch.setattr(ray, "get", lambda refs: refs)
     dhp = DHPConfig(model=demo.tiny_model_config(), processor=demo.tiny_processor(),

@@ -1,4 +1,4 @@
-"""The placement recommender (`ray_dhp.recommend`) and `ray-dhp plan --recommend`: no Ray."""
+"""The placement recommender (`ray_dhp.planning.recommend`) and `ray-dhp plan --recommend`: no Ray."""
 
 import itertools
 import json
@@ -15,11 +15,11 @@ from ray_dhp import demo
 from ray_dhp.cli import main
 from ray_dhp.cli.models import config_from_dims
 from ray_dhp.cli.presets import preset_dims
-from ray_dhp.config import DHPConfig, ModuleParallel
-from ray_dhp.memory import ActivationSettings, count_params
-from ray_dhp.recommend import (Workload, enumerate_layouts, recommend, schedule_time,
-                               text_flops, vision_flops)
-from ray_dhp.run_config import load_run_file, run_file_from_dict
+from ray_dhp.layout import DHPConfig, ModuleParallel
+from ray_dhp.planning.memory import ActivationSettings, count_params
+from ray_dhp.planning.recommend import (Workload, enumerate_layouts, recommend, schedule_time,
+                                        text_flops, vision_flops)
+from ray_dhp.run_file import load_run_file, run_file_from_dict
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "examples" / "tiny.yaml")
@@ -262,7 +262,7 @@ def test_vision_activations_use_the_vit_width_for_every_family():
     """Qwen2-VL's vision ``hidden_size`` is the LLM width the merger projects to; the ViT's own
     width is ``embed_dim``. The activation estimate must scale with the ViT width."""
     from ray_dhp import demo
-    from ray_dhp.memory import ActivationSettings, vision_activation_bytes, vision_width
+    from ray_dhp.planning.memory import ActivationSettings, vision_activation_bytes, vision_width
 
     s = ActivationSettings()
     for family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):

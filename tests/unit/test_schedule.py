@@ -2,8 +2,8 @@
 
 import pytest
 
-from ray_dhp.optim import zero1_owners
-from ray_dhp.schedule import order_for, pipelined_order, sequential_order
+from ray_dhp.step.optim import zero1_owners
+from ray_dhp.step.schedule import order_for, pipelined_order, sequential_order
 
 
 @pytest.mark.parametrize("m", [1, 2, 4, 7])

@@ -153,7 +153,7 @@ def test_integer_model_dtype_is_refused():
 
 def test_driver_rejects_a_directory_with_a_missing_shard(saved, tmp_path):
     """`DHPConfig` (the driver, before any worker starts) checks the weights' headers."""
-    from ray_dhp.config import DHPConfig
+    from ray_dhp.layout import DHPConfig
 
     assert DHPConfig(model=str(saved / "sharded")).model == str(saved / "sharded")
     d = _copy_dir(saved / "sharded", tmp_path / "d")

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from ray_dhp import demo
-from ray_dhp.config import DHPConfig, ModuleParallel
+from ray_dhp.layout import DHPConfig, ModuleParallel
 from ray_dhp.parallel.text_sp import local_visual_rows
-from ray_dhp.topology import Topology
+from ray_dhp.step.topology import Topology
 
 
 def test_topology_needs_tp_for_text_sp():
@@ -33,7 +33,7 @@ def test_driver_errors_name_the_key(kw, match):
 
 def test_config_and_run_file_turn_it_on(tmp_path):
     from ray_dhp.cli.schema import ConfigError
-    from ray_dhp.run_config import load_run_file
+    from ray_dhp.run_file import load_run_file
 
     cfg = DHPConfig(model=demo.tiny_model_config(), vision=ModuleParallel(sequence_parallel=2),
                     text=ModuleParallel(tensor_parallel=2, sequence_parallel=True))

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ray_dhp.tracking import TensorBoardLogger, flatten_config, flatten_metrics, set_ray_report_logs
+from ray_dhp.train.tracking import TensorBoardLogger, flatten_config, flatten_metrics, set_ray_report_logs
 
 
 def test_flatten_metrics_keeps_numbers_only():

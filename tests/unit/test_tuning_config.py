@@ -1,15 +1,14 @@
-"""Per-module training choices (`ray_dhp.tuning`): parsing, the driver's errors (naming the
+"""Per-module training choices (`ray_dhp.step.tuning`): parsing, the driver's errors (naming the
 key, from Python and from the run file), the optimizer's groups, and the plan's bytes."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from ray_dhp import demo
 from ray_dhp.checks import ConfigError
-from ray_dhp.train_config import TrainLoopConfig
-from ray_dhp.tuning import module_of, parse_tuning
+from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.step.tuning import module_of, parse_tuning
 
 
 @pytest.mark.parametrize("modules, match", [
@@ -33,7 +32,7 @@ def test_bad_choices_fail_naming_the_key(modules, match):
 
 
 def test_run_file_names_its_own_keys_and_refuses_lora_with_text_sp():
-    from ray_dhp.run_config import load_run_file
+    from ray_dhp.run_file import load_run_file
 
     with pytest.raises(ConfigError, match=r"^optim\.modules\.visoin: unknown module"):
         load_run_file("examples/tiny.yaml", ["optim.modules={visoin: {train: false}}"])
@@ -63,8 +62,8 @@ def test_optimizer_groups_per_module():
     """Each module's lr and weight decay; norms and biases without decay; frozen parameters in
     no group; the base lr's groups carry no lr of their own (the optimizer's default)."""
     from ray_dhp.models import build_model
-    from ray_dhp.optim import build_optimizer
-    from ray_dhp.tuning import freeze, tuning_of
+    from ray_dhp.step.optim import build_optimizer
+    from ray_dhp.step.tuning import freeze, tuning_of
 
     cfg = TrainLoopConfig(lr=1e-3, weight_decay=0.1, modules={
         "vision": {"train": False}, "merger": {"lr": 5e-4, "weight_decay": 0.0}})
@@ -91,9 +90,9 @@ def test_optimizer_groups_per_module():
 def test_plan_counts_frozen_parts_as_weights_only():
     """`rank_state`: a frozen LLM costs only its weights; LoRA adds the adapters (trained) and
     keeps the base frozen."""
-    from ray_dhp.memory import count_params, rank_state
-    from ray_dhp.precision import POLICIES
-    from ray_dhp.topology import Topology
+    from ray_dhp.planning.memory import count_params, rank_state
+    from ray_dhp.step.precision import POLICIES
+    from ray_dhp.step.topology import Topology
 
     config = demo.tiny_model_config("qwen2_5_vl")
     topo = Topology.build(placement="collocated", vision_sp=2, vision_dp=1, text_tp=2, text_dp=1)
@@ -110,7 +109,7 @@ def test_plan_counts_frozen_parts_as_weights_only():
 
 
 def test_resume_needs_the_same_trained_modules():
-    from ray_dhp.tuning import same_structure
+    from ray_dhp.step.tuning import same_structure
 
     assert same_structure(None, {"merger": {"lr": 1e-4}}) == ""  # rates may change
     assert "vision" in same_structure(None, {"vision": {"train": False}})

@@ -2,10 +2,10 @@
 from the model dims. Nothing is allocated: the model is built under ``accelerate.init_empty_weights``.
 
 Model state per rank (what the engine keeps) comes from the run's `PrecisionPolicy`
-(`ray_dhp.precision`): weights and gradients in the policy's dtype for every parameter the rank
+(`ray_dhp.step.precision`): weights and gradients in the policy's dtype for every parameter the rank
 holds, plus fp32 masters and AdamW moments for every parameter the rank *updates* (with vision
 ZeRO-1 each ViT parameter is updated by one vision rank: the same greedy partition as the engine,
-`ray_dhp.optim.zero1_owners`). The vision tower is replicated on every vision rank (Ulysses
+`ray_dhp.step.optim.zero1_owners`). The vision tower is replicated on every vision rank (Ulysses
 shards tokens, not weights); the text model's TP-planned linears, embedding and head are split
 ``tp`` ways (their row-parallel biases and all norms are replicated). `rank_state` gives the
 exact bytes, which the tests compare with the engine's tensors after a step.
@@ -40,7 +40,7 @@ class ParamCounts:
     text_sharded: int  # part of ``text`` split over TP ranks
     vision_sizes: tuple = ()   # element count of every trained ViT parameter, in the model's order
     largest: int = 0           # element count of the largest single parameter (full, unsharded)
-    # frozen parameters (`ray_dhp.tuning`): held, but no gradient, master or optimizer state
+    # frozen parameters (`ray_dhp.step.tuning`): held, but no gradient, master or optimizer state
     vision_frozen: int = 0
     text_frozen: int = 0
     text_frozen_sharded: int = 0
@@ -55,7 +55,7 @@ class ParamCounts:
         """ViT parameters vision rank ``rank_in_group`` updates (all of them without ZeRO-1)."""
         if not zero1 or group_size == 1 or not self.vision_sizes:
             return self.vision - self.vision_frozen
-        from ray_dhp.optim import zero1_owners
+        from ray_dhp.step.optim import zero1_owners
 
         owners = zero1_owners(list(self.vision_sizes), group_size)
         return sum(n for n, o in zip(self.vision_sizes, owners) if o == rank_in_group)
@@ -63,7 +63,7 @@ class ParamCounts:
 
 def count_params(config, tuning=None) -> ParamCounts:
     """Count parameters on the meta device and classify them with the family's TP plan; with a
-    `ray_dhp.tuning.Tuning`, also count the frozen ones."""
+    `ray_dhp.step.tuning.Tuning`, also count the frozen ones."""
     import torch
     import transformers
     from accelerate import init_empty_weights
@@ -150,7 +150,7 @@ def measure_engine_state(engine) -> dict:
     with `rank_state`."""
     import torch
 
-    from ray_dhp.precision import local_nbytes
+    from ray_dhp.step.precision import local_nbytes
 
     params = engine.vision_params + engine.text_params + getattr(engine, "frozen_params", [])
     out = {"weights": sum(local_nbytes(p) for p in params),

@@ -7,9 +7,9 @@ not fit in device memory (saying why), predicts a step time for the rest and ran
 here touches torch.distributed or Ray; `ray-dhp plan --recommend` prints the result.
 
 The cost model (FLOPs, communication, schedules; its documented formulas) is
-`ray_dhp.cost_model`; its public names are re-exported here.
+`ray_dhp.planning.cost_model`; its public names are re-exported here.
 
-**Memory** is `ray_dhp.memory`'s per-rank estimate (validated in benchmarks/memory_model.py), with
+**Memory** is `ray_dhp.planning.memory`'s per-rank estimate (validated in benchmarks/memory_model.py), with
 two micro-batches of vision activations alive under the pipelined schedule.
 """
 
@@ -19,10 +19,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ray_dhp.cost_model import (Hardware, Layout, PhaseTimes, Workload, phase_times,
-                                replica_share, schedule_time, step_time, text_flops,
-                                vision_flops)
-from ray_dhp.memory import GIB, estimate_ranks
+from ray_dhp.planning.cost_model import (Hardware, Layout, PhaseTimes, Workload, phase_times,
+                                         replica_share, schedule_time, step_time, text_flops,
+                                         vision_flops)
+from ray_dhp.planning.memory import GIB, estimate_ranks
 
 __all__ = ["Hardware", "Workload", "Layout", "PhaseTimes", "Candidate", "recommend",
            "enumerate_layouts", "schedule_time", "vision_flops", "text_flops", "replica_share",
@@ -76,7 +76,7 @@ def enumerate_layouts(num_workers: int, micro_batches: int = 1) -> list:
 
 
 def memory_gib(config, counts, layout: Layout, w: Workload) -> dict:
-    """Largest per-rank estimate (GiB) of each group, from `ray_dhp.memory.estimate_ranks`."""
+    """Largest per-rank estimate (GiB) of each group, from `ray_dhp.planning.memory.estimate_ranks`."""
     topo = layout.topology()
     kw = dict(vision_tokens=w.vision_tokens, text_tokens=w.text_tokens, settings=w.settings,
               state_bytes=w.state_bytes, vision_zero1=w.vision_zero1, policy=w.policy)
@@ -125,11 +125,11 @@ def recommend(config, num_workers: int, workload: Workload, hardware: Hardware =
         num_workers: accelerators (one worker each).
         workload: tokens per sample, batch, micro-batches, activation settings, device memory.
         hardware: the cost model's device and links (`Hardware`).
-        counts: `ray_dhp.memory.ParamCounts`; None counts them on the meta device.
+        counts: `ray_dhp.planning.memory.ParamCounts`; None counts them on the meta device.
 
     Example:
         >>> from ray_dhp import demo
-        >>> from ray_dhp.recommend import Workload, recommend
+        >>> from ray_dhp.planning.recommend import Workload, recommend
         >>> best = recommend(demo.tiny_model_config(), 2, Workload(1024, 64, 4))[0]
         >>> best.feasible, best.layout.num_workers
         (True, 2)
@@ -137,7 +137,7 @@ def recommend(config, num_workers: int, workload: Workload, hardware: Hardware =
     if num_workers < 1:
         raise ValueError(f"num_workers={num_workers}: need at least one worker.")
     if counts is None:
-        from ray_dhp.memory import count_params
+        from ray_dhp.planning.memory import count_params
 
         counts = count_params(config)
     cands = [evaluate(config, counts, lay, workload, hardware)

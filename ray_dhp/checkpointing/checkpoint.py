@@ -22,7 +22,7 @@ A checkpoint counts as complete only if ``COMMIT`` and the metadata agree and ev
 is present at its size: Ray copies each rank's directory separately, so a crash can leave a
 directory with some ranks' files only. Before loading, the content hashes are verified; a torn
 or corrupt checkpoint falls back to the newest complete, intact one before it
-(`ray_dhp.checkpoint_integrity`). DCP's ``.metadata`` is a pickle: load checkpoints only from
+(`ray_dhp.checkpointing.integrity`). DCP's ``.metadata`` is a pickle: load checkpoints only from
 storage you trust (docs/reliability.md).
 """
 
@@ -38,8 +38,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from ray_dhp import checkpoint_integrity as integrity
-from ray_dhp.checkpoint_integrity import COMMIT_FILE, META_FILE, is_complete, read_meta
+from ray_dhp.checkpointing import integrity
+from ray_dhp.checkpointing.integrity import (  # noqa: F401  (re-exported for callers)
+    COMMIT_FILE, META_FILE, is_complete, read_meta)
 from ray_dhp.data.sampler import OldSamplerState, check_state
 
 logger = logging.getLogger(__name__)
@@ -162,7 +163,7 @@ def save(directory: str, engine, sampler, processor=None) -> None:
             "files": files,
             "precision": engine.policy.name,
             "source_model": getattr(engine, "source_model", None),
-            "modules": engine.cfg.modules,  # per-module choices / LoRA (ray_dhp.tuning): export
+            "modules": engine.cfg.modules,  # per-module choices / LoRA (ray_dhp.step.tuning): export
         }
         integrity.commit(directory, meta)
 
@@ -313,7 +314,7 @@ def _check_compatible(meta: dict, engine) -> None:
     if meta.get("family") != engine.family.name:
         raise ValueError(f"checkpoint holds a {meta.get('family')} model but this run trains a "
                          f"{engine.family.name} model; use DHPConfig(model=...) of the same family.")
-    from ray_dhp.tuning import same_structure
+    from ray_dhp.step.tuning import same_structure
 
     why = same_structure(meta.get("modules"), engine.cfg.modules)
     if why:

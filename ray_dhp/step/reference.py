@@ -11,14 +11,14 @@ from __future__ import annotations
 import torch
 
 from ray_dhp.data.collate import pad_text_batch
-from ray_dhp.engine import count_targets, shift_labels, upcast
-from ray_dhp.loss import LossInputs, backward_loss, sample_ids_of
+from ray_dhp.step.engine import count_targets, shift_labels, upcast
+from ray_dhp.step.loss import LossInputs, backward_loss, sample_ids_of
 from ray_dhp.models import build_model, load_model_config
-from ray_dhp.optim import build_optimizer_for
+from ray_dhp.step.optim import build_optimizer_for
 from ray_dhp.parallel.data import clip_coefficient
-from ray_dhp.precision import policy_of, weight_dtype
-from ray_dhp.train_config import TrainLoopConfig
-from ray_dhp.tuning import freeze, tuning_of
+from ray_dhp.step.precision import policy_of, weight_dtype
+from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.step.tuning import freeze, tuning_of
 
 
 class ReferenceTrainer:
@@ -30,7 +30,7 @@ class ReferenceTrainer:
         self.model = build_model(model, seed=cfg.seed, dtype=dtype).to(device)
         self.dtype = dtype
         self.model.train()
-        tuning = tuning_of(cfg)  # per-module choices (ray_dhp.tuning), PEFT LoRA adapters
+        tuning = tuning_of(cfg)  # per-module choices (ray_dhp.step.tuning), PEFT LoRA adapters
         if tuning.lora is not None:
             from ray_dhp.models.lora import add_lora
 
@@ -41,7 +41,7 @@ class ReferenceTrainer:
             self.model.named_parameters(), cfg, self.policy)
 
     def step(self, micro_batches: list, loss_fn=None) -> dict:
-        """One optimizer step; ``loss_fn`` as in `DHPEngine.forward_backward` (`ray_dhp.loss`),
+        """One optimizer step; ``loss_fn`` as in `DHPEngine.forward_backward` (`ray_dhp.step.loss`),
         here given each whole micro-batch as one replica's rows, with plain logits."""
         n_targets = sum(count_targets(mb) for mb in micro_batches)
         n_samples = sum(len(mb) for mb in micro_batches)

@@ -6,13 +6,13 @@ import math
 
 import torch
 
-from ray_dhp.train_config import TrainLoopConfig
+from ray_dhp.train.loop_config import TrainLoopConfig
 
 
 def param_groups(named_params, weight_decay: float, lr: float = None, tuning=None,
                  prefix: str = "") -> list:
     """AdamW groups: no decay on norms and biases (parameters with fewer than 2 dims); with a
-    `ray_dhp.tuning.Tuning`, one group per module's (lr, weight decay) (parameter names are
+    `ray_dhp.step.tuning.Tuning`, one group per module's (lr, weight decay) (parameter names are
     ``prefix + name`` in the full model). Decayed groups come first, then the others, in the
     order their first parameter appears (one group of each without per-module choices)."""
     decay, no_decay = {}, {}
@@ -49,8 +49,8 @@ def lr_factor(step: int, cfg: TrainLoopConfig) -> float:
 
 def build_optimizer(named_params, cfg: TrainLoopConfig, prefix: str = ""):
     """AdamW + LambdaLR for one module's parameters (None if it has none); per-module lr and
-    weight decay from ``cfg.modules`` (`ray_dhp.tuning`), names taken as ``prefix + name``."""
-    from ray_dhp.tuning import tuning_of
+    weight decay from ``cfg.modules`` (`ray_dhp.step.tuning`), names taken as ``prefix + name``."""
+    from ray_dhp.step.tuning import tuning_of
 
     tuning = tuning_of(cfg)
     groups = param_groups(named_params, cfg.weight_decay, cfg.lr,
@@ -66,11 +66,11 @@ def build_optimizer_for(named_params, cfg: TrainLoopConfig, policy, prefix: str 
     """(optimizer, scheduler, masters) for one module under the `PrecisionPolicy` ``policy``.
 
     With ``policy.master`` (bf16_mixed) the optimizer steps fp32 copies of the trainable
-    parameters (`ray_dhp.precision.MasterWeights`, same names), so its moments are fp32 too;
+    parameters (`ray_dhp.step.precision.MasterWeights`, same names), so its moments are fp32 too;
     otherwise it steps the parameters themselves (its moments take their dtype) and ``masters``
     is None.
     """
-    from ray_dhp.precision import MasterWeights
+    from ray_dhp.step.precision import MasterWeights
 
     named = [(n, p) for n, p in named_params if p.requires_grad]
     masters = MasterWeights(named) if policy.master and named else None

@@ -5,7 +5,7 @@ there (`ModuleParallel`, `DHPConfig`, `TrainLoopConfig`) are borrowed, not repea
 and help strings have one source. ``ray-dhp config --print-defaults`` prints every key.
 
 Example:
-    >>> from ray_dhp.run_config import load_run_file
+    >>> from ray_dhp.run_file import load_run_file
     >>> rf = load_run_file("examples/tiny.yaml", ["optim.lr=3e-4", "vision.sequence_parallel=2"])
     >>> rf.dhp_config().num_workers  # doctest: +SKIP
     2
@@ -23,8 +23,8 @@ from typing import Optional
 
 from ray_dhp.cli.schema import (ConfigError, apply_overrides, borrow, from_dict, option,
                                 section)
-from ray_dhp.config import DHPConfig, ModuleParallel
-from ray_dhp.train_config import TrainLoopConfig, check_dataset_weights
+from ray_dhp.layout import DHPConfig, ModuleParallel
+from ray_dhp.train.loop_config import TrainLoopConfig, check_dataset_weights
 
 __all__ = ["RunFile", "ConfigError", "load_run_file", "run_file_from_dict", "loop_key_in_file",
            "SHORTHANDS"]
@@ -218,7 +218,7 @@ class RunFile:
     def processor_spec(self):
         """A processor object (demo), a local directory, or None (load from the model dir)."""
         if self.processor.path:
-            from ray_dhp.hub import resolve_model_path
+            from ray_dhp.models.hub import resolve_model_path
 
             try:  # a local directory or a Hub id in the Hugging Face cache
                 return resolve_model_path(self.processor.path, "processor.path")
@@ -290,7 +290,7 @@ class RunFile:
         raw = self.train_loop_config()
         loop = TrainLoopConfig(**raw)
         names = self.dataset_names()
-        from ray_dhp.evaluation import check_eval_setup
+        from ray_dhp.step.evaluation import check_eval_setup
 
         check_eval_setup(loop, has_validation="validation" in names,
                          score_attribute=self.checkpoint.score_attribute, name=loop_key_in_file,
@@ -300,7 +300,7 @@ class RunFile:
         pixels = (self.processor.min_pixels, self.processor.max_pixels)
         if pixels != (None, None):  # against the model's patch unit and the processor's limits
             check_run_pixels(*pixels, self.dhp_config(), loop_key_in_file)
-        from ray_dhp.tuning import check_layout, parse_tuning
+        from ray_dhp.step.tuning import check_layout, parse_tuning
 
         check_layout(parse_tuning(raw.get("modules"), key=loop_key_in_file("modules")),
                      dhp.text.sequence_parallel is True, key=loop_key_in_file("modules"))
@@ -371,7 +371,7 @@ def run_file_from_dict(data: dict, overrides=()) -> RunFile:
 
 def _model_location(value):
     """``model.path``: a Hub model id (org/name that is no local path) as is, else `_absolute`."""
-    from ray_dhp.hub import looks_like_repo_id
+    from ray_dhp.models.hub import looks_like_repo_id
 
     if isinstance(value, str) and looks_like_repo_id(value) and not os.path.exists(value):
         return value

@@ -131,7 +131,7 @@ def export_hf(checkpoint, out_dir: str, *, dtype: Optional[torch.dtype] = None,
         >>> export_hf(result.checkpoint, "/tmp/my_vlm")  # doctest: +SKIP
         >>> Qwen2_5_VLForConditionalGeneration.from_pretrained("/tmp/my_vlm")  # doctest: +SKIP
     """
-    from ray_dhp import checkpoint as ckpt
+    from ray_dhp.checkpointing import checkpoint as ckpt
 
     out_dir = os.path.abspath(os.fspath(out_dir))
     dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
@@ -147,9 +147,9 @@ def export_hf(checkpoint, out_dir: str, *, dtype: Optional[torch.dtype] = None,
 def _write_export(d: str, meta: dict, out: str, dtype, source: Optional[str],
                   lora: str = "merge") -> None:
     """Everything the exported directory holds, written into ``out`` (a fresh directory)."""
-    from ray_dhp import checkpoint as ckpt
+    from ray_dhp.checkpointing import checkpoint as ckpt
     from ray_dhp.models import lora as lora_mod
-    from ray_dhp.tuning import parse_tuning
+    from ray_dhp.step.tuning import parse_tuning
 
     if lora not in lora_mod.LORA_EXPORTS:
         raise ValueError(f"lora must be one of {lora_mod.LORA_EXPORTS}, got {lora!r}")

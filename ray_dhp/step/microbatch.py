@@ -7,7 +7,7 @@
 - `_MicroBatch`: what one micro-batch carries between the phases of a schedule;
 - `PhaseTimer`: wall time per phase (the ``time_<phase>_s`` metrics).
 
-`ray_dhp.engine.DHPEngine` runs the phases; these names are re-exported there.
+`ray_dhp.step.engine.DHPEngine` runs the phases; these names are re-exported there.
 """
 
 from __future__ import annotations

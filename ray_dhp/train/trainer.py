@@ -7,9 +7,9 @@ from typing import Any, Callable, Optional
 
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-from ray_dhp.cluster import DEFAULT_PLACEMENT_TIMEOUT_S, PlacementTimeoutError
-from ray_dhp.config import DHPConfig
-from ray_dhp.train_config import TrainLoopConfig, loop_key
+from ray_dhp.train.cluster import DEFAULT_PLACEMENT_TIMEOUT_S, PlacementTimeoutError
+from ray_dhp.layout import DHPConfig
+from ray_dhp.train.loop_config import TrainLoopConfig, loop_key
 
 
 class DisaggregatedTrainer(DataParallelTrainer):
@@ -20,7 +20,7 @@ class DisaggregatedTrainer(DataParallelTrainer):
 
     Args:
         train_loop_per_worker: your train function; None runs the built-in VLM loop
-            (`ray_dhp.train_loop.train_loop`) configured by ``train_loop_config``.
+            (`ray_dhp.train.loop.train_loop`) configured by ``train_loop_config``.
         train_loop_config: dict passed to the train function (for the built-in loop, the keys of
             `ray_dhp.TrainLoopConfig`; unknown keys are rejected here, before workers start).
         dhp_config: the layout (`DHPConfig`): model, processor, vision/text degrees, placement.
@@ -83,7 +83,7 @@ class DisaggregatedTrainer(DataParallelTrainer):
         if resume_from is not None:
             config["resume_from"] = _checkpoint_source(resume_from)
         if train_loop_per_worker is None:
-            from ray_dhp.train_loop import train_loop
+            from ray_dhp.train.loop import train_loop
 
             train_loop_per_worker = train_loop
             if paths:
@@ -94,14 +94,14 @@ class DisaggregatedTrainer(DataParallelTrainer):
             from ray_dhp.data.pixels import check_run_pixels
 
             check_run_pixels(loop_cfg.min_pixels, loop_cfg.max_pixels, dhp_config, loop_key)
-            from ray_dhp.tuning import check_layout, tuning_of
+            from ray_dhp.step.tuning import check_layout, tuning_of
 
             check_layout(tuning_of(loop_cfg), dhp_config.text.sequence_parallel is True)
             if dhp_config.processor is None and not isinstance(dhp_config.model, str):
                 raise ValueError("the built-in loop needs DHPConfig(processor=...) when the model "
                                  "is a config object (with a model directory it is loaded from there).")
-            from ray_dhp.callbacks import MetricsHistory
-            from ray_dhp.tracking import TensorBoardLogger
+            from ray_dhp.train.callbacks import MetricsHistory
+            from ray_dhp.train.tracking import TensorBoardLogger
 
             run_config = _with_callback(run_config or ray.train.RunConfig(),
                                         MetricsHistory(loop_cfg.num_steps))
@@ -128,13 +128,13 @@ class DisaggregatedTrainer(DataParallelTrainer):
         self._placement_timeout_s = placement_timeout_s
 
     def fit(self):
-        """Check the cluster (`ray_dhp.cluster.preflight`), then run as ``DataParallelTrainer.fit``;
+        """Check the cluster (`ray_dhp.train.cluster.preflight`), then run as ``DataParallelTrainer.fit``;
         a placement that stays unsatisfiable ends in a ``ControllerError`` wrapping a
         `PlacementTimeoutError` that says so."""
         import ray.train
         from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
 
-        from ray_dhp.cluster import bound_placement_retries, preflight, start_timeout_s
+        from ray_dhp.train.cluster import bound_placement_retries, preflight, start_timeout_s
 
         if self.scaling_config.num_workers == 0:
             return super().fit()
@@ -159,7 +159,7 @@ class DisaggregatedTrainer(DataParallelTrainer):
 
 def _check_training_datasets(cfg: TrainLoopConfig, names: set) -> None:
     """The datasets the built-in loop trains on are among ``datasets=`` (ValueError otherwise)."""
-    from ray_dhp.train_config import check_dataset_weights
+    from ray_dhp.train.loop_config import check_dataset_weights
 
     if cfg.dataset_weights is not None:
         check_dataset_weights(cfg.dataset_weights, names)
@@ -171,7 +171,7 @@ def _check_training_datasets(cfg: TrainLoopConfig, names: set) -> None:
 
 def _check_evaluation(cfg: TrainLoopConfig, names: set, run_config) -> None:
     """Evaluation settings against ``datasets=`` and the checkpoint ranking (ConfigError)."""
-    from ray_dhp.evaluation import VALIDATION, check_eval_setup
+    from ray_dhp.step.evaluation import VALIDATION, check_eval_setup
 
     ckpt = getattr(run_config, "checkpoint_config", None)
     check_eval_setup(cfg, has_validation=VALIDATION in names,
@@ -193,7 +193,7 @@ def _checkpoint_source(resume_from):
 def _check_sampler_state(path: str) -> None:
     """Stop before workers start if the checkpoint's data order cannot be continued (a folder
     with no complete checkpoint is left to the workers, which say so)."""
-    from ray_dhp import checkpoint_integrity as integrity
+    from ray_dhp.checkpointing import integrity
     from ray_dhp.data.sampler import OldSamplerState, check_state
 
     try:

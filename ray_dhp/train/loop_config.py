@@ -7,9 +7,9 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Callable, Iterable, Optional
 
-from ray_dhp.precision import POLICY_NAMES
+from ray_dhp.step.precision import POLICY_NAMES
 from ray_dhp.checks import ConfigError, check_fields, checked, coerce
-from ray_dhp.tuning import parse_tuning_named
+from ray_dhp.step.tuning import parse_tuning_named
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
 BAD_DATA = ("skip", "strict")
@@ -91,7 +91,7 @@ class TrainLoopConfig:
             batch may be partial. None: global_batch_size / micro_batches.
         resume_from: checkpoint to start from when the run has none of its own yet: a path (one
             checkpoint, or a folder of them) or a ``ray.train.Checkpoint``; any layout.
-        precision: the precision policy (`ray_dhp.precision`): "fp32" (fp32 weights, grads and
+        precision: the precision policy (`ray_dhp.step.precision`): "fp32" (fp32 weights, grads and
             AdamW state: 16 B/param), "bf16_autocast" (the same state, matmuls under bf16
             autocast), "bf16_mixed" (bf16 weights and grads, fp32 master weights and AdamW
             moments that the optimizer steps; 16 B/param, half-size weights, grads and
@@ -123,7 +123,7 @@ class TrainLoopConfig:
         ray_report_logs: keep Ray Train's per-rank "Reporting training result ..." and
             "Checkpoint successfully created" log lines (off: the console shows one progress
             line per report instead).
-        modules: per-module training choices (`ray_dhp.tuning`), a mapping of ``vision`` (the
+        modules: per-module training choices (`ray_dhp.step.tuning`), a mapping of ``vision`` (the
             vision tower), ``merger`` and ``llm`` (the language model) to ``{train: bool, lr:
             float, weight_decay: float}``; ``llm`` also takes ``lora: {r, alpha,
             target_modules}`` (PEFT LoRA adapters; the base weights are frozen). A module not

@@ -9,8 +9,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ray_dhp.loop import build_engine, load_checkpoint, report as _report, report_checkpoint
-from ray_dhp.train_config import TrainLoopConfig
+from ray_dhp.train.custom_loop import build_engine, load_checkpoint, report as _report, report_checkpoint
+from ray_dhp.train.loop_config import TrainLoopConfig
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ def _peak_memory_mb_per_rank() -> list:
 
 
 def _resume(cfg: TrainLoopConfig, engine, sampler) -> int:
-    """The run's latest checkpoint (after a restart) or ``cfg.resume_from``: `ray_dhp.loop`."""
+    """The run's latest checkpoint (after a restart) or ``cfg.resume_from``: `ray_dhp.train.custom_loop`."""
     return load_checkpoint(engine, sampler, cfg.resume_from)
 
 
@@ -55,9 +55,9 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
     Returns:
         ``{"resumed_from_step": k, "final_step": n}`` (rank 0's is ``Result.return_value``).
     """
-    from ray_dhp.backend import get_context
-    from ray_dhp.loop import build_loader, build_processor
-    from ray_dhp.tracking import WorkerTrackers, set_ray_report_logs
+    from ray_dhp.train.backend import get_context
+    from ray_dhp.train.custom_loop import build_loader, build_processor
+    from ray_dhp.train.tracking import WorkerTrackers, set_ray_report_logs
 
     cfg = TrainLoopConfig.from_dict(config)
     set_ray_report_logs(cfg.ray_report_logs)
@@ -85,8 +85,8 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
 
 def _train(cfg: TrainLoopConfig, ctx, loader, processor, hook, trackers, eval_loader=None) -> dict:
     """The loop itself (see `train_loop`)."""
-    from ray_dhp.flops import peak_flops, step_flops
-    from ray_dhp.memory import count_params
+    from ray_dhp.planning.flops import peak_flops, step_flops
+    from ray_dhp.planning.memory import count_params
     from ray_dhp.parallel.comm import CommCounter
 
     engine = build_engine(cfg, ctx, comm=CommCounter())

@@ -8,7 +8,7 @@ trials run at once as the cluster has CPUs for their workers, so worker groups a
 
 Example:
     >>> from ray import tune
-    >>> from ray_dhp.tune import sweep
+    >>> from ray_dhp.train.tune import sweep
     >>> grid = sweep("examples/tiny.yaml",
     ...              {"optim.lr": tune.grid_search([1e-4, 1e-3]),
     ...               "vision": tune.grid_search([{"sequence_parallel": 2},
@@ -23,7 +23,7 @@ import math
 from typing import Optional, Sequence, Union
 
 from ray_dhp.cli.schema import ConfigError, leaf_keys, set_dotted
-from ray_dhp.run_config import SHORTHANDS, RunFile, load_run_file, run_file_from_dict
+from ray_dhp.run_file import SHORTHANDS, RunFile, load_run_file, run_file_from_dict
 
 __all__ = ["sweep", "trial_run_file", "dhp_trainable", "metric_report_callback"]
 

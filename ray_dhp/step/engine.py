@@ -2,7 +2,7 @@
 
 One `DHPEngine` lives on every rank and holds the module shard(s) that rank hosts. `step()` takes
 the step's micro-batches (lists of `Sample`) — the same lists on every rank — and is exactly
-`forward_backward()` (steps 1-4, with a pluggable loss: `ray_dhp.loss`) then `optimizer_step()`
+`forward_backward()` (steps 1-4, with a pluggable loss: `ray_dhp.step.loss`) then `optimizer_step()`
 (step 5); both are public for custom train loops (docs/custom_loop.md):
 
 1. plans, identically on every rank, which vision replica / text replica gets which samples and
@@ -16,7 +16,7 @@ the step's micro-batches (lists of `Sample`) — the same lists on every rank �
    counted once over both modules, and steps both optimizers.
 
 For identical data, seed and hyper-parameters the update equals the single-process one
-(`ray_dhp.reference`), which the tests assert for every layout.
+(`ray_dhp.step.reference`), which the tests assert for every layout.
 """
 
 from __future__ import annotations
@@ -27,23 +27,23 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ray_dhp.loss import LossInputs, backward_loss, sample_ids_of
-from ray_dhp.mesh import DHPGroups
-from ray_dhp.microbatch import (  # noqa: F401  (re-exported: ray_dhp.engine.layout_micro_batch ...)
+from ray_dhp.step.loss import LossInputs, backward_loss, sample_ids_of
+from ray_dhp.step.mesh import DHPGroups
+from ray_dhp.step.microbatch import (  # noqa: F401  (re-exported: ray_dhp.step.engine.layout_micro_batch ...)
     MicroBatchLayout, PhaseTimer, _MicroBatch, count_targets, layout_micro_batch,
     shift_labels, upcast)
 from ray_dhp.models import family_of, load_model_config
 from ray_dhp.models.loading import build_meta_model, materialize, module_prefix
-from ray_dhp.optim import build_optimizer_for, zero1_owners
-from ray_dhp.precision import local_nbytes, policy_of, weight_dtype
-from ray_dhp.schedule import order_for
+from ray_dhp.step.optim import build_optimizer_for, zero1_owners
+from ray_dhp.step.precision import local_nbytes, policy_of, weight_dtype
+from ray_dhp.step.schedule import order_for
 from ray_dhp.parallel import boundary as bnd
 from ray_dhp.parallel import data as dp
 from ray_dhp.parallel.balance import Balancer
 from ray_dhp.parallel.comm import CommCounter, record
 from ray_dhp.parallel.tensor import apply_tp_plan, partial_grad_params
-from ray_dhp.train_config import TrainLoopConfig
-from ray_dhp.tuning import apply_tuning, check_layout, tuning_of, vision_trains
+from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.step.tuning import apply_tuning, check_layout, tuning_of, vision_trains
 
 
 class DHPEngine:
@@ -119,7 +119,7 @@ class DHPEngine:
     def forward_backward(self, micro_batches: list, loss_fn=None) -> dict:
         """Forward and backward over ``micro_batches`` (the same lists on every rank): gradients
         accumulate in the parameters until `optimizer_step`. ``loss_fn(LossInputs) -> scalar``
-        (default `ray_dhp.loss.cross_entropy_loss`; contract in `ray_dhp.loss`). Collective on
+        (default `ray_dhp.step.loss.cross_entropy_loss`; contract in `ray_dhp.step.loss`). Collective on
         every rank; returns ``loss`` (the sum of the loss_fn values over micro-batches and text
         replicas, the same on every rank), ``num_targets`` and ``num_samples``."""
         n_targets = sum(count_targets(mb) for mb in micro_batches)
@@ -154,12 +154,12 @@ class DHPEngine:
 
     def evaluate(self, batches) -> dict:
         """The loss over ``batches`` (an iterable of micro-batch lists) with the current weights,
-        forward only: no gradient, no optimizer/scheduler/RNG effect (`ray_dhp.evaluation`)."""
-        from ray_dhp.evaluation import evaluate
+        forward only: no gradient, no optimizer/scheduler/RNG effect (`ray_dhp.step.evaluation`)."""
+        from ray_dhp.step.evaluation import evaluate
 
         return evaluate(self, batches)
 
-    # -- the four phases of a micro-batch (see ray_dhp.schedule) -------------------------------
+    # -- the four phases of a micro-batch (see ray_dhp.step.schedule) -------------------------------
 
     def _vision_fwd(self, mb: "_MicroBatch", n_targets: int) -> None:
         g = self.groups
@@ -295,7 +295,7 @@ class DHPEngine:
     def _text_logits(self, samples, feats):
         """The text forward of ``samples`` (with ``feats``, their image features): the batch,
         the encoder outputs placed into it (None without images) and the (vocab-sharded)
-        logits. Shared by training and `ray_dhp.evaluation`."""
+        logits. Shared by training and `ray_dhp.step.evaluation`."""
         dev = self.groups.device
         batch = self._text_batch(samples)
         enc = None
@@ -422,8 +422,8 @@ class DHPEngine:
 
     def state_bytes(self) -> dict:
         """Bytes of model state this rank holds, measured from its tensors
-        (`ray_dhp.memory.measure_engine_state`)."""
-        from ray_dhp.memory import measure_engine_state
+        (`ray_dhp.planning.memory.measure_engine_state`)."""
+        from ray_dhp.planning.memory import measure_engine_state
 
         return measure_engine_state(self)
 
@@ -434,7 +434,7 @@ class DHPEngine:
         return c is not None and c[1] == 0
 
     def current_lr(self) -> float:
-        from ray_dhp.optim import lr_factor
+        from ray_dhp.step.optim import lr_factor
 
         return self.cfg.lr * lr_factor(self.step_count, self.cfg)  # the base lr (per-module: x ratio)
 

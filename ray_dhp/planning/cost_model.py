@@ -1,5 +1,5 @@
 """The cost model of a training step: predicted seconds of every phase on one rank, for one
-layout (`Layout`) of a `Workload` on a `Hardware`; `ray_dhp.recommend` ranks layouts by it.
+layout (`Layout`) of a `Workload` on a `Hardware`; `ray_dhp.planning.recommend` ranks layouts by it.
 Plain arithmetic: nothing here touches torch.distributed or Ray.
 
 **Compute.** Training FLOPs per sample (forward + backward = 3x forward; 4x with activation
@@ -38,7 +38,7 @@ dtype, gradients fp32):
   parameter broadcast), the text gradients over the text DP group, and the AdamW update, memory
   bound at ``2 * state_bytes`` per parameter the rank updates over ``hbm_bw``.
 
-**Schedules** (`ray_dhp.schedule`, per-micro-batch phases ``vf`` vision forward, ``vb`` vision
+**Schedules** (`ray_dhp.step.schedule`, per-micro-batch phases ``vf`` vision forward, ``vb`` vision
 backward, ``t`` text forward + backward, ``c`` one boundary transfer, ``M`` micro-batches):
 
 * sequential, and every collocated layout: ``M * (vf + vb + t + 2c)``;
@@ -63,8 +63,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ray_dhp.memory import ActivationSettings, vision_width
-from ray_dhp.topology import Topology, fill_nodes
+from ray_dhp.planning.memory import ActivationSettings, vision_width
+from ray_dhp.step.topology import Topology, fill_nodes
 
 __all__ = ["Hardware", "Workload", "Layout", "PhaseTimes", "phase_times", "step_time",
            "schedule_time", "vision_flops", "text_flops", "text_tokens_per_sample", "replica_share"]
@@ -109,7 +109,7 @@ class Workload:
     global_batch_size: int
     micro_batches: int = 1
     settings: ActivationSettings = field(default_factory=ActivationSettings)
-    state_bytes: float = 16.0      # model-state bytes per parameter (see ray_dhp.memory)
+    state_bytes: float = 16.0      # model-state bytes per parameter (see ray_dhp.planning.memory)
     vision_zero1: bool = True
     device_gib: float = 80.0
     #: A resolution mix ``((patch tokens, fraction), ...)`` (fractions sum to 1) instead of one
@@ -195,7 +195,7 @@ def _recompute(settings: ActivationSettings) -> float:
 
 
 def _vision_spans(vc) -> tuple:
-    """(full-attention blocks, window-attention blocks, patches per window) as ray_dhp.memory
+    """(full-attention blocks, window-attention blocks, patches per window) as ray_dhp.planning.memory
     counts them: Qwen2.5-VL lists its full blocks, the other families attend fully everywhere."""
     full = len(getattr(vc, "fullatt_block_indexes", None) or range(vc.depth))
     window = (getattr(vc, "window_size", 0) // vc.patch_size) ** 2

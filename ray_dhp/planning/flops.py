@@ -1,6 +1,6 @@
 """Model FLOPs of a training step and model FLOPs utilisation (MFU).
 
-The counts are the cost model's (`ray_dhp.cost_model.vision_flops` / `text_flops`: 6 x parameters
+The counts are the cost model's (`ray_dhp.planning.cost_model.vision_flops` / `text_flops`: 6 x parameters
 per token for the dense layers plus the attention term, forward + backward), applied to the
 step's real samples: each image with its own patch count, each sample with its own text length.
 Recomputation under activation checkpointing is *not* counted (MFU, not hardware utilisation).
@@ -17,7 +17,7 @@ PEAK_BF16 = (("H200", 989e12), ("H100", 989e12), ("H800", 989e12), ("H20", 148e1
 
 def step_flops(config, counts, micro_batches) -> float:
     """Model FLOPs (forward + backward) of one step over all its samples."""
-    from ray_dhp.cost_model import text_flops, vision_flops
+    from ray_dhp.planning.cost_model import text_flops, vision_flops
 
     total = 0.0
     for mb in micro_batches:

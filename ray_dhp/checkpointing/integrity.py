@@ -9,7 +9,7 @@ step and the SHA-256 of the metadata JSON itself. Two levels of checking:
   its recorded size. It reads no pickle (DCP's ``.metadata`` is a pickle; it is only read by the
   load itself, see docs/reliability.md).
 * `verify` — the content hashes, run only on the checkpoint about to be loaded (split over the
-  ranks by `ray_dhp.checkpoint.load`): a flipped bit makes the checkpoint count as corrupt, and
+  ranks by `ray_dhp.checkpointing.checkpoint.load`): a flipped bit makes the checkpoint count as corrupt, and
   the load falls back to the previous complete one.
 
 Checkpoints written before the file list existed (no ``"files"`` key) keep the older check:

@@ -1,6 +1,6 @@
 """Building blocks for your own ``train_loop_per_worker`` under `DisaggregatedTrainer`.
 
-The built-in loop (`ray_dhp.train_loop`) is made of these; a custom loop uses the same ones
+The built-in loop (`ray_dhp.train.loop`) is made of these; a custom loop uses the same ones
 (docs/custom_loop.md, examples/custom_loss.py)::
 
     def train_fn(config):
@@ -24,7 +24,7 @@ import logging
 import tempfile
 from typing import Callable, Optional, Union
 
-from ray_dhp.train_config import TrainLoopConfig
+from ray_dhp.train.loop_config import TrainLoopConfig
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def _cfg(config: Union[TrainLoopConfig, dict]) -> TrainLoopConfig:
 def _ctx(ctx):
     if ctx is not None:
         return ctx
-    from ray_dhp.backend import get_context
+    from ray_dhp.train.backend import get_context
 
     return get_context()
 
@@ -49,7 +49,7 @@ def build_engine(config: Union[TrainLoopConfig, dict], ctx=None, *, comm=None):
     materialised from the checkpoint directory or the seed's init), the optimizers and schedules
     of ``config`` (a `TrainLoopConfig` or its dict); ``ctx``: default `ray_dhp.get_context()`;
     ``comm``: an optional `CommCounter` recording every collective's bytes."""
-    from ray_dhp.engine import DHPEngine
+    from ray_dhp.step.engine import DHPEngine
 
     ctx = _ctx(ctx)
     return DHPEngine(ctx.dhp_config.model, ctx.groups, _cfg(config), comm=comm,
@@ -108,7 +108,7 @@ def load_checkpoint(engine, loader=None, source=None) -> int:
     ``source`` (a path or ``ray.train.Checkpoint``, e.g. ``cfg.resume_from``), into ``engine``
     and ``loader`` (its data position). Returns the step to continue from (0: nothing loaded).
     Loads at any layout (the checkpoint reshards)."""
-    from ray_dhp import checkpoint
+    from ray_dhp.checkpointing import checkpoint
 
     found = checkpoint.latest_of_run() or source
     return checkpoint.load(found, engine, loader) if found is not None else 0
@@ -123,14 +123,14 @@ def report(metrics: dict) -> None:
 
 def report_checkpoint(metrics: dict, engine, loader, processor=None,
                       on_saved: Optional[Callable[[], None]] = None) -> None:
-    """Write this rank's part of a sharded checkpoint (`ray_dhp.checkpoint.save`: parameters,
+    """Write this rank's part of a sharded checkpoint (`ray_dhp.checkpointing.checkpoint.save`: parameters,
     optimizer and schedule states, RNG, the loader's position, ``processor`` for export) into a
     temporary directory and report it with ``metrics``; Ray Train merges every rank's files into
     ``checkpoint_<step>`` under the run's storage and applies ``CheckpointConfig``. ``on_saved``
     runs after the write, before the report."""
     import ray.train
 
-    from ray_dhp import checkpoint
+    from ray_dhp.checkpointing import checkpoint
 
     with tempfile.TemporaryDirectory(prefix="ray_dhp_ckpt_") as d:
         checkpoint.save(d, engine, loader, processor)

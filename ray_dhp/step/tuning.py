@@ -14,7 +14,7 @@ vision tower, everything else (``model.language_model.*``, ``lm_head.*``) the la
 
 A frozen parameter has ``requires_grad=False``: no gradient, no optimizer state, no fp32 master;
 gradient reduction, clipping and ZeRO-1 skip it (the engine and the reference share
-`freeze` and `ray_dhp.optim.param_groups`). It is still held (the forward needs it) and saved in
+`freeze` and `ray_dhp.step.optim.param_groups`). It is still held (the forward needs it) and saved in
 checkpoints, so a checkpoint resumes exactly and exports a full model.
 """
 

@@ -1,15 +1,15 @@
 """What crosses the network: bytes per optimizer step of each collective, and its rank groups.
 
-The volumes are the ones `ray_dhp.cost_model.phase_times` divides by a bandwidth (see its module
+The volumes are the ones `ray_dhp.planning.cost_model.phase_times` divides by a bandwidth (see its module
 docstring for the derivation); `ray-dhp plan --nodes N --gpus-per-node G` prints them next to
 the node boundary (`ray_dhp.cli.plan.nodes_text`). Plain data, no torch.distributed, no Ray.
 """
 
 from __future__ import annotations
 
-from ray_dhp.memory import vision_width
-from ray_dhp.cost_model import Layout, Workload, _vision_spans, text_tokens_per_sample
-from ray_dhp.topology import Topology
+from ray_dhp.planning.memory import vision_width
+from ray_dhp.planning.cost_model import Layout, Workload, _vision_spans, text_tokens_per_sample
+from ray_dhp.step.topology import Topology
 
 
 COLLECTIVES = ("vision sp all-to-all", "text tp all-reduce", "boundary", "vision gradients",

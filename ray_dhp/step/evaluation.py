@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ray_dhp.microbatch import _MicroBatch, count_targets, shift_labels, upcast
+from ray_dhp.step.microbatch import _MicroBatch, count_targets, shift_labels, upcast
 from ray_dhp.parallel import boundary as bnd
 
 __all__ = ["evaluate", "check_eval_setup", "EVAL_METRICS", "VALIDATION"]
@@ -36,7 +36,7 @@ def evaluate(engine, batches: Iterable[list]) -> dict:
     """The validation loss of ``engine``'s current weights (collective on every rank).
 
     Args:
-        engine: this rank's `ray_dhp.engine.DHPEngine`.
+        engine: this rank's `ray_dhp.step.engine.DHPEngine`.
         batches: an iterable of micro-batch lists (each a list of lists of `Sample`, the same on
             every rank, as `ray_dhp.data.eval_loader.EvalLoader.batches` yields them).
 
@@ -132,7 +132,7 @@ def check_eval_setup(cfg, *, has_validation: bool, score_attribute=None, name=No
         validation_key, score_key: how the validation set and the score attribute are called.
     """
     from ray_dhp.checks import ConfigError
-    from ray_dhp.train_config import loop_key
+    from ray_dhp.train.loop_config import loop_key
 
     name = name or loop_key
     if cfg.eval_every > 0 and not has_validation:

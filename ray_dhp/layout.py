@@ -9,7 +9,7 @@ from typing import Any, Optional, Union
 from ray.train.backend import BackendConfig
 
 from ray_dhp.checks import check_fields, checked
-from ray_dhp.topology import PLACEMENTS, Topology
+from ray_dhp.step.topology import PLACEMENTS, Topology
 
 SCHEDULES = ("sequential", "pipelined")
 NODE_LOCAL = ("warn", "strict")
@@ -67,7 +67,7 @@ class DHPConfig(BackendConfig):
         model: a ``transformers`` ``PretrainedConfig`` (random init from the seed), the path of a
             local Hugging Face model directory, or a Hub model id (``"Qwen/Qwen2.5-VL-7B-Instruct"``)
             found in the Hugging Face cache (downloaded once if the Hub is reachable; see
-            `ray_dhp.hub`); resolved here, in the driver, to the directory workers load.
+            `ray_dhp.models.hub`); resolved here, in the driver, to the directory workers load.
         processor: a ``transformers`` processor object (or a ``ray_dhp.data.VLProcessor``), a
             local directory or Hub id to load one from, or None to load it from ``model`` when
             that is a directory.
@@ -76,7 +76,7 @@ class DHPConfig(BackendConfig):
         placement: ``"collocated"`` (every worker hosts a shard of both modules; both groups
             span all workers) or ``"disjoint"`` (vision workers first, then text workers).
         schedule: ``"sequential"`` or ``"pipelined"`` micro-batch schedule between the groups
-            (`ray_dhp.schedule`); None picks "pipelined" for disjoint, "sequential" for
+            (`ray_dhp.step.schedule`); None picks "pipelined" for disjoint, "sequential" for
             collocated. Results do not depend on it, only timing does.
         timeout_s: timeout of collective operations, in seconds.
         node_local: ``"warn"`` or ``"strict"``: what to do when the workers' nodes force a
@@ -109,12 +109,12 @@ class DHPConfig(BackendConfig):
                 "DHPConfig(model=...) is required: a transformers config (e.g. "
                 "ray_dhp.demo.tiny_model_config()) or a local Hugging Face model directory."
             )
-        if isinstance(self.model, (str, os.PathLike)):  # a directory or a Hub id (ray_dhp.hub)
-            from ray_dhp.hub import resolve_model_path
+        if isinstance(self.model, (str, os.PathLike)):  # a directory or a Hub id (ray_dhp.models.hub)
+            from ray_dhp.models.hub import resolve_model_path
 
             self.model = resolve_model_path(self.model, "DHPConfig(model=...)")
         if isinstance(self.processor, (str, os.PathLike)):
-            from ray_dhp.hub import resolve_model_path
+            from ray_dhp.models.hub import resolve_model_path
 
             self.processor = resolve_model_path(self.processor, "DHPConfig(processor=...)")
         for name in ("vision", "text"):
@@ -194,13 +194,13 @@ class DHPConfig(BackendConfig):
 
     @property
     def backend_cls(self):
-        from ray_dhp.backend import DisaggregatedBackend
+        from ray_dhp.train.backend import DisaggregatedBackend
 
         return DisaggregatedBackend
 
     @property
     def train_func_context(self):
-        from ray_dhp.backend import WorkerContextManager
+        from ray_dhp.train.backend import WorkerContextManager
 
         cfg = self
 
