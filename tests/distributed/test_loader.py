@@ -67,8 +67,9 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("name, prefetch, budget, balance", [
     ("collocated_sp2_tp2", True, None, "cost"), ("disjoint_1v_1t", True, None, "cost"),
-    ("collocated_sp2dp2_tp2dp2", False, None, "cost"), ("collocated_sp2dp2_tp2dp2", True, 75, "cost"),
-    ("collocated_sp2dp2_tp2dp2", True, None, "count")])
+    pytest.param("collocated_sp2dp2_tp2dp2", False, None, "cost", marks=pytest.mark.slow),
+    ("collocated_sp2dp2_tp2dp2", True, 75, "cost"),
+    pytest.param("collocated_sp2dp2_tp2dp2", True, None, "count", marks=pytest.mark.slow)])
 def test_loader_decodes_once_and_matches_the_sampler(tmp_path, name, prefetch, budget, balance):
     path = demo.make_dataset(tmp_path / "d", num_samples=14, text_only_every=4, bad_lines=BAD)
     cfg = dict(global_batch_size=4, micro_batches=2, seed=1, balance=balance)

@@ -204,14 +204,14 @@ def test_bf16_autocast_tracks_fp32(fp32_reference):
         assert abs(g["loss"] - r["loss"]) <= 1e-2 * r["loss"], (g["loss"], r["loss"])
 
 
-PIPELINED = [
-    ("1v-2t", _layout("disjoint", (1, 1), (2, 1))),
-    ("2v-1t", _layout("disjoint", (2, 1), (1, 1))),
-    ("2v-sp2-2t-dp2", _layout("disjoint", (2, 1), (1, 2))),
+PIPELINED = [  # the 4-rank case (SP and DP on both sides) runs by default, the others with -m slow
+    pytest.param("1v-2t", _layout("disjoint", (1, 1), (2, 1)), marks=pytest.mark.slow, id="1v-2t"),
+    pytest.param("2v-1t", _layout("disjoint", (2, 1), (1, 1)), marks=pytest.mark.slow, id="2v-1t"),
+    pytest.param("2v-sp2-2t-dp2", _layout("disjoint", (2, 1), (1, 2)), id="2v-sp2-2t-dp2"),
 ]
 
 
-@pytest.mark.parametrize("name, layout", PIPELINED, ids=[n for n, _ in PIPELINED])
+@pytest.mark.parametrize("name, layout", PIPELINED)
 def test_pipelined_schedule_is_exact(name, layout, tmp_path_factory):
     """The 1F1B-like schedule between disjoint groups changes timing, never results (fp64, 4
     micro-batches, asymmetric groups)."""
