@@ -22,7 +22,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from ray_dhp.data.loader import StepLoader, _Fatal, _Item
+from ray_dhp.data.loader import StepLoader
 
 __all__ = ["EvalLoader", "GHOST_INDEX", "ghost_sample"]
 
@@ -88,25 +88,7 @@ class EvalLoader(StepLoader):
     def _batch(self, indices: list) -> list:
         s = self.sampler
         candidates = [i for i in indices if i not in s.bad]
-        owners = self._owners(candidates)
-        mine = self._process_many({q: i for q, (i, o) in enumerate(zip(candidates, owners))
-                                   if o == self.rank})
-        pixels = {q: x.pixel_values for q, x in mine.items()
-                  if not isinstance(x, (Exception, _Fatal))}
-        metas = self._gather_meta(mine)
-        chosen = []
-        for q, i in enumerate(candidates):
-            meta = metas[q]
-            if isinstance(meta, _Fatal):
-                raise RuntimeError(f"processing validation record {i} on rank {owners[q]} "
-                                   f"failed: {meta.message}")
-            if isinstance(meta, str):
-                s.note_bad(i, meta)  # strict: raises here, on every rank alike
-                continue
-            item = _Item(i, meta["sample"], owners[q], meta["pixel_shape"], meta["pixel_dtype"])
-            if owners[q] == self.rank:
-                item.sample.pixel_values = pixels.get(q)
-            chosen.append(item)
+        chosen = self._process_candidates(candidates, what="validation record")
         if not chosen:
             return []
         samples = [it.sample for it in chosen]

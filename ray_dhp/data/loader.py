@@ -139,6 +139,30 @@ class StepLoader:
         micro_batches, self._state, self._skipped, self._epoch = item
         return micro_batches
 
+    def _process_candidates(self, candidates: list, what: str = "record") -> list:
+        """Process ``candidates`` (record indices) on their decode owners, share every result's
+        metadata, and return the valid ones as `_Item`s (pixels kept by the owner only); bad ones
+        are noted on the sampler (strict: raises, on every rank alike). Collective."""
+        s = self.sampler
+        owners = self._owners(candidates)
+        mine = self._process_many({q: i for q, (i, o) in enumerate(zip(candidates, owners))
+                                   if o == self.rank})
+        pixels = {q: x.pixel_values for q, x in mine.items() if not isinstance(x, (Exception, _Fatal))}
+        metas = self._gather_meta(mine)
+        chosen = []
+        for q, i in enumerate(candidates):
+            meta = metas[q]
+            if isinstance(meta, _Fatal):
+                raise RuntimeError(f"processing {what} {i} on rank {owners[q]} failed: {meta.message}")
+            if isinstance(meta, str):
+                s.note_bad(i, meta)  # strict: raises here, on every rank alike
+                continue
+            item = _Item(i, meta["sample"], owners[q], meta["pixel_shape"], meta["pixel_dtype"])
+            if owners[q] == self.rank:
+                item.sample.pixel_values = pixels.get(q)
+            chosen.append(item)
+        return chosen
+
     # -- one step -------------------------------------------------------------------------------
 
     def _produce(self):
@@ -154,22 +178,7 @@ class StepLoader:
                 i = s.next_index()
                 if i not in s.bad:  # known bad: already counted, no need to process it again
                     candidates.append(i)
-            owners = self._owners(candidates)
-            mine = self._process_many({q: i for q, (i, o) in enumerate(zip(candidates, owners))
-                                       if o == self.rank})
-            pixels = {q: x.pixel_values for q, x in mine.items() if not isinstance(x, (Exception, _Fatal))}
-            metas = self._gather_meta(mine)
-            for q, i in enumerate(candidates):
-                meta = metas[q]
-                if isinstance(meta, _Fatal):
-                    raise RuntimeError(f"processing record {i} on rank {owners[q]} failed: {meta.message}")
-                if isinstance(meta, str):
-                    s.note_bad(i, meta)  # strict: raises here, on every rank alike
-                    continue
-                item = _Item(i, meta["sample"], owners[q], meta["pixel_shape"], meta["pixel_dtype"])
-                if owners[q] == self.rank:
-                    item.sample.pixel_values = pixels.get(q)
-                chosen.append(item)
+            chosen.extend(self._process_candidates(candidates))
         micro_batches = s.cut([it.sample for it in chosen])  # same cut on every rank
         self._route_pixels(chosen, micro_batches)
         return micro_batches, s.state_dict(), s.skipped, s.epoch

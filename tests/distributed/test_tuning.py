@@ -95,6 +95,21 @@ def _assert_state_is_the_plan(got: dict, cfg: TrainLoopConfig, layout: dict) -> 
             (2 * want.weights, 2 * want.grads, 2 * want.masters, 2 * want.optimizer), (rank, st, want)
 
 
+def _resume_data_and_reference(tmp_path, cfg):
+    """The resume tests' dataset (path), the reference's history + final parameters over
+    ``cfg.num_steps``, and the reference trainer itself."""
+    from ray_dhp.step.reference import ReferenceTrainer
+    from tests.distributed.test_checkpoint import DTYPE, _sampler
+
+    data = str(demo.make_dataset(tmp_path / "data", num_samples=16, seed=0, text_only_every=4,
+                                 image_sizes=((56, 56), (84, 56), (112, 84))))
+    sampler = _sampler(data, cfg)
+    trainer = ReferenceTrainer(demo.tiny_model_config(FAMILY), cfg, dtype=DTYPE)
+    ref = {"history": [trainer.step(sampler.next_step()) for _ in range(cfg.num_steps)],
+           "params": trainer.named_parameters()}
+    return data, ref, trainer
+
+
 RESUME = {"frozen-vision+llm-lr": {"vision": {"train": False}, "llm": {"lr": 2e-3}},
           "frozen-llm": {"llm": {"train": False}}}
 
@@ -105,17 +120,11 @@ def test_resume_with_frozen_modules_is_exact(choice, tmp_path):
     """3 steps at collocated SP2/TP2 + save + resume at disjoint 1+2 + 3 steps == 6 steps of the
     reference (losses, every rank's copy of every parameter, fp64 1e-10): the optimizer and
     scheduler states of the trained parts, and the frozen weights, survive the round trip."""
-    from ray_dhp.step.reference import ReferenceTrainer
-    from tests.distributed.test_checkpoint import (CFG, COLLOCATED_SP2_TP2, DISJOINT_1V_2T, DTYPE,
-                                                   _sampler, assert_matches, run)
+    from tests.distributed.test_checkpoint import (CFG, COLLOCATED_SP2_TP2, DISJOINT_1V_2T,
+                                                   assert_matches, run)
 
     cfg = replace(CFG, modules=RESUME[choice])
-    data = str(demo.make_dataset(tmp_path / "data", num_samples=16, seed=0, text_only_every=4,
-                                 image_sizes=((56, 56), (84, 56), (112, 84))))
-    sampler = _sampler(data, cfg)
-    ref = ReferenceTrainer(demo.tiny_model_config(FAMILY), cfg, dtype=DTYPE)
-    ref = {"history": [ref.step(sampler.next_step()) for _ in range(cfg.num_steps)],
-           "params": ref.named_parameters()}
+    data, ref, _ = _resume_data_and_reference(tmp_path, cfg)
     root = str(tmp_path / "ckpts")
     first = run(COLLOCATED_SP2_TP2, data, stop=3, save_at=(3,), ckpt_root=root, cfg=cfg)
     second = run(DISJOINT_1V_2T, data, resume_from=root, cfg=cfg)
@@ -165,17 +174,11 @@ def test_lora_resume_and_export_merged_or_adapter(tmp_path):
 
     from ray_dhp import export_hf
     from ray_dhp.models import build_model
-    from ray_dhp.step.reference import ReferenceTrainer
     from tests.distributed.test_checkpoint import (CFG, COLLOCATED_SP2_TP2, DISJOINT_1V_2T, DTYPE,
-                                                   _sampler, assert_matches, run)
+                                                   assert_matches, run)
 
     cfg = replace(CFG, modules=LORA_ONLY)
-    data = str(demo.make_dataset(tmp_path / "data", num_samples=16, seed=0, text_only_every=4,
-                                 image_sizes=((56, 56), (84, 56), (112, 84))))
-    sampler = _sampler(data, cfg)
-    trainer = ReferenceTrainer(demo.tiny_model_config(FAMILY), cfg, dtype=DTYPE)
-    ref = {"history": [trainer.step(sampler.next_step()) for _ in range(cfg.num_steps)],
-           "params": trainer.named_parameters()}
+    data, ref, trainer = _resume_data_and_reference(tmp_path, cfg)
     root = str(tmp_path / "ckpts")
     first = run(COLLOCATED_SP2_TP2, data, stop=3, save_at=(3,), ckpt_root=root, cfg=cfg)
     second = run(DISJOINT_1V_2T, data, resume_from=root, save_at=(6,), ckpt_root=root, cfg=cfg)
