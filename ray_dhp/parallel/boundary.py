@@ -9,7 +9,8 @@ Forward: point-to-point, non-blocking sends; each vision rank sends each text ra
 needs (only the pairs that exchange rows communicate; a rank's rows to itself are copied), the
 text rank re-orders them. Every TP rank of a text replica receives the rows (replicated over TP).
 The sends are waited for at the end of the step (`InFlight`), so under the pipelined schedule a
-vision rank goes on to its next phase without waiting for the text rank to take the features.
+vision rank goes on to its next phase without waiting for the text rank to take the features
+(after the pair's first exchange, which creates its NCCL communicator with both ranks).
 
 Point-to-point ordering (what makes it safe under NCCL, `exchange_order`): NCCL runs the
 ``isend``/``irecv`` of a pair of ranks on one two-rank communicator and one stream, in posting
