@@ -7,6 +7,7 @@ both receives wait for sends queued behind them. The twin must report that deadl
 operations, for the demo layout here and (slow) for every collocated layout of the parity matrix.
 """
 
+import dataclasses
 import random
 
 import pytest
@@ -53,7 +54,8 @@ def _demo_boundary(rank, world, old):
     if old:
         bnd._exchange = _old_exchange
     topo = Topology.build(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1, text_tp=2)
-    plan = bnd.plan_boundary(topo, rank, {0: torch.arange(3), 1: torch.arange(3, 6)}, {0: range(6), 1: range(6)})
+    held, needed = {0: torch.arange(3), 1: torch.arange(3, 6)}, {0: range(6), 1: range(6)}
+    plan = bnd.plan_boundary(topo, rank, held, needed)
     feats = torch.arange(6 * 4, dtype=torch.float64).view(6, 4)
     inflight = bnd.InFlight()
     out = bnd.features_forward(plan, feats[3 * rank:3 * rank + 3], 4, torch.float64,
@@ -133,7 +135,8 @@ def _old_engine_body(rank, world, *args):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", sorted(DEFAULT), ids=lambda c: f"{c[0]}-{c[1]}-sp{c[2][0]}dp{c[2][1]}-tp{c[3][0]}dp{c[3][1]}")
+@pytest.mark.parametrize("case", sorted(DEFAULT),
+                         ids=lambda c: f"{c[0]}-{c[1]}-sp{c[2][0]}dp{c[2][1]}-tp{c[3][0]}dp{c[3][1]}")
 def test_old_exchange_under_the_twin_on_the_parity_layouts(case, tmp_path):
     """Collocated layouts deadlock (every one in the matrix has SP or TP > 1, so some pair
     exchanges rows both ways); disjoint ones only send one way per pair and pass also with the
@@ -142,7 +145,7 @@ def test_old_exchange_under_the_twin_on_the_parity_layouts(case, tmp_path):
     from tests.distributed.parity import make_steps
 
     fam, placement, v, t = case
-    cfg = CFG.model_copy(update={"num_steps": 1}) if hasattr(CFG, "model_copy") else CFG
+    cfg = dataclasses.replace(CFG, num_steps=1)
     steps = make_steps(tmp_path, fam, cfg)[:1]
     layout = _layout(placement, v, t)
     world = Topology.build(**layout).world_size
