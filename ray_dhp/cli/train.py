@@ -12,18 +12,10 @@ def prepare_data(rf) -> dict:
     """``{dataset name: absolute path}`` of the run: ``data.train`` as "train" plus
     ``data.datasets``, checked against ``data.dataset_weights``. With neither set, the demo set is
     generated as "train" (into ``<storage_path>/<run name>/demo_data``, reused if already there)."""
-    from ray_dhp.cli.schema import ConfigError
-
     names = rf.dataset_names()  # the weights checked against the names
-    train = rf.data.train or _DEMO
-    datasets = {**({"train": train} if "train" in names else {}), **(rf.data.datasets or {})}
-    if rf.data.validation:
-        datasets["validation"] = rf.data.validation
-    own = {"train": "data.train" if rf.data.train else None, "validation": "data.validation"}
-    for name, path in datasets.items():
-        key = own.get(name) or f"data.datasets.{name}"
-        if path != _DEMO and (not isinstance(path, str) or not os.path.exists(path)):
-            raise ConfigError(f"{key}: {path} does not exist.")
+    datasets = rf.data_paths()  # each checked to exist
+    if "train" in names and "train" not in datasets:
+        datasets = {"train": _DEMO, **datasets}
     if datasets.get("train") == _DEMO:
         datasets["train"] = _demo_data(rf)
     return datasets

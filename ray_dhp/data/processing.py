@@ -162,6 +162,8 @@ class VLProcessor:
             neither, ray_dhp's own Qwen format is used (`uses_chat_template` is then False).
     """
 
+    chat_source = None  # the file the chat template came from (`load_processor`), if known
+
     def __init__(self, tokenizer, image_processor=None, *, system_prompt: str | None = None,
                  chat_template: str | None = None):
         self.tokenizer, self.image_processor, self.system_prompt = tokenizer, image_processor, system_prompt
@@ -188,8 +190,10 @@ class VLProcessor:
         `ray_dhp.data.pixels.with_pixel_limits`)."""
         from ray_dhp.data.pixels import with_pixel_limits
 
-        return VLProcessor(self.tokenizer, with_pixel_limits(self.image_processor, min_pixels, max_pixels),
-                           system_prompt=system_prompt, chat_template=self.renderer.chat_template)
+        out = VLProcessor(self.tokenizer, with_pixel_limits(self.image_processor, min_pixels, max_pixels),
+                          system_prompt=system_prompt, chat_template=self.renderer.chat_template)
+        out.chat_source = self.chat_source
+        return out
 
     def save_pretrained(self, directory) -> None:
         """Write the tokenizer (with the chat template in use) and image processor
@@ -333,24 +337,8 @@ def as_vl_processor(obj) -> VLProcessor:
 
 
 def load_processor(path: str) -> VLProcessor:
-    """A processor from a local model directory: ``AutoProcessor`` when it loads; otherwise the
-    tokenizer plus the PIL-only Qwen2-VL image processor (transformers' default Qwen image
-    processors need torchvision, which some installs lack)."""
-    from transformers import AutoProcessor, AutoTokenizer
+    """The processor of a local model directory, its chat template found wherever transformers
+    finds one, with or without torchvision (`ray_dhp.data.processor_dir.load_processor`)."""
+    from ray_dhp.data.processor_dir import load_processor as load
 
-    if not os.path.isdir(path):
-        raise ValueError(f"processor path {path!r} is not a local directory")
-    try:
-        proc = AutoProcessor.from_pretrained(path, local_files_only=True)
-        if getattr(proc, "image_processor", None) is not None:
-            return as_vl_processor(proc)
-    except (ImportError, ValueError, OSError, TypeError, AttributeError):
-        pass
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    try:
-        image = Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True)
-    except OSError:
-        image = None
-    return VLProcessor(tok, image)
+    return load(path)
