@@ -17,10 +17,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["load_image", "upright_size"]
+__all__ = ["ImageError", "load_image", "upright_size"]
 
 _ORIENTATION = 0x0112  # EXIF tag
 _QUARTER_TURNS = (5, 6, 7, 8)  # transpose, rotate 270, transverse, rotate 90: width <-> height
+
+
+class ImageError(ValueError):
+    """An image file that cannot be used (missing, corrupt, too large): the record is bad data."""
 
 
 def upright_size(img) -> tuple[int, int]:
@@ -37,31 +41,29 @@ def upright_size(img) -> tuple[int, int]:
 def load_image(path: Path, max_pixels: int | None = None):
     """The upright image at ``path`` in its own mode (see the module docstring). Its size is read
     from the header first (PIL's ``open`` is lazy) and an image over ``max_pixels`` is refused
-    (`ray_dhp.data.processing.BadSample`) before any pixel is decoded."""
+    (`ImageError`) before any pixel is decoded."""
     from PIL import Image, ImageOps
-
-    from ray_dhp.data.processing import BadSample as _bad  # processing imports this module
 
     try:
         exists = path.is_file()
     except (OSError, ValueError) as exc:  # a name too long for the file system, a NUL byte...
-        raise _bad(f"unusable image path: {str(path)[:200]!r}: {type(exc).__name__}: {exc}") from exc
+        raise ImageError(f"unusable image path: {str(path)[:200]!r}: {type(exc).__name__}: {exc}") from exc
     if not exists:
-        raise _bad(f"missing image: {path} does not exist")
+        raise ImageError(f"missing image: {path} does not exist")
     try:
         with Image.open(path) as img:  # reads the header only
             width, height = img.size
             if width <= 0 or height <= 0:
-                raise _bad(f"corrupt image: {path} has size {width}x{height}")
+                raise ImageError(f"corrupt image: {path} has size {width}x{height}")
             if max_pixels is not None and width * height > max_pixels:
-                raise _bad(f"image too large: {path} is {width}x{height} = {width * height} "
+                raise ImageError(f"image too large: {path} is {width}x{height} = {width * height} "
                            f"pixels > max_image_pixels={max_pixels} (not decoded)")
             img.load()
             upright = ImageOps.exif_transpose(img)
             return upright.copy() if upright is img else upright  # detached from the file
-    except _bad:
+    except ImageError:
         raise
     except Image.DecompressionBombError as exc:  # Pillow's own guard (over ~179M pixels)
-        raise _bad(f"image too large: {path}: {exc}") from exc
+        raise ImageError(f"image too large: {path}: {exc}") from exc
     except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError...
-        raise _bad(f"corrupt image: {path}: {type(exc).__name__}: {exc}") from exc
+        raise ImageError(f"corrupt image: {path}: {type(exc).__name__}: {exc}") from exc

@@ -32,7 +32,7 @@ import torch
 
 from ray_dhp.data.chat import (IMAGE_PLACEHOLDER, ChatTemplateError, QwenFormat,
                                TemplateRenderer, expand_image_pads)
-from ray_dhp.data.images import load_image, upright_size
+from ray_dhp.data.images import ImageError, load_image, upright_size
 from ray_dhp.data.reading import Record
 
 __all__ = ["BadSample", "reason_kind", "Sample", "VLProcessor", "as_vl_processor", "image_grid", "IGNORE_INDEX"]
@@ -259,7 +259,11 @@ class VLProcessor:
         if n_placeholders != len(paths):
             raise BadSample(f"image count mismatch: {n_placeholders} {IMAGE_PLACEHOLDER} "
                             f"placeholder(s) but {len(paths)} image(s)")
-        pixel_values, grid = self._encode_images([load_image(p, max_pixels) for p in paths])
+        try:
+            images = [load_image(p, max_pixels) for p in paths]
+        except ImageError as exc:
+            raise BadSample(str(exc)) from exc
+        pixel_values, grid = self._encode_images(images)
         pads = [] if grid is None else (grid.prod(-1) // self.merge_size**2).tolist()
         try:
             text, spans = self.renderer.render(messages, self.system_prompt)
@@ -337,8 +341,21 @@ def as_vl_processor(obj) -> VLProcessor:
 
 
 def load_processor(path: str) -> VLProcessor:
-    """The processor of a local model directory, its chat template found wherever transformers
-    finds one, with or without torchvision (`ray_dhp.data.processor_dir.load_processor`)."""
-    from ray_dhp.data.processor_dir import load_processor as load
+    """The processor of a local model directory: its tokenizer, image processor (None without
+    ``preprocessor_config.json``) and the chat template found wherever transformers finds one,
+    with or without torchvision (`ray_dhp.data.processor_dir`); ``chat_source`` names the
+    template's file.
 
-    return load(path)
+    Raises:
+        ProcessorDirError: not a directory, no tokenizer files, a tokenizer or image processor
+            that does not load, or a tokenizer without the Qwen-VL special tokens.
+    """
+    from ray_dhp.data.processor_dir import ProcessorDirError, read_processor_dir
+
+    tokenizer, image_processor, template, source = read_processor_dir(path)
+    try:
+        processor = VLProcessor(tokenizer, image_processor, chat_template=template)
+    except ValueError as e:  # no <|im_start|>... token
+        raise ProcessorDirError(f"processor directory {path}: {e}") from e
+    processor.chat_source = source
+    return processor

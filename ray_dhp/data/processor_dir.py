@@ -3,7 +3,7 @@
 `find_chat_template` looks where transformers looks, in its order: the processor's own template
 (``ProcessorMixin.from_pretrained``: a ``chat_template`` key of ``processor_config.json``, else
 ``chat_template.jinja``, else the legacy ``chat_template.json`` that Hub VL repos ship), then the
-tokenizer's (``tokenizer_config.json``'s ``chat_template``). `load_processor` always renders with
+tokenizer's (``tokenizer_config.json``'s ``chat_template``). `read_processor_dir` always gives
 that template, so the prompt does not depend on whether ``AutoProcessor`` can be built (it cannot
 without torchvision, and ``AutoTokenizer`` alone ignores ``chat_template.json``).
 
@@ -16,7 +16,7 @@ import json
 import os
 from typing import Optional
 
-__all__ = ["ProcessorDirError", "find_chat_template", "load_processor", "TEMPLATE_FILES"]
+__all__ = ["ProcessorDirError", "find_chat_template", "read_processor_dir", "TEMPLATE_FILES"]
 
 #: where a chat template is looked for, in transformers' order of precedence
 TEMPLATE_FILES = ("processor_config.json", "chat_template.jinja", "chat_template.json",
@@ -99,24 +99,17 @@ def _image_processor(path: str):
                                 f"processor does not load ({type(e).__name__}: {e})") from e
 
 
-def load_processor(path: str):
-    """The `ray_dhp.data.VLProcessor` of a local model directory: its tokenizer, its image
-    processor (None without ``preprocessor_config.json``) and the chat template
-    `find_chat_template` finds (``processor.chat_source`` names its file).
+def read_processor_dir(path: str) -> tuple:
+    """``(tokenizer, image processor or None, chat template or None, the template's file or
+    None)`` of a local model directory (`ray_dhp.data.processing.load_processor` makes them a
+    `VLProcessor`).
 
     Raises:
-        ProcessorDirError: not a directory, no tokenizer files, a tokenizer or image processor
-            that does not load, or a tokenizer without the Qwen-VL special tokens.
+        ProcessorDirError: not a directory, no tokenizer files, or a tokenizer or image
+            processor that does not load.
     """
-    from ray_dhp.data.processing import VLProcessor
-
     if not os.path.isdir(path):
         raise ProcessorDirError(f"processor path {path!r} is not a local directory")
     template, source = find_chat_template(path)
-    tokenizer = _tokenizer(path)
-    try:
-        processor = VLProcessor(tokenizer, _image_processor(path), chat_template=template)
-    except ValueError as e:  # no <|im_start|>... token
-        raise ProcessorDirError(f"processor directory {path}: {e}") from e
-    processor.chat_source = os.path.join(path, source) if source else None
-    return processor
+    return (_tokenizer(path), _image_processor(path), template,
+            os.path.join(path, source) if source else None)

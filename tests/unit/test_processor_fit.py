@@ -10,7 +10,8 @@ import shutil
 import pytest
 
 from ray_dhp.cli import EXIT_CONFIG, main
-from ray_dhp.data.processor_dir import find_chat_template, load_processor
+from ray_dhp.data.processing import load_processor
+from ray_dhp.data.processor_dir import find_chat_template
 from ray_dhp.demo import CHAT_TEMPLATE, DEFAULT_SYSTEM_PROMPT, tiny_model_config, tiny_processor
 
 RECORD = {"conversations": [{"from": "human", "value": "Repeat: one"}, {"from": "gpt", "value": "one"}]}
