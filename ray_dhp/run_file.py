@@ -186,6 +186,12 @@ class RunSection:
                                      "RAY_ADDRESS nor one started with `ray start` on this "
                                      "machine; null: enough for the workers); ignored when "
                                      "joining a cluster", ge=1)
+    ray_address: Optional[str] = option(None, "which Ray `ray-dhp train` uses: null = join the "
+                                        "cluster of RAY_ADDRESS or of `ray start` on this "
+                                        "machine, else start a local one; \"local\" = always "
+                                        "a private local Ray (beside any cluster on the "
+                                        "machine); \"auto\" or host:port = join that cluster "
+                                        "(RAY_ADDRESS, when set, still wins, as in ray.init)")
 
 
 @dataclass

@@ -136,6 +136,14 @@ class DisaggregatedTrainer(DataParallelTrainer):
         self._dhp_config = dhp_config
         self._placement_timeout_s = placement_timeout_s
 
+    def _create_default_callbacks(self):
+        """Ray Train's callbacks, its placement-group cleaner asking this cluster's state API
+        (`ray_dhp.train.pg_cleaner`: no "multiple active Ray instances" or GCS-timeout
+        tracebacks beside another Ray on the machine)."""
+        from ray_dhp.train.pg_cleaner import with_cluster_cleaner
+
+        return with_cluster_cleaner(super()._create_default_callbacks())
+
     def fit(self):
         """Check the cluster (`ray_dhp.train.cluster.preflight`), then run as ``DataParallelTrainer.fit``;
         a placement that stays unsatisfiable ends in a ``ControllerError`` wrapping a
