@@ -33,7 +33,6 @@ storage you trust (docs/reliability.md).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import random
@@ -45,6 +44,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ray_dhp.checkpointing import integrity
+from ray_dhp.checkpointing.compat import FORMAT_VERSION, check_compatible, check_same_model
 from ray_dhp.checkpointing.hashing import CorruptChunk, HashingWriter, VerifyingReader
 from ray_dhp.checkpointing.integrity import (  # noqa: F401  (re-exported for callers)
     COMMIT_FILE, META_FILE, is_complete, read_meta)
@@ -52,7 +52,6 @@ from ray_dhp.data.sampler import OldSamplerState, check_state
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 3  # the file list with XXH3-128 checksums per file / per stored shard item
 VISION_PREFIX = "model.visual."
 
 
@@ -327,27 +326,42 @@ def load(checkpoint, engine, sampler=None) -> int:
         The step the checkpoint was written at (training continues with the next one).
     """
     with local_dir(checkpoint) as d:
-        for c in _candidates_collective(d):
-            _check_compatible(read_meta(c), engine)  # another format or model: an error, not a fallback
-            bad = _small_files_bad(c)
-            if bad:
-                logger.warning("checkpoint %s is corrupt (checksum mismatch: %s); trying an older "
-                               "one", c, ", ".join(bad[:5]))
-                continue
-            meta = read_meta(c)
-            try:
-                _load_one(c, meta, engine, sampler)
-            except BaseException as e:  # noqa: BLE001 - DCP raises CheckpointException (BaseException)
-                bad = _corrupt_chunk(e)
-                if bad is None:
-                    raise
-                logger.warning("checkpoint %s is corrupt (%s); trying an older one", c, bad)
-                continue
-            if c != d:
-                logger.warning("falling back to checkpoint %s", c)
-            logger.info("resumed from %s (step %d)", c, engine.step_count)
-            return engine.step_count
-    raise FileNotFoundError(f"no intact checkpoint for {d}: every complete one failed its "
+        c = load_first_intact(d, lambda c, meta: _load_one(c, meta, engine, sampler),
+                              check=lambda meta: check_compatible(meta, engine))
+    logger.info("resumed from %s (step %d)", c, engine.step_count)
+    return engine.step_count
+
+
+def load_first_intact(path: str, load_one, check=None) -> str:
+    """Collective: call ``load_one(directory, meta)`` on the newest complete checkpoint of
+    ``path`` (a checkpoint or a folder of them) whose checksums hold, the same one on every rank;
+    returns its directory. The small files are checked first (each rank a share); the shards are
+    checked by ``load_one``'s ``dcp.load`` through `VerifyingReader` as it reads them — a
+    mismatch on any rank fails the load on every rank (DCP gathers the read step's errors), and
+    every rank moves on to the next older one. ``check(meta)`` may raise (not a fallback: e.g.
+    another format or model)."""
+    found = _candidates_collective(path)
+    for c in found:
+        meta = read_meta(c)
+        if check is not None:
+            check(meta)
+        bad = _small_files_bad(c)
+        if bad:
+            logger.warning("checkpoint %s is corrupt (checksum mismatch: %s); trying an older "
+                           "one", c, ", ".join(bad[:5]))
+            continue
+        try:
+            load_one(c, meta)
+        except BaseException as e:  # noqa: BLE001 - DCP raises CheckpointException (BaseException)
+            bad = _corrupt_chunk(e)
+            if bad is None:
+                raise
+            logger.warning("checkpoint %s is corrupt (%s); trying an older one", c, bad)
+            continue
+        if c != found[0]:
+            logger.warning("falling back to checkpoint %s", c)
+        return c
+    raise FileNotFoundError(f"no intact checkpoint for {path}: every complete one failed its "
                             f"checksums")
 
 
@@ -355,8 +369,7 @@ def _load_one(d: str, meta: dict, engine, sampler) -> None:
     """Load checkpoint ``d`` (its shards' checksums verified as DCP reads them)."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    _check_compatible(meta, engine)
-    _check_same_model(meta, engine)
+    check_same_model(meta, engine)
     if sampler is not None:  # before the weights: an old data order stops the load early
         try:
             check_state(meta["sampler"])
@@ -381,56 +394,3 @@ def _layout_of(engine) -> dict:
     from dataclasses import asdict
 
     return asdict(engine.groups.topology)
-
-
-def _check_compatible(meta: dict, engine) -> None:
-    version = meta.get("format_version")
-    if version != FORMAT_VERSION:
-        raise ValueError(f"checkpoint format version {version!r} is not the one this ray_dhp "
-                         f"reads ({FORMAT_VERSION}); use the ray_dhp version that wrote it.")
-    if meta.get("family") != engine.family.name:
-        raise ValueError(f"checkpoint holds a {meta.get('family')} model but this run trains a "
-                         f"{engine.family.name} model; use DHPConfig(model=...) of the same family.")
-    from ray_dhp.step.tuning import same_structure
-
-    why = same_structure(meta.get("modules"), engine.cfg.modules)
-    if why:
-        raise ValueError(f"checkpoint was trained with modules={meta.get('modules')!r}, this run "
-                         f"has modules={engine.cfg.modules!r}: {why}; resume with the run's "
-                         f"optim.modules (train_loop_config['modules']).")
-
-
-
-# config keys that do not change what the weights mean (names, runtime switches, dropout rates)
-_CONFIG_BENIGN = ("_name_or_path", "transformers_version", "architectures", "dtype", "torch_dtype",
-                  "use_cache", "attn_implementation", "output_attentions", "output_hidden_states",
-                  "return_dict", "initializer_range", "problem_type")
-
-
-def _first_difference(a, b, key: str = ""):
-    """``(dotted key, a value, b value)`` of the first difference of two JSON trees, or None."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        for k in sorted(set(a) | set(b)):
-            if k.startswith("_") or k in _CONFIG_BENIGN or "dropout" in k:
-                continue
-            d = _first_difference(a.get(k), b.get(k), f"{key}.{k}" if key else k)
-            if d is not None:
-                return d
-        return None
-    return None if a == b else (key, a, b)
-
-
-def _check_same_model(meta: dict, engine) -> None:
-    """The stored model config must describe the model being trained (DCP would load a deeper
-    checkpoint into a shallower model without complaint)."""
-    stored = meta.get("model_config")
-    if stored is None:
-        return
-    here = json.loads(engine.config.to_json_string(use_diff=False))
-    diff = _first_difference(json.loads(stored), here)
-    if diff is not None:
-        key, was, now = diff
-        raise ValueError(f"the checkpoint was written for another model: model config {key} is "
-                         f"{was!r} in the checkpoint but {now!r} in this run; resume with the "
-                         f"model it was trained with (or export it and start a new run from that "
-                         f"directory)")

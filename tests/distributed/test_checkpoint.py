@@ -286,3 +286,46 @@ def test_reshard_more_layouts(name, before, after, data, reference, tmp_path):
     second = run(after, data, resume_from=root)  # a folder of checkpoints: its newest
     assert second["first"] == 3
     assert_matches(first["history"] + second["history"], second, reference)
+
+
+def _fallback_body(rank, world, root):
+    """Each rank saves (and loads) a tensor of its own; rank 1's item of the newest checkpoint
+    is corrupt, so only rank 1 can see it."""
+    import torch.distributed.checkpoint as dcp
+
+    from ray_dhp.checkpointing import checkpoint, integrity
+    from ray_dhp.checkpointing.hashing import HashingWriter, VerifyingReader
+
+    for step in (2, 4):
+        d = os.path.join(root, f"checkpoint_{step:06d}")
+        writer = HashingWriter(d)
+        dcp.save({f"w{rank}": torch.full((1000,), float(step + rank))}, storage_writer=writer)
+        parts = [None] * world
+        torch.distributed.all_gather_object(parts, integrity.file_records(d, writer.chunks, writer.chunks))
+        if rank == 0:
+            files = integrity.file_records(d, [".metadata"])
+            for p in parts:
+                files.update(p)
+            integrity.commit(d, {"format_version": checkpoint.FORMAT_VERSION, "step": step,
+                                 "files": files})
+        torch.distributed.barrier()
+    if rank == 1:
+        path = os.path.join(root, "checkpoint_000004", "__1_0.distcp")
+        raw = bytearray(open(path, "rb").read())
+        raw[len(raw) // 2] ^= 0x04
+        open(path, "wb").write(bytes(raw))
+    torch.distributed.barrier()
+    got = {f"w{rank}": torch.zeros(1000)}
+
+    def load_one(d, meta):
+        dcp.load(got, storage_reader=VerifyingReader(d, integrity.shard_chunks(meta)))
+
+    used = checkpoint.load_first_intact(root, load_one)
+    return os.path.basename(used), float(got[f"w{rank}"][0])
+
+
+def test_a_flipped_bit_on_one_rank_makes_every_rank_fall_back_together(tmp_path):
+    """The shard checksums are checked while loading; rank 1's mismatch fails the load on both
+    ranks, and both load the previous checkpoint (not a mix of the two)."""
+    outs = run_on_ranks(_fallback_body, 2, args=(str(tmp_path),))
+    assert outs == [("checkpoint_000002", 2.0), ("checkpoint_000002", 3.0)]

@@ -15,8 +15,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ray_dhp.checkpointing import checkpoint as ckpt
-from ray_dhp.checkpointing import integrity
-from ray_dhp.checkpointing.hashing import CorruptChunk, HashingWriter, VerifyingReader
+from ray_dhp.checkpointing import compat, integrity
+from ray_dhp.checkpointing.hashing import HashingWriter, VerifyingReader
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -187,5 +187,5 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_difference():
     meta = {"model_config": deep.to_json_string(use_diff=False)}
     with pytest.raises(ValueError, match=r"text_config\.num_hidden_layers is 2 in the checkpoint "
                                          r"but 1 in this run"):
-        ckpt._check_same_model(meta, SimpleNamespace(config=shallow))
-    ckpt._check_same_model(meta, SimpleNamespace(config=deep))  # the same model: accepted
+        compat.check_same_model(meta, SimpleNamespace(config=shallow))
+    compat.check_same_model(meta, SimpleNamespace(config=deep))  # the same model: accepted
