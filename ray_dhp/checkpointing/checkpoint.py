@@ -33,6 +33,7 @@ storage you trust (docs/reliability.md).
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import random
@@ -184,8 +185,9 @@ def write(directory: str, snap: Snapshot, group=None, on_written=None) -> None:
     writer = HashingWriter(directory)
     dcp.save(snap.state, storage_writer=writer, process_group=group)
     try:
-        rng = f"rng_rank{rank}.pt"
-        torch.save(snap.rng, os.path.join(directory, rng))
+        rng, buf = f"rng_rank{rank}.pt", io.BytesIO()
+        torch.save(snap.rng, buf)
+        integrity.write_atomic(os.path.join(directory, rng), buf.getvalue())  # fsynced
         records, error = integrity.file_records(directory, [rng] + list(writer.chunks),
                                                 writer.chunks), None
     except Exception as e:  # noqa: BLE001 - every rank must reach the gather below
