@@ -33,6 +33,7 @@ built first, then overwritten by the load).
 Part 3: checksum rates in memory (one core): SHA-256, zlib CRC32, XXH3-128.
 
     python -m benchmarks.checkpoint_io [--repeats 2] [--out benchmarks/results] [--tiny]
+    python -m benchmarks.checkpoint_io --only resume   # part 2 alone
 """
 
 from __future__ import annotations
@@ -262,6 +263,29 @@ def _median(xs):
     return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
 
 
+def run_resume(out_dir: str, tiny: bool) -> dict:
+    """Part 2 alone (``--only resume``): the resume memory, re-measured after a change."""
+    from ray_dhp.train.launch import spawn
+
+    root = tempfile.mkdtemp(prefix="ckpt_io_", dir=os.environ.get("CKPT_IO_DIR"))
+    try:
+        resume = {m: spawn(_resume_body, 2, (m, root, tiny)) for m in ("fresh", "resume", "resume-before")}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    result = {"date": datetime.date.today().isoformat(), "layout": RESUME_LAYOUT,
+              "model": "vitheavy" if tiny else "vitheavy-wide",
+              "resume": {m: {"peak_rss_per_rank": [o["peak_rss"] for o in outs],
+                             "time_to_first_step_s": max(o["time_to_first_step_s"] for o in outs),
+                             "loss": outs[0]["loss"]} for m, outs in resume.items()}}
+    result["resume_peak_over_fresh"] = (max(result["resume"]["resume"]["peak_rss_per_rank"])
+                                        / max(result["resume"]["fresh"]["peak_rss_per_rank"]))
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"checkpoint-io-resume{'-tiny' if tiny else ''}-cpu2-"
+                                    f"{result['date']}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
 def run(repeats: int, out_dir: str, tiny: bool) -> dict:
     from ray_dhp.train.launch import spawn
 
@@ -330,8 +354,12 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default=RESULTS)
     p.add_argument("--tiny", action="store_true", help="a small state (dry run of every part)")
+    p.add_argument("--only", choices=("all", "resume"), default="all")
     args = p.parse_args(argv)
-    print(json.dumps(run(args.repeats, args.out, args.tiny)["goals"], indent=1))
+    if args.only == "resume":
+        print(json.dumps(run_resume(args.out, args.tiny), indent=1))
+    else:
+        print(json.dumps(run(args.repeats, args.out, args.tiny)["goals"], indent=1))
 
 
 if __name__ == "__main__":
