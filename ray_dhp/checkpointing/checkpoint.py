@@ -14,38 +14,45 @@ Train merges them into one storage directory, so every file name is unique per r
   ``torch.load(weights_only=True)``: no code runs); restored only at the same layout.
 * ``ray_dhp_checkpoint.json`` (rank 0) — format version, step, family, the layout it was
   written with, sampler position, the transformers config (compared with the model being
-  trained on load, and used by `ray_dhp.export_hf`) and the size and SHA-256 of every file.
+  trained on load, and used by `ray_dhp.export_hf`) and every file's size and checksums:
+  XXH3-128 of each stored item of a shard file, computed as DCP wrote it, or of a whole small
+  file (`ray_dhp.checkpointing.hashing`).
 * ``COMMIT`` (rank 0, written last, after a barrier that follows every rank's shard write): the
   step and the SHA-256 of the metadata JSON.
 
 A checkpoint counts as complete only if ``COMMIT`` and the metadata agree and every listed file
 is present at its size: Ray copies each rank's directory separately, so a crash can leave a
-directory with some ranks' files only. Before loading, the content hashes are verified; a torn
-or corrupt checkpoint falls back to the newest complete, intact one before it
-(`ray_dhp.checkpointing.integrity`). DCP's ``.metadata`` is a pickle: load checkpoints only from
+directory with some ranks' files only. The load checks each shard item's checksum as it reads
+it (nothing is read twice), the small files' before; a torn or corrupt checkpoint falls back,
+on every rank alike, to the newest complete, intact one before it
+(`ray_dhp.checkpointing.integrity`). `save` writes synchronously; `ray_dhp.checkpointing.staging`
+stages a snapshot in host memory and writes it in the background. DCP's ``.metadata`` is a pickle: load checkpoints only from
 storage you trust (docs/reliability.md).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import io
 import logging
 import os
 import random
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ray_dhp.checkpointing import integrity
+from ray_dhp.checkpointing.compat import FORMAT_VERSION, check_compatible, check_same_model
+from ray_dhp.checkpointing.hashing import CorruptChunk, HashingWriter, VerifyingReader
 from ray_dhp.checkpointing.integrity import (  # noqa: F401  (re-exported for callers)
     COMMIT_FILE, META_FILE, is_complete, read_meta)
 from ray_dhp.data.sampler import OldSamplerState, check_state
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: file list with content hashes; 1 (still read): sizes from DCP metadata
 VISION_PREFIX = "model.visual."
 
 
@@ -127,6 +134,34 @@ def _set_rng_state(state: dict) -> None:
 PROCESSOR_DIR = "processor"
 
 
+@dataclass
+class Snapshot:
+    """What one rank writes for a checkpoint: the DCP ``state`` (live tensors, or host copies
+    for a background write: `ray_dhp.checkpointing.staging`), its RNG states and, on rank 0,
+    the metadata (without the file list) and the processor."""
+
+    state: dict
+    rng: dict
+    meta: Optional[dict]
+    processor: object = None
+
+
+def capture(engine, sampler, processor=None) -> Snapshot:
+    """This rank's `Snapshot` of ``engine`` and ``sampler`` now (no copy: the live tensors)."""
+    meta = None
+    if dist.get_rank() == 0:
+        meta = {
+            "format_version": FORMAT_VERSION, "step": engine.step_count, "family": engine.family.name,
+            "layout": _layout_of(engine), "world_size": engine.groups.topology.world_size,
+            "sampler": sampler.state_dict(),
+            "model_config": engine.config.to_json_string(use_diff=False),
+            "precision": engine.policy.name,
+            "source_model": getattr(engine, "source_model", None),
+            "modules": engine.cfg.modules,  # per-module choices / LoRA (ray_dhp.step.tuning): export
+        }
+    return Snapshot(train_state(engine), _rng_state(), meta, processor if meta else None)
+
+
 def save(directory: str, engine, sampler, processor=None) -> None:
     """Write this rank's part of a checkpoint of ``engine`` and ``sampler`` (collective).
 
@@ -138,34 +173,40 @@ def save(directory: str, engine, sampler, processor=None) -> None:
         processor: optional `VLProcessor`; rank 0 writes it to ``processor/`` so that
             `ray_dhp.export_hf` gives a directory with the model *and* its processor.
     """
+    write(directory, capture(engine, sampler, processor))
+
+
+def write(directory: str, snap: Snapshot, group=None, on_written=None) -> None:
+    """Write ``snap`` into ``directory`` (collective over ``group``, default: the world): the DCP
+    shards (checksummed as they are written), this rank's RNG file, then on rank 0 the file list
+    and ``COMMIT``. ``on_written()`` runs once this rank's files are on disk, before the commit."""
     os.makedirs(directory, exist_ok=True)
     rank = dist.get_rank()
-    dcp.save(train_state(engine), checkpoint_id=directory)
-    rng = f"rng_rank{rank}.pt"
-    torch.save(_rng_state(), os.path.join(directory, rng))
-    # each rank hashes the files it wrote (in parallel); rank 0 lists them all in the metadata
-    mine = [n for n in os.listdir(directory) if n.startswith(f"__{rank}_") and n.endswith(".distcp")]
-    records = integrity.file_records(directory, mine + [rng])
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, records)  # also the barrier: every rank's files are on disk
+    writer = HashingWriter(directory)
+    dcp.save(snap.state, storage_writer=writer, process_group=group)
+    try:
+        rng, buf = f"rng_rank{rank}.pt", io.BytesIO()
+        torch.save(snap.rng, buf)
+        integrity.write_atomic(os.path.join(directory, rng), buf.getvalue())  # fsynced
+        records, error = integrity.file_records(directory, [rng] + list(writer.chunks),
+                                                writer.chunks), None
+    except Exception as e:  # noqa: BLE001 - every rank must reach the gather below
+        records, error = None, f"rank {rank}: {e!r}"
+    if on_written is not None:
+        on_written()
+    parts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, (records, error), group=group)  # every rank's files are on disk
+    errors = [e for _, e in parts if e]
+    if errors:
+        raise RuntimeError(f"checkpoint {directory} not written: {'; '.join(errors)}")
     if rank == 0:
-        if processor is not None:
-            processor.save_pretrained(os.path.join(directory, PROCESSOR_DIR))
+        if snap.processor is not None:
+            snap.processor.save_pretrained(os.path.join(directory, PROCESSOR_DIR))
         files = integrity.file_records(directory, [".metadata"]
                                        + integrity.tree_files(directory, PROCESSOR_DIR))
-        for part in parts:
+        for part, _ in parts:
             files.update(part)
-        meta = {
-            "format_version": FORMAT_VERSION, "step": engine.step_count, "family": engine.family.name,
-            "layout": _layout_of(engine), "world_size": engine.groups.topology.world_size,
-            "sampler": sampler.state_dict(),
-            "model_config": engine.config.to_json_string(use_diff=False),
-            "files": files,
-            "precision": engine.policy.name,
-            "source_model": getattr(engine, "source_model", None),
-            "modules": engine.cfg.modules,  # per-module choices / LoRA (ray_dhp.step.tuning): export
-        }
-        integrity.commit(directory, meta)
+        integrity.commit(directory, {**snap.meta, "files": files})
 
 
 # -- completeness and lookup -------------------------------------------------------------------
@@ -182,22 +223,37 @@ def resolve(path: str, verify: bool = True) -> str:
     return _first_intact(path, found, integrity.verify) if verify else found[0]
 
 
-def _resolve_collective(path: str) -> str:
-    """`resolve` on every rank at once: each rank hashes a share of each candidate's files."""
+def _candidates_collective(path: str) -> list:
+    """`integrity.candidates` on every rank, checked to be the same list everywhere."""
     found = integrity.candidates(path)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    steps = [None] * world
+    steps = [None] * dist.get_world_size()
     dist.all_gather_object(steps, [integrity.step_of(c) for c in found])
     if any(s != steps[0] for s in steps):
         raise RuntimeError(f"ranks resolved different checkpoints (steps {steps}; this rank: "
                            f"{found[0]}); is the checkpoint folder changing during the load?")
+    return found
 
-    def check(c):
-        every = [None] * world
-        dist.all_gather_object(every, integrity.verify(c, part=(rank, world)))
-        return [n for bad in every for n in bad]
 
-    return _first_intact(path, found, check)
+def _small_files_bad(c: str) -> list:
+    """The small files of ``c`` (metadata, RNG, processor) whose checksum fails, checked by all
+    ranks at once, each a share; the same list on every rank."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    every = [None] * world
+    dist.all_gather_object(every, integrity.verify(c, part=(rank, world), shards=False))
+    return [n for bad in every for n in bad]
+
+
+def _corrupt_chunk(e: BaseException):
+    """The `CorruptChunk` behind a DCP load failure (DCP gathers every rank's), else None."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(e, CorruptChunk):
+        return e
+    if isinstance(e, CheckpointException):
+        for exc, _ in e.failures.values():
+            if isinstance(exc, CorruptChunk):
+                return exc
+    return None
 
 
 def _first_intact(path: str, found: list, check) -> str:
@@ -271,32 +327,68 @@ def load(checkpoint, engine, sampler=None) -> int:
     Returns:
         The step the checkpoint was written at (training continues with the next one).
     """
+    with local_dir(checkpoint) as d:
+        c = load_first_intact(d, lambda c, meta: _load_one(c, meta, engine, sampler),
+                              check=lambda meta: check_compatible(meta, engine))
+    logger.info("resumed from %s (step %d)", c, engine.step_count)
+    return engine.step_count
+
+
+def load_first_intact(path: str, load_one, check=None) -> str:
+    """Collective: call ``load_one(directory, meta)`` on the newest complete checkpoint of
+    ``path`` (a checkpoint or a folder of them) whose checksums hold, the same one on every rank;
+    returns its directory. The small files are checked first (each rank a share); the shards are
+    checked by ``load_one``'s ``dcp.load`` through `VerifyingReader` as it reads them — a
+    mismatch on any rank fails the load on every rank (DCP gathers the read step's errors), and
+    every rank moves on to the next older one. ``check(meta)`` may raise (not a fallback: e.g.
+    another format or model)."""
+    found = _candidates_collective(path)
+    for c in found:
+        meta = read_meta(c)
+        if check is not None:
+            check(meta)
+        bad = _small_files_bad(c)
+        if bad:
+            logger.warning("checkpoint %s is corrupt (checksum mismatch: %s); trying an older "
+                           "one", c, ", ".join(bad[:5]))
+            continue
+        try:
+            load_one(c, meta)
+        except BaseException as e:  # noqa: BLE001 - DCP raises CheckpointException (BaseException)
+            bad = _corrupt_chunk(e)
+            if bad is None:
+                raise
+            logger.warning("checkpoint %s is corrupt (%s); trying an older one", c, bad)
+            continue
+        if c != found[0]:
+            logger.warning("falling back to checkpoint %s", c)
+        return c
+    raise FileNotFoundError(f"no intact checkpoint for {path}: every complete one failed its "
+                            f"checksums")
+
+
+def _load_one(d: str, meta: dict, engine, sampler) -> None:
+    """Load checkpoint ``d`` (its shards' checksums verified as DCP reads them)."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    with local_dir(checkpoint) as d:
-        d = _resolve_collective(d)
-        meta = read_meta(d)
-        _check_compatible(meta, engine)
-        _check_same_model(meta, engine)
-        if sampler is not None:  # before the weights: an old data order stops the load early
-            try:
-                check_state(meta["sampler"])
-            except OldSamplerState as e:
-                raise ValueError(f"checkpoint {d}: {e}") from None
-        state = train_state(engine)
-        dcp.load(state, checkpoint_id=d)
-        for key, (module, opt, sched) in _modules(engine).items():
-            set_optimizer_state_dict(module, opt, state["optim"][key], options=_optim_options())
-            _load_sched(sched, opt, state["sched"][key])
-        engine.params_from_masters()
-        rng = os.path.join(d, f"rng_rank{dist.get_rank()}.pt")
-        if meta.get("layout") == _layout_of(engine) and os.path.isfile(rng):
-            _set_rng_state(torch.load(rng, weights_only=True))
+    check_same_model(meta, engine)
+    if sampler is not None:  # before the weights: an old data order stops the load early
+        try:
+            check_state(meta["sampler"])
+        except OldSamplerState as e:
+            raise ValueError(f"checkpoint {d}: {e}") from None
+    state = train_state(engine)
+    dcp.load(state, storage_reader=VerifyingReader(d, integrity.shard_chunks(meta)))
+    for key, (module, opt, sched) in _modules(engine).items():
+        set_optimizer_state_dict(module, opt, state["optim"][key], options=_optim_options())
+        _load_sched(sched, opt, state["sched"][key])
+    engine.params_from_masters()
+    rng = os.path.join(d, f"rng_rank{dist.get_rank()}.pt")
+    if meta.get("layout") == _layout_of(engine) and os.path.isfile(rng):
+        _set_rng_state(torch.load(rng, weights_only=True))
     engine.step_count = int(meta["step"])
     if sampler is not None:
         sampler.load_state_dict(meta["sampler"])
-    logger.info("resumed from %s (step %d)", d, engine.step_count)
-    return engine.step_count
 
 
 def _layout_of(engine) -> dict:
@@ -304,56 +396,3 @@ def _layout_of(engine) -> dict:
     from dataclasses import asdict
 
     return asdict(engine.groups.topology)
-
-
-def _check_compatible(meta: dict, engine) -> None:
-    version = meta.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise ValueError(f"checkpoint format version {version!r} is not supported by this ray_dhp "
-                         f"(reads up to {FORMAT_VERSION}); upgrade ray_dhp.")
-    if meta.get("family") != engine.family.name:
-        raise ValueError(f"checkpoint holds a {meta.get('family')} model but this run trains a "
-                         f"{engine.family.name} model; use DHPConfig(model=...) of the same family.")
-    from ray_dhp.step.tuning import same_structure
-
-    why = same_structure(meta.get("modules"), engine.cfg.modules)
-    if why:
-        raise ValueError(f"checkpoint was trained with modules={meta.get('modules')!r}, this run "
-                         f"has modules={engine.cfg.modules!r}: {why}; resume with the run's "
-                         f"optim.modules (train_loop_config['modules']).")
-
-
-
-# config keys that do not change what the weights mean (names, runtime switches, dropout rates)
-_CONFIG_BENIGN = ("_name_or_path", "transformers_version", "architectures", "dtype", "torch_dtype",
-                  "use_cache", "attn_implementation", "output_attentions", "output_hidden_states",
-                  "return_dict", "initializer_range", "problem_type")
-
-
-def _first_difference(a, b, key: str = ""):
-    """``(dotted key, a value, b value)`` of the first difference of two JSON trees, or None."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        for k in sorted(set(a) | set(b)):
-            if k.startswith("_") or k in _CONFIG_BENIGN or "dropout" in k:
-                continue
-            d = _first_difference(a.get(k), b.get(k), f"{key}.{k}" if key else k)
-            if d is not None:
-                return d
-        return None
-    return None if a == b else (key, a, b)
-
-
-def _check_same_model(meta: dict, engine) -> None:
-    """The stored model config must describe the model being trained (DCP would load a deeper
-    checkpoint into a shallower model without complaint)."""
-    stored = meta.get("model_config")
-    if stored is None:
-        return
-    here = json.loads(engine.config.to_json_string(use_diff=False))
-    diff = _first_difference(json.loads(stored), here)
-    if diff is not None:
-        key, was, now = diff
-        raise ValueError(f"the checkpoint was written for another model: model config {key} is "
-                         f"{was!r} in the checkpoint but {now!r} in this run; resume with the "
-                         f"model it was trained with (or export it and start a new run from that "
-                         f"directory)")

@@ -1,20 +1,22 @@
 """Which checkpoint directories can be trusted: file records, content hashes, durable writes.
 
-A checkpoint's metadata JSON lists every file of the checkpoint with its size and SHA-256
-(``"files": {relative path: {"size": n, "sha256": hex}}``), and its ``COMMIT`` file holds the
-step and the SHA-256 of the metadata JSON itself. Two levels of checking:
+A checkpoint's metadata JSON lists every file of the checkpoint with its size and checksums
+(``"files": {relative path: {"size": n, "xxh3_128": hex}}``; a DCP shard file has ``"chunks":
+[[offset, length, hex], ...]`` instead: one XXH3-128 per stored item, computed while DCP wrote
+it, `ray_dhp.checkpointing.hashing`), and its ``COMMIT`` file holds the step and the SHA-256 of
+the metadata JSON itself. Three levels of checking:
 
 * `is_complete` — cheap, run on every directory a scan looks at: ``COMMIT`` present, the
   metadata JSON parses and matches the hash in ``COMMIT``, every listed file is present with
   its recorded size. It reads no pickle (DCP's ``.metadata`` is a pickle; it is only read by the
   load itself, see docs/reliability.md).
-* `verify` — the content hashes, run only on the checkpoint about to be loaded (split over the
-  ranks by `ray_dhp.checkpointing.checkpoint.load`): a flipped bit makes the checkpoint count as corrupt, and
-  the load falls back to the previous complete one.
-
-Checkpoints written before the file list existed (no ``"files"`` key) keep the older check:
-every file DCP's metadata names is present with at least its recorded size (this reads the
-pickled ``.metadata``).
+* `verify_small` — the whole-file checksums of the small files (DCP's ``.metadata``, RNG
+  states, the processor), run before loading; the shards' item checksums are checked by the
+  load itself as it reads each item (`ray_dhp.checkpointing.hashing.VerifyingReader`): a
+  flipped bit makes the checkpoint count as corrupt, and the load falls back to the previous
+  complete one.
+* `verify` — every checksum, shards included, in one sequential read (for `resolve` in one
+  process: export, tools).
 """
 
 from __future__ import annotations
@@ -25,30 +27,26 @@ import logging
 import os
 import re
 
+from ray_dhp.checkpointing.hashing import DIGEST, digest_file, verify_chunks
+
 logger = logging.getLogger(__name__)
 
 META_FILE = "ray_dhp_checkpoint.json"
 COMMIT_FILE = "COMMIT"
-_CHUNK = 8 << 20
 
 
-def sha256_file(path: str) -> str:
-    """Hex SHA-256 of a file, read in 8 MiB chunks (constant memory; hashlib drops the GIL)."""
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(_CHUNK)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
-
-
-def file_records(directory: str, names) -> dict:
-    """``{name: {"size", "sha256"}}`` of the files ``names`` (relative to ``directory``)."""
+def file_records(directory: str, names, chunks: dict = None) -> dict:
+    """``{name: {"size", DIGEST}}`` of the files ``names`` (relative to ``directory``); a name
+    in ``chunks`` (the shard files, ``{name: [[offset, length, digest], ...]}`` recorded while
+    writing) gets ``{"size", "chunks"}`` and is not read again."""
+    chunks = chunks or {}
     out = {}
     for name in sorted(names):
         p = os.path.join(directory, name)
-        out[name] = {"size": os.path.getsize(p), "sha256": sha256_file(p)}
+        if name in chunks:
+            out[name] = {"size": os.path.getsize(p), "chunks": sorted(chunks[name])}
+        else:
+            out[name] = {"size": os.path.getsize(p), DIGEST: digest_file(p)}
     return out
 
 
@@ -117,8 +115,8 @@ def is_complete(directory: str) -> bool:
     if meta is None:
         return False
     files = meta.get("files")
-    if files is None:
-        return _legacy_complete(d)
+    if not isinstance(files, dict):
+        return False
     for name, rec in files.items():
         p = os.path.join(d, name)
         if not os.path.isfile(p) or os.path.getsize(p) != rec.get("size"):
@@ -126,36 +124,33 @@ def is_complete(directory: str) -> bool:
     return True
 
 
-def _legacy_complete(d: str) -> bool:
-    """Checkpoints without a file list: the shards DCP's (pickled) metadata names."""
-    import torch.distributed.checkpoint as dcp
-
-    if not os.path.isfile(os.path.join(d, ".metadata")):
-        return False
-    try:
-        storage = dcp.FileSystemReader(d).read_metadata().storage_data
-    except Exception as e:  # noqa: BLE001 - a truncated .metadata is an incomplete checkpoint
-        logger.warning("unreadable DCP metadata in %s: %s", d, e)
-        return False
-    need: dict = {}
-    for info in storage.values():
-        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
-    return all(os.path.isfile(os.path.join(d, n)) and os.path.getsize(os.path.join(d, n)) >= size
-               for n, size in need.items())
+def _intact(directory: str, name: str, rec: dict) -> bool:
+    p = os.path.join(directory, name)
+    if "chunks" in rec:
+        return verify_chunks(p, rec["chunks"])
+    return digest_file(p) == rec.get(DIGEST)
 
 
-def verify(directory: str, part: tuple = (0, 1)) -> list:
-    """Files of the checkpoint whose content hash differs from the recorded one (``[]``: intact).
+def verify(directory: str, part: tuple = (0, 1), shards: bool = True) -> list:
+    """Files of the checkpoint whose checksums differ from the recorded ones (``[]``: intact).
 
     Args:
         part: ``(k, n)``: check only every n-th file from the k-th (sorted by name), so that n
             ranks share the work.
+        shards: also the DCP shard files (False: only the small whole-file records; the load
+            checks the shards' items as it reads them).
     """
     meta = read_meta(directory)
     files = sorted((meta.get("files") or {}).items())
+    if not shards:
+        files = [(n, r) for n, r in files if "chunks" not in r]
     k, n = part
-    return [name for name, rec in files[k::n]
-            if sha256_file(os.path.join(directory, name)) != rec.get("sha256")]
+    return [name for name, rec in files[k::n] if not _intact(directory, name, rec)]
+
+
+def shard_chunks(meta: dict) -> dict:
+    """``{shard file: [[offset, length, digest], ...]}`` of a checkpoint's metadata."""
+    return {n: r["chunks"] for n, r in (meta.get("files") or {}).items() if "chunks" in r}
 
 
 def step_of(directory: str) -> int:

@@ -118,11 +118,12 @@ def _slots(parts: dict) -> list:
     return list(by_id.values())
 
 
-def materialize(meta: MetaModel, parts: dict, device) -> None:
+def materialize(meta: MetaModel, parts: dict, device, fill: bool = True) -> None:
     """Give the parameters of ``parts`` ({prefix in the full model: module}) real storage on
     ``device`` holding their local shards, filled from ``meta``'s source; move buffers there.
 
-    On the ``meta`` device the shapes stay and nothing is filled.
+    On the ``meta`` device the shapes stay and nothing is filled. ``fill=False``: the storage is
+    allocated as zeros, not filled (a checkpoint load fills it: no init is replayed, no weight read).
     """
     device = torch.device(device)
     slots = _slots(parts)
@@ -130,8 +131,12 @@ def materialize(meta: MetaModel, parts: dict, device) -> None:
         return
     for s in slots:
         shape = tuple(sl.stop - sl.start for sl in s.slices) if s.slices else tuple(s.param.shape)
-        s.local = torch.empty(shape, dtype=s.param.dtype, device=device)
-    if meta.directory is not None:
+        # unfilled: zeros, not garbage (the optimizer-state set-up before a load steps on these;
+        # arbitrary bits can be denormals or NaN, which make that arithmetic slow)
+        s.local = (torch.empty if fill else torch.zeros)(shape, dtype=s.param.dtype, device=device)
+    if not fill:
+        pass
+    elif meta.directory is not None:
         for s in slots:
             meta.directory.read_into(s.names, s.slices, s.local)
     else:

@@ -111,6 +111,7 @@ class RankState:
     masters: int
     optimizer: int     # AdamW moments
     startup_peak: int  # at engine construction: weights + masters + one full fp32 tensor
+    staging: int = 0   # host memory: one copy of the checkpoint state (checkpoint.async_save)
 
     @property
     def total(self) -> int:
@@ -137,10 +138,13 @@ def rank_state(counts: ParamCounts, topology, rank: int, policy, vision_zero1: b
     held, updated = v + t, vu + t - (counts.text_frozen_per_rank(tp) if t else 0)
     masters = 4 * updated if policy.master else 0
     weights = held * policy.weight_bytes()
+    optimizer = updated * 2 * _bytes(policy.moment_dtype)
+    # a checkpoint holds the fp32 masters of what the rank updates, the weights of the rest
+    saved = masters + (held - updated) * policy.weight_bytes() if policy.master else weights
     return RankState(params=held, updated=updated, weights=weights,
                      grads=(held - frozen) * policy.grad_bytes(), masters=masters,
-                     optimizer=updated * 2 * _bytes(policy.moment_dtype),
-                     startup_peak=weights + masters + 4 * counts.largest)
+                     optimizer=optimizer, startup_peak=weights + masters + 4 * counts.largest,
+                     staging=saved + optimizer)
 
 
 def measure_engine_state(engine) -> dict:

@@ -52,7 +52,9 @@ class DHPEngine(UpdateMixin):
 
     def __init__(self, model, groups: DHPGroups, cfg: TrainLoopConfig,
                  comm: Optional[CommCounter] = None, dtype: Optional[torch.dtype] = None,
-                 schedule: str = "sequential"):
+                 schedule: str = "sequential", init: str = "source"):
+        if init not in ("source", "checkpoint"):
+            raise ValueError(f"init must be 'source' or 'checkpoint', got {init!r}")
         self.policy = policy_of(cfg)
         dtype = weight_dtype(self.policy, dtype)
         self.source_model = str(model) if isinstance(model, (str, os.PathLike)) else None
@@ -64,7 +66,7 @@ class DHPEngine(UpdateMixin):
         topo = groups.topology
         self.family.validate_layout(self.config, sp=topo.vision.inner, tp=topo.text.inner,
                                     text_sp=topo.text_sequence_parallel)
-        self._build_shards(model, dtype)
+        self._build_shards(model, dtype, fill=init == "source")
         self.tuning = tuning_of(cfg)  # per-module choices: frozen parameters are left out below
         if self.tuning.lora is not None and self.text_model is not None:  # PEFT LoRA, TP-exact
             from ray_dhp.models.lora import add_lora
@@ -86,10 +88,11 @@ class DHPEngine(UpdateMixin):
         self._timer = PhaseTimer()
         self._loss_fn, self._num_samples = None, 0  # set by forward_backward for its phases
 
-    def _build_shards(self, model, dtype: torch.dtype) -> None:
+    def _build_shards(self, model, dtype: torch.dtype, fill: bool = True) -> None:
         """Build the model on the meta device, keep the modules this rank hosts (TP-sharded on
         meta), then materialise only those, filled from the directory or the seed's init
-        (identical to the reference's); see `ray_dhp.models.loading`."""
+        (identical to the reference's); ``fill=False`` (``init="checkpoint"``): allocated only,
+        for a checkpoint load to fill; see `ray_dhp.models.loading`."""
         g, topo = self.groups, self.groups.topology
         meta = build_meta_model(model, seed=self.cfg.seed, dtype=dtype)
         full = meta.module
@@ -106,7 +109,7 @@ class DHPEngine(UpdateMixin):
             self.text_model = parts[""] = full
             if topo.text.inner > 1:
                 apply_tp_plan(full, g.text_mesh["tp"], self._text_plan(full))
-        materialize(meta, parts, g.device)
+        materialize(meta, parts, g.device, fill=fill)
 
     # -- one step ------------------------------------------------------------------------------
 

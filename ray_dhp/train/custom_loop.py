@@ -28,8 +28,8 @@ from ray_dhp.train.loop_config import TrainLoopConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_engine", "build_processor", "build_loader", "load_checkpoint", "report",
-           "report_checkpoint"]
+__all__ = ["build_engine", "build_processor", "build_loader", "find_checkpoint", "load_checkpoint",
+           "report", "report_checkpoint"]
 
 
 def _cfg(config: Union[TrainLoopConfig, dict]) -> TrainLoopConfig:
@@ -44,16 +44,20 @@ def _ctx(ctx):
     return get_context()
 
 
-def build_engine(config: Union[TrainLoopConfig, dict], ctx=None, *, comm=None):
+def build_engine(config: Union[TrainLoopConfig, dict], ctx=None, *, comm=None,
+                 from_checkpoint: bool = False):
     """The `DHPEngine` of this rank: the model of ``ctx.dhp_config`` (the layout's shards only,
-    materialised from the checkpoint directory or the seed's init), the optimizers and schedules
+    materialised from the model directory or the seed's init), the optimizers and schedules
     of ``config`` (a `TrainLoopConfig` or its dict); ``ctx``: default `ray_dhp.get_context()`;
-    ``comm``: an optional `CommCounter` recording every collective's bytes."""
+    ``comm``: an optional `CommCounter` recording every collective's bytes.
+    ``from_checkpoint=True``: the weights are allocated but not filled — call `load_checkpoint`
+    next (a resume then never computes or reads the initial weights)."""
     from ray_dhp.step.engine import DHPEngine
 
     ctx = _ctx(ctx)
     return DHPEngine(ctx.dhp_config.model, ctx.groups, _cfg(config), comm=comm,
-                     schedule=ctx.dhp_config.schedule)
+                     schedule=ctx.dhp_config.schedule,
+                     init="checkpoint" if from_checkpoint else "source")
 
 
 def build_processor(ctx=None, config: Union[TrainLoopConfig, dict, None] = None):
@@ -101,14 +105,21 @@ def build_loader(config: Union[TrainLoopConfig, dict], engine=None, ctx=None, pr
                       num_workers=cfg.data_workers, balancer=balancer)
 
 
-def load_checkpoint(engine, loader=None, source=None) -> int:
-    """Resume: load the run's own latest checkpoint (after a failure and restart), else
-    ``source`` (a path or ``ray.train.Checkpoint``, e.g. ``cfg.resume_from``), into ``engine``
-    and ``loader`` (its data position). Returns the step to continue from (0: nothing loaded).
-    Loads at any layout (the checkpoint reshards)."""
+def find_checkpoint(source=None):
+    """What to resume from: the run's own latest checkpoint (after a failure and restart), else
+    ``source`` (a path or ``ray.train.Checkpoint``, e.g. ``cfg.resume_from``); None: start fresh."""
     from ray_dhp.checkpointing import checkpoint
 
-    found = checkpoint.latest_of_run() or source
+    return checkpoint.latest_of_run() or source
+
+
+def load_checkpoint(engine, loader=None, source=None) -> int:
+    """Resume: load `find_checkpoint(source)` into ``engine`` and ``loader`` (its data
+    position). Returns the step to continue from (0: nothing loaded). Loads at any layout (the
+    checkpoint reshards)."""
+    from ray_dhp.checkpointing import checkpoint
+
+    found = find_checkpoint(source)
     return checkpoint.load(found, engine, loader) if found is not None else 0
 
 

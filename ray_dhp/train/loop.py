@@ -9,7 +9,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ray_dhp.train.custom_loop import build_engine, load_checkpoint, report as _report, report_checkpoint
+from ray_dhp.train.checkpoint_reports import CheckpointReports
+from ray_dhp.train.custom_loop import build_engine, find_checkpoint
 from ray_dhp.train.loop_config import TrainLoopConfig
 
 logger = logging.getLogger(__name__)
@@ -30,17 +31,6 @@ def _peak_memory_mb_per_rank() -> list:
     return out
 
 
-def _resume(cfg: TrainLoopConfig, engine, sampler) -> int:
-    """The run's latest checkpoint (after a restart) or ``cfg.resume_from``: `ray_dhp.train.custom_loop`."""
-    return load_checkpoint(engine, sampler, cfg.resume_from)
-
-
-def _save_and_report(metrics: dict, engine, sampler, processor, hook) -> None:
-    """Every rank writes its shards into its own temp dir, then reports it (Ray merges them)."""
-    report_checkpoint(metrics, engine, sampler, processor,
-                      on_saved=lambda: hook("checkpoint_saved", engine.step_count))
-
-
 def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
     """Train the configured VLM with DHP; report loss/step/tokens_per_s every ``log_every`` steps,
     a sharded checkpoint every ``checkpoint_every`` steps and at the end, and, with a
@@ -48,9 +38,11 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
 
     Args:
         config: ``train_loop_config`` (keys of `TrainLoopConfig`).
-        hook: optional ``hook(event, step)`` called on every rank at ``"step_end"`` and at
-            ``"checkpoint_saved"`` (shards written, before the report); for instrumentation and
-            fault-injection tests.
+        hook: optional ``hook(event, step)`` called on every rank at ``"step_end"``, at
+            ``"checkpoint_writing"`` (background writes only, on the writer thread: this rank's
+            shards are on disk, the checkpoint is not committed) and at ``"checkpoint_saved"``
+            (complete on every rank, before its report); for instrumentation and
+            fault-injection tests (`ray_dhp.train.checkpoint_reports`).
 
     Returns:
         ``{"resumed_from_step": k, "final_step": n}`` (rank 0's is ``Result.return_value``).
@@ -85,12 +77,17 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
 
 def _train(cfg: TrainLoopConfig, ctx, loader, processor, hook, trackers, eval_loader=None) -> dict:
     """The loop itself (see `train_loop`)."""
+    from ray_dhp.checkpointing import checkpoint
     from ray_dhp.planning.flops import peak_flops, step_flops
     from ray_dhp.planning.memory import count_params
     from ray_dhp.parallel.comm import CommCounter
 
-    engine = build_engine(cfg, ctx, comm=CommCounter())
-    first = _resume(cfg, engine, loader)
+    # The run's latest checkpoint (after a restart) or cfg.resume_from: the engine is then built
+    # without filling its weights (the checkpoint overwrites every one of them).
+    found = find_checkpoint(cfg.resume_from)
+    engine = build_engine(cfg, ctx, comm=CommCounter(), from_checkpoint=found is not None)
+    first = checkpoint.load(found, engine, loader) if found is not None else 0
+    reports = CheckpointReports(cfg.async_save, ctx.groups.device, hook)
     if first >= cfg.num_steps:
         logger.warning("the checkpoint is at step %d >= num_steps=%d: nothing to train; raise "
                        "num_steps to continue it", first, cfg.num_steps)
@@ -141,9 +138,10 @@ def _train(cfg: TrainLoopConfig, ctx, loader, processor, hook, trackers, eval_lo
                 logger.debug("step %d/%d %s", step + 1, cfg.num_steps, metrics)
             trackers.log(metrics, step + 1)
             if save:
-                _save_and_report(metrics, engine, loader, processor, hook)
+                reports.save(metrics, engine, loader, processor)
             else:
-                _report(metrics)
+                reports.report(metrics)
             window_tokens, window_patches, window_time, data_wait, window_flops = 0, 0, 0.0, 0.0, 0.0
             window_start = step + 1
+    reports.flush(wait=True)  # the last checkpoint, durable on every rank, reported
     return {"resumed_from_step": first, "final_step": engine.step_count}

@@ -82,6 +82,12 @@ class TrainLoopConfig:
             32 px for Qwen3-VL) (None: the processor's own limits). This sets the vision tokens
             per image; max_image_pixels instead refuses oversized source files.
         checkpoint_every: steps between checkpoints (0 = only at the end).
+        async_save: write checkpoints in the background (default): a save point holds the step
+            only while this rank's state is copied into host buffers (pinned on GPU; one copy of
+            the rank's checkpoint state, kept for the run: ``ray-dhp plan`` shows it), the write
+            (checksummed, fsynced) runs in a thread, and the checkpoint is reported to Ray Train
+            once it is durable on every rank (`ray_dhp.train.checkpoint_reports`). False: write
+            inside the step (no extra host memory; the step waits for the whole write).
         eval_every: with a validation set (``datasets={"validation": ...}``; run file:
             data.validation), report ``eval_loss`` (the loss over the whole validation set,
             token-weighted, forward only) every this many steps and at the end of training;
@@ -153,6 +159,7 @@ class TrainLoopConfig:
     min_pixels: Optional[int] = checked(None, ge=1)
     max_pixels: Optional[int] = checked(None, ge=1)
     checkpoint_every: int = checked(0, ge=0)
+    async_save: bool = True
     eval_every: int = checked(0, ge=0)
     eval_batch_size: Optional[int] = checked(None, ge=1)
     resume_from: Optional[str] = None

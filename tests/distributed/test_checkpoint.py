@@ -59,27 +59,34 @@ def _text_logits(engine, sample):
 
 
 def _train_body(rank, world, layout, cfg, data, model, resume_from, stop, save_at, ckpt_root, probe):
-    """Build the engine at ``layout``, optionally load ``resume_from``, train until step ``stop``
-    saving at the steps in ``save_at``; return history, full parameters and probe logits."""
+    """Build the engine at ``layout``, optionally load ``resume_from`` (the engine then built
+    unfilled, as the train loop builds it), train until step ``stop`` writing a checkpoint in the
+    background at the steps in ``save_at`` (the next steps train while it is written); return
+    history, full parameters (also at each save) and probe logits."""
     from ray_dhp.checkpointing import checkpoint
+    from ray_dhp.checkpointing.staging import BackgroundWriter
     from ray_dhp.step.engine import DHPEngine
     from ray_dhp.step.mesh import build_groups
     from ray_dhp.step.topology import Topology
 
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
     engine = DHPEngine(model if model is not None else demo.tiny_model_config(FAMILY), groups, cfg,
-                       dtype=DTYPE)
+                       dtype=DTYPE, init="checkpoint" if resume_from else "source")
     sampler = _sampler(data, cfg)
     first = checkpoint.load(resume_from, engine, sampler) if resume_from else 0
     params0 = engine.named_full_parameters()
-    history = []
+    writer = BackgroundWriter(groups.device) if save_at else None
+    history, at_save = [], {}
     for _ in range(first, stop):
         history.append(engine.step(sampler.next_step()))
         if engine.step_count in save_at:
-            checkpoint.save(os.path.join(ckpt_root, f"checkpoint_{engine.step_count:06d}"), engine, sampler,
-                            processor=demo.tiny_processor(FAMILY))
+            at_save[engine.step_count] = engine.named_full_parameters()
+            writer.start(os.path.join(ckpt_root, f"checkpoint_{engine.step_count:06d}"), engine,
+                         sampler, processor=demo.tiny_processor(FAMILY))
+    if writer is not None:
+        writer.wait()
     logits = _text_logits(engine, probe) if probe is not None and engine.text_model is not None else None
-    return {"first": first, "history": history, "params0": params0,
+    return {"first": first, "history": history, "params0": params0, "at_save": at_save,
             "params": engine.named_full_parameters(), "logits": logits}
 
 
@@ -92,7 +99,8 @@ def run(layout, data, *, stop=None, resume_from=None, save_at=(), ckpt_root=None
     outs = run_on_ranks(_train_body, world, args=(layout, cfg, data, model, resume_from, stop,
                                                   tuple(save_at), ckpt_root, probe))
     logits = next((o["logits"] for o in outs if o["logits"] is not None), None)
-    return dict(merge_ranks(outs), first=outs[0]["first"], logits=logits)
+    at_save = {k: {n: p for o in outs for n, p in o["at_save"][k].items()} for k in save_at}
+    return dict(merge_ranks(outs), first=outs[0]["first"], logits=logits, at_save=at_save)
 
 
 def assert_matches(history, got, ref, *, tol=TOL):
@@ -167,6 +175,19 @@ def test_checkpoint_files_are_unique_per_rank_and_committed(first_half):
     assert listed == set(names) - {"COMMIT", checkpoint.META_FILE, checkpoint.PROCESSOR_DIR}
     assert any(n.startswith(checkpoint.PROCESSOR_DIR + os.sep) for n in meta["files"])
     assert checkpoint.resolve(d) == d
+
+
+def test_a_background_write_is_the_state_of_its_step(first_half):
+    """Step 3 trained (updating every parameter in place) while step 2's checkpoint was being
+    written: the checkpoint holds exactly step 2's parameters."""
+    from ray_dhp.checkpointing.export import read_model_tensors
+
+    out, root = first_half
+    saved = read_model_tensors(os.path.join(root, "checkpoint_000002"))
+    assert set(saved) == set(out["at_save"][2])
+    for name, p in out["at_save"][2].items():
+        assert torch.equal(saved[name], p), name
+    assert any(not torch.equal(saved[n], p) for n, p in out["at_save"][3].items())
 
 
 def test_resume_at_another_layout_matches_uninterrupted_reference(first_half, resumed, reference):
@@ -265,3 +286,46 @@ def test_reshard_more_layouts(name, before, after, data, reference, tmp_path):
     second = run(after, data, resume_from=root)  # a folder of checkpoints: its newest
     assert second["first"] == 3
     assert_matches(first["history"] + second["history"], second, reference)
+
+
+def _fallback_body(rank, world, root):
+    """Each rank saves (and loads) a tensor of its own; rank 1's item of the newest checkpoint
+    is corrupt, so only rank 1 can see it."""
+    import torch.distributed.checkpoint as dcp
+
+    from ray_dhp.checkpointing import checkpoint, integrity
+    from ray_dhp.checkpointing.hashing import HashingWriter, VerifyingReader
+
+    for step in (2, 4):
+        d = os.path.join(root, f"checkpoint_{step:06d}")
+        writer = HashingWriter(d)
+        dcp.save({f"w{rank}": torch.full((1000,), float(step + rank))}, storage_writer=writer)
+        parts = [None] * world
+        torch.distributed.all_gather_object(parts, integrity.file_records(d, writer.chunks, writer.chunks))
+        if rank == 0:
+            files = integrity.file_records(d, [".metadata"])
+            for p in parts:
+                files.update(p)
+            integrity.commit(d, {"format_version": checkpoint.FORMAT_VERSION, "step": step,
+                                 "files": files})
+        torch.distributed.barrier()
+    if rank == 1:
+        path = os.path.join(root, "checkpoint_000004", "__1_0.distcp")
+        raw = bytearray(open(path, "rb").read())
+        raw[len(raw) // 2] ^= 0x04
+        open(path, "wb").write(bytes(raw))
+    torch.distributed.barrier()
+    got = {f"w{rank}": torch.zeros(1000)}
+
+    def load_one(d, meta):
+        dcp.load(got, storage_reader=VerifyingReader(d, integrity.shard_chunks(meta)))
+
+    used = checkpoint.load_first_intact(root, load_one)
+    return os.path.basename(used), float(got[f"w{rank}"][0])
+
+
+def test_a_flipped_bit_on_one_rank_makes_every_rank_fall_back_together(tmp_path):
+    """The shard checksums are checked while loading; rank 1's mismatch fails the load on both
+    ranks, and both load the previous checkpoint (not a mix of the two)."""
+    outs = run_on_ranks(_fallback_body, 2, args=(str(tmp_path),))
+    assert outs == [("checkpoint_000002", 2.0), ("checkpoint_000002", 3.0)]

@@ -11,10 +11,13 @@ Ray workers and the spawned ranks may use other thread counts and so other fp32 
 which AdamW's per-entry normalisation would amplify to O(lr) in fp32 (issue #20); in fp64 that
 noise stays ~1e-16, while a lost optimizer/scheduler/data position is O(lr) off.
 
-* default: the text worker dies while its checkpoint of step 4 is being written (shards on its
-  disk, not yet reported): that checkpoint must never be used; the run resumes from step 2.
-* slow: the vision worker dies after step 3 (between checkpoints); then a new run continues the
-  result at another layout with ``DisaggregatedTrainer(resume_from=result.checkpoint)``.
+* default: the text worker dies during the background write of its checkpoint of step 4 (its
+  shards on disk, not committed; step 5 trains meanwhile): that checkpoint must never be used;
+  the run resumes from step 2.
+* slow: the same once the step-4 checkpoint is complete on every rank but not yet reported,
+  with background writes and with ``async_save=False``; the vision worker dies after step 3
+  (between checkpoints), then a new run continues the result at another layout with
+  ``DisaggregatedTrainer(resume_from=result.checkpoint)``.
 """
 
 from __future__ import annotations
@@ -95,11 +98,11 @@ def _run_config(tmp_path, name):
         callbacks=[MetricsHistory(CFG.num_steps)])
 
 
-def _fit_with_fault(tmp_path, data, fault: dict):
+def _fit_with_fault(tmp_path, data, fault: dict, **loop_changes):
     fault = dict(fault, marker=str(tmp_path / "killed"), attempts=str(tmp_path / "attempts"))
     dhp = _dhp(vision=ModuleParallel(), text=ModuleParallel(), placement="disjoint")
     trainer = DisaggregatedTrainer(
-        _fp64_loop(fault), train_loop_config=_loop_config(), dhp_config=dhp,
+        _fp64_loop(fault), train_loop_config=_loop_config(**loop_changes), dhp_config=dhp,
         scaling_config=ray.train.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
         run_config=_run_config(tmp_path, "ft"), datasets={"train": str(data)})
     result = trainer.fit()
@@ -134,11 +137,7 @@ def uninterrupted(tmp_path_factory):
     return tmp / f"data_{FAMILY}" / "data.jsonl", run_engine(FAMILY, LAYOUT, CFG, steps, torch.float64)
 
 
-def test_text_worker_killed_while_saving_resumes_from_previous_checkpoint(
-        ray_start, fast_reports, tmp_path, uninterrupted):
-    data, ref = uninterrupted
-    result, restarts = _fit_with_fault(
-        tmp_path, data, {"rank": 1, "event": "checkpoint_saved", "step": 4})
+def _assert_resumed_from_step_2(result, restarts, ref):
     assert result.error is None
     assert restarts == 1
     # The step-4 checkpoint being written was never registered; the restart used step 2's.
@@ -147,6 +146,24 @@ def test_text_worker_killed_while_saving_resumes_from_previous_checkpoint(
     assert steps == [1, 2, 3, 4, 6], steps  # 1, 2 | killed saving 4 | 3 (resumed), 4, 6
     assert os.path.basename(result.checkpoint.path) == "checkpoint_000006"
     _assert_same_as_uninterrupted(result, ref)
+
+
+def test_text_worker_killed_during_a_background_write_resumes_from_previous_checkpoint(
+        ray_start, fast_reports, tmp_path, uninterrupted):
+    data, ref = uninterrupted
+    result, restarts = _fit_with_fault(
+        tmp_path, data, {"rank": 1, "event": "checkpoint_writing", "step": 4})
+    _assert_resumed_from_step_2(result, restarts, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_save", [True, False])
+def test_text_worker_killed_before_reporting_a_complete_checkpoint(
+        ray_start, fast_reports, tmp_path, uninterrupted, async_save):
+    data, ref = uninterrupted
+    result, restarts = _fit_with_fault(
+        tmp_path, data, {"rank": 1, "event": "checkpoint_saved", "step": 4}, async_save=async_save)
+    _assert_resumed_from_step_2(result, restarts, ref)
 
 
 @pytest.mark.slow

@@ -15,25 +15,25 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ray_dhp.checkpointing import checkpoint as ckpt
-from ray_dhp.checkpointing import integrity
+from ray_dhp.checkpointing import compat, integrity
+from ray_dhp.checkpointing.hashing import HashingWriter, VerifyingReader
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-def _fake_checkpoint(folder, step: int, *, commit: bool = True, legacy: bool = False) -> str:
-    """The files `ckpt.save` leaves, written by the same helpers (file list, hashes, COMMIT);
-    ``legacy``: a format-1 checkpoint (no file list, plain COMMIT)."""
+def _state(step: int) -> dict:
+    return {"model": {"w": torch.full((64,), float(step)), "v": torch.arange(10.0) * step},
+            "sched": {"last_epoch": step}}
+
+
+def _fake_checkpoint(folder, step: int, *, commit: bool = True) -> str:
+    """The files `ckpt.save` leaves, written by the same helpers (checksummed DCP writer, file
+    list, COMMIT)."""
     d = os.path.join(folder, f"checkpoint_{step:06d}")
-    dcp.save({"model": {"w": torch.full((64,), float(step))}}, checkpoint_id=d, no_dist=True)
+    writer = HashingWriter(d)
+    dcp.save(_state(step), storage_writer=writer, no_dist=True)
     torch.save({"torch": torch.get_rng_state()}, os.path.join(d, "rng_rank0.pt"))
-    if legacy:
-        with open(os.path.join(d, ckpt.META_FILE), "w") as f:
-            json.dump({"format_version": 1, "step": step}, f)
-        if commit:
-            with open(os.path.join(d, ckpt.COMMIT_FILE), "w") as f:
-                f.write(str(step))
-        return d
-    files = integrity.file_records(d, [n for n in os.listdir(d)])
+    files = integrity.file_records(d, [n for n in os.listdir(d)], writer.chunks)
     meta = {"format_version": ckpt.FORMAT_VERSION, "step": step, "files": files}
     if commit:
         integrity.commit(d, meta)
@@ -121,10 +121,37 @@ def test_scanning_reads_no_pickle(run_dir, monkeypatch):
     assert ckpt.resolve(str(run_dir)) == str(run_dir / "checkpoint_000006")
 
 
-def test_format_1_checkpoints_still_resolve(tmp_path):
-    _fake_checkpoint(tmp_path, 2, legacy=True)
-    _fake_checkpoint(tmp_path, 4, legacy=True, commit=False)
-    assert ckpt.resolve(str(tmp_path)) == str(tmp_path / "checkpoint_000002")
+def test_one_format_a_checkpoint_without_a_file_list_is_not_complete(tmp_path):
+    d = _fake_checkpoint(tmp_path, 2)
+    meta = json.loads(open(os.path.join(d, ckpt.META_FILE)).read())
+    del meta["files"]
+    integrity.commit(d, meta)
+    assert not ckpt.is_complete(d)
+
+
+def test_checksums_are_the_stored_items_and_are_checked_while_loading(run_dir):
+    """The writer's chunks are exactly DCP's stored items (offset, length); the verifying
+    reader loads the same values as DCP's own reader and refuses a flipped bit."""
+    d = str(run_dir / "checkpoint_000006")
+    meta = ckpt.read_meta(d)
+    chunks = integrity.shard_chunks(meta)
+    items = dcp.FileSystemReader(d).read_metadata().storage_data
+    assert sorted((i.relative_path, i.offset, i.length) for i in items.values()) == \
+        sorted((f, off, n) for f, rows in chunks.items() for off, n, _ in rows)
+    got = {"model": {"w": torch.zeros(64), "v": torch.zeros(10)}, "sched": {"last_epoch": 0}}
+    dcp.load(got, storage_reader=VerifyingReader(d, chunks), no_dist=True)
+    want = _state(6)
+    assert torch.equal(got["model"]["w"], want["model"]["w"])
+    assert torch.equal(got["model"]["v"], want["model"]["v"])
+    assert got["sched"]["last_epoch"] == 6
+    (shard,) = chunks
+    raw = bytearray(open(os.path.join(d, shard), "rb").read())
+    off, n, _ = max(chunks[shard], key=lambda c: c[1])
+    raw[off + n // 2] ^= 0x10
+    open(os.path.join(d, shard), "wb").write(bytes(raw))
+    with pytest.raises(BaseException) as e:  # DCP wraps it in a CheckpointException
+        dcp.load(got, storage_reader=VerifyingReader(d, chunks), no_dist=True)
+    assert ckpt._corrupt_chunk(e.value) is not None and "checksum mismatch" in str(e.value)
 
 
 def test_rng_state_is_read_without_unpickling_code(tmp_path):
@@ -160,5 +187,5 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_difference():
     meta = {"model_config": deep.to_json_string(use_diff=False)}
     with pytest.raises(ValueError, match=r"text_config\.num_hidden_layers is 2 in the checkpoint "
                                          r"but 1 in this run"):
-        ckpt._check_same_model(meta, SimpleNamespace(config=shallow))
-    ckpt._check_same_model(meta, SimpleNamespace(config=deep))  # the same model: accepted
+        compat.check_same_model(meta, SimpleNamespace(config=shallow))
+    compat.check_same_model(meta, SimpleNamespace(config=deep))  # the same model: accepted
