@@ -133,17 +133,11 @@ def index_file(path, index_dir=None) -> FileIndex:
     with locked(index_path):
         head = _header(index_path)
         if head is None or head[2:] != (st.st_size, st.st_mtime_ns):
-            if is_array_file(path):
-                count = _convert_array(path, items_path)
-                kind, data = 1, items_path
-            else:
-                kind, data = 0, path
-            writer = IndexWriter(index_path, kind, (st.st_size, st.st_mtime_ns))
-            with writer:
-                if kind == 1:
-                    writer.add(*_scan(items_path, first_line=0))
-                else:
-                    writer.add(*_scan(path, first_line=1))
+            kind = 1 if is_array_file(path) else 0
+            if kind == 1:
+                _convert_array(path, items_path)  # items: line k of the converted file is item k
+            with IndexWriter(index_path, kind, (st.st_size, st.st_mtime_ns)) as writer:
+                writer.add(*_scan(items_path if kind == 1 else path, first_line=1 - kind))
             head = _header(index_path)
     kind, count = head[0], head[1]
     return FileIndex(str(path), index_path, items_path if kind == 1 else path, _KINDS[kind], count)
@@ -247,7 +241,7 @@ def _not_blank(fd: int, arr: np.ndarray, base: int, starts: np.ndarray, ends: np
     return keep
 
 
-def _convert_array(path: Path, items_path: Path) -> int:
+def _convert_array(path: Path, items_path: Path) -> None:
     """Write the items of JSON array file ``path`` as JSON lines (ASCII: every item
     round-trips); raises ``ValueError`` naming the line when the file is not a JSON array."""
     from ray_dhp.data.reading import parse_json_array
@@ -259,4 +253,3 @@ def _convert_array(path: Path, items_path: Path) -> int:
             f.write(json.dumps(item))
             f.write("\n")
     os.replace(tmp, items_path)
-    return len(items)
