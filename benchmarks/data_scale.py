@@ -95,10 +95,14 @@ def child(path: str, spawned_at: float) -> dict:
     loader = StepLoader(StepSampler(records, processor, resolve_data_root(path), cfg), prefetch=False)
     built, t_built = _rss(), time.time() - t0
     samples = sum(len(mb) for mb in loader.next())
-    first = _rss()
+    first, t_first = _rss(), time.time()
+    import ray_dhp
+
     n = len(records)
-    return {"records": n, "samples_first_step": samples, "read_s": t_read, "build_s": t_built,
-            "to_first_step_s": time.time() - spawned_at, "base_rss": base["VmRSS"],
+    return {"tree": str(Path(ray_dhp.__file__).parent.parent), "records": n,
+            "samples_first_step": samples, "read_s": t_read, "build_s": t_built,
+            "to_first_step_s": t_first - spawned_at, "loader_to_first_step_s": t_first - t0,
+            "start_s": t0 - spawned_at, "base_rss": base["VmRSS"],
             "built_over_base": built["VmRSS"] - base["VmRSS"],
             "first_step_over_base": first["VmRSS"] - base["VmRSS"],
             "bytes_per_record": (built["VmRSS"] - base["VmRSS"]) / n,
@@ -110,12 +114,31 @@ def child(path: str, spawned_at: float) -> dict:
 def run_child(tree: Path, path: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     spawned = time.time()
-    out = subprocess.run([sys.executable, "-m", "benchmarks.data_scale", "--child", str(path),
-                          str(spawned)], env=env, cwd=Path(__file__).parent.parent,
-                         capture_output=True, text=True, check=False)
+    # run as a script from elsewhere: only PYTHONPATH decides which ray_dhp is imported
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", str(path),
+                          str(spawned)], env=env, cwd=path.parent, capture_output=True, text=True,
+                         check=False)
     if out.returncode != 0:
         raise RuntimeError(f"child failed ({tree}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def scan_rate(path: Path, n: int, repeats: int = 3) -> dict:
+    """Lines/s of the index build alone (into a scratch folder), ``repeats`` times in this
+    process (the data file in the page cache): the machine is shared, so min and median."""
+    from ray_dhp.data.index import index_file
+
+    times = []
+    for _ in range(repeats):
+        scratch = path.parent / ".scan_scratch"
+        shutil.rmtree(scratch, ignore_errors=True)
+        t0 = time.perf_counter()
+        index_file(path, scratch)
+        times.append(time.perf_counter() - t0)
+    shutil.rmtree(scratch, ignore_errors=True)
+    times.sort()
+    return {"times_s": times, "median_lines_per_s": n / times[len(times) // 2],
+            "best_lines_per_s": n / times[0]}
 
 
 def scale(path: Path, n: int, before_tree, before_max: int) -> dict:
@@ -123,6 +146,7 @@ def scale(path: Path, n: int, before_tree, before_max: int) -> dict:
     shutil.rmtree(path.parent / ".ray_dhp_index", ignore_errors=True)
     res = {"after-cold": run_child(here, path), "after-warm": run_child(here, path)}
     res["after-cold"]["index_lines_per_s"] = n / res["after-cold"]["read_s"]
+    res["scan"] = scan_rate(path, n)
     if before_tree and n <= before_max:
         res["before"] = run_child(Path(before_tree), path)
     return res
@@ -191,13 +215,21 @@ def ray_section(path: Path, rows: int, storage: Path) -> dict:
 def table(res: dict) -> str:
     mib = 1 << 20
     rows = ["| records | contender | RSS over base, built | B/record | after 1st step | peak over "
-            "base | start to 1st step | index scan |", "|---|---|---|---|---|---|---|---|"]
+            "base | start to 1st step (of which imports) | index scan |",
+            "|---|---|---|---|---|---|---|---|"]
     for n, per in res["sizes"].items():
         for name, r in per.items():
-            scan = f"{r['index_lines_per_s'] / 1e6:.2f} M lines/s" if "index_lines_per_s" in r else ""
+            if name == "scan":
+                continue
+            scan = ""
+            if "index_lines_per_s" in r:
+                sc = per["scan"]
+                scan = (f"{r['index_lines_per_s'] / 1e6:.2f} M lines/s in the worker; alone: median "
+                        f"{sc['median_lines_per_s'] / 1e6:.2f}, best {sc['best_lines_per_s'] / 1e6:.2f}")
             rows.append(f"| {int(n):,} | {name} | {r['built_over_base'] / mib:.0f} MiB | "
                         f"{r['bytes_per_record']:.1f} | {r['first_step_over_base'] / mib:.0f} MiB | "
-                        f"{r['peak_over_base'] / mib:.0f} MiB | {r['to_first_step_s']:.1f} s | {scan} |")
+                        f"{r['peak_over_base'] / mib:.0f} MiB | {r['to_first_step_s']:.1f} s "
+                        f"({r['start_s']:.1f} s) | {scan} |")
     if "ray" in res:
         r = res["ray"]
         rows.append("")
@@ -217,7 +249,7 @@ def plot(res: dict, png: Path) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for name in ("before", "after-cold", "after-warm"):
-        pts = [(int(n), per[name]) for n, per in res["sizes"].items() if name in per]
+        pts = sorted((int(n), per[name]) for n, per in res["sizes"].items() if name in per)
         if pts:
             a.plot([n for n, _ in pts], [r["built_over_base"] / (1 << 20) for _, r in pts], "o-", label=name)
             b.plot([n for n, _ in pts], [r["to_first_step_s"] for _, r in pts], "o-", label=name)

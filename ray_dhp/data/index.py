@@ -201,7 +201,7 @@ def _scan(path: Path, first_line: int):
 
 def _scan_chunks(path: Path, first_line: int):
     size = path.stat().st_size
-    buf = bytearray(_CHUNK)
+    buf = bytearray(max(1, min(_CHUNK, size)))
     with open(path, "rb") as f:
         fd = f.fileno()
         base, line_no = 0, first_line  # line_no: number of the line starting at `carry`
