@@ -154,16 +154,33 @@ def scale(path: Path, n: int, before_tree, before_max: int) -> dict:
 
 # -- a Ray Dataset through the trainer ---------------------------------------------------------
 
+def _status(pid: int) -> dict:
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key = line.split(":")[0]
+            if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                out[key] = int(line.split()[1]) * 1024
+    return out
+
+
 def _workers_rss(stop: threading.Event, peaks: dict) -> None:
+    """Peak VmRSS / RssAnon / RssFile / RssShmem of every train worker (and of the spool task),
+    sampled every 0.2 s."""
     import psutil
 
     me = psutil.Process()
     while not stop.is_set():
         for p in me.children(recursive=True):
             try:
-                if "RayTrainWorker" in " ".join(p.cmdline()):
-                    peaks[p.pid] = max(peaks.get(p.pid, 0), p.memory_info().rss)
-            except psutil.Error:
+                cmd = " ".join(p.cmdline())
+                kind = "worker" if "RayTrainWorker" in cmd else "spool_task" if "_write" in cmd else None
+                if kind is None:
+                    continue
+                peak = peaks.setdefault((kind, p.pid), {})
+                for k, v in _status(p.pid).items():
+                    peak[k] = max(peak.get(k, 0), v)
+            except (psutil.Error, OSError):
                 pass
         time.sleep(0.2)
 
@@ -193,8 +210,10 @@ def ray_run(path: Path, rows: int, storage: Path) -> dict:
     result = trainer.fit()
     stop.set()
     watcher.join()
+    workers = [v for (kind, _), v in sorted(peaks.items()) if kind == "worker"]
     return {"rows": rows, "steps": result.metrics["step"], "fit_s": time.time() - t0,
-            "worker_peak_rss": sorted(peaks.values())}
+            "worker_peak_rss": sorted(w["VmRSS"] for w in workers), "workers": workers,
+            "spool_task": [v for (kind, _), v in sorted(peaks.items()) if kind == "spool_task"]}
 
 
 def ray_section(path: Path, rows: int, storage: Path) -> dict:
@@ -207,7 +226,8 @@ def ray_section(path: Path, rows: int, storage: Path) -> dict:
     finally:
         ray.shutdown()
     growth = [b - a for a, b in zip(small["worker_peak_rss"], large["worker_peak_rss"])]
-    return {"small": small, "large": large, "worker_peak_growth": growth}
+    return {"small": small, "large": large, "worker_peak_growth": growth,
+            "max_worker_peak_growth": max(large["worker_peak_rss"]) - max(small["worker_peak_rss"])}
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -236,8 +256,15 @@ def table(res: dict) -> str:
         rows.append(f"Ray Dataset, 2 steps, 2 workers: peak worker RSS {r['small']['rows']:,} rows "
                     f"{[round(x / mib) for x in r['small']['worker_peak_rss']]} MiB, "
                     f"{r['large']['rows']:,} rows {[round(x / mib) for x in r['large']['worker_peak_rss']]}"
-                    f" MiB: growth {[round(x / mib, 1) for x in r['worker_peak_growth']]} MiB "
+                    f" MiB: growth {[round(x / mib, 1) for x in r['worker_peak_growth']]} MiB, of the "
+                    f"largest {r['max_worker_peak_growth'] / mib:.1f} MiB "
                     f"(fit {r['small']['fit_s']:.0f} s vs {r['large']['fit_s']:.0f} s)")
+        for part in ("small", "large"):
+            w = r[part]
+            rows.append(f"- {w['rows']:,} rows: workers' peak RssAnon "
+                        f"{[round(x['RssAnon'] / mib) for x in w['workers']]} MiB, RssShmem "
+                        f"{[round(x.get('RssShmem', 0) / mib) for x in w['workers']]} MiB; spool task "
+                        f"peak VmRSS {[round(x['VmRSS'] / mib) for x in w['spool_task']]} MiB")
     return "\n".join(rows)
 
 
@@ -271,6 +298,7 @@ def main(argv=None) -> None:
     ap.add_argument("--before-max", type=int, default=1_000_000)
     ap.add_argument("--ray-rows", type=int, default=1_000_000)
     ap.add_argument("--no-ray", action="store_true")
+    ap.add_argument("--no-scale", action="store_true", help="the Ray Dataset section only")
     ap.add_argument("--dir", default="/tmp/ray_dhp_data_scale")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--tag", default="cpu2")
@@ -281,7 +309,7 @@ def main(argv=None) -> None:
     root = Path(args.dir)
     res = {"date": datetime.date.today().isoformat(), "sizes": {}}
     try:
-        for n in args.sizes:
+        for n in [] if args.no_scale else args.sizes:
             path = generate(root / f"n{n}", n)
             res["sizes"][str(n)] = scale(path, n, args.before_tree, args.before_max)
             print(json.dumps({n: res["sizes"][str(n)]}, indent=1), flush=True)
@@ -293,9 +321,11 @@ def main(argv=None) -> None:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
     RESULTS.mkdir(exist_ok=True)
-    stem = f"data-scale-{'-'.join(str(n) for n in args.sizes)}-{args.tag}-{res['date']}"
+    what = "ray" if args.no_scale else "-".join(str(n) for n in args.sizes)
+    stem = f"data-scale-{what}-{args.tag}-{res['date']}"
     (RESULTS / f"{stem}.json").write_text(json.dumps(res, indent=1))
-    plot(res, RESULTS / f"{stem}.png")
+    if res["sizes"]:
+        plot(res, RESULTS / f"{stem}.png")
     print(table(res))
 
 

@@ -30,8 +30,24 @@ def load_records(cfg: TrainLoopConfig, name: str = "train"):
     if shard is None:
         raise ValueError(f'no {name!r} dataset: pass datasets={{"{name}": ...}} to the trainer.')
     root = cfg.data_root or os.getcwd()
-    key = ray.train.get_context().get_experiment_name()  # the run: a restart reuses the spool
-    return Annotations([spool_dataset(shard, name, spool_dir(cfg.index_dir), key)]), root
+    key = run_key()
+    return Annotations([spool_dataset(shard, name, spool_dir(cfg.index_dir), key,
+                                      in_task=True)]), root
+
+
+def run_key() -> str:
+    """Names this run's spools: its experiment name and storage folder (a restart, or a later
+    ``fit`` of the same run, reuses them; another run of the same name elsewhere does not)."""
+    import hashlib
+
+    import ray.train
+
+    ctx = ray.train.get_context()
+    try:
+        where = ctx.get_storage().experiment_fs_path
+    except Exception:  # local mode: no storage context
+        where = os.getcwd()
+    return f"{ctx.get_experiment_name()}-{hashlib.sha256(where.encode()).hexdigest()[:10]}"
 
 
 def load_sources(cfg: TrainLoopConfig) -> list:

@@ -2,21 +2,21 @@
 
 A Ray Dataset given as ``datasets={"train": ds}`` reaches every worker whole (the trainer does not
 split it: every rank runs the same sampler over the same records). Instead of materialising it,
-one worker per node streams it (``iter_batches``, so Ray Data's streaming execution and any
-``map_batches`` preprocessing run as usual) into a JSON-lines file on local disk, writing the
-record index (`ray_dhp.data.index`) as it goes; the node's other workers wait on the spool's lock
-and then map the same files. From there a Ray Dataset is an annotation file like any other:
+one worker per node has it streamed (``iter_batches``, so Ray Data's streaming execution and any
+``map_batches`` preprocessing run as usual; in a short-lived Ray task on the node, so the
+stream's object-store blocks are never mapped into the worker) into a JSON-lines file on local
+disk, with the record index (`ray_dhp.data.index`) written as it goes; the node's other
+workers wait on the spool's lock and then map the same files. From there a Ray Dataset is an annotation file like any other:
 every rank agrees on each step's composition from the seed alone, records are parsed on demand
 by the rank that decodes them, and the sampler's checkpointed position resumes exactly.
 
-What is guaranteed: the spool is keyed by the run (the Ray Train experiment name, i.e.
-``RunConfig(name)``), so a restart after a failure — or a later ``fit`` of the same run name —
+What is guaranteed: the spool is keyed by the run (its ``RunConfig`` name and storage folder,
+`ray_dhp.data.sources.run_key`), so a restart after a failure — or a later ``fit`` of the same run name —
 reuses it: the same rows, the same order, an exact resume, no second pass over the stream. A
 new run (``resume_from`` another run's checkpoint, or a spool folder that is gone) streams the
 dataset again: that resume is exact when the dataset yields the same rows in the same order
 (deterministic sources and transforms; the trainer sets ``preserve_order=True``; a
-``random_shuffle`` needs its ``seed``). With several nodes, each node
-streams its own spool: they agree under that same condition, which every rank checks by the
+``random_shuffle`` needs its ``seed``). With several nodes, each node streams its own spool: they agree under that same condition, which every rank checks by the
 spool's row count and content digest (`check_agreement`).
 """
 
@@ -57,16 +57,18 @@ def _row_line(row: dict) -> bytes:
     return json.dumps({k: v for k, v in row.items() if v is not None}, default=_jsonable).encode()
 
 
-def spool_dataset(iterator, name: str, directory: Path, key: str) -> FileIndex:
+def spool_dataset(iterator, name: str, directory: Path, key: str, *, in_task: bool = False) -> FileIndex:
     """The `FileIndex` of Ray Dataset ``name`` (its ``DataIterator``, e.g.
-    ``ray.train.get_dataset_shard(name)``), spooled once per ``key`` into ``directory``."""
+    ``ray.train.get_dataset_shard(name)``), spooled once per ``key`` into ``directory``.
+    ``in_task``: stream it in a short-lived Ray task on this node (`write_in_task`), so this
+    process never maps the stream's blocks; else here."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{name}.{key}")
     data_path = Path(directory) / f"{safe}.jsonl"
     index_path = data_path.with_name(data_path.name + ".idx")
     with locked(index_path):
         head = _header(index_path)
         if head is None or not data_path.exists():
-            _write(iterator, data_path, index_path)
+            (write_in_task if in_task else _write)(iterator, data_path, index_path)
             head = _header(index_path)
     index = FileIndex(f"ray.data:{name}", index_path, data_path, "item", head[1])
     index.fingerprint = (head[1], head[3])  # (rows, content digest)
@@ -90,6 +92,17 @@ def _write(iterator, data_path: Path, index_path: Path) -> None:
         os.fsync(out.fileno())
         os.replace(tmp, data_path)  # before the index: an index means a complete spool
         writer.key = (rows, int.from_bytes(digest.digest()[:8], "little", signed=True))
+
+
+def write_in_task(iterator, data_path: Path, index_path: Path) -> None:
+    """`_write` in a Ray task pinned to this node (its local disk), 0 CPUs (the workers hold the
+    run's): the stream's blocks are mapped there, and released when it ends, not in the worker."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    task = ray.remote(_write).options(num_cpus=0, scheduling_strategy=here, max_retries=0)
+    ray.get(task.remote(iterator, data_path, index_path))
 
 
 def _fingerprints(sampler) -> dict:
