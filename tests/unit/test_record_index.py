@@ -131,3 +131,38 @@ def test_spooling_a_value_that_is_not_json_names_the_type(tmp_path):
     with pytest.raises(TypeError, match="bytes cannot be a LLaVA record field"):
         spool_dataset(_Bad([]), "train", tmp_path, key="r")
     assert not any(p.suffix in (".idx", ".jsonl") for p in tmp_path.iterdir())  # nothing half-written
+
+
+def test_ranks_that_spooled_different_rows_stop_with_the_fix(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from ray_dhp.data import spool
+    from ray_dhp.data.reading import Annotations
+    from ray_dhp.data.sampler import RunRecords
+
+    rows = [{"id": i} for i in range(5)]
+    mine = spool_dataset(_Shard(rows), "train", tmp_path, key="a")
+    theirs = spool_dataset(_Shard(rows[::-1]), "train", tmp_path, key="b")  # another node's
+    file_part = read_annotations(_write_lines(tmp_path / "f.jsonl"))
+    sampler = SimpleNamespace(records=RunRecords([Annotations([mine]), file_part]))
+    assert spool._fingerprints(sampler) == {"ray.data:train": mine.fingerprint}  # spools only
+    others = {"same": mine.fingerprint, "different": theirs.fingerprint}
+
+    def gather(parts, obj, group=None):
+        parts[:] = [obj, {"ray.data:train": others[case]}]
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_gather_object", gather)
+    case = "same"
+    spool.check_agreement(sampler)
+    case = "different"
+    with pytest.raises(ValueError, match="streamed differently on two nodes .* make the dataset "
+                                         "deterministic"):
+        spool.check_agreement(sampler)
+
+
+def _write_lines(path):
+    path.write_text('{"v": 1}\n')
+    return path
