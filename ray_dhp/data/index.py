@@ -125,8 +125,6 @@ def locked(path: Path):
 def index_file(path, index_dir=None) -> FileIndex:
     """The `FileIndex` of annotation file ``path``: read back when an index of this very file
     (same size and modification time) exists, else built (and kept) first."""
-    from ray_dhp.data.reading import is_array_file
-
     path = Path(path).resolve()
     st = path.stat()
     index_path, items_path = _names(path, index_dir_for(path, index_dir))
@@ -244,8 +242,6 @@ def _not_blank(fd: int, arr: np.ndarray, base: int, starts: np.ndarray, ends: np
 def _convert_array(path: Path, items_path: Path) -> None:
     """Write the items of JSON array file ``path`` as JSON lines (ASCII: every item
     round-trips); raises ``ValueError`` naming the line when the file is not a JSON array."""
-    from ray_dhp.data.reading import parse_json_array
-
     items = parse_json_array(path, path.read_bytes())
     tmp = items_path.with_name(items_path.name + f".tmp{os.getpid()}")
     with open(tmp, "w", encoding="ascii") as f:
@@ -253,3 +249,44 @@ def _convert_array(path: Path, items_path: Path) -> None:
             f.write(json.dumps(item))
             f.write("\n")
     os.replace(tmp, items_path)
+
+
+def _array_error(path: Path, exc: json.JSONDecodeError) -> ValueError:
+    return ValueError(f"{path}:{exc.lineno}: not a valid JSON array ({exc.msg}, column {exc.colno}); "
+                      "a .json file holds one array of records, use .jsonl for one record per line")
+
+
+def parse_json_array(path: Path, raw: bytes) -> list:
+    """The items of JSON array file ``path`` (content ``raw``); ``ValueError`` naming the line
+    when it is not UTF-8 or not one JSON array (nothing in such a file is recoverable)."""
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 (byte {raw[exc.start]:#04x}); a JSON array file "
+                         "must be UTF-8 throughout (a .jsonl file loses only its bad lines)") from exc
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _array_error(path, exc) from exc
+    if not isinstance(items, list):
+        raise ValueError(f"{path}: expected a JSON array of records, got {type(items).__name__}")
+    return items
+
+
+_SPACE = b"\xef\xbb\xbf \t\r\n"
+
+
+def is_array_file(path: Path) -> bool:
+    """``.jsonl``: lines; ``.json``: an array (unless its content does not start with ``[``,
+    as LLaVA-style ``.json`` files of JSON lines do); other names: by content."""
+    if path.suffix == ".jsonl":
+        return False
+    with open(path, "rb") as f:
+        while True:
+            head = f.read(1 << 16)
+            if not head:
+                return False
+            head = head.lstrip(_SPACE)
+            if head:
+                return head.startswith(b"[")

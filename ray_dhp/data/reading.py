@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ray_dhp.data.index import index_file
+
 __all__ = ["Annotations", "Record", "read_annotations", "resolve_data_root"]
 
 _SUFFIXES = (".json", ".jsonl")
@@ -69,29 +71,6 @@ def _expand(path_or_paths) -> list[Path]:
     return files
 
 
-def _array_error(path: Path, exc: json.JSONDecodeError) -> ValueError:
-    return ValueError(f"{path}:{exc.lineno}: not a valid JSON array ({exc.msg}, column {exc.colno}); "
-                      "a .json file holds one array of records, use .jsonl for one record per line")
-
-
-def parse_json_array(path: Path, raw: bytes) -> list:
-    """The items of JSON array file ``path`` (content ``raw``); ``ValueError`` naming the line
-    when it is not UTF-8 or not one JSON array (nothing in such a file is recoverable)."""
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        line = raw.count(b"\n", 0, exc.start) + 1
-        raise ValueError(f"{path}:{line}: not UTF-8 (byte {raw[exc.start]:#04x}); a JSON array file "
-                         "must be UTF-8 throughout (a .jsonl file loses only its bad lines)") from exc
-    try:
-        items = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise _array_error(path, exc) from exc
-    if not isinstance(items, list):
-        raise ValueError(f"{path}: expected a JSON array of records, got {type(items).__name__}")
-    return items
-
-
 def parse_record(raw: bytes, kind: str = "line") -> tuple[dict | None, str | None]:
     """``(data, None)`` for the bytes of one record, or ``(None, why it is bad)``: not UTF-8, not
     valid JSON, or not a JSON object (``kind``: "line" or "item", as the message names it)."""
@@ -108,24 +87,6 @@ def parse_record(raw: bytes, kind: str = "line") -> tuple[dict | None, str | Non
     if isinstance(item, dict):
         return item, None
     return None, f"not an object: {kind} is a {type(item).__name__}, not a JSON object"
-
-
-_SPACE = b"\xef\xbb\xbf \t\r\n"
-
-
-def is_array_file(path: Path) -> bool:
-    """``.jsonl``: lines; ``.json``: an array (unless its content does not start with ``[``,
-    as LLaVA-style ``.json`` files of JSON lines do); other names: by content."""
-    if path.suffix == ".jsonl":
-        return False
-    with open(path, "rb") as f:
-        while True:
-            head = f.read(1 << 16)
-            if not head:
-                return False
-            head = head.lstrip(_SPACE)
-            if head:
-                return head.startswith(b"[")
 
 
 class Annotations(Sequence):
@@ -182,8 +143,6 @@ def read_annotations(path_or_paths, index_dir=None) -> Annotations:
     Returns:
         Records with ``index`` = position in the returned sequence.
     """
-    from ray_dhp.data.index import index_file
-
     return Annotations([index_file(p, index_dir) for p in _expand(path_or_paths)])
 
 
