@@ -76,6 +76,10 @@ class StepLoader:
         distributed = groups is not None and dist.is_initialized()
         self.world = dist.get_world_size() if distributed else 1
         self.rank = dist.get_rank() if distributed else 0
+        if self.world > 1:  # Ray Datasets: every node's spool must hold the same rows
+            from ray_dhp.data.spool import check_agreement
+
+            check_agreement(sampler, self.group)
         self._state = sampler.state_dict()
         self._skipped, self._epoch = sampler.skipped, sampler.epoch
         self._next_owner = 0

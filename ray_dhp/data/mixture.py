@@ -23,9 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Union
 
+import numpy as np
 import torch
 
-__all__ = ["DataSource", "Stream", "pick", "mixture_permutation", "OLD_STATE_HELP"]
+__all__ = ["DataSource", "Stream", "pick", "mixture_permutation", "permutation_array",
+           "OLD_STATE_HELP"]
 
 
 @dataclass
@@ -34,7 +36,8 @@ class DataSource:
 
     Attributes:
         name: its key in the trainer's ``datasets=``.
-        records: its records (`ray_dhp.data.Record`), in file / Ray Dataset order.
+        records: its records (`ray_dhp.data.Record`), in file / Ray Dataset order: a sequence
+            (`ray_dhp.data.reading.Annotations`, indexed and parsed on demand, or a list).
         root: folder its relative image paths are resolved against.
         weight: sampling weight, > 0 (only the ratios between datasets matter; 1 for the only
             dataset of an unweighted run).
@@ -56,12 +59,20 @@ OLD_STATE_HELP = (
     "afresh)")
 
 
-def mixture_permutation(n: int, seed: int, name: str, epoch: int) -> list:
-    """Order of epoch ``epoch`` of dataset ``name``: seeded by the name (not its position), so
-    adding or removing another dataset leaves this one's order unchanged."""
+def permutation_array(n: int, seed: int, name: str, epoch: int) -> np.ndarray:
+    """Order of epoch ``epoch`` of dataset ``name`` as an int32 array (4 bytes a record; int64
+    past 2**31 records): seeded by the name (not its position), so adding or removing another
+    dataset leaves this one's order unchanged. (``torch.randperm`` draws the same order in
+    int32 as in int64.)"""
     digest = hashlib.sha256(f"{seed}/{name}/{epoch}".encode()).digest()
     g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-    return torch.randperm(n, generator=g).tolist()
+    dtype = torch.int32 if n < 2 ** 31 else torch.int64
+    return torch.randperm(n, generator=g, dtype=dtype).numpy()
+
+
+def mixture_permutation(n: int, seed: int, name: str, epoch: int) -> list:
+    """`permutation_array` as a list."""
+    return permutation_array(n, seed, name, epoch).tolist()
 
 
 class Stream:
@@ -84,13 +95,13 @@ class Stream:
             raise ValueError(f"sampler state of dataset {self.name!r}: position {pos} is outside "
                              f"its {self.size} records (was the checkpoint written for other data?)")
         self.epoch, self.pos, self.draws = epoch, pos, draws
-        self._order = mixture_permutation(self.size, self._seed, self.name, epoch)
+        self._order = permutation_array(self.size, self._seed, self.name, epoch)
 
     def next_global(self) -> int:
         """Global index of this dataset's next record; advances (wrapping into the next epoch)."""
         if self.pos == self.size:
             self.set_position(self.epoch + 1, 0, self.draws)
-        local = self._order[self.pos]
+        local = int(self._order[self.pos])
         self.pos += 1
         self.draws += 1
         return self.offset + local

@@ -8,11 +8,15 @@ of the caller decides whether to skip it or stop.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Record", "read_annotations", "resolve_data_root"]
+import numpy as np
+
+from ray_dhp.data.index import index_file
+
+__all__ = ["Annotations", "Record", "read_annotations", "resolve_data_root"]
 
 _SUFFIXES = (".json", ".jsonl")
 
@@ -67,102 +71,79 @@ def _expand(path_or_paths) -> list[Path]:
     return files
 
 
-def _array_error(path: Path, exc: json.JSONDecodeError) -> ValueError:
-    return ValueError(f"{path}:{exc.lineno}: not a valid JSON array ({exc.msg}, column {exc.colno}); "
-                      "a .json file holds one array of records, use .jsonl for one record per line")
-
-
-def _read_json_array(path: Path, raw: bytes) -> Iterable[tuple[int, dict | None, str | None]]:
+def parse_record(raw: bytes, kind: str = "line") -> tuple[dict | None, str | None]:
+    """``(data, None)`` for the bytes of one record, or ``(None, why it is bad)``: not UTF-8, not
+    valid JSON, or not a JSON object (``kind``: "line" or "item", as the message names it)."""
     try:
-        text = raw.decode("utf-8-sig")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        line = raw.count(b"\n", 0, exc.start) + 1
-        raise ValueError(f"{path}:{line}: not UTF-8 (byte {raw[exc.start]:#04x}); a JSON array file "
-                         "must be UTF-8 throughout (a .jsonl file loses only its bad lines)") from exc
+        return None, f"not UTF-8: byte {raw[exc.start]:#04x} at column {exc.start + 1}"
     try:
-        items = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise _array_error(path, exc) from exc
-    if not isinstance(items, list):
-        raise ValueError(f"{path}: expected a JSON array of records, got {type(items).__name__}")
-    for i, item in enumerate(items):
-        if isinstance(item, dict):
-            yield i, item, None
-        else:
-            yield i, None, f"not an object: item is a {type(item).__name__}, not a JSON object"
-
-
-def _parse_line(line: str) -> tuple[dict | None, str | None]:
-    try:
-        item = json.loads(line)
+        item = json.loads(text)
     except json.JSONDecodeError as exc:
         return None, f"malformed JSON: {exc.msg} (column {exc.colno})"
     except RecursionError:
         return None, "malformed JSON: nested too deeply"
     if isinstance(item, dict):
         return item, None
-    return None, f"not an object: line is a {type(item).__name__}, not a JSON object"
+    return None, f"not an object: {kind} is a {type(item).__name__}, not a JSON object"
 
 
-def _read_json_lines(raw: bytes) -> Iterable[tuple[int, dict | None, str | None]]:
-    """One record per ``\\n``-terminated line (only ``\\n`` ends a line: U+2028, U+0085, form
-    feeds... inside a record are text). Lines are decoded one by one, so a line with bytes that
-    are not UTF-8 is one bad record and the others are kept."""
-    if raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark
-        raw = raw[3:]
-    try:
-        lines = raw.decode("utf-8").split("\n")  # the common case: one decode for the file
-    except UnicodeDecodeError:
-        lines = raw.split(b"\n")
-    for number, line in enumerate(lines, start=1):
-        if isinstance(line, bytes):
-            try:
-                line = line.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                yield number, None, (f"not UTF-8: byte {line[exc.start]:#04x} at column "
-                                     f"{exc.start + 1}")
-                continue
-        if not line.strip():
-            continue
-        data, error = _parse_line(line)
-        yield number, data, error
+class Annotations(Sequence):
+    """The records of one or more annotation files, in file order, through their memory-mapped
+    indexes (`ray_dhp.data.index`): ``len``, ``[i]`` (parses record ``i``, a `Record`),
+    iteration. Small to keep and to pickle: 16 bytes a record, mapped, plus the file names."""
+
+    def __init__(self, files: list):
+        self.files = files
+        self.offsets = np.cumsum([0] + [len(f) for f in files])
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"record {i} of {n}")
+        k = int(np.searchsorted(self.offsets, i, side="right")) - 1
+        f = self.files[k]
+        raw, line = f.raw(i - int(self.offsets[k]))
+        data, error = parse_record(raw, f.line_kind)
+        return Record(i, data, f.source, line, error, line_kind=f.line_kind)
+
+    def __eq__(self, other):
+        return isinstance(other, Sequence) and len(self) == len(other) and list(self) == list(other)
+
+    __hash__ = None
 
 
-def _is_array(path: Path, raw: bytes) -> bool:
-    """``.jsonl``: lines; ``.json``: an array (unless its content does not start with ``[``,
-    as LLaVA-style ``.json`` files of JSON lines do); other names: by content."""
-    if path.suffix == ".jsonl":
-        return False
-    return raw.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
-
-
-def read_annotations(path_or_paths) -> list[Record]:
-    """Read LLaVA-format annotations from JSON (one array) and/or JSONL (one object per line) files.
+def read_annotations(path_or_paths, index_dir=None) -> Annotations:
+    """LLaVA-format annotations from JSON (one array) and/or JSONL (one object per line) files,
+    as `Annotations`: each file is indexed once (`ray_dhp.data.index`) and a record is parsed
+    only when it is asked for.
 
     The format comes from the file name: ``.jsonl`` is JSON lines, ``.json`` a JSON array (read
     as JSON lines when its content does not start with ``[``); other names are told apart by
-    their content. JSON lines are split at ``\\n`` only (blank lines skipped) and decoded one
-    by one: a line that is not UTF-8, not valid JSON or not an object comes back as a record
-    with ``data=None`` and ``error`` set (the rest of the file is kept), so the caller's
-    bad-data policy decides. A JSON array file that does not parse raises ``ValueError``
-    naming the line (nothing in it is recoverable). A UTF-8 byte-order mark is ignored.
+    their content. JSON lines are split at ``\\n`` only (blank lines skipped; U+2028, U+0085,
+    form feeds... inside a record are text) and decoded one by one: a line that is not UTF-8,
+    not valid JSON or not an object comes back as a record with ``data=None`` and ``error`` set
+    (the rest of the file is kept), so the caller's bad-data policy decides. A JSON array file
+    that does not parse raises ``ValueError`` naming the line (nothing in it is recoverable). A
+    UTF-8 byte-order mark is ignored.
 
     Args:
         path_or_paths: a file, a folder (all its ``.json``/``.jsonl`` files, sorted), or a
             list of those; records keep the order of the files and of their entries.
+        index_dir: where the indexes are kept (default: see `ray_dhp.data.index.index_dir_for`).
 
     Returns:
-        Records with ``index`` = position in the returned list.
+        Records with ``index`` = position in the returned sequence.
     """
-    records: list[Record] = []
-    for path in _expand(path_or_paths):
-        raw = path.read_bytes()
-        is_array = _is_array(path, raw)
-        entries = _read_json_array(path, raw) if is_array else _read_json_lines(raw)
-        kind = "item" if is_array else "line"
-        for line, data, error in entries:
-            records.append(Record(len(records), data, str(path), line, error, line_kind=kind))
-    return records
+    return Annotations([index_file(p, index_dir) for p in _expand(path_or_paths)])
 
 
 def resolve_data_root(path, data_root=None) -> Path:
@@ -178,16 +159,3 @@ def resolve_data_root(path, data_root=None) -> Path:
         path = list(path)[0]
     p = Path(path).expanduser().resolve()
     return p if p.is_dir() else p.parent
-
-
-def records_from_rows(rows, source: str = "ray.data") -> list[Record]:
-    """Records from already-parsed rows (e.g. a Ray Dataset's ``iter_rows()``), in order.
-
-    Rows are LLaVA dicts; Ray Data may add columns of None for keys other rows have (an absent
-    ``image`` of a text-only sample reads as None): those None values are dropped.
-    """
-    out = []
-    for i, row in enumerate(rows):
-        data = {k: v for k, v in dict(row).items() if v is not None}
-        out.append(Record(i, data, source, i, line_kind="item"))
-    return out

@@ -9,8 +9,11 @@ epochs. The data-parallel split of each micro-batch happens in the engine.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import logging
+from collections.abc import Sequence
 
 from ray_dhp.data.bad_data import MIN_JUDGED, BadDataLedger
 from ray_dhp.data.mixture import OLD_STATE_HELP, DataSource, Stream, pick
@@ -25,8 +28,9 @@ class StepSampler:
     dataset, ``StepSampler(records, processor, root, cfg)``, is the mixture of it alone ("train").
 
     Attributes:
-        records: every record of the run; with several datasets, the datasets' records concatenated
-            in name order (``records[i].index == i``, the global index used everywhere below).
+        records: every record of the run (`RunRecords`); with several datasets, the datasets'
+            records concatenated in name order (``records[i].index == i``, the global index used
+            everywhere below). Indexed datasets are parsed on demand: nothing per record is kept.
         bad: global indices of records found bad (each counted once per run).
         cfg: the `TrainLoopConfig`.
     """
@@ -51,10 +55,12 @@ class StepSampler:
         if len(set(names)) != len(names):
             raise ValueError(f"dataset names must be unique, got {names}")
         self.processor, self.cfg = processor, cfg
-        self._streams, self.records = [], []
+        self._streams, parts, offset = [], [], 0
         for src in sorted(sources, key=lambda s: s.name):
-            self._streams.append(Stream(src, len(self.records), cfg.seed))
-            self.records += _renumbered(src.records, len(self.records))
+            self._streams.append(Stream(src, offset, cfg.seed))
+            parts.append(src.records)
+            offset += len(src.records)
+        self.records = RunRecords(parts)
         self.bad: set = set()
         self.ledger = BadDataLedger()
 
@@ -250,7 +256,32 @@ def check_state(state) -> None:
         raise OldSamplerState(OLD_STATE_HELP.format(state=f"(keys {keys})"))
 
 
-def _renumbered(records: list, offset: int) -> list:
-    """Copies of ``records`` whose ``index`` is their global index (from ``offset``)."""
-    return [dataclasses.replace(r, index=offset + k) if dataclasses.is_dataclass(r) else r
-            for k, r in enumerate(records)]
+class RunRecords(Sequence):
+    """The datasets' records concatenated in name order, without copying them: ``[i]`` is the
+    record of global index ``i`` (its ``index`` is ``i``), parsed on demand when the dataset is
+    indexed (`ray_dhp.data.reading.Annotations`)."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+        self.offsets = list(itertools.accumulate((len(p) for p in parts), initial=0))
+
+    def __len__(self) -> int:
+        return self.offsets[-1]
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"record index {i} is outside the run's {len(self)} records")
+        k = bisect.bisect_right(self.offsets, i) - 1
+        r = self.parts[k][i - self.offsets[k]]
+        if dataclasses.is_dataclass(r) and getattr(r, "index", i) != i:
+            r = dataclasses.replace(r, index=i)
+        return r
+
+    def __eq__(self, other):
+        return isinstance(other, Sequence) and len(self) == len(other) and list(self) == list(other)
+
+    __hash__ = None

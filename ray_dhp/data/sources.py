@@ -12,23 +12,42 @@ from ray_dhp.train.loop_config import TrainLoopConfig
 
 
 def load_records(cfg: TrainLoopConfig, name: str = "train"):
-    """(records, data_root) of dataset ``name``: a path given to the trainer (root: the file's
-    folder, or ``cfg.data_root``), or the Ray Dataset of that name (root: ``cfg.data_root`` or
-    the current directory)."""
-    from ray_dhp.data.reading import read_annotations, resolve_data_root
+    """(records, data_root) of dataset ``name``: a path given to the trainer, indexed (root: the
+    file's folder, or ``cfg.data_root``), or the Ray Dataset of that name, streamed into a spool
+    (`ray_dhp.data.spool`; root: ``cfg.data_root`` or the current directory). Either way the
+    records are parsed on demand (`ray_dhp.data.reading.Annotations`)."""
+    from ray_dhp.data.reading import Annotations, read_annotations, resolve_data_root
 
     paths = cfg.dataset_paths or {}
     if name in paths:
-        return read_annotations(paths[name]), resolve_data_root(paths[name], cfg.data_root)
+        return (read_annotations(paths[name], cfg.index_dir),
+                resolve_data_root(paths[name], cfg.data_root))
     import ray.train
 
-    from ray_dhp.data.reading import records_from_rows
+    from ray_dhp.data.spool import spool_dataset, spool_dir
 
     shard = ray.train.get_dataset_shard(name)
     if shard is None:
         raise ValueError(f'no {name!r} dataset: pass datasets={{"{name}": ...}} to the trainer.')
     root = cfg.data_root or os.getcwd()
-    return records_from_rows(shard.iter_rows(), source=f"ray.data:{name}"), root
+    key = run_key()
+    return Annotations([spool_dataset(shard, name, spool_dir(cfg.index_dir), key,
+                                      in_task=True)]), root
+
+
+def run_key() -> str:
+    """Names this run's spools: its experiment name and storage folder (a restart, or a later
+    ``fit`` of the same run, reuses them; another run of the same name elsewhere does not)."""
+    import hashlib
+
+    import ray.train
+
+    ctx = ray.train.get_context()
+    try:
+        where = ctx.get_storage().experiment_fs_path
+    except Exception:  # local mode: no storage context
+        where = os.getcwd()
+    return f"{ctx.get_experiment_name()}-{hashlib.sha256(where.encode()).hexdigest()[:10]}"
 
 
 def load_sources(cfg: TrainLoopConfig) -> list:

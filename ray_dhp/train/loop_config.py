@@ -116,6 +116,9 @@ class TrainLoopConfig:
             the dataset named "train" alone.
         dataset_paths: ``{name: annotation file}``; set by `DisaggregatedTrainer` when
             ``datasets=`` holds paths instead of Ray Datasets.
+        index_dir: where annotation files' record indexes (and Ray Datasets' spools) are kept;
+            None: a ``.ray_dhp_index`` folder beside each file (``~/.cache/ray_dhp/index`` when
+            that folder is not writable) and ``<tmp>/ray_dhp_spool`` (see docs/data.md).
         tensorboard: write every reported metric as TensorBoard scalars into
             ``<storage_path>/<run name>/tensorboard`` (from the Ray Train controller).
         mlflow: None (off) or the keyword arguments of Ray's ``setup_mlflow`` (e.g.
@@ -170,6 +173,7 @@ class TrainLoopConfig:
     data_workers: int = checked(0, ge=0)
     dataset_weights: Optional[dict] = None
     dataset_paths: Optional[dict] = None
+    index_dir: Optional[str] = None
     tensorboard: bool = True
     mlflow: Optional[dict] = None
     wandb: Optional[dict] = None

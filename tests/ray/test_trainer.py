@@ -1,5 +1,6 @@
 """DisaggregatedTrainer end to end on Ray Train V2 (CPU, gloo)."""
 
+import pyarrow as pa
 import pytest
 import ray
 import ray.train
@@ -51,11 +52,17 @@ def test_disjoint_with_ray_data_dataset(ray_cluster, tmp_path):
     dhp = DHPConfig(model=demo.tiny_model_config(), processor=demo.tiny_processor(),
                     vision=ModuleParallel(), text=ModuleParallel(tensor_parallel=2),
                     placement="disjoint")
-    ds = ray.data.read_json(str(data))
+    root = str(data.parent)
+
+    def absolute_images(t):  # Ray Data preprocessing: the spooled rows are its output
+        paths = [None if p is None else f"{root}/{p}" for p in t.column("image").to_pylist()]
+        return t.set_column(t.schema.get_field_index("image"), "image", pa.array(paths, pa.string()))
+
+    ds = ray.data.read_json(str(data)).map_batches(absolute_images, batch_format="pyarrow")
     # also: packed rows, token-budget micro-batches and a decoding process per rank, in Ray workers
-    result = _trainer(tmp_path, dhp, {"train": ds}, num_steps=2, log_every=1,
-                      data_root=str(data.parent), packing=True, max_tokens=64,
-                      micro_batch_tokens=64, data_workers=1).fit()
+    # (no data_root: a wrong image path would be a skipped sample)
+    result = _trainer(tmp_path, dhp, {"train": ds}, num_steps=2, log_every=1, packing=True,
+                      max_tokens=64, micro_batch_tokens=64, data_workers=1).fit()
     assert result.metrics["step"] == 2 and result.metrics["skipped_samples"] == 0
     assert result.metrics["loss"] > 0
 

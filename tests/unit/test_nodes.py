@@ -139,7 +139,7 @@ def test_preflight_warns_when_nodes_cannot_hold_a_whole_group(monkeypatch, tmp_p
 # -- the CLI joins a running cluster ------------------------------------------------------------
 
 def _rf(num_cpus=None):
-    return SimpleNamespace(run=SimpleNamespace(num_cpus=num_cpus),
+    return SimpleNamespace(run=SimpleNamespace(num_cpus=num_cpus, ray_address=None),
                            scaling=SimpleNamespace(resources_per_worker=None))
 
 
