@@ -159,7 +159,8 @@ class StepLoader:
             if isinstance(meta, _Fatal):
                 raise RuntimeError(f"processing {what} {i} on rank {owners[q]} failed: {meta.message}")
             if isinstance(meta, str):
-                s.note_bad(i, meta)  # strict: raises here, on every rank alike
+                # strict: raises here, on every rank alike; skip: logged by the decoding rank only
+                s.note_bad(i, meta, log=owners[q] == self.rank)
                 continue
             item = _Item(i, meta["sample"], owners[q], meta["pixel_shape"], meta["pixel_dtype"])
             if owners[q] == self.rank:

@@ -99,9 +99,10 @@ class StepSampler:
         sample.index = i
         return sample
 
-    def note_bad(self, i: int, error) -> None:
+    def note_bad(self, i: int, error, log: bool = True) -> None:
         """Apply the bad-data policy to record ``i``: raise (strict) or count it once and log the
-        first few (skip). In skip mode too much bad data is an error (see `check_budget`), and in
+        first few (skip; ``log=False`` counts without logging: every rank notes each bad record,
+        only the rank that decoded it logs it). In skip mode too much bad data is an error (see `check_budget`), and in
         a mixture of several so is a dataset whose every record is bad (with one, the budget or
         `not_enough_error` says so)."""
         rec = self.records[i]
@@ -113,7 +114,7 @@ class StepSampler:
         if i not in self.bad:
             self.bad.add(i)
             self.ledger.add(where, reason, self.root_for(i))
-            if len(self.bad) <= _LOG_FIRST:
+            if log and len(self.bad) <= _LOG_FIRST:
                 logger.warning("skipping bad sample at %s: %s", where, reason)
             s = self._stream_of(i)
             if len(self._streams) > 1 and sum(1 for b in self.bad if b in s) == s.size:

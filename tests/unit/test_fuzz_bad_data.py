@@ -112,3 +112,21 @@ def test_reader_format_by_extension_and_lines_split_at_newline_only(tmp_path):
     broken.write_bytes(b'[\n{"v": 1},\n{"v": "\xff"}\n]')
     with pytest.raises(ValueError, match=rf"{broken}:3: not UTF-8"):
         read_annotations(broken)
+
+
+def test_a_bad_sample_is_logged_once_by_the_rank_that_decoded_it(hostile, caplog):
+    """Every rank counts each bad record (the budget is the same everywhere), but only the decoding
+    rank logs it (``log=owner == rank`` in `StepLoader`), and a record bad again in a later epoch is
+    not logged again."""
+    path, bad_at, _ = hostile
+    first = next(i for i, r in enumerate(_sampler(path).records) if r.line in bad_at)
+    for owner_here in (False, True):
+        sampler = _sampler(path)
+        out = sampler.process(first)
+        with caplog.at_level("WARNING", logger="ray_dhp.data.sampler"):
+            caplog.clear()
+            sampler.note_bad(first, out, log=owner_here)
+            sampler.note_bad(first, out, log=owner_here)  # the same record drawn again
+        assert sampler.bad == {first}  # counted once on every rank
+        logged = [m for m in caplog.messages if "skipping bad sample" in m]
+        assert len(logged) == (1 if owner_here else 0), logged
