@@ -32,7 +32,8 @@ import torch
 from ray_dhp import demo
 from ray_dhp.step.topology import Topology
 from ray_dhp.train.loop_config import TrainLoopConfig
-from tests.distributed.parity import assert_parity, make_steps, rel_err, run_engine, run_reference
+from tests.distributed.parity import (assert_parity, copy_errors, make_steps, rel_err, run_engine,
+                                      run_reference)
 from tests.spawn import run_on_ranks
 
 EMBED = "model.language_model.embed_tokens.weight"
@@ -95,7 +96,12 @@ def test_tied_embeddings_parity_fp64(case, steps_cache):
         for out in got["per_rank"]:
             if EMBED in out["params"]:
                 assert torch.equal(out["params"][EMBED], out["params0"][EMBED])
-    print(f"{case}: worst update error {worst[0]:.2e} ({worst[2]}), parameter {worst[1]:.2e}")
+    grads = [e for k, g in enumerate(ref["grads"]) for e in
+             copy_errors([{"grads": o["grads"][k]} for o in got["per_rank"]], g, key="grads")]
+    tied = max((e[0] for e in grads if e[2] == EMBED), default=None)
+    print(f"{case}: worst update error {worst[0]:.2e} ({worst[2]}), parameter {worst[1]:.2e}, "
+          f"gradient {max(grads)[0]:.2e}, tied weight's gradient "
+          f"{'frozen' if tied is None else f'{tied:.2e}'}")
 
 
 # -- bf16_mixed: one master, the plan's bytes ------------------------------------------------------
