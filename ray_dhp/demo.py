@@ -182,7 +182,7 @@ def _check_family(family: str) -> None:
         raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
 
 
-def tiny_model_config(family: str = "qwen2_5_vl"):
+def tiny_model_config(family: str = "qwen2_5_vl", *, tie_word_embeddings: bool = False):
     """Random-init sized config of a Qwen-VL ``...ForConditionalGeneration`` model.
 
     Text: hidden 64, 4 query and 4 KV heads (head_dim 16; TP 1/2/4 divide both), intermediate
@@ -190,11 +190,13 @@ def tiny_model_config(family: str = "qwen2_5_vl"):
     of 8. Vision: hidden 32, 4 heads, depth 4, merge 2, temporal patch 2, output 64; patch 14
     (16 for ``qwen3_vl``). Qwen2.5-VL adds window attention (window 56 = 2x2 merge units, full
     attention in blocks 1 and 3); Qwen3-VL adds deepstack layers 1, 2 and an 8x8 position table.
-    fp32, dropout 0, untied embeddings, ``sdpa`` attention. Token ids come from
+    fp32, dropout 0, untied embeddings unless asked, ``sdpa`` attention. Token ids come from
     :func:`build_tokenizer`.
 
     Args:
         family: ``"qwen2_5_vl"`` (default), ``"qwen2_vl"`` or ``"qwen3_vl"``.
+        tie_word_embeddings: share one weight between the input embedding and ``lm_head`` (as
+            Qwen2.5-VL-3B and the small Qwen3-VL models do).
     """
     _check_family(family)
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
@@ -202,12 +204,12 @@ def tiny_model_config(family: str = "qwen2_5_vl"):
     cls = {"qwen2_5_vl": Qwen2_5_VLConfig, "qwen2_vl": Qwen2VLConfig, "qwen3_vl": Qwen3VLConfig}[family]
     ids = _token_ids()
     vocab = -(-len(build_tokenizer()) // 8) * 8
-    text = _text_config(ids, vocab)
+    text = {**_text_config(ids, vocab), "tie_word_embeddings": tie_word_embeddings}
     if family == "qwen3_vl":
         text["head_dim"] = 16
         text["rope_parameters"]["mrope_interleaved"] = True
     config = cls(
-        text_config=text, vision_config=_vision_config(family), tie_word_embeddings=False,
+        text_config=text, vision_config=_vision_config(family), tie_word_embeddings=tie_word_embeddings,
         **{k: ids[k] for k in ("image_token_id", "video_token_id",
                                "vision_start_token_id", "vision_end_token_id")},
     )

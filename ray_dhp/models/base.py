@@ -86,12 +86,6 @@ class FamilySpec:
                     f"use one of {_divisors(n, limit=64)}."
                 )
         _reject_dropout(config)
-        tied = getattr(config, "tie_word_embeddings", False) or getattr(tc, "tie_word_embeddings", False)
-        if tied and tp > 1:
-            raise ValueError(
-                "text tensor_parallel > 1 with tied input/output embeddings is not supported yet; "
-                "use tensor_parallel=1 or a model with tie_word_embeddings=False."
-            )
 
 
 def _reject_dropout(config) -> None:

@@ -73,6 +73,8 @@ def count_params(config, tuning=None) -> ParamCounts:
     family = family_of(config)
     with init_empty_weights():
         model = getattr(transformers, family.model_class)._from_config(config, dtype=torch.float32)
+    model.tie_weights()  # init_empty_weights re-wraps every registered parameter, ties too: a tied
+    # weight (embedding = lm_head) is one parameter, counted once (as `build_meta_model` holds it)
     plan = family.text_tp_plan(config.text_config)
     if tuning is not None and tuning.lora is not None:  # PEFT adapters, sharded by their plan
         from ray_dhp.models.lora import counting_plan, inject

@@ -33,3 +33,21 @@ def test_meta_engine_holds_no_memory():
     assert params and all(p.is_meta for p in params)
     assert engine.text_model.lm_head.weight.to_local().shape == (152064 // 2, 3584)
     assert isinstance(engine.vision_params[0], torch.nn.Parameter)
+
+
+def test_tied_7b_dims_on_meta_hold_one_embedding_and_plan_counts_it_once():
+    """``tie_word_embeddings=True`` (as Qwen2.5-VL-3B) at TP=4: the meta-built text rank holds one
+    vocab-sharded weight for the embedding and ``lm_head`` (the same Parameter), and its bytes
+    equal `count_params`' for that rank, which is the untied count less one V x H matrix."""
+    dims = preset_dims("qwen2_5_vl", "7b")
+    untied = count_params(config_from_dims(dims, "qwen2_5_vl"))
+    dims["tie_word_embeddings"] = dims["text_config"]["tie_word_embeddings"] = True
+    config = config_from_dims(dims, "qwen2_5_vl")
+    counts = count_params(config)
+    vh = config.text_config.vocab_size * config.text_config.hidden_size
+    assert (counts.text, counts.text_sharded) == (untied.text - vh, untied.text_sharded - vh)
+    topo = Topology.build(placement="disjoint", vision_sp=1, vision_dp=1, text_tp=4, text_dp=1)
+    engine = meta_engine(config, topo, 1)
+    lm = engine.text_model.model.language_model
+    assert engine.text_model.lm_head.weight is lm.embed_tokens.weight
+    assert rank_parameter_bytes(config, topo, 1)["text"] == counts.text_per_rank(4) * 4
