@@ -33,6 +33,7 @@ from ray_dhp.step.microbatch import (  # noqa: F401  (re-exported: ray_dhp.step.
     MicroBatchLayout, PhaseTimer, _MicroBatch, count_targets, layout_micro_batch,
     shift_labels, upcast)
 from ray_dhp.models import family_of, load_model_config
+from ray_dhp.models.contract import check_features_consumed, check_transformers
 from ray_dhp.models.loading import build_meta_model, materialize, module_prefix
 from ray_dhp.step.optim import build_optimizer_for
 from ray_dhp.step.precision import policy_of, weight_dtype
@@ -61,6 +62,7 @@ class DHPEngine(UpdateMixin):
         order_for(schedule, 1)  # validates the name
         self.config = load_model_config(model)
         self.family = family_of(self.config)
+        check_transformers(self.family)
         topo = groups.topology
         self.family.validate_layout(self.config, sp=topo.vision.inner, tp=topo.text.inner,
                                     text_sp=topo.text_sequence_parallel)
@@ -201,6 +203,8 @@ class DHPEngine(UpdateMixin):
             sub = None if feats is None else feats.index_select(0, rows.to(feats.device))
             loss, _ = self._text_forward_backward([mb.samples[i] for i in grp], sub, n_targets)
             loss_sum = loss_sum + loss
+        if feats is not None and feats.shape[0] > 0:
+            check_features_consumed(feats, passed=True)
         return loss_sum, None if feats is None else feats.grad
 
     def _return_grads(self, mb: "_MicroBatch", n_targets: int) -> None:
@@ -322,6 +326,7 @@ class DHPEngine(UpdateMixin):
         inputs = LossInputs(upcast(logits), targets.to(dev), sample_ids_of(batch, samples).to(dev),
                             list(samples), n_targets, self._num_samples)
         value = backward_loss(self._loss_fn, inputs, self.groups.topology.text.inner > 1)
+        check_features_consumed(feats, passed=enc is not None)
         grad = feats.grad if enc is not None and feats.is_leaf else None
         return value, grad
 
