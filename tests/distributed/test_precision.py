@@ -97,8 +97,9 @@ def _capture_grads(opt, masters, prefix, seen):
     step = opt.step
 
     def capturing(*a, **k):
-        for n, p in masters.named_parameters():
-            seen[prefix + n] = _as_full(p.grad).clone()
+        for n, p in masters.named_parameters():  # the engine steps a chunk per call
+            if p.grad is not None:
+                seen[prefix + n] = _as_full(p.grad).clone()
         return step(*a, **k)
 
     opt.step = capturing
