@@ -124,4 +124,5 @@ def scale_grads(params: list, coef: float) -> None:
     if coef == 1.0:
         return
     for p in params:
-        local(p.grad).mul_(coef)
+        if p.grad is not None:  # None: a parameter another rank updates (ZeRO-1), freed
+            local(p.grad).mul_(coef)
