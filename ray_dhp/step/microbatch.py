@@ -120,17 +120,24 @@ class _MicroBatch:
 
 
 class PhaseTimer:
-    """Wall time per phase of a step (``time_<phase>_s`` metrics)."""
+    """Wall time per phase of a step (``time_<phase>_s`` metrics); on a CUDA ``device`` the
+    queued kernels are waited for at both edges of a phase (`ray_dhp.step.gpu.synchronize`), so
+    a phase's time is its kernels', not their launch."""
 
-    def __init__(self):
+    def __init__(self, device=None):
         self.totals: dict = {}
+        self.device = device
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
+        from ray_dhp.step.gpu import synchronize
+
+        synchronize(self.device)
         t0 = time.perf_counter()
         try:
             yield
         finally:
+            synchronize(self.device)
             self.totals[phase] = self.totals.get(phase, 0.0) + time.perf_counter() - t0
 
     def as_metrics(self) -> dict:

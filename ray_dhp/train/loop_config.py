@@ -100,6 +100,8 @@ class TrainLoopConfig:
             "bf16_autocast" with autocast_dtype="bfloat16").
         autocast_dtype: None or "bfloat16" (= precision "bf16_autocast"; kept for older run
             files; contradicting precision is an error).
+        tf32: TF32 for fp32 matmuls and convolutions on CUDA (`ray_dhp.step.gpu`; ignored on
+            CPU). Matters for the fp32 and bf16_autocast policies' fp32 matmuls.
         activation_checkpointing: recompute transformer blocks in backward.
         vision_zero1: shard the vision optimizer state over the vision group (ZeRO-1).
         prefetch: prepare the next step's samples in a background thread while the current
@@ -161,6 +163,7 @@ class TrainLoopConfig:
     resume_from: Optional[str] = None
     precision: Optional[str] = checked(None, choices=(None,) + POLICY_NAMES)
     autocast_dtype: Optional[str] = checked(None, choices=(None, "bfloat16"))
+    tf32: bool = True
     activation_checkpointing: bool = False
     vision_zero1: bool = True
     prefetch: bool = True
