@@ -120,7 +120,8 @@ class _MicroBatch:
 
 
 class PhaseTimer:
-    """Wall time per phase of a step (``time_<phase>_s`` metrics); on a CUDA ``device`` the
+    """Wall time per phase of a step (``time_<phase>_s`` metrics; each phase is also a
+    ``ray_dhp.<phase>`` range in profiler traces); on a CUDA ``device`` the
     queued kernels are waited for at both edges of a phase (`ray_dhp.step.gpu.synchronize`), so
     a phase's time is its kernels', not their launch."""
 
@@ -135,7 +136,8 @@ class PhaseTimer:
         synchronize(self.device)
         t0 = time.perf_counter()
         try:
-            yield
+            with torch.profiler.record_function(f"ray_dhp.{phase}"):  # named in profiler traces
+                yield
         finally:
             synchronize(self.device)
             self.totals[phase] = self.totals.get(phase, 0.0) + time.perf_counter() - t0
