@@ -83,8 +83,10 @@ def main(argv=None) -> dict:
     report = {"versions": check_versions()}
     from benchmarks.gpu import precision_check, step_bench
 
-    report["precision"] = precision_check.main(["--device", a.device, "--out", out] + (["--tiny"] if tiny else []))
-    report["steps"] = step_bench.main(["--device", a.device, "--out", out] + (["--tiny", "--steps", "2"] if tiny else []))
+    small = ["--tiny", "--patches", "64", "--batch", "1"] if tiny else []
+    report["precision"] = precision_check.main(["--device", a.device, "--out", out] + small)
+    report["steps"] = step_bench.main(["--device", a.device, "--out", out]
+                                      + (["--tiny", "--steps", "1"] if tiny else []))
     if a.contenders:
         from benchmarks import run
 

@@ -34,8 +34,8 @@ def shapes_for(tiny: bool) -> dict:
     from ray_dhp import demo
 
     if tiny:
-        return {"demo-width": (demo.tiny_model_config("qwen2_5_vl"), 64, 2),
-                "7b-width(tiny)": (model_config(True), 64, 2)}
+        return {"demo-width": (demo.tiny_model_config("qwen2_5_vl"), 64, 1),
+                "7b-width(tiny)": (model_config(True), 64, 1)}
     return {"demo-width": (demo.tiny_model_config("qwen2_5_vl"), 1024, 8),
             "7b-width": (model_config(False), 1024, 4)}
 
@@ -126,11 +126,13 @@ def versions() -> dict:
     out = {"python": platform.python_version(), "torch": torch.__version__,
            "transformers": transformers.__version__, "cuda": torch.version.cuda,
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
-    for mod in ("flash_attn", "deepspeed", "ray"):
+    from importlib import metadata
+
+    for dist in ("flash-attn", "deepspeed", "ray"):  # read, not imported (deepspeed's is slow)
         try:
-            out[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001  (absent or broken: recorded as such)
-            out[mod] = None
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
     return out
 
 

@@ -24,7 +24,7 @@ def test_gpu_script_dry_runs_on_cpu(tmp_path, monkeypatch):
     steps = report["steps"]["results"]
     assert [r["shape"] for r in steps] == ["demo-width", "7b-width(tiny)"]
     for r in steps:
-        assert r["tokens_per_s"] > 0 and len(r["step_s"]) == 2 and all(x > 0 for x in r["losses"])
+        assert r["tokens_per_s"] > 0 and len(r["step_s"]) == 1 and all(x > 0 for x in r["losses"])
         for module in ("vision", "text"):  # an SDPA kernel ran in both modules (CPU: its CPU form)
             assert any("scaled_dot_product" in k for k in r["attention_kernels"][module]), r
         assert r["mfu"] is None  # no known peak on CPU
