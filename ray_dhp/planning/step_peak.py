@@ -52,3 +52,18 @@ def _update_peak(state, policy, largest, chunk_bytes, fused_adamw) -> int:
         return state.total + temps
     chunk = min(state.updated, max(largest, (CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // 4))
     return state.total + (4 - policy.grad_bytes()) * chunk + temps
+
+
+def rank_step_peak(state, policy, counts, topology, rank: int, text_config) -> int:
+    """`step_peak` of ``rank`` as `ray-dhp plan` prints it (GPU: fused AdamW): the ViT is
+    all-reduced over the vision group, the text model over its DP replicas; under TP the
+    vocab-parallel embedding's gradient comes back whole. ``largest`` is the largest parameter
+    unsharded (an upper bound where TP splits it)."""
+    roles = topology.roles(rank)
+    tp = topology.text.inner
+    reduced = counts.vision if "vision" in roles and topology.vision.size > 1 else 0
+    if "text" in roles and topology.text.dp > 1:
+        reduced += counts.text_per_rank(tp)
+    emb = text_config.vocab_size * text_config.hidden_size
+    replicated = emb - emb // tp if "text" in roles and tp > 1 else 0
+    return step_peak(state, policy, counts.largest, reduced, replicated)
