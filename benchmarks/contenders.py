@@ -30,15 +30,16 @@ NAMES = ("dhp", "dhp-disjoint", "tp", "fsdp2", "zero3")
 
 def train_config(batch_size: int, autocast_dtype=None) -> TrainLoopConfig:
     return TrainLoopConfig(lr=1e-4, global_batch_size=batch_size, num_steps=10_000, max_grad_norm=1.0,
-                           autocast_dtype=autocast_dtype)
+                           precision="bf16_autocast" if autocast_dtype == "bfloat16" else "fp32")
 
 
 def _autocast(cfg, device):
     import contextlib
 
-    if cfg.autocast_dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=getattr(torch, cfg.autocast_dtype))
+    from ray_dhp.step.precision import policy_of
+
+    dtype = policy_of(cfg).autocast_dtype
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
 def _kwargs(samples, device):
@@ -223,7 +224,7 @@ class Zero3(_DataParallel):
 
 
 def build(name: str, config, cfg, device, comm=None):
-    """Build contender ``name``; ``cfg.autocast_dtype="bfloat16"`` runs every forward under bf16 autocast."""
+    """Build contender ``name``; ``cfg.precision="bf16_autocast"`` runs every forward under bf16 autocast."""
     world = dist.get_world_size()
     if name == "dhp":
         return DHP(config, cfg, device, sp=world, tp=world, comm=comm)

@@ -78,7 +78,7 @@ def main(argv=None):
     p.add_argument("--resume-from", default=None, help="a checkpoint (e.g. of an earlier run)")
     args = p.parse_args(argv)
     if not ray.is_initialized():
-        ray.init(num_cpus=8)
+        ray.init(address="local", num_cpus=8)
     path = demo.make_dataset(args.data, num_samples=32, seed=0)
     dhp = DHPConfig(model=demo.tiny_model_config(), processor=demo.tiny_processor(),
                     vision=ModuleParallel(sequence_parallel=2), text=ModuleParallel(tensor_parallel=2))

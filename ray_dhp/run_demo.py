@@ -46,8 +46,9 @@ def main(argv=None) -> dict:
     )
     print(f"[ray_dhp] layout:\n{cfg.topology().describe()}", flush=True)
     if not ray.is_initialized():
-        # More logical CPUs than cores so small machines can host the workers.
-        ray.init(num_cpus=max(8, 2 * cfg.num_workers))
+        # A private local Ray (never another job's cluster on the machine), with more logical
+        # CPUs than cores so small machines can host the workers.
+        ray.init(address="local", num_cpus=max(8, 2 * cfg.num_workers))
     trainer = DisaggregatedTrainer(
         train_loop_config=dict(lr=args.lr, global_batch_size=args.batch_size, num_steps=args.steps,
                                seed=0, log_every=args.log_every, warmup_steps=3,

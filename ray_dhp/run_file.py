@@ -186,6 +186,12 @@ class RunSection:
                                      "RAY_ADDRESS nor one started with `ray start` on this "
                                      "machine; null: enough for the workers); ignored when "
                                      "joining a cluster", ge=1)
+    ray_address: Optional[str] = option(None, "which Ray `ray-dhp train` uses: null = join the "
+                                        "cluster of RAY_ADDRESS or of `ray start` on this "
+                                        "machine, else start a local one; \"local\" = always "
+                                        "a private local Ray (beside any cluster on the "
+                                        "machine); \"auto\" or host:port = join that cluster "
+                                        "(RAY_ADDRESS, when set, still wins, as in ray.init)")
 
 
 @dataclass
@@ -304,7 +310,25 @@ class RunFile:
 
         check_layout(parse_tuning(raw.get("modules"), key=loop_key_in_file("modules")),
                      dhp.text.sequence_parallel is True, key=loop_key_in_file("modules"))
+        self.data_paths()
+        from ray_dhp.data.compat import check_run_processor
+
+        dhp.processor = self.processor_spec()  # processor.path must exist; fits the model
+        check_run_processor(dhp, processor_key="processor.path", model_key="model.path")
         return self
+
+    def data_paths(self) -> dict:
+        """``{dataset name: path}`` of data.train / data.datasets / data.validation, each
+        checked to exist (ConfigError naming the key); data.train unset: the demo set, "train"
+        then absent here (`ray_dhp.cli.train.prepare_data` generates it)."""
+        paths = {**({"train": self.data.train} if self.data.train else {}),
+                 **(self.data.datasets or {}),
+                 **({"validation": self.data.validation} if self.data.validation else {})}
+        own = {"train": "data.train", "validation": "data.validation"}
+        for name, path in paths.items():
+            if not isinstance(path, str) or not os.path.exists(path):
+                raise ConfigError(f"{own.get(name, f'data.datasets.{name}')}: {path} does not exist.")
+        return paths
 
     def run_name(self) -> str:
         if not self.run.name:

@@ -1,5 +1,9 @@
 """The one spawn helper: run a test body on N gloo ranks (CPU), collecting per-rank results.
 
+Every body runs under the NCCL twin (`tests.nccl_twin`): point-to-point and collectives must
+follow NCCL's ordering rules, or the test fails naming the operations. ``RAY_DHP_NCCL_TWIN=0``
+turns it off.
+
 Usage::
 
     def body(rank, world_size, arg):      # module-level (picklable) function
@@ -23,6 +27,7 @@ import os
 from ray_dhp.train.launch import free_port, spawn  # noqa: F401
 
 THREADS_ENV = "RAY_DHP_TEST_THREADS"
+TWIN_ENV = "RAY_DHP_NCCL_TWIN"
 
 
 def rank_threads() -> int:
@@ -33,8 +38,14 @@ def rank_threads() -> int:
     return int(value)
 
 
-def run_on_ranks(fn, world_size: int, args: tuple = (), timeout_s: float = 600.0) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; return results by rank."""
+def run_on_ranks(fn, world_size: int, args: tuple = (), timeout_s: float = 600.0,
+                 twin_timeout_s: float | None = None) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; return results by rank.
+    ``twin_timeout_s``: how long the NCCL twin waits for a peer's operation (default 300 s)."""
+    from tests.nccl_twin import run_under_twin
+
+    if os.environ.get(TWIN_ENV, "1") != "0":
+        fn, args = run_under_twin, (fn, args, twin_timeout_s)
     try:
         return spawn(fn, world_size, args, backend="gloo", threads=rank_threads(), timeout_s=timeout_s)
     except RuntimeError as e:

@@ -71,11 +71,24 @@ def build_hf_model(config, tensors: dict, dtype: Optional[torch.dtype] = None):
 # generation_config.json replaces the default save_pretrained writes; chat templates are copied
 # when the checkpoint's processor did not already bring one.
 SOURCE_FILES = ("generation_config.json", "chat_template.jinja", "chat_template.json")
+# Keys transformers writes into a saved config from how it was loaded, not what the model is.
+RUNTIME_KEYS = ("is_local", "local_files_only")
+_CONFIG_FILES = ("tokenizer_config.json", "processor_config.json", "preprocessor_config.json")
 
 
 def copy_source_files(source: Optional[str], out_dir: str) -> list:
     """Copy `SOURCE_FILES` from the source model directory ``source`` (None: nothing); the
-    names copied."""
+    names copied. A source that is gone is said (a warning naming what the export lacks)."""
+    if source and not os.path.isdir(source):
+        from ray_dhp.data.processor_dir import find_chat_template
+
+        lacks = ["generation_config.json (its eos and pad token ids: transformers' defaults "
+                 "were written instead)"]
+        if find_chat_template(out_dir)[0] is None:
+            lacks.append("the chat template (chat_template.jinja / chat_template.json)")
+        logger.warning("export: the source model directory %s no longer exists, so the export "
+                       "lacks %s; pass the model directory the run started from with --source "
+                       "DIR (Python: source=) to copy them.", source, " and ".join(lacks))
     if not source or not os.path.isdir(source):
         return []
     copied = []
@@ -85,6 +98,30 @@ def copy_source_files(source: Optional[str], out_dir: str) -> list:
             shutil.copyfile(src, dst)
             copied.append(name)
     return copied
+
+
+def drop_runtime_keys(out_dir: str) -> None:
+    """Remove `RUNTIME_KEYS` from the tokenizer / processor configs written in ``out_dir``."""
+    for name in _CONFIG_FILES:
+        path = os.path.join(out_dir, name)
+        if not os.path.isfile(path):
+            continue
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+        if isinstance(cfg, dict) and any(k in cfg for k in RUNTIME_KEYS):
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump({k: v for k, v in cfg.items() if k not in RUNTIME_KEYS}, f, indent=2,
+                          ensure_ascii=False)
+                f.write("\n")
+
+
+def _record_dtype(model) -> None:
+    """config.json (and each sub-config: text, vision) says the dtype the weights are written in."""
+    dtype = next(model.parameters()).dtype
+    config = model.config
+    for sub in [config] + [getattr(config, k, None) for k in getattr(config, "sub_configs", {})]:
+        if sub is not None:
+            sub.dtype = dtype
 
 
 def parse_dtype(name: Optional[str]) -> Optional[torch.dtype]:
@@ -153,7 +190,12 @@ def _write_export(d: str, meta: dict, out: str, dtype, source: Optional[str],
 
     if lora not in lora_mod.LORA_EXPORTS:
         raise ValueError(f"lora must be one of {lora_mod.LORA_EXPORTS}, got {lora!r}")
-    tensors, tuning = read_model_tensors(d), parse_tuning(meta.get("modules"))
+    tuning = parse_tuning(meta.get("modules"))
+    if lora == "adapter" and tuning.lora is None:
+        raise ValueError("lora='adapter' (ray-dhp export --lora adapter): this run trained no "
+                         "LoRA adapters (optim.modules.llm.lora was not set), so there is no "
+                         "adapter to write; export the full model without it.")
+    tensors = read_model_tensors(d)
     if tuning.lora is not None and lora == "adapter":
         lora_mod.check_adapter_export(tuning)
         base, adapters = lora_mod.split_tensors(tensors)
@@ -163,12 +205,12 @@ def _write_export(d: str, meta: dict, out: str, dtype, source: Optional[str],
         if tuning.lora is not None:
             tensors = lora_mod.merged_tensors(tensors, tuning.lora)
         model = build_hf_model(model_config_of(meta), tensors, dtype)
-        if dtype is not None:
-            model.config.dtype = dtype  # config.json says what the weights are
+        _record_dtype(model)
         model.save_pretrained(out, safe_serialization=True)
     proc = os.path.join(d, ckpt.PROCESSOR_DIR)
     if os.path.isdir(proc):
         copy_regular_files(proc, out)
+        drop_runtime_keys(out)
     copy_source_files(source, out)
 
 
@@ -190,8 +232,8 @@ def _check_target(out_dir: str, overwrite: bool) -> None:
     if os.path.lexists(out_dir) and not overwrite and not (
             os.path.isdir(out_dir) and not os.path.islink(out_dir) and not os.listdir(out_dir)):
         raise FileExistsError(f"export target {out_dir} exists and is not empty; choose a new "
-                              f"directory or pass overwrite=True (ray-dhp export --overwrite) to "
-                              f"replace it")
+                              f"directory, or replace it with ray-dhp export --overwrite (Python: "
+                              f"overwrite=True)")
 
 
 @contextlib.contextmanager

@@ -184,8 +184,12 @@ def _cmd_export(args) -> int:
         print("ray-dhp export: this install has no ray_dhp.export_hf (ray_dhp/checkpointing/export.py); "
               "update ray_dhp to a version with checkpoint export.", file=sys.stderr)
         return 1
-    out = export_hf(args.checkpoint, args.out_dir, dtype=args.dtype, source=args.source,
-                    overwrite=args.overwrite, lora=args.lora)
+    try:
+        out = export_hf(args.checkpoint, args.out_dir, dtype=args.dtype, source=args.source,
+                        overwrite=args.overwrite, lora=args.lora)
+    except (FileExistsError, FileNotFoundError, ValueError) as e:  # said plainly, no traceback
+        print(f"ray-dhp export: {e}", file=sys.stderr)
+        return 1
     print(f"[ray_dhp] exported {args.checkpoint} -> {out or args.out_dir}")
     return 0
 

@@ -24,7 +24,7 @@ def _meshes(topology) -> list:
 
 
 def policy_of_run(rf):
-    """The `PrecisionPolicy` of the run file (optim.precision / optim.autocast_dtype): the same
+    """The `PrecisionPolicy` of the run file (optim.precision): the same
     object the engine builds from its train_loop_config."""
     from ray_dhp.step.precision import policy_of
 

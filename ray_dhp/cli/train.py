@@ -12,18 +12,10 @@ def prepare_data(rf) -> dict:
     """``{dataset name: absolute path}`` of the run: ``data.train`` as "train" plus
     ``data.datasets``, checked against ``data.dataset_weights``. With neither set, the demo set is
     generated as "train" (into ``<storage_path>/<run name>/demo_data``, reused if already there)."""
-    from ray_dhp.cli.schema import ConfigError
-
     names = rf.dataset_names()  # the weights checked against the names
-    train = rf.data.train or _DEMO
-    datasets = {**({"train": train} if "train" in names else {}), **(rf.data.datasets or {})}
-    if rf.data.validation:
-        datasets["validation"] = rf.data.validation
-    own = {"train": "data.train" if rf.data.train else None, "validation": "data.validation"}
-    for name, path in datasets.items():
-        key = own.get(name) or f"data.datasets.{name}"
-        if path != _DEMO and (not isinstance(path, str) or not os.path.exists(path)):
-            raise ConfigError(f"{key}: {path} does not exist.")
+    datasets = rf.data_paths()  # each checked to exist
+    if "train" in names and "train" not in datasets:
+        datasets = {"train": _DEMO, **datasets}
     if datasets.get("train") == _DEMO:
         datasets["train"] = _demo_data(rf)
     return datasets
@@ -91,24 +83,57 @@ def running_cluster() -> Optional[str]:
 
 
 def init_ray(rf, num_workers: int) -> None:
-    """Join a running cluster whenever there is one: the one named by ``RAY_ADDRESS`` (e.g.
-    inside ``ray job submit``), else the one ``ray start`` brought up on this machine; start a
-    local Ray (``run.num_cpus`` logical CPUs) only when there is none. Does nothing if Ray is
-    already initialised in this process."""
+    """Start or join Ray as ``run.ray_address`` says. null: join a running cluster whenever
+    there is one — the one named by ``RAY_ADDRESS`` (e.g. inside ``ray job submit``), else the
+    one ``ray start`` brought up on this machine — and start a local Ray (``run.num_cpus``
+    logical CPUs) only when there is none; ``"local"``: always a private local Ray, even beside
+    a cluster; ``"auto"`` / ``host:port``: join that cluster. Does nothing if Ray is already
+    initialised in this process."""
     import ray
 
     if ray.is_initialized():
         return
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address="auto")
+    want = rf.run.ray_address
+    if want == "local":
+        _start_local(rf, num_workers)
+        return
+    if os.environ.get("RAY_ADDRESS") or want is not None:
+        ray.init(address=os.environ.get("RAY_ADDRESS") or want)
         return
     addr = running_cluster()
     if addr is not None:
         note = " (run.num_cpus is ignored when joining)" if rf.run.num_cpus else ""
-        print(f"[ray_dhp] joining the running Ray cluster at {addr}{note}", flush=True)
+        print(f"[ray_dhp] joining the running Ray cluster at {addr}{note} (run.ray_address=local: "
+              "a private local Ray instead)", flush=True)
         ray.init(address=addr)
-    else:  # "local": a new instance even if a stale address file is left behind
+    else:  # a new instance even if a stale address file is left behind
+        _start_local(rf, num_workers)
+
+
+def _start_local(rf, num_workers: int) -> None:
+    """A private local Ray: ``address="local"`` never joins another instance, and a
+    ``RAY_ADDRESS`` of the environment is kept from it (ray.init would follow it)."""
+    import ray
+
+    env = os.environ.pop("RAY_ADDRESS", None)
+    try:
         ray.init(address="local", num_cpus=local_num_cpus(rf, num_workers))
+    finally:
+        if env is not None:
+            os.environ["RAY_ADDRESS"] = env
+
+
+def interrupt_hint(rf, named: bool = True) -> str:
+    """What a Ctrl-C'd ``ray-dhp train`` says: how to resume (``named``: the run file or the
+    command line gave run.name, so the same command finds the run again)."""
+    every, name = rf.checkpoint.checkpoint_every, rf.run_name()
+    same = "the same command" if named else f"the same command with run.name={name}"
+    if not every:
+        return (f"interrupted. This run writes no checkpoints (checkpoint.checkpoint_every=0): "
+                f"{same} starts run {name!r} afresh.")
+    again = same.replace("command", "command again", 1)
+    return (f"interrupted. Run {again} to resume run {name!r} from its last checkpoint "
+            f"(written every {every} steps).")
 
 
 def train(rf) -> dict:
@@ -117,6 +142,7 @@ def train(rf) -> dict:
 
     from ray_dhp.cli.runs import check_run_folder
 
+    named = rf.run.name is not None
     rf.validate()
     dhp = rf.dhp_config()
     num_workers = rf.num_workers(dhp)
@@ -128,7 +154,11 @@ def train(rf) -> dict:
     datasets = prepare_data(rf)
     trainer = build_trainer(rf, datasets=datasets)  # validates before Ray starts workers
     init_ray(rf, num_workers)
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    except (KeyboardInterrupt, SystemExit):  # Ray Train turns Ctrl-C into an abort + exit
+        print(f"\n[ray_dhp] {interrupt_hint(rf, named)}", flush=True)
+        raise
     hist = [m for m in read_history(result) if m.get("step", 0) > start]  # this invocation's
     metrics = dict(result.metrics or (hist[-1] if hist else {}))
     first = hist[0] if hist else metrics

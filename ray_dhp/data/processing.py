@@ -32,6 +32,7 @@ import torch
 
 from ray_dhp.data.chat import (IMAGE_PLACEHOLDER, ChatTemplateError, QwenFormat,
                                TemplateRenderer, expand_image_pads)
+from ray_dhp.data.images import ImageError, load_image, upright_size
 from ray_dhp.data.reading import Record
 
 __all__ = ["BadSample", "reason_kind", "Sample", "VLProcessor", "as_vl_processor", "image_grid", "IGNORE_INDEX"]
@@ -98,7 +99,8 @@ class Sample:
 
 
 def image_grid(path_or_pil, image_processor) -> tuple[int, int, int]:
-    """Cheap ``(t, h, w)`` patch grid of one image, from its size only (no pixel decoding).
+    """Cheap ``(t, h, w)`` patch grid of one image, from its size only (no pixel decoding; a
+    path's EXIF orientation is applied as `ray_dhp.data.images.load_image` does).
 
     Uses the image processor's ``smart_resize`` rule (patch and merge sizes, min/max pixels).
     """
@@ -107,7 +109,7 @@ def image_grid(path_or_pil, image_processor) -> tuple[int, int, int]:
 
     if isinstance(path_or_pil, (str, Path)):
         with Image.open(path_or_pil) as img:
-            width, height = img.size
+            width, height = upright_size(img)
     else:
         width, height = path_or_pil.size
     patch, merge = image_processor.patch_size, image_processor.merge_size
@@ -115,36 +117,6 @@ def image_grid(path_or_pil, image_processor) -> tuple[int, int, int]:
     h, w = smart_resize(height, width, factor=patch * merge,
                         min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"])
     return 1, h // patch, w // patch
-
-
-def _load_image(path: Path, max_pixels: int | None = None):
-    """The RGB image at ``path``. Its size is read from the header first (PIL's ``open`` is lazy)
-    and an image over ``max_pixels`` is refused before any pixel is decoded."""
-    from PIL import Image
-
-    try:
-        exists = path.is_file()
-    except (OSError, ValueError) as exc:  # a name too long for the file system, a NUL byte...
-        raise BadSample(f"unusable image path: {str(path)[:200]!r}: {type(exc).__name__}: "
-                        f"{exc}") from exc
-    if not exists:
-        raise BadSample(f"missing image: {path} does not exist")
-    try:
-        with Image.open(path) as img:  # reads the header only
-            width, height = img.size
-            if width <= 0 or height <= 0:
-                raise BadSample(f"corrupt image: {path} has size {width}x{height}")
-            if max_pixels is not None and width * height > max_pixels:
-                raise BadSample(f"image too large: {path} is {width}x{height} = {width * height} "
-                                f"pixels > max_image_pixels={max_pixels} (not decoded)")
-            img.load()
-            return img.convert("RGB")
-    except BadSample:
-        raise
-    except Image.DecompressionBombError as exc:  # Pillow's own guard (over ~179M pixels)
-        raise BadSample(f"image too large: {path}: {exc}") from exc
-    except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError...
-        raise BadSample(f"corrupt image: {path}: {type(exc).__name__}: {exc}") from exc
 
 
 def _messages(data: dict) -> list[tuple[str, str]]:
@@ -190,6 +162,8 @@ class VLProcessor:
             neither, ray_dhp's own Qwen format is used (`uses_chat_template` is then False).
     """
 
+    chat_source = None  # the file the chat template came from (`load_processor`), if known
+
     def __init__(self, tokenizer, image_processor=None, *, system_prompt: str | None = None,
                  chat_template: str | None = None):
         self.tokenizer, self.image_processor, self.system_prompt = tokenizer, image_processor, system_prompt
@@ -216,8 +190,10 @@ class VLProcessor:
         `ray_dhp.data.pixels.with_pixel_limits`)."""
         from ray_dhp.data.pixels import with_pixel_limits
 
-        return VLProcessor(self.tokenizer, with_pixel_limits(self.image_processor, min_pixels, max_pixels),
-                           system_prompt=system_prompt, chat_template=self.renderer.chat_template)
+        out = VLProcessor(self.tokenizer, with_pixel_limits(self.image_processor, min_pixels, max_pixels),
+                          system_prompt=system_prompt, chat_template=self.renderer.chat_template)
+        out.chat_source = self.chat_source
+        return out
 
     def save_pretrained(self, directory) -> None:
         """Write the tokenizer (with the chat template in use) and image processor
@@ -283,7 +259,11 @@ class VLProcessor:
         if n_placeholders != len(paths):
             raise BadSample(f"image count mismatch: {n_placeholders} {IMAGE_PLACEHOLDER} "
                             f"placeholder(s) but {len(paths)} image(s)")
-        pixel_values, grid = self._encode_images([_load_image(p, max_pixels) for p in paths])
+        try:
+            images = [load_image(p, max_pixels) for p in paths]
+        except ImageError as exc:
+            raise BadSample(str(exc)) from exc
+        pixel_values, grid = self._encode_images(images)
         pads = [] if grid is None else (grid.prod(-1) // self.merge_size**2).tolist()
         try:
             text, spans = self.renderer.render(messages, self.system_prompt)
@@ -361,24 +341,21 @@ def as_vl_processor(obj) -> VLProcessor:
 
 
 def load_processor(path: str) -> VLProcessor:
-    """A processor from a local model directory: ``AutoProcessor`` when it loads; otherwise the
-    tokenizer plus the PIL-only Qwen2-VL image processor (transformers' default Qwen image
-    processors need torchvision, which some installs lack)."""
-    from transformers import AutoProcessor, AutoTokenizer
+    """The processor of a local model directory: its tokenizer, image processor (None without
+    ``preprocessor_config.json``) and the chat template found wherever transformers finds one,
+    with or without torchvision (`ray_dhp.data.processor_dir`); ``chat_source`` names the
+    template's file.
 
-    if not os.path.isdir(path):
-        raise ValueError(f"processor path {path!r} is not a local directory")
-    try:
-        proc = AutoProcessor.from_pretrained(path, local_files_only=True)
-        if getattr(proc, "image_processor", None) is not None:
-            return as_vl_processor(proc)
-    except (ImportError, ValueError, OSError, TypeError, AttributeError):
-        pass
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    Raises:
+        ProcessorDirError: not a directory, no tokenizer files, a tokenizer or image processor
+            that does not load, or a tokenizer without the Qwen-VL special tokens.
+    """
+    from ray_dhp.data.processor_dir import ProcessorDirError, read_processor_dir
 
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer, image_processor, template, source = read_processor_dir(path)
     try:
-        image = Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True)
-    except OSError:
-        image = None
-    return VLProcessor(tok, image)
+        processor = VLProcessor(tokenizer, image_processor, chat_template=template)
+    except ValueError as e:  # no <|im_start|>... token
+        raise ProcessorDirError(f"processor directory {path}: {e}") from e
+    processor.chat_source = source
+    return processor

@@ -9,7 +9,20 @@ Forward: point-to-point, non-blocking sends; each vision rank sends each text ra
 needs (only the pairs that exchange rows communicate; a rank's rows to itself are copied), the
 text rank re-orders them. Every TP rank of a text replica receives the rows (replicated over TP).
 The sends are waited for at the end of the step (`InFlight`), so under the pipelined schedule a
-vision rank goes on to its next phase without waiting for the text rank to take the features.
+vision rank goes on to its next phase without waiting for the text rank to take the features
+(after the pair's first exchange, which creates its NCCL communicator with both ranks).
+
+Point-to-point ordering (what makes it safe under NCCL, `exchange_order`): NCCL runs the
+``isend``/``irecv`` of a pair of ranks on one two-rank communicator and one stream, in posting
+order, and creates that communicator at the pair's first operation, blocking until both ranks
+reach it. So every rank posts its messages peer by peer, peers in ascending rank order; within
+a pair the lower rank sends first and receives second, the higher rank receives first and sends
+second. Each pair's k-th operations are then a send and its matching receive, and the blocking
+points (communicator creation, a wait) cannot form a cycle: a rank waiting on peer p means p is
+still busy with a peer below this rank, and such a chain of ever lower ranks cannot close. It
+holds for any plan, for both placements and both schedules: every rank walks the same phases
+(`ray_dhp.step.schedule`) and each phase is one exchange. The CPU test suite checks it under
+NCCL's semantics (``tests/nccl_twin.py``).
 
 Backward (the exact adjoint): under tensor parallelism every TP rank of a replica ends with the
 *full* gradient of the replicated features (DTensor all-reduces it at the first column-parallel
@@ -117,26 +130,33 @@ class InFlight:
         self._works.clear()
 
 
+def exchange_order(rank: int, sends: dict, recv_rows: dict) -> list:
+    """The point-to-point rule (see the module docstring): ``[(kind, peer)]`` in posting order,
+    peers ascending; with a lower peer I receive first, with a higher peer I send first."""
+    order = []
+    for peer in sorted((set(sends) | set(recv_rows)) - {rank}):
+        pair = [("send", peer)] if peer in sends else []
+        if peer in recv_rows:
+            pair = pair + [("recv", peer)] if peer > rank else [("recv", peer)] + pair
+        order += pair
+    return order
+
+
 def _exchange(sends: dict, recv_rows: dict, dim: int, like: torch.Tensor, rank: int, group,
               inflight: Optional[InFlight], comm: Optional[CommCounter], tag: str) -> dict:
-    """Point-to-point: post every receive, then every send (non-blocking), wait for the receives
-    only. ``sends``: peer -> rows to send; ``recv_rows``: peer -> rows to receive. Messages to
-    oneself are copied. Every pair of ranks posts its messages in the same (schedule) order, so
-    they match in order. Returns peer -> received rows."""
-    got, recvs = {}, []
-    for src, n in recv_rows.items():
-        if src == rank:
-            got[src] = sends[rank]
+    """Point-to-point in `exchange_order` (non-blocking), then wait for the receives only.
+    ``sends``: peer -> rows to send; ``recv_rows``: peer -> rows to receive. Messages to oneself
+    are copied. Returns peer -> received rows."""
+    got, recvs, sent = {}, [], 0
+    if rank in recv_rows:
+        got[rank] = sends[rank]
+    for kind, peer in exchange_order(rank, sends, recv_rows):
+        if kind == "recv":
+            got[peer] = like.new_empty(recv_rows[peer], dim)
+            recvs.append(dist.irecv(got[peer], src=peer, group=group))
             continue
-        buf = like.new_empty(n, dim)
-        recvs.append(dist.irecv(buf, src=src, group=group))
-        got[src] = buf
-    sent = 0
-    for dst, rows in sends.items():
-        if dst == rank:
-            continue
-        rows = rows.contiguous()
-        work = dist.isend(rows, dst=dst, group=group)
+        rows = sends[peer].contiguous()
+        work = dist.isend(rows, dst=peer, group=group)
         sent += rows.numel() * rows.element_size()
         if inflight is not None:
             inflight.add(work, rows)

@@ -22,9 +22,6 @@ and with vision ZeRO-1 the 12 master + moment bytes of a ViT parameter live on o
 Checkpoints store the masters (``model.<name>`` in fp32), so resuming is exact. ``bf16`` (no
 masters) halves the state but loses updates smaller than a bf16 ulp of the weight; it is the
 cheapest and the least accurate.
-
-The existing ``autocast_dtype`` key maps onto the policy: ``autocast_dtype="bfloat16"`` alone
-means ``bf16_autocast``; combining it with another policy is an error.
 """
 
 from __future__ import annotations
@@ -99,28 +96,13 @@ POLICIES = {
 }
 
 
-def policy_name(precision: Optional[str], autocast_dtype: Optional[str]) -> str:
-    """The policy named by ``precision`` and the legacy ``autocast_dtype`` key together.
-
-    Raises ValueError on an unknown name or a contradiction (``autocast_dtype="bfloat16"`` is
-    ``bf16_autocast``; with any other policy it means nothing and is refused).
-    """
-    if precision is not None and precision not in POLICIES:
-        raise ValueError(f"precision must be one of {POLICY_NAMES}, got {precision!r}")
-    if autocast_dtype not in (None, "bfloat16"):
-        raise ValueError("autocast_dtype must be None or 'bfloat16'")
-    if precision is None:
-        return "bf16_autocast" if autocast_dtype == "bfloat16" else "fp32"
-    if autocast_dtype == "bfloat16" and precision != "bf16_autocast":
-        raise ValueError(f"autocast_dtype='bfloat16' contradicts precision={precision!r}: "
-                         "autocast_dtype='bfloat16' is the bf16_autocast policy; drop "
-                         "autocast_dtype and keep precision")
-    return precision
-
-
 def policy_of(cfg) -> PrecisionPolicy:
-    """The `PrecisionPolicy` of a `TrainLoopConfig` (or anything with the two keys)."""
-    return POLICIES[policy_name(getattr(cfg, "precision", None), getattr(cfg, "autocast_dtype", None))]
+    """The `PrecisionPolicy` of a `TrainLoopConfig` (or anything with a ``precision`` key; None:
+    fp32)."""
+    name = getattr(cfg, "precision", None) or "fp32"
+    if name not in POLICIES:
+        raise ValueError(f"precision must be one of {POLICY_NAMES}, got {name!r}")
+    return POLICIES[name]
 
 
 def weight_dtype(policy: PrecisionPolicy, dtype: Optional[torch.dtype] = None) -> torch.dtype:

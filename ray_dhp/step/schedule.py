@@ -9,7 +9,9 @@ A schedule is the order of four phases per micro-batch ``k``:
 * ``return_grads``  text ranks send the feature gradients back (the exact adjoint), vision ranks
                     receive them, then run the vision backward of k
 
-Every rank walks the same order, so the boundary messages of each pair of ranks match in order. Results do not
+Every rank walks the same order and each boundary phase is one exchange posted by the rule of
+`ray_dhp.parallel.boundary.exchange_order`, so the messages of each pair of ranks match in order,
+also under NCCL (a pair's k-th operations are a send and its receive). Results do not
 depend on the schedule (gradients accumulate per micro-batch in the same order); only timing does.
 
 ``sequential``: V0 S0 T0 R0 V1 S1 T1 R1 ... — in a disjoint placement each group idles while the

@@ -58,8 +58,8 @@ def build_engine(config: Union[TrainLoopConfig, dict], ctx=None, *, comm=None):
 
 def build_processor(ctx=None, config: Union[TrainLoopConfig, dict, None] = None):
     """The run's `VLProcessor`: ``dhp_config.processor``, else the model directory's; with
-    ``config``, its ``system_prompt`` and ``min_pixels``/``max_pixels`` applied (rank 0 warns
-    once when the processor has no chat template and ray_dhp's own Qwen format renders)."""
+    ``config``, its ``system_prompt`` and ``min_pixels``/``max_pixels`` applied (the driver says
+    when the processor has no chat template: `ray_dhp.data.compat.processor_notes`)."""
     from ray_dhp.data.processing import as_vl_processor
 
     ctx = _ctx(ctx)
@@ -71,12 +71,10 @@ def build_processor(ctx=None, config: Union[TrainLoopConfig, dict, None] = None)
     system = cfg.system_prompt if cfg.system_prompt is not None else processor.system_prompt
     processor = processor.configured(system_prompt=system, min_pixels=cfg.min_pixels,
                                      max_pixels=cfg.max_pixels)
-    if ctx.rank == 0 and processor.uses_chat_template:
-        logger.debug("prompts: the processor's chat template (system prompt: %s)",
+    if ctx.rank == 0:
+        logger.debug("prompts: %s (system prompt: %s)", "the processor's chat template"
+                     if processor.uses_chat_template else "ray_dhp's own Qwen format",
                      "the template's default" if system is None else repr(system))
-    elif ctx.rank == 0:
-        logger.warning("prompts: the processor has no chat template; rendering ray_dhp's own "
-                       "Qwen chat format (no default system prompt)")
     return processor
 
 

@@ -96,10 +96,7 @@ class TrainLoopConfig:
             autocast), "bf16_mixed" (bf16 weights and grads, fp32 master weights and AdamW
             moments that the optimizer steps; 16 B/param, half-size weights, grads and
             activations; checkpoints hold the masters) or "bf16" (bf16 weights, grads and
-            moments, no masters: 8 B/param). None: from autocast_dtype ("fp32", or
-            "bf16_autocast" with autocast_dtype="bfloat16").
-        autocast_dtype: None or "bfloat16" (= precision "bf16_autocast"; kept for older run
-            files; contradicting precision is an error).
+            moments, no masters: 8 B/param).
         tf32: TF32 for fp32 matmuls and convolutions on CUDA (`ray_dhp.step.gpu`; ignored on
             CPU). Matters for the fp32 and bf16_autocast policies' fp32 matmuls.
         activation_checkpointing: recompute transformer blocks in backward.
@@ -161,8 +158,7 @@ class TrainLoopConfig:
     eval_every: int = checked(0, ge=0)
     eval_batch_size: Optional[int] = checked(None, ge=1)
     resume_from: Optional[str] = None
-    precision: Optional[str] = checked(None, choices=(None,) + POLICY_NAMES)
-    autocast_dtype: Optional[str] = checked(None, choices=(None, "bfloat16"))
+    precision: str = checked("fp32", choices=POLICY_NAMES)
     tf32: bool = True
     activation_checkpointing: bool = False
     vision_zero1: bool = True
@@ -203,10 +199,6 @@ class TrainLoopConfig:
             ("{micro_batch_tokens}: set {micro_batches}=1 (the default) with it: the token budget "
              "decides how many micro-batches a step has.",
              self.micro_batch_tokens is None or self.micro_batches == 1),
-            ("{autocast_dtype}='bfloat16' contradicts {precision}=" + repr(self.precision)
-             + ": autocast_dtype='bfloat16' is the bf16_autocast policy; drop autocast_dtype "
-             "and keep precision.",
-             self.autocast_dtype is None or self.precision in (None, "bf16_autocast")),
             (f"{{min_pixels}}={self.min_pixels} > {{max_pixels}}={self.max_pixels}: the image "
              "area range is empty; lower min_pixels or raise max_pixels.",
              None in (self.min_pixels, self.max_pixels) or self.min_pixels <= self.max_pixels),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import os
 from typing import Any, Callable, Optional
 
@@ -10,6 +12,9 @@ from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 from ray_dhp.train.cluster import DEFAULT_PLACEMENT_TIMEOUT_S, PlacementTimeoutError
 from ray_dhp.layout import DHPConfig
 from ray_dhp.train.loop_config import TrainLoopConfig, loop_key
+
+
+logger = logging.getLogger(__name__)
 
 
 class DisaggregatedTrainer(DataParallelTrainer):
@@ -100,6 +105,10 @@ class DisaggregatedTrainer(DataParallelTrainer):
             if dhp_config.processor is None and not isinstance(dhp_config.model, str):
                 raise ValueError("the built-in loop needs DHPConfig(processor=...) when the model "
                                  "is a config object (with a model directory it is loaded from there).")
+            from ray_dhp.data.compat import check_run_processor
+
+            for note in check_run_processor(dhp_config):  # it fits the model; said once, here
+                logger.warning(note)
             from ray_dhp.train.callbacks import MetricsHistory
             from ray_dhp.train.tracking import TensorBoardLogger
 
@@ -126,6 +135,14 @@ class DisaggregatedTrainer(DataParallelTrainer):
         )
         self._dhp_config = dhp_config
         self._placement_timeout_s = placement_timeout_s
+
+    def _create_default_callbacks(self):
+        """Ray Train's callbacks, its placement-group cleaner asking this cluster's state API
+        (`ray_dhp.train.pg_cleaner`: no "multiple active Ray instances" or GCS-timeout
+        tracebacks beside another Ray on the machine)."""
+        from ray_dhp.train.pg_cleaner import with_cluster_cleaner
+
+        return with_cluster_cleaner(super()._create_default_callbacks())
 
     def fit(self):
         """Check the cluster (`ray_dhp.train.cluster.preflight`), then run as ``DataParallelTrainer.fit``;

@@ -1,5 +1,7 @@
 """The module boundary's sends do not block: a vision rank posts its features and goes on before
-the text rank asks for them (what lets the pipelined schedule overlap the two groups)."""
+the text rank asks for them (what lets the pipelined schedule overlap the two groups). Once the
+pair's first exchange has created its communicator: NCCL creates it at the pair's first
+operation, both ranks together (the NCCL twin, tests/nccl_twin.py, blocks there as NCCL does)."""
 
 import os
 import time
@@ -19,6 +21,10 @@ def _body(rank, world, flag):
     plan = bnd.plan_boundary(topo, rank, held, needed)
     inflight = bnd.InFlight()
     feats = torch.arange(6 * 4, dtype=torch.float64).view(6, 4)
+    cpu = torch.device("cpu")
+    warm = bnd.features_forward(plan, feats if rank == 0 else None, 4, torch.float64, cpu)
+    bnd.features_backward(plan, warm if rank == 1 else None, 6 if rank == 0 else 0, 4,
+                          torch.float64, cpu)  # the pair's communicator exists from here on
     if rank == 0:
         out = bnd.features_forward(plan, feats, 4, torch.float64, torch.device("cpu"), inflight=inflight)
         assert out.shape == (0, 4)

@@ -82,6 +82,6 @@ def test_packed_bf16_autocast_tracks_fp32(padded_reference):
     same as padded bf16."""
     steps, _ = padded_reference("qwen2_5_vl")
     ref = run_reference("qwen2_5_vl", CFG, steps)
-    got = run_engine("qwen2_5_vl", TP2, replace(CFG, packing=True, autocast_dtype="bfloat16"), steps)
+    got = run_engine("qwen2_5_vl", TP2, replace(CFG, packing=True, precision="bf16_autocast"), steps)
     for g, r in zip(got["history"], ref["history"]):
         assert abs(g["loss"] - r["loss"]) <= 1e-3 * r["loss"], (g["loss"], r["loss"])

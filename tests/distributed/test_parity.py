@@ -199,7 +199,7 @@ def test_bf16_autocast_tracks_fp32(fp32_reference):
 
     cfg, steps, ref = fp32_reference
     got = run_engine("qwen2_5_vl", _layout("collocated", (2, 1), (2, 1)),
-                     replace(cfg, autocast_dtype="bfloat16"), steps)
+                     replace(cfg, precision="bf16_autocast"), steps)
     for g, r in zip(got["history"], ref["history"]):
         assert abs(g["loss"] - r["loss"]) <= 1e-2 * r["loss"], (g["loss"], r["loss"])
 

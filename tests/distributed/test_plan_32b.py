@@ -68,7 +68,7 @@ def test_32b_tp8_rank_state_matches_plan():
 
     measured = run_on_ranks(_meta_rank0_body, 1, args=(EXAMPLE, POLICIES_CHECKED))[0]
     for precision in POLICIES_CHECKED:
-        rf = load_run_file(EXAMPLE, [f"optim.precision={precision}", "optim.autocast_dtype=null"])
+        rf = load_run_file(EXAMPLE, [f"optim.precision={precision}"])
         dhp = rf.dhp_config()
         want = rank_state(count_params(dhp.model_config()), dhp.topology(), 0,
                           POLICIES[precision], vision_zero1=rf.optim.vision_zero1)

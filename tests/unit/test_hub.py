@@ -16,7 +16,8 @@ REV = "0123456789abcdef0123456789abcdef01234567"
 @pytest.fixture
 def hub_cache(tmp_path, monkeypatch):
     """An HF_HUB_CACHE holding REPO in the standard layout (models--org--name, refs/main,
-    snapshots/<rev>/) with a tiny Qwen2.5-VL (config and weights: the driver checks them)."""
+    snapshots/<rev>/) with a tiny Qwen2.5-VL (config, weights and processor: the driver checks
+    them)."""
     cache = tmp_path / "hub"
     repo = cache / ("models--" + REPO.replace("/", "--"))
     snap = repo / "snapshots" / REV
@@ -27,6 +28,7 @@ def hub_cache(tmp_path, monkeypatch):
 
     config = demo.tiny_model_config("qwen2_5_vl")
     transformers.Qwen2_5_VLForConditionalGeneration._from_config(config).save_pretrained(snap)
+    demo.tiny_processor("qwen2_5_vl").save_pretrained(snap)
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)

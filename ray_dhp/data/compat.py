@@ -1,0 +1,133 @@
+"""Does the processor fit the model? Checked in the driver, before any worker starts.
+
+A processor from another model trains nothing useful and fails late (a shape error in the ViT, a
+flood of bad samples, a missing special token), so `check_processor_fits` compares, naming the
+file and field of each side:
+
+* the image processor is there (``preprocessor_config.json``) when the model has a vision tower,
+  and its ``patch_size``, ``temporal_patch_size`` and ``merge_size`` equal the vision config's
+  ``patch_size``, ``temporal_patch_size`` and ``spatial_merge_size``;
+* the tokenizer's ids of ``<|image_pad|>``, ``<|video_pad|>``, ``<|vision_start|>`` and
+  ``<|vision_end|>`` equal the config's ``image_token_id``, ``video_token_id``,
+  ``vision_start_token_id``, ``vision_end_token_id``;
+* every token id the tokenizer can produce is a row of the embedding (``vocab_size``);
+* the special tokens the chat template writes (``<|...|>``) are tokens of the tokenizer.
+
+`check_run_processor` is what ``ray-dhp plan``/``config``/``train`` and `DisaggregatedTrainer`
+call (one load per directory and process); it returns the notes the driver prints before
+training (no chat template: ray_dhp's own Qwen format renders the prompts).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Optional
+
+from ray_dhp.checks import ConfigError
+
+__all__ = ["check_processor_fits", "check_run_processor", "processor_notes"]
+
+_GEOMETRY = (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
+             ("merge_size", "spatial_merge_size"))
+_TOKENS = (("image_pad", "<|image_pad|>", "image_token_id"),
+           ("video_pad", "<|video_pad|>", "video_token_id"),
+           ("vision_start", "<|vision_start|>", "vision_start_token_id"),
+           ("vision_end", "<|vision_end|>", "vision_end_token_id"))
+_CACHE: dict = {}
+
+
+def _config_value(config, name):
+    """``(value, field)`` of a token-id / vocab field: top level, else the text sub-config."""
+    if getattr(config, name, None) is not None:
+        return getattr(config, name), name
+    text = getattr(config, "text_config", None)
+    if getattr(text, name, None) is not None:
+        return getattr(text, name), f"text_config.{name}"
+    return None, name
+
+
+def check_processor_fits(processor, config, *, processor_at: str, model_at: str) -> None:
+    """ConfigError naming both sides' file and field for the first way ``processor`` (a
+    `VLProcessor`) does not fit the model ``config``. ``processor_at`` / ``model_at`` say where
+    each comes from (e.g. ``"processor.path=/models/x"``, ``"model.path=/models/y"``)."""
+    model_file = f"{model_at} (config.json)"
+    vision = getattr(config, "vision_config", None)
+    ip = processor.image_processor
+    if vision is not None and ip is None:
+        raise ConfigError(f"{processor_at}: no image processor (preprocessor_config.json is "
+                          f"missing) but the model of {model_file} has a vision tower; copy the "
+                          "model's preprocessor_config.json there.")
+    for ours, theirs in _GEOMETRY if vision is not None else ():
+        got, want = getattr(ip, ours, None), getattr(vision, theirs, None)
+        if got is not None and want is not None and got != want:
+            raise ConfigError(f"{processor_at}: preprocessor_config.json {ours}={got} but "
+                              f"{model_file} vision_config.{theirs}={want}; the processor belongs "
+                              "to another model.")
+    tok = processor.tokenizer
+    for key, token, field in _TOKENS:
+        want, where = _config_value(config, field)
+        got = processor.ids[key]
+        if want is not None and got != want:
+            raise ConfigError(f"{processor_at}: the tokenizer gives {token} the id {got} but "
+                              f"{model_file} {where}={want}; the tokenizer belongs to another "
+                              "model.")
+    vocab, where = _config_value(config, "vocab_size")
+    if vocab is not None and len(tok) > vocab:
+        raise ConfigError(f"{processor_at}: the tokenizer has {len(tok)} tokens (ids up to "
+                          f"{len(tok) - 1}) but {model_file} {where}={vocab} embedding rows; the "
+                          "tokenizer belongs to another model.")
+    template = processor.renderer.chat_template
+    for token in sorted(set(re.findall(r"<\|[A-Za-z0-9_]+\|>", template or ""))):
+        tid = tok.convert_tokens_to_ids(token)
+        if tid is None or tid == tok.unk_token_id:
+            source = os.path.basename(processor.chat_source or "") or "the chat template"
+            raise ConfigError(f"{processor_at}: the chat template ({source}) writes {token}, "
+                              "which is not a token of the tokenizer.")
+
+
+def processor_notes(processor, processor_at: str) -> list:
+    """What the driver says before training about the prompts: no chat template."""
+    if processor.uses_chat_template:
+        return []
+    return [f"ray_dhp: {processor_at} has no chat template (none of chat_template.jinja, "
+            "chat_template.json, processor_config.json or tokenizer_config.json holds one); the "
+            "prompts are rendered in ray_dhp's own Qwen format, without a default system prompt."]
+
+
+def _fingerprint(path: str) -> tuple:
+    try:
+        return tuple(sorted((e.name, e.stat().st_mtime_ns, e.stat().st_size)
+                            for e in os.scandir(path) if e.is_file()))
+    except OSError:
+        return ()
+
+
+def check_run_processor(dhp_config, *, processor_key: str = "DHPConfig(processor=...)",
+                        model_key: str = "DHPConfig(model=...)") -> list:
+    """Load the run's processor in the driver (``dhp_config.processor``, else the model
+    directory's; nothing to check for a model given as a config without a processor) and
+    `check_processor_fits` it against the model; returns `processor_notes`. Each directory is
+    loaded once per process (while its files are unchanged)."""
+    from ray_dhp.data.processing import VLProcessor, as_vl_processor
+    from ray_dhp.data.processor_dir import ProcessorDirError
+
+    spec = dhp_config.processor
+    if spec is None and isinstance(dhp_config.model, str) and os.path.isdir(dhp_config.model):
+        spec, processor_key = dhp_config.model, f"{model_key} (its processor)"
+    if spec is None:
+        return []
+    at = f"{processor_key}={spec}" if isinstance(spec, str) else processor_key
+    model_at = (f"{model_key}={dhp_config.model}" if isinstance(dhp_config.model, str)
+                else model_key)
+    key = (spec, _fingerprint(spec)) if isinstance(spec, str) else None
+    try:
+        processor = _CACHE[key] if key in _CACHE else as_vl_processor(spec)
+    except (ProcessorDirError, ValueError) as e:
+        raise ConfigError(f"{at}: {e}") from None
+    if key is not None:
+        _CACHE[key] = processor
+    if isinstance(processor, VLProcessor):
+        check_processor_fits(processor, dhp_config.model_config(), processor_at=at,
+                             model_at=model_at)
+    return processor_notes(processor, at)
