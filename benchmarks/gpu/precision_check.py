@@ -59,6 +59,7 @@ def _body(rank, world, policy, tiny, patches, batch):
     from benchmarks import shapes
     from ray_dhp.step.engine import DHPEngine
     from ray_dhp.planning.memory import count_params, rank_state
+    from ray_dhp.planning.step_peak import step_peak
     from ray_dhp.step.mesh import build_groups
     from ray_dhp.parallel.devcheck import CollectiveDeviceCheck
     from ray_dhp.step.precision import POLICIES
@@ -88,12 +89,16 @@ def _body(rank, world, policy, tiny, patches, batch):
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)
     plan = rank_state(count_params(config), topo, 0, POLICIES[policy])
+    # the optimizer phase's model-state peak (`ray_dhp.planning.step_peak`): fused AdamW on CUDA
+    peak_plan = step_peak(plan, POLICIES[policy], count_params(config).largest,
+                          fused_adamw=device.type == "cuda")
     return {
         "policy": policy, "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "params": plan.params, "largest_tensor_elems": count_params(config).largest,
         "plan": {"weights": plan.weights, "grads": plan.grads, "masters": plan.masters,
-                 "optimizer": plan.optimizer, "state": plan.total, "startup_peak": plan.startup_peak},
+                 "optimizer": plan.optimizer, "state": plan.total, "startup_peak": plan.startup_peak,
+                 "step_peak_state": peak_plan},
         "measured": {**engine.state_bytes(), "startup_peak": startup_peak,
                      "step_peak": _peak_bytes(device)},
         "peak_kind": "cuda max_memory_allocated" if device.type == "cuda" else "process peak RSS",
@@ -130,7 +135,8 @@ def main(argv=None) -> list:
         print(f"[precision_check] {policy} on {r['device_name']}: state measured "
               f"{m['total'] / 2**30:.3f} GiB vs plan {pl['state'] / 2**30:.3f} GiB; start-up peak "
               f"{m['startup_peak'] / 2**30:.3f} GiB (plan {pl['startup_peak'] / 2**30:.3f}); step peak "
-              f"{m['step_peak'] / 2**30:.3f} GiB; losses {r['losses']}; "
+              f"{m['step_peak'] / 2**30:.3f} GiB (plan: state peak {pl['step_peak_state'] / 2**30:.3f} "
+              f"GiB + activations); losses {r['losses']}; "
               f"{r['checked_collectives']} collectives checked", flush=True)
     tag = "cpu-tiny" if a.device == "cpu" else results[0]["device_name"].replace(" ", "_")
     os.makedirs(a.out, exist_ok=True)

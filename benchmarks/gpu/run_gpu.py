@@ -1,27 +1,35 @@
-"""The GPU benchmark: the same sections as ``benchmarks.run``, sized for one lent machine.
+"""The GPU script: one call on a lent machine (one H200, torch 2.11, no ray, no deepspeed, no
+network; ``python3``), < 8 minutes. In order:
 
-On CUDA: NCCL, one rank per GPU (a single GPU gives a 1-rank run: every contender degenerates
-to its unsharded form, which still measures the implementations' overheads, CUDA peak memory
-and the memory model in bf16; the comparisons need >= 2 GPUs), the 4x wider ``vitheavy-wide``
-shape, bf16 autocast, lengths up to 16k patches per image. It first runs
-`benchmarks.gpu.precision_check` (the engine on an NCCL-only group under the bf16_mixed policy at
-the 7B text width: CUDA peak memory vs `ray-dhp plan`). ``--device cpu --tiny`` dry-runs the
-same code paths on gloo into a temporary folder.
+1. versions, and the transformers contract (`ray_dhp.models.contract`: the image's 5.17 lacks
+   ``mm_encoder_outputs``; carry transformers 5.24 as a wheel, benchmarks/gpu/README.md);
+2. `benchmarks.gpu.precision_check`: the engine on an NCCL-only group under ``bf16_mixed`` at the
+   7B text width, every collective device-checked, measured bytes and CUDA peak vs `ray-dhp plan`;
+3. `benchmarks.gpu.step_bench`: single-GPU step time, tokens/s and MFU of the demo-width and
+   7B-width shapes under ``bf16_mixed``, and the attention kernels that ran in the ViT and the LLM;
+4. only with ``--contenders`` (needs deepspeed for zero3; >= 2 GPUs for the comparisons): the
+   contenders of `benchmarks.run`.
+
+Results go to benchmarks/results/ and, when ``$OUT`` is set (the device tool), to ``$OUT`` too.
+``--device cpu --tiny`` is the dry run of the same code (the default test suite runs it).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import os
+import shutil
 import sys
 import tempfile
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 
-def args_for(device: str, tiny: bool, gpus: int) -> list:
+def contender_args(device: str, tiny: bool, gpus: int) -> list:
     if device == "cpu":
         return ["--ranks", "2", "--backend", "gloo", "--autocast", "bfloat16", "--contenders",
                 "dhp,dhp-disjoint,tp,fsdp2,zero3", "--skip-ray", "--tiny",
@@ -35,15 +43,33 @@ def args_for(device: str, tiny: bool, gpus: int) -> list:
             "--sp-length", "16384", "--skip-ray"]
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__)
+def check_versions() -> dict:
+    """The versions in use; exits early (naming the fix) if transformers lacks the seam."""
+    import transformers
+
+    from benchmarks.gpu.step_bench import versions
+    from ray_dhp.models import FAMILIES
+    from ray_dhp.models.contract import TransformersContractError, check_transformers
+
+    v = versions()
+    print(f"[run_gpu] versions: {v}", flush=True)
+    try:
+        check_transformers(FAMILIES["qwen2_5_vl"])
+    except TransformersContractError as e:
+        sys.exit(f"[run_gpu] {e}\n[run_gpu] transformers is {transformers.__file__}: carry the "
+                 "wheel as benchmarks/gpu/README.md says")
+    return v
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--tiny", action="store_true")
-    p.add_argument("--skip-precision", action="store_true", help="skip the first part: the "
-                   "engine on NCCL with the bf16_mixed policy at the 7B text width "
-                   "(benchmarks/gpu/precision_check.py)")
-    p.add_argument("--only-precision", action="store_true", help="run the first part only")
+    p.add_argument("--out", default=None, help="results folder (default benchmarks/results; "
+                   "the CPU dry run: a temporary folder)")
+    p.add_argument("--contenders", action="store_true", help="also run benchmarks.run's contenders")
     a, rest = p.parse_known_args(argv)
+    t0 = time.perf_counter()
     gpus = 0
     if a.device == "cuda":
         import torch
@@ -51,18 +77,26 @@ def main(argv=None):
         if not torch.cuda.is_available():
             sys.exit("run_gpu: no CUDA device visible; use --device cpu --tiny for a dry run")
         gpus = torch.cuda.device_count()
-    if not a.skip_precision:  # first: NCCL-only group, real width, peak memory vs the plan
-        from benchmarks.gpu import precision_check
+    tiny = a.tiny or a.device == "cpu"
+    out = a.out or (os.path.join(tempfile.gettempdir(), "dhp_gpu_dry_run") if a.device == "cpu"
+                    else os.path.join(REPO, "benchmarks", "results"))
+    report = {"versions": check_versions()}
+    from benchmarks.gpu import precision_check, step_bench
 
-        pargs = ["--device", a.device] + (["--tiny"] if a.tiny or a.device == "cpu" else [])
-        if a.device == "cpu":
-            pargs += ["--out", os.path.join(tempfile.gettempdir(), "dhp_gpu_dry_run")]
-        precision_check.main(pargs)
-        if a.only_precision:
-            return None
-    from benchmarks import run
+    small = ["--tiny", "--patches", "64", "--batch", "1"] if tiny else []
+    report["precision"] = precision_check.main(["--device", a.device, "--out", out] + small)
+    report["steps"] = step_bench.main(["--device", a.device, "--out", out]
+                                      + (["--tiny", "--steps", "1"] if tiny else []))
+    if a.contenders:
+        from benchmarks import run
 
-    return run.main(args_for(a.device, a.tiny, gpus) + rest)
+        report["contenders"] = run.main(contender_args(a.device, tiny, gpus) + rest)
+    if os.environ.get("OUT"):  # the device tool brings $OUT back
+        for path in glob.glob(os.path.join(out, "*-" + time.strftime("%Y-%m-%d") + ".json")):
+            shutil.copy(path, os.environ["OUT"])
+    report["wall_s"] = time.perf_counter() - t0
+    print(f"[run_gpu] done in {report['wall_s']:.0f} s; results in {out}", flush=True)
+    return report
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ray_dhp.planning.memory import (GIB, ActivationSettings, count_params, estimate_ranks,
                                      estimate_zero3, rank_state)
+from ray_dhp.planning.step_peak import rank_step_peak
 
 
 def _gib(b: float) -> str:
@@ -92,8 +93,10 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
         "per-rank model state (held by the rank; masters and AdamW moments only for what it "
         f"updates{', the ViT split by vision ZeRO-1' if zero1 else ''}); start-up peak = weights "
         "+ masters + one full fp32 tensor (the largest, "
-        f"{_num(counts.largest)} elements) while the engine is built; checkpoint staging = host "
-        "memory for one copy of the checkpoint state (checkpoint.async_save):",
+        f"{_num(counts.largest)} elements) while the engine is built; step peak = state + the "
+        "all-reduce bucket or the fp32 master gradients of one chunk (ray_dhp.planning.step_peak); "
+        "checkpoint staging = host memory for one copy of the checkpoint state "
+        "(checkpoint.async_save):",
     ]
     for r in range(topo.world_size):
         roles = topo.roles(r)
@@ -103,7 +106,9 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
         out.append(f"  rank {r} [{'+'.join(roles)}]: vision {_num(v)} + text {_num(t)} params; "
                    f"weights {_gib(st.weights)}, grads {_gib(st.grads)}, masters "
                    f"{_gib(st.masters)}, AdamW {_gib(st.optimizer)} = state {_gib(st.total)}; "
-                   f"start-up peak {_gib(st.startup_peak)}; host: checkpoint staging "
+                   f"start-up peak {_gib(st.startup_peak)}; step peak "
+                   f"{_gib(rank_step_peak(st, policy, counts, topo, r, config.text_config))}; "
+                   f"host: checkpoint staging "
                    f"{_gib(st.staging) if rf.checkpoint.async_save else '0 (async_save off)'}")
     out += ["", f"activation estimate: {samples} sample(s) per replica per micro-batch, "
                 f"{text_tokens} text tokens per sample, {settings.dtype_bytes}-byte activations, "

@@ -242,7 +242,9 @@ def vision_forward(family: str, visual: torch.nn.Module, pixel_values: torch.Ten
             cu, block_ctx = plan.cu_seqlens, ctx
         else:
             cu, block_ctx = plan.local_cu_window_seqlens[sp_rank], None
-        hidden = blk(hidden, cu_seqlens=cu.to(hidden.device), position_embeddings=rotary, ulysses=block_ctx)
+        # cu_seqlens stay on the host: the attention reads the segment lengths from them (no
+        # device-to-host sync per block); the flash kernel takes its own device copy
+        hidden = blk(hidden, cu_seqlens=cu, position_embeddings=rotary, ulysses=block_ctx)
         if i in ds_index:
             merger = visual.deepstack_merger_list[ds_index.index(i)]
             deepstack.append(_nonempty(merger, hidden, pad_rows=plan.merge_unit))

@@ -57,10 +57,13 @@ def all_reduce_grads(params: list, group, comm: Optional[CommCounter], tag: str,
             bucket.append(g)
             size += g.numel() * g.element_size()
             continue
-        if bucket:
-            flat = torch.cat([b.reshape(-1) for b in bucket])
-            if reduce_dtype is not None and flat.dtype != reduce_dtype:
-                flat = flat.to(reduce_dtype)
+        if bucket:  # one flat buffer, made directly in the reduce dtype (no second copy)
+            flat = torch.empty(sum(b.numel() for b in bucket), dtype=reduce_dtype or bucket[0].dtype,
+                               device=bucket[0].device)
+            off = 0
+            for b in bucket:
+                flat[off:off + b.numel()].copy_(b.reshape(-1))
+                off += b.numel()
             record(comm, "all_reduce", tag, flat)
             dist.all_reduce(flat, group=group)
             off = 0
@@ -75,21 +78,39 @@ def squared_norm(params: list, tp_group=None, device=None) -> torch.Tensor:
     all-reduce is valid under NCCL), each parameter counted once across TP ranks.
 
     TP-sharded gradients contribute their local shard (summed over the TP group); replicated
-    gradients (identical on every TP rank) are counted once, from this rank.
+    gradients (identical on every TP rank) are counted once, from this rank. No gradient is
+    copied whole (`sum_of_squares`).
     """
     if device is None:
         device = local(params[0].grad).device if params else torch.device("cpu")
     sharded = torch.zeros((), dtype=torch.float64, device=device)
     replicated = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
-        g = local(p.grad).detach().to(device, torch.float64)
+        sq = sum_of_squares(local(p.grad).detach()).to(device)
         if is_sharded(p.grad):
-            sharded += g.pow(2).sum()
+            sharded += sq
         else:
-            replicated += g.pow(2).sum()
+            replicated += sq
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         dist.all_reduce(sharded, group=tp_group)
     return sharded + replicated
+
+
+_NORM_SLICE = 1 << 22  # elements upcast at a time by `sum_of_squares` (16 MiB in fp32)
+
+
+def sum_of_squares(g: torch.Tensor) -> torch.Tensor:
+    """``sum(g**2)`` as an fp64 scalar on ``g``'s device, without an fp64 (or fp32) copy of the
+    whole of ``g``: slices of `_NORM_SLICE` elements are reduced with ``vector_norm`` accumulating in
+    fp32 (fp64 for fp64 gradients; a fused upcast on CUDA, a slice-sized one on CPU) and their
+    squares summed in fp64. The fp32 accumulation of a bf16 gradient rounds far below the bf16
+    gradient's own rounding; fp64 gradients (the exactness tests) stay in fp64 throughout."""
+    acc = torch.float64 if g.dtype == torch.float64 else torch.float32
+    flat = g.reshape(-1)
+    total = torch.zeros((), dtype=torch.float64, device=g.device)
+    for piece in flat.split(_NORM_SLICE):
+        total += torch.linalg.vector_norm(piece, dtype=acc).double().square()
+    return total
 
 
 def clip_coefficient(total_norm: float, max_norm: Optional[float]) -> float:
@@ -103,4 +124,5 @@ def scale_grads(params: list, coef: float) -> None:
     if coef == 1.0:
         return
     for p in params:
-        local(p.grad).mul_(coef)
+        if p.grad is not None:  # None: a parameter another rank updates (ZeRO-1), freed
+            local(p.grad).mul_(coef)

@@ -145,7 +145,7 @@ def _flash_varlen(attn, q, k, v, cu_seqlens: torch.Tensor, max_len: int) -> Opti
         from flash_attn import flash_attn_varlen_func
     except ImportError:
         return None
-    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    cu = cu_seqlens.to(dtype=torch.int32).to(q.device, non_blocking=True)
     return flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, softmax_scale=attn.scaling,
                                   dropout_p=attn.attention_dropout if attn.training else 0.0)
 

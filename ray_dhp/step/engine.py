@@ -33,7 +33,9 @@ from ray_dhp.step.microbatch import (  # noqa: F401  (re-exported: ray_dhp.step.
     MicroBatchLayout, PhaseTimer, _MicroBatch, count_targets, layout_micro_batch,
     shift_labels, upcast)
 from ray_dhp.models import family_of, load_model_config
+from ray_dhp.models.contract import check_features_consumed, check_transformers
 from ray_dhp.models.loading import build_meta_model, materialize, module_prefix
+from ray_dhp.step.gpu import apply_tf32, to_device
 from ray_dhp.step.optim import build_optimizer_for
 from ray_dhp.step.precision import policy_of, weight_dtype
 from ray_dhp.step.schedule import order_for
@@ -59,10 +61,12 @@ class DHPEngine(UpdateMixin):
         dtype = weight_dtype(self.policy, dtype)
         self.source_model = str(model) if isinstance(model, (str, os.PathLike)) else None
         self.groups, self.cfg, self.comm, self.dtype = groups, cfg, comm, dtype
+        apply_tf32(cfg.tf32, groups.device)
         self.schedule = schedule
         order_for(schedule, 1)  # validates the name
         self.config = load_model_config(model)
         self.family = family_of(self.config)
+        check_transformers(self.family)
         topo = groups.topology
         self.family.validate_layout(self.config, sp=topo.vision.inner, tp=topo.text.inner,
                                     text_sp=topo.text_sequence_parallel)
@@ -85,7 +89,7 @@ class DHPEngine(UpdateMixin):
             self.policy)
         self.feature_dim = self.family.feature_dim(self.config)
         self.step_count = 0
-        self._timer = PhaseTimer()
+        self._timer = PhaseTimer(groups.device)
         self._loss_fn, self._num_samples = None, 0  # set by forward_backward for its phases
 
     def _build_shards(self, model, dtype: torch.dtype, fill: bool = True) -> None:
@@ -153,7 +157,7 @@ class DHPEngine(UpdateMixin):
             grad_norm = self._reduce_and_clip()
             self._optimizer_step(dp.clip_coefficient(grad_norm, self.cfg.max_grad_norm))
         self.step_count += 1
-        times, self._timer = self._timer.as_metrics(), PhaseTimer()
+        times, self._timer = self._timer.as_metrics(), PhaseTimer(self.groups.device)
         return {"grad_norm": grad_norm, "lr": lr, **times}
 
     def evaluate(self, batches) -> dict:
@@ -204,6 +208,8 @@ class DHPEngine(UpdateMixin):
             sub = None if feats is None else feats.index_select(0, rows.to(feats.device))
             loss, _ = self._text_forward_backward([mb.samples[i] for i in grp], sub, n_targets)
             loss_sum = loss_sum + loss
+        if feats is not None and feats.shape[0] > 0:
+            check_features_consumed(feats, passed=True)
         return loss_sum, None if feats is None else feats.grad
 
     def _return_grads(self, mb: "_MicroBatch", n_targets: int) -> None:
@@ -233,7 +239,7 @@ class DHPEngine(UpdateMixin):
             raise RuntimeError("a sample this vision replica computes has no pixels here: the "
                                "loader routed them by another balance than the engine's (give "
                                "StepLoader the engine's balancer)")
-        pv = torch.cat([s.pixel_values for s in mine]).to(self.groups.device, self.dtype)
+        pv = to_device(torch.cat([s.pixel_values for s in mine]), self.groups.device).to(self.dtype)
         return vision_forward(self.family.name, self.visual, pv, plan, k, self.groups.vision_sp,
                               comm=self.comm)
 
@@ -310,11 +316,11 @@ class DHPEngine(UpdateMixin):
         grid, mask, pos = batch["image_grid_thw"], batch["attention_mask"], batch.get("position_ids")
         with self._autocast():
             out = self.text_model(
-                input_ids=batch["input_ids"].to(dev),
-                attention_mask=None if mask is None else mask.to(dev),
-                position_ids=None if pos is None else pos.to(dev),
-                mm_token_type_ids=batch["mm_token_type_ids"].to(dev),
-                image_grid_thw=None if grid is None else grid.to(dev),
+                input_ids=to_device(batch["input_ids"], dev),
+                attention_mask=None if mask is None else to_device(mask, dev),
+                position_ids=None if pos is None else to_device(pos, dev),
+                mm_token_type_ids=to_device(batch["mm_token_type_ids"], dev),
+                image_grid_thw=None if grid is None else to_device(grid, dev),
                 mm_encoder_outputs=enc, use_cache=False)
         return batch, enc, out.logits
 
@@ -325,6 +331,7 @@ class DHPEngine(UpdateMixin):
         inputs = LossInputs(upcast(logits), targets.to(dev), sample_ids_of(batch, samples).to(dev),
                             list(samples), n_targets, self._num_samples)
         value = backward_loss(self._loss_fn, inputs, self.groups.topology.text.inner > 1)
+        check_features_consumed(feats, passed=enc is not None)
         grad = feats.grad if enc is not None and feats.is_leaf else None
         return value, grad
 

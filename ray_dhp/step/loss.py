@@ -121,7 +121,8 @@ def sample_ids_of(batch: dict, samples) -> torch.Tensor:
 
 def backward_loss(loss_fn: Optional[LossFn], inputs: LossInputs, tensor_parallel: bool) -> torch.Tensor:
     """Call ``loss_fn`` (default `cross_entropy_loss`) under ``loss_parallel`` when the logits
-    are vocab-sharded, back-propagate its value, and return it as a detached fp64 CPU scalar."""
+    are vocab-sharded, back-propagate its value, and return it as a detached fp64 scalar on its
+    device (no host sync per micro-batch: the step reads the sum once)."""
     loss_fn = loss_fn or cross_entropy_loss
     ctx = contextlib.nullcontext()
     if tensor_parallel:
@@ -136,7 +137,7 @@ def backward_loss(loss_fn: Optional[LossFn], inputs: LossInputs, tensor_parallel
         if loss.requires_grad:  # not with a frozen LLM and a micro-batch without images
             loss.backward()
     value = loss.full_tensor() if _is_dtensor(loss) else loss
-    return value.detach().double().cpu().reshape(())
+    return value.detach().double().reshape(())
 
 
 class _SumOverRanks(torch.autograd.Function):

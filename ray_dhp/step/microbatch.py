@@ -120,17 +120,26 @@ class _MicroBatch:
 
 
 class PhaseTimer:
-    """Wall time per phase of a step (``time_<phase>_s`` metrics)."""
+    """Wall time per phase of a step (``time_<phase>_s`` metrics; each phase is also a
+    ``ray_dhp.<phase>`` range in profiler traces); on a CUDA ``device`` the
+    queued kernels are waited for at both edges of a phase (`ray_dhp.step.gpu.synchronize`), so
+    a phase's time is its kernels', not their launch."""
 
-    def __init__(self):
+    def __init__(self, device=None):
         self.totals: dict = {}
+        self.device = device
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
+        from ray_dhp.step.gpu import synchronize
+
+        synchronize(self.device)
         t0 = time.perf_counter()
         try:
-            yield
+            with torch.profiler.record_function(f"ray_dhp.{phase}"):  # named in profiler traces
+                yield
         finally:
+            synchronize(self.device)
             self.totals[phase] = self.totals.get(phase, 0.0) + time.perf_counter() - t0
 
     def as_metrics(self) -> dict:

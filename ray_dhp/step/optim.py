@@ -47,6 +47,22 @@ def lr_factor(step: int, cfg: TrainLoopConfig) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+# Devices whose AdamW is the fused kernel (one launch per step, no temporaries); elsewhere the
+# single-tensor loop (CPU: the numerics every test and the documented demo output were made with).
+FUSED_DEVICES = ("cuda",)
+
+
+def adamw_impl(params: list) -> dict:
+    """AdamW's implementation keywords for ``params``: on CUDA ``fused=True`` (``foreach=True``
+    for DTensor parameters, which torch's fused kernel refuses: its step counters are plain
+    tensors), ``foreach=False`` elsewhere."""
+    from torch.distributed.tensor import DTensor
+
+    if params[0].device.type not in FUSED_DEVICES:
+        return {"foreach": False}
+    return {"foreach": True} if any(isinstance(p, DTensor) for p in params) else {"fused": True}
+
+
 def build_optimizer(named_params, cfg: TrainLoopConfig, prefix: str = ""):
     """AdamW + LambdaLR for one module's parameters (None if it has none); per-module lr and
     weight decay from ``cfg.modules`` (`ray_dhp.step.tuning`), names taken as ``prefix + name``."""
@@ -57,7 +73,8 @@ def build_optimizer(named_params, cfg: TrainLoopConfig, prefix: str = ""):
                           None if tuning.default else tuning, prefix)
     if not groups:
         return None, None
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False)
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                            **adamw_impl([p for g in groups for p in g["params"]]))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     return opt, sched
 

@@ -32,6 +32,8 @@ from typing import Optional
 import torch
 
 POLICY_NAMES = ("fp32", "bf16_autocast", "bf16_mixed", "bf16")
+# fp32 master gradients made and stepped per chunk of about this many bytes (`MasterWeights.step`)
+CHUNK_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -155,10 +157,46 @@ class MasterWeights:
         return self.module.named_parameters()
 
     @torch.no_grad()
+    def step(self, opt, coef: float = 1.0, chunk_bytes: Optional[int] = None) -> None:
+        """Step ``opt`` (built on the masters) one chunk of parameters at a time: for each chunk
+        (about ``chunk_bytes`` of fp32 gradient, at least one tensor; default `CHUNK_BYTES`),
+        ``master.grad = coef * float(param.grad)`` with each bf16 gradient freed as soon as it is
+        upcast, AdamW steps the chunk (it skips masters without a gradient), the chunk's weights
+        are refreshed from its masters and its fp32 gradients dropped. So the fp32 gradients of
+        only one chunk exist at a time: the step's peak stays at the table's 16 B/param plus one
+        chunk (`ray_dhp.planning.memory.rank_state`'s ``step_peak``), not 20."""
+        for chunk in self._chunks(CHUNK_BYTES if chunk_bytes is None else chunk_bytes):
+            for p, m in chunk:
+                g = p.grad.to(torch.float32)
+                p.grad = None
+                if coef != 1.0:
+                    g.mul_(coef)
+                m.grad = g
+            opt.step()
+            for p, m in chunk:
+                p.copy_(m)
+                m.grad = None
+
+    def _chunks(self, chunk_bytes: int):
+        chunk, size = [], 0
+        for p, m in self.pairs:
+            n = local_nbytes(m)
+            if chunk and size + n > chunk_bytes:
+                yield chunk
+                chunk, size = [], 0
+            chunk.append((p, m))
+            size += n
+        if chunk:
+            yield chunk
+
+    @torch.no_grad()
     def grads_to_masters(self, coef: float = 1.0) -> None:
-        """``master.grad = coef * float(param.grad)`` (fp32); the bf16 gradients are freed."""
+        """``master.grad = coef * float(param.grad)`` for every pair at once, each bf16 gradient
+        freed as soon as it is upcast (the single-process reference's form; the engine uses
+        `step`, which also bounds the fp32 gradients to one chunk)."""
         for p, m in self.pairs:
             g = p.grad.to(torch.float32)
+            p.grad = None
             if coef != 1.0:
                 g.mul_(coef)
             m.grad = g

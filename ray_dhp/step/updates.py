@@ -86,19 +86,29 @@ class UpdateMixin:
                    (self.text_params, self.text_opt, self.text_sched, self.text_masters))
         self.last_grad_bytes = sum(local_nbytes(p.grad) for p in self.vision_params + self.text_params
                                    if p.grad is not None)
+        self._release_unowned_grads()
         for params, opt, sched, masters in modules:
-            if masters is not None:
-                masters.grads_to_masters(coef)
+            if masters is not None:  # fp32 master gradients one chunk at a time
+                masters.step(opt, coef)
             else:
                 dp.scale_grads(params, coef)
+                if opt is not None:
+                    opt.step()
             if opt is not None:
-                opt.step()
                 sched.step()
-            if masters is not None:
-                masters.masters_to_params()
         for p in self.vision_params + self.text_params:  # incl. those another rank updates
             p.grad = None
         self._zero1_broadcast()
+
+    def _release_unowned_grads(self) -> None:
+        """Free the gradients of the ViT parameters another rank updates (ZeRO-1): reduced and
+        counted in the norm already, not needed by this rank's update."""
+        if self._owners is None:
+            return
+        me = self.groups.rank - self.groups.topology.vision.offset
+        for p, o in zip(self.vision_params, self._owners):
+            if o != me:
+                p.grad = None
 
     def params_from_masters(self) -> None:
         """After loading masters (a checkpoint): round them into the weights, and share the

@@ -103,6 +103,8 @@ class TrainLoopConfig:
             moments that the optimizer steps; 16 B/param, half-size weights, grads and
             activations; checkpoints hold the masters) or "bf16" (bf16 weights, grads and
             moments, no masters: 8 B/param).
+        tf32: TF32 for fp32 matmuls and convolutions on CUDA (`ray_dhp.step.gpu`; ignored on
+            CPU). Matters for the fp32 and bf16_autocast policies' fp32 matmuls.
         activation_checkpointing: recompute transformer blocks in backward.
         vision_zero1: shard the vision optimizer state over the vision group (ZeRO-1).
         prefetch: prepare the next step's samples in a background thread while the current
@@ -167,6 +169,7 @@ class TrainLoopConfig:
     eval_batch_size: Optional[int] = checked(None, ge=1)
     resume_from: Optional[str] = None
     precision: str = checked("fp32", choices=POLICY_NAMES)
+    tf32: bool = True
     activation_checkpointing: bool = False
     vision_zero1: bool = True
     prefetch: bool = True

@@ -97,8 +97,9 @@ def _capture_grads(opt, masters, prefix, seen):
     step = opt.step
 
     def capturing(*a, **k):
-        for n, p in masters.named_parameters():
-            seen[prefix + n] = _as_full(p.grad).clone()
+        for n, p in masters.named_parameters():  # the engine steps a chunk per call
+            if p.grad is not None:
+                seen[prefix + n] = _as_full(p.grad).clone()
         return step(*a, **k)
 
     opt.step = capturing
@@ -301,17 +302,3 @@ def _masters_at_step_2(ckpt, name):
     t = read_model_tensors(ckpt)[name]
     assert t.dtype == torch.float32
     return t
-
-
-def test_gpu_precision_check_dry_runs_on_cpu(tmp_path):
-    """benchmarks/gpu/precision_check.py (the first part of the GPU script) runs on gloo with the
-    tiny shape: two steps under the device check, measured state == plan, a JSON written."""
-    import json
-
-    from benchmarks.gpu import precision_check
-
-    (r,) = precision_check.main(["--device", "cpu", "--tiny", "--out", str(tmp_path)])
-    assert r["measured"]["total"] == r["plan"]["state"] and r["checked_collectives"] > 0
-    assert all(x > 0 for x in r["losses"])
-    (path,) = tmp_path.glob("precision-cpu-tiny-*.json")
-    assert json.loads(path.read_text())["results"][0]["policy"] == "bf16_mixed"
