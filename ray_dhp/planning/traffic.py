@@ -22,6 +22,7 @@ def collective_bytes(config, counts, layout: Layout, w: Workload) -> dict:
     ``M`` micro-batches, the boundary both ways, and the end-of-step gradient reductions (ring
     all-reduce: ``2 (n - 1) / n`` of the buffer; all-to-all: ``(n - 1) / n``)."""
     from ray_dhp.models import family_of
+    from ray_dhp.parallel.zero import replica_bytes
 
     topo, s, m = layout.topology(), w.settings, w.micro_batches
     v, t = topo.vision, topo.text
@@ -36,10 +37,9 @@ def collective_bytes(config, counts, layout: Layout, w: Workload) -> dict:
         * s.dtype_bytes
     boundary = 2 * max(st * feat, sv * feat / v.inner * t.inner)
     g = 4 if w.state_bytes >= 16 else 2
-    zero1 = w.vision_zero1 and v.size > 1
-    v_grads = 2 * (v.size - 1) / v.size * counts.vision * g \
-        + ((v.size - 1) / v.size * counts.vision * 4 if zero1 else 0.0)
-    t_grads = 2 * (t.dp - 1) / t.dp * counts.text_per_rank(t.inner) * g
+    v_grads = replica_bytes(v.size, v.zero_stage, counts.vision * g, counts.vision * 4)
+    t_rank = counts.text_per_rank(t.inner)
+    t_grads = replica_bytes(t.dp, t.zero_stage, t_rank * g, t_rank * 4)
     return dict(zip(COLLECTIVES, (m * a2a * (3 if s.checkpointing else 2), m * ar,
                                   m * boundary, v_grads, t_grads)))
 

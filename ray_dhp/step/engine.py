@@ -34,7 +34,6 @@ from ray_dhp.step.microbatch import (  # noqa: F401  (re-exported: ray_dhp.step.
     shift_labels, upcast)
 from ray_dhp.models import family_of, load_model_config
 from ray_dhp.models.loading import build_meta_model, materialize, module_prefix
-from ray_dhp.step.optim import build_optimizer_for
 from ray_dhp.step.precision import policy_of, weight_dtype
 from ray_dhp.step.schedule import order_for
 from ray_dhp.parallel import boundary as bnd
@@ -77,10 +76,7 @@ class DHPEngine(UpdateMixin):
         self.vision_params, self.text_params, self.frozen_params = held
         self._partial = (partial_grad_params(self.text_model, self.family.tp_partial_grad_suffixes)
                          if self.text_model is not None and topo.text.inner > 1 else [])
-        self._build_vision_optimizer()
-        self.text_opt, self.text_sched, self.text_masters = build_optimizer_for(
-            self.text_model.named_parameters() if self.text_model is not None else [], cfg,
-            self.policy)
+        self._build_optimizers()  # over each module's ZeRO partition (step/updates.py)
         self.feature_dim = self.family.feature_dim(self.config)
         self.step_count = 0
         self._timer = PhaseTimer()

@@ -101,7 +101,6 @@ class TrainLoopConfig:
         autocast_dtype: None or "bfloat16" (= precision "bf16_autocast"; kept for older run
             files; contradicting precision is an error).
         activation_checkpointing: recompute transformer blocks in backward.
-        vision_zero1: shard the vision optimizer state over the vision group (ZeRO-1).
         prefetch: prepare the next step's samples in a background thread while the current
             step trains (each sample is decoded once across the cluster either way).
         data_workers: processes per rank that decode its share of each step (0: decode in the
@@ -162,7 +161,6 @@ class TrainLoopConfig:
     precision: Optional[str] = checked(None, choices=(None,) + POLICY_NAMES)
     autocast_dtype: Optional[str] = checked(None, choices=(None, "bfloat16"))
     activation_checkpointing: bool = False
-    vision_zero1: bool = True
     prefetch: bool = True
     data_workers: int = checked(0, ge=0)
     dataset_weights: Optional[dict] = None
