@@ -42,9 +42,14 @@ class UpdateMixin:
         if self.text_model is not None:
             t, (j, k) = topo.text, g.text_coord
             named = [(n, p) for n, p in self.text_model.named_parameters() if p.requires_grad]
-            self.zero["text"] = z = ZeroPartition(
-                [p for _, p in named], t.zero_stage, g.text_dp, [t.rank_at(d, k) for d in range(t.dp)],
-                j, leader=g.rank == t.offset, tp_group=g.text_tp, tp_first=k == 0)
+            if self.fsdp is not None:  # stage 3 (ray_dhp.parallel.fsdp)
+                z = self.zero["text"] = self.fsdp
+                z.params = [p for _, p in named]
+            else:
+                self.zero["text"] = z = ZeroPartition(
+                    [p for _, p in named], t.zero_stage, g.text_dp,
+                    [t.rank_at(d, k) for d in range(t.dp)], j, leader=g.rank == t.offset,
+                    tp_group=g.text_tp, tp_first=k == 0)
             self.text_opt, self.text_sched, self.text_masters = build_optimizer_for(
                 z.mine(named), self.cfg, self.policy)
         else:

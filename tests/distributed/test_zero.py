@@ -43,3 +43,13 @@ def test_collocated_tp2dp2_sp2dp2(stage, reference):
     got = _check(COLLOCATED, stage, reference)
     ops = {k.split("/")[0] for o in got["per_rank"] for k in o["comm"]}
     assert ("reduce" in ops) == (stage == 2) and "broadcast" in ops
+
+
+@pytest.mark.parametrize("stage", [3])
+def test_text_fsdp2_tp2dp2(stage, reference):
+    """Text stage 3 (FSDP2 on the dp dim of the 2-D text mesh, TP on tp) with the vision tower at
+    stage 1 over SP2xDP2; 2 micro-batches: one reduce-scatter per step."""
+    steps, ref = reference
+    got = run_engine(FAMILY, dict(COLLOCATED, vision_zero=1, text_zero=stage), CFG, steps,
+                     torch.float64, grads=True)
+    assert_parity(got, ref, **TOL)
