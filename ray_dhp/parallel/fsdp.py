@@ -49,6 +49,7 @@ class FSDPText:
         self.modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         for m in self.modules:
             m.set_gradient_divide_factor(1.0)  # SUM over replicas, not a mean
+            m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
         self.root, self.tp_first = model, tp_first
 
     def sync(self, last: bool) -> None:

@@ -44,7 +44,7 @@ class ParamCounts:
     vision_frozen: int = 0
     text_frozen: int = 0
     text_frozen_sharded: int = 0
-    # (element count, TP-sharded) of every trained text parameter, in the model's order
+    # `TextParam` of every text parameter, in the model's order (ZeRO partitions)
     text_sizes: tuple = ()
 
     def text_per_rank(self, tp: int) -> int:
@@ -65,7 +65,37 @@ class ParamCounts:
         trained = self.text_per_rank(tp) - self.text_frozen_per_rank(tp)
         if not stage or dp == 1 or not self.text_sizes:
             return trained
-        return _owned([n // tp if sharded else n for n, sharded in self.text_sizes], dp_index, dp)
+        if stage == 3:
+            return sum(q.fsdp_share(dp_index, dp, tp) for q in self.text_sizes if q.trained)
+        return _owned([q.local(tp) for q in self.text_sizes if q.trained], dp_index, dp)
+
+    def text_held_by(self, dp_index: int, dp: int, tp: int, stage: int) -> int:
+        """Elements of the text parameters text replica ``dp_index`` holds (its FSDP shards at
+        stage 3, else its whole TP shard)."""
+        if stage != 3 or dp == 1 or not self.text_sizes:
+            return self.text_per_rank(tp)
+        return sum(q.fsdp_share(dp_index, dp, tp) for q in self.text_sizes)
+
+
+@dataclass(frozen=True)
+class TextParam:
+    """One text parameter as the ZeRO partitions see it."""
+
+    numel: int
+    sharded: bool      # split over the TP ranks
+    dim0: int          # its first dimension (FSDP2 shards the local TP shard along it)
+    dim0_sharded: bool  # the TP split is along dim 0 (column-parallel, vocab-parallel embedding)
+    trained: bool
+
+    def local(self, tp: int) -> int:
+        return self.numel // tp if self.sharded else self.numel
+
+    def fsdp_share(self, index: int, dp: int, tp: int) -> int:
+        """Elements of replica ``index``'s FSDP2 shard: ``torch.chunk`` rows along dim 0."""
+        rows = self.dim0 // tp if self.dim0_sharded else self.dim0
+        per = -(-rows // dp)
+        mine = max(0, min(per, rows - index * per))
+        return self.local(tp) // rows * mine if rows else 0
 
 
 def _owned(sizes: list, index: int, world: int) -> int:
@@ -109,8 +139,8 @@ def count_params(config, tuning=None) -> ParamCounts:
         if _is_sharded(name, plan):
             sharded += p.numel()
             t_frozen_sharded += 0 if trains(name) else p.numel()
-        if trains(name):
-            text_sizes.append((p.numel(), _is_sharded(name, plan)))
+        text_sizes.append(TextParam(p.numel(), _is_sharded(name, plan), p.shape[0] if p.dim() else 1,
+                                    _dim0_sharded(name, plan), trains(name)))
     return ParamCounts(vision=vision, text=text, text_sharded=sharded, vision_sizes=sizes,
                        largest=largest, vision_frozen=v_frozen, text_frozen=t_frozen,
                        text_frozen_sharded=t_frozen_sharded, text_sizes=tuple(text_sizes))
@@ -148,20 +178,22 @@ def rank_state(counts: ParamCounts, topology, rank: int, policy) -> RankState:
     roles = topology.roles(rank)
     tp = topology.text.inner
     v = counts.vision if "vision" in roles else 0
-    t = counts.text_per_rank(tp) if "text" in roles else 0
+    tg = topology.text
+    t = counts.text_held_by(tg.coord(rank)[0], tg.dp, tp, tg.zero_stage) if "text" in roles else 0
     vu = tu = 0
     if v:
         vg = topology.vision
         vu = counts.vision_updated_by(rank - vg.offset, vg.size, vg.zero_stage)
     if t:
-        tg = topology.text
         tu = counts.text_updated_by(tg.coord(rank)[0], tg.dp, tp, tg.zero_stage)
-    frozen = (counts.vision_frozen if v else 0) + (counts.text_frozen_per_rank(tp) if t else 0)
     held, updated = v + t, vu + tu
+    trained = (v - counts.vision_frozen if v else 0) + (
+        (counts.text_updated_by(tg.coord(rank)[0], tg.dp, tp, 0) if tg.zero_stage != 3 else tu)
+        if t else 0)
     masters = 4 * updated if policy.master else 0
     weights = held * policy.weight_bytes()
     return RankState(params=held, updated=updated, weights=weights,
-                     grads=(held - frozen) * policy.grad_bytes(), masters=masters,
+                     grads=trained * policy.grad_bytes(), masters=masters,
                      optimizer=updated * 2 * _bytes(policy.moment_dtype),
                      startup_peak=weights + masters + 4 * counts.largest)
 
@@ -191,6 +223,17 @@ def _bytes(dtype) -> int:
     import torch
 
     return torch.empty((), dtype=dtype).element_size()
+
+
+def _dim0_sharded(param_name: str, plan: dict) -> bool:
+    """The TP split of ``param_name`` is along its dim 0: column-parallel weights and biases, the
+    vocab-parallel (row-parallel) embedding."""
+    module, leaf = param_name.rsplit(".", 1)
+    for pattern, style in plan.items():
+        if fnmatch.fnmatchcase(module, pattern):
+            kind = type(style).__name__
+            return kind == "ColwiseParallel" or (kind == "RowwiseParallel" and module.endswith("embed_tokens"))
+    return False
 
 
 def _is_sharded(param_name: str, plan: dict) -> bool:

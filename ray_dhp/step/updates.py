@@ -67,12 +67,13 @@ class UpdateMixin:
         g, dev = self.groups, self.groups.device
         up = torch.float32 if self.dtype in (torch.bfloat16, torch.float16) else None
         v_sq = t_sq = torch.zeros((), dtype=torch.float64, device=dev)
+        dp.ensure_grads(self.vision_params + self.text_params)
+        self.last_grad_bytes = sum(local_nbytes(p.grad) for p in self.vision_params + self.text_params
+                                   if p.grad is not None)  # before stage 2 frees the others'
         if g.is_vision:
-            dp.ensure_grads(self.vision_params)
             self.zero["vision"].reduce(self.comm, "vision.grads", reduce_dtype=up)
             v_sq = self.zero["vision"].norm_share(dev)
         if g.is_text:
-            dp.ensure_grads(self.text_params)
             dp.all_reduce_grads(self._partial, g.text_tp, self.comm, "text.partial_grads", reduce_dtype=up)
             self.zero["text"].reduce(self.comm, "text.grads", reduce_dtype=up)
             t_sq = self.zero["text"].norm_share(dev)
@@ -86,8 +87,6 @@ class UpdateMixin:
         stepped, and the bf16 weights refreshed from them."""
         modules = ((self.vision_params, self.vision_opt, self.vision_sched, self.vision_masters),
                    (self.text_params, self.text_opt, self.text_sched, self.text_masters))
-        self.last_grad_bytes = sum(local_nbytes(p.grad) for p in self.vision_params + self.text_params
-                                   if p.grad is not None)
         for params, opt, sched, masters in modules:
             if masters is not None:
                 masters.grads_to_masters(coef)

@@ -21,12 +21,15 @@ FAMILY = "qwen2_5_vl"
 TOL = dict(loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10, grad_tol=1e-10)
 
 COLLOCATED = dict(placement="collocated", vision_dp=2, vision_sp=2, text_dp=2, text_tp=2)
-DISJOINT = dict(placement="disjoint", vision_dp=1, vision_sp=2, text_dp=2, text_tp=1)  # 2 vision + 2 text ranks
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    steps = make_steps(tmp_path_factory.mktemp("zero"), FAMILY, CFG)
+def steps(tmp_path_factory):
+    return make_steps(tmp_path_factory.mktemp("zero"), FAMILY, CFG)
+
+
+@pytest.fixture(scope="module")
+def reference(steps):
     return steps, run_reference(FAMILY, CFG, steps, torch.float64)
 
 
@@ -38,7 +41,7 @@ def _check(layout, stage, reference):
     return got
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_collocated_tp2dp2_sp2dp2(stage, reference):
     got = _check(COLLOCATED, stage, reference)
     ops = {k.split("/")[0] for o in got["per_rank"] for k in o["comm"]}
@@ -53,3 +56,78 @@ def test_text_fsdp2_tp2dp2(stage, reference):
     got = run_engine(FAMILY, dict(COLLOCATED, vision_zero=1, text_zero=stage), CFG, steps,
                      torch.float64, grads=True)
     assert_parity(got, ref, **TOL)
+
+
+D_1V_2T = dict(placement="disjoint", vision_dp=1, vision_sp=1, text_dp=2, text_tp=1)
+D_3V_1T = dict(placement="disjoint", vision_dp=3, vision_sp=1, text_dp=1, text_tp=1)
+COMBOS = {  # name: (layout, (vision stage, text stage), config changes)
+    "disjoint-1v-2t-s1": (D_1V_2T, (0, 1), {}),
+    "disjoint-1v-2t-s2": (D_1V_2T, (0, 2), {}),
+    "disjoint-1v-2t-s3": (D_1V_2T, (0, 3), {}),
+    "disjoint-3v-1t-s1": (D_3V_1T, (1, 0), {}),
+    "disjoint-3v-1t-s2": (D_3V_1T, (2, 0), {}),
+    "s3-text-sp": (dict(COLLOCATED, text_sequence_parallel=True), (1, 3), {}),
+    "s3-lora": (COLLOCATED, (1, 3), {"modules": {"llm": {"lora": {"r": 4, "alpha": 8}}}}),
+    "s3-frozen-vision": (COLLOCATED, (0, 3), {"modules": {"vision": {"train": False}}}),
+    "s3-one-micro-batch": (COLLOCATED, (2, 3), {"micro_batches": 1}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(COMBOS))
+def test_stage_combinations(name, tmp_path):
+    from dataclasses import replace
+
+    layout, (vz, tz), changes = COMBOS[name]
+    cfg = replace(CFG, **changes)
+    steps = make_steps(tmp_path, FAMILY, cfg)
+    ref = run_reference(FAMILY, cfg, steps, torch.float64)
+    got = run_engine(FAMILY, dict(layout, vision_zero=vz, text_zero=tz), cfg, steps,
+                     torch.float64, grads=True)
+    assert_parity(got, ref, **TOL)
+
+
+STAGES = [(0, 0), (1, 1), (2, 2), (1, 3)]  # (vision, text)
+
+
+def _bytes_body(rank, world, layout, steps, precision):
+    from dataclasses import replace
+
+    from ray_dhp import demo
+    from ray_dhp.parallel.devcheck import CollectiveDeviceCheck
+    from ray_dhp.step.engine import DHPEngine
+    from ray_dhp.step.mesh import build_groups
+    from ray_dhp.step.topology import Topology
+
+    out = {}
+    for vz, tz in STAGES:
+        groups = build_groups(Topology.build(**layout, vision_zero=vz, text_zero=tz), torch.device("cpu"))
+        engine = DHPEngine(demo.tiny_model_config(FAMILY), groups, replace(CFG, precision=precision))
+        with CollectiveDeviceCheck(groups.device, host_groups=[groups.data]) as check:
+            engine.step(steps[0])
+        out[(vz, tz)] = {**engine.state_bytes(), "checked_calls": check.calls}
+    return out
+
+
+def test_rank_bytes_equal_the_plan_for_every_stage(steps):
+    """Weights, gradients, fp32 masters and AdamW moments measured on every rank after one
+    bf16_mixed step equal `rank_state` (what `ray-dhp plan` prints) for stages 0-3 at
+    TP2xDP2 / SP2xDP2, and every collective passes the device check (NCCL-valid)."""
+    from ray_dhp import demo
+    from ray_dhp.planning.memory import count_params, rank_state
+    from ray_dhp.step.precision import POLICIES
+    from ray_dhp.step.topology import Topology
+    from tests.spawn import run_on_ranks
+
+    outs = run_on_ranks(_bytes_body, 4, args=(COLLOCATED, steps, "bf16_mixed"))
+    counts = count_params(demo.tiny_model_config(FAMILY))
+    for vz, tz in STAGES:
+        topo = Topology.build(**COLLOCATED, vision_zero=vz, text_zero=tz)
+        for rank, got in enumerate(outs):
+            want = rank_state(counts, topo, rank, POLICIES["bf16_mixed"])
+            g = got[(vz, tz)]
+            assert (g["weights"], g["grads"], g["masters"], g["optimizer"]) == \
+                (want.weights, want.grads, want.masters, want.optimizer), (vz, tz, rank, g, want)
+            assert g["checked_calls"] > 0
+    s0, s1, s3 = (outs[0][s]["total"] for s in ((0, 0), (1, 1), (1, 3)))
+    assert s3 < s1 < s0  # each stage holds less
