@@ -171,7 +171,8 @@ def rank_state(counts: ParamCounts, topology, rank: int, policy) -> RankState:
     rank has one (stage 2 frees the others' only when it reduces them, at the end of the step).
 
     The start-up peak is what the rank holds once its engine is built (its weights and fp32
-    masters; AdamW moments appear at the first step) plus one full parameter in fp32, the most
+    masters; AdamW moments appear at the first step; at text stage 3 at least its whole TP
+    shard's weights, which exist before FSDP2 shards them) plus one full parameter in fp32, the most
     a rank materialises beyond what it keeps while building (the largest tensor, e.g. the
     embedding, before it is sliced).
     """
@@ -192,10 +193,12 @@ def rank_state(counts: ParamCounts, topology, rank: int, policy) -> RankState:
         if t else 0)
     masters = 4 * updated if policy.master else 0
     weights = held * policy.weight_bytes()
+    # stage 3 shards the text weights after they are built: the whole TP shard exists first
+    built = (v + (counts.text_per_rank(tp) if t else 0)) * policy.weight_bytes()
     return RankState(params=held, updated=updated, weights=weights,
                      grads=trained * policy.grad_bytes(), masters=masters,
                      optimizer=updated * 2 * _bytes(policy.moment_dtype),
-                     startup_peak=weights + masters + 4 * counts.largest)
+                     startup_peak=max(weights + masters, built) + 4 * counts.largest)
 
 
 def measure_engine_state(engine) -> dict:

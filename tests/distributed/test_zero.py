@@ -131,3 +131,33 @@ def test_rank_bytes_equal_the_plan_for_every_stage(steps):
             assert g["checked_calls"] > 0
     s0, s1, s3 = (outs[0][s]["total"] for s in ((0, 0), (1, 1), (1, 3)))
     assert s3 < s1 < s0  # each stage holds less
+
+
+# -- checkpoints across stages (DCP by parameter name reshards FSDP2 / TP / ZeRO partitions) ----
+
+TP2_DP2_S3 = dict(placement="collocated", vision_dp=2, vision_sp=2, text_dp=2, text_tp=2,
+                  vision_zero=2, text_zero=3)
+TP2_S0 = dict(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1, text_tp=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("before, after", [(TP2_DP2_S3, TP2_S0), (TP2_S0, TP2_DP2_S3)],
+                         ids=["stage3-tp2dp2-to-stage0-tp2", "stage0-tp2-to-stage3-tp2dp2"])
+def test_resume_across_stages_is_exact(before, after, tmp_path, tmp_path_factory):
+    """3 steps at one stage + save + load at another + 3 steps == 6 uninterrupted reference
+    steps (losses, every rank's copy of every parameter; tests/distributed/test_checkpoint.py's
+    invariant and tolerance); AdamW moments, schedule and data position all travel."""
+    from tests.distributed import test_checkpoint as ck
+
+    data = str(ck.demo.make_dataset(tmp_path_factory.mktemp("data"), num_samples=16, seed=0,
+                                    text_only_every=4, image_sizes=((56, 56), (84, 56), (112, 84))))
+    from ray_dhp.step.reference import ReferenceTrainer
+
+    sampler = ck._sampler(data, ck.CFG)
+    trainer = ReferenceTrainer(ck.demo.tiny_model_config(ck.FAMILY), ck.CFG, dtype=ck.DTYPE)
+    ref = {"history": [trainer.step(sampler.next_step()) for _ in range(ck.CFG.num_steps)],
+           "params": trainer.named_parameters()}
+    first = ck.run(before, data, stop=3, save_at=(3,), ckpt_root=str(tmp_path))
+    second = ck.run(after, data, resume_from=str(tmp_path))
+    assert second["first"] == 3
+    ck.assert_matches(first["history"] + second["history"], second, ref)
