@@ -42,7 +42,7 @@ class ModuleParallel:
     sequence_parallel: Union[int, bool] = 1  # an int >= 1 (vision) or a bool (text): see __post_init__
     tensor_parallel: int = checked(1, ge=1)
     data_parallel: int = checked(1, ge=1)
-    zero_stage: Optional[int] = None
+    zero_stage: Optional[int] = checked(None, choices=(None,) + ZERO_STAGES)
 
     def __post_init__(self):
         for name in ("sequence_parallel", "tensor_parallel", "data_parallel"):
