@@ -33,7 +33,7 @@ class ModuleParallel:
             too), as in DeepSpeed: 0 replicated; 1 fp32 masters and AdamW moments partitioned;
             2 also the reduced gradients (each reduced only to its owner); 3 also the weights
             (torch FSDP2 over the replicas). None: 1 where the module has more than one
-            replica, else 0 (see docs/configuration.md).
+            replica, else 0 (why: docs/concepts.md, "ZeRO stages"); vision stage 3 is refused.
 
     Example:
         >>> ModuleParallel(sequence_parallel=2, data_parallel=2)  # 4 vision workers
