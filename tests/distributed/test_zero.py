@@ -161,3 +161,24 @@ def test_resume_across_stages_is_exact(before, after, tmp_path, tmp_path_factory
     second = ck.run(after, data, resume_from=str(tmp_path))
     assert second["first"] == 3
     ck.assert_matches(first["history"] + second["history"], second, ref)
+
+
+@pytest.mark.slow
+def test_export_of_a_stage3_checkpoint_is_the_trained_model(tmp_path, tmp_path_factory):
+    """`export_hf` of a checkpoint saved at text stage 3 (FSDP2 x TP shards in DCP, read one
+    tensor at a time) gives exactly the parameters the ranks held."""
+    import os
+
+    import transformers
+
+    from ray_dhp import export_hf
+    from tests.distributed import test_checkpoint as ck
+
+    data = str(ck.demo.make_dataset(tmp_path_factory.mktemp("data"), num_samples=16, seed=0,
+                                    text_only_every=4, image_sizes=((56, 56), (84, 56), (112, 84))))
+    got = ck.run(TP2_DP2_S3, data, stop=2, save_at=(2,), ckpt_root=str(tmp_path / "ck"))
+    out = export_hf(os.path.join(tmp_path, "ck", "checkpoint_000002"), tmp_path / "hf")
+    exported = dict(transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(out).named_parameters())
+    assert set(exported) == set(got["params"])
+    for name, p in got["params"].items():
+        assert torch.equal(exported[name], p), name
