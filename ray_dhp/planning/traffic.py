@@ -20,7 +20,10 @@ def collective_bytes(config, counts, layout: Layout, w: Workload) -> dict:
     """Bytes one rank sends per optimizer step in each collective of ``layout`` (the volumes
     `phase_times` divides by a bandwidth): Ulysses all-to-alls and TP all-reduces over the
     ``M`` micro-batches, the boundary both ways, and the end-of-step gradient reductions (ring
-    all-reduce: ``2 (n - 1) / n`` of the buffer; all-to-all: ``(n - 1) / n``)."""
+    all-reduce: ``2 (n - 1) / n`` of the buffer; all-to-all: ``(n - 1) / n``). The gradient
+    entries follow each module's ZeRO stage (`ray_dhp.parallel.zero.replica_bytes`: + the owners'
+    broadcast at stages 1-2, reduce instead of all-reduce at 2, FSDP2's all-gathers and one
+    reduce-scatter at 3)."""
     from ray_dhp.models import family_of
     from ray_dhp.parallel.zero import replica_bytes
 

@@ -41,21 +41,26 @@ def _check(layout, stage, reference):
     return got
 
 
-@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 2])
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2])
 def test_collocated_tp2dp2_sp2dp2(stage, reference):
     got = _check(COLLOCATED, stage, reference)
     ops = {k.split("/")[0] for o in got["per_rank"] for k in o["comm"]}
     assert ("reduce" in ops) == (stage == 2) and "broadcast" in ops
 
 
-@pytest.mark.parametrize("stage", [3])
-def test_text_fsdp2_tp2dp2(stage, reference):
-    """Text stage 3 (FSDP2 on the dp dim of the 2-D text mesh, TP on tp) with the vision tower at
-    stage 1 over SP2xDP2; 2 micro-batches: one reduce-scatter per step."""
+def test_text_fsdp2_tp2dp2_with_vision_stage2(reference):
+    """The default run's case: text stage 3 (FSDP2 on the dp dim of the 2-D text mesh, TP on tp)
+    and the vision tower at stage 2 over SP2xDP2 (reduce to the owner, broadcast back); 2
+    micro-batches: one reduce-scatter per step. (Stage 1 is the default of every layout of the
+    parity matrix with more than one replica, tests/distributed/test_parity.py.)"""
     steps, ref = reference
-    got = run_engine(FAMILY, dict(COLLOCATED, vision_zero=1, text_zero=stage), CFG, steps,
+    got = run_engine(FAMILY, dict(COLLOCATED, vision_zero=2, text_zero=3), CFG, steps,
                      torch.float64, grads=True)
     assert_parity(got, ref, **TOL)
+    ops = {k for o in got["per_rank"] for k in o["comm"]}
+    assert "reduce/vision.grads" in ops and "broadcast/vision.zero" in ops
+    assert not any(k.endswith("text.grads") for k in ops)  # FSDP reduced the text gradients
 
 
 D_1V_2T = dict(placement="disjoint", vision_dp=1, vision_sp=1, text_dp=2, text_tp=1)
