@@ -55,7 +55,7 @@ def _rank_body(rank, world, config, precision, samples, patches):
     out = engine.step([batch])
     step_s = time.perf_counter() - t0
     held = engine.state_bytes()
-    planned = rank_state(count_params(config), topo, rank, engine.policy, cfg.vision_zero1)
+    planned = rank_state(count_params(config), topo, rank, engine.policy)
     return {"rank": rank, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "held": held, "planned": {k: getattr(planned, k) for k in
                                       ("weights", "grads", "masters", "optimizer", "total")},

@@ -56,7 +56,7 @@ def _planned(config, modules, rank: int) -> dict:
 
     tuning = parse_tuning(modules)
     st = rank_state(count_params(config, None if tuning.default else tuning), Topology.build(**LAYOUT),
-                    rank, POLICIES[PRECISION], vision_zero1=True)
+                    rank, POLICIES[PRECISION])
     return {k: getattr(st, k) for k in ("weights", "grads", "masters", "optimizer", "total")}
 
 

@@ -9,6 +9,7 @@ from typing import Any, Optional, Union
 from ray.train.backend import BackendConfig
 
 from ray_dhp.checks import check_fields, checked
+from ray_dhp.parallel.zero import ZERO_STAGES
 from ray_dhp.step.topology import PLACEMENTS, Topology
 
 SCHEDULES = ("sequential", "pipelined")
@@ -27,6 +28,12 @@ class ModuleParallel:
         tensor_parallel: Megatron-style degree (language model only): attention heads, KV
             heads, MLP width and vocabulary are split over this many workers.
         data_parallel: replicas of the (sharded) module; each sees different samples.
+        zero_stage: how the module's state is split over the ranks that replicate it (text: its
+            data_parallel ranks; vision: the whole vision group, whose SP ranks hold the tower
+            too), as in DeepSpeed: 0 replicated; 1 fp32 masters and AdamW moments partitioned;
+            2 also the reduced gradients (each reduced only to its owner); 3 also the weights
+            (torch FSDP2 over the replicas). None: 1 where the module has more than one
+            replica, else 0 (why: docs/concepts.md, "ZeRO stages"); vision stage 3 is refused.
 
     Example:
         >>> ModuleParallel(sequence_parallel=2, data_parallel=2)  # 4 vision workers
@@ -35,6 +42,7 @@ class ModuleParallel:
     sequence_parallel: Union[int, bool] = 1  # an int >= 1 (vision) or a bool (text): see __post_init__
     tensor_parallel: int = checked(1, ge=1)
     data_parallel: int = checked(1, ge=1)
+    zero_stage: Optional[int] = checked(None, choices=(None,) + ZERO_STAGES)
 
     def __post_init__(self):
         for name in ("sequence_parallel", "tensor_parallel", "data_parallel"):
@@ -43,6 +51,10 @@ class ModuleParallel:
                 continue  # the text group's on/off switch (checked by DHPConfig)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"ModuleParallel.{name} must be an integer >= 1, got {v!r}.")
+        if self.zero_stage is not None and (isinstance(self.zero_stage, bool)
+                                            or self.zero_stage not in ZERO_STAGES):
+            raise ValueError(f"ModuleParallel.zero_stage must be one of {ZERO_STAGES} (or None), "
+                             f"got {self.zero_stage!r}.")
         if self.sequence_parallel > 1 and self.tensor_parallel > 1:
             raise ValueError(
                 "ModuleParallel: use sequence_parallel for the vision module and tensor_parallel "
@@ -152,6 +164,7 @@ class DHPConfig(BackendConfig):
             text_dp=self.text.data_parallel,
             text_tp=self.text.tensor_parallel,
             text_sequence_parallel=self.text.sequence_parallel is True,
+            vision_zero=self.vision.zero_stage, text_zero=self.text.zero_stage,
         )
 
     @property

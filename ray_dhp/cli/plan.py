@@ -79,7 +79,6 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
     tp = topo.text.inner
     settings = settings_of(rf, attention)
     samples = samples_per_replica(rf, topo)
-    zero1 = bool(getattr(rf.optim, "vision_zero1", False))
     policy = policy_of_run(rf)
     out = [
         f"model: {config.model_type}; parameters: vision {_num(counts.vision)}, "
@@ -91,7 +90,8 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
         "",
         f"precision (optim.precision): {policy.describe()}",
         "per-rank model state (held by the rank; masters and AdamW moments only for what it "
-        f"updates{', the ViT split by vision ZeRO-1' if zero1 else ''}); start-up peak = weights "
+        f"updates; ZeRO stages: vision {topo.vision.zero_stage}, text {topo.text.zero_stage}); "
+        "start-up peak = weights "
         "+ masters + one full fp32 tensor (the largest, "
         f"{_num(counts.largest)} elements) while the engine is built; step peak = state + the "
         "all-reduce bucket or the fp32 master gradients of one chunk (ray_dhp.planning.step_peak); "
@@ -101,8 +101,8 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
     for r in range(topo.world_size):
         roles = topo.roles(r)
         v = counts.vision if "vision" in roles else 0
-        t = counts.text_per_rank(tp) if "text" in roles else 0
-        st = rank_state(counts, topo, r, policy, zero1)
+        st = rank_state(counts, topo, r, policy)
+        t = st.params - v  # the text part: its FSDP shard at stage 3
         out.append(f"  rank {r} [{'+'.join(roles)}]: vision {_num(v)} + text {_num(t)} params; "
                    f"weights {_gib(st.weights)}, grads {_gib(st.grads)}, masters "
                    f"{_gib(st.masters)}, AdamW {_gib(st.optimizer)} = state {_gib(st.total)}; "
@@ -113,8 +113,8 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
     out += ["", f"activation estimate: {samples} sample(s) per replica per micro-batch, "
                 f"{text_tokens} text tokens per sample, {settings.dtype_bytes}-byte activations, "
                 f"{attention} attention, activation checkpointing "
-                f"{'on' if settings.checkpointing else 'off'}, vision ZeRO-1 "
-                f"{'on' if zero1 else 'off'}; {device}"]
+                f"{'on' if settings.checkpointing else 'off'}, ZeRO stages vision "
+                f"{topo.vision.zero_stage} / text {topo.text.zero_stage}; {device}"]
     for vt in vision_tokens:
         out.append(f"vision tokens per sample = {vt}:")
         too_long = _too_long(rf, vt, text_tokens)
@@ -123,7 +123,7 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
                        f"data.max_tokens={rf.data.max_tokens}: skipped as bad data")
             continue
         for m in estimate_ranks(config, topo, counts, vision_tokens=vt, text_tokens=text_tokens,
-                                samples=samples, settings=settings, vision_zero1=zero1,
+                                samples=samples, settings=settings,
                                 policy=policy):
             out.append(f"  rank {m.rank} memory: state {_gib(m.state_bytes)} + vision act "
                        f"{_gib(m.vision_act)} + text act {_gib(m.text_act)} = {_gib(m.total)}"
@@ -163,12 +163,12 @@ def nodes_text(rf, *, nodes: int, gpus_per_node: int, vision_tokens: int, text_t
     slots = [k for k in range(nodes) for _ in range(gpus_per_node)][:topo.world_size]
     node_of = nodes_by_rank(node_local_order(topo, slots), slots)
     layout = Layout(topo.placement, dhp.schedule, topo.vision.inner, topo.vision.dp,
-                    topo.text.inner, topo.text.dp)
+                    topo.text.inner, topo.text.dp, vision_zero=topo.vision.zero_stage,
+                    text_zero=topo.text.zero_stage)
     w = Workload(vision_tokens=vision_tokens, text_tokens=text_tokens,
                  global_batch_size=rf.optim.global_batch_size, micro_batches=rf.optim.micro_batches,
                  settings=settings_of(rf, attention),
-                 state_bytes=float(policy_of_run(rf).state_bytes()), policy=policy_of_run(rf),
-                 vision_zero1=bool(getattr(rf.optim, "vision_zero1", False)))
+                 state_bytes=float(policy_of_run(rf).state_bytes()), policy=policy_of_run(rf))
     volume = collective_bytes(config, count_params(config), layout, w)
     groups = collective_groups(topo, w.micro_batch_size)
     out = ["", f"nodes: {nodes} x {gpus_per_node} GPUs; DHP ranks by node (Ray Train fills a node "

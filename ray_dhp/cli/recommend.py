@@ -105,7 +105,7 @@ def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens:
     vt = max(vision_tokens)
     w = Workload(vision_tokens=vt, text_tokens=text_tokens, global_batch_size=gb, micro_batches=m,
                  settings=settings, state_bytes=state_bytes, policy=policy,
-                 vision_zero1=bool(getattr(rf.optim, "vision_zero1", False)), device_gib=device_gib,
+                 device_gib=device_gib,
                  vision_mix=vision_mix)
     cands = recommend(config, n, w, hw, counts=counts)
     ok = [c for c in cands if c.feasible]
@@ -115,8 +115,8 @@ def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens:
         _workload_line(vt, text_tokens, vision_tokens, vision_mix)
         + f"; global batch {gb} = {m} micro-batch(es) of {w.micro_batch_size}; "
         f"{settings.dtype_bytes}-byte activations, {attention} attention, checkpointing "
-        f"{'on' if settings.checkpointing else 'off'}, vision ZeRO-1 "
-        f"{'on' if w.vision_zero1 else 'off'}, {policy.name} state ({state_bytes:g} B/param); {device_gib:g} GiB "
+        f"{'on' if settings.checkpointing else 'off'}, default ZeRO stages (1 with more than "
+        f"one replica), {policy.name} state ({state_bytes:g} B/param); {device_gib:g} GiB "
         "per GPU",
         f"cost model (ray_dhp/planning/cost_model.py): {hw.flops(settings.dtype_bytes) / 1e12:.0f} TFLOP/s "
         f"achieved per GPU ({hw.efficiency:.2f} of peak), links {hw.link_bw / 1e9:.0f} GB/s in a "

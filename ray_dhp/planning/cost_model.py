@@ -110,7 +110,6 @@ class Workload:
     micro_batches: int = 1
     settings: ActivationSettings = field(default_factory=ActivationSettings)
     state_bytes: float = 16.0      # model-state bytes per parameter (see ray_dhp.planning.memory)
-    vision_zero1: bool = True
     device_gib: float = 80.0
     #: A resolution mix ``((patch tokens, fraction), ...)`` (fractions sum to 1) instead of one
     #: size; ``vision_tokens`` is then its largest (what memory plans for). See `replica_share`.
@@ -148,11 +147,15 @@ class Layout:
     text_tp: int
     text_dp: int
     text_sp: bool = False  # text sequence parallelism over the TP ranks (text_tp > 1)
+    # ZeRO stages (`ray_dhp.parallel.zero`); None: the default (1 with more than one replica)
+    vision_zero: Optional[int] = None
+    text_zero: Optional[int] = None
 
     def topology(self) -> Topology:
         return Topology.build(placement=self.placement, vision_dp=self.vision_dp,
                               vision_sp=self.vision_sp, text_dp=self.text_dp, text_tp=self.text_tp,
-                              text_sequence_parallel=self.text_sp)
+                              text_sequence_parallel=self.text_sp,
+                              vision_zero=self.vision_zero, text_zero=self.text_zero)
 
     @property
     def num_workers(self) -> int:
@@ -305,7 +308,7 @@ def phase_times(config, counts, layout: Layout, w: Workload, hw: Hardware) -> Ph
                    v_tokens * feat / v.inner * t.inner) / boundary_bw + hw.latency_s
     # end of step: gradient reduction (fp32 grads; 2-byte below 16 B/param) + AdamW update
     g = 4 if w.state_bytes >= 16 else 2
-    zero1 = w.vision_zero1 and v.size > 1
+    zero1 = v.zero_stage > 0 and v.size > 1
     bw_v = _bw(hw, [v.ranks], nodes)
     v_end = (_all_reduce(hw, counts.vision * g, v.size, bw_v)
              + (_all_to_all(hw, counts.vision * 4, v.size, bw_v) if zero1 else 0.0)

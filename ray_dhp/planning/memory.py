@@ -3,9 +3,9 @@ from the model dims. Nothing is allocated: the model is built under ``accelerate
 
 Model state per rank (what the engine keeps) comes from the run's `PrecisionPolicy`
 (`ray_dhp.step.precision`): weights and gradients in the policy's dtype for every parameter the rank
-holds, plus fp32 masters and AdamW moments for every parameter the rank *updates* (with vision
-ZeRO-1 each ViT parameter is updated by one vision rank: the same greedy partition as the engine,
-`ray_dhp.step.optim.zero1_owners`). The vision tower is replicated on every vision rank (Ulysses
+holds, plus fp32 masters and AdamW moments for every parameter the rank *updates* (at ZeRO stage
+1 or 2 each parameter is updated by one of the module's replicas: the same greedy partition as
+the engine, `ray_dhp.parallel.zero.owners`, over the local TP shards). The vision tower is replicated on every vision rank (Ulysses
 shards tokens, not weights); the text model's TP-planned linears, embedding and head are split
 ``tp`` ways (their row-parallel biases and all norms are replicated). `rank_state` gives the
 exact bytes, which the tests compare with the engine's tensors after a step.
@@ -44,6 +44,8 @@ class ParamCounts:
     vision_frozen: int = 0
     text_frozen: int = 0
     text_frozen_sharded: int = 0
+    # `TextParam` of every text parameter, in the model's order (ZeRO partitions)
+    text_sizes: tuple = ()
 
     def text_per_rank(self, tp: int) -> int:
         return self.text - self.text_sharded + self.text_sharded // tp
@@ -51,14 +53,55 @@ class ParamCounts:
     def text_frozen_per_rank(self, tp: int) -> int:
         return self.text_frozen - self.text_frozen_sharded + self.text_frozen_sharded // tp
 
-    def vision_updated_by(self, rank_in_group: int, group_size: int, zero1: bool) -> int:
-        """ViT parameters vision rank ``rank_in_group`` updates (all of them without ZeRO-1)."""
-        if not zero1 or group_size == 1 or not self.vision_sizes:
+    def vision_updated_by(self, rank_in_group: int, group_size: int, stage: int) -> int:
+        """ViT parameters vision rank ``rank_in_group`` updates (all of them at stage 0)."""
+        if not stage or group_size == 1 or not self.vision_sizes:
             return self.vision - self.vision_frozen
-        from ray_dhp.step.optim import zero1_owners
+        return _owned(list(self.vision_sizes), rank_in_group, group_size)
 
-        owners = zero1_owners(list(self.vision_sizes), group_size)
-        return sum(n for n, o in zip(self.vision_sizes, owners) if o == rank_in_group)
+    def text_updated_by(self, dp_index: int, dp: int, tp: int, stage: int) -> int:
+        """Elements of the trained text parameters (local TP shards) text replica ``dp_index``
+        updates (all of them at stage 0)."""
+        trained = self.text_per_rank(tp) - self.text_frozen_per_rank(tp)
+        if not stage or dp == 1 or not self.text_sizes:
+            return trained
+        if stage == 3:
+            return sum(q.fsdp_share(dp_index, dp, tp) for q in self.text_sizes if q.trained)
+        return _owned([q.local(tp) for q in self.text_sizes if q.trained], dp_index, dp)
+
+    def text_held_by(self, dp_index: int, dp: int, tp: int, stage: int) -> int:
+        """Elements of the text parameters text replica ``dp_index`` holds (its FSDP shards at
+        stage 3, else its whole TP shard)."""
+        if stage != 3 or dp == 1 or not self.text_sizes:
+            return self.text_per_rank(tp)
+        return sum(q.fsdp_share(dp_index, dp, tp) for q in self.text_sizes)
+
+
+@dataclass(frozen=True)
+class TextParam:
+    """One text parameter as the ZeRO partitions see it."""
+
+    numel: int
+    sharded: bool      # split over the TP ranks
+    dim0: int          # its first dimension (FSDP2 shards the local TP shard along it)
+    dim0_sharded: bool  # the TP split is along dim 0 (column-parallel, vocab-parallel embedding)
+    trained: bool
+
+    def local(self, tp: int) -> int:
+        return self.numel // tp if self.sharded else self.numel
+
+    def fsdp_share(self, index: int, dp: int, tp: int) -> int:
+        """Elements of replica ``index``'s FSDP2 shard: ``torch.chunk`` rows along dim 0."""
+        rows = self.dim0 // tp if self.dim0_sharded else self.dim0
+        per = -(-rows // dp)
+        mine = max(0, min(per, rows - index * per))
+        return self.local(tp) // rows * mine if rows else 0
+
+
+def _owned(sizes: list, index: int, world: int) -> int:
+    from ray_dhp.parallel.zero import owners
+
+    return sum(n for n, o in zip(sizes, owners(sizes, world)) if o == index)
 
 
 def count_params(config, tuning=None) -> ParamCounts:
@@ -84,6 +127,7 @@ def count_params(config, tuning=None) -> ParamCounts:
     vision_names = {f"model.visual.{n}" for n, _ in family.visual(model).named_parameters()}
     trains = (lambda name: True) if tuning is None else tuning.trains
     vision = text = sharded = largest = v_frozen = t_frozen = t_frozen_sharded = 0
+    text_sizes = []
     sizes = tuple(p.numel() for n, p in family.visual(model).named_parameters()
                   if trains(f"model.visual.{n}"))
     for name, p in model.named_parameters():
@@ -97,9 +141,11 @@ def count_params(config, tuning=None) -> ParamCounts:
         if _is_sharded(name, plan):
             sharded += p.numel()
             t_frozen_sharded += 0 if trains(name) else p.numel()
+        text_sizes.append(TextParam(p.numel(), _is_sharded(name, plan), p.shape[0] if p.dim() else 1,
+                                    _dim0_sharded(name, plan), trains(name)))
     return ParamCounts(vision=vision, text=text, text_sharded=sharded, vision_sizes=sizes,
                        largest=largest, vision_frozen=v_frozen, text_frozen=t_frozen,
-                       text_frozen_sharded=t_frozen_sharded)
+                       text_frozen_sharded=t_frozen_sharded, text_sizes=tuple(text_sizes))
 
 
 @dataclass(frozen=True)
@@ -107,7 +153,7 @@ class RankState:
     """Model-state bytes of one rank under a precision policy (see the module docstring)."""
 
     params: int        # parameters held (local shards)
-    updated: int       # parameters this rank's optimizer steps (ZeRO-1 share of the ViT)
+    updated: int       # parameters this rank's optimizer steps (its ZeRO partition)
     weights: int
     grads: int
     masters: int
@@ -120,32 +166,44 @@ class RankState:
         return self.weights + self.grads + self.masters + self.optimizer
 
 
-def rank_state(counts: ParamCounts, topology, rank: int, policy, vision_zero1: bool = False) -> RankState:
-    """Exact model-state bytes of ``rank`` under ``policy`` (a `PrecisionPolicy`).
+def rank_state(counts: ParamCounts, topology, rank: int, policy) -> RankState:
+    """Exact model-state bytes of ``rank`` under ``policy`` (a `PrecisionPolicy`) and the
+    modules' ZeRO stages (``topology.vision.zero_stage``, ``topology.text.zero_stage``).
+
+    Gradients are counted at their peak, during backward, where every trained parameter of the
+    rank has one (stage 2 frees the others' only when it reduces them, at the end of the step).
 
     The start-up peak is what the rank holds once its engine is built (its weights and fp32
-    masters; AdamW moments appear at the first step) plus one full parameter in fp32, the most
+    masters; AdamW moments appear at the first step; at text stage 3 at least its whole TP
+    shard's weights, which exist before FSDP2 shards them) plus one full parameter in fp32, the most
     a rank materialises beyond what it keeps while building (the largest tensor, e.g. the
     embedding, before it is sliced).
     """
     roles = topology.roles(rank)
     tp = topology.text.inner
     v = counts.vision if "vision" in roles else 0
-    t = counts.text_per_rank(tp) if "text" in roles else 0
-    vu = 0
+    tg = topology.text
+    t = counts.text_held_by(tg.coord(rank)[0], tg.dp, tp, tg.zero_stage) if "text" in roles else 0
+    vu = tu = 0
     if v:
         vg = topology.vision
-        vu = counts.vision_updated_by(rank - vg.offset, vg.size, vision_zero1)
-    frozen = (counts.vision_frozen if v else 0) + (counts.text_frozen_per_rank(tp) if t else 0)
-    held, updated = v + t, vu + t - (counts.text_frozen_per_rank(tp) if t else 0)
+        vu = counts.vision_updated_by(rank - vg.offset, vg.size, vg.zero_stage)
+    if t:
+        tu = counts.text_updated_by(tg.coord(rank)[0], tg.dp, tp, tg.zero_stage)
+    held, updated = v + t, vu + tu
+    trained = (v - counts.vision_frozen if v else 0) + (
+        (counts.text_updated_by(tg.coord(rank)[0], tg.dp, tp, 0) if tg.zero_stage != 3 else tu)
+        if t else 0)
     masters = 4 * updated if policy.master else 0
     weights = held * policy.weight_bytes()
     optimizer = updated * 2 * _bytes(policy.moment_dtype)
     # a checkpoint holds the fp32 masters of what the rank updates, the weights of the rest
     saved = masters + (held - updated) * policy.weight_bytes() if policy.master else weights
+    # stage 3 shards the text weights after they are built: the whole TP shard exists first
+    built = (v + (counts.text_per_rank(tp) if t else 0)) * policy.weight_bytes()
     return RankState(params=held, updated=updated, weights=weights,
-                     grads=(held - frozen) * policy.grad_bytes(), masters=masters,
-                     optimizer=optimizer, startup_peak=weights + masters + 4 * counts.largest,
+                     grads=trained * policy.grad_bytes(), masters=masters, optimizer=optimizer,
+                     startup_peak=max(weights + masters, built) + 4 * counts.largest,
                      staging=saved + optimizer)
 
 
@@ -174,6 +232,17 @@ def _bytes(dtype) -> int:
     import torch
 
     return torch.empty((), dtype=dtype).element_size()
+
+
+def _dim0_sharded(param_name: str, plan: dict) -> bool:
+    """The TP split of ``param_name`` is along its dim 0: column-parallel weights and biases, the
+    vocab-parallel (row-parallel) embedding."""
+    module, leaf = param_name.rsplit(".", 1)
+    for pattern, style in plan.items():
+        if fnmatch.fnmatchcase(module, pattern):
+            kind = type(style).__name__
+            return kind == "ColwiseParallel" or (kind == "RowwiseParallel" and module.endswith("embed_tokens"))
+    return False
 
 
 def _is_sharded(param_name: str, plan: dict) -> bool:
@@ -268,13 +337,12 @@ class RankMemory:
 
 def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int, text_tokens: int,
                    samples: int, settings: ActivationSettings,
-                   state_bytes: float = STATE_BYTES_PER_PARAM, vision_zero1: bool = False,
-                   policy=None) -> list:
+                   state_bytes: float = STATE_BYTES_PER_PARAM, policy=None) -> list:
     """Per-rank `RankMemory` for micro-batches of ``samples`` samples per replica, each with
     ``vision_tokens`` patch tokens and ``text_tokens`` text tokens. With a ``policy`` (a
     `PrecisionPolicy`) the state is `rank_state`'s exact bytes; without, ``state_bytes`` per
-    parameter, and with ``vision_zero1`` the ViT's AdamW moments (8 of the state bytes) are
-    sharded over the whole vision group (the cost model's approximation)."""
+    parameter, and with vision ZeRO (stage >= 1) the ViT's AdamW moments (8 of the state bytes)
+    are sharded over the whole vision group (the cost model's approximation)."""
     vc, tc = config.vision_config, config.text_config
     merge = vc.spatial_merge_size ** 2
     sp, tp = topology.vision.inner, topology.text.inner
@@ -282,13 +350,13 @@ def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int,
     v_act = vision_activation_bytes(vc, samples * vision_tokens, sp, settings, vision_tokens)
     t_act = text_activation_bytes(tc, samples * seq, tp, settings, seq,
                                   seq_parallel=getattr(topology, "text_sequence_parallel", False))
-    moments = 8 * (1 - 1 / topology.vision.size) if vision_zero1 else 0
+    moments = 8 * (1 - 1 / topology.vision.size) if topology.vision.zero_stage else 0
     out = []
     for r in range(topology.world_size):
         roles = topology.roles(r)
         v = counts.vision if "vision" in roles else 0
         params = v + (counts.text_per_rank(tp) if "text" in roles else 0)
-        state = (rank_state(counts, topology, r, policy, vision_zero1).total if policy is not None
+        state = (rank_state(counts, topology, r, policy).total if policy is not None
                  else params * state_bytes - v * moments)
         out.append(RankMemory(r, roles, params, state,
                               v_act if "vision" in roles else 0.0,

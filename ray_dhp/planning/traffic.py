@@ -20,8 +20,12 @@ def collective_bytes(config, counts, layout: Layout, w: Workload) -> dict:
     """Bytes one rank sends per optimizer step in each collective of ``layout`` (the volumes
     `phase_times` divides by a bandwidth): Ulysses all-to-alls and TP all-reduces over the
     ``M`` micro-batches, the boundary both ways, and the end-of-step gradient reductions (ring
-    all-reduce: ``2 (n - 1) / n`` of the buffer; all-to-all: ``(n - 1) / n``)."""
+    all-reduce: ``2 (n - 1) / n`` of the buffer; all-to-all: ``(n - 1) / n``). The gradient
+    entries follow each module's ZeRO stage (`ray_dhp.parallel.zero.replica_bytes`: + the owners'
+    broadcast at stages 1-2, reduce instead of all-reduce at 2, FSDP2's all-gathers and one
+    reduce-scatter at 3)."""
     from ray_dhp.models import family_of
+    from ray_dhp.parallel.zero import replica_bytes
 
     topo, s, m = layout.topology(), w.settings, w.micro_batches
     v, t = topo.vision, topo.text
@@ -36,10 +40,9 @@ def collective_bytes(config, counts, layout: Layout, w: Workload) -> dict:
         * s.dtype_bytes
     boundary = 2 * max(st * feat, sv * feat / v.inner * t.inner)
     g = 4 if w.state_bytes >= 16 else 2
-    zero1 = w.vision_zero1 and v.size > 1
-    v_grads = 2 * (v.size - 1) / v.size * counts.vision * g \
-        + ((v.size - 1) / v.size * counts.vision * 4 if zero1 else 0.0)
-    t_grads = 2 * (t.dp - 1) / t.dp * counts.text_per_rank(t.inner) * g
+    v_grads = replica_bytes(v.size, v.zero_stage, counts.vision * g, counts.vision * 4)
+    t_rank = counts.text_per_rank(t.inner)
+    t_grads = replica_bytes(t.dp, t.zero_stage, t_rank * g, t_rank * 4)
     return dict(zip(COLLECTIVES, (m * a2a * (3 if s.checkpointing else 2), m * ar,
                                   m * boundary, v_grads, t_grads)))
 

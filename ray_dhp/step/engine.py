@@ -36,13 +36,13 @@ from ray_dhp.models import family_of, load_model_config
 from ray_dhp.models.contract import check_features_consumed, check_transformers
 from ray_dhp.models.loading import build_meta_model, materialize, module_prefix
 from ray_dhp.step.gpu import apply_tf32, to_device
-from ray_dhp.step.optim import build_optimizer_for
 from ray_dhp.step.precision import policy_of, weight_dtype
 from ray_dhp.step.schedule import order_for
 from ray_dhp.parallel import boundary as bnd
 from ray_dhp.parallel import data as dp
 from ray_dhp.parallel.balance import Balancer
 from ray_dhp.parallel.comm import CommCounter
+from ray_dhp.parallel.fsdp import shard_text
 from ray_dhp.parallel.tensor import apply_tp_plan, partial_grad_params
 from ray_dhp.train.loop_config import TrainLoopConfig
 from ray_dhp.step.tuning import apply_tuning, check_layout, tuning_of, vision_trains
@@ -79,14 +79,12 @@ class DHPEngine(UpdateMixin):
             tp = topo.text.inner > 1
             add_lora(self.text_model, self.tuning.lora, cfg.seed, groups.text_mesh["tp"] if tp else None,
                      self.family.text_tp_plan(self.config.text_config) if tp else None)
+        shard_text(self)  # ZeRO stage 3: FSDP2 over the text dp ranks (ray_dhp.parallel.fsdp)
         held = apply_tuning(self.visual, self.text_model, self.tuning)
         self.vision_params, self.text_params, self.frozen_params = held
         self._partial = (partial_grad_params(self.text_model, self.family.tp_partial_grad_suffixes)
                          if self.text_model is not None and topo.text.inner > 1 else [])
-        self._build_vision_optimizer()
-        self.text_opt, self.text_sched, self.text_masters = build_optimizer_for(
-            self.text_model.named_parameters() if self.text_model is not None else [], cfg,
-            self.policy)
+        self._build_optimizers()  # over each module's ZeRO partition (step/updates.py)
         self.feature_dim = self.family.feature_dim(self.config)
         self.step_count = 0
         self._timer = PhaseTimer(groups.device)
@@ -134,7 +132,7 @@ class DHPEngine(UpdateMixin):
         if n_targets == 0:
             raise ValueError("the step has no trainable tokens (all labels are -100)")
         self._loss_fn, self._num_samples = loss_fn, sum(len(mb) for mb in micro_batches)
-        states = [_MicroBatch(mb) for mb in micro_batches]
+        states = self._states = [_MicroBatch(mb) for mb in micro_batches]
         self._inflight = bnd.InFlight()  # boundary sends not yet waited for
         for phase, k in order_for(self.schedule, len(states)):
             with self._timer(phase):
@@ -190,7 +188,10 @@ class DHPEngine(UpdateMixin):
         g = self.groups
         if g.is_text:
             j = g.text_coord[0]
-            groups = mb.lay.text_groups[j] if mb.lay.text_groups else [mb.lay.text_samples[j]]
+            groups = mb.lay.text_groups[j] if mb.lay.text_groups and self.fsdp is None \
+                else [mb.lay.text_samples[j]]  # FSDP: the same number of forwards per replica
+            if self.fsdp is not None:  # reduce-scatter in the step's last backward only
+                self.fsdp.sync(mb is self._states[-1])
             mb.loss_sum, mb.grad_feats = self._text_groups(mb, mb.lay.text_samples[j], groups, n_targets)
         mb.text_feats = None
 

@@ -94,14 +94,3 @@ def build_optimizer_for(named_params, cfg: TrainLoopConfig, policy, prefix: str 
     opt, sched = build_optimizer(masters.named_parameters() if masters else named, cfg, prefix)
     return opt, sched, masters
 
-
-def zero1_owners(sizes: list, world: int) -> list:
-    """Assign parameters (by element count) to ``world`` ranks, largest first to the least loaded
-    rank: the ZeRO-1 partition. Deterministic, so every rank computes the same owners."""
-    load = [0] * world
-    owners = [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        r = min(range(world), key=lambda r: (load[r], r))
-        owners[i] = r
-        load[r] += sizes[i]
-    return owners

@@ -28,6 +28,8 @@ class ModuleLayout:
     dp: int
     inner: int
     offset: int  # world rank of group-local rank 0
+    # ZeRO stage of the module's state over its replicas (`ray_dhp.parallel.zero`): 0-3
+    zero_stage: int = 0
 
     @property
     def size(self) -> int:
@@ -75,8 +77,13 @@ class Topology:
     @classmethod
     def build(
         cls, *, placement: str, vision_dp: int, vision_sp: int, text_dp: int, text_tp: int,
-        text_sequence_parallel: bool = False,
+        text_sequence_parallel: bool = False, vision_zero: Optional[int] = None,
+        text_zero: Optional[int] = None,
     ) -> "Topology":
+        """``vision_zero`` / ``text_zero``: the modules' ZeRO stages; None is the default (1 with
+        more than one replica, `ray_dhp.parallel.zero.resolve_stage`)."""
+        from ray_dhp.parallel.zero import resolve_stage
+
         if placement not in PLACEMENTS:
             raise ValueError(
                 f"placement={placement!r} is not known; use one of {PLACEMENTS}."
@@ -104,11 +111,13 @@ class Topology:
             world, text_offset = nv, 0
         else:
             world, text_offset = nv + nt, nv
+        vision_zero = resolve_stage(vision_zero, nv, "vision")
+        text_zero = resolve_stage(text_zero, text_dp, "text")
         return cls(
             world_size=world,
             placement=placement,
-            vision=ModuleLayout("vision", "sp", vision_dp, vision_sp, 0),
-            text=ModuleLayout("text", "tp", text_dp, text_tp, text_offset),
+            vision=ModuleLayout("vision", "sp", vision_dp, vision_sp, 0, vision_zero),
+            text=ModuleLayout("text", "tp", text_dp, text_tp, text_offset, text_zero),
             text_sequence_parallel=text_sequence_parallel,
         )
 

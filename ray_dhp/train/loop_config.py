@@ -106,7 +106,6 @@ class TrainLoopConfig:
         tf32: TF32 for fp32 matmuls and convolutions on CUDA (`ray_dhp.step.gpu`; ignored on
             CPU). Matters for the fp32 and bf16_autocast policies' fp32 matmuls.
         activation_checkpointing: recompute transformer blocks in backward.
-        vision_zero1: shard the vision optimizer state over the vision group (ZeRO-1).
         prefetch: prepare the next step's samples in a background thread while the current
             step trains (each sample is decoded once across the cluster either way).
         data_workers: processes per rank that decode its share of each step (0: decode in the
@@ -171,7 +170,6 @@ class TrainLoopConfig:
     precision: str = checked("fp32", choices=POLICY_NAMES)
     tf32: bool = True
     activation_checkpointing: bool = False
-    vision_zero1: bool = True
     prefetch: bool = True
     data_workers: int = checked(0, ge=0)
     dataset_weights: Optional[dict] = None

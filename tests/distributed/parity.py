@@ -35,14 +35,15 @@ def make_steps(tmp_path, family: str, cfg: TrainLoopConfig, *, num_samples=16, t
 
 def named_full_grads(engine) -> dict:
     """The gradients this rank holds for its parameters, unsharded (collective on text ranks);
-    frozen parameters (`ray_dhp.step.tuning`) have none and are left out."""
+    frozen parameters (`ray_dhp.step.tuning`) have none and are left out, and so are, after the
+    reduction at ZeRO stage 2, those another replica owns (`ray_dhp.parallel.zero`)."""
     out = {}
     if engine.visual is not None:
         out.update({f"model.visual.{n}": p.grad.detach().clone() for n, p in engine.visual.named_parameters()
-                    if p.requires_grad})
+                    if p.requires_grad and p.grad is not None})
     if engine.text_model is not None:
         for n, p in engine.text_model.named_parameters():
-            if not p.requires_grad:
+            if not p.requires_grad or p.grad is None:
                 continue
             g = p.grad
             out[n] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()

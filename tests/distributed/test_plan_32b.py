@@ -24,7 +24,7 @@ def _meta_rank0_body(rank, world, path, policies):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from ray_dhp.models import family_of
-    from ray_dhp.step.optim import zero1_owners
+    from ray_dhp.parallel.zero import owners as zero1_owners
     from ray_dhp.parallel.tensor import apply_tp_plan, local
     from ray_dhp.step.precision import POLICIES
     from ray_dhp.run_file import load_run_file
@@ -71,7 +71,7 @@ def test_32b_tp8_rank_state_matches_plan():
         rf = load_run_file(EXAMPLE, [f"optim.precision={precision}"])
         dhp = rf.dhp_config()
         want = rank_state(count_params(dhp.model_config()), dhp.topology(), 0,
-                          POLICIES[precision], vision_zero1=rf.optim.vision_zero1)
+                          POLICIES[precision])
         for key in ("weights", "grads", "masters", "optimizer"):
             got, plan = measured[precision][key], getattr(want, key)
             assert abs(got - plan) <= 0.02 * max(plan, 1), (precision, key, got, plan)

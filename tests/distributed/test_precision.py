@@ -68,7 +68,7 @@ def test_rank_bytes_equal_the_plan_for_every_policy(layout, steps):
     counts = count_params(demo.tiny_model_config(FAMILY))
     for rank, got in enumerate(outs):
         for name in POLICY_NAMES:
-            want = rank_state(counts, topo, rank, POLICIES[name], vision_zero1=CFG.vision_zero1)
+            want = rank_state(counts, topo, rank, POLICIES[name])
             g = got[name]
             assert (g["weights"], g["grads"], g["masters"], g["optimizer"]) == \
                 (want.weights, want.grads, want.masters, want.optimizer), (rank, name, g, want)

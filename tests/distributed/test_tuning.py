@@ -88,7 +88,7 @@ def _assert_state_is_the_plan(got: dict, cfg: TrainLoopConfig, layout: dict) -> 
     counts = count_params(demo.tiny_model_config(FAMILY), tuning_of(cfg))
     policy = policy_of(cfg)
     for rank, out in enumerate(got["per_rank"]):
-        want = rank_state(counts, topo, rank, policy, cfg.vision_zero1)
+        want = rank_state(counts, topo, rank, policy)
         st = out["state"]
         # fp64 run: the plan counts the policy's fp32 bytes, the engine holds 8-byte tensors
         assert (st["weights"], st["grads"], st["masters"], st["optimizer"]) == \

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ray_dhp.step.optim import zero1_owners
+from ray_dhp.parallel.zero import owners as zero1_owners
 from ray_dhp.step.schedule import order_for, pipelined_order, sequential_order
 
 

@@ -1,0 +1,96 @@
+"""ZeRO stage 3 for the language model: torch FSDP2 (``fully_shard``) over the ``dp`` dimension of
+the text mesh, on top of the DTensor TP plan on ``tp`` (torchtitan's 2-D order: TP first, then
+one FSDP unit per decoder layer, the embedding and the head, and the root for what is left).
+
+Each unit's parameters are ``Shard(0)`` over the data-parallel replicas (and keep their TP
+placement): a rank holds ``1/dp`` of its TP shard's weights, gradients, fp32 masters and AdamW
+moments. A unit's weights are all-gathered before its forward (the next unit's are prefetched)
+and again before its backward; its gradients are reduce-scattered (SUM: the loss is normalised by
+the step's global token count, `ray_dhp.parallel.data`) right after its backward, in fp32 for
+bf16 gradients. With several micro-batches the reduce-scatter runs once per step, in the last
+micro-batch's backward (`FSDPText.sync`); the others accumulate the unsharded gradients.
+
+The global gradient norm counts each entry once: every rank adds its local shard, the entries of
+TP-replicated parameters only on TP rank 0 (`FSDPText.norm_share`).
+
+FSDP's collectives run in the forward/backward of every unit, so every text replica must run the
+same number of forwards per micro-batch: the engine runs a replica's samples as one padded batch
+at stage 3 (not as cost-balanced padded groups).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ray_dhp.parallel import data as dp
+from ray_dhp.parallel.tensor import local
+
+
+def _units(model, family) -> list:
+    """The FSDP units of a language model, in forward order: embedding, decoder layers, head."""
+    lm = family.language_model(model)
+    units = [lm.embed_tokens, *lm.layers]
+    head = model.get_output_embeddings()
+    if head is not None and head.weight is not lm.embed_tokens.weight:
+        units.append(head)
+    return units
+
+
+class FSDPText:
+    """The FSDP2-sharded language model of one text rank (see the module docstring)."""
+
+    def __init__(self, model, family, dp_mesh, reduce_dtype, tp_first: bool):
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
+        self.units = _units(model, family)
+        for unit in self.units:
+            fully_shard(unit, mesh=dp_mesh, mp_policy=mp)
+        fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+        self.modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        for m in self.modules:
+            m.set_gradient_divide_factor(1.0)  # SUM over replicas, not a mean
+            m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+        self.root, self.tp_first = model, tp_first
+
+    def sync(self, last: bool) -> None:
+        """Reduce-scatter the gradients in the coming backward (``last``: the step's last
+        micro-batch) or accumulate them unsharded (the others)."""
+        self.root.set_requires_gradient_sync(last)
+        self.root.set_is_last_backward(last)
+
+    def norm_share(self, device) -> torch.Tensor:
+        """This rank's share of the global squared gradient norm (fp64 on ``device``)."""
+        sq = torch.zeros((), dtype=torch.float64, device=device)
+        for p in self.params:
+            placements = getattr(p.grad, "placements", ())
+            tp_sharded = len(placements) > 1 and placements[1].is_shard()
+            if tp_sharded or self.tp_first:
+                sq += dp.sum_of_squares(local(p.grad).detach()).to(device)
+        return sq
+
+    # -- the `ray_dhp.parallel.zero.ZeroPartition` interface the update step uses ----------------
+
+    params: list = ()
+
+    def mine(self, named: list) -> list:
+        return list(named)  # every rank steps its shard of every parameter
+
+    def reduce(self, comm, tag: str, reduce_dtype=None) -> None:
+        """Nothing left to do: the backward reduce-scattered the gradients."""
+
+    def broadcast(self, comm, tag: str) -> None:
+        """Nothing to share: each rank's shard is the only copy."""
+
+
+def shard_text(engine) -> None:
+    """Stage 3 of the engine's language model, if configured: `FSDPText` in ``engine.fsdp``
+    (None otherwise). Called after the TP plan and LoRA and before the parameter lists are
+    taken (``fully_shard`` replaces the parameters with their sharded DTensors)."""
+    g = engine.groups
+    engine.fsdp = None
+    if engine.text_model is None or g.topology.text.zero_stage != 3:
+        return
+    reduce_dtype = engine.policy.reduce_dtype if engine.dtype != torch.float64 else None
+    engine.fsdp = FSDPText(engine.text_model, engine.family, g.text_mesh["dp"], reduce_dtype,
+                           tp_first=g.text_coord[1] == 0)

@@ -1,0 +1,189 @@
+"""ZeRO stages per module (`ray_dhp.parallel.zero`, `ray_dhp.parallel.fsdp`) are exact: fp64
+parity with the single-process reference (loss and grad-norm of every step, every clipped
+gradient on the rank that holds it, every rank's copy of every parameter and update) at text
+TP2xDP2 and vision SP2xDP2, collocated and disjoint with unequal groups.
+
+Tolerance 1e-10 relative, as the layout matrix (tests/distributed/test_parity.py): in fp64 the
+only differences are summation orders (the reduce-to-owner and the FSDP reduce-scatter sum the
+replicas in another order than an all-reduce), ~1e-14 measured; a wrong partition (a parameter
+stepped twice or never, a gradient counted twice in the norm, a stale replica) is O(1).
+"""
+
+import pytest
+import torch
+
+from ray_dhp.train.loop_config import TrainLoopConfig
+from tests.distributed.parity import assert_parity, make_steps, run_engine, run_reference
+
+CFG = TrainLoopConfig(lr=1e-3, global_batch_size=8, micro_batches=2, num_steps=2,
+                      max_grad_norm=0.5, weight_decay=0.1, lr_schedule="cosine", warmup_steps=1)
+FAMILY = "qwen2_5_vl"
+TOL = dict(loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10, grad_tol=1e-10)
+
+COLLOCATED = dict(placement="collocated", vision_dp=2, vision_sp=2, text_dp=2, text_tp=2)
+
+
+@pytest.fixture(scope="module")
+def steps(tmp_path_factory):
+    return make_steps(tmp_path_factory.mktemp("zero"), FAMILY, CFG)
+
+
+@pytest.fixture(scope="module")
+def reference(steps):
+    return steps, run_reference(FAMILY, CFG, steps, torch.float64)
+
+
+def _check(layout, stage, reference):
+    steps, ref = reference
+    got = run_engine(FAMILY, dict(layout, vision_zero=stage, text_zero=stage), CFG, steps,
+                     torch.float64, grads=True)
+    assert_parity(got, ref, **TOL)
+    return got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2])
+def test_collocated_tp2dp2_sp2dp2(stage, reference):
+    got = _check(COLLOCATED, stage, reference)
+    ops = {k.split("/")[0] for o in got["per_rank"] for k in o["comm"]}
+    assert ("reduce" in ops) == (stage == 2) and "broadcast" in ops
+
+
+def test_text_fsdp2_tp2dp2_with_vision_stage2(reference):
+    """The default run's case: text stage 3 (FSDP2 on the dp dim of the 2-D text mesh, TP on tp)
+    and the vision tower at stage 2 over SP2xDP2 (reduce to the owner, broadcast back); 2
+    micro-batches: one reduce-scatter per step. (Stage 1 is the default of every layout of the
+    parity matrix with more than one replica, tests/distributed/test_parity.py.)"""
+    steps, ref = reference
+    got = run_engine(FAMILY, dict(COLLOCATED, vision_zero=2, text_zero=3), CFG, steps,
+                     torch.float64, grads=True)
+    assert_parity(got, ref, **TOL)
+    ops = {k for o in got["per_rank"] for k in o["comm"]}
+    assert "reduce/vision.grads" in ops and "broadcast/vision.zero" in ops
+    assert not any(k.endswith("text.grads") for k in ops)  # FSDP reduced the text gradients
+
+
+D_1V_2T = dict(placement="disjoint", vision_dp=1, vision_sp=1, text_dp=2, text_tp=1)
+D_3V_1T = dict(placement="disjoint", vision_dp=3, vision_sp=1, text_dp=1, text_tp=1)
+COMBOS = {  # name: (layout, (vision stage, text stage), config changes)
+    "disjoint-1v-2t-s1": (D_1V_2T, (0, 1), {}),
+    "disjoint-1v-2t-s2": (D_1V_2T, (0, 2), {}),
+    "disjoint-1v-2t-s3": (D_1V_2T, (0, 3), {}),
+    "disjoint-3v-1t-s1": (D_3V_1T, (1, 0), {}),
+    "disjoint-3v-1t-s2": (D_3V_1T, (2, 0), {}),
+    "s3-text-sp": (dict(COLLOCATED, text_sequence_parallel=True), (1, 3), {}),
+    "s3-lora": (COLLOCATED, (1, 3), {"modules": {"llm": {"lora": {"r": 4, "alpha": 8}}}}),
+    "s3-frozen-vision": (COLLOCATED, (0, 3), {"modules": {"vision": {"train": False}}}),
+    "s3-one-micro-batch": (COLLOCATED, (2, 3), {"micro_batches": 1}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(COMBOS))
+def test_stage_combinations(name, tmp_path):
+    from dataclasses import replace
+
+    layout, (vz, tz), changes = COMBOS[name]
+    cfg = replace(CFG, **changes)
+    steps = make_steps(tmp_path, FAMILY, cfg)
+    ref = run_reference(FAMILY, cfg, steps, torch.float64)
+    got = run_engine(FAMILY, dict(layout, vision_zero=vz, text_zero=tz), cfg, steps,
+                     torch.float64, grads=True)
+    assert_parity(got, ref, **TOL)
+
+
+STAGES = [(0, 0), (1, 1), (2, 2), (1, 3)]  # (vision, text)
+
+
+def _bytes_body(rank, world, layout, steps, precision):
+    from dataclasses import replace
+
+    from ray_dhp import demo
+    from ray_dhp.parallel.devcheck import CollectiveDeviceCheck
+    from ray_dhp.step.engine import DHPEngine
+    from ray_dhp.step.mesh import build_groups
+    from ray_dhp.step.topology import Topology
+
+    out = {}
+    for vz, tz in STAGES:
+        groups = build_groups(Topology.build(**layout, vision_zero=vz, text_zero=tz), torch.device("cpu"))
+        engine = DHPEngine(demo.tiny_model_config(FAMILY), groups, replace(CFG, precision=precision))
+        with CollectiveDeviceCheck(groups.device, host_groups=[groups.data]) as check:
+            engine.step(steps[0])
+        out[(vz, tz)] = {**engine.state_bytes(), "checked_calls": check.calls}
+    return out
+
+
+def test_rank_bytes_equal_the_plan_for_every_stage(steps):
+    """Weights, gradients, fp32 masters and AdamW moments measured on every rank after one
+    bf16_mixed step equal `rank_state` (what `ray-dhp plan` prints) for stages 0-3 at
+    TP2xDP2 / SP2xDP2, and every collective passes the device check (NCCL-valid)."""
+    from ray_dhp import demo
+    from ray_dhp.planning.memory import count_params, rank_state
+    from ray_dhp.step.precision import POLICIES
+    from ray_dhp.step.topology import Topology
+    from tests.spawn import run_on_ranks
+
+    outs = run_on_ranks(_bytes_body, 4, args=(COLLOCATED, steps, "bf16_mixed"))
+    counts = count_params(demo.tiny_model_config(FAMILY))
+    for vz, tz in STAGES:
+        topo = Topology.build(**COLLOCATED, vision_zero=vz, text_zero=tz)
+        for rank, got in enumerate(outs):
+            want = rank_state(counts, topo, rank, POLICIES["bf16_mixed"])
+            g = got[(vz, tz)]
+            assert (g["weights"], g["grads"], g["masters"], g["optimizer"]) == \
+                (want.weights, want.grads, want.masters, want.optimizer), (vz, tz, rank, g, want)
+            assert g["checked_calls"] > 0
+    s0, s1, s3 = (outs[0][s]["total"] for s in ((0, 0), (1, 1), (1, 3)))
+    assert s3 < s1 < s0  # each stage holds less
+
+
+# -- checkpoints across stages (DCP by parameter name reshards FSDP2 / TP / ZeRO partitions) ----
+
+TP2_DP2_S3 = dict(placement="collocated", vision_dp=2, vision_sp=2, text_dp=2, text_tp=2,
+                  vision_zero=2, text_zero=3)
+TP2_S0 = dict(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1, text_tp=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("before, after", [(TP2_DP2_S3, TP2_S0), (TP2_S0, TP2_DP2_S3)],
+                         ids=["stage3-tp2dp2-to-stage0-tp2", "stage0-tp2-to-stage3-tp2dp2"])
+def test_resume_across_stages_is_exact(before, after, tmp_path, tmp_path_factory):
+    """3 steps at one stage + save + load at another + 3 steps == 6 uninterrupted reference
+    steps (losses, every rank's copy of every parameter; tests/distributed/test_checkpoint.py's
+    invariant and tolerance); AdamW moments, schedule and data position all travel."""
+    from tests.distributed import test_checkpoint as ck
+
+    data = str(ck.demo.make_dataset(tmp_path_factory.mktemp("data"), num_samples=16, seed=0,
+                                    text_only_every=4, image_sizes=((56, 56), (84, 56), (112, 84))))
+    from ray_dhp.step.reference import ReferenceTrainer
+
+    sampler = ck._sampler(data, ck.CFG)
+    trainer = ReferenceTrainer(ck.demo.tiny_model_config(ck.FAMILY), ck.CFG, dtype=ck.DTYPE)
+    ref = {"history": [trainer.step(sampler.next_step()) for _ in range(ck.CFG.num_steps)],
+           "params": trainer.named_parameters()}
+    first = ck.run(before, data, stop=3, save_at=(3,), ckpt_root=str(tmp_path))
+    second = ck.run(after, data, resume_from=str(tmp_path))
+    assert second["first"] == 3
+    ck.assert_matches(first["history"] + second["history"], second, ref)
+
+
+@pytest.mark.slow
+def test_export_of_a_stage3_checkpoint_is_the_trained_model(tmp_path, tmp_path_factory):
+    """`export_hf` of a checkpoint saved at text stage 3 (FSDP2 x TP shards in DCP, read one
+    tensor at a time) gives exactly the parameters the ranks held."""
+    import os
+
+    import transformers
+
+    from ray_dhp import export_hf
+    from tests.distributed import test_checkpoint as ck
+
+    data = str(ck.demo.make_dataset(tmp_path_factory.mktemp("data"), num_samples=16, seed=0,
+                                    text_only_every=4, image_sizes=((56, 56), (84, 56), (112, 84))))
+    got = ck.run(TP2_DP2_S3, data, stop=2, save_at=(2,), ckpt_root=str(tmp_path / "ck"))
+    out = export_hf(os.path.join(tmp_path, "ck", "checkpoint_000002"), tmp_path / "hf")
+    exported = dict(transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(out).named_parameters())
+    assert set(exported) == set(got["params"])
+    for name, p in got["params"].items():
+        assert torch.equal(exported[name], p), name
