@@ -1,24 +1,48 @@
 """Single-process reference training: the stock transformers model, no parallelism.
 
 This is what the DHP engine must reproduce (same loss and same parameter update for the same
-data, seed and hyper-parameters). It shares only the loss normalisation, optimizer and schedule
-code with the engine; the forward is the model's own (its own vision tower, its own feature
-scatter), so the tests also check our vision drivers and boundary against transformers.
+data, seed and hyper-parameters). It is built from the stock libraries, not from the engine's
+helpers, so that parity tests compare the engine with an independent implementation:
+
+* the forward is the model's own (its own vision tower, its own feature scatter);
+* LoRA adapters are PEFT's own ``get_peft_model(model, LoraConfig(...))`` with PEFT's default
+  initialisation (``lora_A`` Kaiming-uniform with ``a=sqrt(5)``, ``lora_B`` zero); the only
+  convention taken from the engine is *which* random numbers: the Kaiming-uniform draw comes
+  from a generator seeded by the run seed and the layer name (the engine must give every rank
+  the same adapters; PEFT draws from the global RNG), in fp64 and rounded to the weights' dtype;
+* modules are told apart by the model's own sub-modules (``model.model.visual``, its
+  ``merger`` / ``deepstack_merger_list``; the rest is the language model), frozen with
+  ``requires_grad_(False)``;
+* the optimizer is a plain ``torch.optim.AdamW`` with one parameter group per trainable
+  parameter, its lr and weight decay written out here (per-module values, no decay on tensors
+  of fewer than 2 dims);
+* bf16_mixed keeps a plain fp32 copy of every trainable weight: the gradients are upcast into
+  it, clipped there by ``torch.nn.utils.clip_grad_norm_``, AdamW steps it and the bf16 weights
+  are rounded from it.
+
+Shared with the engine (tested on their own, see tests/README.md): the config parsing
+(`TrainLoopConfig`, `ray_dhp.step.tuning.tuning_of`: *what* was asked), the batch padding, the
+loss normalisation (`ray_dhp.step.loss`) and the lr schedule's factor (`ray_dhp.step.optim.lr_factor`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+import zlib
+
 import torch
 
 from ray_dhp.data.collate import pad_text_batch
-from ray_dhp.step.engine import count_targets, shift_labels, upcast
-from ray_dhp.step.loss import LossInputs, backward_loss, sample_ids_of
 from ray_dhp.models import build_model, load_model_config
-from ray_dhp.step.optim import build_optimizer_for
-from ray_dhp.parallel.data import clip_coefficient
+from ray_dhp.step.loss import LossInputs, backward_loss, sample_ids_of
+from ray_dhp.step.microbatch import count_targets, shift_labels, upcast
+from ray_dhp.step.optim import lr_factor
 from ray_dhp.step.precision import policy_of, weight_dtype
+from ray_dhp.step.tuning import tuning_of
 from ray_dhp.train.loop_config import TrainLoopConfig
-from ray_dhp.step.tuning import freeze, tuning_of
+
+ADAPTER = "default"  # PEFT's default adapter name
 
 
 class ReferenceTrainer:
@@ -29,16 +53,29 @@ class ReferenceTrainer:
         self.config = load_model_config(model)
         self.model = build_model(model, seed=cfg.seed, dtype=dtype).to(device)
         self.dtype = dtype
-        self.model.train()
-        tuning = tuning_of(cfg)  # per-module choices (ray_dhp.step.tuning), PEFT LoRA adapters
-        if tuning.lora is not None:
-            from ray_dhp.models.lora import add_lora
-
-            add_lora(self.model, tuning.lora, cfg.seed)
-        freeze(self.model, tuning)
         self.device = torch.device(device)
-        self.opt, self.sched, self.masters = build_optimizer_for(
-            self.model.named_parameters(), cfg, self.policy)
+        tuning = tuning_of(cfg)  # what was asked (parsed); how, is written out below
+        lora_params = set()
+        if tuning.lora is not None:
+            lora_params = _add_peft_lora(self.model, tuning.lora, cfg.seed)
+        self.model.train()
+        trained = []  # (name, parameter, lr, weight decay)
+        for name, p, module in _named_by_module(self.model):
+            choice = tuning.choice(module)
+            trains = (id(p) in lora_params) if module == "llm" and tuning.lora else choice.train
+            p.requires_grad_(trains)
+            if trains:
+                lr = cfg.lr if choice.lr is None else choice.lr
+                wd = cfg.weight_decay if choice.weight_decay is None else choice.weight_decay
+                trained.append((name, p, lr, wd if p.ndim >= 2 else 0.0))
+        self.masters = None  # bf16_mixed: plain fp32 copies, which AdamW steps instead
+        if self.policy.master:
+            self.masters = {n: torch.nn.Parameter(p.detach().float().clone()) for n, p, _, _ in trained}
+        groups = [{"params": [self.masters[n] if self.masters else p], "lr": lr, "weight_decay": wd}
+                  for n, p, lr, wd in trained]
+        self.opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s, cfg))
+        self._trained = [p for _, p, _, _ in trained]
 
     def step(self, micro_batches: list, loss_fn=None) -> dict:
         """One optimizer step; ``loss_fn`` as in `DHPEngine.forward_backward` (`ray_dhp.step.loss`),
@@ -57,24 +94,25 @@ class ReferenceTrainer:
             inputs = LossInputs(upcast(out.logits), targets, sample_ids_of(batch, mb).to(self.device),
                                 list(mb), n_targets, n_samples)
             total += float(backward_loss(loss_fn, inputs, tensor_parallel=False))
+        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
         if self.masters is None:
-            max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
-        else:  # bf16 gradients: the norm in fp64, the clipping in the fp32 masters' gradients
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            grad_norm = float(sum(g.double().pow(2).sum() for g in grads).sqrt())
-            self.masters.grads_to_masters(clip_coefficient(grad_norm, self.cfg.max_grad_norm))
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self._trained, max_norm))
+        else:  # bf16 gradients: upcast into the fp32 copies, the norm and clipping there
+            with torch.no_grad():
+                for p, m in zip(self._trained, self.masters.values()):
+                    m.grad = p.grad.float()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(list(self.masters.values()), max_norm))
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         if self.masters is not None:
-            self.masters.masters_to_params()
+            with torch.no_grad():
+                for p, m in zip(self._trained, self.masters.values()):
+                    p.copy_(m)
             self.model.zero_grad(set_to_none=True)
         return {"loss": total, "grad_norm": grad_norm}
 
     def _autocast(self):
-        import contextlib
-
         if self.policy.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.policy.autocast_dtype)
@@ -84,6 +122,45 @@ class ReferenceTrainer:
 
     def named_masters(self) -> dict:
         """The fp32 master weights (bf16_mixed) by parameter name; {} without masters."""
-        if self.masters is None:
-            return {}
-        return {n: p.detach().clone() for n, p in self.masters.named_parameters()}
+        return {n: p.detach().clone() for n, p in (self.masters or {}).items()}
+
+
+def _named_by_module(model) -> list:
+    """``(name, parameter, module)`` for every parameter, ``module`` one of "vision" (the
+    vision tower), "merger" (its ``merger`` and Qwen3-VL's ``deepstack_merger_list``) or "llm"
+    (everything else), told apart by the transformers model's own sub-modules."""
+    visual = model.model.visual
+    merger = {id(p) for sub in ("merger", "deepstack_merger_list")
+              if getattr(visual, sub, None) is not None for p in getattr(visual, sub).parameters()}
+    tower = {id(p) for p in visual.parameters()} - merger
+    return [(n, p, "merger" if id(p) in merger else "vision" if id(p) in tower else "llm")
+            for n, p in model.named_parameters()]
+
+
+def _add_peft_lora(model, choice, seed: int) -> set:
+    """PEFT's adapters on the language model's targeted linears (in place; ``model`` keeps its
+    parameter names with PEFT's ``base_layer`` / ``lora_A.default`` / ``lora_B.default``), the
+    ``lora_A`` draws re-done per layer name (see the module docstring). Returns the adapter
+    parameters' ids."""
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import LoraLayer
+
+    language_model = model.model.language_model
+    prefix = next(n for n, m in model.named_modules() if m is language_model)
+    names = "|".join(choice.target_modules)
+    config = LoraConfig(r=choice.r, lora_alpha=choice.alpha, lora_dropout=0.0,
+                        target_modules=rf"{prefix}\.layers\.\d+\.(self_attn|mlp)\.({names})")
+    get_peft_model(model, config, autocast_adapter_dtype=False)  # wraps; modifies model in place
+    ids = set()
+    with torch.no_grad():
+        for name, layer in model.named_modules():
+            if not isinstance(layer, LoraLayer):
+                continue
+            a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
+            assert layer.scaling[ADAPTER] == choice.alpha / choice.r and not b.any(), name
+            draw = torch.empty(a.shape, dtype=torch.float64)
+            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            torch.nn.init.kaiming_uniform_(draw, a=math.sqrt(5), generator=g)  # PEFT's init of A
+            a.copy_(draw)
+            ids |= {id(a), id(b)}
+    return ids

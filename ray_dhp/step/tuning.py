@@ -13,9 +13,10 @@ their name in the transformers model: ``model.visual.merger.*`` and Qwen3-VL's
 vision tower, everything else (``model.language_model.*``, ``lm_head.*``) the language model.
 
 A frozen parameter has ``requires_grad=False``: no gradient, no optimizer state, no fp32 master;
-gradient reduction, clipping and ZeRO-1 skip it (the engine and the reference share
-`freeze` and `ray_dhp.step.optim.param_groups`). It is still held (the forward needs it) and saved in
-checkpoints, so a checkpoint resumes exactly and exports a full model.
+gradient reduction, clipping and ZeRO-1 skip it (the single-process reference,
+`ray_dhp.step.reference`, freezes and groups parameters on its own, so parity checks these).
+It is still held (the forward needs it) and saved in checkpoints, so a checkpoint resumes
+exactly and exports a full model.
 """
 
 from __future__ import annotations

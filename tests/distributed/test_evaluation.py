@@ -12,6 +12,8 @@ batches by a token budget instead (several micro-batches per batch).
 Tolerance: fp64, 1e-10 relative (as the parity matrix, see tests/distributed/test_parity.py): the
 only differences are summation orders (~1e-14). Training with evaluations must be *bit-identical*
 to training without them (same process, same seed): losses, grad norms and every parameter.
+Every sub-module is back in training mode after every evaluation (checked directly: with the
+tiny models' dropout 0, no number would show a module left in eval mode).
 """
 
 import pytest
@@ -75,6 +77,12 @@ def _ref_eval(ref, samples) -> float:
     return total / count_targets(samples)
 
 
+def _modes(engine) -> dict:
+    return {f"{side}.{n}": m.training for side, module in (("vision", engine.visual),
+                                                            ("text", engine.text_model))
+            if module is not None for n, m in module.named_modules()}
+
+
 def _body(rank, world, layout, steps, val, val_cfg):
     from ray_dhp.data.eval_loader import EvalLoader
     from ray_dhp.step.engine import DHPEngine
@@ -86,11 +94,14 @@ def _body(rank, world, layout, steps, val, val_cfg):
     plain = DHPEngine(model, groups, CFG, dtype=torch.float64)
     loader = EvalLoader(_val_sampler(val, val_cfg), groups, batch_size=val_cfg.eval_batch(),
                         balancer=with_eval.balancer())
+    modes = [_modes(with_eval)]  # every sub-module's `training` flag, before/after each evaluation
     evals = [with_eval.evaluate(loader.batches())]
+    modes.append(_modes(with_eval))
     history, plain_history = [], []
     for mbs in steps:
         history.append(with_eval.step(mbs))
         evals.append(with_eval.evaluate(loader.batches()))
+        modes.append(_modes(with_eval))
         plain_history.append(plain.step(mbs))
     a, b = with_eval.named_full_parameters(), plain.named_full_parameters()
     identical = all(torch.equal(a[n], b[n]) for n in a) and a.keys() == b.keys()
@@ -98,13 +109,14 @@ def _body(rank, world, layout, steps, val, val_cfg):
     return {"evals": evals, "identical_params": identical,
             "history": [{k: h[k] for k in keep} for h in history],
             "plain_history": [{k: h[k] for k in keep} for h in plain_history],
-            "skipped": loader.skipped,
+            "skipped": loader.skipped, "modes": modes,
             "micro_batches": [len(mbs) for mbs in loader.batches()]}
 
 
-# the validation set as one batch cut by a token budget: 30 tokens per text replica and
-# micro-batch hold one sample (19-26 tokens) each, so 3 micro-batches of 2 samples at DP2
-BUDGET = TrainLoopConfig(global_batch_size=4, micro_batch_tokens=30, eval_batch_size=7)
+# the validation set as one batch cut by a token budget: 40 tokens per text replica and
+# micro-batch hold one sample (30-37 tokens with the chat template) each, never two, so 3
+# micro-batches of 2 samples at DP2
+BUDGET = TrainLoopConfig(global_batch_size=4, micro_batch_tokens=40, eval_batch_size=7)
 
 LAYOUTS = {
     "collocated-sp2-tp2": dict(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1, text_tp=2),
@@ -127,6 +139,13 @@ def test_eval_loss_matches_reference_and_leaves_training_unchanged(name, data):
         assert outs[0]["micro_batches"] == [3], outs[0]["micro_batches"]
     for rank, out in enumerate(outs):
         assert out["skipped"] == 1, rank
+        # training mode (dropout, anything that reads `training`) back on every sub-module after
+        # every evaluation: at this size no number shows it (dropout 0)
+        before, *after = out["modes"]
+        assert before and all(before.values()), (rank, [n for n, t in before.items() if not t][:5])
+        for k, modes in enumerate(after):
+            left = sorted(n for n in before if modes.get(n) != before[n])
+            assert not left, f"rank {rank}: after evaluation {k + 1}, not in training mode: {left[:5]}"
         for k, (got, want) in enumerate(zip(out["evals"], ref["eval"], strict=True)):
             assert got["eval_samples"] == 6 and got["eval_tokens"] == ref["targets"], (rank, got)
             assert abs(got["eval_loss"] - want) / want < 1e-10, (rank, k, got["eval_loss"], want)

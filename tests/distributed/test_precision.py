@@ -86,18 +86,18 @@ def _masters_body(rank, world, layout, steps, cfg):
                                  (engine.text_masters, engine.text_opt, "")):
         if opt is None:
             continue
-        _capture_grads(opt, masters, prefix, seen)
+        _capture_grads(opt, masters.named_parameters, prefix, seen)
     m0 = _full(engine)
     engine.step(steps[0])
     return {"masters0": m0, "masters": _full(engine), "grads": seen,
             "params": engine.named_full_parameters()}
 
 
-def _capture_grads(opt, masters, prefix, seen):
+def _capture_grads(opt, named_masters, prefix, seen):
     step = opt.step
 
     def capturing(*a, **k):
-        for n, p in masters.named_parameters():  # the engine steps a chunk per call
+        for n, p in named_masters():  # the engine steps a chunk per call
             if p.grad is not None:
                 seen[prefix + n] = _as_full(p.grad).clone()
         return step(*a, **k)
@@ -122,7 +122,7 @@ def _reference(cfg, steps):
 
     ref = ReferenceTrainer(demo.tiny_model_config(FAMILY), cfg)
     seen = {}
-    _capture_grads(ref.opt, ref.masters, "", seen)
+    _capture_grads(ref.opt, ref.masters.items, "", seen)
     m0 = ref.named_masters()
     ref.step(steps[0])
     return {"masters0": m0, "masters": ref.named_masters(), "grads": seen}

@@ -45,6 +45,51 @@ def test_sharded_directory_first_step_parity_fp64(layout, sharded_dir, tmp_path)
     assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10)
 
 
+def _probe_reads() -> list:
+    """Instrument ``safetensors.safe_open`` in this process: every tensor read from a handle
+    (``get_tensor``, or ``get_slice(...)[...]``) is recorded as ``(key, how, bytes read)``."""
+    import safetensors
+
+    reads, stock = [], safetensors.safe_open
+
+    class Slice:
+        def __init__(self, inner, key):
+            self.inner, self.key = inner, key
+
+        def __getattr__(self, attr):  # get_shape, get_dtype: header only
+            return getattr(self.inner, attr)
+
+        def __getitem__(self, index):
+            t = self.inner[index]
+            reads.append((self.key, "get_slice", t.numel() * t.element_size()))
+            return t
+
+    class Handle:
+        def __init__(self, *a, **k):
+            self.inner = stock(*a, **k)
+
+        def __enter__(self):
+            self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+        def __getattr__(self, attr):
+            return getattr(self.inner, attr)
+
+        def get_tensor(self, key):
+            t = self.inner.get_tensor(key)
+            reads.append((key, "get_tensor", t.numel() * t.element_size()))
+            return t
+
+        def get_slice(self, key):
+            return Slice(self.inner.get_slice(key), key)
+
+    safetensors.safe_open = Handle
+    return reads
+
+
 def _holdings_body(rank, world, layout, model):
     from ray_dhp.step.engine import DHPEngine
     from ray_dhp.step.mesh import build_groups
@@ -52,6 +97,7 @@ def _holdings_body(rank, world, layout, model):
     from ray_dhp.parallel.tensor import local
     from ray_dhp.step.topology import Topology
 
+    reads = _probe_reads()
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
     engine = DHPEngine(model, groups, TrainLoopConfig(global_batch_size=2, seed=5))
     held = {}
@@ -59,7 +105,7 @@ def _holdings_body(rank, world, layout, model):
         for n, p in (mod.named_parameters() if mod is not None else []):
             placements = [pl.dim if pl.is_shard() else None for pl in getattr(p, "placements", ())]
             held[prefix + n] = (local(p).detach().clone(), tuple(p.shape), placements, p.is_meta)
-    return {"held": held, "bytes": local_parameter_bytes(engine.visual, engine.text_model),
+    return {"held": held, "bytes": local_parameter_bytes(engine.visual, engine.text_model), "reads": reads,
             "is_vision": groups.is_vision, "is_text": groups.is_text, "tp": groups.text_coord}
 
 
@@ -82,6 +128,11 @@ def test_each_rank_holds_only_its_shards_bit_identical(layout, source, sharded_d
     full = dict(ref.named_parameters())
     counts = count_params(demo.tiny_model_config(FAMILY))
     outs = run_on_ranks(_holdings_body, 3 if layout is DISJOINT else 2, args=(layout, model))
+    param_of = {}  # checkpoint tensor name -> model parameter name
+    if source == "directory":
+        from ray_dhp.models.loading import build_meta_model
+
+        param_of = {k: n for n, k in build_meta_model(model).directory.source.items()}
     for rank, o in enumerate(outs):
         names = set(o["held"])
         vision = {n for n in names if n.startswith("model.visual.")}
@@ -100,3 +151,11 @@ def test_each_rank_holds_only_its_shards_bit_identical(layout, source, sharded_d
         expected = (counts.vision * 4 if o["is_vision"] else 0) + \
             (counts.text_per_rank(2) * 4 if o["is_text"] else 0)
         assert o["bytes"] == expected, (rank, o["bytes"], expected)
+        if source == "directory":  # read only the shard: never a whole sharded tensor
+            whole = sorted({param_of.get(k, k) for k, how, _ in o["reads"] if how == "get_tensor"}
+                           & set(sharded))
+            assert not whole, f"rank {rank} read whole sharded tensors (get_tensor): {whole[:5]}"
+            read = sum(n for *_, n in o["reads"])
+            assert read == o["bytes"], (rank, read, o["bytes"])  # fp32 file, fp32 parameters
+        else:
+            assert not o["reads"], rank
