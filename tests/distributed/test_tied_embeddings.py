@@ -145,7 +145,7 @@ def test_bf16_mixed_one_master_and_the_plans_bytes(steps_cache):
     for rank, o in enumerate(outs):
         assert o["tied"] and o["tied_after"] and o["rounded"], rank
         assert EMBED in o["master_names"] and not any("lm_head" in n for n in o["master_names"])
-        want = rank_state(counts, topo, rank, policy_of(cfg), vision_zero1=cfg.vision_zero1)
+        want = rank_state(counts, topo, rank, policy_of(cfg))
         st = o["state"]
         assert (st["weights"], st["grads"], st["masters"], st["optimizer"]) == \
             (want.weights, want.grads, want.masters, want.optimizer), (rank, st, want)
