@@ -151,16 +151,18 @@ def test_each_mismatch_fails_in_the_driver(case, model_dir, tmp_path, capsys):
         assert "configuration error: processor.path=" in err and MISMATCHES[case] in err, err
 
 
-def test_train_refuses_before_ray_and_plan_checks_paths(model_dir, tmp_path, capsys):
+def test_train_refuses_before_ray_and_plan_checks_paths(model_dir, tmp_path, capsys, monkeypatch):
     import ray
 
+    started = []  # Ray may already run in this pytest process (other tests): watch ray.init
+    monkeypatch.setattr(ray, "init", lambda *a, **k: started.append((a, k)))
     folder = _copy(model_dir, tmp_path, "proc")
     _break(folder, "merge", None)
     run = tmp_path / "run.yaml"
     run.write_text("{}\n")
     base = [f"model.path={model_dir}", "model.demo=null", f"run.storage_path={tmp_path}"]
     assert main(["train", str(run), *base, f"processor.path={folder}"]) == EXIT_CONFIG
-    assert "merge_size=1" in capsys.readouterr().err and not ray.is_initialized()
+    assert "merge_size=1" in capsys.readouterr().err and not started
     for command in ("plan", "config", "train"):
         assert main([command, str(run), *base, f"processor.path={tmp_path}/nowhere"]) == EXIT_CONFIG
         assert "processor.path" in capsys.readouterr().err

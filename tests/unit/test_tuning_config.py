@@ -97,9 +97,9 @@ def test_plan_counts_frozen_parts_as_weights_only():
     config = demo.tiny_model_config("qwen2_5_vl")
     topo = Topology.build(placement="collocated", vision_sp=2, vision_dp=1, text_tp=2, text_dp=1)
     policy = POLICIES["bf16_mixed"]
-    full = rank_state(count_params(config), topo, 0, policy, True)
+    full = rank_state(count_params(config), topo, 0, policy)  # vision ZeRO-1: the default
     frozen = rank_state(count_params(config, parse_tuning({"llm": {"train": False}})), topo, 0,
-                        policy, True)
+                        policy)
     counts = count_params(config)
     t = counts.text_per_rank(2)
     assert frozen.weights == full.weights
