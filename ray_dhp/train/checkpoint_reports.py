@@ -8,9 +8,10 @@ storage during the call, and a restarted run resumes from the newest registered 
   it with that step's metrics (`ray_dhp.train.custom_loop.report_checkpoint`).
 * asynchronous (the default): a save point stages a snapshot and starts the background write
   (`ray_dhp.checkpointing.staging.BackgroundWriter`), and its report is *held back*: the step's
-  metrics are reported together with its checkpoint, at the first later report point at which
-  every rank's write is durable (one small all-reduce decides, the same on every rank), or at
-  the next save point / the end of training, which wait for it. So the number of reports is the
+  metrics are reported together with its checkpoint, at the end of the first later step at
+  which every rank's write is durable (while a write is in flight, one small all-reduce per
+  step decides, the same on every rank), or at the next save point / the end of training,
+  which wait for it. So the number of reports is the
   synchronous path's, a checkpoint's metrics (e.g. a score attribute) are its own step's, and
   until its report the previous checkpoint stays the newest registered one: a crash during the
   background write resumes from that. Metrics of report points between a save and its report

@@ -143,5 +143,7 @@ def _train(cfg: TrainLoopConfig, ctx, loader, processor, hook, trackers, eval_lo
                 reports.report(metrics)
             window_tokens, window_patches, window_time, data_wait, window_flops = 0, 0, 0.0, 0.0, 0.0
             window_start = step + 1
+        else:  # a write that became durable everywhere is registered at once, not at the next log
+            reports.flush(wait=False)
     reports.flush(wait=True)  # the last checkpoint, durable on every rank, reported
     return {"resumed_from_step": first, "final_step": engine.step_count}

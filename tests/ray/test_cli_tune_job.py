@@ -88,19 +88,30 @@ def test_ray_job_submit_runs_the_cli_to_succeeded(tmp_path):
     head = subprocess.Popen(
         [f"{bindir}/ray", "start", "--head", "--block", f"--port={_free_port()}",
          "--num-cpus=8", f"--temp-dir={short}", "--include-dashboard=true",
-         f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1"],
+         f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1",
+         # the agents' fixed default ports are taken when the suite's own Ray runs beside it
+         # (the job agent then never registers: "No available agent to submit job")
+         *(f"--{name}={_free_port()}" for name in (
+             "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
+             "runtime-env-agent-port", "ray-client-server-port"))],
         env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{dash}"
     try:
         _wait_for_dashboard(url, head)
         cli = "ray-dhp" if shutil.which("ray-dhp", path=bindir) else "python -m ray_dhp"
-        proc = subprocess.run(
-            [f"{bindir}/ray", "job", "submit", "--address", url, "--working-dir", str(ROOT),
-             "--", *cli.split(), "train", "examples/tiny.yaml", "optim.num_steps=3",
-             "optim.log_every=3", "data.demo_samples=16", f"run.storage_path={tmp_path}",
-             "run.name=job"],
-            env=env, capture_output=True, text=True, timeout=600)
-        out = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
+        submit = [f"{bindir}/ray", "job", "submit", "--address", url, "--working-dir", str(ROOT),
+                  "--", *cli.split(), "train", "examples/tiny.yaml", "optim.num_steps=3",
+                  "optim.log_every=3", "data.demo_samples=16", f"run.storage_path={tmp_path}",
+                  "run.name=job"]
+        # The dashboard answers before the node's job agent has registered with it; until then
+        # Ray refuses submissions ("No available agent"), so retry for a while (loaded machine).
+        deadline = time.time() + 120
+        while True:
+            proc = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=600)
+            out = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
+            if proc.returncode == 0 or "No available agent" not in out or time.time() > deadline:
+                break
+            time.sleep(2)
         assert proc.returncode == 0, out[-4000:]
         assert "succeeded" in out.lower() and "[ray_dhp] done: loss" in out, out[-4000:]
         assert [m["step"] for m in _history(tmp_path / "job")] == [1, 3]
