@@ -37,7 +37,7 @@ __all__ = [
     "BAD_KINDS",
 ]
 
-FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
+FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5")
 
 #: Special tokens of the Qwen chat format, in id order (ids 0..6 of the demo tokenizer).
 SPECIAL_TOKENS = (
@@ -151,7 +151,7 @@ def _token_ids() -> dict:
 
 def _vision_geometry(family: str) -> dict:
     """Patch geometry shared by the tiny config and the tiny processor of ``family``."""
-    patch = 16 if family == "qwen3_vl" else 14
+    patch = 16 if family in ("qwen3_vl", "qwen3_5") else 14
     return {"patch_size": patch, "spatial_merge_size": 2, "temporal_patch_size": 2}
 
 
@@ -174,7 +174,21 @@ def _vision_config(family: str) -> dict:
             "out_hidden_size": 64}
     if family == "qwen2_5_vl":
         return {**base, "window_size": 56, "fullatt_block_indexes": [1, 3], "tokens_per_second": 2}
+    if family == "qwen3_5":
+        return {**base, "num_position_embeddings": 64}
     return {**base, "deepstack_visual_indexes": [1, 2], "num_position_embeddings": 64}
+
+
+def _qwen3_5_text(text: dict) -> dict:
+    """Qwen3.5's hybrid LM at tiny size: one Gated DeltaNet layer then one gated-attention layer;
+    4 key / 8 value linear-attention heads of width 8 (two value heads per key head, as in the
+    released models; TP 1/2/4 divide both), half-rotary heads with an interleaved M-RoPE."""
+    rope = {**text["rope_parameters"], "mrope_section": [2, 1, 1], "mrope_interleaved": True,
+            "partial_rotary_factor": 0.5}
+    return {**text, "head_dim": 16, "rope_parameters": rope,
+            "layer_types": ["linear_attention", "full_attention"], "linear_conv_kernel_dim": 4,
+            "linear_num_key_heads": 4, "linear_num_value_heads": 8,
+            "linear_key_head_dim": 8, "linear_value_head_dim": 8}
 
 
 def _check_family(family: str) -> None:
@@ -189,25 +203,29 @@ def tiny_model_config(family: str = "qwen2_5_vl", *, tie_word_embeddings: bool =
     128, 2 layers, M-RoPE section [2, 3, 3], vocab = tokenizer length rounded up to a multiple
     of 8. Vision: hidden 32, 4 heads, depth 4, merge 2, temporal patch 2, output 64; patch 14
     (16 for ``qwen3_vl``). Qwen2.5-VL adds window attention (window 56 = 2x2 merge units, full
-    attention in blocks 1 and 3); Qwen3-VL adds deepstack layers 1, 2 and an 8x8 position table.
+    attention in blocks 1 and 3); Qwen3-VL adds deepstack layers 1, 2 and an 8x8 position table;
+    Qwen3.5 has the 8x8 table without deepstack and a hybrid LM (`_qwen3_5_text`).
     fp32, dropout 0, untied embeddings unless asked, ``sdpa`` attention. Token ids come from
     :func:`build_tokenizer`.
 
     Args:
-        family: ``"qwen2_5_vl"`` (default), ``"qwen2_vl"`` or ``"qwen3_vl"``.
+        family: ``"qwen2_5_vl"`` (default), ``"qwen2_vl"``, ``"qwen3_vl"`` or ``"qwen3_5"``.
         tie_word_embeddings: share one weight between the input embedding and ``lm_head`` (as
             Qwen2.5-VL-3B and the small Qwen3-VL models do).
     """
     _check_family(family)
-    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3_5Config, Qwen3VLConfig
 
-    cls = {"qwen2_5_vl": Qwen2_5_VLConfig, "qwen2_vl": Qwen2VLConfig, "qwen3_vl": Qwen3VLConfig}[family]
+    cls = {"qwen2_5_vl": Qwen2_5_VLConfig, "qwen2_vl": Qwen2VLConfig, "qwen3_vl": Qwen3VLConfig,
+           "qwen3_5": Qwen3_5Config}[family]
     ids = _token_ids()
     vocab = -(-len(build_tokenizer()) // 8) * 8
     text = {**_text_config(ids, vocab), "tie_word_embeddings": tie_word_embeddings}
     if family == "qwen3_vl":
         text["head_dim"] = 16
         text["rope_parameters"]["mrope_interleaved"] = True
+    if family == "qwen3_5":
+        text = _qwen3_5_text(text)
     config = cls(
         text_config=text, vision_config=_vision_config(family), tie_word_embeddings=tie_word_embeddings,
         **{k: ids[k] for k in ("image_token_id", "video_token_id",
@@ -229,7 +247,7 @@ def tiny_processor(family: str = "qwen2_5_vl", *, min_side: int = 56, max_side: 
     side gives grids of 4x4..8x8 patches at patch size 14).
 
     Args:
-        family: ``"qwen2_5_vl"`` (default), ``"qwen2_vl"`` or ``"qwen3_vl"``.
+        family: ``"qwen2_5_vl"`` (default), ``"qwen2_vl"``, ``"qwen3_vl"`` or ``"qwen3_5"``.
         min_side: side of the smallest image area, in pixels.
         max_side: side of the largest image area, in pixels.
     """

@@ -27,6 +27,10 @@ class FamilySpec:
     # (text_config) -> the TP plan with Megatron sequence parallelism; None: not covered (the
     # driver then refuses text sequence_parallel=true for this family).
     text_sp_plan: Optional[Callable] = None
+    # (text_config) -> extra ((what, size), ...) the text TP degree must divide (e.g. the heads of
+    # a second kind of mixer); the attention heads, KV heads, MLP width and vocabulary always.
+    tp_divisors: Callable = lambda text_config: ()
+    packing: bool = True  # False: samples cannot share a row (a recurrent mixer carries state)
 
     # -- model access (the seams of transformers' Qwen-VL classes) -----------------------------
 
@@ -64,9 +68,14 @@ class FamilySpec:
 
     # -- validation ----------------------------------------------------------------------------
 
-    def validate_layout(self, config, *, sp: int, tp: int, text_sp: bool = False) -> None:
+    def validate_layout(self, config, *, sp: int, tp: int, text_sp: bool = False,
+                        packing: bool = False) -> None:
         """Raise ValueError (saying what to change) if the degrees do not fit the model dims."""
         vc, tc = config.vision_config, config.text_config
+        if packing and not self.packing:
+            raise ValueError(f"data.packing=true is not covered for the {self.name} family (its "
+                             f"recurrent layers would carry state across packed samples); set "
+                             f"data.packing=false.")
         if text_sp and self.text_sp_plan is None:
             raise ValueError(f"text sequence_parallel=true is not covered for the {self.name} family; "
                              f"set text.sequence_parallel=false.")
@@ -79,7 +88,7 @@ class FamilySpec:
         for what, n in (("attention heads", tc.num_attention_heads),
                         ("KV heads", tc.num_key_value_heads),
                         ("MLP intermediate size", tc.intermediate_size),
-                        ("vocabulary size", tc.vocab_size)):
+                        ("vocabulary size", tc.vocab_size), *self.tp_divisors(tc)):
             if n % tp:
                 raise ValueError(
                     f"text tensor_parallel={tp} must divide the language model's {what} ({n}); "

@@ -15,9 +15,12 @@ sink when their last recorded operation ran, and dropped. At most one full param
 few of the module being initialised) is alive at a time, and the replay stops once the last kept
 parameter is final (a vision rank never draws the language model's init).
 
-What cannot be replayed this way is refused with an error naming the parameter: a random draw
-outside the parameters while constructing, or a parameter whose value depends on a tensor
-that is not a parameter.
+Temporaries are replayed too: a draw into a scratch tensor that is then copied into a
+parameter (Qwen3.5 draws its ``A_log`` into ``torch.empty(...)`` and takes the log), or a draw
+into a real tensor in a module's ``__init__`` (its writes are recorded; the tensor stays alive
+while recording so its storage is not confused with a later one). What cannot be replayed this
+way is refused with an error naming the parameter: an out-of-place random draw on real tensors
+while constructing, or a parameter whose value depends on another parameter.
 """
 
 from __future__ import annotations
@@ -84,30 +87,46 @@ class _Recorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops: list = []
-        self.foreign_random: list = []  # random ops on real tensors while constructing
+        self.foreign_random: list = []  # out-of-place random ops on real tensors while constructing
+        # Real (non-meta) tensors a random op wrote into while constructing (e.g. a draw in a
+        # module's ``__init__`` whose value is overwritten later): kept alive so their storage key
+        # stays theirs; their writes are recorded and replayed like those of a meta temporary.
+        self.temps: dict = {}
+
+    def _snap(self, x):
+        if isinstance(x, torch.Tensor) and not x.is_meta and storage_key(x) in self.temps:
+            return MetaRef(-storage_key(x), tuple(x.size()), tuple(x.stride()), x.storage_offset(), x.dtype)
+        return _snapshot(x)
+
+    def _record(self, func, args, kwargs, target) -> None:
+        self.ops.append(RecordedOp(func, tree_map(self._snap, args), tree_map(self._snap, kwargs),
+                                   None if target is None else self._snap(target)))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         leaves = tree_leaves((args, kwargs))
+        name = func.overloadpacket.__name__
         if not any(isinstance(a, torch.Tensor) and a.is_meta for a in leaves):
-            if func.overloadpacket.__name__ in RANDOM_OPS:
+            written = _written_arg(func, args, kwargs, meta=False)
+            if written is not None and (name in RANDOM_OPS or storage_key(written) in self.temps):
+                self.temps[storage_key(written)] = written
+                self._record(func, args, kwargs, written)
+            elif name in RANDOM_OPS:
                 self.foreign_random.append(str(func))
             return out
-        target = _written_meta_arg(func, args, kwargs)
-        name = func.overloadpacket.__name__
+        target = _written_arg(func, args, kwargs, meta=True)
         if target is not None or name in RANDOM_OPS:
-            self.ops.append(RecordedOp(func, tree_map(_snapshot, args), tree_map(_snapshot, kwargs),
-                                       None if target is None else _snapshot(target)))
+            self._record(func, args, kwargs, target)
         return out
 
 
-def _written_meta_arg(func, args, kwargs) -> Optional[torch.Tensor]:
+def _written_arg(func, args, kwargs, meta: bool) -> Optional[torch.Tensor]:
     for i, a in enumerate(func._schema.arguments):
         if a.alias_info is None or not a.alias_info.is_write:
             continue
         v = kwargs.get(a.name) if (a.kwarg_only or i >= len(args)) else args[i]
-        if isinstance(v, torch.Tensor) and v.is_meta:
+        if isinstance(v, torch.Tensor) and v.is_meta == meta:
             return v
     return None
 
@@ -146,12 +165,24 @@ class InitRecord:
             if t is None or t.storage not in self.params:
                 continue
             self.last[t.storage] = i
-            if op.name in OVERWRITE_OPS and self._covers(t) and not _reads_meta(op):
+            if op.name in OVERWRITE_OPS and self._covers(t) and not self._reads_params(op):
                 self.first_live[t.storage] = i
+        # temporaries (written storages that are no parameter: a draw into a scratch tensor that
+        # is then copied into a parameter): always replayed, dropped after their last use
+        self.temp_last: dict = {}
+        for i, op in enumerate(ops):
+            for r in tree_leaves((op.args, op.kwargs, op.target)):
+                if isinstance(r, MetaRef) and r.storage not in self.params:
+                    self.temp_last[r.storage] = i
         for s, names in self.names.items():
             if s not in self.first_live:
                 raise ValueError(f"random init: parameter {names[0]} is never fully written by the "
                                  f"model's init; it cannot be reproduced one parameter at a time")
+
+    def _reads_params(self, op: RecordedOp) -> bool:
+        """True if the op reads a parameter other than its target (its value depends on it)."""
+        reads = [x for x in tree_leaves((op.args, op.kwargs)) if isinstance(x, MetaRef)]
+        return any(r != op.target and r.storage in self.params for r in reads)
 
     def _covers(self, ref: MetaRef) -> bool:
         p = self.params[ref.storage]
@@ -160,7 +191,7 @@ class InitRecord:
     def replay(self, seed: int, wanted: set, sink: Callable[[list, torch.Tensor], None]) -> None:
         """Re-run the init from ``seed``; call ``sink(names, full_tensor)`` once for every
         parameter storage in ``wanted`` (``names``: all its names), as soon as it is final."""
-        live: dict = {}
+        live, temps = {}, {}
         pending = set(wanted)
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(seed)
@@ -172,14 +203,20 @@ class InitRecord:
                     if s not in live:
                         p = self.params[s]
                         live[s] = torch.empty_strided(p.size(), p.stride(), dtype=p.dtype)
-                    _run(op, lambda ref: self._view(live, ref, op))
+                    _run(op, lambda ref: self._view(live, temps, ref, op))
                     if i == self.last[s]:
                         sink(self.names[s], live.pop(s))
                         pending.discard(s)
+                elif s is not None and s not in self.params:  # a temporary
+                    _run(op, lambda ref: _temp(temps, ref))
                 elif op.is_random:  # only the generator's advance matters: a throw-away tensor
                     _run(op, self._scratch)
+                for key in [k for k in temps if self.temp_last.get(k) == i]:
+                    del temps[key]
 
-    def _view(self, live: dict, ref: MetaRef, op: RecordedOp) -> torch.Tensor:
+    def _view(self, live: dict, temps: dict, ref: MetaRef, op: RecordedOp) -> torch.Tensor:
+        if ref.storage not in self.params:
+            return _temp(temps, ref)
         base = live.get(ref.storage)
         if base is None:
             what = self.names.get(ref.storage, ["a tensor that is not a parameter"])[0]
@@ -197,10 +234,17 @@ class InitRecord:
         return base.as_strided(ref.size, ref.stride, ref.offset)
 
 
-def _reads_meta(op: RecordedOp) -> bool:
-    """True if the op reads a meta tensor other than its target (its value depends on it)."""
-    reads = [x for x in tree_leaves((op.args, op.kwargs)) if isinstance(x, MetaRef)]
-    return any(r != op.target for r in reads)
+def _extent(ref: MetaRef) -> int:
+    return ref.offset + 1 + sum((s - 1) * st for s, st in zip(ref.size, ref.stride))
+
+
+def _temp(temps: dict, ref: MetaRef) -> torch.Tensor:
+    """The replay's buffer of a temporary (made on first use, remade if a later temporary that
+    got the same storage key needs more room)."""
+    base = temps.get(ref.storage)
+    if base is None or base.numel() < _extent(ref) or base.dtype != ref.dtype:
+        base = temps[ref.storage] = torch.empty(max(_extent(ref), 1), dtype=ref.dtype)
+    return base.as_strided(ref.size, ref.stride, ref.offset)
 
 
 def _run(op: RecordedOp, resolve) -> None:

@@ -69,7 +69,7 @@ class DHPEngine(UpdateMixin):
         check_transformers(self.family)
         topo = groups.topology
         self.family.validate_layout(self.config, sp=topo.vision.inner, tp=topo.text.inner,
-                                    text_sp=topo.text_sequence_parallel)
+                                    text_sp=topo.text_sequence_parallel, packing=cfg.packing)
         self._build_shards(model, dtype, fill=init == "source")
         self.tuning = tuning_of(cfg)  # per-module choices: frozen parameters are left out below
         if self.tuning.lora is not None and self.text_model is not None:  # PEFT LoRA, TP-exact

@@ -40,10 +40,22 @@ def _assert_identical(got, ref):
 
 
 @pytest.mark.parametrize("family,dtype", [("qwen2_5_vl", torch.float32), ("qwen2_5_vl", torch.float64),
-                                          ("qwen2_vl", torch.float32), ("qwen3_vl", torch.float64)])
+                                          ("qwen2_vl", torch.float32), ("qwen3_vl", torch.float64),
+                                          ("qwen3_5", torch.float64)])
 def test_random_init_is_bit_identical_to_the_reference(family, dtype):
     got = _materialized(demo.tiny_model_config(family), seed=7, dtype=dtype)
     _assert_identical(got, build_model(demo.tiny_model_config(family), seed=7, dtype=dtype))
+
+
+def test_a_temporary_draw_copied_into_a_parameter_is_replayed():
+    """Qwen3.5's ``A_log``: drawn into a scratch tensor in ``__init__`` (a real CPU tensor) and
+    again in ``_init_weights`` (on the parameter's device, then ``log_`` and copied in); both
+    draws advance the generator, the second one's value is the parameter's."""
+    ref = build_model(demo.tiny_model_config("qwen3_5"), seed=3)
+    got = _materialized(demo.tiny_model_config("qwen3_5"), seed=3)
+    a = "model.language_model.layers.0.linear_attn.A_log"
+    assert torch.equal(dict(got.named_parameters())[a], dict(ref.named_parameters())[a])
+    assert not torch.equal(ref.get_parameter(a), torch.zeros_like(ref.get_parameter(a)))
 
 
 def test_only_wanted_parameters_are_materialised():

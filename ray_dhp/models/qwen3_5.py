@@ -1,0 +1,73 @@
+"""Qwen3.5 (dense): Qwen3-VL-style ViT (learned position table, no deepstack); a hybrid LM whose
+layers are Gated DeltaNet linear attention (``config.layer_types == "linear_attention"``) or
+gated full attention (``"full_attention"``, by default every 4th layer).
+
+Tensor parallelism shards both mixers by heads:
+
+* full attention as Qwen3's: ``q_proj`` holds ``[query | gate]`` *per head* (the model views it
+  as ``[..., heads, 2 * head_dim]``), so a column split on head boundaries is right; the
+  per-head ``q_norm``/``k_norm`` are replicated with partial gradients.
+* Gated DeltaNet: ``in_proj_qkv`` concatenates ``[q (all key heads) | k | v (all value heads)]``
+  and the depthwise ``conv1d`` runs over those concatenated channels, so a plain column split
+  would give rank 0 only query channels. transformers' own ``base_model_tp_plan`` sidesteps this
+  with ``colwise_gather_output`` everywhere (every rank then runs the conv and the recurrence
+  of all heads). Here `RankChannels` keeps the projection column-sharded, all-gathers its output
+  and gives each rank its key heads' ``q|k`` and its value heads' ``v`` channels (value head
+  ``j`` reads key head ``j // (V/K)``, and contiguous head blocks keep that pairing); the conv
+  weight, ``dt_bias`` and ``A_log`` are replicated and seen through the rank's channels
+  (partial gradients); ``in_proj_z``/``in_proj_b``/``in_proj_a`` are per value head already
+  (column-parallel), the gated norm's weight is shared by all heads (partial gradient) and
+  ``out_proj`` is row-parallel. The convolution and the recurrence therefore see exactly the
+  rank's channels and heads.
+
+Packing is refused: the recurrence would carry state across the samples of a packed row (the
+torch path of the model ignores the per-sample boundaries).
+"""
+
+from ray_dhp.models.base import FamilySpec, sequence_parallel_text_plan, standard_text_plan
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                "in_proj_qkv", "in_proj_z", "out_proj")
+
+
+def _widths(tc) -> tuple:
+    k = tc.linear_num_key_heads * tc.linear_key_head_dim
+    return k, tc.linear_num_value_heads * tc.linear_value_head_dim
+
+
+def _linear_attention(tc) -> dict:
+    from ray_dhp.parallel.channels import RankChannels
+
+    k, v = _widths(tc)
+    heads = (tc.linear_num_value_heads,)
+    return RankChannels(gather_outputs={"in_proj_qkv": (k, k, v)},
+                        params={"conv1d.weight": (k, k, v), "dt_bias": heads, "A_log": heads},
+                        attrs=("key_dim", "value_dim", "conv_dim", "num_k_heads", "num_v_heads"))
+
+
+def text_tp_plan(tc, prefix: str = "model.language_model") -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    layer = f"{prefix}.layers.*.linear_attn"
+    return {**standard_text_plan(prefix),
+            **{f"{layer}.{p}": ColwiseParallel() for p in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")},
+            f"{layer}.out_proj": RowwiseParallel(),
+            layer: _linear_attention(tc)}
+
+
+def text_tp_divisors(tc) -> tuple:
+    return (("linear-attention key heads", tc.linear_num_key_heads),
+            ("linear-attention value heads", tc.linear_num_value_heads))
+
+
+SPEC = FamilySpec(
+    name="qwen3_5",
+    model_type="qwen3_5",
+    model_class="Qwen3_5ForConditionalGeneration",
+    text_tp_plan=text_tp_plan,
+    tp_partial_grad_suffixes=("self_attn.q_norm.weight", "self_attn.k_norm.weight",
+                              "linear_attn.norm.weight", "linear_attn.conv1d.weight",
+                              "linear_attn.dt_bias", "linear_attn.A_log"),
+    tp_divisors=text_tp_divisors,
+    packing=False,
+)
