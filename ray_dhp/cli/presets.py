@@ -1,6 +1,8 @@
 """Published model dimensions, usable without weights (``model: {family: ..., preset: ...}``).
 
-The dimensions are those of the public Hugging Face ``config.json`` files of Qwen2.5-VL; only the
+The dimensions are those of the public Hugging Face ``config.json`` files of Qwen2.5-VL and
+Qwen3.5 (9B: transformers' own ``Qwen3_5Config`` defaults, its "Qwen3.5-9B style
+configuration"; 27B: the released ``Qwen/Qwen3.5-27B`` text config); only the
 fields that shape parameters, parallel degrees and memory are listed (token ids included so a
 config built from them is complete). `ray-dhp plan` builds such a model on the meta device to
 count parameters per rank; nothing is downloaded.
@@ -39,11 +41,45 @@ def _qwen2_5_vl(hidden: int, layers: int, heads: int, kv_heads: int, intermediat
     }
 
 
+_QWEN3_5_VISION = {
+    "depth": 27, "hidden_size": 1152, "num_heads": 16, "intermediate_size": 4304, "patch_size": 16,
+    "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 2304,
+    "in_channels": 3,
+}
+
+
+def _qwen3_5(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
+             linear_k_heads: int, linear_v_heads: int) -> dict:
+    return {
+        "model_type": "qwen3_5",
+        "vision_config": {**_QWEN3_5_VISION, "out_hidden_size": hidden},
+        "text_config": {
+            "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "head_dim": 256, "intermediate_size": intermediate,
+            "vocab_size": 248320, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+            "linear_num_key_heads": linear_k_heads, "linear_num_value_heads": linear_v_heads,
+            "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+            "full_attention_interval": 4,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                                "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                                "mrope_interleaved": True},
+            "tie_word_embeddings": False,
+        },
+        "tie_word_embeddings": False,
+        "image_token_id": 248056, "video_token_id": 248057,
+        "vision_start_token_id": 248053, "vision_end_token_id": 248054,
+    }
+
+
 PRESETS = {
     "qwen2_5_vl": {
         "7b": _qwen2_5_vl(3584, 28, 28, 4, 18944),
         "32b": _qwen2_5_vl(5120, 64, 40, 8, 27648),
         "72b": _qwen2_5_vl(8192, 80, 64, 8, 29568),
+    },
+    "qwen3_5": {
+        "9b": _qwen3_5(4096, 32, 16, 4, 12288, 16, 32),
+        "27b": _qwen3_5(5120, 64, 24, 4, 17408, 16, 48),
     },
 }
 

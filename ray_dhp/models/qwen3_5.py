@@ -26,10 +26,6 @@ torch path of the model ignores the per-sample boundaries).
 
 from ray_dhp.models.base import FamilySpec, sequence_parallel_text_plan, standard_text_plan
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                "in_proj_qkv", "in_proj_z", "out_proj")
-
-
 def _widths(tc) -> tuple:
     k = tc.linear_num_key_heads * tc.linear_key_head_dim
     return k, tc.linear_num_value_heads * tc.linear_value_head_dim
@@ -55,6 +51,28 @@ def text_tp_plan(tc, prefix: str = "model.language_model") -> dict:
             layer: _linear_attention(tc)}
 
 
+def text_sp_plan(tc, prefix: str = "model.language_model") -> dict:
+    """`sequence_parallel_text_plan` (gated attention, MLP, norms on the sequence shard) plus the
+    Gated DeltaNet layers: their input is all-gathered along the sequence (DTensor
+    ``PrepareModuleInput``; the module masks padding on the whole sequence before projecting,
+    so `GatheredColwise`'s saved-shard economy does not apply: each projection keeps the gathered
+    input and all-reduces its input gradient, as without SP); the conv and the recurrence run
+    on the whole sequence of the rank's heads, and ``out_proj`` reduce-scatters into the shard."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+
+    from ray_dhp.parallel.channels import Styles
+
+    layer = f"{prefix}.layers.*.linear_attn"
+    gather = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                use_local_output=True)
+    return {**sequence_parallel_text_plan(prefix),
+            **{f"{layer}.{p}": ColwiseParallel() for p in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")},
+            f"{layer}.out_proj": RowwiseParallel(output_layouts=Shard(1)),
+            layer: Styles(gather, _linear_attention(tc))}
+
+
 def text_tp_divisors(tc) -> tuple:
     return (("linear-attention key heads", tc.linear_num_key_heads),
             ("linear-attention value heads", tc.linear_num_value_heads))
@@ -65,6 +83,7 @@ SPEC = FamilySpec(
     model_type="qwen3_5",
     model_class="Qwen3_5ForConditionalGeneration",
     text_tp_plan=text_tp_plan,
+    text_sp_plan=text_sp_plan,
     tp_partial_grad_suffixes=("self_attn.q_norm.weight", "self_attn.k_norm.weight",
                               "linear_attn.norm.weight", "linear_attn.conv1d.weight",
                               "linear_attn.dt_bias", "linear_attn.A_log"),

@@ -1,0 +1,134 @@
+"""Qwen3.5 (hybrid Gated DeltaNet + gated attention LM) is exact under every layout: loss,
+grad-norm, every parameter and every update of every rank's copy equal the single-process stock
+model's (fp64, 3 steps, 2 micro-batches, clipping active; the parity batches of
+``test_parity.py``).
+
+Tolerances: 1e-10 relative as in ``test_parity.py`` (fp64: only summation orders differ),
+except the gated attention's per-head ``q_norm``/``k_norm`` weights. The stock
+``Qwen3_5RMSNorm`` computes in fp32 even in an fp64 model (``x.float()``, ``weight.float()``),
+so their gradient is an fp32 sum over tokens and heads; under TP each rank sums its own heads
+in fp32 and the all-reduce adds the partial sums: another summation order of fp32 terms.
+Two orders of an N-term fp32 sum differ by ~sqrt(N) u (u = 6e-8) of the terms' size; N = tokens
+x local heads ~ 150 x 4, sqrt(N) u ~ 1.5e-6; AdamW's per-entry normalisation passes an entry's
+relative gradient error into its update at most unchanged. Measured 2e-8..1e-7 (gradients,
+parameters and updates); 1e-5 leaves the margin, while a missing all-reduce (the partial sum
+of half the heads) is an O(1) error. The other Qwen3_5RMSNorm weights (layer norms, final
+norm) are replicated whole under TP and summed in the reference's order: they pass at 1e-10.
+
+Layouts: collocated SP2/TP2 in the default run (both layer kinds, head-sharded conv and
+recurrence, Ulysses ViT); disjoint 1+2, disjoint 1+4 (one key head and two value heads per
+rank), text sequence parallelism and activation checkpointing in the slow run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.distributed.parity import assert_parity, copy_errors, make_steps, run_engine, run_reference
+from tests.distributed.test_parity import CFG
+
+FAMILY = "qwen3_5"
+FP32_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+
+
+def _layout(placement, vision, text, text_sp=False):
+    (sp, vdp), (tp, tdp) = vision, text
+    return dict(placement=placement, vision_dp=vdp, vision_sp=sp, text_dp=tdp, text_tp=tp,
+                text_sequence_parallel=text_sp)
+
+
+CASES = {  # id: (layout, config changes)
+    "collocated-sp2-tp2": (_layout("collocated", (2, 1), (2, 1)), {}),
+    "disjoint-1v-2t": (_layout("disjoint", (1, 1), (2, 1)), {}),
+    "disjoint-1v-4t": (_layout("disjoint", (1, 1), (4, 1)), {}),
+    "collocated-sp2-tp2-text-sp": (_layout("collocated", (2, 1), (2, 1), text_sp=True), {}),
+    "disjoint-1v-2t-text-sp-checkpointing": (_layout("disjoint", (1, 1), (2, 1), text_sp=True),
+                                             {"activation_checkpointing": True}),
+    "collocated-sp2-tp2-checkpointing": (_layout("collocated", (2, 1), (2, 1)),
+                                         {"activation_checkpointing": True}),
+}
+DEFAULT = {"collocated-sp2-tp2"}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    steps = make_steps(tmp_path_factory.mktemp(FAMILY), FAMILY, CFG)
+    return steps, run_reference(FAMILY, CFG, steps, torch.float64)
+
+
+def assert_qwen3_5_parity(got, ref):
+    assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10, skip=FP32_NORMS)
+    per_rank = [{k: {n: t for n, t in o[k].items() if n.endswith(FP32_NORMS)} for k in ("params", "params0")}
+                for o in got["per_rank"]]
+    errs = (copy_errors(per_rank, ref["params"])
+            + copy_errors(per_rank, ref["params"], base="params0", ref_base=ref["params0"]))
+    assert errs and max(errs)[0] < 1e-5, max(errs)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c in DEFAULT else (pytest.mark.slow,), id=c)
+                                  for c in CASES])
+def test_qwen3_5_is_exact(case, reference):
+    steps, ref = reference
+    layout, changes = CASES[case]
+    got = run_engine(FAMILY, layout, dataclasses.replace(CFG, **changes), steps, torch.float64)
+    assert_qwen3_5_parity(got, ref)
+
+
+# -- a saved Hugging Face directory: sharded load, first step, export round trip ----------------
+
+def _dir_body(rank, world, layout, cfg, data, model_dir, ckpt):
+    from ray_dhp import demo
+    from ray_dhp.checkpointing.staging import BackgroundWriter
+    from ray_dhp.data.reading import read_annotations, resolve_data_root
+    from ray_dhp.data.sampler import StepSampler
+    from ray_dhp.step.engine import DHPEngine
+    from ray_dhp.step.mesh import build_groups
+    from ray_dhp.step.topology import Topology
+
+    groups = build_groups(Topology.build(**layout), torch.device("cpu"))
+    engine = DHPEngine(model_dir, groups, cfg, dtype=torch.float64)
+    sampler = StepSampler(read_annotations(data), demo.tiny_processor(FAMILY), resolve_data_root(data), cfg)
+    params0 = engine.named_full_parameters()
+    history = [engine.step(sampler.next_step()) for _ in range(cfg.num_steps)]
+    writer = BackgroundWriter(groups.device)
+    writer.start(ckpt, engine, sampler, processor=demo.tiny_processor(FAMILY))
+    writer.wait()
+    return {"history": history, "params0": params0, "params": engine.named_full_parameters()}
+
+
+@pytest.mark.slow
+def test_qwen3_5_directory_loads_sharded_and_exports(tmp_path):
+    """``save_pretrained`` of the tiny model, really sharded (100 KB files): the engine at
+    collocated SP2/TP2 reads only its slices, and its first step equals the stock
+    ``from_pretrained`` model's (1e-10 / the fp32-norm tolerance above); the checkpoint it then
+    writes exports a directory that ``from_pretrained`` loads with the trained weights, bit for bit."""
+    import os
+
+    import transformers
+
+    from ray_dhp import demo, export_hf
+    from ray_dhp.models import build_model
+    from tests.distributed.parity import merge_ranks
+    from tests.spawn import run_on_ranks
+
+    model_dir = str(tmp_path / "tiny")
+    build_model(demo.tiny_model_config(FAMILY), seed=5).save_pretrained(model_dir, max_shard_size="100KB")
+    assert len([f for f in os.listdir(model_dir) if f.endswith(".safetensors")]) > 2
+    cfg = dataclasses.replace(CFG, num_steps=1)
+    steps = make_steps(tmp_path, FAMILY, cfg)  # the same samples as the engine's sampler's
+    ref = run_reference(FAMILY, cfg, steps, torch.float64, model=model_dir)
+    data = str(demo.make_dataset(tmp_path / "data", num_samples=16, seed=cfg.seed, text_only_every=4,
+                                 image_sizes=((56, 56), (84, 56), (112, 84))))
+    layout = CASES["collocated-sp2-tp2"][0]
+    ckpt = str(tmp_path / "ckpt" / "checkpoint_000001")
+    got = merge_ranks(run_on_ranks(_dir_body, 2, args=(layout, cfg, data, model_dir, ckpt)))
+    assert_qwen3_5_parity(got, ref)
+    out = export_hf(ckpt, str(tmp_path / "hf"))
+    exported = dict(transformers.Qwen3_5ForConditionalGeneration.from_pretrained(
+        out, dtype=torch.float64).named_parameters())
+    assert set(exported) == set(got["params"])
+    for name, p in got["params"].items():
+        assert torch.equal(exported[name], p), name
