@@ -65,6 +65,7 @@ def _model_class(family):
         "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
         "qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
         "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
+        "qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
     }[family]
 
 
@@ -125,7 +126,8 @@ def test_tiny_config_shapes_and_ids(family):
     assert config.vision_end_token_id == tok.convert_tokens_to_ids("<|vision_end|>")
     assert text.pad_token_id == tok.pad_token_id and text.eos_token_id == tok.eos_token_id
     assert (text.hidden_size, text.num_attention_heads, text.num_key_value_heads) == (64, 4, 4)
-    assert sum(text.rope_parameters["mrope_section"]) == 64 // 4 // 2
+    rotary = text.rope_parameters.get("partial_rotary_factor", 1.0)  # Qwen3.5: half-rotary heads
+    assert sum(text.rope_parameters["mrope_section"]) == int(64 // 4 * rotary) // 2
     assert text.attention_dropout == 0 and not config.tie_word_embeddings
     assert vision.num_heads == 4 and vision.depth == 4
     image_proc = tiny_processor(family).image_processor
@@ -135,6 +137,8 @@ def test_tiny_config_shapes_and_ids(family):
         assert list(vision.fullatt_block_indexes) == [1, 3]
     if family == "qwen3_vl":
         assert list(vision.deepstack_visual_indexes) == [1, 2]
+    if family == "qwen3_5":
+        assert set(text.layer_types) == {"linear_attention", "full_attention"}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
