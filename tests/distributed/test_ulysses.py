@@ -17,12 +17,13 @@ import torch.distributed as dist
 
 from tests.spawn import run_on_ranks
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 GRIDS = ((1, 4, 4), (1, 8, 6), (1, 6, 8))  # 3 images of different sizes (h, w multiples of merge 2)
 EMPTY_GRIDS = {  # one image too small for sp=2: one rank (three at sp=4) gets no tokens
     "qwen2_vl": ((1, 2, 2),),  # a single merge unit
     "qwen2_5_vl": ((1, 4, 4),),  # a single window (2x2 merge units)
     "qwen3_vl": ((1, 2, 2),),
+    "qwen3_5": ((1, 2, 2),),
 }
 VIDEO_GRIDS = ((2, 6, 10), (1, 2, 2), (1, 16, 12))  # a 2-frame clip (one segment per frame) + images
 CASES = (tuple((f, GRIDS) for f in FAMILIES) + tuple((f, g) for f, g in EMPTY_GRIDS.items())
@@ -49,6 +50,9 @@ def tiny_vision_config(family: str, attn: str = "sdpa"):
         cfg = transformers.Qwen2_5_VLConfig(vision_config=dict(
             common, hidden_size=32, intermediate_size=64, out_hidden_size=64, window_size=56,
             fullatt_block_indexes=[1, 3]))
+    elif family == "qwen3_5":  # Qwen3-VL's tower without deepstack
+        cfg = transformers.Qwen3_5Config(vision_config=dict(
+            common, hidden_size=32, intermediate_size=64, out_hidden_size=64, num_position_embeddings=64))
     else:
         cfg = transformers.Qwen3VLConfig(vision_config=dict(
             common, hidden_size=32, intermediate_size=64, out_hidden_size=64, num_position_embeddings=64,
@@ -61,10 +65,12 @@ def tiny_vision_config(family: str, attn: str = "sdpa"):
 def build_tower(family: str, seed: int = 0):
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
     from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
     cls = {"qwen2_vl": Qwen2VisionTransformerPretrainedModel,
-           "qwen2_5_vl": Qwen2_5_VisionTransformerPretrainedModel, "qwen3_vl": Qwen3VLVisionModel}[family]
+           "qwen2_5_vl": Qwen2_5_VisionTransformerPretrainedModel, "qwen3_vl": Qwen3VLVisionModel,
+           "qwen3_5": Qwen3_5VisionModel}[family]
     torch.manual_seed(seed)
     return cls._from_config(tiny_vision_config(family), dtype=torch.float32)
 
