@@ -64,6 +64,8 @@ class RankChannels(ParallelStyle):
     """This TP rank's channels of a mixer whose fused channels are segmented by kind (see the
     module docstring); apply after the children's column/row-parallel styles."""
 
+    shards_parameters = False  # the module's own parameters stay whole (`ray_dhp.planning.memory`)
+
     def __init__(self, gather_outputs: dict = None, params: dict = None, attrs: tuple = ()):
         super().__init__()
         self.gather_outputs, self.params = dict(gather_outputs or {}), dict(params or {})

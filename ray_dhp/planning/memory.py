@@ -248,7 +248,9 @@ def _dim0_sharded(param_name: str, plan: dict) -> bool:
 def _is_sharded(param_name: str, plan: dict) -> bool:
     module, leaf = param_name.rsplit(".", 1)
     for pattern, style in plan.items():
-        if fnmatch.fnmatchcase(module, pattern):
+        if fnmatch.fnmatchcase(module, pattern):  # a style may keep its module's own parameters whole
+            if not getattr(style, "shards_parameters", True):
+                return False
             return not (leaf == "bias" and type(style).__name__ == "RowwiseParallel")
     return False
 

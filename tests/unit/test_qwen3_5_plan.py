@@ -54,3 +54,17 @@ def test_layout_checks_name_the_linear_heads_and_packing():
     with pytest.raises(ValueError, match="data.packing=true is not covered for the qwen3_5"):
         spec.validate_layout(demo.tiny_model_config("qwen3_5"), sp=1, tp=1, packing=True)
     FAMILIES["qwen2_5_vl"].validate_layout(demo.tiny_model_config("qwen2_5_vl"), sp=1, tp=1, packing=True)
+
+
+def test_plan_counts_the_replicated_linear_attention_parameters_whole():
+    """`ray-dhp plan` classifies parameters by the TP plan: the conv weight, ``dt_bias``,
+    ``A_log`` and every norm are replicated (held whole by each TP rank), all else is sharded."""
+    from ray_dhp.planning.memory import count_params
+
+    config = demo.tiny_model_config("qwen3_5")
+    spec = FAMILIES["qwen3_5"]
+    whole = spec.tp_partial_grad_suffixes + ("layernorm.weight", "language_model.norm.weight")
+    text = {n: p.numel() for n, p in build_model(config).named_parameters() if not n.startswith("model.visual.")}
+    counts = count_params(config)
+    assert counts.text == sum(text.values())
+    assert counts.text_sharded == sum(v for n, v in text.items() if not n.endswith(whole))
