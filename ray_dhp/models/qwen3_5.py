@@ -26,12 +26,14 @@ torch path of the model ignores the per-sample boundaries).
 
 from ray_dhp.models.base import FamilySpec, sequence_parallel_text_plan, standard_text_plan
 
+
 def _widths(tc) -> tuple:
     k = tc.linear_num_key_heads * tc.linear_key_head_dim
     return k, tc.linear_num_value_heads * tc.linear_value_head_dim
 
 
-def _linear_attention(tc) -> dict:
+def _linear_attention(tc):
+    """The `RankChannels` style of one Gated DeltaNet block (segments: q, k, v channels)."""
     from ray_dhp.parallel.channels import RankChannels
 
     k, v = _widths(tc)
