@@ -95,7 +95,8 @@ class _Recorder(TorchDispatchMode):
 
     def _snap(self, x):
         if isinstance(x, torch.Tensor) and not x.is_meta and storage_key(x) in self.temps:
-            return MetaRef(-storage_key(x), tuple(x.size()), tuple(x.stride()), x.storage_offset(), x.dtype)
+            return MetaRef(-storage_key(x), tuple(x.size()), tuple(x.stride()), x.storage_offset(),
+                           x.dtype)
         return _snapshot(x)
 
     def _record(self, func, args, kwargs, target) -> None:

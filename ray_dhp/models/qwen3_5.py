@@ -43,12 +43,15 @@ def _linear_attention(tc):
                         attrs=("key_dim", "value_dim", "conv_dim", "num_k_heads", "num_v_heads"))
 
 
+_COLUMN_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+
 def text_tp_plan(tc, prefix: str = "model.language_model") -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     layer = f"{prefix}.layers.*.linear_attn"
     return {**standard_text_plan(prefix),
-            **{f"{layer}.{p}": ColwiseParallel() for p in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")},
+            **{f"{layer}.{p}": ColwiseParallel() for p in _COLUMN_PROJECTIONS},
             f"{layer}.out_proj": RowwiseParallel(),
             layer: _linear_attention(tc)}
 
@@ -70,7 +73,7 @@ def text_sp_plan(tc, prefix: str = "model.language_model") -> dict:
                                 desired_input_kwarg_layouts={"hidden_states": Replicate()},
                                 use_local_output=True)
     return {**sequence_parallel_text_plan(prefix),
-            **{f"{layer}.{p}": ColwiseParallel() for p in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")},
+            **{f"{layer}.{p}": ColwiseParallel() for p in _COLUMN_PROJECTIONS},
             f"{layer}.out_proj": RowwiseParallel(output_layouts=Shard(1)),
             layer: Styles(gather, _linear_attention(tc))}
 

@@ -28,7 +28,8 @@ def test_each_rank_gets_its_heads_q_k_v_channels(tp):
     for rank in range(tp):
         idx = segment_index(segments, tp, rank)
         mine = mixed.index_select(-1, idx)
-        lq, lk, lv = torch.split(mine, [la.key_dim // tp, la.key_dim // tp, la.value_dim // tp], dim=-1)
+        widths = [la.key_dim // tp, la.key_dim // tp, la.value_dim // tp]
+        lq, lk, lv = torch.split(mine, widths, dim=-1)
         assert torch.equal(_heads(lq, la.head_k_dim), q[..., rank * nk:(rank + 1) * nk, :])
         assert torch.equal(_heads(lk, la.head_k_dim), k[..., rank * nk:(rank + 1) * nk, :])
         assert torch.equal(_heads(lv, la.head_v_dim), v[..., rank * nv:(rank + 1) * nv, :])
@@ -64,7 +65,8 @@ def test_plan_counts_the_replicated_linear_attention_parameters_whole():
     config = demo.tiny_model_config("qwen3_5")
     spec = FAMILIES["qwen3_5"]
     whole = spec.tp_partial_grad_suffixes + ("layernorm.weight", "language_model.norm.weight")
-    text = {n: p.numel() for n, p in build_model(config).named_parameters() if not n.startswith("model.visual.")}
+    text = {n: p.numel() for n, p in build_model(config).named_parameters()
+            if not n.startswith("model.visual.")}
     counts = count_params(config)
     assert counts.text == sum(text.values())
     assert counts.text_sharded == sum(v for n, v in text.items() if not n.endswith(whole))
