@@ -49,3 +49,41 @@ def moving_square(direction: str, n_frames: int, size=(64, 64), side: int = 16,
             y = int(round((1 - a if direction == "up" else a) * (h - side)))
         frames[t, y:y + side, x:x + side] = colour
     return frames
+
+
+def make_video_dataset(out_dir, num_samples: int = 8, *, seed: int = 0, n_frames: int = 8,
+                       fps: float = 4.0, size=(56, 56), mix: bool = True) -> Path:
+    """A LLaVA ``train.jsonl`` of moving-square clips ("Which way does the square move?" ->
+    the direction); with ``mix``, every third record also holds an image (a still of the clip,
+    ``<image>`` before ``<video>``), every fourth is text-only. Returns the annotation path."""
+    import json
+    import random
+
+    from PIL import Image
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    records = []
+    for i in range(num_samples):
+        direction = DIRECTIONS[rng.randrange(len(DIRECTIONS))]
+        if mix and i % 4 == 3:
+            records.append({"conversations": [
+                {"from": "human", "value": "Which way can a square move?"},
+                {"from": "gpt", "value": "left, right, up or down"}]})
+            continue
+        frames = moving_square(direction, n_frames + 2 * (i % 3), size)
+        name = f"clip_{i:04d}.mp4"
+        write_mp4(out / name, frames, fps)
+        record = {"video": name, "conversations": [
+            {"from": "human", "value": "<video>\nWhich way does the square move?"},
+            {"from": "gpt", "value": direction}]}
+        if mix and i % 3 == 1:
+            still = f"still_{i:04d}.png"
+            Image.fromarray(frames[len(frames) // 2]).save(out / still)
+            record["image"] = still
+            record["conversations"][0]["value"] = "<image>\nA still, then the clip: <video>\nWhich way does the square move?"
+        records.append(record)
+    path = out / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
