@@ -187,3 +187,96 @@ def _write_audio(path):
                 out.mux(p)
         for p in stream.encode():
             out.mux(p)
+
+
+def _clip(tmp_path, name, n, fps=4, size=(56, 56)):
+    return write_mp4(tmp_path / name, moving_square("left", n, size), fps).name
+
+
+SMALL = {"qwen2_5_vl": 28, "qwen2_vl": 28, "qwen3_vl": 32}
+
+
+def _processor(family):
+    from ray_dhp.demo import tiny_processor
+
+    unit = SMALL[family]
+    return tiny_processor(family).configured(
+        video=VideoSettings(min_pixels=(2 * unit) ** 2, max_pixels=(2 * unit) ** 2))
+
+
+def test_record_mixing_videos_and_images_keeps_placeholder_order(tmp_path):
+    """``<video> <image> <video>`` (a file and a frame list): items, grids, pixels and pads in
+    placeholder order; the collated batch splits them into the model's image and video inputs."""
+    from PIL import Image
+
+    from ray_dhp.data.collate import pad_text_batch, row_modalities
+
+    a = _clip(tmp_path, "a.mp4", 12)
+    frames = []
+    for i, f in enumerate(moving_square("up", 3, (56, 56))):
+        frames.append(f"f{i}.png")
+        Image.fromarray(f).save(tmp_path / frames[-1])
+    Image.fromarray(moving_square("up", 1, (84, 56))[0]).save(tmp_path / "still.png")
+    record = {"video": [a, frames], "image": "still.png", "conversations": [
+        {"from": "human", "value": "<video> then <image> then <video> ?"},
+        {"from": "gpt", "value": "left"}]}
+    proc = _processor("qwen2_5_vl")
+    s = proc.process(record, tmp_path)
+    assert s.modalities.tolist() == [2, 1, 2]
+    # a.mp4: 12 frames at 4 fps = 3 s -> 6 frames at 2 fps -> 3 temporal patches of 4x4 patches
+    assert s.image_grid_thw.tolist() == [[3, 4, 4], [1, 6, 4], [2, 4, 4]]
+    assert s.second_per_grid_ts.tolist() == [pytest.approx(1.0), pytest.approx(1.0)]
+    clip = load_video(tmp_path / a, proc.video, 28)
+    pv, _ = video_patches(clip.frames, proc.image_processor)
+    assert torch.equal(s.pixel_values[:48], pv)
+    mm = s.mm_token_type_ids.tolist()
+    runs = [(k, len(list(g))) for k, g in __import__("itertools").groupby(mm) if k]
+    assert runs == [(2, 12), (1, 6), (2, 8)]  # pads in placeholder order
+    batch = pad_text_batch([s], proc.pad_token_id)
+    assert batch["image_grid_thw"].tolist() == [[1, 6, 4]]
+    assert batch["video_grid_thw"].tolist() == [[3, 4, 4], [2, 4, 4]]
+    assert batch["pixel_values_videos"].shape[0] == 48 + 32 and batch["pixel_values"].shape[0] == 24
+    assert torch.equal(batch["pixel_values_videos"][:48], pv)
+    assert row_modalities([s], 2).tolist() == [2] * 12 + [1] * 6 + [2] * 8
+
+
+def test_qwen3_vl_timestamps_as_its_processor_renders_them(tmp_path):
+    """Qwen3-VL's pads: the text transformers' ``Qwen3VLProcessor.replace_video_token`` writes
+    for the same grid, frame indices and fps (its own method, on a stand-in self)."""
+    from types import SimpleNamespace
+
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.video_utils import VideoMetadata
+
+    name = _clip(tmp_path, "b.mp4", 14, fps=5)
+    record = {"video": name, "conversations": [{"from": "human", "value": "<video>?"},
+                                               {"from": "gpt", "value": "left"}]}
+    proc = _processor("qwen3_vl")
+    s = proc.process(record, tmp_path)
+    clip = load_video(tmp_path / name, proc.video, 32)
+    stand_in = SimpleNamespace(video_processor=SimpleNamespace(merge_size=2, temporal_patch_size=2),
+                               vision_start_token="<|vision_start|>", vision_end_token="<|vision_end|>",
+                               video_token="<|video_pad|>")
+    stand_in._calculate_timestamps = lambda *a: Qwen3VLProcessor._calculate_timestamps(stand_in, *a)
+    meta = VideoMetadata(total_num_frames=14, fps=clip.video_fps, frames_indices=clip.indices)
+    want = Qwen3VLProcessor.replace_video_token(
+        stand_in, {"video_grid_thw": s.image_grid_thw, "video_metadata": [meta]}, 0)
+    text = proc.tokenizer.decode(s.input_ids)
+    assert "<|vision_start|>" + want + "<|vision_end|>" in text
+    assert "seconds>" in want and s.image_grid_thw[0, 0] == 2
+
+
+def test_video_keys_reach_the_processor():
+    from types import SimpleNamespace
+
+    from ray_dhp.demo import tiny_processor
+    from ray_dhp.train.custom_loop import build_processor
+    from ray_dhp.train.loop_config import TrainLoopConfig
+
+    ctx = SimpleNamespace(rank=0, dhp_config=SimpleNamespace(processor=tiny_processor(), model=None))
+    cfg = TrainLoopConfig(video_fps=1.0, video_max_frames=16, video_total_pixels=10**6)
+    assert build_processor(ctx, cfg).video == VideoSettings(fps=1.0, max_frames=16, total_pixels=10**6)
+    from ray_dhp.checks import ConfigError
+
+    with pytest.raises(ConfigError, match="video_min_frames"):
+        TrainLoopConfig(video_min_frames=10, video_max_frames=8).validate()
