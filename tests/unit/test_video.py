@@ -280,3 +280,38 @@ def test_video_keys_reach_the_processor():
 
     with pytest.raises(ConfigError, match="video_min_frames"):
         TrainLoopConfig(video_min_frames=10, video_max_frames=8).validate()
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", pytest.param("qwen3_vl", marks=pytest.mark.slow)])
+def test_packed_video_samples_equal_padded_fp64(tmp_path, family):
+    """Packing computes each video sample's M-RoPE positions alone (video grids, Qwen2.5-VL's
+    second_per_grid_ts, Qwen3-VL's per-frame grids): per-token logits equal the padded batch's
+    (fp64; only the attention's summation order differs, 1e-12 bound as in test_packing.py)."""
+    from ray_dhp.data.collate import pack_text_batch, pad_text_batch
+    from ray_dhp.data.reading import read_annotations, resolve_data_root
+    from ray_dhp.demo import tiny_model_config
+    from ray_dhp.demo_video import make_video_dataset
+    from ray_dhp.models import build_model
+
+    path = make_video_dataset(tmp_path / "d", num_samples=4)
+    proc, recs = _processor(family), read_annotations(path)
+    samples = [proc.process(recs[i], resolve_data_root(path)) for i in range(len(recs))]
+    assert [None if s.modalities is None else s.modalities.tolist() for s in samples] == \
+        [[2], [1, 2], [2], None]
+    model = build_model(tiny_model_config(family), seed=0, dtype=torch.float64).eval()
+    padded = pad_text_batch(samples, 0)
+    packed = pack_text_batch(samples, 0, rope_index=model.model.get_rope_index)
+    common = dict(pixel_values=padded["pixel_values"].double(), image_grid_thw=padded["image_grid_thw"],
+                  pixel_values_videos=padded["pixel_values_videos"].double(),
+                  video_grid_thw=padded["video_grid_thw"], use_cache=False)
+    if family == "qwen2_5_vl":
+        common["second_per_grid_ts"] = padded["second_per_grid_ts"]
+    with torch.no_grad():
+        ref = model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"],
+                    mm_token_type_ids=padded["mm_token_type_ids"], **common).logits
+        got = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"],
+                    mm_token_type_ids=packed["mm_token_type_ids"], **common).logits
+    ids = packed["sample_ids"]
+    for i, s in enumerate(samples):
+        diff = (got[ids == i] - ref[i, :s.num_tokens]).abs().max()
+        assert diff <= 1e-12 * ref[i].abs().max(), (i, float(diff))
