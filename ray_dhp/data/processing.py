@@ -44,6 +44,7 @@ from ray_dhp.data.chat import (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, ChatTemplat
                                TemplateRenderer, expand_pads, placeholder_kinds)
 from ray_dhp.data.images import ImageError, load_image, upright_size
 from ray_dhp.data.reading import Record
+from ray_dhp.data.video import VideoError, video_sources
 
 __all__ = ["BadSample", "reason_kind", "Sample", "VLProcessor", "as_vl_processor", "image_grid", "IGNORE_INDEX"]
 
@@ -152,35 +153,6 @@ def _messages(data: dict) -> list[tuple[str, str]]:
     return out
 
 
-_FRAME_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
-
-
-def _resolve(name: str, data_root: Path) -> Path:
-    return Path(name) if Path(name).is_absolute() else Path(data_root) / name
-
-
-def _video_sources(data: dict, data_root: Path, n_placeholders: int) -> list:
-    """The record's videos: each a file path or a list of frame image paths. ``"video"`` (or
-    ``"videos"``) is a path, a list of them, or — for a record with one ``<video>`` — a list of
-    image files (the frames of one video); a list entry may itself be a list of frames."""
-    video = data.get("video", data.get("videos"))
-    if video is None:
-        return []
-    if isinstance(video, str):
-        return [_resolve(video, data_root)]
-    ok = isinstance(video, list) and all(
-        isinstance(v, str) or (isinstance(v, list) and v and all(isinstance(f, str) for f in v))
-        for v in video)
-    if not ok:
-        raise BadSample("malformed record: 'video' must be a path, a list of paths or a list of "
-                        "frame image lists")
-    if (n_placeholders == 1 and len(video) > 1 and all(isinstance(v, str) for v in video)
-            and all(v.lower().endswith(_FRAME_EXTENSIONS) for v in video)):
-        return [[_resolve(v, data_root) for v in video]]
-    return [[_resolve(f, data_root) for f in v] if isinstance(v, list) else _resolve(v, data_root)
-            for v in video]
-
-
 def _image_paths(data: dict, data_root: Path) -> list[Path]:
     image = data.get("image", data.get("images"))
     if image is None:
@@ -275,18 +247,20 @@ class VLProcessor:
 
         Args:
             record: a :class:`~ray_dhp.data.reading.Record` (or a raw LLaVA dict, index 0).
-            data_root: folder that relative image paths are resolved against.
+            data_root: folder that relative image and video paths are resolved against.
             max_tokens: reject samples longer than this (no truncation: it would cut images).
             max_chars: reject records whose turns hold more characters than this, before
                 tokenizing them (a runaway line would otherwise cost memory in the tokenizer).
-            max_pixels: reject images with more pixels than this, from their header, before
-                decoding them.
+            max_pixels: reject images (and video frames) with more pixels than this, from
+                their header, before decoding them.
 
         Raises:
             BadSample: anything wrong with this one record: malformed record, missing, corrupt or
                 too large image, an image the image processor refuses (e.g. an aspect ratio over
                 200:1), text the tokenizer refuses (e.g. a lone surrogate), ``<image>`` count !=
-                number of images, too many characters or tokens, or no trainable tokens.
+                number of images, a missing, undecodable, audio-only or too short video (or
+                one whose frames exceed ``max_pixels``), ``<video>`` count != number of videos,
+                too many characters or tokens, or no trainable tokens.
                 ``where`` names file and line. Other errors (a misconfigured tokenizer, a bug)
                 are not about the record and propagate.
         """
@@ -309,7 +283,10 @@ class VLProcessor:
                             "(not tokenized)")
         kinds = placeholder_kinds(messages)
         paths = _image_paths(record.data, data_root)
-        videos = _video_sources(record.data, data_root, kinds.count("video"))
+        try:
+            videos = video_sources(record.data, data_root, kinds.count("video"))
+        except VideoError as exc:
+            raise BadSample(str(exc)) from exc
         for what, have in (("image", paths), ("video", videos)):
             if kinds.count(what) != len(have):
                 raise BadSample(f"{what} count mismatch: {kinds.count(what)} <{what}> "
@@ -345,28 +322,16 @@ class VLProcessor:
         return Sample(record.index, input_ids, labels, mm, *visual)
 
     def _encode_video(self, source, max_pixels):
-        """``(patches, grid [1, 3], seconds per temporal patch, the pads' replacement text)``."""
-        from ray_dhp.data.video import VideoError, load_video, video_patches
+        from ray_dhp.data.video import VideoError, encode_video
 
         if self.image_processor is None:
             raise BadSample("no image processor: the record has videos but the processor has no "
                             "image processor")
-        ip = self.image_processor
         try:
-            clip = load_video(source, self.video, ip.patch_size * ip.merge_size, max_pixels)
+            return encode_video(source, self.image_processor, self.video, self.video_timestamps,
+                                max_pixels)
         except VideoError as exc:
             raise BadSample(str(exc)) from exc
-        patches, grid = video_patches(clip.frames, ip)
-        per_frame = int(grid[0, 1] * grid[0, 2]) // self.merge_size**2
-        tps = ip.temporal_patch_size
-        if not self.video_timestamps:
-            pads = "<|video_pad|>" * (per_frame * int(grid[0, 0]))
-        else:  # Qwen3-VL's processor: the mean time of each temporal patch's frames
-            idx = list(clip.indices) + [clip.indices[-1]] * (-len(clip.indices) % tps)
-            times = [(idx[i] + idx[i + tps - 1]) / 2 / clip.video_fps for i in range(0, len(idx), tps)]
-            pads = "".join(f"<{t:.1f} seconds><|vision_start|>{'<|video_pad|>' * per_frame}"
-                           "<|vision_end|>" for t in times)
-        return patches, grid, tps / clip.sample_fps, pads
 
     @staticmethod
     def _in_placeholder_order(kinds, pixel_values, grid, clips):

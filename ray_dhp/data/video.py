@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 __all__ = ["VideoError", "VideoSettings", "DecodedVideo", "smart_nframes", "video_frame_size",
-           "load_video", "video_patches"]
+           "load_video", "video_patches", "video_sources", "encode_video"]
 
 _FRAME_FACTOR = 2  # qwen-vl-utils' FRAME_FACTOR
 _MIN_TOKENS, _MAX_TOKENS = 128, 768  # VIDEO_MIN_TOKEN_NUM, VIDEO_MAX_TOKEN_NUM
@@ -238,3 +238,54 @@ def video_patches(frames: torch.Tensor, image_processor) -> tuple[torch.Tensor, 
     x = x.view(gt, tps, c, gh // merge, merge, patch, gw // merge, merge, patch)
     x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(gt * gh * gw, c * tps * patch * patch)
     return x.contiguous(), torch.tensor([[gt, gh, gw]], dtype=torch.long)
+
+
+_FRAME_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+
+
+def _resolve(name: str, data_root: Path) -> Path:
+    return Path(name) if Path(name).is_absolute() else Path(data_root) / name
+
+
+def video_sources(data: dict, data_root: Path, n_placeholders: int) -> list:
+    """The record's videos: each a file path or a list of frame image paths. ``"video"`` (or
+    ``"videos"``) is a path, a list of them, or — for a record with one ``<video>`` — a list of
+    image files (the frames of one video); a list entry may itself be a list of frames."""
+    video = data.get("video", data.get("videos"))
+    if video is None:
+        return []
+    if isinstance(video, str):
+        return [_resolve(video, data_root)]
+    ok = isinstance(video, list) and all(
+        isinstance(v, str) or (isinstance(v, list) and v and all(isinstance(f, str) for f in v))
+        for v in video)
+    if not ok:
+        raise VideoError("malformed record: 'video' must be a path, a list of paths or a list of "
+                        "frame image lists")
+    if (n_placeholders == 1 and len(video) > 1 and all(isinstance(v, str) for v in video)
+            and all(v.lower().endswith(_FRAME_EXTENSIONS) for v in video)):
+        return [[_resolve(v, data_root) for v in video]]
+    return [[_resolve(f, data_root) for f in v] if isinstance(v, list) else _resolve(v, data_root)
+            for v in video]
+
+
+def encode_video(source, image_processor, settings: VideoSettings, timestamps: bool,
+                 max_pixels: Optional[int] = None) -> tuple:
+    """One video of a record as the model sees it: ``(pixel_values_videos rows, grid [1, 3],
+    seconds per temporal patch, the text replacing its ``<|video_pad|>``)``. The pads are
+    repeated once per merged patch; with ``timestamps`` (Qwen3-VL's processor) each temporal
+    patch is written ``<{t:.1f} seconds><|vision_start|>`` + its pads + ``<|vision_end|>``, ``t``
+    the mean time of its first and last frame."""
+    ip = image_processor
+    clip = load_video(source, settings, ip.patch_size * ip.merge_size, max_pixels)
+    patches, grid = video_patches(clip.frames, ip)
+    per_frame = int(grid[0, 1] * grid[0, 2]) // ip.merge_size**2
+    tps = ip.temporal_patch_size
+    if not timestamps:
+        pads = "<|video_pad|>" * (per_frame * int(grid[0, 0]))
+    else:
+        idx = list(clip.indices) + [clip.indices[-1]] * (-len(clip.indices) % tps)
+        times = [(idx[i] + idx[i + tps - 1]) / 2 / clip.video_fps for i in range(0, len(idx), tps)]
+        pads = "".join(f"<{t:.1f} seconds><|vision_start|>{'<|video_pad|>' * per_frame}"
+                       "<|vision_end|>" for t in times)
+    return patches, grid, tps / clip.sample_fps, pads

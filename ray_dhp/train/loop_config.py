@@ -241,9 +241,10 @@ class TrainLoopConfig:
              f"{self.video_max_pixels}: the frame area range is empty.",
              None in (self.video_min_pixels, self.video_max_pixels)
              or self.video_min_pixels <= self.video_max_pixels),
-            ("{system_prompt}: must not contain the '<image>' placeholder (images belong to the "
-             "records' user turns).",
-             self.system_prompt is None or "<image>" not in self.system_prompt),
+            ("{system_prompt}: must not contain the '<image>' or '<video>' placeholder (images "
+             "and videos belong to the records' user turns).",
+             self.system_prompt is None
+             or not any(p in self.system_prompt for p in ("<image>", "<video>"))),
         ]
 
     @classmethod
