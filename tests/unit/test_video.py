@@ -315,3 +315,15 @@ def test_packed_video_samples_equal_padded_fp64(tmp_path, family):
     for i, s in enumerate(samples):
         diff = (got[ids == i] - ref[i, :s.num_tokens]).abs().max()
         assert diff <= 1e-12 * ref[i].abs().max(), (i, float(diff))
+
+
+def test_load_processor_renders_timestamps_for_qwen3_vl_processors(tmp_path):
+    import json
+
+    from ray_dhp.data.processing import load_processor
+    from ray_dhp.demo import tiny_processor
+
+    tiny_processor("qwen3_vl").save_pretrained(tmp_path)
+    assert not load_processor(str(tmp_path)).video_timestamps
+    (tmp_path / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}))
+    assert load_processor(str(tmp_path)).video_timestamps
