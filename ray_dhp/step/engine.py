@@ -319,7 +319,7 @@ class DHPEngine(UpdateMixin):
             enc = self.family.encoder_outputs(self.config, feats, row_modalities(samples, merge))
         grid, mask, pos = batch["image_grid_thw"], batch["attention_mask"], batch.get("position_ids")
         videos = {k: to_device(batch[k], dev) for k in ("video_grid_thw", "second_per_grid_ts")
-                  if batch.get(k) is not None and _accepts(self.text_model, k)}
+                  if batch.get(k) is not None and (k == "video_grid_thw" or _accepts(self.text_model, k))}
         with self._autocast():
             out = self.text_model(
                 input_ids=to_device(batch["input_ids"], dev),
@@ -394,10 +394,12 @@ _MASKED_ATTENTION = ("sdpa", "eager", "flex_attention")
 
 
 def _accepts(model, name: str) -> bool:
-    """Whether ``model.forward`` takes ``name`` (``second_per_grid_ts``: Qwen2.5-VL only)."""
+    """Whether the model's forward takes ``name`` (``second_per_grid_ts``: Qwen2.5-VL only); a
+    PEFT wrapper is looked through."""
     import inspect
 
-    return name in inspect.signature(model.forward).parameters
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return name in inspect.signature(base.forward).parameters
 
 
 def _is_dtensor(t) -> bool:
