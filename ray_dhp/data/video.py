@@ -17,6 +17,10 @@ number for number:
   ``2 * patch * merge``), padded to a multiple of 2 frames by repeating the last, taken at
   ``fps`` frames per second.
 
+A file is decoded twice: a first pass counts the decodable frames (the count qwen-vl-utils
+samples from is the decoded one, not the container's claim), a second converts only the sampled
+frames, so memory holds ``n`` frames, never the whole video.
+
 `video_patches` then turns the frames into the model's ``pixel_values_videos`` rows and grid as
 transformers' ``Qwen2VLVideoProcessor`` does (rescale, normalise with the image processor's
 mean/std, ``temporal_patch_size`` frames per patch).
