@@ -263,7 +263,7 @@ def tiny_processor(family: str = "qwen2_5_vl", *, min_side: int = 56, max_side: 
         patch_size=geo["patch_size"], merge_size=geo["spatial_merge_size"],
         temporal_patch_size=geo["temporal_patch_size"],
     )
-    return VLProcessor(build_tokenizer(), image_processor)
+    return VLProcessor(build_tokenizer(), image_processor, video_timestamps=family == "qwen3_vl")
 
 
 def _caption(count: int, colour: str, shape: str) -> str:

@@ -23,6 +23,9 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--log-every", type=int, default=5)
+    p.add_argument("--video", action="store_true",
+                   help="train on generated moving-square videos (\"Which way does the square "
+                        "move?\"), mixed with image and text-only samples")
     p.add_argument("--out", default=None, help="folder for data and run storage (default: a temp dir)")
     return p.parse_args(argv)
 
@@ -36,7 +39,15 @@ def main(argv=None) -> dict:
     from ray_dhp.train.callbacks import read_history
 
     out = os.path.abspath(args.out or tempfile.mkdtemp(prefix="ray_dhp_demo_"))
-    data = demo.make_dataset(os.path.join(out, "data"), num_samples=args.samples, seed=0)
+    video_keys = {}
+    if args.video:
+        from ray_dhp.demo_video import make_video_dataset
+
+        data = make_video_dataset(os.path.join(out, "data"), num_samples=args.samples, seed=0)
+        unit = 32 if args.family == "qwen3_vl" else 28  # frames of 2x2 merge units (4x4 patches)
+        video_keys = dict(video_min_pixels=(2 * unit) ** 2, video_max_pixels=(2 * unit) ** 2)
+    else:
+        data = demo.make_dataset(os.path.join(out, "data"), num_samples=args.samples, seed=0)
     cfg = DHPConfig(
         model=demo.tiny_model_config(args.family),
         processor=demo.tiny_processor(args.family),
@@ -52,7 +63,7 @@ def main(argv=None) -> dict:
     trainer = DisaggregatedTrainer(
         train_loop_config=dict(lr=args.lr, global_batch_size=args.batch_size, num_steps=args.steps,
                                seed=0, log_every=args.log_every, warmup_steps=3,
-                               lr_schedule="cosine", max_grad_norm=1.0),
+                               lr_schedule="cosine", max_grad_norm=1.0, **video_keys),
         dhp_config=cfg,
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.num_workers,
                                                resources_per_worker={"CPU": 1}),

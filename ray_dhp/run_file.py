@@ -31,7 +31,8 @@ __all__ = ["RunFile", "ConfigError", "load_run_file", "run_file_from_dict", "loo
 
 _DATA_KEYS = ("data_root", "max_tokens", "packing", "bad_data", "dataset_weights", "prefetch",
               "data_workers", "max_text_chars", "max_image_pixels", "max_bad_fraction",
-              "eval_every", "eval_batch_size", "index_dir")
+              "eval_every", "eval_batch_size", "index_dir", "video_fps", "video_min_frames",
+              "video_max_frames", "video_min_pixels", "video_max_pixels", "video_total_pixels")
 _CHECKPOINT_KEYS = tuple(k for k in ("checkpoint_every", "async_save", "resume_from")
                          if k in {f.name for f in fields(TrainLoopConfig)})
 _TRACKING_KEYS = ("tensorboard", "mlflow", "wandb", "ray_report_logs")

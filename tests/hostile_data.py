@@ -52,8 +52,18 @@ def _bad_records(img: Path) -> list:
     (img / "bomb.png").write_bytes(_png_claiming(30000, 30000))  # over Pillow's own bomb guard
     Image.new("RGB", (2020, 10)).save(img / "wide.png")  # aspect ratio 202 > 200
     (img / "text.png").write_text("not an image at all")
+    _bad_videos(img)
     dumps = lambda o: json.dumps(o).encode()  # noqa: E731
+    vid = lambda name: {**_rec("<video>\nx"), "video": f"images/{name}"}  # noqa: E731
     return [
+        ("undecodable video", dumps(vid("junk.mp4"))),
+        ("zero-byte video", dumps(vid("empty.mp4"))),
+        ("one-frame video", dumps(vid("one.mp4"))),
+        ("audio-only file", dumps(vid("audio.m4a"))),
+        ("video count mismatch", dumps({**_rec("<video><video>\nx"), "video": "images/one.mp4"})),
+        ("video wrong type", dumps({**_rec("<video>\nx"), "video": 5})),
+        ("frame list with a missing frame", dumps({**_rec("<video>\nx"),
+                                                    "video": ["images/000.png", "images/nope.png"]})),
         ("malformed JSON", b'{"conversations": [{"from": "human"'),
         ("not UTF-8", b'{"conversations": "\xff\xfe"}'),
         ("not an object", b"[1, 2, 3]"),
@@ -88,6 +98,27 @@ def _bad_records(img: Path) -> list:
     ]
 
 
+def _bad_videos(img: Path) -> None:
+    import av
+    import numpy as np
+
+    from ray_dhp.demo_video import moving_square, write_mp4
+
+    (img / "junk.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 not really" * 20)
+    (img / "empty.mp4").write_bytes(b"")
+    write_mp4(img / "one.mp4", moving_square("left", 1), 10)  # 1 frame: fewer than 2 to sample
+    with av.open(str(img / "audio.m4a"), "w") as out:  # an audio track only
+        stream = out.add_stream("aac", rate=8000)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), dtype=np.float32), format="fltp",
+                                           layout="mono")
+        frame.sample_rate = 8000
+        for _ in range(4):
+            for p in stream.encode(frame):
+                out.mux(p)
+        for p in stream.encode():
+            out.mux(p)
+
+
 def _odd_valid_records() -> list:
     """Valid records whose text has characters a careless reader mangles."""
     dumps = lambda o: json.dumps(o, ensure_ascii=False).encode()  # noqa: E731
@@ -106,7 +137,7 @@ def make_hostile_dataset(folder) -> tuple:
     good = [g for g in good if g.strip()]
     bad, odd = _bad_records(folder / "images"), _odd_valid_records()
     lines, bad_at, odd_at = [], {}, set()
-    for k, line in enumerate(good):  # interleave: 40 good, 28 bad, 4 odd valid ones
+    for k, line in enumerate(good):  # interleave: 40 good, 35 bad, 4 odd valid ones
         lines.append(line)
         if k < len(bad):
             lines.append(bad[k][1])

@@ -35,6 +35,15 @@ _FIXES = {
                         "(LLaVA format)",
     "tokenizer refused the text": "clean the text (e.g. lone surrogate escapes like \\ud800)",
     "image count mismatch": "each <image> placeholder needs exactly one entry in 'image'",
+    "missing video": "video paths are resolved against {root}: check data_root (or the video "
+                     "paths of the annotation file)",
+    "missing video frame": "frame paths are resolved against {root}: check data_root",
+    "corrupt video": "re-encode or drop the damaged video files",
+    "empty video": "drop the videos without frames",
+    "too few frames": "videos need at least 2 decodable frames; drop the shorter ones",
+    "no video stream": "drop the audio-only files from the 'video' entries",
+    "video too large": "downscale the videos, or raise max_image_pixels (it bounds a frame too)",
+    "video count mismatch": "each <video> placeholder needs exactly one entry in 'video'",
     "no trainable tokens": "every conversation needs an assistant ('gpt') turn",
 }
 

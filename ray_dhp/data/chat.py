@@ -4,7 +4,7 @@ Both renderers share one contract: ``render(messages, system_prompt) -> (text, s
 ``messages`` are ``(role, text)`` turns (roles system/user/assistant) whose user and system texts
 hold ``<image>`` placeholders; ``text`` is the rendered conversation with one image-pad token
 (``<|image_pad|>``) per image, which the caller expands to the image's pad count
-(`expand_image_pads`, as transformers' Qwen-VL processors do); ``spans`` are the ``[start, end)``
+(`expand_pads`, as transformers' Qwen-VL processors do); ``spans`` are the ``[start, end)``
 character ranges of each assistant reply: its content and the end-of-turn token ``<|im_end|>``,
 not what the template writes after it (a newline).
 
@@ -24,11 +24,16 @@ one); any other text = that system message. A conversation with its own system t
 
 from __future__ import annotations
 
-__all__ = ["IMAGE_PLACEHOLDER", "ChatTemplateError", "TemplateRenderer", "QwenFormat",
-           "expand_image_pads"]
+import re
+
+__all__ = ["IMAGE_PLACEHOLDER", "VIDEO_PLACEHOLDER", "ChatTemplateError", "TemplateRenderer",
+           "QwenFormat", "expand_pads", "placeholder_kinds"]
 
 IMAGE_PLACEHOLDER = "<image>"
+VIDEO_PLACEHOLDER = "<video>"
 IMAGE_PAD = "<|image_pad|>"
+VIDEO_PAD = "<|video_pad|>"
+_PLACEHOLDER = re.compile("(<image>|<video>)")
 EOS = "<|im_end|>"
 
 
@@ -45,16 +50,23 @@ def _with_system(messages: list, system_prompt) -> list:
     return [("system", system_prompt)] + list(messages)
 
 
+def placeholder_kinds(messages: list) -> list:
+    """``"image"`` / ``"video"`` for each ``<image>`` / ``<video>`` placeholder of the non-assistant
+    turns, in order (the order the model reads the visual items in)."""
+    return [m[1:-1] for role, text in messages if role != "assistant"
+            for m in _PLACEHOLDER.findall(text)]
+
+
 def _content(role: str, text: str):
-    """A chat message's content: the text itself, or (with ``<image>`` placeholders) the list of
-    image and text items the multimodal templates read."""
-    if role == "assistant" or IMAGE_PLACEHOLDER not in text:
+    """A chat message's content: the text itself, or (with ``<image>`` / ``<video>``
+    placeholders) the list of image, video and text items the multimodal templates read."""
+    if role == "assistant" or not _PLACEHOLDER.search(text):
         return text
     items = []
-    for i, piece in enumerate(text.split(IMAGE_PLACEHOLDER)):
-        if i:
-            items.append({"type": "image"})
-        if piece:
+    for piece in _PLACEHOLDER.split(text):
+        if piece in (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER):
+            items.append({"type": piece[1:-1]})
+        elif piece:
             items.append({"type": "text", "text": piece})
     return items
 
@@ -132,6 +144,7 @@ class QwenFormat:
         for role, text in _with_system(messages, system_prompt or None):
             if role != "assistant":
                 text = text.replace(IMAGE_PLACEHOLDER, f"<|vision_start|>{IMAGE_PAD}<|vision_end|>")
+                text = text.replace(VIDEO_PLACEHOLDER, f"<|vision_start|>{VIDEO_PAD}<|vision_end|>")
             head, body = f"<|im_start|>{role}\n", f"{text}{EOS}"
             if role == "assistant":
                 spans.append((pos + len(head), pos + len(head) + len(body)))
@@ -140,24 +153,29 @@ class QwenFormat:
         return "".join(parts), spans
 
 
-def expand_image_pads(text: str, spans: list, pads: list) -> tuple[str, list]:
-    """Replace the i-th ``<|image_pad|>`` of ``text`` by ``pads[i]`` of them (the image's merged
-    patch count) and move ``spans`` along.
+def expand_pads(text: str, spans: list, images: list, videos: list) -> tuple[str, list]:
+    """Replace the i-th ``<|image_pad|>`` of ``text`` by ``images[i]`` and the i-th
+    ``<|video_pad|>`` by ``videos[i]`` (the replacement strings) and move ``spans`` along.
 
     Raises:
-        ValueError: the text holds another number of image pads than there are images (the chat
-            template does not render images as ``<|image_pad|>``).
+        ValueError: the text holds another number of image or video pads than there are items.
     """
-    pieces = text.split(IMAGE_PAD)
-    if len(pieces) - 1 != len(pads):
-        raise ValueError(f"the chat template rendered {len(pieces) - 1} {IMAGE_PAD} token(s) for "
-                         f"{len(pads)} image(s); the template must write one {IMAGE_PAD} per image "
-                         "item ({'type': 'image'}) of a message")
-    cuts, pos, out = [], len(pieces[0]), [pieces[0]]  # cuts: (pad's position, characters added)
-    for n, piece in zip(pads, pieces[1:]):
-        cuts.append((pos, (n - 1) * len(IMAGE_PAD)))
-        out.append(IMAGE_PAD * n + piece)
-        pos += len(IMAGE_PAD) + len(piece)
+    for pad, reps, what in ((IMAGE_PAD, images, "image"), (VIDEO_PAD, videos, "video")):
+        if text.count(pad) != len(reps):
+            raise ValueError(f"the chat template rendered {text.count(pad)} {pad} token(s) for "
+                             f"{len(reps)} {what}(s); the template must write one {pad} per "
+                             f"{what} item ({{'type': '{what}'}}) of a message")
+    pieces = re.split(f"({re.escape(IMAGE_PAD)}|{re.escape(VIDEO_PAD)})", text)
+    todo = {IMAGE_PAD: iter(images), VIDEO_PAD: iter(videos)}
+    cuts, pos, out = [], 0, []  # cuts: (pad's position, characters added)
+    for piece in pieces:
+        if piece in todo:
+            rep = next(todo[piece])
+            cuts.append((pos, len(rep) - len(piece)))
+            out.append(rep)
+        else:
+            out.append(piece)
+        pos += len(piece)
     moved = [(s + sum(d for p, d in cuts if p < s), e + sum(d for p, d in cuts if p < e))
              for s, e in spans]
     return "".join(out), moved

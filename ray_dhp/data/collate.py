@@ -10,7 +10,7 @@ import torch
 
 from ray_dhp.data.processing import IGNORE_INDEX, Sample
 
-__all__ = ["pad_text_batch", "pack_text_batch", "pack_rows"]
+__all__ = ["pad_text_batch", "pack_text_batch", "pack_rows", "row_modalities"]
 
 
 def _pad(rows: list[torch.Tensor], length: int, value: int) -> torch.Tensor:
@@ -20,15 +20,53 @@ def _pad(rows: list[torch.Tensor], length: int, value: int) -> torch.Tensor:
     return out
 
 
+def _kinds(s: Sample) -> list:
+    n = 0 if s.image_grid_thw is None else s.image_grid_thw.shape[0]
+    return [1] * n if s.modalities is None else s.modalities.tolist()
+
+
+def _split(s: Sample) -> dict:
+    """The sample's visual items split by modality: ``{1: (pixels, grids), 2: (pixels, grids)}``
+    (pixels None when the sample carries none here)."""
+    kinds = _kinds(s)
+    sizes = s.image_grid_thw.prod(-1).tolist()
+    parts = [None] * len(kinds) if s.pixel_values is None else s.pixel_values.split(sizes)
+    out = {}
+    for kind in (1, 2):
+        keep = [i for i, k in enumerate(kinds) if k == kind]
+        if keep:
+            px = None if s.pixel_values is None else torch.cat([parts[i] for i in keep])
+            out[kind] = (px, s.image_grid_thw[keep])
+    return out
+
+
 def _images(samples: Sequence[Sample]) -> dict:
-    """``image_grid_thw`` of the samples that have images, in order; their ``pixel_values`` only
-    if every one of them carries pixels (text-only ranks may get grids without pixels)."""
-    with_grid = [s for s in samples if s.image_grid_thw is not None]
-    if not with_grid:
-        return {"pixel_values": None, "image_grid_thw": None}
-    pixels = [s.pixel_values for s in with_grid]
-    return {"pixel_values": None if any(p is None for p in pixels) else torch.cat(pixels),
-            "image_grid_thw": torch.cat([s.image_grid_thw for s in with_grid])}
+    """The model's visual inputs of the samples, in batch order: ``image_grid_thw`` /
+    ``pixel_values`` of their images, ``video_grid_thw`` / ``pixel_values_videos`` /
+    ``second_per_grid_ts`` of their videos (None where there are none); pixels only if every
+    sample with such items carries pixels (text-only ranks may get grids without pixels)."""
+    split = [_split(s) for s in samples if s.image_grid_thw is not None]
+    out = {}
+    for kind, px_key, grid_key in ((1, "pixel_values", "image_grid_thw"),
+                                   (2, "pixel_values_videos", "video_grid_thw")):
+        got = [d[kind] for d in split if kind in d]
+        pixels = [p for p, _ in got]
+        out[px_key] = None if not got or any(p is None for p in pixels) else torch.cat(pixels)
+        out[grid_key] = torch.cat([g for _, g in got]) if got else None
+    seconds = [s.second_per_grid_ts for s in samples if s.second_per_grid_ts is not None]
+    out["second_per_grid_ts"] = torch.cat(seconds) if seconds else None
+    return out
+
+
+def row_modalities(samples: Sequence[Sample], merge: int) -> torch.LongTensor:
+    """``[rows]``: 1 (image) or 2 (video) for every merged vision row of ``samples``, in the
+    order the boundary delivers them (sample by sample, items in placeholder order)."""
+    out = []
+    for s in samples:
+        if s.image_grid_thw is not None:
+            for k, n in zip(_kinds(s), (s.image_grid_thw.prod(-1) // (merge * merge)).tolist()):
+                out.append(torch.full((n,), k, dtype=torch.long))
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
 
 
 def pad_text_batch(samples: Sequence[Sample], pad_id: int, *, pad_to_multiple_of: int = 1) -> dict:
@@ -42,10 +80,10 @@ def pad_text_batch(samples: Sequence[Sample], pad_id: int, *, pad_to_multiple_of
 
     Returns:
         ``input_ids``, ``attention_mask`` (1 on real tokens), ``labels`` (-100 on padding),
-        ``mm_token_type_ids`` (0 on padding) — all ``[B, L]`` long — plus ``image_grid_thw``
-        (the grids of the samples that have images, in batch order, or None) and
-        ``pixel_values`` (their patches concatenated in the same order; None if no sample has
-        images or one of them comes without pixels).
+        ``mm_token_type_ids`` (0 on padding) — all ``[B, L]`` long — plus the visual inputs
+        of `_images`: ``image_grid_thw`` / ``pixel_values`` (the images' grids and patches in
+        batch order; pixels None if one of them comes without pixels), ``video_grid_thw`` /
+        ``pixel_values_videos`` / ``second_per_grid_ts`` for the videos.
     """
     if not samples:
         raise ValueError("pad_text_batch needs at least one sample")
@@ -88,8 +126,11 @@ def _positions(sample: Sample, rope_index: Optional[RopeIndex]) -> torch.Tensor:
     if rope_index is None:
         raise ValueError("pack_text_batch needs rope_index (the model's get_rope_index, e.g. "
                          "model.model.get_rope_index) for samples with images")
+    vis = _images([sample])
+    extra = {} if vis["second_per_grid_ts"] is None else {"second_per_grid_ts": vis["second_per_grid_ts"]}
     pos, _ = rope_index(sample.input_ids[None], sample.mm_token_type_ids[None],
-                        image_grid_thw=sample.image_grid_thw)
+                        image_grid_thw=vis["image_grid_thw"], video_grid_thw=vis["video_grid_thw"],
+                        **extra)
     return pos[:, 0].to(torch.long)
 
 

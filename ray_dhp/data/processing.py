@@ -19,6 +19,16 @@ Conventions (HF, unshifted labels):
 * Each ``<image>`` placeholder becomes an image item of its message, which the Qwen templates
   render as ``<|vision_start|><|image_pad|><|vision_end|>``; the pad is then repeated
   ``grid_t*grid_h*grid_w / merge**2`` times, as transformers' Qwen-VL processors do.
+* Each ``<video>`` placeholder becomes a video item (``<|vision_start|><|video_pad|>
+  <|vision_end|>``), decoded and sampled as qwen-vl-utils does (`ray_dhp.data.video`); its pad
+  is repeated ``t*h*w / merge**2`` times, or, for processors that render frame timestamps
+  (Qwen3-VL: ``video_timestamps``), replaced as Qwen3-VL's processor does by
+  ``<{t:.1f} seconds><|vision_start|>`` + one frame group's pads + ``<|vision_end|>`` per
+  temporal patch, ``t`` the mean time of its frames.
+* A record's visual items (images and videos) are kept in placeholder order: ``pixel_values``
+  and ``image_grid_thw`` of a `Sample` hold all of them (the vision tower computes a video like
+  a series of images), ``modalities`` says which is which; `ray_dhp.data.collate` splits them
+  into the model's image and video inputs.
 """
 
 from __future__ import annotations
@@ -30,10 +40,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ray_dhp.data.chat import (IMAGE_PLACEHOLDER, ChatTemplateError, QwenFormat,
-                               TemplateRenderer, expand_image_pads)
+from ray_dhp.data.chat import (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, ChatTemplateError, QwenFormat,
+                               TemplateRenderer, expand_pads, placeholder_kinds)
 from ray_dhp.data.images import ImageError, load_image, upright_size
 from ray_dhp.data.reading import Record
+from ray_dhp.data.video import VideoError, video_sources
 
 __all__ = ["BadSample", "reason_kind", "Sample", "VLProcessor", "as_vl_processor", "image_grid", "IGNORE_INDEX"]
 
@@ -81,8 +92,12 @@ class Sample:
         input_ids: ``[L]`` token ids.
         labels: ``[L]``, -100 except assistant-turn tokens (not shifted).
         mm_token_type_ids: ``[L]``, 1 at image pads, 0 elsewhere.
-        pixel_values: ``[num_patches, C*T*P*P]`` float32, images concatenated in order, or None.
-        image_grid_thw: ``[num_images, 3]`` or None.
+        pixel_values: ``[num_patches, C*T*P*P]`` float32, the visual items (images and videos)
+            concatenated in placeholder order, or None.
+        image_grid_thw: ``[num_items, 3]`` grids of those items, or None.
+        modalities: ``[num_items]`` 1 (image) or 2 (video) per item; None: all images.
+        second_per_grid_ts: ``[num_videos]`` seconds per temporal patch of each video
+            (``temporal_patch_size / sample_fps``, Qwen2.5-VL's absolute-time M-RoPE), or None.
     """
 
     index: int
@@ -91,6 +106,8 @@ class Sample:
     mm_token_type_ids: torch.LongTensor
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.LongTensor | None = None
+    modalities: torch.LongTensor | None = None
+    second_per_grid_ts: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -160,13 +177,21 @@ class VLProcessor:
             that message.
         chat_template: the Jinja chat template to render with (default: the tokenizer's); with
             neither, ray_dhp's own Qwen format is used (`uses_chat_template` is then False).
+        video: the frame sampling of videos (`ray_dhp.data.video.VideoSettings`; default
+            qwen-vl-utils' defaults).
+        video_timestamps: render each video's frame groups with their timestamps, as
+            Qwen3-VL's processor does (`load_processor` sets it for Qwen3-VL processors).
     """
 
     chat_source = None  # the file the chat template came from (`load_processor`), if known
 
     def __init__(self, tokenizer, image_processor=None, *, system_prompt: str | None = None,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, video=None, video_timestamps: bool = False):
+        from ray_dhp.data.video import VideoSettings
+
         self.tokenizer, self.image_processor, self.system_prompt = tokenizer, image_processor, system_prompt
+        self.video = video if video is not None else VideoSettings()
+        self.video_timestamps = video_timestamps
         template = chat_template or getattr(tokenizer, "chat_template", None)
         if isinstance(template, dict):  # several named templates: the default one
             template = template.get("default")
@@ -184,14 +209,17 @@ class VLProcessor:
         """Whether prompts are rendered with a chat template (False: our own Qwen format)."""
         return self.renderer.chat_template is not None
 
-    def configured(self, *, system_prompt=None, min_pixels=None, max_pixels=None) -> "VLProcessor":
-        """A copy with this system prompt and the image processor resizing into
+    def configured(self, *, system_prompt=None, min_pixels=None, max_pixels=None,
+                   video=None) -> "VLProcessor":
+        """A copy with this system prompt, the image processor resizing into
         ``[min_pixels, max_pixels]`` (None keeps the processor's limit;
-        `ray_dhp.data.pixels.with_pixel_limits`)."""
+        `ray_dhp.data.pixels.with_pixel_limits`) and these video settings (None: kept)."""
         from ray_dhp.data.pixels import with_pixel_limits
 
         out = VLProcessor(self.tokenizer, with_pixel_limits(self.image_processor, min_pixels, max_pixels),
-                          system_prompt=system_prompt, chat_template=self.renderer.chat_template)
+                          system_prompt=system_prompt, chat_template=self.renderer.chat_template,
+                          video=video if video is not None else self.video,
+                          video_timestamps=self.video_timestamps)
         out.chat_source = self.chat_source
         return out
 
@@ -219,18 +247,20 @@ class VLProcessor:
 
         Args:
             record: a :class:`~ray_dhp.data.reading.Record` (or a raw LLaVA dict, index 0).
-            data_root: folder that relative image paths are resolved against.
+            data_root: folder that relative image and video paths are resolved against.
             max_tokens: reject samples longer than this (no truncation: it would cut images).
             max_chars: reject records whose turns hold more characters than this, before
                 tokenizing them (a runaway line would otherwise cost memory in the tokenizer).
-            max_pixels: reject images with more pixels than this, from their header, before
-                decoding them.
+            max_pixels: reject images (and video frames) with more pixels than this, from
+                their header, before decoding them.
 
         Raises:
             BadSample: anything wrong with this one record: malformed record, missing, corrupt or
                 too large image, an image the image processor refuses (e.g. an aspect ratio over
                 200:1), text the tokenizer refuses (e.g. a lone surrogate), ``<image>`` count !=
-                number of images, too many characters or tokens, or no trainable tokens.
+                number of images, a missing, undecodable, audio-only or too short video (or
+                one whose frames exceed ``max_pixels``), ``<video>`` count != number of videos,
+                too many characters or tokens, or no trainable tokens.
                 ``where`` names file and line. Other errors (a misconfigured tokenizer, a bug)
                 are not about the record and propagate.
         """
@@ -246,30 +276,35 @@ class VLProcessor:
             raise BadSample(record.error)
         if not isinstance(record.data, dict):
             raise BadSample("malformed record: not a JSON object")
-        if record.data.get("video") is not None or record.data.get("videos") is not None:
-            raise BadSample("unsupported: video samples are not supported yet (only images); skip "
-                            "them or convert the video to sampled frames given as 'image' lists")
         messages = self._validate(_messages(record.data))
         n_chars = sum(len(text) for _, text in messages)
         if max_chars is not None and n_chars > max_chars:
             raise BadSample(f"too long: {n_chars} characters > max_text_chars={max_chars} "
                             "(not tokenized)")
+        kinds = placeholder_kinds(messages)
         paths = _image_paths(record.data, data_root)
-        n_placeholders = sum(text.count(IMAGE_PLACEHOLDER) for _, text in messages)
-        if n_placeholders != len(paths):
-            raise BadSample(f"image count mismatch: {n_placeholders} {IMAGE_PLACEHOLDER} "
-                            f"placeholder(s) but {len(paths)} image(s)")
+        try:
+            videos = video_sources(record.data, data_root, kinds.count("video"))
+        except VideoError as exc:
+            raise BadSample(str(exc)) from exc
+        for what, have in (("image", paths), ("video", videos)):
+            if kinds.count(what) != len(have):
+                raise BadSample(f"{what} count mismatch: {kinds.count(what)} <{what}> "
+                                f"placeholder(s) but {len(have)} {what}(s)")
         try:
             images = [load_image(p, max_pixels) for p in paths]
         except ImageError as exc:
             raise BadSample(str(exc)) from exc
         pixel_values, grid = self._encode_images(images)
-        pads = [] if grid is None else (grid.prod(-1) // self.merge_size**2).tolist()
+        clips = [self._encode_video(v, max_pixels) for v in videos]
+        image_pads = [] if grid is None else ["<|image_pad|>" * (n // self.merge_size**2)
+                                              for n in grid.prod(-1).tolist()]
         try:
             text, spans = self.renderer.render(messages, self.system_prompt)
         except ChatTemplateError as exc:
             raise BadSample(str(exc)) from exc
-        text, spans = expand_image_pads(text, spans, pads)
+        text, spans = expand_pads(text, spans, image_pads, [c[3] for c in clips])
+        visual = self._in_placeholder_order(kinds, pixel_values, grid, clips)
         input_ids, labels = self._tokenize(text, spans)
         if max_tokens is not None and len(input_ids) > max_tokens:
             raise BadSample(f"too long: {len(input_ids)} tokens > max_tokens={max_tokens}")
@@ -278,10 +313,42 @@ class VLProcessor:
         mm = torch.zeros_like(input_ids)
         mm[input_ids == self.ids["image_pad"]] = 1
         mm[input_ids == self.ids["video_pad"]] = 2
-        if int((mm == 1).sum()) != sum(pads):
-            raise ValueError("image-pad tokens were merged or split by the tokenizer; "
-                             "<|image_pad|> must be a special token")
-        return Sample(record.index, input_ids, labels, mm, pixel_values, grid)
+        rows = [int(g.prod()) // self.merge_size**2 for g in visual[1]] if visual[1] is not None else []
+        for kind, name in ((1, "image"), (2, "video")):
+            want = sum(n for n, k in zip(rows, visual[2].tolist()) if k == kind) if rows else 0
+            if int((mm == kind).sum()) != want:
+                raise ValueError(f"{name}-pad tokens were merged or split by the tokenizer; "
+                                 f"<|{name}_pad|> must be a special token")
+        return Sample(record.index, input_ids, labels, mm, *visual)
+
+    def _encode_video(self, source, max_pixels):
+        from ray_dhp.data.video import VideoError, encode_video
+
+        if self.image_processor is None:
+            raise BadSample("no image processor: the record has videos but the processor has no "
+                            "image processor")
+        try:
+            return encode_video(source, self.image_processor, self.video, self.video_timestamps,
+                                max_pixels)
+        except VideoError as exc:
+            raise BadSample(str(exc)) from exc
+
+    @staticmethod
+    def _in_placeholder_order(kinds, pixel_values, grid, clips):
+        """``(pixel_values, grids, modalities, second_per_grid_ts)`` of the images and videos
+        in placeholder order (None, None, None, None without any)."""
+        if not kinds:
+            return None, None, None, None
+        n_patches = [] if grid is None else grid.prod(-1).tolist()
+        image_rows = list(pixel_values.split(n_patches)) if n_patches else []
+        images, videos, pv, grids = iter(zip(image_rows, grid if grid is not None else [])), iter(clips), [], []
+        for kind in kinds:
+            p, g = next(images) if kind == "image" else next(videos)[:2]
+            pv.append(p)
+            grids.append(g.reshape(1, 3))
+        mods = torch.tensor([1 if k == "image" else 2 for k in kinds], dtype=torch.long)
+        seconds = torch.tensor([c[2] for c in clips], dtype=torch.float64) if clips else None
+        return torch.cat(pv), torch.cat(grids), mods, seconds
 
     def _validate(self, messages: list[tuple[str, str]]) -> list[tuple[str, str]]:
         specials = [tok for _, tok in _SPECIAL] + [self.tokenizer.pad_token or "<|endoftext|>"]
@@ -289,8 +356,9 @@ class VLProcessor:
             hit = next((s for s in specials if s in text), None)
             if hit is not None:
                 raise BadSample(f"malformed record: a {role} turn contains the special token {hit}")
-            if role == "assistant" and IMAGE_PLACEHOLDER in text:
-                raise BadSample(f"malformed record: {IMAGE_PLACEHOLDER} in an assistant turn")
+            for ph in (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER):
+                if role == "assistant" and ph in text:
+                    raise BadSample(f"malformed record: {ph} in an assistant turn")
         return messages
 
     def _encode_images(self, images: list):
@@ -340,6 +408,22 @@ def as_vl_processor(obj) -> VLProcessor:
                     "a transformers processor (with .tokenizer and .image_processor) or a tokenizer")
 
 
+def _renders_timestamps(path: str) -> bool:
+    """Whether the directory's processor is Qwen3-VL's (it writes frame timestamps into the
+    prompt): its ``processor_class`` in processor_config.json / (video_)preprocessor_config.json."""
+    import json
+
+    for name in ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json"):
+        try:
+            with open(os.path.join(path, name), encoding="utf-8") as f:
+                cls = str(json.load(f).get("processor_class", ""))
+        except (OSError, ValueError, AttributeError):
+            continue
+        if cls.startswith(("Qwen3VL", "Qwen3_5")):
+            return True
+    return False
+
+
 def load_processor(path: str) -> VLProcessor:
     """The processor of a local model directory: its tokenizer, image processor (None without
     ``preprocessor_config.json``) and the chat template found wherever transformers finds one,
@@ -354,7 +438,8 @@ def load_processor(path: str) -> VLProcessor:
 
     tokenizer, image_processor, template, source = read_processor_dir(path)
     try:
-        processor = VLProcessor(tokenizer, image_processor, chat_template=template)
+        processor = VLProcessor(tokenizer, image_processor, chat_template=template,
+                                video_timestamps=_renders_timestamps(path))
     except ValueError as e:  # no <|im_start|>... token
         raise ProcessorDirError(f"processor directory {path}: {e}") from e
     processor.chat_source = source

@@ -53,18 +53,31 @@ class FamilySpec:
         vc = config.vision_config
         return getattr(vc, "out_hidden_size", None) or vc.hidden_size
 
-    def encoder_outputs(self, config, feats: torch.Tensor) -> dict:
-        """Wrap boundary features ``[rows, feature_dim]`` as the model's ``mm_encoder_outputs``."""
+    def encoder_outputs(self, config, feats: torch.Tensor, modalities=None) -> dict:
+        """Wrap boundary features ``[rows, feature_dim]`` as the model's ``mm_encoder_outputs``;
+        ``modalities`` (``[rows]``, 1 image / 2 video; None: all images) splits the rows into
+        the image and the video outputs, each keeping the rows' order."""
+        if modalities is None or bool((modalities == 1).all()):
+            return {"image": self._wrap(config, feats)}
+        modalities = modalities.to(feats.device)
+        out = {}
+        for kind, key in ((1, "image"), (2, "video")):
+            rows = (modalities == kind).nonzero().flatten()
+            if rows.numel():
+                out[key] = self._wrap(config, feats.index_select(0, rows))
+        return out
+
+    def _wrap(self, config, feats: torch.Tensor):
         from transformers.modeling_outputs import BaseModelOutputWithPooling
 
         n_deep = self.num_deepstack(config)
         if n_deep == 0:
-            return {"image": BaseModelOutputWithPooling(pooler_output=(feats,))}
+            return BaseModelOutputWithPooling(pooler_output=(feats,))
         from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
         chunks = feats.chunk(1 + n_deep, dim=-1)
-        return {"image": BaseModelOutputWithDeepstackFeatures(
-            pooler_output=(chunks[0],), deepstack_features=[(c,) for c in chunks[1:]])}
+        return BaseModelOutputWithDeepstackFeatures(
+            pooler_output=(chunks[0],), deepstack_features=[(c,) for c in chunks[1:]])
 
     # -- validation ----------------------------------------------------------------------------
 

@@ -313,8 +313,13 @@ class DHPEngine(UpdateMixin):
         if feats is not None and feats.shape[0] > 0:
             if torch.is_grad_enabled() and vision_trains(self.tuning) and not feats.requires_grad:
                 feats.requires_grad_(True)
-            enc = self.family.encoder_outputs(self.config, feats)
+            from ray_dhp.data.collate import row_modalities
+
+            merge = self.config.vision_config.spatial_merge_size
+            enc = self.family.encoder_outputs(self.config, feats, row_modalities(samples, merge))
         grid, mask, pos = batch["image_grid_thw"], batch["attention_mask"], batch.get("position_ids")
+        videos = {k: to_device(batch[k], dev) for k in ("video_grid_thw", "second_per_grid_ts")
+                  if batch.get(k) is not None and (k == "video_grid_thw" or _accepts(self.text_model, k))}
         with self._autocast():
             out = self.text_model(
                 input_ids=to_device(batch["input_ids"], dev),
@@ -322,7 +327,7 @@ class DHPEngine(UpdateMixin):
                 position_ids=None if pos is None else to_device(pos, dev),
                 mm_token_type_ids=to_device(batch["mm_token_type_ids"], dev),
                 image_grid_thw=None if grid is None else to_device(grid, dev),
-                mm_encoder_outputs=enc, use_cache=False)
+                mm_encoder_outputs=enc, use_cache=False, **videos)
         return batch, enc, out.logits
 
     def _text_forward_backward(self, samples, feats, n_targets: int):
@@ -386,6 +391,15 @@ def _pad_tail(batch: dict, multiple: int, pad_id: int) -> dict:
 # Attention implementations whose mask transformers builds from packed position ids for any
 # number of rows (flash kernels infer packing from positions only when there is one row).
 _MASKED_ATTENTION = ("sdpa", "eager", "flex_attention")
+
+
+def _accepts(model, name: str) -> bool:
+    """Whether the model's forward takes ``name`` (``second_per_grid_ts``: Qwen2.5-VL only); a
+    PEFT wrapper is looked through."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return name in inspect.signature(base.forward).parameters
 
 
 def _is_dtensor(t) -> bool:

@@ -28,6 +28,7 @@ loss normalisation (`ray_dhp.step.loss`) and the lr schedule's factor (`ray_dhp.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import zlib
 
@@ -86,8 +87,11 @@ class ReferenceTrainer:
         for mb in micro_batches:
             batch = pad_text_batch(mb, self.config.text_config.pad_token_id or 0)
             kwargs = {k: v.to(self.device) for k, v in batch.items() if v is not None and k != "labels"}
-            if "pixel_values" in kwargs:
-                kwargs["pixel_values"] = kwargs["pixel_values"].to(self.dtype)
+            if "second_per_grid_ts" not in inspect.signature(self.model.forward).parameters:
+                kwargs.pop("second_per_grid_ts", None)  # Qwen2.5-VL's absolute-time M-RoPE only
+            for key in ("pixel_values", "pixel_values_videos"):
+                if key in kwargs:
+                    kwargs[key] = kwargs[key].to(self.dtype)
             with self._autocast():
                 out = self.model(**kwargs, use_cache=False)
             targets = shift_labels(batch["labels"]).to(self.device)

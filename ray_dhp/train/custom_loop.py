@@ -62,7 +62,7 @@ def build_engine(config: Union[TrainLoopConfig, dict], ctx=None, *, comm=None,
 
 def build_processor(ctx=None, config: Union[TrainLoopConfig, dict, None] = None):
     """The run's `VLProcessor`: ``dhp_config.processor``, else the model directory's; with
-    ``config``, its ``system_prompt`` and ``min_pixels``/``max_pixels`` applied (the driver says
+    ``config``, its ``system_prompt``, ``min_pixels``/``max_pixels`` and ``video_*`` keys applied (the driver says
     when the processor has no chat template: `ray_dhp.data.compat.processor_notes`)."""
     from ray_dhp.data.processing import as_vl_processor
 
@@ -74,7 +74,7 @@ def build_processor(ctx=None, config: Union[TrainLoopConfig, dict, None] = None)
     cfg = _cfg(config)
     system = cfg.system_prompt if cfg.system_prompt is not None else processor.system_prompt
     processor = processor.configured(system_prompt=system, min_pixels=cfg.min_pixels,
-                                     max_pixels=cfg.max_pixels)
+                                     max_pixels=cfg.max_pixels, video=cfg.video_settings())
     if ctx.rank == 0:
         logger.debug("prompts: %s (system prompt: %s)", "the processor's chat template"
                      if processor.uses_chat_template else "ray_dhp's own Qwen format",

@@ -50,6 +50,15 @@ class TrainLoopConfig:
         max_image_pixels: images with more pixels (width x height, read from the file header)
             are bad data, found before decoding (None = no limit; Pillow's own bomb guard still
             refuses images over about 179M pixels).
+        video_fps, video_min_frames, video_max_frames: videos are sampled at video_fps frames
+            per second (default 2), the frame count kept within [video_min_frames,
+            video_max_frames] (default 4, 768) and a multiple of the temporal patch size, as
+            qwen-vl-utils samples them (`ray_dhp.data.video`).
+        video_min_pixels, video_max_pixels, video_total_pixels: per-frame area bounds and the
+            whole video's area budget (the per-frame cap is min(video_max_pixels, 768 merge
+            units, 2 x video_total_pixels / frames)); None: qwen-vl-utils' defaults (128 and
+            768 merge units per frame, 115200 merge units per video; a merge unit is 28x28 px,
+            32x32 for Qwen3-VL). Source frames over max_image_pixels are bad data.
         max_bad_fraction: in skip mode, fail the run with a summary of the bad samples (counts
             per reason, first examples, likely fix) once more than this fraction of the records
             drawn so far are bad (judged after min(200, dataset size) draws; the default 0.25
@@ -156,6 +165,12 @@ class TrainLoopConfig:
     max_text_chars: Optional[int] = checked(1_000_000, ge=1)
     max_image_pixels: Optional[int] = checked(50_000_000, ge=1)
     max_bad_fraction: float = checked(0.25, ge=0, le=1)
+    video_fps: float = checked(2.0, gt=0)
+    video_min_frames: int = checked(4, ge=1)
+    video_max_frames: int = checked(768, ge=2)
+    video_min_pixels: Optional[int] = checked(None, ge=1)
+    video_max_pixels: Optional[int] = checked(None, ge=1)
+    video_total_pixels: Optional[int] = checked(None, ge=1)
     packing: bool = False
     micro_batch_tokens: Optional[int] = checked(None, ge=1)
     balance: str = checked("cost", choices=BALANCE)
@@ -199,6 +214,14 @@ class TrainLoopConfig:
         check_dataset_weights(self.dataset_weights, key=name("dataset_weights"))
         parse_tuning_named(self.modules, name)
 
+    def video_settings(self):
+        """The `ray_dhp.data.video.VideoSettings` of the ``video_*`` keys."""
+        from ray_dhp.data.video import VideoSettings
+
+        return VideoSettings(fps=self.video_fps, min_frames=self.video_min_frames,
+                             max_frames=self.video_max_frames, min_pixels=self.video_min_pixels,
+                             max_pixels=self.video_max_pixels, total_pixels=self.video_total_pixels)
+
     def _cross_rules(self) -> list:
         """``(message template, holds)`` for the rules that involve several keys."""
         return [
@@ -211,9 +234,17 @@ class TrainLoopConfig:
             (f"{{min_pixels}}={self.min_pixels} > {{max_pixels}}={self.max_pixels}: the image "
              "area range is empty; lower min_pixels or raise max_pixels.",
              None in (self.min_pixels, self.max_pixels) or self.min_pixels <= self.max_pixels),
-            ("{system_prompt}: must not contain the '<image>' placeholder (images belong to the "
-             "records' user turns).",
-             self.system_prompt is None or "<image>" not in self.system_prompt),
+            (f"{{video_min_frames}}={self.video_min_frames} > {{video_max_frames}}="
+             f"{self.video_max_frames}: the frame-count range is empty.",
+             self.video_min_frames <= self.video_max_frames),
+            (f"{{video_min_pixels}}={self.video_min_pixels} > {{video_max_pixels}}="
+             f"{self.video_max_pixels}: the frame area range is empty.",
+             None in (self.video_min_pixels, self.video_max_pixels)
+             or self.video_min_pixels <= self.video_max_pixels),
+            ("{system_prompt}: must not contain the '<image>' or '<video>' placeholder (images "
+             "and videos belong to the records' user turns).",
+             self.system_prompt is None
+             or not any(p in self.system_prompt for p in ("<image>", "<video>"))),
         ]
 
     @classmethod
