@@ -31,7 +31,7 @@ SHAPES = {
     # of a 1+1 disjoint split are comparably busy (the regime a pipeline between them is for).
     "balanced": dict(vision=_VITHEAVY["vision"], text={**_VITHEAVY["text"], "num_hidden_layers": 4}),
     # ZeRO stages (benchmarks/zero_stages.py): Qwen2.5-0.5B's text width, 2 layers, vitheavy ViT.
-    "text-wide": dict(vision=_VITHEAVY["vision"], text=dict(
+    "text-wide": dict(vision={**_VITHEAVY["vision"], "out_hidden_size": 896}, text=dict(
         hidden_size=896, num_hidden_layers=2, num_attention_heads=14, num_key_value_heads=2,
         intermediate_size=4864)),
     # For the GPU script: the same proportions, 4x wider.
