@@ -5,7 +5,8 @@ Layout: collocated, text DP = vision DP = ``--ranks`` (text TP 1, vision SP 1), 
 a replica of both modules and the stages differ only in what a replica keeps. Contenders, built
 once each in the same processes (same seed: the same initial weights, first-step losses recorded):
 ``s0`` (text 0, vision 0), ``s1`` (1, 1), ``s2`` (2, 2), ``s3`` (text 3 = FSDP2, vision 2: vision
-stage 3 is refused, `ray_dhp.parallel.zero.resolve_stage`). One warm-up step each, one counted
+stage 3 is refused, `ray_dhp.parallel.zero.resolve_stage`), ``s1-offload`` (``s1`` with both
+modules' masters and moments on the host, `ray_dhp.step.offload`). One warm-up step each, one counted
 step each (collectives by name, `benchmarks.measure.CollectiveCounter`, FSDP2's included), then
 ``--steps`` rounds in rotating order with a barrier before each step. Step time = the slowest
 rank's; medians and ratios to ``s0``.
@@ -15,6 +16,9 @@ measured from the tensors) vs `ray_dhp.planning.memory.rank_state` for every ran
 bytes: the input bytes each rank hands to each collective (counted), and the ring estimate of
 bytes sent (`all_reduce` 2(n-1)/n of its input, `reduce`/`broadcast`/`reduce_scatter` (n-1)/n,
 `all_gather` (n-1) x its shard), next to the planner's `ray_dhp.parallel.zero.replica_bytes`.
+Host AdamW (`host_adam`, in the driver, one thread): DeepSpeedCPUAdam vs torch's foreach and
+single-tensor AdamW over ``--host-adam-numel`` fp32 parameters, the engine choice of
+`ray_dhp.step.offload.host_adamw`.
 
 Shape ``--shape text-wide`` (`benchmarks.shapes`): Qwen2.5-0.5B's text width (hidden 896, MLP
 4864, 14/2 heads) with 2 layers and the vitheavy ViT; the 7B width (one layer alone is 233 M
@@ -34,7 +38,9 @@ import statistics
 import time
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-CONTENDERS = {"s0": (0, 0), "s1": (1, 1), "s2": (2, 2), "s3": (2, 3)}  # name: (vision, text)
+# name: (vision stage, text stage, optimizer offload of both modules)
+CONTENDERS = {"s0": (0, 0, False), "s1": (1, 1, False), "s2": (2, 2, False), "s3": (2, 3, False),
+              "s1-offload": (1, 1, True)}
 RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce": lambda n: (n - 1) / n,
         "broadcast": lambda n: (n - 1) / n, "reduce_scatter_single": lambda n: (n - 1) / n,
         "reduce_scatter_tensor": lambda n: (n - 1) / n, "all_gather_single": lambda n: n - 1,
@@ -52,8 +58,9 @@ def _build(config, world, stages, cfg):
     from ray_dhp.step.mesh import build_groups
     from ray_dhp.step.topology import Topology
 
-    vz, tz = stages
-    topo = Topology.build(**_layout(world), vision_zero=vz, text_zero=tz)
+    vz, tz, off = stages
+    topo = Topology.build(**_layout(world), vision_zero=vz, text_zero=tz, vision_offload=off,
+                          text_offload=off)
     return topo, DHPEngine(config, build_groups(topo, torch.device("cpu")), cfg)
 
 
@@ -92,12 +99,49 @@ def zero_body(rank, world, opts: dict) -> dict:
             out[name] = {"first_loss": loss, "comm": counter.as_dict(), "times": [],
                          "held": engine.state_bytes(),
                          "plan": {k: getattr(plan, k) for k in ("weights", "grads", "masters",
-                                                                "optimizer", "total")}}
+                                                                "optimizer", "total", "host")}}
             engines[name] = engine
         names = list(CONTENDERS)
         for r in range(opts["steps"]):
             for name in names[r % len(names):] + names[:r % len(names)]:
                 out[name]["times"].append(_timed(engines[name], batch)[0])
+    return out
+
+
+def host_adam(numel: int, repeats: int = 5) -> dict:
+    """Seconds per step (median of ``repeats``, one thread) of the host AdamW candidates over
+    ``numel`` fp32 parameters in 8 tensors: DeepSpeedCPUAdam, torch foreach, torch single-tensor;
+    and the largest difference of DeepSpeed's parameters from torch's single-tensor ones after
+    the steps (relative to the largest parameter)."""
+    import torch
+
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    torch.set_num_threads(1)
+
+    def params():
+        g = torch.Generator().manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(numel // 8, generator=g)) for _ in range(8)]
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g)
+        return ps
+
+    makers = {"deepspeed_cpu_adam": lambda ps: DeepSpeedCPUAdam(ps, lr=1e-3, weight_decay=0.1),
+              "torch_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, foreach=True),
+              "torch_single": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, foreach=False)}
+    out, final = {"numel": numel}, {}
+    for name, make in makers.items():
+        ps = params()
+        opt, times = make(ps), []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+        out[name] = statistics.median(times[1:])
+        final[name] = torch.cat([p.detach().reshape(-1) for p in ps])
+    ref = final["torch_single"]
+    out["max_rel_diff_deepspeed_vs_torch"] = float(
+        (final["deepspeed_cpu_adam"] - ref).abs().max() / ref.abs().max())
     return out
 
 
@@ -118,7 +162,7 @@ def summarise(per_rank: list, counts, world: int, policy) -> dict:
     from ray_dhp.parallel.zero import replica_bytes
 
     rows = {}
-    for name, (vz, tz) in CONTENDERS.items():
+    for name, (vz, tz, off) in CONTENDERS.items():
         steps = [max(r[name]["times"][i] for r in per_rank)
                  for i in range(len(per_rank[0][name]["times"]))]
         r0 = per_rank[0][name]
@@ -126,11 +170,11 @@ def summarise(per_rank: list, counts, world: int, policy) -> dict:
         planned = (replica_bytes(world, tz, g * counts.text, w * counts.text)
                    + replica_bytes(world, vz, g * counts.vision, w * counts.vision))
         rows[name] = {
-            "stages": {"vision": vz, "text": tz}, "step_s_median": statistics.median(steps),
+            "stages": {"vision": vz, "text": tz}, "offload": off, "step_s_median": statistics.median(steps),
             "step_s": steps, "first_loss": [r[name]["first_loss"] for r in per_rank],
             "held_vs_plan": [{"held": r[name]["held"], "plan": r[name]["plan"]} for r in per_rank],
             "held_equals_plan": all(all(r[name]["held"][k] == r[name]["plan"][k] for k in
-                                        ("weights", "grads", "masters", "optimizer"))
+                                        ("weights", "grads", "masters", "optimizer", "host"))
                                     for r in per_rank),
             "comm_rank0": r0["comm"], "ring_bytes_rank0": _ring_bytes(r0["comm"], world),
             "planned_sync_bytes": planned,
@@ -180,10 +224,11 @@ def main(argv=None) -> dict:
     p.add_argument("--shape", default="text-wide")
     p.add_argument("--precision", default="bf16_mixed")
     p.add_argument("--tiny", action="store_true", help="vitheavy shape, 64 patches, 1 round")
+    p.add_argument("--host-adam-numel", type=int, default=8_000_000)
     p.add_argument("--out", default=RESULTS)
     a = p.parse_args(argv)
     if a.tiny:
-        a.shape, a.patches, a.steps = "vitheavy", 64, 1
+        a.shape, a.patches, a.steps, a.host_adam_numel = "vitheavy", 64, 1, 80_000
     from benchmarks.shapes import model_config
     from ray_dhp.planning.memory import count_params
     from ray_dhp.step.precision import POLICIES
@@ -196,7 +241,7 @@ def main(argv=None) -> dict:
     result = {"shape": a.shape, "parameters": counts.vision + counts.text, "ranks": a.ranks,
               "layout": f"collocated vision DP{a.ranks} / text DP{a.ranks}", **opts,
               "load_average": os.getloadavg(), "machine": "2-core CPU, gloo, shared",
-              "contenders": rows}
+              "contenders": rows, "host_adam": host_adam(a.host_adam_numel)}
     os.makedirs(a.out, exist_ok=True)
     stem = os.path.join(a.out, f"zero-stages-{a.shape}-cpu2-{datetime.date.today().isoformat()}")
     with open(stem + ".json", "w") as f:
@@ -205,9 +250,13 @@ def main(argv=None) -> dict:
     for name, r in rows.items():
         h = r["held_vs_plan"][0]
         print(f"{name}: rank0 state {h['held']['total'] / 2 ** 20:.1f} MiB (plan "
-              f"{h['plan']['total'] / 2 ** 20:.1f}), all ranks = plan: {r['held_equals_plan']}; "
+              f"{h['plan']['total'] / 2 ** 20:.1f}; on the host {h['held']['host'] / 2 ** 20:.1f}), all ranks = plan: {r['held_equals_plan']}; "
               f"step {r['step_s_median']:.3f} s ({r['step_vs_s0']:.2f}x s0); sent "
               f"{r['ring_bytes_rank0'] / 2 ** 20:.1f} MiB (planner {r['planned_sync_bytes'] / 2 ** 20:.1f})")
+    h = result["host_adam"]
+    print(f"host AdamW over {h['numel']} fp32 params: DeepSpeedCPUAdam {h['deepspeed_cpu_adam']:.4f} s, "
+          f"torch foreach {h['torch_foreach']:.4f} s, single {h['torch_single']:.4f} s; max rel diff "
+          f"{h['max_rel_diff_deepspeed_vs_torch']:.1e}")
     return result
 
 
