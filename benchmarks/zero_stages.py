@@ -185,6 +185,23 @@ def summarise(per_rank: list, counts, world: int, policy) -> dict:
     return rows
 
 
+def table(result: dict) -> str:
+    """The README table of a result (``python -m benchmarks.zero_stages --table RESULT.json``)."""
+    mib = 2 ** 20
+    lines = ["| contender | stages v/t | rank 0 state MiB (plan) | of it on the host | every rank = plan "
+             "| step (median s) | vs s0 | rank 0 sent MiB/step (planner) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, r in result["contenders"].items():
+        h = r["held_vs_plan"][0]
+        lines.append(
+            f"| `{name}` | {r['stages']['vision']}/{r['stages']['text']} | "
+            f"{h['held']['total'] / mib:.1f} ({h['plan']['total'] / mib:.1f}) | "
+            f"{h['held'].get('host', 0) / mib:.1f} | {'yes' if r['held_equals_plan'] else 'NO'} | "
+            f"{r['step_s_median']:.3f} | {r['step_vs_s0']:.2f}x | "
+            f"{r['ring_bytes_rank0'] / mib:.1f} ({r['planned_sync_bytes'] / mib:.1f}) |")
+    return "\n".join(lines)
+
+
 def _plot(rows: dict, path: str, title: str) -> None:
     import matplotlib
 
@@ -226,7 +243,12 @@ def main(argv=None) -> dict:
     p.add_argument("--tiny", action="store_true", help="vitheavy shape, 64 patches, 1 round")
     p.add_argument("--host-adam-numel", type=int, default=8_000_000)
     p.add_argument("--out", default=RESULTS)
+    p.add_argument("--table", metavar="RESULT_JSON", help="print the README table of a result")
     a = p.parse_args(argv)
+    if a.table:
+        with open(a.table) as f:
+            print(table(json.load(f)))
+        return {}
     if a.tiny:
         a.shape, a.patches, a.steps, a.host_adam_numel = "vitheavy", 64, 1, 80_000
     from benchmarks.shapes import model_config

@@ -105,3 +105,18 @@ def test_deepspeed_cpu_adam_matches_torch_adamw():
         == "DeepSpeedCPUAdam"
     for a, b in zip(*runs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+OFFLOADED = dict(LAYOUT, vision_zero=2, text_zero=1, vision_offload=True, text_offload=True)
+ON_DEVICE = dict(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1, text_tp=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("before, after", [(OFFLOADED, ON_DEVICE), (ON_DEVICE, OFFLOADED)],
+                         ids=["offloaded-dp2-to-device-tp2", "device-tp2-to-offloaded-dp2"])
+def test_resume_between_offload_and_device_is_exact(before, after, tmp_path, tmp_path_factory):
+    """3 steps + save + load at the other layout + 3 steps == 6 reference steps (fp64, torch's
+    AdamW on the host: its state is keyed and typed like the device optimizer's)."""
+    from tests.distributed.test_zero import test_resume_across_stages_is_exact
+
+    test_resume_across_stages_is_exact(before, after, tmp_path, tmp_path_factory)
