@@ -30,6 +30,10 @@ SHAPES = {
     # The vitheavy ViT with a 2x deeper LLM: at 256 patches per image the vision and text groups
     # of a 1+1 disjoint split are comparably busy (the regime a pipeline between them is for).
     "balanced": dict(vision=_VITHEAVY["vision"], text={**_VITHEAVY["text"], "num_hidden_layers": 4}),
+    # ZeRO stages (benchmarks/zero_stages.py): Qwen2.5-0.5B's text width, 2 layers, vitheavy ViT.
+    "text-wide": dict(vision={**_VITHEAVY["vision"], "out_hidden_size": 896}, text=dict(
+        hidden_size=896, num_hidden_layers=2, num_attention_heads=14, num_key_value_heads=2,
+        intermediate_size=4864)),
     # For the GPU script: the same proportions, 4x wider.
     "vitheavy-wide": dict(
         vision={**_VITHEAVY["vision"], "hidden_size": 512, "intermediate_size": 1536, "out_hidden_size": 1024},

@@ -34,6 +34,11 @@ class ModuleParallel:
             2 also the reduced gradients (each reduced only to its owner); 3 also the weights
             (torch FSDP2 over the replicas). None: 1 where the module has more than one
             replica, else 0 (why: docs/concepts.md, "ZeRO stages"); vision stage 3 is refused.
+        optimizer_offload: the module's optimizer masters and AdamW moments (of its ZeRO
+            partition) live in host memory and the update runs on the CPU (DeepSpeedCPUAdam for
+            fp32 masters, torch AdamW otherwise; DeepSpeed compiles its CPU op on first use, minutes);
+            the device keeps weights and gradients. Needs plain (not DTensor) parameters: vision
+            always, text with tensor_parallel=1 and zero_stage < 3.
 
     Example:
         >>> ModuleParallel(sequence_parallel=2, data_parallel=2)  # 4 vision workers
@@ -43,6 +48,7 @@ class ModuleParallel:
     tensor_parallel: int = checked(1, ge=1)
     data_parallel: int = checked(1, ge=1)
     zero_stage: Optional[int] = checked(None, choices=(None,) + ZERO_STAGES)
+    optimizer_offload: bool = False
 
     def __post_init__(self):
         for name in ("sequence_parallel", "tensor_parallel", "data_parallel"):
@@ -165,6 +171,7 @@ class DHPConfig(BackendConfig):
             text_tp=self.text.tensor_parallel,
             text_sequence_parallel=self.text.sequence_parallel is True,
             vision_zero=self.vision.zero_stage, text_zero=self.text.zero_stage,
+            vision_offload=self.vision.optimizer_offload, text_offload=self.text.optimizer_offload,
         )
 
     @property

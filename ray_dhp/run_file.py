@@ -90,14 +90,14 @@ class _SequenceParallelOwn:
 VisionSection = make_dataclass(
     "VisionSection", borrow(_SequenceParallelOwn, ["sequence_parallel"],
                              rename={"sequence_parallel": "vision"})
-    + borrow(ModuleParallel, ["data_parallel", "zero_stage"]),
+    + borrow(ModuleParallel, ["data_parallel", "zero_stage", "optimizer_offload"]),
     namespace={"__doc__": "Degrees of the vision group (the vision encoder takes Ulysses sequence "
                           "parallelism, not tensor parallelism).", "__module__": __name__})
 
 TextSection = make_dataclass(
     "TextSection", borrow(ModuleParallel, ["tensor_parallel"])
     + borrow(_SequenceParallelOwn, ["sequence_parallel"], rename={"sequence_parallel": "text"})
-    + borrow(ModuleParallel, ["data_parallel", "zero_stage"]),
+    + borrow(ModuleParallel, ["data_parallel", "zero_stage", "optimizer_offload"]),
     namespace={"__doc__": "Degrees of the text group (the language model takes tensor "
                           "parallelism, optionally with Megatron sequence parallelism).",
                "__module__": __name__})

@@ -108,7 +108,9 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
                    f"{_gib(st.masters)}, AdamW {_gib(st.optimizer)} = state {_gib(st.total)}; "
                    f"start-up peak {_gib(st.startup_peak)}; step peak "
                    f"{_gib(rank_step_peak(st, policy, counts, topo, r, config.text_config))}; "
-                   f"host: checkpoint staging "
+                   + (f"offloaded to the host: {_gib(st.host)} (device state "
+                      f"{_gib(st.device_total)}); " if st.host else "")
+                   + f"host: checkpoint staging "
                    f"{_gib(st.staging) if rf.checkpoint.async_save else '0 (async_save off)'}")
     out += ["", f"activation estimate: {samples} sample(s) per replica per micro-batch, "
                 f"{text_tokens} text tokens per sample, {settings.dtype_bytes}-byte activations, "

@@ -75,7 +75,13 @@ def _row(i, c) -> str:
     text = f"tp{lay.text_tp}{'+sp' if lay.text_sp else ''} x dp{lay.text_dp}"
     return (f"{i:>3}  {lay.placement:<10}  {lay.schedule:<10}  "
             f"{f'sp{lay.vision_sp} x dp{lay.vision_dp}':<11} {text:<14}"
-            f" {c.step_s:9.4g}  {iv:11.2f}  {it:9.2f}  {c.peak_memory_gib:8.3g}")
+            f" {c.step_s:9.4g}  {iv:11.2f}  {it:9.2f}  {c.peak_memory_gib:8.3g}"
+            f"  {_zero(lay)}")
+
+
+def _zero(lay) -> str:
+    topo = lay.topology()
+    return f"{topo.vision.zero_stage}/{topo.text.zero_stage}"
 
 
 def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens: int,
@@ -115,15 +121,15 @@ def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens:
         _workload_line(vt, text_tokens, vision_tokens, vision_mix)
         + f"; global batch {gb} = {m} micro-batch(es) of {w.micro_batch_size}; "
         f"{settings.dtype_bytes}-byte activations, {attention} attention, checkpointing "
-        f"{'on' if settings.checkpointing else 'off'}, default ZeRO stages (1 with more than "
-        f"one replica), {policy.name} state ({state_bytes:g} B/param); {device_gib:g} GiB "
+        f"{'on' if settings.checkpointing else 'off'}, ZeRO stages: the defaults (1 with "
+        f"more than one replica) or, where they do not fit, the fastest pair that does, {policy.name} state ({state_bytes:g} B/param); {device_gib:g} GiB "
         "per GPU",
         f"cost model (ray_dhp/planning/cost_model.py): {hw.flops(settings.dtype_bytes) / 1e12:.0f} TFLOP/s "
         f"achieved per GPU ({hw.efficiency:.2f} of peak), links {hw.link_bw / 1e9:.0f} GB/s in a "
         f"node / {hw.internode_bw / 1e9:.0f} GB/s between nodes, {hw.gpus_per_node} GPUs per node",
         "",
         "  #  placement   schedule    vision      text            step (s)  vision idle  text idle"
-        "  GiB/GPU",
+        "  GiB/GPU  ZeRO v/t",
     ]
     out += [_row(i + 1, c) for i, c in enumerate(ok[:top])]
     if not ok:

@@ -162,14 +162,19 @@ class Layout:
         return self.topology().world_size
 
     def describe(self) -> str:
+        zero = ("" if self.vision_zero is None and self.text_zero is None else
+                f" (ZeRO vision {self.topology().vision.zero_stage} / text "
+                f"{self.topology().text.zero_stage})")
         return (f"{self.placement} {self.schedule}: vision sp{self.vision_sp}xdp{self.vision_dp}"
-                f" + text tp{self.text_tp}{'+sp' if self.text_sp else ''}xdp{self.text_dp}")
+                f" + text tp{self.text_tp}{'+sp' if self.text_sp else ''}xdp{self.text_dp}{zero}")
 
     def run_file_fragment(self) -> dict:
         """The run-file keys of this layout (``vision``, ``text``, ``placement``, ``scaling``)."""
-        return {"vision": {"sequence_parallel": self.vision_sp, "data_parallel": self.vision_dp},
+        return {"vision": {"sequence_parallel": self.vision_sp, "data_parallel": self.vision_dp,
+                           **({} if self.vision_zero is None else {"zero_stage": self.vision_zero})},
                 "text": {"tensor_parallel": self.text_tp, "data_parallel": self.text_dp,
-                         **({"sequence_parallel": True} if self.text_sp else {})},
+                         **({"sequence_parallel": True} if self.text_sp else {}),
+                         **({} if self.text_zero is None else {"zero_stage": self.text_zero})},
                 "placement": {"mode": self.placement, "schedule": self.schedule},
                 "scaling": {"num_workers": self.num_workers}}
 
@@ -265,6 +270,17 @@ def _all_reduce(hw, nbytes, n, bw) -> float:
     return 0.0 if n <= 1 else 2 * (n - 1) / n * nbytes / bw + hw.latency_s
 
 
+def _zero_extra(n, stage, grad_bytes, weight_bytes, bw) -> float:
+    """Seconds of a stage-2/3 module's synchronisation beyond an all-reduce of its gradients
+    (may be negative: stage 2 reduces instead of all-reducing); 0 at stages 0-1."""
+    from ray_dhp.parallel.zero import replica_bytes
+
+    if stage < 2 or n <= 1:
+        return 0.0
+    return (replica_bytes(n, stage, grad_bytes, weight_bytes)
+            - replica_bytes(n, 0, grad_bytes, weight_bytes)) / bw
+
+
 def _all_to_all(hw, nbytes, n, bw) -> float:
     return 0.0 if n <= 1 else (n - 1) / n * nbytes / bw + hw.latency_s
 
@@ -316,6 +332,12 @@ def phase_times(config, counts, layout: Layout, w: Workload, hw: Hardware) -> Ph
     t_rank = counts.text_per_rank(t.inner)
     t_end = (_all_reduce(hw, t_rank * g, t.dp, _bw(hw, t.dp_groups(), nodes))
              + t_rank * 2 * w.state_bytes / hw.hbm_bw)
+    # ZeRO stages 2-3 (chosen by `ray_dhp.planning.recommend` where the default does not fit):
+    # their traffic beyond the all-reduce above (`ray_dhp.parallel.zero.replica_bytes`)
+    v_end += _zero_extra(v.size, v.zero_stage, counts.vision * g, counts.vision * s.dtype_bytes,
+                         bw_v)
+    t_end += _zero_extra(t.dp, t.zero_stage, t_rank * g, t_rank * s.dtype_bytes,
+                         _bw(hw, t.dp_groups(), nodes))
     return PhaseTimes(vision_fwd=v_comp * fwd_share + a2a, vision_bwd=v_comp * (1 - fwd_share)
                       + v_comm - a2a, text=t_comp + t_comm, boundary=boundary, vision_end=v_end,
                       text_end=t_end, vision_comm=v_comm, text_comm=t_comm)

@@ -160,10 +160,16 @@ class RankState:
     optimizer: int     # AdamW moments
     startup_peak: int  # at engine construction: weights + masters + one full fp32 tensor
     staging: int = 0   # host memory: one copy of the checkpoint state (checkpoint.async_save)
+    host: int = 0      # host memory: the offloaded masters and moments (part of ``total``)
 
     @property
     def total(self) -> int:
         return self.weights + self.grads + self.masters + self.optimizer
+
+    @property
+    def device_total(self) -> int:
+        """What stays on the device: ``total`` less the offloaded host part."""
+        return self.total - self.host
 
 
 def rank_state(counts: ParamCounts, topology, rank: int, policy) -> RankState:
@@ -194,17 +200,22 @@ def rank_state(counts: ParamCounts, topology, rank: int, policy) -> RankState:
     trained = (v - counts.vision_frozen if v else 0) + (
         (counts.text_updated_by(tg.coord(rank)[0], tg.dp, tp, 0) if tg.zero_stage != 3 else tu)
         if t else 0)
-    masters = 4 * updated if policy.master else 0
+    # host optimizer offload (`ray_dhp.step.offload`): the module's masters (without fp32 masters:
+    # copies in the weights' dtype) and moments of what the rank updates live on the host
+    off = vu * topology.vision.offload + tu * tg.offload
+    copy_bytes = 4 if policy.master else policy.weight_bytes()
+    masters = 4 * updated if policy.master else copy_bytes * off
     weights = held * policy.weight_bytes()
     optimizer = updated * 2 * _bytes(policy.moment_dtype)
+    host = off * (copy_bytes + 2 * _bytes(policy.moment_dtype))
     # a checkpoint holds the fp32 masters of what the rank updates, the weights of the rest
-    saved = masters + (held - updated) * policy.weight_bytes() if policy.master else weights
+    saved = masters + (held - (updated if policy.master else off)) * policy.weight_bytes()
     # stage 3 shards the text weights after they are built: the whole TP shard exists first
     built = (v + (counts.text_per_rank(tp) if t else 0)) * policy.weight_bytes()
     return RankState(params=held, updated=updated, weights=weights,
                      grads=trained * policy.grad_bytes(), masters=masters, optimizer=optimizer,
-                     startup_peak=max(weights + masters, built) + 4 * counts.largest,
-                     staging=saved + optimizer)
+                     startup_peak=max(weights + masters - off * copy_bytes, built) + 4 * counts.largest,
+                     staging=saved + optimizer, host=host)
 
 
 def measure_engine_state(engine) -> dict:
@@ -225,6 +236,9 @@ def measure_engine_state(engine) -> dict:
                             if opt is not None for st in opt.state.values()
                             for v in st.values() if torch.is_tensor(v) and v.dim() > 0)}
     out["total"] = sum(out.values())
+    from ray_dhp.step.offload import host_bytes
+
+    out["host"] = host_bytes(engine)  # part of the total
     return out
 
 
@@ -358,7 +372,7 @@ def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int,
         roles = topology.roles(r)
         v = counts.vision if "vision" in roles else 0
         params = v + (counts.text_per_rank(tp) if "text" in roles else 0)
-        state = (rank_state(counts, topology, r, policy).total if policy is not None
+        state = (rank_state(counts, topology, r, policy).device_total if policy is not None
                  else params * state_bytes - v * moments)
         out.append(RankMemory(r, roles, params, state,
                               v_act if "vision" in roles else 0.0,

@@ -3,7 +3,9 @@
 `recommend` enumerates every layout of ``N`` workers — ``collocated`` (vision ``sp x dp`` = text
 ``tp x dp`` = N) and ``disjoint`` (``Nv + Nt = N``, every ``sp | Nv``, ``tp | Nt``, schedule
 ``sequential`` or ``pipelined``) — drops the ones the model or the batch cannot take or that do
-not fit in device memory (saying why), predicts a step time for the rest and ranks them. Nothing
+not fit in device memory (saying why; a layout that does not fit at its default ZeRO stages is
+tried at every other stage pair, `with_zero_stages`, and kept at the fastest that fits),
+predicts a step time for the rest and ranks them. Nothing
 here touches torch.distributed or Ray; `ray-dhp plan --recommend` prints the result.
 
 The cost model (FLOPs, communication, schedules; its documented formulas) is
@@ -115,6 +117,29 @@ def evaluate(config, counts, layout: Layout, w: Workload, hw: Hardware = Hardwar
     return Candidate(layout, step, p, idle, mem, reason)
 
 
+def zero_options(layout: Layout) -> list:
+    """The layout at every (vision, text) ZeRO-stage pair it admits beyond its defaults: vision
+    0-2 with more than one vision rank, text 0-3 with text data_parallel > 1."""
+    from dataclasses import replace
+
+    topo = layout.topology()
+    vs = (0, 1, 2) if topo.vision.size > 1 else (0,)
+    ts = (0, 1, 2, 3) if topo.text.dp > 1 else (0,)
+    return [replace(layout, vision_zero=a, text_zero=b) for a in vs for b in ts
+            if (a, b) != (topo.vision.zero_stage, topo.text.zero_stage)]
+
+
+def with_zero_stages(config, counts, cand: Candidate, w: Workload, hw: Hardware) -> Candidate:
+    """``cand`` if it fits (its default stages: least traffic for what they save) or was
+    dropped for anything but memory; else the fastest of its ZeRO-stage variants that fits
+    (`zero_options`), or ``cand`` with its reason when none does."""
+    if cand.feasible or not cand.reason.startswith("memory:"):
+        return cand
+    fits = [c for c in (evaluate(config, counts, lay, w, hw) for lay in zero_options(cand.layout))
+            if c.feasible]
+    return min(fits, key=lambda c: (c.step_s, c.peak_memory_gib), default=cand)
+
+
 def recommend(config, num_workers: int, workload: Workload, hardware: Hardware = Hardware(),
               counts=None) -> list:
     """Every layout of ``num_workers`` as a `Candidate`: feasible ones first, fastest first, then
@@ -140,7 +165,8 @@ def recommend(config, num_workers: int, workload: Workload, hardware: Hardware =
         from ray_dhp.planning.memory import count_params
 
         counts = count_params(config)
-    cands = [evaluate(config, counts, lay, workload, hardware)
+    cands = [with_zero_stages(config, counts, evaluate(config, counts, lay, workload, hardware),
+                              workload, hardware)
              for lay in enumerate_layouts(num_workers, workload.micro_batches)]
     return sorted(cands, key=lambda c: (not c.feasible, math.isnan(c.step_s),
                                         c.step_s if not math.isnan(c.step_s) else 0.0,

@@ -31,7 +31,7 @@ def step_peak(state, policy, largest: int, reduced: int = 0, replicated: int = 0
     from ray_dhp.step.precision import CHUNK_BYTES
 
     bucket = min(reduced, (_BUCKET_BYTES if bucket_bytes is None else bucket_bytes) // policy.grad_bytes())
-    reduce_peak = state.total + bucket * _size(policy.reduce_dtype) + replicated * policy.grad_bytes()
+    reduce_peak = state.device_total + bucket * _size(policy.reduce_dtype) + replicated * policy.grad_bytes()
     return max(reduce_peak, _update_peak(state, policy, largest, chunk_bytes, fused_adamw))
 
 
@@ -43,15 +43,15 @@ def _size(dtype) -> int:
 
 def _update_peak(state, policy, largest, chunk_bytes, fused_adamw) -> int:
     if not state.updated:
-        return state.total
+        return state.device_total
     from ray_dhp.step.precision import CHUNK_BYTES
 
     moment = 4 if policy.master else policy.optimizer_bytes() // 2
     temps = 0 if fused_adamw else 2 * moment * largest
     if not policy.master:
-        return state.total + temps
+        return state.device_total + temps
     chunk = min(state.updated, max(largest, (CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // 4))
-    return state.total + (4 - policy.grad_bytes()) * chunk + temps
+    return state.device_total + (4 - policy.grad_bytes()) * chunk + temps
 
 
 def rank_step_peak(state, policy, counts, topology, rank: int, text_config) -> int:

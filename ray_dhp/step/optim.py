@@ -63,9 +63,10 @@ def adamw_impl(params: list) -> dict:
     return {"foreach": True} if any(isinstance(p, DTensor) for p in params) else {"fused": True}
 
 
-def build_optimizer(named_params, cfg: TrainLoopConfig, prefix: str = ""):
+def build_optimizer(named_params, cfg: TrainLoopConfig, prefix: str = "", host: bool = False):
     """AdamW + LambdaLR for one module's parameters (None if it has none); per-module lr and
-    weight decay from ``cfg.modules`` (`ray_dhp.step.tuning`), names taken as ``prefix + name``."""
+    weight decay from ``cfg.modules`` (`ray_dhp.step.tuning`), names taken as ``prefix + name``;
+    ``host``: the host AdamW of `ray_dhp.step.offload.host_adamw`."""
     from ray_dhp.step.tuning import tuning_of
 
     tuning = tuning_of(cfg)
@@ -73,24 +74,36 @@ def build_optimizer(named_params, cfg: TrainLoopConfig, prefix: str = ""):
                           None if tuning.default else tuning, prefix)
     if not groups:
         return None, None
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                            **adamw_impl([p for g in groups for p in g["params"]]))
+    if host:
+        from ray_dhp.step.offload import host_adamw
+
+        opt = host_adamw(groups, cfg)
+    else:
+        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                                **adamw_impl([p for g in groups for p in g["params"]]))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     return opt, sched
 
 
-def build_optimizer_for(named_params, cfg: TrainLoopConfig, policy, prefix: str = ""):
+def build_optimizer_for(named_params, cfg: TrainLoopConfig, policy, prefix: str = "",
+                        offload: bool = False):
     """(optimizer, scheduler, masters) for one module under the `PrecisionPolicy` ``policy``.
 
     With ``policy.master`` (bf16_mixed) the optimizer steps fp32 copies of the trainable
     parameters (`ray_dhp.step.precision.MasterWeights`, same names), so its moments are fp32 too;
-    otherwise it steps the parameters themselves (its moments take their dtype) and ``masters``
-    is None.
+    with ``offload`` it steps host copies (fp32 masters, or copies in the parameters' dtype;
+    `ray_dhp.step.offload`); otherwise it steps the parameters themselves (its moments take
+    their dtype) and ``masters`` is None.
     """
+    from ray_dhp.step.offload import HOST
     from ray_dhp.step.precision import MasterWeights
 
     named = [(n, p) for n, p in named_params if p.requires_grad]
-    masters = MasterWeights(named) if policy.master and named else None
-    opt, sched = build_optimizer(masters.named_parameters() if masters else named, cfg, prefix)
+    masters = None
+    if named and (policy.master or offload):
+        masters = MasterWeights(named, dtype=torch.float32 if policy.master else None,
+                                device=HOST if offload else None)
+    opt, sched = build_optimizer(masters.named_parameters() if masters else named, cfg, prefix,
+                                 host=offload)
     return opt, sched, masters
 

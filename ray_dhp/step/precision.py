@@ -126,8 +126,10 @@ def local_nbytes(t: torch.Tensor) -> int:
 
 # -- fp32 master weights ------------------------------------------------------------------------
 
-def _master_of(p: torch.Tensor) -> torch.nn.Parameter:
-    return torch.nn.Parameter(p.detach().to(torch.float32).clone(), requires_grad=True)
+def _master_of(p: torch.Tensor, dtype=torch.float32, device=None) -> torch.nn.Parameter:
+    """A copy of ``p`` in ``dtype`` (None: its own) on ``device`` (None: its own)."""
+    return torch.nn.Parameter(p.detach().to(device=device or p.device, dtype=dtype or p.dtype,
+                                            copy=True), requires_grad=True)
 
 
 class MasterWeights:
@@ -139,7 +141,9 @@ class MasterWeights:
     with the same placements).
     """
 
-    def __init__(self, named_params):
+    def __init__(self, named_params, dtype=torch.float32, device=None):
+        """``dtype``/``device`` of the copies (None: the parameter's; host optimizer offload,
+        `ray_dhp.step.offload`, gives the host and, without fp32 masters, no dtype)."""
         self.module = torch.nn.Module()
         self.pairs = []  # (model parameter, master)
         for name, p in named_params:
@@ -149,7 +153,7 @@ class MasterWeights:
                 if not hasattr(owner, part):
                     owner.add_module(part, torch.nn.Module())
                 owner = getattr(owner, part)
-            master = _master_of(p)
+            master = _master_of(p, dtype, device)
             owner.register_parameter(leaf, master)
             self.pairs.append((p, master))
 
@@ -167,7 +171,7 @@ class MasterWeights:
         chunk (`ray_dhp.planning.memory.rank_state`'s ``step_peak``), not 20."""
         for chunk in self._chunks(CHUNK_BYTES if chunk_bytes is None else chunk_bytes):
             for p, m in chunk:
-                g = p.grad.to(torch.float32)
+                g = p.grad.to(device=m.device, dtype=m.dtype)
                 p.grad = None
                 if coef != 1.0:
                     g.mul_(coef)

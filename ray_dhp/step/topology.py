@@ -30,6 +30,8 @@ class ModuleLayout:
     offset: int  # world rank of group-local rank 0
     # ZeRO stage of the module's state over its replicas (`ray_dhp.parallel.zero`): 0-3
     zero_stage: int = 0
+    # masters and AdamW moments in host memory, updated there (`ray_dhp.step.offload`)
+    offload: bool = False
 
     @property
     def size(self) -> int:
@@ -78,7 +80,7 @@ class Topology:
     def build(
         cls, *, placement: str, vision_dp: int, vision_sp: int, text_dp: int, text_tp: int,
         text_sequence_parallel: bool = False, vision_zero: Optional[int] = None,
-        text_zero: Optional[int] = None,
+        text_zero: Optional[int] = None, vision_offload: bool = False, text_offload: bool = False,
     ) -> "Topology":
         """``vision_zero`` / ``text_zero``: the modules' ZeRO stages; None is the default (1 with
         more than one replica, `ray_dhp.parallel.zero.resolve_stage`)."""
@@ -113,11 +115,15 @@ class Topology:
             world, text_offset = nv + nt, nv
         vision_zero = resolve_stage(vision_zero, nv, "vision")
         text_zero = resolve_stage(text_zero, text_dp, "text")
+        from ray_dhp.step.offload import check_offload
+
+        check_offload("vision", vision_offload, vision_zero, 1)
+        check_offload("text", text_offload, text_zero, text_tp)
         return cls(
             world_size=world,
             placement=placement,
-            vision=ModuleLayout("vision", "sp", vision_dp, vision_sp, 0, vision_zero),
-            text=ModuleLayout("text", "tp", text_dp, text_tp, text_offset, text_zero),
+            vision=ModuleLayout("vision", "sp", vision_dp, vision_sp, 0, vision_zero, vision_offload),
+            text=ModuleLayout("text", "tp", text_dp, text_tp, text_offset, text_zero, text_offload),
             text_sequence_parallel=text_sequence_parallel,
         )
 

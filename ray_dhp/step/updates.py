@@ -36,7 +36,7 @@ class UpdateMixin:
                 [p for _, p in named], v.zero_stage, g.vision_all, v.ranks, g.rank - v.offset,
                 leader=g.rank == v.offset)
             self.vision_opt, self.vision_sched, self.vision_masters = build_optimizer_for(
-                z.mine(named), self.cfg, self.policy, prefix="model.visual.")
+                z.mine(named), self.cfg, self.policy, prefix="model.visual.", offload=v.offload)
         else:
             self.vision_opt = self.vision_sched = self.vision_masters = None
         if self.text_model is not None:
@@ -51,7 +51,7 @@ class UpdateMixin:
                     [t.rank_at(d, k) for d in range(t.dp)], j, leader=g.rank == t.offset,
                     tp_group=g.text_tp, tp_first=k == 0)
             self.text_opt, self.text_sched, self.text_masters = build_optimizer_for(
-                z.mine(named), self.cfg, self.policy)
+                z.mine(named), self.cfg, self.policy, offload=t.offload)
         else:
             self.text_opt = self.text_sched = self.text_masters = None
 
@@ -116,7 +116,8 @@ class UpdateMixin:
         for masters in (self.vision_masters, self.text_masters):
             if masters is not None:
                 masters.masters_to_params()
-        if self.policy.master:  # same on every rank: the broadcast is collective
+        topo = self.groups.topology  # the same on every rank: the broadcast is collective
+        if self.policy.master or topo.vision.offload or topo.text.offload:
             self._zero_broadcast()
 
     def state_bytes(self) -> dict:
