@@ -15,6 +15,18 @@ import torch
 
 
 @dataclass(frozen=True)
+class MoESpec:
+    """A mixture-of-experts language model's seams: module-name suffixes (under a decoder
+    layer) of the router, whose forward returns ``(router_logits, scores, indices)``, and of the
+    fused experts (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``); ``sparse_layers``:
+    (text_config) -> indices of the layers with a sparse MLP. Config keys are transformers'
+    (``num_experts``, ``num_experts_per_tok``, ``router_aux_loss_coef``)."""
+    router_suffix: str
+    experts_suffix: str
+    sparse_layers: Callable
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     name: str                      # "qwen2_5_vl"
     model_type: str                # transformers config.model_type
@@ -27,6 +39,7 @@ class FamilySpec:
     # (text_config) -> the TP plan with Megatron sequence parallelism; None: not covered (the
     # driver then refuses text sequence_parallel=true for this family).
     text_sp_plan: Optional[Callable] = None
+    moe: Optional[MoESpec] = None  # a mixture-of-experts language model (`ray_dhp.models.moe`)
 
     # -- model access (the seams of transformers' Qwen-VL classes) -----------------------------
 
@@ -76,9 +89,10 @@ class FamilySpec:
                 f"vision sequence_parallel={sp} must divide the vision attention heads ({vh}); "
                 f"use one of {_divisors(vh)}."
             )
+        dense_mlp = self.moe is None or len(self.moe.sparse_layers(tc)) < tc.num_hidden_layers
         for what, n in (("attention heads", tc.num_attention_heads),
                         ("KV heads", tc.num_key_value_heads),
-                        ("MLP intermediate size", tc.intermediate_size),
+                        ("MLP intermediate size", tc.intermediate_size if dense_mlp else tp),
                         ("vocabulary size", tc.vocab_size)):
             if n % tp:
                 raise ValueError(

@@ -55,6 +55,7 @@ _VISION_FAMILIES = {
     "qwen2_vl": _FamilySpec(),
     "qwen2_5_vl": _FamilySpec(windowed=True),
     "qwen3_vl": _FamilySpec(learned_pos_embed=True, deepstack=True),
+    "qwen3_vl_moe": _FamilySpec(learned_pos_embed=True, deepstack=True),  # Qwen3-VL's ViT
 }
 
 
