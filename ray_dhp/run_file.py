@@ -96,7 +96,7 @@ VisionSection = make_dataclass(
 TextSection = make_dataclass(
     "TextSection", borrow(ModuleParallel, ["tensor_parallel"])
     + borrow(_SequenceParallelOwn, ["sequence_parallel"], rename={"sequence_parallel": "text"})
-    + borrow(ModuleParallel, ["data_parallel", "zero_stage"]),
+    + borrow(ModuleParallel, ["data_parallel", "zero_stage", "expert_parallel"]),
     namespace={"__doc__": "Degrees of the text group (the language model takes tensor "
                           "parallelism, optionally with Megatron sequence parallelism).",
                "__module__": __name__})

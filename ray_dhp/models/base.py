@@ -102,6 +102,19 @@ class FamilySpec:
         _reject_dropout(config)
 
 
+    def validate_expert_parallel(self, config, ep: int) -> None:
+        """Raise ValueError naming ``text.expert_parallel`` if ``ep`` does not fit the model."""
+        if ep == 1:
+            return
+        if self.moe is None:
+            raise ValueError(f"text.expert_parallel={ep}: the {self.name} family is a dense model "
+                             "(no experts); set text.expert_parallel=1.")
+        n = config.text_config.num_experts
+        if n % ep:
+            raise ValueError(f"text.expert_parallel={ep} must divide the number of experts ({n}); "
+                             f"use one of {_divisors(n)}.")
+
+
 def _reject_dropout(config) -> None:
     """Dropout is refused: its masks would have to be drawn identically on ranks that replicate
     a computation (TP ranks, SP ranks of replicated weights) and independently where they shard

@@ -70,6 +70,7 @@ class DHPEngine(UpdateMixin):
         topo = groups.topology
         self.family.validate_layout(self.config, sp=topo.vision.inner, tp=topo.text.inner,
                                     text_sp=topo.text_sequence_parallel)
+        self.family.validate_expert_parallel(self.config, topo.text_expert_parallel)
         self._build_shards(model, dtype, fill=init == "source")
         self.tuning = tuning_of(cfg)  # per-module choices: frozen parameters are left out below
         if self.tuning.lora is not None and self.text_model is not None:  # PEFT LoRA, TP-exact
@@ -117,6 +118,10 @@ class DHPEngine(UpdateMixin):
             self.text_model = parts[""] = full
             if topo.text.inner > 1:
                 apply_tp_plan(full, g.text_mesh["tp"], self._text_plan(full))
+            if topo.text_expert_parallel > 1:  # experts Shard(0) over the EP ranks
+                from ray_dhp.parallel.expert import shard_experts
+
+                shard_experts(full, self.family.moe, g.text_ep_mesh, self.comm)
         materialize(meta, parts, g.device, fill=fill)
 
     # -- one step ------------------------------------------------------------------------------
