@@ -97,7 +97,7 @@ class Topology:
                 raise ValueError(f"{what} must be a positive integer, got {v!r}.")
         if not isinstance(text_ep, int) or text_ep < 1 or text_dp % text_ep:
             raise ValueError(
-                f"text expert_parallel={text_ep!r} must be a positive integer dividing text "
+                f"text.expert_parallel={text_ep!r} must be a positive integer dividing text."
                 f"data_parallel ({text_dp}): the experts are partitioned over data-parallel "
                 f"replicas; use one of {[d for d in range(1, text_dp + 1) if text_dp % d == 0]}.")
         if not isinstance(text_sequence_parallel, bool):
