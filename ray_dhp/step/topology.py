@@ -121,6 +121,9 @@ class Topology:
             world, text_offset = nv + nt, nv
         vision_zero = resolve_stage(vision_zero, nv, "vision")
         text_zero = resolve_stage(text_zero, text_dp, "text")
+        if text_ep > 1 and text_zero == 3:
+            raise ValueError("text.expert_parallel > 1 is not covered with text.zero_stage=3 "
+                             "(FSDP2 over the experts' EP shards); use text.zero_stage 0-2.")
         return cls(
             world_size=world,
             placement=placement,

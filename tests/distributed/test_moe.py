@@ -70,3 +70,16 @@ def test_moe_parity_fp64(placement, vision, text, ep, moe_reference):
     layers = len(sparse_layers(demo.tiny_model_config(FAMILY).text_config))
     assert calls == ({2 * layers * CFG.micro_batches * CFG.num_steps} if ep > 1 else {0}), calls
     assert all(h["aux_loss"] > 0 for h in got["history"])
+    # per-rank bytes measured = the plan (`ray-dhp plan`: experts / ep, the rest as without EP);
+    # the plan counts the fp32 policy, these runs hold fp64 tensors: exactly twice the bytes
+    from ray_dhp.planning.memory import count_params, rank_state
+    from ray_dhp.step.precision import policy_of
+    from ray_dhp.step.topology import Topology
+
+    topo = Topology.build(**_layout(placement, vision, text, ep))
+    counts = count_params(demo.tiny_model_config(FAMILY))
+    for rank, o in enumerate(got["per_rank"]):
+        want = rank_state(counts, topo, rank, policy_of(CFG))
+        st = o["state"]
+        assert (st["weights"], st["grads"], st["optimizer"]) == \
+            (2 * want.weights, 2 * want.grads, 2 * want.optimizer), (rank, st, want)

@@ -14,6 +14,24 @@ from ray_dhp.parallel.expert import edp_groups, ep_groups
 from ray_dhp.step.topology import Topology
 
 
+def test_presets_have_the_published_sizes():
+    from transformers import AutoConfig
+
+    from ray_dhp.cli.presets import preset_dims
+    from ray_dhp.planning.memory import count_params, rank_state
+    from ray_dhp.step.precision import POLICIES
+
+    dims = preset_dims("qwen3_vl_moe", "30b-a3b")
+    config = AutoConfig.for_model(dims.pop("model_type"), **dims)
+    counts = count_params(config)
+    assert round((counts.vision + counts.text) / 1e9, 2) == 31.07  # the model card's 31.07B
+    experts = sum(q.numel for q in counts.text_sizes if q.expert)
+    topo = lambda ep: Topology.build(placement="collocated", vision_dp=8, vision_sp=1, text_dp=8,
+                                     text_tp=1, text_ep=ep)
+    one, eight = (rank_state(counts, topo(ep), 0, POLICIES["bf16_mixed"]) for ep in (1, 8))
+    assert one.params - eight.params == experts - experts // 8
+
+
 def test_tiny_moe_config():
     tc = demo.tiny_model_config("qwen3_vl_moe").text_config
     assert tc.num_experts >= 8 and tc.num_experts_per_tok == 2 and tc.router_aux_loss_coef > 0
@@ -27,6 +45,8 @@ def test_tiny_moe_config():
      r"text.expert_parallel=3 must divide the number of experts \(8\)"),
     ("qwen3_vl_moe", ModuleParallel(data_parallel=3, expert_parallel=2),
      r"text.expert_parallel=2 must be a positive integer dividing text.data_parallel \(3\)"),
+    ("qwen3_vl_moe", ModuleParallel(data_parallel=2, expert_parallel=2, zero_stage=3),
+     r"text.expert_parallel > 1 is not covered with text.zero_stage=3"),
 ])
 def test_driver_errors_name_the_key(family, text, match):
     with pytest.raises(ValueError, match=match):
