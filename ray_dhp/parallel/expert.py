@@ -116,28 +116,33 @@ def _ep_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
     x = _AllToAll.apply(hidden_states[token], out_splits, in_splits, group, comm)
     got_expert = expert.new_empty(sum(out_splits))
     dist.all_to_all_single(got_expert, expert.contiguous(), out_splits, in_splits, group=group)
-    y = _local_experts(self, x, got_expert - dist.get_rank(group) * n_local, gate_up, down)
+    grouped = x.is_cuda and x.dtype in (torch.bfloat16, torch.float32) and hasattr(torch, "_grouped_mm")
+    y = local_experts(self.act_fn, x, got_expert - dist.get_rank(group) * n_local, gate_up, down,
+                      grouped)
     y = _AllToAll.apply(y, in_splits, out_splits, group, comm)
     weights = top_k_weights.reshape(-1)[order]
     out = torch.zeros_like(hidden_states)
     return out.index_add_(0, token, (y * weights[:, None]).to(out.dtype))
 
 
-def _local_experts(self, x, local_expert, gate_up, down) -> torch.Tensor:
-    """Rows ``x`` through their local experts' SwiGLU, in ``x``'s order."""
+def local_experts(act_fn, x, local_expert, gate_up, down, grouped: bool) -> torch.Tensor:
+    """Rows ``x`` through their local experts' SwiGLU (``local_expert``: each row's index into
+    ``gate_up [e, 2I, H]`` / ``down [e, H, I]``), in ``x``'s order. ``grouped``: two
+    ``torch._grouped_mm`` over the rows sorted by expert (CUDA; fp32/bf16); else a loop over
+    the local experts (the CPU path, and fp64)."""
     order = torch.argsort(local_expert, stable=True)
     counts = torch.bincount(local_expert, minlength=gate_up.shape[0])
     xs = x[order]
-    if xs.is_cuda and xs.dtype in (torch.bfloat16, torch.float32) and hasattr(torch, "_grouped_mm"):
+    if grouped:
         offs = counts.cumsum(0).to(torch.int32)
         gate, up = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        ys = torch._grouped_mm(self.act_fn(gate) * up, down.transpose(1, 2), offs=offs)
-    else:  # CPU (and fp64): a loop over the local experts
+        ys = torch._grouped_mm(act_fn(gate) * up, down.transpose(1, 2), offs=offs)
+    else:
         parts = []
         for e, rows in enumerate(xs.split(counts.tolist())):
             gate, up = torch.nn.functional.linear(rows, gate_up[e]).chunk(2, dim=-1)
-            parts.append(torch.nn.functional.linear(self.act_fn(gate) * up, down[e]))
-        ys = torch.cat(parts) if parts else xs.new_zeros((0, down.shape[1]))
+            parts.append(torch.nn.functional.linear(act_fn(gate) * up, down[e]))
+        ys = torch.cat(parts)
     return ys.index_select(0, torch.argsort(order))
 
 

@@ -83,3 +83,17 @@ def test_moe_parity_fp64(placement, vision, text, ep, moe_reference):
         st = o["state"]
         assert (st["weights"], st["grads"], st["optimizer"]) == \
             (2 * want.weights, 2 * want.grads, 2 * want.optimizer), (rank, st, want)
+
+
+@pytest.mark.slow
+def test_moe_ep2_with_activation_checkpointing(moe_reference):
+    """Recomputed blocks redo the dispatch/combine all-to-alls inside backward: the same order
+    on every EP rank (the NCCL twin checks it), the router's statistics taken once (the hooks
+    record only the first forward); the reference needs no recompute (same numbers)."""
+    import dataclasses
+
+    steps, ref = moe_reference
+    cfg = dataclasses.replace(CFG, activation_checkpointing=True)
+    got = run_engine(FAMILY, _layout("collocated", (1, 2), (1, 2), 2), cfg, steps, torch.float64,
+                     grads=True)
+    assert_parity(got, ref, **TOLS)
