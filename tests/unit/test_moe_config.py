@@ -111,3 +111,17 @@ def test_grouped_mm_path_equals_the_loop():
         outs.append([y.detach()] + [t.grad for t in ins])
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_30b_a3b_example_fits_on_80gb_gpus():
+    """`ray-dhp plan` of the example run file (30B-A3B, 8 GPUs, text EP8): every rank fits."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-m", "ray_dhp.cli", "plan",
+                          os.path.join(root, "examples", "qwen3_vl_30b_a3b_8gpu.yaml")],
+                         cwd=root, capture_output=True, text=True, check=True).stdout
+    memory = [line for line in out.splitlines() if " memory: state" in line]
+    assert len(memory) == 8 and all(line.endswith("[fits]") for line in memory), out
