@@ -39,6 +39,10 @@ class ModuleParallel:
             fp32 masters, torch AdamW otherwise; DeepSpeed compiles its CPU op on first use, minutes);
             the device keeps weights and gradients. Needs plain (not DTensor) parameters: vision
             always, text with tensor_parallel=1 and zero_stage < 3.
+        expert_parallel: text, mixture-of-experts models only: each sparse layer's experts are
+            partitioned over this many data_parallel replicas (it must divide data_parallel and
+            the number of experts); tokens reach their experts by all-to-all, expert gradients
+            are summed over the replicas holding the same experts (`ray_dhp.parallel.expert`).
 
     Example:
         >>> ModuleParallel(sequence_parallel=2, data_parallel=2)  # 4 vision workers
@@ -49,9 +53,10 @@ class ModuleParallel:
     data_parallel: int = checked(1, ge=1)
     zero_stage: Optional[int] = checked(None, choices=(None,) + ZERO_STAGES)
     optimizer_offload: bool = False
+    expert_parallel: int = checked(1, ge=1)
 
     def __post_init__(self):
-        for name in ("sequence_parallel", "tensor_parallel", "data_parallel"):
+        for name in ("sequence_parallel", "tensor_parallel", "data_parallel", "expert_parallel"):
             v = getattr(self, name)
             if name == "sequence_parallel" and isinstance(v, bool):
                 continue  # the text group's on/off switch (checked by DHPConfig)
@@ -172,6 +177,7 @@ class DHPConfig(BackendConfig):
             text_sequence_parallel=self.text.sequence_parallel is True,
             vision_zero=self.vision.zero_stage, text_zero=self.text.zero_stage,
             vision_offload=self.vision.optimizer_offload, text_offload=self.text.optimizer_offload,
+            text_ep=self.text.expert_parallel,
         )
 
     @property
@@ -192,6 +198,9 @@ class DHPConfig(BackendConfig):
         family = family_of(self.model_config())
         family.validate_layout(self.model_config(), sp=self.vision.sequence_parallel,
                                tp=self.text.tensor_parallel, text_sp=self.text.sequence_parallel is True)
+        if self.vision.expert_parallel != 1:
+            raise ValueError("vision.expert_parallel: the vision encoder has no experts; leave it at 1.")
+        family.validate_expert_parallel(self.model_config(), self.text.expert_parallel)
         if isinstance(self.model, str):  # every shard there, shapes and dtypes as config.json says
             from ray_dhp.models.loading import check_model_directory
 

@@ -12,7 +12,7 @@ import tempfile
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m ray_dhp.run_demo", description=__doc__.splitlines()[0])
-    p.add_argument("--family", default="qwen2_5_vl", choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+    p.add_argument("--family", default="qwen2_5_vl", choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--placement", default="collocated", choices=["collocated", "disjoint"])
     p.add_argument("--sp", type=int, default=2, help="vision sequence-parallel degree")

@@ -51,8 +51,8 @@ class ModelSection:
     """Which model to train: one of ``demo``, ``path``, ``family`` + ``preset``, or ``config``."""
 
     demo: Optional[str] = option("qwen2_5_vl", "tiny random-init demo model of this family "
-                                 "(qwen2_5_vl, qwen2_vl, qwen3_vl); used when path, preset and "
-                                 "config are unset")
+                                 "(qwen2_5_vl, qwen2_vl, qwen3_vl, qwen3_vl_moe); used when "
+                                 "path, preset and config are unset")
     path: Optional[str] = option(None, "local Hugging Face model directory, or a Hub model id "
                                  "(org/name, e.g. Qwen/Qwen2.5-VL-7B-Instruct) found in the "
                                  "Hugging Face cache (HF_HUB_CACHE), downloaded once if the Hub "
@@ -97,7 +97,7 @@ VisionSection = make_dataclass(
 TextSection = make_dataclass(
     "TextSection", borrow(ModuleParallel, ["tensor_parallel"])
     + borrow(_SequenceParallelOwn, ["sequence_parallel"], rename={"sequence_parallel": "text"})
-    + borrow(ModuleParallel, ["data_parallel", "zero_stage", "optimizer_offload"]),
+    + borrow(ModuleParallel, ["data_parallel", "zero_stage", "optimizer_offload", "expert_parallel"]),
     namespace={"__doc__": "Degrees of the text group (the language model takes tensor "
                           "parallelism, optionally with Megatron sequence parallelism).",
                "__module__": __name__})

@@ -2,7 +2,7 @@
 
 The dimensions are those of the public Hugging Face ``config.json`` files of Qwen2.5-VL and
 Qwen3.5 (9B: transformers' own ``Qwen3_5Config`` defaults, its "Qwen3.5-9B style
-configuration"; 27B: the released ``Qwen/Qwen3.5-27B`` text config); only the
+configuration"; 27B: the released ``Qwen/Qwen3.5-27B`` text config) and Qwen3-VL-MoE; only the
 fields that shape parameters, parallel degrees and memory are listed (token ids included so a
 config built from them is complete). `ray-dhp plan` builds such a model on the meta device to
 count parameters per rank; nothing is downloaded.
@@ -71,6 +71,38 @@ def _qwen3_5(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: 
     }
 
 
+# Qwen3-VL-MoE (Qwen/Qwen3-VL-30B-A3B-Instruct, Qwen/Qwen3-VL-235B-A22B-Instruct config.json):
+# Qwen3-VL's 27-block ViT with deepstack mergers after blocks 8, 16, 24; a Qwen3-MoE LM with
+# 128 experts, top-8, every layer sparse.
+_QWEN3_VL_VISION = {
+    "depth": 27, "hidden_size": 1152, "num_heads": 16, "intermediate_size": 4304,
+    "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3,
+    "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24],
+    "hidden_act": "gelu_pytorch_tanh",
+}
+
+
+def _qwen3_vl_moe(hidden: int, layers: int, heads: int, moe_intermediate: int,
+                  intermediate: int) -> dict:
+    return {
+        "model_type": "qwen3_vl_moe",
+        "vision_config": {**_QWEN3_VL_VISION, "out_hidden_size": hidden},
+        "text_config": {
+            "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": intermediate,
+            "moe_intermediate_size": moe_intermediate, "num_experts": 128,
+            "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "router_aux_loss_coef": 0.001, "vocab_size": 151936,
+            "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0,
+                                "mrope_section": [24, 20, 20], "mrope_interleaved": True},
+            "tie_word_embeddings": False,
+        },
+        "tie_word_embeddings": False,
+        **_QWEN2_5_VL_TOKENS,
+    }
+
+
 PRESETS = {
     "qwen2_5_vl": {
         "7b": _qwen2_5_vl(3584, 28, 28, 4, 18944),
@@ -80,6 +112,10 @@ PRESETS = {
     "qwen3_5": {
         "9b": _qwen3_5(4096, 32, 16, 4, 12288, 16, 32),
         "27b": _qwen3_5(5120, 64, 24, 4, 17408, 16, 48),
+    },
+    "qwen3_vl_moe": {
+        "30b-a3b": _qwen3_vl_moe(2048, 48, 32, 768, 6144),
+        "235b-a22b": _qwen3_vl_moe(4096, 94, 64, 1536, 12288),
     },
 }
 

@@ -15,6 +15,18 @@ import torch
 
 
 @dataclass(frozen=True)
+class MoESpec:
+    """A mixture-of-experts language model's seams: module-name suffixes (under a decoder
+    layer) of the router, whose forward returns ``(router_logits, scores, indices)``, and of the
+    fused experts (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``); ``sparse_layers``:
+    (text_config) -> indices of the layers with a sparse MLP. Config keys are transformers'
+    (``num_experts``, ``num_experts_per_tok``, ``router_aux_loss_coef``)."""
+    router_suffix: str
+    experts_suffix: str
+    sparse_layers: Callable
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     name: str                      # "qwen2_5_vl"
     model_type: str                # transformers config.model_type
@@ -31,6 +43,7 @@ class FamilySpec:
     # a second kind of mixer); the attention heads, KV heads, MLP width and vocabulary always.
     tp_divisors: Callable = lambda text_config: ()
     packing: bool = True  # False: samples cannot share a row (a recurrent mixer carries state)
+    moe: Optional[MoESpec] = None  # a mixture-of-experts language model (`ray_dhp.models.moe`)
 
     # -- model access (the seams of transformers' Qwen-VL classes) -----------------------------
 
@@ -98,9 +111,10 @@ class FamilySpec:
                 f"vision sequence_parallel={sp} must divide the vision attention heads ({vh}); "
                 f"use one of {_divisors(vh)}."
             )
+        dense_mlp = self.moe is None or len(self.moe.sparse_layers(tc)) < tc.num_hidden_layers
         for what, n in (("attention heads", tc.num_attention_heads),
                         ("KV heads", tc.num_key_value_heads),
-                        ("MLP intermediate size", tc.intermediate_size),
+                        ("MLP intermediate size", tc.intermediate_size if dense_mlp else tp),
                         ("vocabulary size", tc.vocab_size), *self.tp_divisors(tc)):
             if n % tp:
                 raise ValueError(
@@ -108,6 +122,19 @@ class FamilySpec:
                     f"use one of {_divisors(n, limit=64)}."
                 )
         _reject_dropout(config)
+
+
+    def validate_expert_parallel(self, config, ep: int) -> None:
+        """Raise ValueError naming ``text.expert_parallel`` if ``ep`` does not fit the model."""
+        if ep == 1:
+            return
+        if self.moe is None:
+            raise ValueError(f"text.expert_parallel={ep}: the {self.name} family is a dense model "
+                             "(no experts); set text.expert_parallel=1.")
+        n = config.text_config.num_experts
+        if n % ep:
+            raise ValueError(f"text.expert_parallel={ep} must divide the number of experts ({n}); "
+                             f"use one of {_divisors(n)}.")
 
 
 def _reject_dropout(config) -> None:

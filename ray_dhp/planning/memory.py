@@ -23,6 +23,8 @@ The logits of the vocab-parallel loss are fp32, ``vocab/tp`` wide, kept twice (l
 
 from __future__ import annotations
 
+import dataclasses
+
 import fnmatch
 from dataclasses import dataclass
 from typing import Optional
@@ -86,6 +88,7 @@ class TextParam:
     dim0: int          # its first dimension (FSDP2 shards the local TP shard along it)
     dim0_sharded: bool  # the TP split is along dim 0 (column-parallel, vocab-parallel embedding)
     trained: bool
+    expert: bool = False  # a MoE experts tensor (partitioned over expert_parallel, outside ZeRO)
 
     def local(self, tp: int) -> int:
         return self.numel // tp if self.sharded else self.numel
@@ -119,6 +122,11 @@ def count_params(config, tuning=None) -> ParamCounts:
     model.tie_weights()  # init_empty_weights re-wraps every registered parameter, ties too: a tied
     # weight (embedding = lm_head) is one parameter, counted once (as `build_meta_model` holds it)
     plan = family.text_tp_plan(config.text_config)
+    experts = set()
+    if family.moe is not None:
+        from ray_dhp.parallel.expert import expert_params
+
+        experts = {id(p) for p in expert_params(model, family.moe)}
     if tuning is not None and tuning.lora is not None:  # PEFT adapters, sharded by their plan
         from ray_dhp.models.lora import counting_plan, inject
 
@@ -142,7 +150,7 @@ def count_params(config, tuning=None) -> ParamCounts:
             sharded += p.numel()
             t_frozen_sharded += 0 if trains(name) else p.numel()
         text_sizes.append(TextParam(p.numel(), _is_sharded(name, plan), p.shape[0] if p.dim() else 1,
-                                    _dim0_sharded(name, plan), trains(name)))
+                                    _dim0_sharded(name, plan), trains(name), id(p) in experts))
     return ParamCounts(vision=vision, text=text, text_sharded=sharded, vision_sizes=sizes,
                        largest=largest, vision_frozen=v_frozen, text_frozen=t_frozen,
                        text_frozen_sharded=t_frozen_sharded, text_sizes=tuple(text_sizes))
@@ -186,6 +194,11 @@ def rank_state(counts: ParamCounts, topology, rank: int, policy) -> RankState:
     embedding, before it is sliced).
     """
     roles = topology.roles(rank)
+    ep = topology.text_expert_parallel
+    if ep > 1 and "text" in roles:  # experts: 1/ep of them, outside ZeRO; the rest as without EP
+        counts, (held_e, trained_e) = _split_experts(counts, ep)
+        base = rank_state(counts, dataclasses.replace(topology, text_expert_parallel=1), rank, policy)
+        return _plus_experts(base, held_e, trained_e, policy)
     tp = topology.text.inner
     v = counts.vision if "vision" in roles else 0
     tg = topology.text
@@ -216,6 +229,32 @@ def rank_state(counts: ParamCounts, topology, rank: int, policy) -> RankState:
                      grads=trained * policy.grad_bytes(), masters=masters, optimizer=optimizer,
                      startup_peak=max(weights + masters - off * copy_bytes, built) + 4 * counts.largest,
                      staging=saved + optimizer, host=host)
+
+
+def _split_experts(counts: ParamCounts, ep: int):
+    """``counts`` without the experts' tensors, and (elements held, elements trained) of the
+    experts per rank under expert parallelism ``ep`` (replicated over TP, `ray_dhp.parallel.expert`)."""
+    experts = [q for q in counts.text_sizes if q.expert]
+    held = sum(q.numel for q in experts) // ep
+    trained = sum(q.numel for q in experts if q.trained) // ep
+    frozen = sum(q.numel for q in experts if not q.trained)
+    rest = dataclasses.replace(
+        counts, text=counts.text - sum(q.numel for q in experts),
+        text_frozen=counts.text_frozen - frozen,
+        text_sizes=tuple(q for q in counts.text_sizes if not q.expert))
+    return rest, (held, trained)
+
+
+def _plus_experts(base: RankState, held: int, trained: int, policy) -> RankState:
+    masters = 4 * trained if policy.master else 0
+    optimizer = trained * 2 * _bytes(policy.moment_dtype)
+    weights = held * policy.weight_bytes()
+    saved = masters + (held - trained) * policy.weight_bytes() if policy.master else weights
+    return dataclasses.replace(
+        base, params=base.params + held, updated=base.updated + trained,
+        weights=base.weights + weights, grads=base.grads + trained * policy.grad_bytes(),
+        masters=base.masters + masters, optimizer=base.optimizer + optimizer,
+        startup_peak=base.startup_peak + weights + masters, staging=base.staging + saved + optimizer)
 
 
 def measure_engine_state(engine) -> dict:

@@ -70,6 +70,7 @@ class DHPEngine(UpdateMixin):
         topo = groups.topology
         self.family.validate_layout(self.config, sp=topo.vision.inner, tp=topo.text.inner,
                                     text_sp=topo.text_sequence_parallel, packing=cfg.packing)
+        self.family.validate_expert_parallel(self.config, topo.text_expert_parallel)
         self._build_shards(model, dtype, fill=init == "source")
         self.tuning = tuning_of(cfg)  # per-module choices: frozen parameters are left out below
         if self.tuning.lora is not None and self.text_model is not None:  # PEFT LoRA, TP-exact
@@ -85,6 +86,12 @@ class DHPEngine(UpdateMixin):
         self._partial = (partial_grad_params(self.text_model, self.family.tp_partial_grad_suffixes)
                          if self.text_model is not None and topo.text.inner > 1 else [])
         self._build_optimizers()  # over each module's ZeRO partition (step/updates.py)
+        self._router_loss = None  # mixture-of-experts LM: the load-balancing loss (models/moe.py)
+        if self.family.moe is not None and self.text_model is not None:
+            from ray_dhp.models.moe import RouterLoss
+
+            self._router_loss = RouterLoss(self.family.language_model(self.text_model), self.family.moe,
+                                           self.config.text_config, groups.text_dp)
         self.feature_dim = self.family.feature_dim(self.config)
         self.step_count = 0
         self._timer = PhaseTimer(groups.device)
@@ -111,6 +118,10 @@ class DHPEngine(UpdateMixin):
             self.text_model = parts[""] = full
             if topo.text.inner > 1:
                 apply_tp_plan(full, g.text_mesh["tp"], self._text_plan(full))
+            if topo.text_expert_parallel > 1:  # experts Shard(0) over the EP ranks
+                from ray_dhp.parallel.expert import shard_experts
+
+                shard_experts(full, self.family.moe, g.text_ep_mesh, self.comm)
         materialize(meta, parts, g.device, fill=fill)
 
     # -- one step ------------------------------------------------------------------------------
@@ -139,11 +150,20 @@ class DHPEngine(UpdateMixin):
                 getattr(self, "_" + phase)(states[k], n_targets)
         with self._timer("optimizer"):  # as before the split: the boundary's last sends
             self._inflight.wait()
-        loss = sum(s.loss_sum for s in states) if self._is_text_leader_of_replica() else 0.0
+        leader = self._is_text_leader_of_replica()
+        loss = sum(s.loss_sum for s in states) if leader else 0.0
+        router = self._router_loss
+        aux = float(router.aux_sum) if router is not None and leader else 0.0
         # Control values travel on the training device: NCCL refuses CPU tensors.
-        stats = torch.tensor([float(loss)], dtype=torch.float64, device=self.groups.device)
+        stats = torch.tensor([float(loss), aux], dtype=torch.float64, device=self.groups.device)
         dist.all_reduce(stats)
-        return {"loss": stats[0].item(), "num_targets": n_targets, "num_samples": self._num_samples}
+        out = {"loss": stats[0].item(), "num_targets": n_targets, "num_samples": self._num_samples}
+        if self.family.moe is not None:  # the step's load-balancing loss (mean over micro-batches)
+            out["aux_loss"] = stats[1].item()
+            if router is not None:
+                out["expert_load_max_over_mean"] = float(router.load_ratio)
+                router.reset()
+        return out
 
     def optimizer_step(self) -> dict:
         """Reduce the accumulated gradients over replicas, clip by the global norm, step both
@@ -188,8 +208,9 @@ class DHPEngine(UpdateMixin):
         g = self.groups
         if g.is_text:
             j = g.text_coord[0]
-            groups = mb.lay.text_groups[j] if mb.lay.text_groups and self.fsdp is None \
-                else [mb.lay.text_samples[j]]  # FSDP: the same number of forwards per replica
+            one = self.fsdp is not None or self._router_loss is not None
+            groups = mb.lay.text_groups[j] if mb.lay.text_groups and not one \
+                else [mb.lay.text_samples[j]]  # FSDP, MoE: the same number of forwards per replica
             if self.fsdp is not None:  # reduce-scatter in the step's last backward only
                 self.fsdp.sync(mb is self._states[-1])
             mb.loss_sum, mb.grad_feats = self._text_groups(mb, mb.lay.text_samples[j], groups, n_targets)
@@ -331,12 +352,16 @@ class DHPEngine(UpdateMixin):
         return batch, enc, out.logits
 
     def _text_forward_backward(self, samples, feats, n_targets: int):
-        dev = self.groups.device
+        dev, router = self.groups.device, self._router_loss
+        if router is not None:
+            router.record(True)
         batch, enc, logits = self._text_logits(samples, feats)
         targets = batch["targets"] if "targets" in batch else shift_labels(batch["labels"])
-        inputs = LossInputs(upcast(logits), targets.to(dev), sample_ids_of(batch, samples).to(dev),
+        sample_ids = sample_ids_of(batch, samples).to(dev)
+        inputs = LossInputs(upcast(logits), targets.to(dev), sample_ids,
                             list(samples), n_targets, self._num_samples)
-        value = backward_loss(self._loss_fn, inputs, self.groups.topology.text.inner > 1)
+        extra = None if router is None else router.contribution(sample_ids >= 0, len(self._states))
+        value = backward_loss(self._loss_fn, inputs, self.groups.topology.text.inner > 1, extra)
         check_features_consumed(feats, passed=enc is not None)
         grad = feats.grad if enc is not None and feats.is_leaf else None
         return value, grad

@@ -119,10 +119,13 @@ def sample_ids_of(batch: dict, samples) -> torch.Tensor:
     return ids
 
 
-def backward_loss(loss_fn: Optional[LossFn], inputs: LossInputs, tensor_parallel: bool) -> torch.Tensor:
+def backward_loss(loss_fn: Optional[LossFn], inputs: LossInputs, tensor_parallel: bool,
+                  extra: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Call ``loss_fn`` (default `cross_entropy_loss`) under ``loss_parallel`` when the logits
     are vocab-sharded, back-propagate its value, and return it as a detached fp64 scalar on its
-    device (no host sync per micro-batch: the step reads the sum once)."""
+    device (no host sync per micro-batch: the step reads the sum once). ``extra``: a plain
+    scalar added to the loss and back-propagated with it (a MoE router's load-balancing term,
+    `ray_dhp.models.moe`)."""
     loss_fn = loss_fn or cross_entropy_loss
     ctx = contextlib.nullcontext()
     if tensor_parallel:
@@ -134,10 +137,12 @@ def backward_loss(loss_fn: Optional[LossFn], inputs: LossInputs, tensor_parallel
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
                              f"{tuple(getattr(loss, 'shape', ()))}")
-        if loss.requires_grad:  # not with a frozen LLM and a micro-batch without images
-            loss.backward()
+        roots = [t for t in (loss, extra) if t is not None and t.requires_grad]
+        if roots:  # not with a frozen LLM and a micro-batch without images
+            torch.autograd.backward(roots)
     value = loss.full_tensor() if _is_dtensor(loss) else loss
-    return value.detach().double().reshape(())
+    value = value.detach().double().reshape(())
+    return value if extra is None else value + extra.detach().double().reshape(())
 
 
 class _SumOverRanks(torch.autograd.Function):

@@ -28,6 +28,9 @@ class DHPGroups:
     vision_dp: Optional[dist.ProcessGroup] = None   # ranks holding my SP slice in other replicas
     vision_all: Optional[dist.ProcessGroup] = None  # the whole vision group
     text_tp: Optional[dist.ProcessGroup] = None
+    text_ep: Optional[dist.ProcessGroup] = None   # expert parallel (ray_dhp.parallel.expert)
+    text_edp: Optional[dist.ProcessGroup] = None  # expert data parallel: same experts
+    text_ep_mesh: Optional[object] = None         # 1-D DeviceMesh over text_ep
     text_dp: Optional[dist.ProcessGroup] = None
     text_all: Optional[dist.ProcessGroup] = None
     text_mesh: Optional[object] = None              # DeviceMesh ("dp", "tp") on text ranks
@@ -80,6 +83,12 @@ def build_groups(topology: Topology, device: torch.device) -> DHPGroups:
     groups.text_tp = _new_groups(t.inner_groups(), rank)
     groups.text_dp = _new_groups(t.dp_groups(), rank)
     groups.text_all = _new_groups([t.ranks], rank)
+    ep = topology.text_expert_parallel
+    if ep > 1:  # created only with expert parallelism (every rank: same topology, same order)
+        from ray_dhp.parallel.expert import edp_groups, ep_groups
+
+        groups.text_ep = _new_groups(ep_groups(t, ep), rank)
+        groups.text_edp = _new_groups(edp_groups(t, ep), rank)
     # The data loader exchanges samples from a background thread: its own (CPU) group, so its
     # collectives never interleave with the training ones.
     groups.data = dist.new_group(list(range(topology.world_size)), backend="gloo")
@@ -90,4 +99,7 @@ def build_groups(topology: Topology, device: torch.device) -> DHPGroups:
             [groups.text_dp, groups.text_tp], device.type,
             mesh=torch.tensor(t.mesh(), dtype=torch.int), mesh_dim_names=("dp", "tp"),
         )
+        if ep > 1:
+            groups.text_ep_mesh = DeviceMesh.from_group(groups.text_ep, device.type,
+                                                        mesh_dim_names=("ep",))
     return groups

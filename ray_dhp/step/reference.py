@@ -83,6 +83,10 @@ class ReferenceTrainer:
         here given each whole micro-batch as one replica's rows, with plain logits."""
         n_targets = sum(count_targets(mb) for mb in micro_batches)
         n_samples = sum(len(mb) for mb in micro_batches)
+        # A mixture-of-experts LM: the stock model's own load-balancing loss of each micro-batch
+        # (its forward with the batch's attention_mask), weighed as in ray_dhp.models.moe.
+        aux_coef = getattr(self.config.text_config, "router_aux_loss_coef", None)
+        moe = {} if aux_coef is None else {"output_router_logits": True}
         total = 0.0
         for mb in micro_batches:
             batch = pad_text_batch(mb, self.config.text_config.pad_token_id or 0)
@@ -93,11 +97,12 @@ class ReferenceTrainer:
                 if key in kwargs:
                     kwargs[key] = kwargs[key].to(self.dtype)
             with self._autocast():
-                out = self.model(**kwargs, use_cache=False)
+                out = self.model(**kwargs, use_cache=False, **moe)
             targets = shift_labels(batch["labels"]).to(self.device)
             inputs = LossInputs(upcast(out.logits), targets, sample_ids_of(batch, mb).to(self.device),
                                 list(mb), n_targets, n_samples)
-            total += float(backward_loss(loss_fn, inputs, tensor_parallel=False))
+            aux = None if aux_coef is None else out.aux_loss * (aux_coef / len(micro_batches))
+            total += float(backward_loss(loss_fn, inputs, tensor_parallel=False, extra=aux))
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
         if self.masters is None:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self._trained, max_norm))

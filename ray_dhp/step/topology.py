@@ -75,12 +75,16 @@ class Topology:
     # Megatron sequence parallelism in the language model: between the TP regions the hidden
     # states are sharded along the sequence over the text TP ranks (needs text_tp > 1).
     text_sequence_parallel: bool = False
+    # Expert parallelism of a mixture-of-experts LM: each sparse layer's experts partitioned
+    # over this many text data-parallel replicas (`ray_dhp.parallel.expert`).
+    text_expert_parallel: int = 1
 
     @classmethod
     def build(
         cls, *, placement: str, vision_dp: int, vision_sp: int, text_dp: int, text_tp: int,
         text_sequence_parallel: bool = False, vision_zero: Optional[int] = None,
         text_zero: Optional[int] = None, vision_offload: bool = False, text_offload: bool = False,
+        text_ep: int = 1,
     ) -> "Topology":
         """``vision_zero`` / ``text_zero``: the modules' ZeRO stages; None is the default (1 with
         more than one replica, `ray_dhp.parallel.zero.resolve_stage`)."""
@@ -94,6 +98,11 @@ class Topology:
                         ("text data_parallel", text_dp), ("text tensor_parallel", text_tp)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{what} must be a positive integer, got {v!r}.")
+        if not isinstance(text_ep, int) or text_ep < 1 or text_dp % text_ep:
+            raise ValueError(
+                f"text.expert_parallel={text_ep!r} must be a positive integer dividing text."
+                f"data_parallel ({text_dp}): the experts are partitioned over data-parallel "
+                f"replicas; use one of {[d for d in range(1, text_dp + 1) if text_dp % d == 0]}.")
         if not isinstance(text_sequence_parallel, bool):
             raise ValueError(f"text sequence_parallel must be true or false, got {text_sequence_parallel!r}.")
         if text_sequence_parallel and text_tp == 1:
@@ -119,12 +128,19 @@ class Topology:
 
         check_offload("vision", vision_offload, vision_zero, 1)
         check_offload("text", text_offload, text_zero, text_tp)
+        if text_ep > 1 and text_zero == 3:
+            raise ValueError("text.expert_parallel > 1 is not covered with text.zero_stage=3 "
+                             "(FSDP2 over the experts' EP shards); use text.zero_stage 0-2.")
+        if text_ep > 1 and text_offload:
+            raise ValueError("text.optimizer_offload=true is not covered with text.expert_parallel > 1 "
+                             "(the experts are DTensor shards); set text.optimizer_offload=false.")
         return cls(
             world_size=world,
             placement=placement,
             vision=ModuleLayout("vision", "sp", vision_dp, vision_sp, 0, vision_zero, vision_offload),
             text=ModuleLayout("text", "tp", text_dp, text_tp, text_offset, text_zero, text_offload),
             text_sequence_parallel=text_sequence_parallel,
+            text_expert_parallel=text_ep,
         )
 
     def roles(self, world_rank: int) -> tuple[str, ...]:
@@ -136,7 +152,9 @@ class Topology:
     def describe(self) -> str:
         """Human-readable table of which rank runs what (for logs and `ray-dhp plan`)."""
         lines = [f"placement={self.placement} world_size={self.world_size}"
-                 + (" text_sequence_parallel=true" if self.text_sequence_parallel else "")]
+                 + (" text_sequence_parallel=true" if self.text_sequence_parallel else "")
+                 + (f" text_expert_parallel={self.text_expert_parallel}"
+                    if self.text_expert_parallel > 1 else "")]
         for r in range(self.world_size):
             parts = []
             if (c := self.vision.coord(r)) is not None:

@@ -39,9 +39,17 @@ class UpdateMixin:
                 z.mine(named), self.cfg, self.policy, prefix="model.visual.", offload=v.offload)
         else:
             self.vision_opt = self.vision_sched = self.vision_masters = None
+        self.expert_params = []  # expert parallelism: outside ZeRO, reduced over EDP (parallel/expert.py)
         if self.text_model is not None:
             t, (j, k) = topo.text, g.text_coord
             named = [(n, p) for n, p in self.text_model.named_parameters() if p.requires_grad]
+            if topo.text_expert_parallel > 1:
+                from ray_dhp.parallel.expert import expert_params
+
+                ids = {id(p) for p in expert_params(self.text_model, self.family.moe)}
+                experts = [(n, p) for n, p in named if id(p) in ids]
+                named = [(n, p) for n, p in named if id(p) not in ids]
+                self.expert_params = [p for _, p in experts]
             if self.fsdp is not None:  # stage 3 (ray_dhp.parallel.fsdp)
                 z = self.zero["text"] = self.fsdp
                 z.params = [p for _, p in named]
@@ -51,7 +59,8 @@ class UpdateMixin:
                     [t.rank_at(d, k) for d in range(t.dp)], j, leader=g.rank == t.offset,
                     tp_group=g.text_tp, tp_first=k == 0)
             self.text_opt, self.text_sched, self.text_masters = build_optimizer_for(
-                z.mine(named), self.cfg, self.policy, offload=t.offload)
+                z.mine(named) + (experts if self.expert_params else []), self.cfg, self.policy,
+                offload=t.offload)
         else:
             self.text_opt = self.text_sched = self.text_masters = None
 
@@ -77,6 +86,10 @@ class UpdateMixin:
             dp.all_reduce_grads(self._partial, g.text_tp, self.comm, "text.partial_grads", reduce_dtype=up)
             self.zero["text"].reduce(self.comm, "text.grads", reduce_dtype=up)
             t_sq = self.zero["text"].norm_share(dev)
+            if self.expert_params:  # summed over the replicas holding the same experts only
+                from ray_dhp.parallel.expert import reduce_expert_grads
+
+                t_sq = t_sq + reduce_expert_grads(self, up)
         parts = torch.stack([v_sq, t_sq])  # each rank's share; every entry counted once in all
         dist.all_reduce(parts)
         return float(parts.sum().sqrt())

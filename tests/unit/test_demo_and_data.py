@@ -66,6 +66,7 @@ def _model_class(family):
         "qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
         "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
         "qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
+        "qwen3_vl_moe": transformers.Qwen3VLMoeForConditionalGeneration,
     }[family]
 
 
