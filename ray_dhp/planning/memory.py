@@ -160,6 +160,7 @@ class RankState:
     optimizer: int     # AdamW moments
     startup_peak: int  # at engine construction: weights + masters + one full fp32 tensor
     staging: int = 0   # host memory: one copy of the checkpoint state (checkpoint.async_save)
+    upcast: int = 0    # updated parameters whose gradients keep the weights' dtype (FSDP2 shards)
 
     @property
     def total(self) -> int:
@@ -191,9 +192,13 @@ def rank_state(counts: ParamCounts, topology, rank: int, policy) -> RankState:
     if t:
         tu = counts.text_updated_by(tg.coord(rank)[0], tg.dp, tp, tg.zero_stage)
     held, updated = v + t, vu + tu
-    trained = (v - counts.vision_frozen if v else 0) + (
-        (counts.text_updated_by(tg.coord(rank)[0], tg.dp, tp, 0) if tg.zero_stage != 3 else tu)
-        if t else 0)
+    v_trained = v - counts.vision_frozen if v else 0
+    t_trained = ((counts.text_updated_by(tg.coord(rank)[0], tg.dp, tp, 0) if tg.zero_stage != 3
+                  else tu) if t else 0)
+    # gradients accumulate in the policy's grad dtype (fp32 for bf16 weights), except FSDP2's
+    # text shards at stage 3, which keep the weights' dtype (FSDP2 sums in fp32 itself)
+    fsdp = t_trained if tg.zero_stage == 3 else 0
+    grads = (v_trained + t_trained - fsdp) * policy.grad_bytes() + fsdp * policy.weight_bytes()
     masters = 4 * updated if policy.master else 0
     weights = held * policy.weight_bytes()
     optimizer = updated * 2 * _bytes(policy.moment_dtype)
@@ -202,9 +207,10 @@ def rank_state(counts: ParamCounts, topology, rank: int, policy) -> RankState:
     # stage 3 shards the text weights after they are built: the whole TP shard exists first
     built = (v + (counts.text_per_rank(tp) if t else 0)) * policy.weight_bytes()
     return RankState(params=held, updated=updated, weights=weights,
-                     grads=trained * policy.grad_bytes(), masters=masters, optimizer=optimizer,
+                     grads=grads, masters=masters, optimizer=optimizer,
                      startup_peak=max(weights + masters, built) + 4 * counts.largest,
-                     staging=saved + optimizer)
+                     staging=saved + optimizer,
+                     upcast=fsdp if policy.master and policy.grad_dtype != policy.param_dtype else 0)
 
 
 def measure_engine_state(engine) -> dict:

@@ -4,9 +4,13 @@ on CPU and by ``benchmarks/gpu/precision_check.py`` with CUDA's allocator counte
 
 During the step a rank holds its `RankState` (weights, gradients, masters, AdamW moments) plus:
 
-* ``bf16_mixed``: the fp32 master gradients of one chunk (`ray_dhp.step.precision.MasterWeights.step`
+* ``bf16_mixed``: nothing for the gradients accumulated in fp32 (they become the masters'
+  gradients as they are); for FSDP2's bf16 gradient shards (text stage 3, ``state.upcast``
+  elements) the fp32 master gradients of one chunk (`ray_dhp.step.precision.MasterWeights.step`
   upcasts, steps and drops them chunk by chunk of ``CHUNK_BYTES``, freeing each bf16 gradient as
-  it is upcast: +2 B per element of the chunk), never the 4 B/param of all of them at once;
+  it is upcast: +2 B per element of the chunk);
+* ``bf16``: one parameter's gradient rounded to bf16 at a time (+2 B per element of the largest
+  tensor, its fp32 sum freed right after);
 * AdamW's temporaries: none for the fused CUDA kernel (``fused=True``, the engine's choice on
   CUDA); the single-tensor loop (CPU) makes two moment-sized temporaries of one parameter
   (``sqrt(exp_avg_sq)`` and its quotient) at a time.
@@ -49,9 +53,10 @@ def _update_peak(state, policy, largest, chunk_bytes, fused_adamw) -> int:
     moment = 4 if policy.master else policy.optimizer_bytes() // 2
     temps = 0 if fused_adamw else 2 * moment * largest
     if not policy.master:
-        return state.total + temps
-    chunk = min(state.updated, max(largest, (CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // 4))
-    return state.total + (4 - policy.grad_bytes()) * chunk + temps
+        rounded = policy.weight_bytes() * largest if policy.grad_dtype != policy.param_dtype else 0
+        return state.total + temps + rounded
+    chunk = min(state.upcast, max(largest, (CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // 4))
+    return state.total + (4 - policy.weight_bytes()) * chunk + temps
 
 
 def rank_step_peak(state, policy, counts, topology, rank: int, text_config) -> int:

@@ -36,7 +36,7 @@ from ray_dhp.models import family_of, load_model_config
 from ray_dhp.models.contract import check_features_consumed, check_transformers
 from ray_dhp.models.loading import build_meta_model, materialize, module_prefix
 from ray_dhp.step.gpu import apply_tf32, to_device
-from ray_dhp.step.precision import policy_of, weight_dtype
+from ray_dhp.step.precision import accumulate_in_fp32, policy_of, weight_dtype
 from ray_dhp.step.schedule import order_for
 from ray_dhp.parallel import boundary as bnd
 from ray_dhp.parallel import data as dp
@@ -85,6 +85,9 @@ class DHPEngine(UpdateMixin):
         self._partial = (partial_grad_params(self.text_model, self.family.tp_partial_grad_suffixes)
                          if self.text_model is not None and topo.text.inner > 1 else [])
         self._build_optimizers()  # over each module's ZeRO partition (step/updates.py)
+        # bf16 policies: micro-batch gradients sum in fp32 (FSDP2 does it itself at stage 3)
+        accumulate_in_fp32(self.vision_params + (self.text_params if self.fsdp is None else []),
+                           self.policy)
         self.feature_dim = self.family.feature_dim(self.config)
         self.step_count = 0
         self._timer = PhaseTimer(groups.device)

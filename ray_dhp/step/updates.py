@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ray_dhp.parallel import data as dp
 from ray_dhp.step.optim import build_optimizer_for
-from ray_dhp.step.precision import local_nbytes
+from ray_dhp.step.precision import local_nbytes, restore_grad_dtype, round_grads_for_update
 
 
 class UpdateMixin:
@@ -91,6 +91,11 @@ class UpdateMixin:
         for params, opt, sched, masters in modules:
             if masters is not None:  # fp32 master gradients one chunk at a time
                 masters.step(opt, coef)
+            elif self.policy.param_dtype != self.policy.grad_dtype:  # bf16: fp32 sums rounded once
+                round_grads_for_update(params, coef)
+                if opt is not None:
+                    opt.step()
+                restore_grad_dtype(params, self.policy)
             else:  # at ZeRO stage 2 only the owned gradients are left
                 dp.scale_grads([p for p in params if p.grad is not None], coef)
                 if opt is not None:
@@ -125,3 +130,4 @@ class UpdateMixin:
         from ray_dhp.planning.memory import measure_engine_state
 
         return measure_engine_state(self)
+
