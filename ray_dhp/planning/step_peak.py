@@ -25,8 +25,8 @@ def step_peak(state, policy, largest: int, reduced: int = 0, replicated: int = 0
               chunk_bytes: Optional[int] = None, bucket_bytes: Optional[int] = None,
               fused_adamw: bool = True) -> int:
     """Peak bytes of a rank's optimizer step: its ``state`` (a `ray_dhp.planning.memory.RankState`)
-    plus the larger transient of its two phases: the gradient all-reduce (one flat bucket in the
-    reduce dtype; ``reduced``: elements this rank all-reduces over replicas), while the
+    plus the larger transient of its two phases: the gradient all-reduce (`MAX_IN_FLIGHT` flat
+    buckets in the reduce dtype; ``reduced``: elements this rank all-reduces over replicas), while the
     gradients DTensor hands back whole for a TP-sharded weight (the vocab-parallel embedding's,
     ``replicated``: the elements beyond this rank's shard; sliced by
     `ray_dhp.parallel.data.ensure_grads`) are still held, and the update (above). ``largest``:
@@ -34,7 +34,10 @@ def step_peak(state, policy, largest: int, reduced: int = 0, replicated: int = 0
     from ray_dhp.parallel.data import _BUCKET_BYTES
     from ray_dhp.step.precision import CHUNK_BYTES
 
-    bucket = min(reduced, (_BUCKET_BYTES if bucket_bytes is None else bucket_bytes) // policy.grad_bytes())
+    from ray_dhp.parallel.zero import MAX_IN_FLIGHT
+
+    per_bucket = (_BUCKET_BYTES if bucket_bytes is None else bucket_bytes) // policy.grad_bytes()
+    bucket = min(reduced, MAX_IN_FLIGHT * per_bucket)  # the buckets reducing at once
     reduce_peak = state.total + bucket * _size(policy.reduce_dtype) + replicated * policy.grad_bytes()
     return max(reduce_peak, _update_peak(state, policy, largest, chunk_bytes, fused_adamw))
 

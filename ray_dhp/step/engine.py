@@ -92,6 +92,7 @@ class DHPEngine(UpdateMixin):
         self.step_count = 0
         self._timer = PhaseTimer(groups.device)
         self._loss_fn, self._num_samples = None, 0  # set by forward_backward for its phases
+        self._overlap = False  # forward_backward(last=True): reduce during the last backward
 
     def _build_shards(self, model, dtype: torch.dtype, fill: bool = True) -> None:
         """Build the model on the meta device, keep the modules this rank hosts (TP-sharded on
@@ -121,21 +122,24 @@ class DHPEngine(UpdateMixin):
     def step(self, micro_batches: list) -> dict:
         """One optimizer step over ``micro_batches`` (list of lists of `Sample`): exactly
         `forward_backward` (default loss) then `optimizer_step`."""
-        out = self.forward_backward(micro_batches)
+        out = self.forward_backward(micro_batches, last=True)
         out.update(self.optimizer_step())
         return out
 
-    def forward_backward(self, micro_batches: list, loss_fn=None) -> dict:
+    def forward_backward(self, micro_batches: list, loss_fn=None, *, last: bool = False) -> dict:
         """Forward and backward over ``micro_batches`` (the same lists on every rank): gradients
         accumulate in the parameters until `optimizer_step`. ``loss_fn(LossInputs) -> scalar``
         (default `ray_dhp.step.loss.cross_entropy_loss`; contract in `ray_dhp.step.loss`). Collective on
         every rank; returns ``loss`` (the sum of the loss_fn values over micro-batches and text
-        replicas, the same on every rank), ``num_targets`` and ``num_samples``."""
+        replicas, the same on every rank), ``num_targets`` and ``num_samples``. ``last=True``: no
+        other ``forward_backward`` follows before `optimizer_step`, so each module's gradient
+        buckets may start reducing during its last backward (`ray_dhp.parallel.zero.ZeroPartition.arm`)."""
         n_targets = sum(count_targets(mb) for mb in micro_batches)
         if n_targets == 0:
             raise ValueError("the step has no trainable tokens (all labels are -100)")
         self._loss_fn, self._num_samples = loss_fn, sum(len(mb) for mb in micro_batches)
         states = self._states = [_MicroBatch(mb) for mb in micro_batches]
+        self._overlap = last
         self._inflight = bnd.InFlight()  # boundary sends not yet waited for
         for phase, k in order_for(self.schedule, len(states)):
             with self._timer(phase):
@@ -202,13 +206,16 @@ class DHPEngine(UpdateMixin):
         """The replica's samples ``mine`` run as ``groups`` (each padded to its own longest),
         one forward/backward after the other; each group takes its rows of the replica's
         features, whose gradient accumulates over the groups. Loss sum and feature gradient."""
+        last = mb is self._states[-1]
         if len(groups) == 1:
+            self._arm_reduce("text", last)
             return self._text_forward_backward([mb.samples[i] for i in mine], mb.text_feats, n_targets)
         feats = mb.text_feats
         if feats is not None and feats.shape[0] > 0:
             feats = feats.detach().requires_grad_(vision_trains(self.tuning))
         loss_sum = 0.0
-        for grp, rows in zip(groups, mb.lay.group_rows(mine, groups)):
+        for n, (grp, rows) in enumerate(zip(groups, mb.lay.group_rows(mine, groups))):
+            self._arm_reduce("text", last and n == len(groups) - 1)
             sub = None if feats is None else feats.index_select(0, rows.to(feats.device))
             loss, _ = self._text_forward_backward([mb.samples[i] for i in grp], sub, n_targets)
             loss_sum = loss_sum + loss
@@ -227,6 +234,7 @@ class DHPEngine(UpdateMixin):
         g_local = bnd.features_backward(mb.plan, mb.grad_feats, n_local, self.feature_dim,
                                         self.dtype, g.device, comm=self.comm, inflight=self._inflight)
         if mb.feats is not None:  # also with 0 local rows: the SP all-to-alls run in backward
+            self._arm_reduce("vision", mb is self._states[-1])
             with self._timer("vision_bwd"):
                 mb.feats.backward(g_local.to(mb.feats.dtype))
         mb.feats = mb.grad_feats = None
