@@ -132,8 +132,7 @@ class DHPEngine(UpdateMixin):
         (default `ray_dhp.step.loss.cross_entropy_loss`; contract in `ray_dhp.step.loss`). Collective on
         every rank; returns ``loss`` (the sum of the loss_fn values over micro-batches and text
         replicas, the same on every rank), ``num_targets`` and ``num_samples``. ``last=True``: no
-        other ``forward_backward`` follows before `optimizer_step`, so each module's gradient
-        buckets may start reducing during its last backward (`ray_dhp.parallel.zero.ZeroPartition.arm`)."""
+        other call before `optimizer_step`; reductions start in the last backward (`ZeroPartition.arm`)."""
         n_targets = sum(count_targets(mb) for mb in micro_batches)
         if n_targets == 0:
             raise ValueError("the step has no trainable tokens (all labels are -100)")

@@ -140,6 +140,9 @@ def accumulate_in_fp32(params, policy: PrecisionPolicy) -> None:
     (also when the tests run them in fp64)."""
     if policy.grad_dtype == policy.param_dtype:
         return
+    if not hasattr(torch.Tensor, "grad_dtype"):  # an attribute set anyway would be ignored
+        raise RuntimeError(f"precision={policy.name!r} accumulates gradients in fp32 through "
+                           f"Tensor.grad_dtype, which torch {torch.__version__} lacks: torch>=2.10")
     for p in params:
         p.grad_dtype = policy.grad_dtype
 
