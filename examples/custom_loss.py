@@ -46,7 +46,7 @@ def train_fn(config: dict) -> dict:
     loader.start(cfg.num_steps - first)                # prepares step k+1 while step k trains
     try:
         for step in range(first, cfg.num_steps):
-            out = engine.forward_backward(loader.next(), loss_fn=weighted_smoothed_loss)
+            out = engine.forward_backward(loader.next(), loss_fn=weighted_smoothed_loss, last=True)
             out.update(engine.optimizer_step())        # clip + AdamW + schedule
             metrics = {"step": step + 1, "loss": out["loss"], "grad_norm": out["grad_norm"],
                        "lr": out["lr"]}

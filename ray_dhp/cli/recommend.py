@@ -147,6 +147,6 @@ def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens:
                     f"{best.peak_memory_gib:.3g} GiB per GPU). Run-file fragment:", "",
                 _fragment_yaml(best, micro_batches).rstrip()]
     else:
-        out += ["", "no layout fits: use optim.precision=bf16 (8 B/param), turn on activation "
+        out += ["", "no layout fits: use optim.precision=bf16 (10 B/param), turn on activation "
                     "checkpointing or bf16 autocast, shorten the samples, or add GPUs."]
     return "\n".join(out), bool(ok)

@@ -21,8 +21,9 @@ _BUCKET_BYTES = 32 << 20
 
 
 def ensure_grads(params: Iterable[torch.Tensor]) -> list:
-    """Give every parameter a gradient (zeros where this rank saw no data for it), laid out like
-    the parameter.
+    """Give every parameter a gradient (zeros where this rank saw no data for it, in the
+    parameter's ``grad_dtype``: fp32 accumulation under the bf16 policies), laid out like the
+    parameter.
 
     DTensor may return a gradient with other placements than its parameter (the vocab-parallel
     embedding's gradient comes back ``Replicate`` for a ``Shard(0)`` weight); redistributing a
@@ -32,7 +33,7 @@ def ensure_grads(params: Iterable[torch.Tensor]) -> list:
     out = []
     for p in params:
         if p.grad is None:
-            p.grad = torch.zeros_like(p)
+            p.grad = torch.zeros_like(p, dtype=p.grad_dtype or p.dtype)
         elif isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
             p.grad = p.grad.redistribute(placements=p.placements)
         out.append(p)

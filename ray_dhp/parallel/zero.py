@@ -22,8 +22,15 @@ share of the squared norm, and the shares of all ranks sum to the squared norm o
 model (stages 0-1: the module's first rank holds the module's norm, TP-summed; stage 2: each owner
 adds the entries it owns, replicated TP entries only on TP rank 0).
 
-Every collective runs on every replica in the same order (owners ascending, buckets in parameter
-order), on the gradients' device: valid under NCCL.
+Every collective runs on every replica in the same order, on the gradients' device: valid under
+NCCL. The gradient buckets (`ZeroPartition.buckets`) are a fixed list computed alike on every
+replica, and bucket k is launched only after buckets 0..k-1: from the module's last backward of
+the step (`ZeroPartition.arm`), as soon as its gradients and those of every earlier bucket are
+final (post-accumulate-grad hooks, overlapping the reduction with the rest of the backward),
+else by `ZeroPartition.reduce`. So the replicas' collectives on the module's group are the same
+sequence whatever order the hooks fire in (a rank with no data for some parameter just launches
+later); no other collective runs on that group during the backward. At most `MAX_IN_FLIGHT`
+buckets reduce at once (each holds a flat buffer in the reduce dtype).
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ from ray_dhp.parallel.comm import CommCounter, record
 from ray_dhp.parallel.tensor import is_sharded, local
 
 ZERO_STAGES = (0, 1, 2, 3)
-_BUCKET_BYTES = 32 << 20
+_BUCKET_BYTES = 32 << 20  # weight broadcasts (gradient buckets: `ray_dhp.parallel.data._BUCKET_BYTES`)
+MAX_IN_FLIGHT = 2  # gradient buckets reducing at once (each holds one flat buffer)
 
 
 def resolve_stage(stage: Optional[int], replicas: int, key: str) -> int:
@@ -85,14 +93,19 @@ class ZeroPartition:
         leader: this rank holds the module's norm at stages 0-1 (one rank of the module).
         tp_group: the TP group the module's sharded gradients are split over (text), or None.
         tp_first: this rank is TP rank 0 (counts the replicated entries at stage 2).
+        late: parameters whose gradients are summed over the TP group first (by the caller, after
+            the backward): never launched from backward, their buckets come last.
     """
 
     def __init__(self, params: list, stage: int, group, ranks: list, me: int, *, leader: bool,
-                 tp_group=None, tp_first: bool = True):
+                 tp_group=None, tp_first: bool = True, late: list = ()):
         if stage not in (0, 1, 2):
             raise ValueError(f"ZeroPartition handles stages 0-2, got {stage}")
         self.params, self.stage, self.group, self.ranks, self.me = params, stage, group, ranks, me
         self.leader, self.tp_group, self.tp_first = leader, tp_group, tp_first
+        late_ids = {id(p) for p in late}
+        self.late = {i for i, p in enumerate(params) if id(p) in late_ids}
+        self._armed, self._plan, self._inflight = False, None, []
         n = len(ranks)
         self.owner = (owners([local(p).numel() for p in params], n) if stage and n > 1
                       else [me] * len(params))
@@ -107,27 +120,107 @@ class ZeroPartition:
     def owned(self) -> list:
         return [p for i, p in enumerate(self.params) if self.owns(i)]
 
-    # -- gradients ---------------------------------------------------------------------------
+    # -- gradients: buckets in a fixed order, launched early from backward hooks -------------
 
     def reduce(self, comm: Optional[CommCounter], tag: str, reduce_dtype=None) -> None:
         """SUM the gradients over the replicas: all-reduce (stages 0, 1) or reduce to the owner
-        (stage 2; the other replicas' gradients are then freed)."""
-        if self.stage < 2:
-            dp.all_reduce_grads(self.params, self.group, comm, tag, reduce_dtype=reduce_dtype)
+        (stage 2; the other replicas' gradients are then freed). The buckets `arm` let backward
+        launch already are not launched again: the rest are launched here, in bucket order, and
+        all are waited for before this returns."""
+        if self.group is None or dist.get_world_size(self.group) == 1:
             return
-        for r, dst in enumerate(self.ranks):
-            mine = [p for p, o in zip(self.params, self.owner) if o == r]
-            for bucket in _buckets([local(p.grad) for p in mine]):
-                flat = torch.cat([b.reshape(-1) for b in bucket])
-                if reduce_dtype is not None and flat.dtype != reduce_dtype:
-                    flat = flat.to(reduce_dtype)
-                record(comm, "reduce", tag, flat)
-                dist.reduce(flat, dst=dst, group=self.group)
-                if r == self.me:
-                    _unflatten(flat, bucket)
-            if r != self.me:
-                for p in mine:
-                    p.grad = None
+        self._arm(comm, tag, reduce_dtype)
+        dp.ensure_grads(self.params)  # zeros where this rank saw no data (not launched yet)
+        while self._next < len(self._plan):
+            self._launch()
+        while self._inflight:
+            self._complete()
+        if self.stage == 2:
+            for i in range(len(self.params)):
+                if not self.owns(i):
+                    self.params[i].grad = None
+        self._armed = False
+
+    def arm(self, comm: Optional[CommCounter], tag: str, reduce_dtype=None) -> None:
+        """Let the coming backward (the module's last of the step) launch each bucket as soon
+        as it and every bucket before it are complete (`install_hooks`), overlapping the
+        reduction with the rest of the backward; `reduce` launches the rest and waits."""
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            self._arm(comm, tag, reduce_dtype)
+
+    def install_hooks(self) -> None:
+        """A post-accumulate-grad hook on every parameter: once armed, a parameter whose
+        gradient is final marks it ready (nothing happens while unarmed)."""
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_ready(i))
+
+    def buckets(self) -> list:
+        """The reduction's buckets as ``(owner index or None, parameter indices)``, in the order
+        they are launched on every replica: parameters in backward order (the reverse of
+        ``params``; the ``late`` ones last), cut into runs of one gradient dtype of at most the
+        bucket size (`ray_dhp.parallel.data._BUCKET_BYTES`, one tensor may exceed it); at stage 2
+        the owners' buckets one owner after the other."""
+        order = [i for i in reversed(range(len(self.params))) if i not in self.late] + \
+            [i for i in reversed(range(len(self.params))) if i in self.late]
+        dtype = [p.grad_dtype or p.dtype for p in self.params]
+        size = [local(p).numel() * torch.empty((), dtype=d).element_size()
+                for p, d in zip(self.params, dtype)]
+        runs = [(None, order)] if self.stage < 2 else \
+            [(r, [i for i in order if self.owner[i] == r]) for r in range(len(self.ranks))]
+        out = []
+        for dst, idx in runs:
+            cur, n = [], 0
+            for i in idx:
+                if cur and (dtype[i] != dtype[cur[0]] or n + size[i] > dp._BUCKET_BYTES):
+                    out.append((dst, cur))
+                    cur, n = [], 0
+                cur.append(i)
+                n += size[i]
+            if cur:
+                out.append((dst, cur))
+        return out
+
+    def _arm(self, comm, tag, reduce_dtype) -> None:
+        if self._armed:
+            return
+        self._armed, self._args = True, (comm, tag, reduce_dtype)
+        self._plan = self._plan or self.buckets()
+        self._ready, self._next, self._inflight = set(), 0, []
+
+    def _grad_ready(self, i: int) -> None:
+        if not self._armed or i in self.late:
+            return
+        dp.ensure_grads([self.params[i]])  # a DTensor gradient in its parameter's placements
+        self._ready.add(i)
+        while self._next < len(self._plan) and self._ready.issuperset(self._plan[self._next][1]):
+            self._launch()
+
+    def _launch(self) -> None:
+        """Launch bucket ``_next`` (async); at most `MAX_IN_FLIGHT` buckets' buffers at once."""
+        comm, tag, reduce_dtype = self._args
+        dst, idx = self._plan[self._next]
+        self._next += 1
+        if len(self._inflight) >= MAX_IN_FLIGHT:
+            self._complete()
+        grads = [local(self.params[i].grad) for i in idx]
+        flat = torch.empty(sum(g.numel() for g in grads), device=grads[0].device,
+                           dtype=reduce_dtype or grads[0].dtype)  # made in the reduce dtype
+        _pack(flat, grads)
+        if dst is None:
+            record(comm, "all_reduce", tag, flat)
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+        else:
+            record(comm, "reduce", tag, flat)
+            work = dist.reduce(flat, dst=self.ranks[dst], group=self.group, async_op=True)
+        self._inflight.append((dst, grads, flat, work))
+
+    def _complete(self) -> None:
+        """Wait for the oldest bucket in flight and write its sums into the gradients (stage 2:
+        only on the owner)."""
+        dst, grads, flat, work = self._inflight.pop(0)
+        work.wait()
+        if dst is None or dst == self.me:
+            _unflatten(flat, grads)
 
     def norm_share(self, device) -> torch.Tensor:
         """This rank's share of the global squared gradient norm (fp64 on ``device``); collective
@@ -171,6 +264,13 @@ def _buckets(tensors: list) -> list:
             out.append([t])
             size = n
     return out
+
+
+def _pack(flat: torch.Tensor, tensors: list) -> None:
+    off = 0
+    for t in tensors:
+        flat[off:off + t.numel()].copy_(t.reshape(-1))
+        off += t.numel()
 
 
 def _unflatten(flat: torch.Tensor, tensors: list) -> None:

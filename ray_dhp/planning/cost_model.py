@@ -322,8 +322,9 @@ def phase_times(config, counts, layout: Layout, w: Workload, hw: Hardware) -> Ph
     boundary_bw = _bw(hw, [v.ranks + t.ranks], nodes)
     boundary = max(replica_share(w, t.dp, lambda vt: vt) * feat,
                    v_tokens * feat / v.inner * t.inner) / boundary_bw + hw.latency_s
-    # end of step: gradient reduction (fp32 grads; 2-byte below 16 B/param) + AdamW update
-    g = 4 if w.state_bytes >= 16 else 2
+    # end of step: gradient reduction (fp32 under every policy: the bf16 ones accumulate and
+    # reduce in fp32) + AdamW update
+    g = 4
     zero1 = v.zero_stage > 0 and v.size > 1
     bw_v = _bw(hw, [v.ranks], nodes)
     v_end = (_all_reduce(hw, counts.vision * g, v.size, bw_v)

@@ -169,6 +169,7 @@ class RankState:
     startup_peak: int  # at engine construction: weights + masters + one full fp32 tensor
     staging: int = 0   # host memory: one copy of the checkpoint state (checkpoint.async_save)
     host: int = 0      # host memory: the offloaded masters and moments (part of ``total``)
+    upcast: int = 0    # updated parameters whose gradients keep the weights' dtype (FSDP2 shards)
 
     @property
     def total(self) -> int:
@@ -210,9 +211,13 @@ def rank_state(counts: ParamCounts, topology, rank: int, policy) -> RankState:
     if t:
         tu = counts.text_updated_by(tg.coord(rank)[0], tg.dp, tp, tg.zero_stage)
     held, updated = v + t, vu + tu
-    trained = (v - counts.vision_frozen if v else 0) + (
-        (counts.text_updated_by(tg.coord(rank)[0], tg.dp, tp, 0) if tg.zero_stage != 3 else tu)
-        if t else 0)
+    v_trained = v - counts.vision_frozen if v else 0
+    t_trained = ((counts.text_updated_by(tg.coord(rank)[0], tg.dp, tp, 0) if tg.zero_stage != 3
+                  else tu) if t else 0)
+    # gradients accumulate in the policy's grad dtype (fp32 for bf16 weights), except FSDP2's
+    # text shards at stage 3, which keep the weights' dtype (FSDP2 sums in fp32 itself)
+    fsdp = t_trained if tg.zero_stage == 3 else 0
+    grads = (v_trained + t_trained - fsdp) * policy.grad_bytes() + fsdp * policy.weight_bytes()
     # host optimizer offload (`ray_dhp.step.offload`): the module's masters (without fp32 masters:
     # copies in the weights' dtype) and moments of what the rank updates live on the host
     off = vu * topology.vision.offload + tu * tg.offload
@@ -226,9 +231,10 @@ def rank_state(counts: ParamCounts, topology, rank: int, policy) -> RankState:
     # stage 3 shards the text weights after they are built: the whole TP shard exists first
     built = (v + (counts.text_per_rank(tp) if t else 0)) * policy.weight_bytes()
     return RankState(params=held, updated=updated, weights=weights,
-                     grads=trained * policy.grad_bytes(), masters=masters, optimizer=optimizer,
+                     grads=grads, masters=masters, optimizer=optimizer,
                      startup_peak=max(weights + masters - off * copy_bytes, built) + 4 * counts.largest,
-                     staging=saved + optimizer, host=host)
+                     staging=saved + optimizer, host=host,
+                     upcast=fsdp if policy.master and policy.grad_dtype != policy.param_dtype else 0)
 
 
 def _split_experts(counts: ParamCounts, ep: int):

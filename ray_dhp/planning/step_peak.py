@@ -4,9 +4,13 @@ on CPU and by ``benchmarks/gpu/precision_check.py`` with CUDA's allocator counte
 
 During the step a rank holds its `RankState` (weights, gradients, masters, AdamW moments) plus:
 
-* ``bf16_mixed``: the fp32 master gradients of one chunk (`ray_dhp.step.precision.MasterWeights.step`
+* ``bf16_mixed``: nothing for the gradients accumulated in fp32 (they become the masters'
+  gradients as they are); for FSDP2's bf16 gradient shards (text stage 3, ``state.upcast``
+  elements) the fp32 master gradients of one chunk (`ray_dhp.step.precision.MasterWeights.step`
   upcasts, steps and drops them chunk by chunk of ``CHUNK_BYTES``, freeing each bf16 gradient as
-  it is upcast: +2 B per element of the chunk), never the 4 B/param of all of them at once;
+  it is upcast: +2 B per element of the chunk);
+* ``bf16``: one parameter's gradient rounded to bf16 at a time (+2 B per element of the largest
+  tensor, its fp32 sum freed right after);
 * AdamW's temporaries: none for the fused CUDA kernel (``fused=True``, the engine's choice on
   CUDA); the single-tensor loop (CPU) makes two moment-sized temporaries of one parameter
   (``sqrt(exp_avg_sq)`` and its quotient) at a time.
@@ -21,8 +25,8 @@ def step_peak(state, policy, largest: int, reduced: int = 0, replicated: int = 0
               chunk_bytes: Optional[int] = None, bucket_bytes: Optional[int] = None,
               fused_adamw: bool = True) -> int:
     """Peak bytes of a rank's optimizer step: its ``state`` (a `ray_dhp.planning.memory.RankState`)
-    plus the larger transient of its two phases: the gradient all-reduce (one flat bucket in the
-    reduce dtype; ``reduced``: elements this rank all-reduces over replicas), while the
+    plus the larger transient of its two phases: the gradient all-reduce (`MAX_IN_FLIGHT` flat
+    buckets in the reduce dtype; ``reduced``: elements this rank all-reduces over replicas), while the
     gradients DTensor hands back whole for a TP-sharded weight (the vocab-parallel embedding's,
     ``replicated``: the elements beyond this rank's shard; sliced by
     `ray_dhp.parallel.data.ensure_grads`) are still held, and the update (above). ``largest``:
@@ -30,7 +34,10 @@ def step_peak(state, policy, largest: int, reduced: int = 0, replicated: int = 0
     from ray_dhp.parallel.data import _BUCKET_BYTES
     from ray_dhp.step.precision import CHUNK_BYTES
 
-    bucket = min(reduced, (_BUCKET_BYTES if bucket_bytes is None else bucket_bytes) // policy.grad_bytes())
+    from ray_dhp.parallel.zero import MAX_IN_FLIGHT
+
+    per_bucket = (_BUCKET_BYTES if bucket_bytes is None else bucket_bytes) // policy.grad_bytes()
+    bucket = min(reduced, MAX_IN_FLIGHT * per_bucket)  # the buckets reducing at once
     reduce_peak = state.device_total + bucket * _size(policy.reduce_dtype) + replicated * policy.grad_bytes()
     return max(reduce_peak, _update_peak(state, policy, largest, chunk_bytes, fused_adamw))
 
@@ -49,9 +56,10 @@ def _update_peak(state, policy, largest, chunk_bytes, fused_adamw) -> int:
     moment = 4 if policy.master else policy.optimizer_bytes() // 2
     temps = 0 if fused_adamw else 2 * moment * largest
     if not policy.master:
-        return state.device_total + temps
-    chunk = min(state.updated, max(largest, (CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // 4))
-    return state.device_total + (4 - policy.grad_bytes()) * chunk + temps
+        rounded = policy.weight_bytes() * largest if policy.grad_dtype != policy.param_dtype else 0
+        return state.device_total + temps + rounded
+    chunk = min(state.upcast, max(largest, (CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // 4))
+    return state.device_total + (4 - policy.weight_bytes()) * chunk + temps
 
 
 def rank_step_peak(state, policy, counts, topology, rank: int, text_config) -> int:

@@ -36,7 +36,7 @@ from ray_dhp.models import family_of, load_model_config
 from ray_dhp.models.contract import check_features_consumed, check_transformers
 from ray_dhp.models.loading import build_meta_model, materialize, module_prefix
 from ray_dhp.step.gpu import apply_tf32, to_device
-from ray_dhp.step.precision import policy_of, weight_dtype
+from ray_dhp.step.precision import accumulate_in_fp32, policy_of, weight_dtype
 from ray_dhp.step.schedule import order_for
 from ray_dhp.parallel import boundary as bnd
 from ray_dhp.parallel import data as dp
@@ -92,10 +92,14 @@ class DHPEngine(UpdateMixin):
 
             self._router_loss = RouterLoss(self.family.language_model(self.text_model), self.family.moe,
                                            self.config.text_config, groups.text_dp)
+        # bf16 policies: micro-batch gradients sum in fp32 (FSDP2 does it itself at stage 3)
+        accumulate_in_fp32(self.vision_params + (self.text_params if self.fsdp is None else []),
+                           self.policy)
         self.feature_dim = self.family.feature_dim(self.config)
         self.step_count = 0
         self._timer = PhaseTimer(groups.device)
         self._loss_fn, self._num_samples = None, 0  # set by forward_backward for its phases
+        self._overlap = False  # forward_backward(last=True): reduce during the last backward
 
     def _build_shards(self, model, dtype: torch.dtype, fill: bool = True) -> None:
         """Build the model on the meta device, keep the modules this rank hosts (TP-sharded on
@@ -129,21 +133,23 @@ class DHPEngine(UpdateMixin):
     def step(self, micro_batches: list) -> dict:
         """One optimizer step over ``micro_batches`` (list of lists of `Sample`): exactly
         `forward_backward` (default loss) then `optimizer_step`."""
-        out = self.forward_backward(micro_batches)
+        out = self.forward_backward(micro_batches, last=True)
         out.update(self.optimizer_step())
         return out
 
-    def forward_backward(self, micro_batches: list, loss_fn=None) -> dict:
+    def forward_backward(self, micro_batches: list, loss_fn=None, *, last: bool = False) -> dict:
         """Forward and backward over ``micro_batches`` (the same lists on every rank): gradients
         accumulate in the parameters until `optimizer_step`. ``loss_fn(LossInputs) -> scalar``
         (default `ray_dhp.step.loss.cross_entropy_loss`; contract in `ray_dhp.step.loss`). Collective on
         every rank; returns ``loss`` (the sum of the loss_fn values over micro-batches and text
-        replicas, the same on every rank), ``num_targets`` and ``num_samples``."""
+        replicas, the same on every rank), ``num_targets`` and ``num_samples``. ``last=True``: no
+        other call before `optimizer_step`; reductions start in the last backward (`ZeroPartition.arm`)."""
         n_targets = sum(count_targets(mb) for mb in micro_batches)
         if n_targets == 0:
             raise ValueError("the step has no trainable tokens (all labels are -100)")
         self._loss_fn, self._num_samples = loss_fn, sum(len(mb) for mb in micro_batches)
         states = self._states = [_MicroBatch(mb) for mb in micro_batches]
+        self._overlap = last
         self._inflight = bnd.InFlight()  # boundary sends not yet waited for
         for phase, k in order_for(self.schedule, len(states)):
             with self._timer(phase):
@@ -220,13 +226,16 @@ class DHPEngine(UpdateMixin):
         """The replica's samples ``mine`` run as ``groups`` (each padded to its own longest),
         one forward/backward after the other; each group takes its rows of the replica's
         features, whose gradient accumulates over the groups. Loss sum and feature gradient."""
+        last = mb is self._states[-1]
         if len(groups) == 1:
+            self._arm_reduce("text", last)
             return self._text_forward_backward([mb.samples[i] for i in mine], mb.text_feats, n_targets)
         feats = mb.text_feats
         if feats is not None and feats.shape[0] > 0:
             feats = feats.detach().requires_grad_(vision_trains(self.tuning))
         loss_sum = 0.0
-        for grp, rows in zip(groups, mb.lay.group_rows(mine, groups)):
+        for n, (grp, rows) in enumerate(zip(groups, mb.lay.group_rows(mine, groups))):
+            self._arm_reduce("text", last and n == len(groups) - 1)
             sub = None if feats is None else feats.index_select(0, rows.to(feats.device))
             loss, _ = self._text_forward_backward([mb.samples[i] for i in grp], sub, n_targets)
             loss_sum = loss_sum + loss
@@ -245,6 +254,7 @@ class DHPEngine(UpdateMixin):
         g_local = bnd.features_backward(mb.plan, mb.grad_feats, n_local, self.feature_dim,
                                         self.dtype, g.device, comm=self.comm, inflight=self._inflight)
         if mb.feats is not None:  # also with 0 local rows: the SP all-to-alls run in backward
+            self._arm_reduce("vision", mb is self._states[-1])
             with self._timer("vision_bwd"):
                 mb.feats.backward(g_local.to(mb.feats.dtype))
         mb.feats = mb.grad_feats = None

@@ -8,20 +8,28 @@ policy              weights    gradients   fp32 master   AdamW state  bytes / pa
 ==================  =========  ==========  ============  ===========  ====================
 ``fp32``            fp32       fp32        --            fp32         4 + 4 + 8 = 16
 ``bf16_autocast``   fp32       fp32        --            fp32         16 (matmuls in bf16)
-``bf16_mixed``      bf16       bf16        fp32          fp32         2 + 2 + 4 + 8 = 16
-``bf16``            bf16       bf16        --            bf16         2 + 2 + 4 = 8
+``bf16_mixed``      bf16       fp32        fp32          fp32         2 + 4 + 4 + 8 = 18
+``bf16``            bf16       fp32        --            bf16         2 + 4 + 4 = 10
 ==================  =========  ==========  ============  ===========  ====================
 
+Under the bf16 policies every micro-batch's backward computes bf16 gradients, but they
+*accumulate* across micro-batches in fp32 (`accumulate_in_fp32`: the parameters' ``grad_dtype``
+is fp32, so autograd casts each incoming bf16 gradient to fp32 and sums it into an fp32
+``.grad``): summing M micro-batches in bf16 would round every partial sum to 8 bits, an error
+that grows with M. The fp32 gradients are then summed over replicas in fp32 and become the fp32
+masters' gradients as they are (``bf16_mixed``: no copy; the clipping factor is applied there) or,
+under ``bf16``, are rounded to bf16 once, parameter by parameter, for the bf16 AdamW update
+(`round_grads_for_update`). At text ZeRO stage 3, FSDP2 accumulates in fp32 itself (its
+``reduce_dtype``) and hands back bf16 gradient shards (2 B per parameter, upcast chunk by chunk
+into the masters).
+
 ``bf16_mixed`` keeps an fp32 master copy of every parameter the rank updates; AdamW steps the
-masters and the bf16 weights are refreshed from them after every step. Gradients are stored in
-bf16 (the weights' dtype); they are summed over replicas in fp32 (each all-reduce bucket is
-upcast, summed, and rounded to bf16 once), then upcast into the masters' gradients, where the
-clipping factor is applied in fp32. The total is the same 16 bytes per parameter as fp32, but
-the weights the forward/backward reads, the activations and the gradients are half the size,
-and with vision ZeRO-1 the 12 master + moment bytes of a ViT parameter live on one rank only.
-Checkpoints store the masters (``model.<name>`` in fp32), so resuming is exact. ``bf16`` (no
-masters) halves the state but loses updates smaller than a bf16 ulp of the weight; it is the
-cheapest and the least accurate.
+masters and the bf16 weights are refreshed from them after every step. Against fp32 it costs 2
+more bytes per parameter, but the weights the forward/backward reads and the activations are half
+the size, and with vision ZeRO-1 the 12 master + moment bytes of a ViT parameter live on one rank
+only. Checkpoints store the masters (``model.<name>`` in fp32), so resuming is exact. ``bf16`` (no
+masters) has the smallest state but loses updates smaller than a bf16 ulp of the weight; it is
+the cheapest and the least accurate.
 """
 
 from __future__ import annotations
@@ -48,7 +56,8 @@ class PrecisionPolicy:
 
     @property
     def grad_dtype(self) -> torch.dtype:
-        return self.param_dtype
+        """The dtype gradients accumulate in across micro-batches (fp32 for bf16 weights)."""
+        return torch.float32 if self.param_dtype in (torch.bfloat16, torch.float16) else self.param_dtype
 
     @property
     def reduce_dtype(self) -> torch.dtype:
@@ -124,6 +133,45 @@ def local_nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def accumulate_in_fp32(params, policy: PrecisionPolicy) -> None:
+    """Make ``params`` (bf16 under the bf16 policies) accumulate their gradients in the policy's
+    ``grad_dtype`` (fp32): autograd casts each backward's incoming gradient and sums it into an
+    fp32 ``.grad`` (torch's ``Tensor.grad_dtype``, torch >= 2.10). No-op for the fp32 policies
+    (also when the tests run them in fp64)."""
+    if policy.grad_dtype == policy.param_dtype:
+        return
+    if not hasattr(torch.Tensor, "grad_dtype"):  # an attribute set anyway would be ignored
+        raise RuntimeError(f"precision={policy.name!r} accumulates gradients in fp32 through "
+                           f"Tensor.grad_dtype, which torch {torch.__version__} lacks: torch>=2.10")
+    for p in params:
+        p.grad_dtype = policy.grad_dtype
+
+
+@torch.no_grad()
+def round_grads_for_update(params, coef: float = 1.0) -> None:
+    """``bf16`` (no masters): replace each fp32 accumulated gradient by ``coef`` times it rounded
+    to the weight's dtype, one parameter at a time (the bf16 AdamW needs gradients of its
+    parameters' dtype); `restore_grad_dtype` after the update."""
+    for p in params:
+        g = p.grad
+        if g is None or g.dtype == p.dtype:
+            continue
+        p.grad = None
+        p.grad_dtype = None  # any dtype, for the update only
+        if coef != 1.0:
+            g.mul_(coef)
+        p.grad = g.to(p.dtype)
+
+
+def restore_grad_dtype(params, policy: PrecisionPolicy) -> None:
+    """After `round_grads_for_update` and the step: the gradients it rounded are dropped and
+    their parameters accumulate in fp32 again (the others, e.g. FSDP2's, are left alone)."""
+    for p in params:
+        if p.grad_dtype is None:
+            p.grad = None
+            p.grad_dtype = policy.grad_dtype
+
+
 # -- fp32 master weights ------------------------------------------------------------------------
 
 def _master_of(p: torch.Tensor, dtype=torch.float32, device=None) -> torch.nn.Parameter:
@@ -164,11 +212,12 @@ class MasterWeights:
     def step(self, opt, coef: float = 1.0, chunk_bytes: Optional[int] = None) -> None:
         """Step ``opt`` (built on the masters) one chunk of parameters at a time: for each chunk
         (about ``chunk_bytes`` of fp32 gradient, at least one tensor; default `CHUNK_BYTES`),
-        ``master.grad = coef * float(param.grad)`` with each bf16 gradient freed as soon as it is
-        upcast, AdamW steps the chunk (it skips masters without a gradient), the chunk's weights
-        are refreshed from its masters and its fp32 gradients dropped. So the fp32 gradients of
-        only one chunk exist at a time: the step's peak stays at the table's 16 B/param plus one
-        chunk (`ray_dhp.planning.memory.rank_state`'s ``step_peak``), not 20."""
+        ``master.grad = coef * float(param.grad)``, AdamW steps the chunk (it skips masters without
+        a gradient), the chunk's weights are refreshed from its masters and its fp32 gradients
+        dropped. A gradient accumulated in fp32 (`accumulate_in_fp32`) *is* the master's gradient
+        (no copy, no transient); a bf16 one (FSDP2's shards at text stage 3) is freed as soon as it
+        is upcast, so the fp32 gradients of only one chunk exist at a time
+        (`ray_dhp.planning.step_peak`)."""
         for chunk in self._chunks(CHUNK_BYTES if chunk_bytes is None else chunk_bytes):
             for p, m in chunk:
                 g = p.grad.to(device=m.device, dtype=m.dtype)
@@ -192,18 +241,6 @@ class MasterWeights:
             size += n
         if chunk:
             yield chunk
-
-    @torch.no_grad()
-    def grads_to_masters(self, coef: float = 1.0) -> None:
-        """``master.grad = coef * float(param.grad)`` for every pair at once, each bf16 gradient
-        freed as soon as it is upcast (the single-process reference's form; the engine uses
-        `step`, which also bounds the fp32 gradients to one chunk)."""
-        for p, m in self.pairs:
-            g = p.grad.to(torch.float32)
-            p.grad = None
-            if coef != 1.0:
-                g.mul_(coef)
-            m.grad = g
 
     @torch.no_grad()
     def masters_to_params(self) -> None:

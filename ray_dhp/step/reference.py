@@ -16,9 +16,11 @@ helpers, so that parity tests compare the engine with an independent implementat
 * the optimizer is a plain ``torch.optim.AdamW`` with one parameter group per trainable
   parameter, its lr and weight decay written out here (per-module values, no decay on tensors
   of fewer than 2 dims);
-* bf16_mixed keeps a plain fp32 copy of every trainable weight: the gradients are upcast into
-  it, clipped there by ``torch.nn.utils.clip_grad_norm_``, AdamW steps it and the bf16 weights
-  are rounded from it.
+* under the bf16 policies each micro-batch's bf16 gradients are moved into a plain fp32 sum
+  after its backward (``acc = acc + grad.float()``), so they accumulate in fp32 across
+  micro-batches; bf16_mixed keeps a plain fp32 copy of every trainable weight: the fp32 sums are
+  its gradients, clipped there by ``torch.nn.utils.clip_grad_norm_``, AdamW steps it and the bf16
+  weights are rounded from it; bf16 (no copy) rounds the sums to bf16 once for its update.
 
 Shared with the engine (tested on their own, see tests/README.md): the config parsing
 (`TrainLoopConfig`, `ray_dhp.step.tuning.tuning_of`: *what* was asked), the batch padding, the
@@ -87,7 +89,7 @@ class ReferenceTrainer:
         # (its forward with the batch's attention_mask), weighed as in ray_dhp.models.moe.
         aux_coef = getattr(self.config.text_config, "router_aux_loss_coef", None)
         moe = {} if aux_coef is None else {"output_router_logits": True}
-        total = 0.0
+        total, sums = 0.0, None
         for mb in micro_batches:
             batch = pad_text_batch(mb, self.config.text_config.pad_token_id or 0)
             kwargs = {k: v.to(self.device) for k, v in batch.items() if v is not None and k != "labels"}
@@ -103,13 +105,19 @@ class ReferenceTrainer:
                                 list(mb), n_targets, n_samples)
             aux = None if aux_coef is None else out.aux_loss * (aux_coef / len(micro_batches))
             total += float(backward_loss(loss_fn, inputs, tensor_parallel=False, extra=aux))
+            sums = self._accumulate_fp32(sums if mb is not micro_batches[0] else None)
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
-        if self.masters is None:
+        if self.masters is None and sums is not None:  # bf16: clipped in fp32, rounded to bf16 once
+            grads = [sums[id(p)] for p in self._trained]
+            grad_norm = float(torch.nn.utils.get_total_norm(grads))
+            coef = min(1.0, max_norm / (grad_norm + 1e-6))  # clip_grad_norm_'s factor
+            for p, g in zip(self._trained, grads):
+                p.grad = (g * coef).to(p.dtype)
+        elif self.masters is None:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self._trained, max_norm))
-        else:  # bf16 gradients: upcast into the fp32 copies, the norm and clipping there
-            with torch.no_grad():
-                for p, m in zip(self._trained, self.masters.values()):
-                    m.grad = p.grad.float()
+        else:  # the fp32 sums are the fp32 copies' gradients, the norm and clipping there
+            for p, m in zip(self._trained, self.masters.values()):
+                m.grad = sums[id(p)]
             grad_norm = float(torch.nn.utils.clip_grad_norm_(list(self.masters.values()), max_norm))
         self.opt.step()
         self.sched.step()
@@ -120,6 +128,22 @@ class ReferenceTrainer:
                     p.copy_(m)
             self.model.zero_grad(set_to_none=True)
         return {"loss": total, "grad_norm": grad_norm}
+
+    @torch.no_grad()
+    def _accumulate_fp32(self, sums):
+        """bf16 weights: add this micro-batch's bf16 gradients into fp32 sums (``sums`` None: the
+        first micro-batch) and drop them; fp32 weights: None (``.grad`` accumulates as it is)."""
+        if self.dtype != torch.bfloat16:
+            return None
+        sums = {} if sums is None else sums
+        for p in self._trained:
+            if p.grad is not None:
+                g = p.grad.float()
+                sums[id(p)] = g if id(p) not in sums else sums[id(p)] + g
+                p.grad = None
+            elif id(p) not in sums:
+                sums[id(p)] = torch.zeros_like(p, dtype=torch.float32)
+        return sums
 
     def _autocast(self):
         if self.policy.autocast_dtype is None:

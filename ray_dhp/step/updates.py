@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ray_dhp.parallel import data as dp
 from ray_dhp.step.optim import build_optimizer_for
-from ray_dhp.step.precision import local_nbytes
+from ray_dhp.step.precision import local_nbytes, restore_grad_dtype, round_grads_for_update
 
 
 class UpdateMixin:
@@ -57,12 +57,15 @@ class UpdateMixin:
                 self.zero["text"] = z = ZeroPartition(
                     [p for _, p in named], t.zero_stage, g.text_dp,
                     [t.rank_at(d, k) for d in range(t.dp)], j, leader=g.rank == t.offset,
-                    tp_group=g.text_tp, tp_first=k == 0)
+                    tp_group=g.text_tp, tp_first=k == 0, late=self._partial)
             self.text_opt, self.text_sched, self.text_masters = build_optimizer_for(
                 z.mine(named) + (experts if self.expert_params else []), self.cfg, self.policy,
                 offload=t.offload)
         else:
             self.text_opt = self.text_sched = self.text_masters = None
+        for z in self.zero.values():
+            if hasattr(z, "install_hooks"):  # a ZeroPartition (FSDP2 reduces in its own hooks)
+                z.install_hooks()
 
     def _zero_broadcast(self) -> None:
         for name, z in self.zero.items():
@@ -74,7 +77,7 @@ class UpdateMixin:
         """Reduce the gradients over replicas; the global norm (each parameter counted once).
         Every control value lives on ``groups.device`` (valid under NCCL and gloo alike)."""
         g, dev = self.groups, self.groups.device
-        up = torch.float32 if self.dtype in (torch.bfloat16, torch.float16) else None
+        up = self._reduce_dtype()
         v_sq = t_sq = torch.zeros((), dtype=torch.float64, device=dev)
         dp.ensure_grads(self.vision_params + self.text_params)
         self.last_grad_bytes = sum(local_nbytes(p.grad) for p in self.vision_params + self.text_params
@@ -94,6 +97,16 @@ class UpdateMixin:
         dist.all_reduce(parts)
         return float(parts.sum().sqrt())
 
+    def _reduce_dtype(self):
+        return torch.float32 if self.dtype in (torch.bfloat16, torch.float16) else None
+
+    def _arm_reduce(self, module: str, last_backward: bool) -> None:
+        """Before ``module``'s last backward of a step ``forward_backward(..., last=True)`` runs:
+        let its gradient buckets start reducing in that backward (`ZeroPartition.arm`)."""
+        z = self.zero.get(module)
+        if last_backward and self._overlap and hasattr(z, "arm"):
+            z.arm(self.comm, f"{module}.grads", reduce_dtype=self._reduce_dtype())
+
     def _optimizer_step(self, coef: float) -> None:
         """Clip by ``coef`` and step both optimizers. With fp32 masters (bf16_mixed) the bf16
         gradients are upcast into the masters' gradients, clipped there in fp32, the masters
@@ -104,6 +117,11 @@ class UpdateMixin:
         for params, opt, sched, masters in modules:
             if masters is not None:  # fp32 master gradients one chunk at a time
                 masters.step(opt, coef)
+            elif self.policy.param_dtype != self.policy.grad_dtype:  # bf16: fp32 sums rounded once
+                round_grads_for_update(params, coef)
+                if opt is not None:
+                    opt.step()
+                restore_grad_dtype(params, self.policy)
             else:  # at ZeRO stage 2 only the owned gradients are left
                 dp.scale_grads([p for p in params if p.grad is not None], coef)
                 if opt is not None:
@@ -139,3 +157,4 @@ class UpdateMixin:
         from ray_dhp.planning.memory import measure_engine_state
 
         return measure_engine_state(self)
+

@@ -11,7 +11,7 @@ The built-in loop (`ray_dhp.train.loop`) is made of these; a custom loop uses th
         first = ray_dhp.load_checkpoint(engine, loader, cfg.resume_from)
         loader.start(cfg.num_steps - first)
         for step in range(first, cfg.num_steps):
-            out = engine.forward_backward(loader.next(), loss_fn=my_loss)
+            out = engine.forward_backward(loader.next(), loss_fn=my_loss, last=True)
             out.update(engine.optimizer_step())
             ray_dhp.report_checkpoint({"step": step + 1, **out}, engine, loader)
 

@@ -108,10 +108,10 @@ class TrainLoopConfig:
             checkpoint, or a folder of them) or a ``ray.train.Checkpoint``; any layout.
         precision: the precision policy (`ray_dhp.step.precision`): "fp32" (fp32 weights, grads and
             AdamW state: 16 B/param), "bf16_autocast" (the same state, matmuls under bf16
-            autocast), "bf16_mixed" (bf16 weights and grads, fp32 master weights and AdamW
-            moments that the optimizer steps; 16 B/param, half-size weights, grads and
-            activations; checkpoints hold the masters) or "bf16" (bf16 weights, grads and
-            moments, no masters: 8 B/param).
+            autocast), "bf16_mixed" (bf16 weights, gradients accumulated in fp32, fp32 master
+            weights and AdamW moments that the optimizer steps; 18 B/param, half-size weights
+            and activations; checkpoints hold the masters) or "bf16" (bf16 weights and
+            moments, gradients accumulated in fp32, no masters: 10 B/param).
         tf32: TF32 for fp32 matmuls and convolutions on CUDA (`ray_dhp.step.gpu`; ignored on
             CPU). Matters for the fp32 and bf16_autocast policies' fp32 matmuls.
         activation_checkpointing: recompute transformer blocks in backward.

@@ -102,5 +102,5 @@ def test_bf16_mixed_step_peak_equals_the_plan(tmp_path):
         err = abs(got["measured"] - plan) / plan
         print(f"rank {rank}: measured step peak {got['measured']} B, plan {plan} B ({err:.2%})")
         assert err <= 0.05, (rank, got, plan)
-        # below the old peak: the state plus every fp32 master gradient at once (20 B/param)
+        # no second fp32 copy of the gradients: the accumulated fp32 gradients are the masters'
         assert got["measured"] < state.total + state.masters, (rank, got, plan)
