@@ -98,16 +98,12 @@ def _bad_records(img: Path) -> list:
     ]
 
 
-def _bad_videos(img: Path) -> None:
+def write_audio_only(path) -> None:
+    """A media file with an audio track only (no video stream)."""
     import av
     import numpy as np
 
-    from ray_dhp.demo_video import moving_square, write_mp4
-
-    (img / "junk.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 not really" * 20)
-    (img / "empty.mp4").write_bytes(b"")
-    write_mp4(img / "one.mp4", moving_square("left", 1), 10)  # 1 frame: fewer than 2 to sample
-    with av.open(str(img / "audio.m4a"), "w") as out:  # an audio track only
+    with av.open(str(path), "w") as out:
         stream = out.add_stream("aac", rate=8000)
         frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), dtype=np.float32), format="fltp",
                                            layout="mono")
@@ -118,6 +114,14 @@ def _bad_videos(img: Path) -> None:
         for p in stream.encode():
             out.mux(p)
 
+
+def _bad_videos(img: Path) -> None:
+    from ray_dhp.demo_video import moving_square, write_mp4
+
+    (img / "junk.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 not really" * 20)
+    (img / "empty.mp4").write_bytes(b"")
+    write_mp4(img / "one.mp4", moving_square("left", 1), 10)  # 1 frame: fewer than 2 to sample
+    write_audio_only(img / "audio.m4a")
 
 def _odd_valid_records() -> list:
     """Valid records whose text has characters a careless reader mangles."""

@@ -20,6 +20,7 @@ import torch
 
 from ray_dhp.data.video import VideoError, VideoSettings, load_video, video_patches
 from ray_dhp.demo_video import moving_square, write_mp4
+from tests.hostile_data import write_audio_only
 
 
 
@@ -169,24 +170,9 @@ def test_bad_videos(tmp_path):
     with pytest.raises(VideoError, match="video too large"):
         load_video(big, s, 28, max_pixels=64 * 63)
     audio = tmp_path / "audio.m4a"
-    _write_audio(audio)
+    write_audio_only(audio)
     with pytest.raises(VideoError, match="no video stream"):
         load_video(audio, s, 28)
-
-
-def _write_audio(path):
-    import av
-
-    with av.open(str(path), "w") as out:
-        stream = out.add_stream("aac", rate=8000)
-        frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), dtype=np.float32), format="fltp",
-                                           layout="mono")
-        frame.sample_rate = 8000
-        for _ in range(4):
-            for p in stream.encode(frame):
-                out.mux(p)
-        for p in stream.encode():
-            out.mux(p)
 
 
 def _clip(tmp_path, name, n, fps=4, size=(56, 56)):
