@@ -18,7 +18,8 @@ parameter is final (a vision rank never draws the language model's init).
 Temporaries are replayed too: a draw into a scratch tensor that is then copied into a
 parameter (Qwen3.5 draws its ``A_log`` into ``torch.empty(...)`` and takes the log), or a draw
 into a real tensor in a module's ``__init__`` (its writes are recorded; the tensor stays alive
-while recording so its storage is not confused with a later one). What cannot be replayed this
+while recording so its storage is not confused with a later one; every meta tensor a recorded op
+touched stays alive too, for the same reason: storage keys are addresses). What cannot be replayed this
 way is refused with an error naming the parameter: an out-of-place random draw on real tensors
 while constructing, or a parameter whose value depends on another parameter.
 """
@@ -92,6 +93,11 @@ class _Recorder(TorchDispatchMode):
         # module's ``__init__`` whose value is overwritten later): kept alive so their storage key
         # stays theirs; their writes are recorded and replayed like those of a meta temporary.
         self.temps: dict = {}
+        # Every meta tensor a recorded op touched, kept alive until recording ends: a storage key
+        # is a storage's address, and a freed meta temporary's address can be reused by a later
+        # parameter (Qwen3.5's ``A_log`` scratch and then ``lm_head.weight``), which would make
+        # the replay read that parameter. Meta tensors hold no memory.
+        self.alive: list = []
 
     def _snap(self, x):
         if isinstance(x, torch.Tensor) and not x.is_meta and storage_key(x) in self.temps:
@@ -100,6 +106,8 @@ class _Recorder(TorchDispatchMode):
         return _snapshot(x)
 
     def _record(self, func, args, kwargs, target) -> None:
+        self.alive.extend(x for x in tree_leaves((args, kwargs, target))
+                          if isinstance(x, torch.Tensor) and x.is_meta)
         self.ops.append(RecordedOp(func, tree_map(self._snap, args), tree_map(self._snap, kwargs),
                                    None if target is None else self._snap(target)))
 

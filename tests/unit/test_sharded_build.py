@@ -58,6 +58,36 @@ def test_a_temporary_draw_copied_into_a_parameter_is_replayed():
     assert not torch.equal(ref.get_parameter(a), torch.zeros_like(ref.get_parameter(a)))
 
 
+class _ScratchThenParameter(torch.nn.Module):
+    """A freed meta scratch tensor followed by a new parameter of the same size: the allocator
+    hands the new parameter's storage the scratch's address (what happened to Qwen3.5's
+    ``A_log`` scratch and ``lm_head.weight`` in about one construction of 30)."""
+
+    def __init__(self, n=8, repeats=16):
+        super().__init__()
+        for i in range(repeats):
+            setattr(self, f"a{i}", torch.nn.Parameter(torch.empty(n)))
+            a = getattr(self, f"a{i}")
+            with torch.no_grad():
+                scratch = torch.empty(n, device=a.device).uniform_(0.01, 16).log_()
+                a.copy_(scratch)
+            del scratch
+            setattr(self, f"b{i}", torch.nn.Parameter(torch.empty(n)))
+            torch.nn.init.normal_(getattr(self, f"b{i}"))
+
+
+def test_a_freed_scratch_address_reused_by_a_later_parameter_is_not_that_parameter():
+    from ray_dhp.models.meta_init import construct_recorded
+
+    torch.manual_seed(5)
+    ref = _ScratchThenParameter()
+    model, record = construct_recorded(_ScratchThenParameter)
+    got = {}
+    record.replay(5, set(record.params), lambda names, t: got.update({n: t for n in names}))
+    for n, p in ref.named_parameters():
+        assert torch.equal(got[n], p), n
+
+
 def test_only_wanted_parameters_are_materialised():
     meta = build_meta_model(demo.tiny_model_config(), seed=1)
     visual = meta.module.model.visual
