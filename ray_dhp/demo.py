@@ -37,7 +37,7 @@ __all__ = [
     "BAD_KINDS",
 ]
 
-FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5")
+FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 
 #: Special tokens of the Qwen chat format, in id order (ids 0..6 of the demo tokenizer).
 SPECIAL_TOKENS = (
@@ -151,7 +151,7 @@ def _token_ids() -> dict:
 
 def _vision_geometry(family: str) -> dict:
     """Patch geometry shared by the tiny config and the tiny processor of ``family``."""
-    patch = 16 if family.startswith("qwen3_vl") or family == "qwen3_5" else 14
+    patch = 16 if family.startswith(("qwen3_vl", "qwen3_5")) else 14
     return {"patch_size": patch, "spatial_merge_size": 2, "temporal_patch_size": 2}
 
 
@@ -174,7 +174,7 @@ def _vision_config(family: str) -> dict:
             "out_hidden_size": 64}
     if family == "qwen2_5_vl":
         return {**base, "window_size": 56, "fullatt_block_indexes": [1, 3], "tokens_per_second": 2}
-    if family == "qwen3_5":
+    if family.startswith("qwen3_5"):
         return {**base, "num_position_embeddings": 64}
     return {**base, "deepstack_visual_indexes": [1, 2], "num_position_embeddings": 64}
 
@@ -201,6 +201,11 @@ def _check_family(family: str) -> None:
 #: the router's aux gradient below what a parity test can see).
 _TINY_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
              "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.05}
+#: Qwen3.5-MoE: the same routed experts (its layers are all sparse, no keys for that) plus a
+#: shared expert of intermediate 64 (TP 1/2/4 divide it) behind its sigmoid gate.
+_TINY_QWEN3_5_MOE = {**{k: v for k, v in _TINY_MOE.items()
+                        if k not in ("decoder_sparse_step", "mlp_only_layers")},
+                     "shared_expert_intermediate_size": 64}
 
 
 def tiny_model_config(family: str = "qwen2_5_vl", *, tie_word_embeddings: bool = False):
@@ -213,32 +218,37 @@ def tiny_model_config(family: str = "qwen2_5_vl", *, tie_word_embeddings: bool =
     56 = 2x2 merge units, full attention in blocks 1 and 3); Qwen3-VL adds deepstack layers 1, 2
     and an 8x8 position table; Qwen3-VL-MoE is Qwen3-VL with 8 experts (intermediate 32, top-2)
     in both layers' MLPs and ``router_aux_loss_coef`` 0.05; Qwen3.5 has the 8x8 table without
-    deepstack and a hybrid LM (`_qwen3_5_text`).
+    deepstack and a hybrid LM (`_qwen3_5_text`); Qwen3.5-MoE is Qwen3.5 with Qwen3-VL-MoE's
+    experts in both layers plus a shared expert of intermediate 64.
     fp32, dropout 0, untied embeddings unless asked, ``sdpa`` attention. Token ids come from
     :func:`build_tokenizer`.
 
     Args:
-        family: ``"qwen2_5_vl"`` (default), ``"qwen2_vl"``, ``"qwen3_vl"``, ``"qwen3_vl_moe"`` or
-            ``"qwen3_5"``.
+        family: ``"qwen2_5_vl"`` (default), ``"qwen2_vl"``, ``"qwen3_vl"``, ``"qwen3_vl_moe"``,
+            ``"qwen3_5"`` or ``"qwen3_5_moe"``.
         tie_word_embeddings: share one weight between the input embedding and ``lm_head`` (as
             Qwen2.5-VL-3B and the small Qwen3-VL models do).
     """
     _check_family(family)
-    from transformers import (Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3_5Config, Qwen3VLConfig,
-                              Qwen3VLMoeConfig)
+    from transformers import (Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3_5Config, Qwen3_5MoeConfig,
+                              Qwen3VLConfig, Qwen3VLMoeConfig)
 
     cls = {"qwen2_5_vl": Qwen2_5_VLConfig, "qwen2_vl": Qwen2VLConfig, "qwen3_vl": Qwen3VLConfig,
-           "qwen3_vl_moe": Qwen3VLMoeConfig, "qwen3_5": Qwen3_5Config}[family]
+           "qwen3_vl_moe": Qwen3VLMoeConfig, "qwen3_5": Qwen3_5Config,
+           "qwen3_5_moe": Qwen3_5MoeConfig}[family]
     ids = _token_ids()
     vocab = -(-len(build_tokenizer()) // 8) * 8
     text = {**_text_config(ids, vocab), "tie_word_embeddings": tie_word_embeddings}
     if family.startswith("qwen3_vl"):
         text["head_dim"] = 16
         text["rope_parameters"]["mrope_interleaved"] = True
-    if family == "qwen3_5":
+    if family.startswith("qwen3_5"):
         text = _qwen3_5_text(text)
     if family == "qwen3_vl_moe":
         text.update(_TINY_MOE)
+    if family == "qwen3_5_moe":
+        text = {k: v for k, v in text.items() if k != "intermediate_size"}  # no dense MLP
+        text.update(_TINY_QWEN3_5_MOE)
     config = cls(
         text_config=text, vision_config=_vision_config(family), tie_word_embeddings=tie_word_embeddings,
         **{k: ids[k] for k in ("image_token_id", "video_token_id",
@@ -248,7 +258,7 @@ def tiny_model_config(family: str = "qwen2_5_vl", *, tie_word_embeddings: bool =
     for sub in (config, config.text_config, config.vision_config):
         sub.dtype = "float32"
     config._attn_implementation = "sdpa"  # propagates to the text and vision sub-configs
-    if family == "qwen3_vl_moe":  # the per-expert loop: transformers' grouped_mm has no fp64
+    if family.endswith("_moe"):  # the per-expert loop: transformers' grouped_mm has no fp64
         config._experts_implementation = "eager"
     return config
 
@@ -262,8 +272,8 @@ def tiny_processor(family: str = "qwen2_5_vl", *, min_side: int = 56, max_side: 
     side gives grids of 4x4..8x8 patches at patch size 14).
 
     Args:
-        family: ``"qwen2_5_vl"`` (default), ``"qwen2_vl"``, ``"qwen3_vl"``, ``"qwen3_vl_moe"`` or
-            ``"qwen3_5"``.
+        family: ``"qwen2_5_vl"`` (default), ``"qwen2_vl"``, ``"qwen3_vl"``, ``"qwen3_vl_moe"``,
+            ``"qwen3_5"`` or ``"qwen3_5_moe"``.
         min_side: side of the smallest image area, in pixels.
         max_side: side of the largest image area, in pixels.
     """

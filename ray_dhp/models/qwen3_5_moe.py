@@ -1,0 +1,72 @@
+"""Qwen3.5-MoE: Qwen3.5's ViT and hybrid LM (Gated DeltaNet and gated full-attention layers, the
+plans of `ray_dhp.models.qwen3_5`) with a sparse block in EVERY decoder layer (transformers'
+``Qwen3_5MoeDecoderLayer`` always builds one: no ``decoder_sparse_step`` / ``mlp_only_layers``,
+no dense MLP).
+
+The sparse block differs from Qwen3-VL-MoE's by a shared expert: its output is
+
+    experts(x; router top-k) + sigmoid(shared_expert_gate(x)) * shared_expert(x)
+
+The router (``mlp.gate``: softmax, top-k, the top-k weights renormalised) and the fused experts
+(``mlp.experts.gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``, the same forward) have
+exactly Qwen3-VL-MoE's layout, so the mixture-of-experts machinery applies unchanged: the
+router's load-balancing loss (`ray_dhp.models.moe`, transformers' ``load_balancing_loss_func``
+over the routers' logits, the shared expert takes no part) and expert parallelism
+(`ray_dhp.parallel.expert`: the experts partitioned over text data-parallel ranks).
+
+Under text tensor parallelism:
+
+* the router and the routed experts are replicated on every TP rank (as in Qwen3-VL-MoE: their
+  input is the replicated residual stream, so every TP rank computes the whole routed part on
+  the same tokens; outputs and gradients equal on every TP rank, no reduction);
+* the shared expert is a dense SwiGLU MLP and is TP-sharded like one (``gate_proj``/``up_proj``
+  column-parallel, ``down_proj`` row-parallel: one all-reduce, its output replicated);
+* ``shared_expert_gate`` (``Linear(H, 1)``) is replicated: its input and the gradient of its
+  output (times the replicated shared-expert output) are the same on every TP rank, so its
+  gradient is whole there (no partial sum), like the router's.
+
+The TP degree must divide the shared expert's width (``shared_expert_intermediate_size``) and
+the linear-attention heads. Text sequence parallelism is not covered (the routed part would see
+sequence shards: the routers' statistics and the replicated experts' gradients would become
+partial over TP ranks); the driver refuses it. Packing is refused as for Qwen3.5 (the
+recurrence would carry state across packed samples).
+"""
+
+from ray_dhp.models import qwen3_5
+from ray_dhp.models.base import FamilySpec, MoESpec
+
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def sparse_layers(text_config) -> list:
+    """Every decoder layer has a sparse block (``Qwen3_5MoeDecoderLayer``)."""
+    return list(range(text_config.num_hidden_layers))
+
+
+def text_tp_plan(text_config, prefix: str = "model.language_model") -> dict:
+    """`qwen3_5.text_tp_plan` (both mixers sharded by heads, embedding and head vocab-parallel)
+    with the dense MLP's entries moved onto the shared expert (``mlp.shared_expert.*``); the
+    router, the routed experts and ``shared_expert_gate`` stay replicated (module docstring)."""
+    plan = qwen3_5.text_tp_plan(text_config, prefix)
+    mlp = f"{prefix}.layers.*.mlp"
+    for name in _MLP:
+        plan[f"{mlp}.shared_expert.{name}"] = plan.pop(f"{mlp}.{name}")
+    return plan
+
+
+def text_tp_divisors(text_config) -> tuple:
+    return (*qwen3_5.text_tp_divisors(text_config),
+            ("shared expert intermediate size", text_config.shared_expert_intermediate_size))
+
+
+SPEC = FamilySpec(
+    name="qwen3_5_moe",
+    model_type="qwen3_5_moe",
+    model_class="Qwen3_5MoeForConditionalGeneration",
+    text_tp_plan=text_tp_plan,
+    text_sp_plan=None,
+    tp_partial_grad_suffixes=qwen3_5.SPEC.tp_partial_grad_suffixes,
+    tp_divisors=text_tp_divisors,
+    packing=False,
+    moe=MoESpec(router_suffix="mlp.gate", experts_suffix="mlp.experts", sparse_layers=sparse_layers),
+)
