@@ -296,6 +296,9 @@ class RunFile:
         self.num_workers(dhp)
         raw = self.train_loop_config()
         loop = TrainLoopConfig(**raw)
+        from ray_dhp.models import family_of
+
+        family_of(dhp.model_config()).check_packing(loop.packing, "data.packing")
         names = self.dataset_names()
         from ray_dhp.step.evaluation import check_eval_setup
 

@@ -2,7 +2,8 @@
 
 The dimensions are those of the public Hugging Face ``config.json`` files of Qwen2.5-VL and
 Qwen3.5 (9B: transformers' own ``Qwen3_5Config`` defaults, its "Qwen3.5-9B style
-configuration"; 27B: the released ``Qwen/Qwen3.5-27B`` text config) and Qwen3-VL-MoE; only the
+configuration"; 27B: the released ``Qwen/Qwen3.5-27B`` text config), Qwen3.5-MoE (below) and
+Qwen3-VL-MoE; only the
 fields that shape parameters, parallel degrees and memory are listed (token ids included so a
 config built from them is complete). `ray-dhp plan` builds such a model on the meta device to
 count parameters per rank; nothing is downloaded.
@@ -71,6 +72,22 @@ def _qwen3_5(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: 
     }
 
 
+# Qwen3.5-MoE: Qwen3.5's ViT and hybrid LM (3 Gated DeltaNet layers per gated-attention layer,
+# head_dim 256, 2 KV heads) with a sparse block in every layer: routed experts and one shared
+# expert of the routed experts' width. Dims as torchtitan's ``qwen3_5`` flavors transcribe the
+# released configs (35B-A3B, 122B-A10B, 397B-A17B), cross-checked for 35B-A3B against
+# transformers' ``Qwen3_5MoeConfig`` defaults (its "Qwen3.5-35B-A3B style configuration") and
+# slime's model scripts, for 397B-A17B against slime's (all but the linear-attention heads).
+def _qwen3_5_moe(hidden: int, layers: int, heads: int, experts: int, top_k: int,
+                 moe_intermediate: int, linear_v_heads: int) -> dict:
+    out = _qwen3_5(hidden, layers, heads, 2, 0, 16, linear_v_heads)
+    text = {k: v for k, v in out["text_config"].items() if k != "intermediate_size"}
+    text.update({"moe_intermediate_size": moe_intermediate,
+                 "shared_expert_intermediate_size": moe_intermediate, "num_experts": experts,
+                 "num_experts_per_tok": top_k, "router_aux_loss_coef": 0.001})
+    return {**out, "model_type": "qwen3_5_moe", "text_config": text}
+
+
 # Qwen3-VL-MoE (Qwen/Qwen3-VL-30B-A3B-Instruct, Qwen/Qwen3-VL-235B-A22B-Instruct config.json):
 # Qwen3-VL's 27-block ViT with deepstack mergers after blocks 8, 16, 24; a Qwen3-MoE LM with
 # 128 experts, top-8, every layer sparse.
@@ -112,6 +129,11 @@ PRESETS = {
     "qwen3_5": {
         "9b": _qwen3_5(4096, 32, 16, 4, 12288, 16, 32),
         "27b": _qwen3_5(5120, 64, 24, 4, 17408, 16, 48),
+    },
+    "qwen3_5_moe": {
+        "35b-a3b": _qwen3_5_moe(2048, 40, 16, 256, 8, 512, 32),
+        "122b-a10b": _qwen3_5_moe(3072, 48, 32, 256, 8, 1024, 64),
+        "397b-a17b": _qwen3_5_moe(4096, 60, 32, 512, 10, 1024, 64),
     },
     "qwen3_vl_moe": {
         "30b-a3b": _qwen3_vl_moe(2048, 48, 32, 768, 6144),

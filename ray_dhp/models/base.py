@@ -98,10 +98,7 @@ class FamilySpec:
                         packing: bool = False) -> None:
         """Raise ValueError (saying what to change) if the degrees do not fit the model dims."""
         vc, tc = config.vision_config, config.text_config
-        if packing and not self.packing:
-            raise ValueError(f"data.packing=true is not covered for the {self.name} family (its "
-                             f"recurrent layers would carry state across packed samples); set "
-                             f"data.packing=false.")
+        self.check_packing(packing)
         if text_sp and self.text_sp_plan is None:
             raise ValueError(f"text sequence_parallel=true is not covered for the {self.name} family; "
                              f"set text.sequence_parallel=false.")
@@ -123,6 +120,14 @@ class FamilySpec:
                 )
         _reject_dropout(config)
 
+
+    def check_packing(self, packing: bool, key: str = "data.packing") -> None:
+        """Raise ValueError naming ``key`` if packing is on for a family that cannot pack (the
+        driver calls it with its own key name, before any worker starts)."""
+        if packing and not self.packing:
+            raise ValueError(f"{key}=true is not covered for the {self.name} family (its "
+                             f"recurrent layers would carry state across packed samples); set "
+                             f"{key}=false.")
 
     def validate_expert_parallel(self, config, ep: int) -> None:
         """Raise ValueError naming ``text.expert_parallel`` if ``ep`` does not fit the model."""

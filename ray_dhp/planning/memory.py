@@ -358,6 +358,16 @@ def _vision_mlp(vc) -> int:
     return i if i else int(vc.embed_dim * getattr(vc, "mlp_ratio", 4))
 
 
+def _mlp_widths(tc) -> tuple:
+    """(TP-sharded, TP-replicated) MLP width per token: a dense ``intermediate_size``; an MoE LM
+    without one (Qwen3.5-MoE: every layer sparse) has its shared expert (TP-sharded) and its
+    top-k routed experts' (replicated on the TP ranks, `ray_dhp.models.qwen3_5_moe`)."""
+    if getattr(tc, "intermediate_size", None):
+        return tc.intermediate_size, 0
+    return (getattr(tc, "shared_expert_intermediate_size", 0),
+            tc.num_experts_per_tok * tc.moe_intermediate_size)
+
+
 def text_activation_bytes(tc, tokens: int, tp: int, s: ActivationSettings,
                           sample_tokens: Optional[int] = None, seq_parallel: bool = False) -> float:
     """Activation bytes of one text TP rank for ``tokens`` tokens of its replica (incl. logits).
@@ -366,9 +376,10 @@ def text_activation_bytes(tc, tokens: int, tp: int, s: ActivationSettings,
     and residuals run on the local tokens, the column-parallel projections keep only the sequence
     shard of their all-gathered input (re-gathered in backward), and every checkpointed block
     input is ``h/tp``. Measured by ``benchmarks/text_sp.py``."""
-    h, i, layers = tc.hidden_size, tc.intermediate_size, tc.num_hidden_layers
+    h, layers = tc.hidden_size, tc.num_hidden_layers
+    i, routed = _mlp_widths(tc)
     kv = 2 * tc.num_key_value_heads * (h // tc.num_attention_heads)
-    replicated = 5 * h / tp if seq_parallel else 5 * h
+    replicated = (5 * h / tp if seq_parallel else 5 * h) + 4 * routed
     sharded = (2 * h + kv + 4 * i) / tp
     per_block = tokens * (replicated + sharded) * s.dtype_bytes
     kept = layers * h / tp if seq_parallel else layers * h

@@ -94,6 +94,9 @@ class DisaggregatedTrainer(DataParallelTrainer):
             if paths:
                 config["dataset_paths"] = paths
             loop_cfg = TrainLoopConfig.from_dict(config)  # fail here, before any worker starts
+            from ray_dhp.models import family_of
+
+            family_of(dhp_config.model_config()).check_packing(loop_cfg.packing, loop_key("packing"))
             _check_training_datasets(loop_cfg, set(ray_datasets) | set(paths))
             _check_evaluation(loop_cfg, set(ray_datasets) | set(paths), run_config)
             from ray_dhp.data.pixels import check_run_pixels

@@ -19,8 +19,10 @@ Tolerances, relative:
   Two orders of an N-term fp32 sum differ by ~sqrt(N) u (u = 6e-8) of the terms' size; N ~ 600
   (tokens x heads) gives ~1.5e-6, and AdamW's per-entry normalisation passes an entry's relative
   gradient error into its update at most unchanged. Those weights (gradients, parameters,
-  updates) take 1e-5 (measured below 1e-6; a missing reduction is an O(1) error). The Gated
-  DeltaNet's gated norm computes in the model's dtype: 1e-10.
+  updates) take 1e-5 (measured below 1e-6; a missing reduction is an O(1) error). So does the
+  Gated DeltaNet's ``A_log`` (``-A_log.float().exp()``: an fp32 sum over the tokens, split over
+  the data-parallel replicas; measured 5e-8). Its gated norm and ``dt_bias`` (added to an fp32
+  tensor: promoted to fp64) compute in the model's dtype: 1e-10.
 * the loss 1e-8 (as ``test_moe.py``): the stock aux loss sums the routing probabilities in fp32
   (``routing_weights.float()``) even in an fp64 model; a DP split sums them in another order,
   ~1e-7 of the aux term, which weighs ~1e-2 of the loss. The aux *gradient* is not affected
@@ -46,7 +48,7 @@ from tests.distributed.test_parity import CFG
 
 FAMILY = "qwen3_5_moe"
 FP32_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "input_layernorm.weight",
-              "post_attention_layernorm.weight", "language_model.norm.weight")
+              "post_attention_layernorm.weight", "language_model.norm.weight", "linear_attn.A_log")
 TOL, FP32_TOL = 1e-10, 1e-5
 
 
