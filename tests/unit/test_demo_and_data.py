@@ -67,6 +67,7 @@ def _model_class(family):
         "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
         "qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
         "qwen3_vl_moe": transformers.Qwen3VLMoeForConditionalGeneration,
+        "qwen3_5_moe": transformers.Qwen3_5MoeForConditionalGeneration,
     }[family]
 
 
@@ -138,7 +139,7 @@ def test_tiny_config_shapes_and_ids(family):
         assert list(vision.fullatt_block_indexes) == [1, 3]
     if family == "qwen3_vl":
         assert list(vision.deepstack_visual_indexes) == [1, 2]
-    if family == "qwen3_5":
+    if family.startswith("qwen3_5"):
         assert set(text.layer_types) == {"linear_attention", "full_attention"}
 
 
