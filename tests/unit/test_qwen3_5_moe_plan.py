@@ -63,8 +63,11 @@ def test_layout_checks_name_the_shared_expert_and_the_experts():
         spec.validate_layout(demo.tiny_model_config(FAMILY), sp=1, tp=2, text_sp=True)
 
 
-@pytest.mark.parametrize("preset, total", [("35b-a3b", 35.11), ("122b-a10b", 122.56),
-                                           ("397b-a17b", 396.8)])
+@pytest.mark.parametrize("preset, total", [
+    ("35b-a3b", 35.11),
+    pytest.param("122b-a10b", 122.56, marks=pytest.mark.slow),  # meta builds of 256-512 experts
+    pytest.param("397b-a17b", 396.8, marks=pytest.mark.slow),   # x 48-60 layers: seconds each
+])
 def test_presets_have_the_published_sizes(preset, total):
     """Meta-device counts of the presets: the released models' names (35B, 122B, 397B total;
     transformers drops the checkpoints' multi-token-prediction layer, which is not counted)."""
