@@ -105,13 +105,17 @@ def measure_sp(video: dict, depth: int) -> list:
     per_sp, rows = {}, []
     for sp in SPS:
         per_sp[sp] = spawn(rank_body, sp, (opts,), backend="gloo", threads=1, timeout_s=1800)
-    ref = per_sp[1][0]["features"]
+    def pooled(ranks):  # the features in the stock pooler's row order (rows: its row ids)
+        out = torch.empty(sum(len(r["rows"]) for r in ranks), ranks[0]["features"].shape[-1])
+        for r in ranks:
+            out[r["rows"]] = r["features"]
+        return out
+
+    ref = pooled(per_sp[1])
     base = max(r["vision_bytes"] for r in per_sp[1])
     for sp in SPS:
         ranks = per_sp[sp]
-        feats = torch.empty_like(ref)
-        for r in ranks:
-            feats[r["rows"]] = r["features"]
+        feats = pooled(ranks)
         worst = max(r["vision_bytes"] for r in ranks)
         model = vision_activation_bytes(vc, tokens, sp, ActivationSettings(4, "flash", False))
         rows.append({"sp": sp, "tokens_per_rank": [r["tokens"] for r in ranks],
@@ -129,7 +133,7 @@ def longest_videos(size: int = 448, gpus: int = 8, device_gib: float = 80.0,
     from ray_dhp.cli.presets import preset_dims
     from ray_dhp.planning.memory import GIB, ActivationSettings, count_params, estimate_zero3
     from ray_dhp.planning.recommend import Workload, recommend
-    from ray_dhp.planning.video import VideoShape
+    from ray_dhp.planning.video import VideoShape, longest_frames
     from ray_dhp.step.precision import POLICIES
 
     policy = POLICIES["bf16_mixed"]
@@ -165,20 +169,6 @@ def longest_videos(size: int = 448, gpus: int = 8, device_gib: float = 80.0,
                         "zero3_frames": f_z3, "zero3_seconds": f_z3 / 2,
                         "ratio": f_dhp / f_z3 if f_z3 else None})
     return out
-
-
-def longest_frames(fits, step: int = 2, limit: int = 1 << 16) -> int:
-    """The largest multiple of ``step`` frames (up to ``limit``) for which ``fits`` is truthy
-    (0 if none); ``fits`` must be monotone (a longer video never fits where a shorter fails)."""
-    if not fits(step):
-        return 0
-    lo, hi = 1, 2  # in units of step: lo fits
-    while hi * step <= limit and fits(hi * step):
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid * step) else (lo, mid)
-    return lo * step
 
 
 def _plot(result: dict, path: str) -> None:

@@ -1,5 +1,5 @@
 """Videos in the planner: a video's size as frames x height x width, its patch tokens and its
-attention segments, and the longest video a layout or ZeRO-3 fits.
+attention segments, and a search for the longest video that fits (`longest_frames`).
 
 A video of ``F`` sampled frames (``data.video.fps``, default 2 per second) of ``H x W`` pixels is,
 for a Qwen-VL vision tower of patch ``p``, merge ``m`` and temporal patch ``T`` (2):
@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["VideoShape", "parse_videos"]
+__all__ = ["VideoShape", "parse_videos", "longest_frames"]
 
 _FORM = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*x\s*(\d+)\s*$", re.IGNORECASE)
 
@@ -73,3 +73,17 @@ def parse_videos(text: str) -> list:
     if not items:
         raise ValueError(f"{text!r}: give at least one video, e.g. 240x448x448")
     return [VideoShape.parse(x) for x in items]
+
+
+def longest_frames(fits, step: int = 2, limit: int = 1 << 16) -> int:
+    """The largest multiple of ``step`` frames (up to ``limit``) for which ``fits`` is truthy
+    (0 if none); ``fits`` must be monotone (a longer video never fits where a shorter fails)."""
+    if not fits(step):
+        return 0
+    lo, hi = 1, 2  # in units of step: lo fits
+    while hi * step <= limit and fits(hi * step):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid * step) else (lo, mid)
+    return lo * step

@@ -86,8 +86,8 @@ def test_recommend_plans_for_the_longest_video(capsys, forbid_ray_init):
 
 
 def test_longest_frames_search_on_the_zero3_estimate():
-    """The benchmark's search (`benchmarks.video_sp.longest_frames`) on the 7B planner rows."""
-    from benchmarks.video_sp import longest_frames
+    """The search behind the benchmark's longest-video rows, on 7B's ZeRO-3 estimate."""
+    from ray_dhp.planning.video import longest_frames
 
     assert longest_frames(lambda f: f <= 37) == 36 and longest_frames(lambda f: False) == 0
     config = config_from_dims(preset_dims("qwen2_5_vl", "7b"), "qwen2_5_vl")
