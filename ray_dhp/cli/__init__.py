@@ -37,10 +37,16 @@ def _parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="print the layout and a memory estimate (no Ray)")
     pl.add_argument("config", help="YAML run file")
     pl.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    pl.add_argument("--vision-tokens", default="4096", help="patch tokens per sample; a comma "
+    pl.add_argument("--vision-tokens", default=None, help="patch tokens per sample; a comma "
                     "list prints one estimate each (default 4096); a resolution mix "
                     "size:weight,... (e.g. 256:0.7,4096:0.25,16384:0.05) makes --recommend cost "
                     "the mix, balanced by cost")
+    pl.add_argument("--video", default=None, metavar="FRAMESxHxW", help="plan for one video per "
+                    "sample instead of --vision-tokens: FRAMES sampled frames (data.video.fps, "
+                    "2 per second by default: 240 = two minutes) of HxW pixels (multiples of "
+                    "patch x merge, 28 for Qwen2/2.5-VL), e.g. 240x448x448; its patch tokens = "
+                    "ceil(FRAMES / 2) x H/14 x W/14, attention per frame; a comma list prints one "
+                    "estimate each (--recommend plans for the longest)")
     pl.add_argument("--text-tokens", type=int, default=512, help="text tokens per sample")
     pl.add_argument("--attention", choices=["flash", "eager"], default=None, help="attention "
                     "kernel of the activation estimate (default: flash with scaling.use_gpu, "
@@ -107,7 +113,18 @@ def _cmd_plan(args) -> int:
     rf = _load(args)
     from ray_dhp.cli.recommend import parse_vision_tokens
 
-    tokens, args.vision_mix = parse_vision_tokens(args.vision_tokens)
+    if args.video is not None and args.vision_tokens is not None:
+        from ray_dhp.cli.schema import ConfigError
+
+        raise ConfigError("--video and --vision-tokens both size the vision input; give one.")
+    tokens, args.vision_mix = parse_vision_tokens(args.vision_tokens or "4096")
+    args.videos = _videos(args.video)
+    if args.videos:
+        from ray_dhp.cli.plan import vision_cases
+        from ray_dhp.models import load_model_config
+
+        tokens = [vt for _, vt, _ in vision_cases(load_model_config(rf.model_spec()), [],
+                                                   args.videos)]
     if args.recommend:
         return _recommend(args, rf, tokens)
     if args.gpus is not None or args.micro_batches is not None:
@@ -115,7 +132,7 @@ def _cmd_plan(args) -> int:
 
         raise ConfigError("--gpus and --micro-batches are options of --recommend; add --recommend.")
     print(plan_text(rf, vision_tokens=tokens, text_tokens=args.text_tokens,
-                    attention=args.attention, device_gib=args.device_gib))
+                    attention=args.attention, device_gib=args.device_gib, videos=args.videos))
     if args.nodes is not None:
         from ray_dhp.cli.plan import nodes_text
 
@@ -123,6 +140,19 @@ def _cmd_plan(args) -> int:
                          vision_tokens=max(tokens), text_tokens=args.text_tokens,
                          attention=args.attention, internode_bw=args.internode_gbs * 1e9))
     return 0
+
+
+def _videos(text):
+    """``--video``: the `ray_dhp.planning.video.VideoShape` list (None without the flag)."""
+    if text is None:
+        return None
+    from ray_dhp.cli.schema import ConfigError
+    from ray_dhp.planning.video import parse_videos
+
+    try:
+        return parse_videos(text)
+    except ValueError as e:
+        raise ConfigError(f"--video {e}") from None
 
 
 def _recommend(args, rf, tokens) -> int:
@@ -140,7 +170,8 @@ def _recommend(args, rf, tokens) -> int:
                               vision_tokens=tokens, text_tokens=args.text_tokens,
                               attention=args.attention, device_gib=args.device_gib,
                               hardware=hw, top=args.top,
-                              vision_mix=getattr(args, "vision_mix", None))
+                              vision_mix=getattr(args, "vision_mix", None),
+                              videos=getattr(args, "videos", None))
     print(text)
     return 0 if ok else 1
 

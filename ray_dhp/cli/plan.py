@@ -59,11 +59,33 @@ def _too_long(rf, vision_tokens: int, text_tokens: int, merge: int = 4):
     return n if rf.data.max_tokens is not None and n > rf.data.max_tokens else None
 
 
+def vision_cases(config, vision_tokens: list, videos=None) -> list:
+    """``(heading, patch tokens, attention segment)`` per estimate: one per ``--vision-tokens``
+    size (one image, segment None), or one per ``--video`` (`ray_dhp.planning.video.VideoShape`:
+    its tokens, attending per frame)."""
+    if not videos:
+        return [(f"vision tokens per sample = {vt}:", vt, None) for vt in vision_tokens]
+    from ray_dhp.cli.schema import ConfigError
+
+    vc, out = config.vision_config, []
+    for v in videos:
+        try:
+            t, h, w = v.grid(vc)
+        except ValueError as e:
+            raise ConfigError(f"--video: {e}") from None
+        n = t * h * w
+        out.append((f"video {v.describe()} per sample ({v.frames} frames = {t} temporal patches "
+                    f"of {h}x{w} patches: {n} vision tokens, {n // vc.spatial_merge_size ** 2} "
+                    f"LLM tokens; attention per frame of {h * w} patches):", n, h * w))
+    return out
+
+
 def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
-              device_gib=None) -> str:
+              device_gib=None, videos=None) -> str:
     """The full `ray-dhp plan` report for the run file ``rf``. ``attention`` and
     ``device_gib`` default to flash and 80 GiB with ``scaling.use_gpu``; on CPU to eager (scores
-    counted in full) and no device limit."""
+    counted in full) and no device limit. ``videos`` (`ray_dhp.planning.video.VideoShape`, from
+    ``--video``) replace ``vision_tokens``: one estimate per video."""
     gpu = rf.scaling.use_gpu
     attention = attention or ("flash" if gpu else "eager")
     if device_gib is None and gpu:
@@ -117,8 +139,8 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
                 f"{attention} attention, activation checkpointing "
                 f"{'on' if settings.checkpointing else 'off'}, ZeRO stages vision "
                 f"{topo.vision.zero_stage} / text {topo.text.zero_stage}; {device}"]
-    for vt in vision_tokens:
-        out.append(f"vision tokens per sample = {vt}:")
+    for heading, vt, seg in vision_cases(config, vision_tokens, videos):
+        out.append(heading)
         too_long = _too_long(rf, vt, text_tokens)
         if too_long is not None:
             out.append(f"  samples of {too_long} tokens ({vt} // 4 + {text_tokens}) exceed "
@@ -126,13 +148,13 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
             continue
         for m in estimate_ranks(config, topo, counts, vision_tokens=vt, text_tokens=text_tokens,
                                 samples=samples, settings=settings,
-                                policy=policy):
+                                policy=policy, segment_tokens=seg):
             out.append(f"  rank {m.rank} memory: state {_gib(m.state_bytes)} + vision act "
                        f"{_gib(m.vision_act)} + text act {_gib(m.text_act)} = {_gib(m.total)}"
                        f"{_fits(m.total, device_gib)}")
         z = estimate_zero3(config, counts, topo.world_size, vision_tokens=vt,
                            text_tokens=text_tokens, settings=settings,
-                           state_bytes=policy.state_bytes())
+                           state_bytes=policy.state_bytes(), segment_tokens=seg)
         unit = "GPU" if gpu else "rank"
         out.append(f"  (reference: ZeRO-3 over {topo.world_size} {unit}s, one sample per {unit}, "
                    f"no SP/TP: {_gib(z)} per {unit}{_fits(z, device_gib)})")

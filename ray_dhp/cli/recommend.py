@@ -86,10 +86,12 @@ def _zero(lay) -> str:
 
 def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens: int,
                    attention: str = "flash", device_gib: float = 80.0, hardware=None,
-                   top: int = 8, vision_mix=None) -> tuple:
+                   top: int = 8, vision_mix=None, videos=None) -> tuple:
     """(report, ok): the ranked layouts for the run file ``rf`` on ``gpus`` workers (None: the
     run file's count) and the fragment of the best one; ``ok`` is False when none fits.
-    ``vision_mix``: a resolution mix ``((tokens, fraction), ...)`` (`parse_vision_tokens`)."""
+    ``vision_mix``: a resolution mix ``((tokens, fraction), ...)`` (`parse_vision_tokens`);
+    ``videos`` (``--video``): plan for the longest of them instead (its tokens, per-frame
+    attention)."""
     from ray_dhp.cli.plan import _num
     from ray_dhp.planning.memory import count_params
     from ray_dhp.models import load_model_config
@@ -108,17 +110,22 @@ def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens:
     settings = settings_of(rf, attention)
     policy = policy_of_run(rf)  # the engine's precision policy (optim.precision)
     state_bytes = float(policy.state_bytes())
-    vt = max(vision_tokens)
+    vt, segment, line = max(vision_tokens), None, None
+    if videos:
+        from ray_dhp.cli.plan import vision_cases
+
+        line, vt, segment = max(vision_cases(config, vision_tokens, videos), key=lambda c: c[1])
+        line = f"workload: {line.rstrip(':')} + {text_tokens} text tokens"
     w = Workload(vision_tokens=vt, text_tokens=text_tokens, global_batch_size=gb, micro_batches=m,
                  settings=settings, state_bytes=state_bytes, policy=policy,
                  device_gib=device_gib,
-                 vision_mix=vision_mix)
+                 vision_mix=vision_mix, vision_segment=segment)
     cands = recommend(config, n, w, hw, counts=counts)
     ok = [c for c in cands if c.feasible]
     out = [
         f"recommendation for {n} GPUs: {config.model_type} (vision {_num(counts.vision)}, text "
         f"{_num(counts.text)} parameters)",
-        _workload_line(vt, text_tokens, vision_tokens, vision_mix)
+        (line or _workload_line(vt, text_tokens, vision_tokens, vision_mix))
         + f"; global batch {gb} = {m} micro-batch(es) of {w.micro_batch_size}; "
         f"{settings.dtype_bytes}-byte activations, {attention} attention, checkpointing "
         f"{'on' if settings.checkpointing else 'off'}, ZeRO stages: the defaults (1 with "

@@ -196,7 +196,8 @@ class CostModel:
 
     * vision, per image of ``p`` patches: the linears ``6·(P_v - merger)·p`` and the merger
       ``6·merger·p / merge²``; attention ``12·h·p·p`` per full-attention block and
-      ``12·h·p·min(window, p)`` per window block (attention never crosses images);
+      ``12·h·p·min(window, p)`` per window block (attention never crosses images, nor the
+      frames of a video: a video of ``t`` temporal patches costs ``t`` frames of ``h·w``);
     * text, per sample of ``L`` tokens (image placeholders included): ``6·P_matmul·L`` and causal
       attention ``6·d·L²`` per layer.
 
@@ -239,14 +240,18 @@ class CostModel:
                    text_call=6 * matmul * merge * TEXT_CALL_TOKENS)
 
     def vision(self, grid_thw) -> int:
-        """Cost of one sample's images (``[n_img, 3]`` grid, or None: 0)."""
+        """Cost of one sample's images and videos (``[n_items, 3]`` grids, or None: 0). A video
+        of ``t`` temporal patches is ``t`` frames of ``h·w`` patches: the towers attend within
+        each frame (``cu_seqlens`` has one segment per frame), so its attention is ``t`` times a
+        frame's, not that of one ``t·h·w`` span."""
         if grid_thw is None:
             return 0
         total = 0
         for t, hh, ww in grid_thw.tolist() if hasattr(grid_thw, "tolist") else grid_thw:
-            p = int(t) * int(hh) * int(ww)
-            span = min(self.window, p) if self.window else 0
-            total += self.vision_linear * p + self.vision_full * p * p + self.vision_window * p * span
+            f = int(hh) * int(ww)  # patches per frame (an attention segment)
+            span = min(self.window, f) if self.window else 0
+            total += int(t) * (self.vision_linear * f + self.vision_full * f * f
+                               + self.vision_window * f * span)
         return total
 
     def text(self, num_tokens: int) -> int:

@@ -8,7 +8,8 @@ checkpointing, which recomputes the forward):
 * vision: ``6 * P_v * L_v`` for the linears over ``L_v`` patch tokens (the merger, ``merge²``
   times narrower in tokens, is counted per merged row), plus attention ``12 * h_v * L_v * s`` per
   block, ``s = L_v`` in full-attention blocks and the window (``(window_size / patch_size)²``
-  patches) in Qwen2.5-VL's window blocks;
+  patches) in Qwen2.5-VL's window blocks; a video attends per frame, ``s`` = its frame's patches
+  (``Workload.vision_segment``, `ray_dhp.planning.video`);
 * text: ``6 * P_t * L_t`` over ``L_t = text tokens + L_v / merge²`` (image tokens after the
   merge; the input embedding is a lookup, not counted), plus causal attention ``6 * d * L_t²``
   per layer (half of the full ``12 * d * L_t²``).
@@ -115,6 +116,9 @@ class Workload:
     #: size; ``vision_tokens`` is then its largest (what memory plans for). See `replica_share`.
     vision_mix: Optional[tuple] = None
     policy: object = None          # a PrecisionPolicy: exact per-rank state (overrides state_bytes)
+    #: Patch tokens per attention segment: a video's frame (`ray_dhp.planning.video.VideoShape`,
+    #: ``vision_tokens`` = frames x this); None: each sample is one image (one segment).
+    vision_segment: Optional[int] = None
 
     def __post_init__(self):
         if self.global_batch_size % self.micro_batches:
@@ -126,6 +130,10 @@ class Workload:
                 raise ValueError(f"vision_mix={self.vision_mix}: fractions must be > 0 and sum to 1.")
             if max(v for v, _ in self.vision_mix) != self.vision_tokens:
                 raise ValueError("vision_tokens must be the largest size of vision_mix.")
+        if self.vision_segment is not None and (self.vision_mix is not None or self.vision_segment < 1
+                                                or self.vision_tokens % self.vision_segment):
+            raise ValueError(f"vision_segment={self.vision_segment}: a video's frame size must divide "
+                             f"vision_tokens={self.vision_tokens} (and takes no vision_mix).")
 
     def mix(self) -> tuple:
         """``((patch tokens, fraction), ...)``: the mix, or the one size with fraction 1."""
@@ -211,8 +219,10 @@ def _vision_spans(vc) -> tuple:
 
 
 def vision_flops(config, vision_params: int, vision_tokens: int,
-                 settings: ActivationSettings = ActivationSettings()) -> float:
-    """Training FLOPs of the vision tower for one sample of ``vision_tokens`` patches."""
+                 settings: ActivationSettings = ActivationSettings(),
+                 segment: Optional[int] = None) -> float:
+    """Training FLOPs of the vision tower for one sample of ``vision_tokens`` patches, attending
+    within segments of ``segment`` patches (a video's frames; None: one image, one segment)."""
     from ray_dhp.models import family_of
 
     vc, family = config.vision_config, family_of(config)
@@ -222,7 +232,8 @@ def vision_flops(config, vision_params: int, vision_tokens: int,
                  * (1 + family.num_deepstack(config)))
     dense = 6 * (vision_params - merger) * vision_tokens + 6 * merger * vision_tokens / merge
     full, windowed, window = _vision_spans(vc)
-    span = full * vision_tokens + windowed * min(window or vision_tokens, vision_tokens)
+    seg = min(segment or vision_tokens, vision_tokens)
+    span = full * seg + windowed * min(window or seg, seg)
     return (dense + 12 * h * vision_tokens * span) * _recompute(settings)
 
 
@@ -298,7 +309,8 @@ def phase_times(config, counts, layout: Layout, w: Workload, hw: Hardware) -> Ph
     v_tokens = replica_share(w, v.dp, lambda vt: vt)
     t_tokens = replica_share(w, t.dp, lambda vt: text_tokens_per_sample(config, vt, w.text_tokens))
     # vision: compute split 1 : 2 (forward : backward), 1 : 3 with the forward recomputed
-    v_comp = replica_share(w, v.dp, lambda vt: vision_flops(config, counts.vision, vt, s)) \
+    v_comp = replica_share(w, v.dp, lambda vt: vision_flops(config, counts.vision, vt, s,
+                                                            w.vision_segment)) \
         / v.inner / flops
     fwd_share = 0.25 if ckpt else 1 / 3
     x = v_tokens / v.inner * vision_width(vc) * s.dtype_bytes  # [tokens/sp, h]

@@ -409,17 +409,21 @@ class RankMemory:
 
 def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int, text_tokens: int,
                    samples: int, settings: ActivationSettings,
-                   state_bytes: float = STATE_BYTES_PER_PARAM, policy=None) -> list:
+                   state_bytes: float = STATE_BYTES_PER_PARAM, policy=None,
+                   segment_tokens: Optional[int] = None) -> list:
     """Per-rank `RankMemory` for micro-batches of ``samples`` samples per replica, each with
     ``vision_tokens`` patch tokens and ``text_tokens`` text tokens. With a ``policy`` (a
     `PrecisionPolicy`) the state is `rank_state`'s exact bytes; without, ``state_bytes`` per
     parameter, and with vision ZeRO (stage >= 1) the ViT's AdamW moments (8 of the state bytes)
-    are sharded over the whole vision group (the cost model's approximation)."""
+    are sharded over the whole vision group (the cost model's approximation). ``segment_tokens``:
+    patch tokens per attention segment (a video's frame, `ray_dhp.planning.video`; None: the
+    sample is one image)."""
     vc, tc = config.vision_config, config.text_config
     merge = vc.spatial_merge_size ** 2
     sp, tp = topology.vision.inner, topology.text.inner
     seq = text_tokens + vision_tokens // merge
-    v_act = vision_activation_bytes(vc, samples * vision_tokens, sp, settings, vision_tokens)
+    v_act = vision_activation_bytes(vc, samples * vision_tokens, sp, settings,
+                                    segment_tokens or vision_tokens)
     t_act = text_activation_bytes(tc, samples * seq, tp, settings, seq,
                                   seq_parallel=getattr(topology, "text_sequence_parallel", False))
     moments = 8 * (1 - 1 / topology.vision.size) if topology.vision.zero_stage else 0
@@ -438,11 +442,13 @@ def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int,
 
 def estimate_zero3(config, counts: ParamCounts, world: int, *, vision_tokens: int,
                    text_tokens: int, settings: ActivationSettings,
-                   state_bytes: float = STATE_BYTES_PER_PARAM) -> float:
+                   state_bytes: float = STATE_BYTES_PER_PARAM,
+                   segment_tokens: Optional[int] = None) -> float:
     """Bytes per GPU of the ZeRO-3 baseline: model state split ``world`` ways, one whole sample
-    per GPU (no SP/TP: every activation of that sample stays on its GPU)."""
+    per GPU (no SP/TP: every activation of that sample stays on its GPU); ``segment_tokens`` as
+    in `estimate_ranks`."""
     vc, tc = config.vision_config, config.text_config
     seq = text_tokens + vision_tokens // vc.spatial_merge_size ** 2
     state = (counts.vision + counts.text) * state_bytes / world
-    return (state + vision_activation_bytes(vc, vision_tokens, 1, settings)
+    return (state + vision_activation_bytes(vc, vision_tokens, 1, settings, segment_tokens)
             + text_activation_bytes(tc, seq, 1, settings))

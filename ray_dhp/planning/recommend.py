@@ -81,7 +81,7 @@ def memory_gib(config, counts, layout: Layout, w: Workload) -> dict:
     """Largest per-rank estimate (GiB) of each group, from `ray_dhp.planning.memory.estimate_ranks`."""
     topo = layout.topology()
     kw = dict(vision_tokens=w.vision_tokens, text_tokens=w.text_tokens, settings=w.settings,
-              state_bytes=w.state_bytes, policy=w.policy)
+              state_bytes=w.state_bytes, policy=w.policy, segment_tokens=w.vision_segment)
     mb = w.micro_batch_size
     by_v = estimate_ranks(config, topo, counts, samples=-(-mb // topo.vision.dp), **kw)
     by_t = estimate_ranks(config, topo, counts, samples=-(-mb // topo.text.dp), **kw)

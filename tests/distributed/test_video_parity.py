@@ -16,7 +16,8 @@ from ray_dhp import demo
 from ray_dhp.data.reading import read_annotations, resolve_data_root
 from ray_dhp.data.sampler import StepSampler
 from ray_dhp.data.video import VideoSettings
-from ray_dhp.demo_video import make_video_dataset
+from ray_dhp.demo_video import make_video_dataset, moving_square, write_mp4
+from ray_dhp.models.vision_qwen import plan_vision_shards
 from ray_dhp.train.loop_config import TrainLoopConfig
 from tests.distributed.parity import assert_parity, run_engine, run_reference
 
@@ -54,3 +55,46 @@ def test_video_parity_fp64(tmp_path, family, layout):
     got = run_engine(family, LAYOUTS[layout], CFG, steps, torch.float64, grads=True)
     worst = assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10, grad_tol=1e-10)
     print(f"{family} {layout}: worst update error {worst[0]:.2e}, parameter {worst[1]:.2e} ({worst[2]})")
+
+
+def long_video_steps(tmp_path, cfg: TrainLoopConfig):
+    """One step: a 9 s clip at 4 fps (18 frames sampled at 2 fps: 9 temporal patches of 8x8
+    patches, 4 windows of 2x2 merge units per frame at the tiny window_size of 56 px) and a
+    text-only sample."""
+    import json
+
+    write_mp4(tmp_path / "long.mp4", moving_square("right", 36, (112, 112), side=24), fps=4)
+    records = [{"video": "long.mp4", "conversations": [
+                   {"from": "human", "value": "<video>\nWhich way does the square move?"},
+                   {"from": "gpt", "value": "right"}]},
+               {"conversations": [{"from": "human", "value": "Which way can a square move?"},
+                                  {"from": "gpt", "value": "left, right, up or down"}]}]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    side = 112 * 112
+    proc = demo.tiny_processor("qwen2_5_vl").configured(
+        video=VideoSettings(min_pixels=side, max_pixels=side))
+    sampler = StepSampler(read_annotations(path), proc, resolve_data_root(path), cfg)
+    return [sampler.next_step() for _ in range(cfg.num_steps)]
+
+
+LONG_CFG = TrainLoopConfig(lr=1e-3, global_batch_size=2, micro_batches=1, num_steps=1,
+                           max_grad_norm=0.5, weight_decay=0.1, seed=0)
+
+
+@pytest.mark.slow  # ~75 s on the loaded 2-core machine; the default run keeps the plan's unit test
+def test_long_video_over_sp2_window_attention_fp64(tmp_path):
+    """A long video split over Qwen2.5-VL's two vision SP ranks: the cut falls inside a frame,
+    on a window boundary (window blocks stay local, full-attention blocks gather whole frames);
+    exact against the stock model (tolerance as above)."""
+    steps = long_video_steps(tmp_path, LONG_CFG)
+    grids = [s.image_grid_thw for s in steps[0][0] if s.image_grid_thw is not None]
+    assert [g.tolist() for g in grids] == [[[9, 8, 8]]]
+    vc = demo.tiny_model_config("qwen2_5_vl").vision_config
+    plan = plan_vision_shards("qwen2_5_vl", vc, grids[0], 2)
+    assert plan.cuts[1] % 16 and plan.cuts[1] % 4 == 0  # inside frame 5, between two windows
+    ref = run_reference("qwen2_5_vl", LONG_CFG, steps, torch.float64)
+    got = run_engine("qwen2_5_vl", LAYOUTS["collocated-sp2-tp2"], LONG_CFG, steps, torch.float64,
+                     grads=True)
+    worst = assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10, grad_tol=1e-10)
+    print(f"long video sp2: worst update error {worst[0]:.2e}, parameter {worst[1]:.2e} ({worst[2]})")

@@ -96,6 +96,33 @@ def test_cost_model_grows_quadratically_with_full_attention():
     assert q2.window == 0 and q2.vision_window == 0  # every block attends fully
 
 
+def test_cost_model_counts_a_video_as_its_frames():
+    """A video's attention is per frame (the towers' ``cu_seqlens`` have one segment per
+    temporal patch), so its cost is the sum over those segments, not one ``t·h·w`` span."""
+    from transformers.vision_utils import get_vision_cu_seqlens
+
+    m = CostModel.from_config(demo.tiny_model_config("qwen2_5_vl"))
+    video = torch.tensor([[12, 16, 16]])
+    frame = m.vision(torch.tensor([[1, 16, 16]]))
+    assert m.vision(video) == 12 * frame
+    assert m.vision(video) < m.vision(torch.tensor([[1, 16 * 12, 16]]))  # one span: far more
+    grids = torch.tensor([[12, 16, 16], [1, 8, 24], [3, 4, 6]])
+    cu = get_vision_cu_seqlens(grids).long()
+    seg = (cu[1:] - cu[:-1]).tolist()
+    assert len(seg) == 12 + 1 + 3  # the tower's segments: one per frame
+    want = sum(m.vision_linear * n + m.vision_full * n * n + m.vision_window * n * min(m.window, n)
+               for n in seg)
+    assert m.vision(grids) == want
+    # the balancer sees the per-frame cost: a 12-frame video weighs 12 frames, so 12 images of a
+    # frame's size balance against it (one span would have put every image on the other part)
+    samples = [_sample(0)] + [_sample(i, (16, 16)) for i in range(1, 13)]
+    samples[0].image_grid_thw = video
+    bal = Balancer.for_config("cost", demo.tiny_model_config("qwen2_5_vl"))
+    parts = bal.vision_replicas(samples, 2)
+    assert parts == [[0], list(range(1, 13))]
+    assert imbalance(bal.vision_costs(samples), parts) == 1.0
+
+
 def test_layout_balanced_vs_count():
     config = demo.tiny_model_config("qwen2_5_vl")
     topo = Topology.build(placement="collocated", vision_dp=2, vision_sp=2, text_dp=2, text_tp=2)

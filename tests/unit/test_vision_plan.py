@@ -85,3 +85,29 @@ def test_errors_say_what_to_change():
         plan_vision_shards("qwen2_vl", cfg, torch.tensor([[1, 4, 4]]), 3)
     with pytest.raises(ValueError, match="unknown vision family"):
         plan_vision_shards("llava", cfg, torch.tensor([[1, 4, 4]]), 1)
+
+
+@pytest.mark.parametrize("sp", [2, 3, 4])
+def test_long_video_splits_on_windows_inside_frames(sp):
+    """A long video (9 temporal patches of 8x8 patches: 4 windows of 2x2 units per frame) over
+    Qwen2.5-VL's SP ranks: the cuts fall on window boundaries — also inside a frame (9 frames do
+    not split evenly) — every window and every local window segment lies in one frame, and the
+    full-attention segments are the frames (the all-to-all gathers them whole)."""
+    cfg = tiny_vision_config("qwen2_5_vl")
+    cfg.num_heads = 12
+    grid_thw = torch.tensor([[9, 8, 8]])
+    plan = plan_vision_shards("qwen2_5_vl", cfg, grid_thw, sp)
+    frame_rows = 8 * 8 // UNIT
+    frame_of = plan.order // frame_rows  # the frame of each row, in processing order
+    windows = _windows(grid_thw)
+    assert len(windows) == 9 * 4
+    assert all(len(set(frame_of[lo:hi].tolist())) == 1 for lo, hi in windows)  # windows per frame
+    bounds = {b for w in windows for b in w}
+    assert set(plan.cuts) <= bounds  # window-aligned cuts
+    assert any(c % frame_rows for c in plan.cuts) == bool(9 % sp)  # inside a frame unless even
+    assert max(plan.tokens_per_rank()) - min(plan.tokens_per_rank()) <= 4 * UNIT  # one window
+    for k, cu in enumerate(plan.local_cu_window_seqlens):
+        rows = (cu.long() // UNIT + plan.cuts[k]).tolist()
+        for lo, hi in zip(rows[:-1], rows[1:]):
+            assert (lo, hi) in windows
+    assert (plan.cu_seqlens[1:] - plan.cu_seqlens[:-1]).tolist() == [64] * 9
