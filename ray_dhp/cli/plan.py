@@ -166,7 +166,7 @@ def nodes_text(rf, *, nodes: int, gpus_per_node: int, vision_tokens: int, text_t
     node_of = nodes_by_rank(node_local_order(topo, slots), slots)
     layout = Layout(topo.placement, dhp.schedule, topo.vision.inner, topo.vision.dp,
                     topo.text.inner, topo.text.dp, vision_zero=topo.vision.zero_stage,
-                    text_zero=topo.text.zero_stage)
+                    text_zero=topo.text.zero_stage, text_ep=topo.text_expert_parallel)
     w = Workload(vision_tokens=vision_tokens, text_tokens=text_tokens,
                  global_batch_size=rf.optim.global_batch_size, micro_batches=rf.optim.micro_batches,
                  settings=settings_of(rf, attention),

@@ -6,7 +6,9 @@ the text data-parallel ranks and averaged over micro-batches), clipping active, 
 loss (cross-entropy + ``router_aux_loss_coef`` x aux) and grad-norm of every step, every rank's
 copy of every parameter and update, and every clipped gradient of every step — the routers
 (``mlp.gate.weight``) and the fused experts (``mlp.experts.gate_up_proj`` / ``down_proj``)
-among them.
+among them. With EP, text ZeRO stage 1 (the default) also partitions the experts' AdamW moments
+over the ranks holding the same experts (EDP replicas x TP ranks: the cases with ``tp2`` or
+``edp2``); every rank's copy and the measured per-rank bytes (= the plan) check it.
 
 Tolerances: gradients, parameters and updates 1e-10 as the dense fp64 matrix
 (tests/distributed/test_parity.py). The loss 1e-9: the stock aux loss sums the routing
@@ -52,6 +54,8 @@ CASES = [
     pytest.param("disjoint", (1, 1), (1, 2), 2, id="disjoint-1v-2t-ep2", marks=pytest.mark.slow),
     pytest.param("collocated", (2, 2), (2, 2), 2, id="collocated-sp2dp2-tp2dp2-ep2", marks=pytest.mark.slow),
     pytest.param("collocated", (1, 4), (1, 4), 4, id="collocated-dp4-ep4", marks=pytest.mark.slow),
+    # expert optimizer partition (parallel/expert.py expert_partition): over the 2 EDP replicas
+    pytest.param("collocated", (1, 4), (1, 4), 2, id="collocated-dp4-ep2-edp2", marks=pytest.mark.slow),
     pytest.param("disjoint", (2, 1), (1, 2), 2, id="disjoint-sp2-ep2", marks=pytest.mark.slow),
 ]
 

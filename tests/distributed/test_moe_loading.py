@@ -112,7 +112,8 @@ def _reads_body(rank, world, layout, model):
     return _holdings_body(rank, world, layout, model)
 
 
-@pytest.mark.parametrize("form", ["per_expert", pytest.param("hub", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["per_expert", "hub"])
 def test_each_ep_rank_reads_only_its_experts(form, moe_dirs):
     outs = run_on_ranks(_reads_body, 2, args=(EP2, moe_dirs[form]))
     full = dict(build_model(moe_dirs["fused"]).named_parameters())
