@@ -1,6 +1,7 @@
 """A mixture-of-experts checkpoint resumes exactly at another expert-parallel degree:
 3 steps at EP2 + save + load at EP1 + 3 steps == 6 uninterrupted single-process steps (DCP
-reshards the experts' ``Shard(0)`` DTensors like any TP shard). Tolerances as tests/distributed/
+reshards the experts' ``Shard(0)`` DTensors like any TP shard), also with the experts' optimizer
+state partitioned over their EDP replicas when saved (each moment saved once, by its owner). Tolerances as tests/distributed/
 test_moe.py: parameters 1e-10, the loss 1e-8 (the stock aux loss's fp32 sums)."""
 
 import os
@@ -18,6 +19,8 @@ CFG = TrainLoopConfig(lr=1e-3, global_batch_size=4, micro_batches=2, num_steps=6
                       seed=0, lr_schedule="cosine", warmup_steps=2, weight_decay=0.1)
 EP2 = dict(placement="collocated", vision_dp=2, vision_sp=1, text_dp=2, text_tp=1, text_ep=2)
 EP1 = dict(placement="disjoint", vision_dp=1, vision_sp=1, text_dp=2, text_tp=1)
+# the experts' AdamW moments partitioned over their 2 EDP replicas (parallel/expert.py)
+EP2_EDP2 = dict(placement="collocated", vision_dp=4, vision_sp=1, text_dp=4, text_tp=1, text_ep=2)
 
 
 def _sampler(data):
@@ -45,7 +48,8 @@ def _body(rank, world, layout, data, root, resume, stop):
 
 
 @pytest.mark.slow
-def test_resume_at_another_expert_parallel_degree(tmp_path):
+@pytest.mark.parametrize("first", [EP2, EP2_EDP2], ids=["ep2", "ep2-edp2-partitioned"])
+def test_resume_at_another_expert_parallel_degree(first, tmp_path):
     from ray_dhp.step.reference import ReferenceTrainer
     from ray_dhp.step.topology import Topology
 
@@ -54,7 +58,7 @@ def test_resume_at_another_expert_parallel_degree(tmp_path):
     ref = ReferenceTrainer(demo.tiny_model_config(FAMILY), CFG, dtype=torch.float64)
     ref_history = [ref.step(sampler.next_step()) for _ in range(CFG.num_steps)]
     root = str(tmp_path)
-    a = run_on_ranks(_body, Topology.build(**EP2).world_size, args=(EP2, data, root, False, 3))
+    a = run_on_ranks(_body, Topology.build(**first).world_size, args=(first, data, root, False, 3))
     b = run_on_ranks(_body, Topology.build(**EP1).world_size, args=(EP1, data, root, True, 6))
     history = a[0]["history"] + b[0]["history"]
     for k, (g, r) in enumerate(zip(history, ref_history, strict=True)):
