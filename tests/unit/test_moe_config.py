@@ -113,18 +113,30 @@ def test_grouped_mm_path_equals_the_loop():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_30b_a3b_example_fits_on_80gb_gpus():
-    """`ray-dhp plan` of the example run file (30B-A3B, 8 GPUs, text EP8): every rank fits."""
+def _plan_memory_lines(example: str) -> list:
     import os
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-m", "ray_dhp.cli", "plan",
-                          os.path.join(root, "examples", "qwen3_vl_30b_a3b_8gpu.yaml")],
+                          os.path.join(root, "examples", example)],
                          cwd=root, capture_output=True, text=True, check=True).stdout
-    memory = [line for line in out.splitlines() if " memory: state" in line]
-    assert len(memory) == 8 and all(line.endswith("[fits]") for line in memory), out
+    return [line for line in out.splitlines() if " memory: state" in line]
+
+
+def test_30b_a3b_example_fits_on_80gb_gpus():
+    """`ray-dhp plan` of the example run file (30B-A3B, 8 GPUs, text EP8): every rank fits."""
+    memory = _plan_memory_lines("qwen3_vl_30b_a3b_8gpu.yaml")
+    assert len(memory) == 8 and all(line.endswith("[fits]") for line in memory), memory
+
+
+@pytest.mark.slow
+def test_235b_a22b_example_fits_on_128_gpus_of_80gb():
+    """The 235B-A22B example (128 GPUs: text TP2 x DP64, EP64, experts' optimizer state split
+    over their 2 TP ranks) fits every rank (smaller counts: docs/placement.md)."""
+    memory = _plan_memory_lines("qwen3_vl_235b_a22b_128gpu.yaml")
+    assert len(memory) == 128 and all(line.endswith("[fits]") for line in memory), memory[:3]
 
 
 def _preset(name):
