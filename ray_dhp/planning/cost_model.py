@@ -347,10 +347,14 @@ def phase_times(config, counts, layout: Layout, w: Workload, hw: Hardware) -> Ph
     dense, experts = gradient_split(counts, t.inner, ep)  # experts: summed over EDP only
     t_end = (_all_reduce(hw, dense * g, t.dp, _bw(hw, t.dp_groups(), nodes))
              + t_rank * 2 * w.state_bytes / hw.hbm_bw)
-    if experts:
-        from ray_dhp.parallel.expert import edp_groups
+    if experts:  # + the experts' owners' broadcast over their replicas (ZeRO 1-2)
+        from ray_dhp.parallel.expert import edp_groups, replica_groups
+        from ray_dhp.parallel.zero import replica_bytes
 
         t_end += _all_reduce(hw, experts * g, t.dp // ep, _bw(hw, edp_groups(t, ep), nodes))
+        if t.zero_stage in (1, 2):
+            reps = replica_groups(t, ep)
+            t_end += replica_bytes(len(reps[0]), 1, 0, experts * 4) / _bw(hw, reps, nodes)
     # ZeRO stages 2-3 (chosen by `ray_dhp.planning.recommend` where the default does not fit):
     # their traffic beyond the all-reduce above (`ray_dhp.parallel.zero.replica_bytes`)
     v_end += _zero_extra(v.size, v.zero_stage, counts.vision * g, counts.vision * s.dtype_bytes,
