@@ -128,6 +128,11 @@ def build(name: str, converter, keys: list, shapes: dict, model_shape: tuple) ->
         parts.append([found[i] for i in range(len(found))])
     if len({len(p) for p in parts}) != 1:
         raise Unsupported(f"{name}: the patterns {converter.source_patterns} have unequal experts")
+    for keys in parts:
+        odd = [k for k in keys if tuple(shapes[k]) != tuple(shapes[keys[0]])]
+        if odd:
+            raise Unsupported(f"{name}: {odd[0]} has shape {list(shapes[odd[0]])}, {keys[0]} "
+                              f"{list(shapes[keys[0]])}")
     return Converted(name, parts, shapes, cat_dim=1 if len(parts) > 1 else 0)
 
 
