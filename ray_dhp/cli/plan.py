@@ -185,7 +185,8 @@ def nodes_text(rf, *, nodes: int, gpus_per_node: int, vision_tokens: int, text_t
     crossing = 0.0
     for name, gs in groups.items():
         if not gs or volume[name] == 0:
-            out.append(f"  {name:22s} none")
+            if topo.text_expert_parallel > 1 or not name.startswith("text expert"):
+                out.append(f"  {name:22s} none")
             continue
         spans = sorted({tuple(sorted({node_of[r] for r in g})) for g in gs if
                         len({node_of[r] for r in g}) > 1})
