@@ -42,7 +42,9 @@ class ModuleParallel:
         expert_parallel: text, mixture-of-experts models only: each sparse layer's experts are
             partitioned over this many data_parallel replicas (it must divide data_parallel and
             the number of experts); tokens reach their experts by all-to-all, expert gradients
-            are summed over the replicas holding the same experts (`ray_dhp.parallel.expert`).
+            are summed over the replicas holding the same experts, and at zero_stage 1-2 the
+            experts' masters and AdamW moments are split over the ranks holding them (those
+            replicas and their TP ranks; `ray_dhp.parallel.expert`).
 
     Example:
         >>> ModuleParallel(sequence_parallel=2, data_parallel=2)  # 4 vision workers

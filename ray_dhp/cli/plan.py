@@ -188,7 +188,7 @@ def nodes_text(rf, *, nodes: int, gpus_per_node: int, vision_tokens: int, text_t
     node_of = nodes_by_rank(node_local_order(topo, slots), slots)
     layout = Layout(topo.placement, dhp.schedule, topo.vision.inner, topo.vision.dp,
                     topo.text.inner, topo.text.dp, vision_zero=topo.vision.zero_stage,
-                    text_zero=topo.text.zero_stage)
+                    text_zero=topo.text.zero_stage, text_ep=topo.text_expert_parallel)
     w = Workload(vision_tokens=vision_tokens, text_tokens=text_tokens,
                  global_batch_size=rf.optim.global_batch_size, micro_batches=rf.optim.micro_batches,
                  settings=settings_of(rf, attention),
@@ -207,7 +207,8 @@ def nodes_text(rf, *, nodes: int, gpus_per_node: int, vision_tokens: int, text_t
     crossing = 0.0
     for name, gs in groups.items():
         if not gs or volume[name] == 0:
-            out.append(f"  {name:22s} none")
+            if topo.text_expert_parallel > 1 or not name.startswith("text expert"):
+                out.append(f"  {name:22s} none")
             continue
         spans = sorted({tuple(sorted({node_of[r] for r in g})) for g in gs if
                         len({node_of[r] for r in g}) > 1})

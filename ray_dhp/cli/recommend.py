@@ -72,7 +72,8 @@ def _fragment_yaml(cand, micro_batches_override) -> str:
 def _row(i, c) -> str:
     lay, idle = c.layout, c.idle_fraction
     iv, it = idle.get("vision", idle.get("vision+text", 0.0)), idle.get("text", idle.get("vision+text", 0.0))
-    text = f"tp{lay.text_tp}{'+sp' if lay.text_sp else ''} x dp{lay.text_dp}"
+    text = f"tp{lay.text_tp}{'+sp' if lay.text_sp else ''} x dp{lay.text_dp}" \
+        + (f" ep{lay.text_ep}" if lay.text_ep > 1 else "")
     return (f"{i:>3}  {lay.placement:<10}  {lay.schedule:<10}  "
             f"{f'sp{lay.vision_sp} x dp{lay.vision_dp}':<11} {text:<14}"
             f" {c.step_s:9.4g}  {iv:11.2f}  {it:9.2f}  {c.peak_memory_gib:8.3g}"

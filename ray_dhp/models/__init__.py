@@ -37,6 +37,17 @@ def family_of(config) -> FamilySpec:
     return _BY_MODEL_TYPE[mt]
 
 
+def fp64_experts(config, dtype) -> bool:
+    """True for a mixture-of-experts config in fp64 that names no experts implementation: the
+    default (``grouped_mm``) has no fp64 kernel, the per-expert loop (``eager``) is the one that
+    runs (a directory's config.json does not store the choice; `demo.tiny_model_config` sets it)."""
+    import torch
+
+    text = getattr(config, "text_config", config)
+    return (dtype == torch.float64 and getattr(text, "num_experts", 0) > 0
+            and getattr(config, "_experts_implementation", None) in (None, "grouped_mm"))
+
+
 def build_model(model, *, seed: int = 0, dtype=None):
     """The full transformers model, fp32 by default: random init from ``seed`` (config) or
     ``from_pretrained`` (local directory). This is the single-process reference's model
@@ -48,7 +59,9 @@ def build_model(model, *, seed: int = 0, dtype=None):
     config = load_model_config(model)
     cls = getattr(transformers, family_of(config).model_class)
     if isinstance(model, (str, os.PathLike)):
-        m = cls.from_pretrained(os.fspath(model), local_files_only=True, dtype=dtype or torch.float32)
+        extra = {"experts_implementation": "eager"} if fp64_experts(config, dtype) else {}
+        m = cls.from_pretrained(os.fspath(model), local_files_only=True, dtype=dtype or torch.float32,
+                                **extra)
     else:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)

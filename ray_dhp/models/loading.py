@@ -50,12 +50,14 @@ def build_meta_model(model, *, seed: int = 0, dtype=None) -> MetaModel:
     """
     import transformers
 
-    from ray_dhp.models import family_of, load_model_config
+    from ray_dhp.models import family_of, fp64_experts, load_model_config
 
     dtype = dtype or torch.float32
     if not dtype.is_floating_point:
         raise ValueError(f"model dtype {dtype} is not a floating-point dtype")
     config = load_model_config(model)
+    if fp64_experts(config, dtype):
+        config._experts_implementation = "eager"
     cls = getattr(transformers, family_of(config).model_class)
     module, record = construct_recorded(lambda: cls._from_config(config, dtype=dtype))
     directory = HFDirectory(model, module) if isinstance(model, (str, os.PathLike)) else None

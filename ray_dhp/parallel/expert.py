@@ -9,6 +9,9 @@ the same experts and form the expert-data-parallel (EDP) group, size ``dp / ep``
 gradients are summed over it only (each EP rank's experts saw tokens from all of its EP group's
 replicas already, through the all-to-all). Non-expert parameters keep TP / DP as before.
 
+At text ZeRO stages 1-2 the experts' masters and AdamW moments are partitioned over the ranks
+holding the same experts (`expert_partition`: the EDP replicas and their TP ranks).
+
 The forward of a sparse block on one rank, for its ``T`` tokens routed top-k (the stock router):
 
 1. the ``T * k`` (token, expert) assignments are sorted by expert — so by destination rank,
@@ -37,7 +40,8 @@ import torch.distributed as dist
 
 from ray_dhp.parallel.comm import CommCounter, record
 
-__all__ = ["ep_groups", "edp_groups", "shard_experts", "expert_params"]
+__all__ = ["ep_groups", "edp_groups", "replica_groups", "shard_experts", "expert_params",
+           "expert_partition"]
 
 
 def ep_groups(text_layout, ep: int) -> list:
@@ -52,6 +56,37 @@ def edp_groups(text_layout, ep: int) -> list:
     t = text_layout
     return [[t.rank_at(b * ep + e, k) for b in range(t.dp // ep)]
             for k in range(t.inner) for e in range(ep)]
+
+
+def replica_groups(text_layout, ep: int) -> list:
+    """Rank lists of the expert *replica* groups: all the ranks holding the same experts (one
+    EP index: its EDP replicas and, as the sparse blocks are replicated over TP, their TP
+    ranks), ordered by (TP index, EDP index)."""
+    t = text_layout
+    return [[t.rank_at(b * ep + e, k) for k in range(t.inner) for b in range(t.dp // ep)]
+            for e in range(ep)]
+
+
+def replica_index(text_layout, ep: int, text_coord) -> int:
+    """This rank's index in its expert replica group (`replica_groups`)."""
+    j, k = text_coord
+    return k * (text_layout.dp // ep) + j // ep
+
+
+def expert_partition(params: list, groups):
+    """The experts' optimizer partition (a `ray_dhp.parallel.zero.ZeroPartition`): at text ZeRO
+    stages 1-2 the fp32 masters and AdamW moments of the local experts are split over the
+    ranks holding the same experts (`replica_groups`), each parameter updated by one of them and
+    broadcast after the step (ZeRO-1: the gradients are still summed over the EDP group by
+    `reduce_expert_grads`, and kept in full until the step); stage 0 or one replica: no split."""
+    from ray_dhp.parallel.zero import ZeroPartition
+
+    topo = groups.topology
+    t, ep = topo.text, topo.text_expert_parallel
+    ranks = next(r for r in replica_groups(t, ep) if groups.rank in r)
+    stage = 1 if t.zero_stage in (1, 2) and len(ranks) > 1 else 0
+    return ZeroPartition(params, stage, groups.text_erep, ranks,
+                         replica_index(t, ep, groups.text_coord), leader=False)
 
 
 def expert_modules(model: torch.nn.Module, spec) -> list:

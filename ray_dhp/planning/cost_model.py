@@ -158,12 +158,14 @@ class Layout:
     # ZeRO stages (`ray_dhp.parallel.zero`); None: the default (1 with more than one replica)
     vision_zero: Optional[int] = None
     text_zero: Optional[int] = None
+    text_ep: int = 1  # expert parallelism over the text DP replicas (`ray_dhp.planning.experts`)
 
     def topology(self) -> Topology:
         return Topology.build(placement=self.placement, vision_dp=self.vision_dp,
                               vision_sp=self.vision_sp, text_dp=self.text_dp, text_tp=self.text_tp,
                               text_sequence_parallel=self.text_sp,
-                              vision_zero=self.vision_zero, text_zero=self.text_zero)
+                              vision_zero=self.vision_zero, text_zero=self.text_zero,
+                              text_ep=self.text_ep)
 
     @property
     def num_workers(self) -> int:
@@ -174,7 +176,8 @@ class Layout:
                 f" (ZeRO vision {self.topology().vision.zero_stage} / text "
                 f"{self.topology().text.zero_stage})")
         return (f"{self.placement} {self.schedule}: vision sp{self.vision_sp}xdp{self.vision_dp}"
-                f" + text tp{self.text_tp}{'+sp' if self.text_sp else ''}xdp{self.text_dp}{zero}")
+                f" + text tp{self.text_tp}{'+sp' if self.text_sp else ''}xdp{self.text_dp}"
+                f"{f' ep{self.text_ep}' if self.text_ep > 1 else ''}{zero}")
 
     def run_file_fragment(self) -> dict:
         """The run-file keys of this layout (``vision``, ``text``, ``placement``, ``scaling``)."""
@@ -182,7 +185,8 @@ class Layout:
                            **({} if self.vision_zero is None else {"zero_stage": self.vision_zero})},
                 "text": {"tensor_parallel": self.text_tp, "data_parallel": self.text_dp,
                          **({"sequence_parallel": True} if self.text_sp else {}),
-                         **({} if self.text_zero is None else {"zero_stage": self.text_zero})},
+                         **({} if self.text_zero is None else {"zero_stage": self.text_zero}),
+                         **({"expert_parallel": self.text_ep} if self.text_ep > 1 else {})},
                 "placement": {"mode": self.placement, "schedule": self.schedule},
                 "scaling": {"num_workers": self.num_workers}}
 
@@ -329,6 +333,13 @@ def phase_times(config, counts, layout: Layout, w: Workload, hw: Hardware) -> Ph
         n_ar += tc.num_hidden_layers + 0.5
     t_comm = n_ar * _all_reduce(hw, tok * tc.hidden_size * s.dtype_bytes, t.inner,
                                 _bw(hw, t.inner_groups(), nodes))
+    ep = topo.text_expert_parallel
+    if ep > 1:  # the experts' dispatch / combine all-to-alls (`ray_dhp.planning.experts`)
+        from ray_dhp.parallel.expert import ep_groups
+        from ray_dhp.planning.experts import buffer_bytes
+
+        t_comm += _all_to_all(hw, buffer_bytes(config, tok, 1, ckpt, s.dtype_bytes), ep,
+                              _bw(hw, ep_groups(t, ep), nodes))
     # boundary: features of the replica's samples, replicated over TP
     feat = family_of(config).feature_dim(config) * s.dtype_bytes / vc.spatial_merge_size ** 2
     boundary_bw = _bw(hw, [v.ranks + t.ranks], nodes)
@@ -343,8 +354,19 @@ def phase_times(config, counts, layout: Layout, w: Workload, hw: Hardware) -> Ph
              + (_all_to_all(hw, counts.vision * 4, v.size, bw_v) if zero1 else 0.0)
              + counts.vision / (v.size if zero1 else 1) * 2 * w.state_bytes / hw.hbm_bw)
     t_rank = counts.text_per_rank(t.inner)
-    t_end = (_all_reduce(hw, t_rank * g, t.dp, _bw(hw, t.dp_groups(), nodes))
+    from ray_dhp.planning.experts import gradient_split
+
+    dense, experts = gradient_split(counts, t.inner, ep)  # experts: summed over EDP only
+    t_end = (_all_reduce(hw, dense * g, t.dp, _bw(hw, t.dp_groups(), nodes))
              + t_rank * 2 * w.state_bytes / hw.hbm_bw)
+    if experts:  # + the experts' owners' broadcast over their replicas (ZeRO 1-2)
+        from ray_dhp.parallel.expert import edp_groups, replica_groups
+        from ray_dhp.parallel.zero import replica_bytes
+
+        t_end += _all_reduce(hw, experts * g, t.dp // ep, _bw(hw, edp_groups(t, ep), nodes))
+        if t.zero_stage in (1, 2):
+            reps = replica_groups(t, ep)
+            t_end += replica_bytes(len(reps[0]), 1, 0, experts * 4) / _bw(hw, reps, nodes)
     # ZeRO stages 2-3 (chosen by `ray_dhp.planning.recommend` where the default does not fit):
     # their traffic beyond the all-reduce above (`ray_dhp.parallel.zero.replica_bytes`)
     v_end += _zero_extra(v.size, v.zero_stage, counts.vision * g, counts.vision * s.dtype_bytes,

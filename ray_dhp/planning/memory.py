@@ -24,8 +24,8 @@ The logits of the vocab-parallel loss are fp32, ``vocab/tp`` wide, kept twice (l
 from __future__ import annotations
 
 import dataclasses
-
 import fnmatch
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -88,7 +88,7 @@ class TextParam:
     dim0: int          # its first dimension (FSDP2 shards the local TP shard along it)
     dim0_sharded: bool  # the TP split is along dim 0 (column-parallel, vocab-parallel embedding)
     trained: bool
-    expert: bool = False  # a MoE experts tensor (partitioned over expert_parallel, outside ZeRO)
+    expert: bool = False  # a MoE experts tensor (partitioned over expert_parallel, own ZeRO partition)
 
     def local(self, tp: int) -> int:
         return self.numel // tp if self.sharded else self.numel
@@ -102,9 +102,19 @@ class TextParam:
 
 
 def _owned(sizes: list, index: int, world: int) -> int:
+    return _owner_loads(tuple(sizes), world)[index]
+
+
+@functools.lru_cache(maxsize=512)
+def _owner_loads(sizes: tuple, world: int) -> tuple:
+    """Elements each of ``world`` ranks owns under `ray_dhp.parallel.zero.owners` (computed once
+    per partition: the planner asks for every rank of every candidate layout)."""
     from ray_dhp.parallel.zero import owners
 
-    return sum(n for n, o in zip(sizes, owners(sizes, world)) if o == index)
+    loads = [0] * world
+    for n, o in zip(sizes, owners(list(sizes), world)):
+        loads[o] += n
+    return tuple(loads)
 
 
 def count_params(config, tuning=None) -> ParamCounts:
@@ -196,10 +206,10 @@ def rank_state(counts: ParamCounts, topology, rank: int, policy) -> RankState:
     """
     roles = topology.roles(rank)
     ep = topology.text_expert_parallel
-    if ep > 1 and "text" in roles:  # experts: 1/ep of them, outside ZeRO; the rest as without EP
-        counts, (held_e, trained_e) = _split_experts(counts, ep)
+    if ep > 1 and "text" in roles:  # experts: 1/ep of them, their own partition; the rest as without EP
+        counts, experts = _split_experts(counts, ep, topology, rank)
         base = rank_state(counts, dataclasses.replace(topology, text_expert_parallel=1), rank, policy)
-        return _plus_experts(base, held_e, trained_e, policy)
+        return _plus_experts(base, *experts, policy)
     tp = topology.text.inner
     v = counts.vision if "vision" in roles else 0
     tg = topology.text
@@ -237,27 +247,38 @@ def rank_state(counts: ParamCounts, topology, rank: int, policy) -> RankState:
                      upcast=fsdp if policy.master and policy.grad_dtype != policy.param_dtype else 0)
 
 
-def _split_experts(counts: ParamCounts, ep: int):
-    """``counts`` without the experts' tensors, and (elements held, elements trained) of the
-    experts per rank under expert parallelism ``ep`` (replicated over TP, `ray_dhp.parallel.expert`)."""
+def _split_experts(counts: ParamCounts, ep: int, topology, rank: int):
+    """``counts`` without the experts' tensors, and (elements held, trained, updated) of the
+    experts of ``rank`` under expert parallelism ``ep`` (replicated over TP; at text ZeRO stages
+    1-2 the trained ones' updates split over the ranks holding them as the engine's
+    `ray_dhp.parallel.expert.expert_partition` splits them)."""
+    from ray_dhp.parallel.expert import replica_index
+
     experts = [q for q in counts.text_sizes if q.expert]
     held = sum(q.numel for q in experts) // ep
-    trained = sum(q.numel for q in experts if q.trained) // ep
+    t = topology.text
+    replicas = t.inner * (t.dp // ep)
+    sizes = [q.numel // ep for q in experts if q.trained]
+    trained = updated = sum(sizes)
+    if t.zero_stage in (1, 2) and replicas > 1:
+        updated = _owned(sizes, replica_index(t, ep, t.coord(rank)), replicas)
     frozen = sum(q.numel for q in experts if not q.trained)
     rest = dataclasses.replace(
         counts, text=counts.text - sum(q.numel for q in experts),
         text_frozen=counts.text_frozen - frozen,
         text_sizes=tuple(q for q in counts.text_sizes if not q.expert))
-    return rest, (held, trained)
+    return rest, (held, trained, updated)
 
 
-def _plus_experts(base: RankState, held: int, trained: int, policy) -> RankState:
-    masters = 4 * trained if policy.master else 0
-    optimizer = trained * 2 * _bytes(policy.moment_dtype)
+def _plus_experts(base: RankState, held: int, trained: int, updated: int, policy) -> RankState:
+    """``base`` plus the experts: ``held`` weights, gradients of the ``trained`` ones (in full
+    until the step), masters and moments of the ``updated`` ones (this rank's partition)."""
+    masters = 4 * updated if policy.master else 0
+    optimizer = updated * 2 * _bytes(policy.moment_dtype)
     weights = held * policy.weight_bytes()
-    saved = masters + (held - trained) * policy.weight_bytes() if policy.master else weights
+    saved = masters + (held - updated) * policy.weight_bytes() if policy.master else weights
     return dataclasses.replace(
-        base, params=base.params + held, updated=base.updated + trained,
+        base, params=base.params + held, updated=base.updated + updated,
         weights=base.weights + weights, grads=base.grads + trained * policy.grad_bytes(),
         masters=base.masters + masters, optimizer=base.optimizer + optimizer,
         startup_peak=base.startup_peak + weights + masters, staging=base.staging + saved + optimizer)

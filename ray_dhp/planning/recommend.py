@@ -2,7 +2,8 @@
 
 `recommend` enumerates every layout of ``N`` workers — ``collocated`` (vision ``sp x dp`` = text
 ``tp x dp`` = N) and ``disjoint`` (``Nv + Nt = N``, every ``sp | Nv``, ``tp | Nt``, schedule
-``sequential`` or ``pipelined``) — drops the ones the model or the batch cannot take or that do
+``sequential`` or ``pipelined``; a mixture-of-experts model: each text layout also at every
+expert-parallel degree) — drops the ones the model or the batch cannot take or that do
 not fit in device memory (saying why; a layout that does not fit at its default ZeRO stages is
 tried at every other stage pair, `with_zero_stages`, and kept at the fastest that fits),
 predicts a step time for the rest and ranks them. Nothing
@@ -58,9 +59,23 @@ def _divisors(n: int) -> list:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_layouts(num_workers: int, micro_batches: int = 1) -> list:
+def enumerate_layouts(num_workers: int, micro_batches: int = 1, config=None) -> list:
     """Every collocated and disjoint layout of ``num_workers`` (pipelined only when M >= 2); with
-    text TP > 1 both without and with text sequence parallelism."""
+    text TP > 1 both without and with text sequence parallelism; for a mixture-of-experts
+    ``config`` each also at every expert-parallel degree its text replicas and the experts admit
+    (`ray_dhp.planning.experts.expert_degrees`)."""
+    out = _layouts(num_workers, micro_batches)
+    if config is None:
+        return out
+    from dataclasses import replace
+
+    from ray_dhp.planning.experts import expert_degrees
+
+    return out + [replace(lay, text_ep=e) for lay in out if not lay.text_sp
+                  for e in expert_degrees(config, lay.text_dp)]
+
+
+def _layouts(num_workers: int, micro_batches: int) -> list:
     n = num_workers
 
     def sps(tp):
@@ -102,6 +117,7 @@ def evaluate(config, counts, layout: Layout, w: Workload, hw: Hardware = Hardwar
     try:
         family_of(config).validate_layout(config, sp=layout.vision_sp, tp=layout.text_tp,
                                           text_sp=layout.text_sp)
+        family_of(config).validate_expert_parallel(config, layout.text_ep)
     except ValueError as e:
         return Candidate(layout, reason=f"model dims: {e}")
     mb, dp = w.micro_batch_size, max(layout.vision_dp, layout.text_dp)
@@ -119,12 +135,13 @@ def evaluate(config, counts, layout: Layout, w: Workload, hw: Hardware = Hardwar
 
 def zero_options(layout: Layout) -> list:
     """The layout at every (vision, text) ZeRO-stage pair it admits beyond its defaults: vision
-    0-2 with more than one vision rank, text 0-3 with text data_parallel > 1."""
+    0-2 with more than one vision rank, text 0-3 with text data_parallel > 1 (0-2 with expert
+    parallelism)."""
     from dataclasses import replace
 
     topo = layout.topology()
     vs = (0, 1, 2) if topo.vision.size > 1 else (0,)
-    ts = (0, 1, 2, 3) if topo.text.dp > 1 else (0,)
+    ts = ((0, 1, 2) if layout.text_ep > 1 else (0, 1, 2, 3)) if topo.text.dp > 1 else (0,)
     return [replace(layout, vision_zero=a, text_zero=b) for a in vs for b in ts
             if (a, b) != (topo.vision.zero_stage, topo.text.zero_stage)]
 
@@ -167,7 +184,7 @@ def recommend(config, num_workers: int, workload: Workload, hardware: Hardware =
         counts = count_params(config)
     cands = [with_zero_stages(config, counts, evaluate(config, counts, lay, workload, hardware),
                               workload, hardware)
-             for lay in enumerate_layouts(num_workers, workload.micro_batches)]
+             for lay in enumerate_layouts(num_workers, workload.micro_batches, config)]
     return sorted(cands, key=lambda c: (not c.feasible, math.isnan(c.step_s),
                                         c.step_s if not math.isnan(c.step_s) else 0.0,
                                         c.peak_memory_gib if c.memory_gib else 0.0))

@@ -13,7 +13,7 @@ from ray_dhp.step.topology import Topology
 
 
 COLLECTIVES = ("vision sp all-to-all", "text tp all-reduce", "boundary", "vision gradients",
-               "text dp gradients")
+               "text dp gradients", "text expert all-to-all", "text expert gradients")
 
 
 def collective_bytes(config, counts, layout: Layout, w: Workload) -> dict:
@@ -26,6 +26,7 @@ def collective_bytes(config, counts, layout: Layout, w: Workload) -> dict:
     reduce-scatter at 3)."""
     from ray_dhp.models import family_of
     from ray_dhp.parallel.zero import replica_bytes
+    from ray_dhp.planning.experts import gradient_split, sent_bytes
 
     topo, s, m = layout.topology(), w.settings, w.micro_batches
     v, t = topo.vision, topo.text
@@ -41,10 +42,17 @@ def collective_bytes(config, counts, layout: Layout, w: Workload) -> dict:
     boundary = 2 * max(st * feat, sv * feat / v.inner * t.inner)
     g = 4 if w.state_bytes >= 16 else 2
     v_grads = replica_bytes(v.size, v.zero_stage, counts.vision * g, counts.vision * 4)
-    t_rank = counts.text_per_rank(t.inner)
-    t_grads = replica_bytes(t.dp, t.zero_stage, t_rank * g, t_rank * 4)
+    # expert parallelism (`ray_dhp.planning.experts`): the token all-to-alls; the experts'
+    # gradients summed over EDP (+ their owners' broadcast over the expert replicas at ZeRO 1-2)
+    ep = topo.text_expert_parallel
+    dense, experts = gradient_split(counts, t.inner, ep)
+    t_grads = replica_bytes(t.dp, t.zero_stage, dense * g, dense * 4)
+    moe_a2a = sent_bytes(config, tok, ep, m, s.checkpointing, s.dtype_bytes)
+    e_reps = t.inner * (t.dp // ep)
+    e_grads = (replica_bytes(t.dp // ep, 0, experts * g, experts * 4)
+               + (replica_bytes(e_reps, 1, 0, experts * 4) if t.zero_stage in (1, 2) else 0))
     return dict(zip(COLLECTIVES, (m * a2a * (3 if s.checkpointing else 2), m * ar,
-                                  m * boundary, v_grads, t_grads)))
+                                  m * boundary, v_grads, t_grads, moe_a2a, e_grads)))
 
 
 def boundary_pairs(topology: Topology, micro_batch_size: int) -> list:
@@ -69,4 +77,16 @@ def collective_groups(topology: Topology, micro_batch_size: int) -> dict:
         v.inner_groups() if v.inner > 1 else [], t.inner_groups() if t.inner > 1 else [],
         [sorted(set(a + b)) for a, b in boundary_pairs(topology, micro_batch_size)
          if len(set(a + b)) > 1],
-        [v.ranks] if v.size > 1 else [], t.dp_groups() if t.dp > 1 else [])))
+        [v.ranks] if v.size > 1 else [], t.dp_groups() if t.dp > 1 else [],
+        *_expert_groups(topology))))
+
+
+def _expert_groups(topology: Topology) -> tuple:
+    """(EP groups, expert replica groups) of ``topology`` ([] without expert parallelism)."""
+    ep = topology.text_expert_parallel
+    if ep <= 1:
+        return [], []
+    from ray_dhp.parallel.expert import ep_groups, replica_groups
+
+    reps = replica_groups(topology.text, ep)
+    return ep_groups(topology.text, ep), reps if len(reps[0]) > 1 else []

@@ -30,6 +30,7 @@ class DHPGroups:
     text_tp: Optional[dist.ProcessGroup] = None
     text_ep: Optional[dist.ProcessGroup] = None   # expert parallel (ray_dhp.parallel.expert)
     text_edp: Optional[dist.ProcessGroup] = None  # expert data parallel: same experts
+    text_erep: Optional[dist.ProcessGroup] = None  # every rank holding my experts (EDP x TP)
     text_ep_mesh: Optional[object] = None         # 1-D DeviceMesh over text_ep
     text_dp: Optional[dist.ProcessGroup] = None
     text_all: Optional[dist.ProcessGroup] = None
@@ -85,10 +86,11 @@ def build_groups(topology: Topology, device: torch.device) -> DHPGroups:
     groups.text_all = _new_groups([t.ranks], rank)
     ep = topology.text_expert_parallel
     if ep > 1:  # created only with expert parallelism (every rank: same topology, same order)
-        from ray_dhp.parallel.expert import edp_groups, ep_groups
+        from ray_dhp.parallel.expert import edp_groups, ep_groups, replica_groups
 
         groups.text_ep = _new_groups(ep_groups(t, ep), rank)
         groups.text_edp = _new_groups(edp_groups(t, ep), rank)
+        groups.text_erep = _new_groups(replica_groups(t, ep), rank)
     # The data loader exchanges samples from a background thread: its own (CPU) group, so its
     # collectives never interleave with the training ones.
     groups.data = dist.new_group(list(range(topology.world_size)), backend="gloo")

@@ -39,7 +39,7 @@ class UpdateMixin:
                 z.mine(named), self.cfg, self.policy, prefix="model.visual.", offload=v.offload)
         else:
             self.vision_opt = self.vision_sched = self.vision_masters = None
-        self.expert_params = []  # expert parallelism: outside ZeRO, reduced over EDP (parallel/expert.py)
+        self.expert_params = []  # expert parallelism: reduced over EDP, own partition (parallel/expert.py)
         if self.text_model is not None:
             t, (j, k) = topo.text, g.text_coord
             named = [(n, p) for n, p in self.text_model.named_parameters() if p.requires_grad]
@@ -50,6 +50,10 @@ class UpdateMixin:
                 experts = [(n, p) for n, p in named if id(p) in ids]
                 named = [(n, p) for n, p in named if id(p) not in ids]
                 self.expert_params = [p for _, p in experts]
+                from ray_dhp.parallel.expert import expert_partition
+
+                self.zero["experts"] = expert_partition(self.expert_params, g)
+                experts = self.zero["experts"].mine(experts)
             if self.fsdp is not None:  # stage 3 (ray_dhp.parallel.fsdp)
                 z = self.zero["text"] = self.fsdp
                 z.params = [p for _, p in named]

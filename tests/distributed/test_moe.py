@@ -6,7 +6,9 @@ the text data-parallel ranks and averaged over micro-batches), clipping active, 
 loss (cross-entropy + ``router_aux_loss_coef`` x aux) and grad-norm of every step, every rank's
 copy of every parameter and update, and every clipped gradient of every step — the routers
 (``mlp.gate.weight``) and the fused experts (``mlp.experts.gate_up_proj`` / ``down_proj``)
-among them.
+among them. With EP, text ZeRO stage 1 (the default) also partitions the experts' AdamW moments
+over the ranks holding the same experts (EDP replicas x TP ranks: the cases with ``tp2`` or
+``edp2``); every rank's copy and the measured per-rank bytes (= the plan) check it.
 
 Tolerances: gradients, parameters and updates 1e-10 as the dense fp64 matrix
 (tests/distributed/test_parity.py). The loss 1e-9: the stock aux loss sums the routing
@@ -52,6 +54,8 @@ CASES = [
     pytest.param("disjoint", (1, 1), (1, 2), 2, id="disjoint-1v-2t-ep2", marks=pytest.mark.slow),
     pytest.param("collocated", (2, 2), (2, 2), 2, id="collocated-sp2dp2-tp2dp2-ep2", marks=pytest.mark.slow),
     pytest.param("collocated", (1, 4), (1, 4), 4, id="collocated-dp4-ep4", marks=pytest.mark.slow),
+    # expert optimizer partition (parallel/expert.py expert_partition): over the 2 EDP replicas
+    pytest.param("collocated", (1, 4), (1, 4), 2, id="collocated-dp4-ep2-edp2", marks=pytest.mark.slow),
     pytest.param("disjoint", (2, 1), (1, 2), 2, id="disjoint-sp2-ep2", marks=pytest.mark.slow),
 ]
 
@@ -97,3 +101,28 @@ def test_moe_ep2_with_activation_checkpointing(moe_reference):
     got = run_engine(FAMILY, _layout("collocated", (1, 2), (1, 2), 2), cfg, steps, torch.float64,
                      grads=True)
     assert_parity(got, ref, **TOLS)
+
+
+@pytest.mark.slow
+def test_bf16_mixed_expert_partition_state_equals_the_plan(tmp_path):
+    """Under bf16_mixed the experts' fp32 masters and AdamW moments are split over their EDP
+    replicas (DP4 x EP2): every rank's measured weights, gradients, masters and moments equal
+    `rank_state` exactly (the fp64 cases above have no masters)."""
+    import dataclasses
+
+    from ray_dhp.planning.memory import count_params, rank_state
+    from ray_dhp.step.precision import policy_of
+    from ray_dhp.step.topology import Topology
+
+    cfg = dataclasses.replace(CFG, num_steps=1, precision="bf16_mixed")
+    layout = _layout("collocated", (1, 4), (1, 4), 2)
+    got = run_engine(FAMILY, layout, cfg, make_steps(tmp_path, FAMILY, cfg), None)
+    topo, counts = Topology.build(**layout), count_params(demo.tiny_model_config(FAMILY))
+    masters = set()
+    for rank, o in enumerate(got["per_rank"]):
+        want = rank_state(counts, topo, rank, policy_of(cfg))
+        st = o["state"]
+        assert (st["weights"], st["grads"], st["masters"], st["optimizer"]) == \
+            (want.weights, want.grads, want.masters, want.optimizer), (rank, st, want)
+        masters.add(st["masters"])
+    assert len(masters) > 1  # the ZeRO-1 partitions differ per rank (not a uniform split)

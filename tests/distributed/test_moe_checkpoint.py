@@ -1,6 +1,7 @@
 """A mixture-of-experts checkpoint resumes exactly at another expert-parallel degree:
 3 steps at EP2 + save + load at EP1 + 3 steps == 6 uninterrupted single-process steps (DCP
-reshards the experts' ``Shard(0)`` DTensors like any TP shard). Tolerances as tests/distributed/
+reshards the experts' ``Shard(0)`` DTensors like any TP shard), also with the experts' optimizer
+state partitioned over their EDP replicas when saved (each moment saved once, by its owner). Tolerances as tests/distributed/
 test_moe.py: parameters 1e-10, the loss 1e-8 (the stock aux loss's fp32 sums)."""
 
 import os
@@ -18,25 +19,27 @@ CFG = TrainLoopConfig(lr=1e-3, global_batch_size=4, micro_batches=2, num_steps=6
                       seed=0, lr_schedule="cosine", warmup_steps=2, weight_decay=0.1)
 EP2 = dict(placement="collocated", vision_dp=2, vision_sp=1, text_dp=2, text_tp=1, text_ep=2)
 EP1 = dict(placement="disjoint", vision_dp=1, vision_sp=1, text_dp=2, text_tp=1)
+# the experts' AdamW moments partitioned over their 2 EDP replicas (parallel/expert.py)
+EP2_EDP2 = dict(placement="collocated", vision_dp=4, vision_sp=1, text_dp=4, text_tp=1, text_ep=2)
 
 
-def _sampler(data):
+def _sampler(data, cfg=CFG):
     from ray_dhp.data.reading import read_annotations, resolve_data_root
     from ray_dhp.data.sampler import StepSampler
 
-    return StepSampler(read_annotations(data), demo.tiny_processor(FAMILY), resolve_data_root(data), CFG)
+    return StepSampler(read_annotations(data), demo.tiny_processor(FAMILY), resolve_data_root(data), cfg)
 
 
-def _body(rank, world, layout, data, root, resume, stop):
+def _body(rank, world, layout, data, root, resume, stop, cfg=CFG):
     from ray_dhp.checkpointing import checkpoint
     from ray_dhp.step.engine import DHPEngine
     from ray_dhp.step.mesh import build_groups
     from ray_dhp.step.topology import Topology
 
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
-    engine = DHPEngine(demo.tiny_model_config(FAMILY), groups, CFG, dtype=torch.float64,
+    engine = DHPEngine(demo.tiny_model_config(FAMILY), groups, cfg, dtype=torch.float64,
                        init="checkpoint" if resume else "source")
-    sampler = _sampler(data)
+    sampler = _sampler(data, cfg)
     first = checkpoint.load(os.path.join(root, "ckpt"), engine, sampler) if resume else 0
     history = [engine.step(sampler.next_step()) for _ in range(first, stop)]
     if not resume:
@@ -45,17 +48,23 @@ def _body(rank, world, layout, data, root, resume, stop):
 
 
 @pytest.mark.slow
-def test_resume_at_another_expert_parallel_degree(tmp_path):
+@pytest.mark.parametrize("first", [EP2, EP2_EDP2], ids=["ep2", "ep2-edp2-partitioned"])
+def test_resume_at_another_expert_parallel_degree(first, tmp_path):
+    import dataclasses
+
     from ray_dhp.step.reference import ReferenceTrainer
     from ray_dhp.step.topology import Topology
 
+    # a micro-batch feeds every text replica (4 of them in the partitioned case)
+    cfg = dataclasses.replace(CFG, global_batch_size=2 * CFG.micro_batches * first["text_dp"] // 2)
     data = str(demo.make_dataset(tmp_path / "data", num_samples=16, seed=0, text_only_every=4))
-    sampler = _sampler(data)
-    ref = ReferenceTrainer(demo.tiny_model_config(FAMILY), CFG, dtype=torch.float64)
-    ref_history = [ref.step(sampler.next_step()) for _ in range(CFG.num_steps)]
+    sampler = _sampler(data, cfg)
+    ref = ReferenceTrainer(demo.tiny_model_config(FAMILY), cfg, dtype=torch.float64)
+    ref_history = [ref.step(sampler.next_step()) for _ in range(cfg.num_steps)]
     root = str(tmp_path)
-    a = run_on_ranks(_body, Topology.build(**EP2).world_size, args=(EP2, data, root, False, 3))
-    b = run_on_ranks(_body, Topology.build(**EP1).world_size, args=(EP1, data, root, True, 6))
+    a = run_on_ranks(_body, Topology.build(**first).world_size,
+                     args=(first, data, root, False, 3, cfg))
+    b = run_on_ranks(_body, Topology.build(**EP1).world_size, args=(EP1, data, root, True, 6, cfg))
     history = a[0]["history"] + b[0]["history"]
     for k, (g, r) in enumerate(zip(history, ref_history, strict=True)):
         assert abs(g["loss"] - r["loss"]) <= 1e-8 * r["loss"], (k, g["loss"], r["loss"])

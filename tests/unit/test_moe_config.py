@@ -113,15 +113,83 @@ def test_grouped_mm_path_equals_the_loop():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_30b_a3b_example_fits_on_80gb_gpus():
-    """`ray-dhp plan` of the example run file (30B-A3B, 8 GPUs, text EP8): every rank fits."""
+def _plan_memory_lines(example: str) -> list:
     import os
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-m", "ray_dhp.cli", "plan",
-                          os.path.join(root, "examples", "qwen3_vl_30b_a3b_8gpu.yaml")],
+                          os.path.join(root, "examples", example)],
                          cwd=root, capture_output=True, text=True, check=True).stdout
-    memory = [line for line in out.splitlines() if " memory: state" in line]
-    assert len(memory) == 8 and all(line.endswith("[fits]") for line in memory), out
+    return [line for line in out.splitlines() if " memory: state" in line]
+
+
+def test_30b_a3b_example_fits_on_80gb_gpus():
+    """`ray-dhp plan` of the example run file (30B-A3B, 8 GPUs, text EP8): every rank fits."""
+    memory = _plan_memory_lines("qwen3_vl_30b_a3b_8gpu.yaml")
+    assert len(memory) == 8 and all(line.endswith("[fits]") for line in memory), memory
+
+
+@pytest.mark.slow
+def test_235b_a22b_example_fits_on_128_gpus_of_80gb():
+    """The 235B-A22B example (128 GPUs: text TP2 x DP64, EP64, experts' optimizer state split
+    over their 2 TP ranks) fits every rank (smaller counts: docs/placement.md)."""
+    memory = _plan_memory_lines("qwen3_vl_235b_a22b_128gpu.yaml")
+    assert len(memory) == 128 and all(line.endswith("[fits]") for line in memory), memory[:3]
+
+
+def _preset(name):
+    from transformers import AutoConfig
+
+    from ray_dhp.cli.presets import preset_dims
+
+    dims = preset_dims("qwen3_vl_moe", name)
+    return AutoConfig.for_model(dims.pop("model_type"), **dims)
+
+
+def test_recommend_picks_expert_parallelism_for_30b_a3b_on_8_gpus():
+    """`--recommend` enumerates EP degrees (`ray_dhp.planning.experts.expert_degrees`): for
+    30B-A3B on 8 x 80 GB (bf16_mixed, checkpointing) the fastest feasible layout is EP (without
+    EP only text ZeRO-3 fits, and its weight all-gathers cost more than the token all-to-alls)."""
+    from ray_dhp.planning.memory import ActivationSettings, count_params
+    from ray_dhp.planning.recommend import Workload, recommend
+    from ray_dhp.step.precision import POLICIES
+
+    config = _preset("30b-a3b")
+    policy = POLICIES["bf16_mixed"]
+    w = Workload(4096, 512, 32, micro_batches=4, policy=policy, state_bytes=policy.state_bytes(),
+                 settings=ActivationSettings(dtype_bytes=2, attention="flash", checkpointing=True))
+    cands = recommend(config, 8, w, counts=count_params(config))
+    assert {c.layout.text_ep for c in cands} >= {1, 2, 4, 8}  # EP degrees were considered
+    feasible = [c for c in cands if c.feasible]
+    dense = [c for c in feasible if c.layout.text_ep == 1]
+    assert all(c.layout.topology().text.zero_stage == 3 for c in dense)
+    best = feasible[0].layout
+    assert best.text_ep > 1 and best.text_dp % best.text_ep == 0
+    assert best.run_file_fragment()["text"]["expert_parallel"] == best.text_ep
+    assert feasible[0].peak_memory_gib <= 80
+    assert not dense or dense[0].step_s > feasible[0].step_s
+
+
+def test_plan_traffic_has_the_expert_all_to_all_and_edp_gradients():
+    """`ray-dhp plan --nodes`: EP adds the token all-to-all (`ray_dhp.planning.experts`), and the
+    experts' gradients leave the text-DP reduction for the smaller EDP one."""
+    from ray_dhp.planning.cost_model import Layout, Workload
+    from ray_dhp.planning.experts import gradient_split, sent_bytes
+    from ray_dhp.planning.memory import count_params
+    from ray_dhp.planning.traffic import collective_bytes, collective_groups
+
+    config = _preset("30b-a3b")
+    counts = count_params(config)
+    w = Workload(4096, 512, 16, micro_batches=2)
+    no_ep, ep4 = (collective_bytes(config, counts, Layout("collocated", "sequential", 1, 8, 1, 8,
+                                                           text_ep=e), w) for e in (1, 4))
+    assert no_ep["text expert all-to-all"] == 0 and ep4["text expert all-to-all"] > 0
+    tokens = 1 * (512 + 4096 // 4)  # one sample per replica and micro-batch
+    assert ep4["text expert all-to-all"] == sent_bytes(config, tokens, 4, 2, False, 4)
+    dense, experts = gradient_split(counts, 1, 4)
+    assert dense + 4 * experts == counts.text and ep4["text dp gradients"] < no_ep["text dp gradients"]
+    assert ep4["text expert gradients"] > 0
+    groups = collective_groups(Layout("collocated", "sequential", 1, 8, 1, 8, text_ep=4).topology(), 8)
+    assert groups["text expert all-to-all"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
