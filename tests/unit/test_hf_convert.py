@@ -47,3 +47,15 @@ def test_a_per_expert_tensor_of_another_shape_is_named(saved, tmp_path):
                     lambda k, v: [(k, v[:-1] if k == bad else v)])
     with pytest.raises(CheckpointError, match="experts.3.up_proj"):
         build_meta_model(path)
+
+
+def test_qwen3_5_moe_save_pretrained_directory_reads_as_the_model(tmp_path):
+    """transformers 5.24 saves Qwen3.5-MoE's experts per expert (``mlp.experts.<e>.gate_proj``);
+    the directory is read through the same conversion mapping, every tensor bit for bit."""
+    model = build_model(demo.tiny_model_config("qwen3_5_moe"), seed=5)
+    model.save_pretrained(str(tmp_path), max_shard_size="200KB")
+    directory = build_meta_model(str(tmp_path)).directory
+    experts = [n for n, _ in model.named_parameters() if ".mlp.experts." in n]
+    assert experts and set(experts) <= set(directory.converted)
+    for n, p in model.named_parameters():
+        assert torch.equal(directory.read([n], (), p.dtype), p.detach()), n
