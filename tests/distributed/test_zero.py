@@ -63,6 +63,39 @@ def test_text_fsdp2_tp2dp2_with_vision_stage2(reference):
     assert not any(k.endswith("text.grads") for k in ops)  # FSDP reduced the text gradients
 
 
+def idle_vision_replicas(steps, layout) -> int:
+    """Micro-batches x vision replicas with no image in a micro-batch that has images: where
+    vision stage 3 must run the tower's collectives without work (`ray_dhp.parallel.fsdp_vision`)."""
+    from ray_dhp import demo
+    from ray_dhp.parallel.balance import Balancer
+    from ray_dhp.step.microbatch import _MicroBatch, layout_micro_batch
+    from ray_dhp.step.topology import Topology
+
+    config, topo = demo.tiny_model_config(FAMILY), Topology.build(**layout)
+    balancer = Balancer.for_config(CFG.balance, config, packing=CFG.packing)
+    return sum(plan is None for mbs in steps for mb in mbs if _MicroBatch(mb).has_images
+               for plan in layout_micro_batch(mb, topo, FAMILY, config.vision_config,
+                                              balancer).vision_plans)
+
+
+def test_vision_fsdp2_sp2dp2_with_idle_replicas(tmp_path):
+    """Vision stage 3 (FSDP2 over the whole SP2xDP2 vision group, Ulysses inside each replica)
+    with text stage 3, 4 micro-batches of 2 samples: in half of them one vision replica has
+    only a text-only sample and runs the tower's collectives on an idle input (the NCCL twin,
+    on in every spawn, checks every rank's collective order); one reduce-scatter per step."""
+    from dataclasses import replace
+
+    cfg = replace(CFG, micro_batches=4)
+    steps = make_steps(tmp_path, FAMILY, cfg)
+    assert idle_vision_replicas(steps, COLLOCATED) >= 2
+    ref = run_reference(FAMILY, cfg, steps, torch.float64)
+    got = run_engine(FAMILY, dict(COLLOCATED, vision_zero=3, text_zero=3), cfg, steps,
+                     torch.float64, grads=True)
+    assert_parity(got, ref, **TOL)
+    ops = {k for o in got["per_rank"] for k in o["comm"]}
+    assert not any(k.endswith(".grads") or k.endswith(".zero") for k in ops), ops  # FSDP's own
+
+
 D_1V_2T = dict(placement="disjoint", vision_dp=1, vision_sp=1, text_dp=2, text_tp=1)
 D_3V_1T = dict(placement="disjoint", vision_dp=3, vision_sp=1, text_dp=1, text_tp=1)
 COMBOS = {  # name: (layout, (vision stage, text stage), config changes)
@@ -92,7 +125,7 @@ def test_stage_combinations(name, tmp_path):
     assert_parity(got, ref, **TOL)
 
 
-STAGES = [(0, 0), (1, 1), (2, 2), (1, 3)]  # (vision, text)
+STAGES = [(0, 0), (1, 1), (2, 2), (3, 3)]  # (vision, text)
 
 
 def _bytes_body(rank, world, layout, steps, precision):
@@ -134,7 +167,7 @@ def test_rank_bytes_equal_the_plan_for_every_stage(steps):
             assert (g["weights"], g["grads"], g["masters"], g["optimizer"]) == \
                 (want.weights, want.grads, want.masters, want.optimizer), (vz, tz, rank, g, want)
             assert g["checked_calls"] > 0
-    s0, s1, s3 = (outs[0][s]["total"] for s in ((0, 0), (1, 1), (1, 3)))
+    s0, s1, s3 = (outs[0][s]["total"] for s in ((0, 0), (1, 1), (3, 3)))
     assert s3 < s1 < s0  # each stage holds less
 
 
