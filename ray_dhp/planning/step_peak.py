@@ -69,7 +69,8 @@ def rank_step_peak(state, policy, counts, topology, rank: int, text_config) -> i
     unsharded (an upper bound where TP splits it)."""
     roles = topology.roles(rank)
     tp = topology.text.inner
-    reduced = counts.vision if "vision" in roles and topology.vision.size > 1 else 0
+    v = topology.vision  # at stage 3 FSDP2 reduce-scatters the ViT in its backward: no buckets
+    reduced = counts.vision if "vision" in roles and v.size > 1 and v.zero_stage != 3 else 0
     if "text" in roles and topology.text.dp > 1:
         reduced += counts.text_per_rank(tp)
     emb = text_config.vocab_size * text_config.hidden_size

@@ -49,8 +49,9 @@ def test_collocated_tp2dp2_sp2dp2(stage, reference):
     assert ("reduce" in ops) == (stage == 2) and "broadcast" in ops
 
 
+@pytest.mark.slow
 def test_text_fsdp2_tp2dp2_with_vision_stage2(reference):
-    """The default run's case: text stage 3 (FSDP2 on the dp dim of the 2-D text mesh, TP on tp)
+    """Text stage 3 (FSDP2 on the dp dim of the 2-D text mesh, TP on tp)
     and the vision tower at stage 2 over SP2xDP2 (reduce to the owner, broadcast back); 2
     micro-batches: one reduce-scatter per step. (Stage 1 is the default of every layout of the
     parity matrix with more than one replica, tests/distributed/test_parity.py.)"""
@@ -78,16 +79,29 @@ def idle_vision_replicas(steps, layout) -> int:
                                               balancer).vision_plans)
 
 
+def regroup(steps, pattern: str) -> list:
+    """The steps' samples (in order) dealt out again as micro-batches following ``pattern``:
+    one string per step, micro-batches separated by spaces, ``i`` a sample with an image and
+    ``t`` a text-only one (e.g. ``"it ii ii tt"``: the last micro-batch has no image)."""
+    pool = {"i": [], "t": []}
+    for mbs in steps:
+        for mb in mbs:
+            for x in mb:
+                pool["t" if x.image_grid_thw is None else "i"].append(x)
+    return [[[pool[c].pop(0) for c in mb] for mb in step.split()] for step in pattern.split("|")]
+
+
 def test_vision_fsdp2_sp2dp2_with_idle_replicas(tmp_path):
     """Vision stage 3 (FSDP2 over the whole SP2xDP2 vision group, Ulysses inside each replica)
-    with text stage 3, 4 micro-batches of 2 samples: in half of them one vision replica has
-    only a text-only sample and runs the tower's collectives on an idle input (the NCCL twin,
-    on in every spawn, checks every rank's collective order); one reduce-scatter per step."""
+    with text stage 3, 4 micro-batches of 2 samples: where a micro-batch has one image, one
+    vision replica has none and runs the tower's collectives on an idle input (the NCCL twin, on
+    in every spawn, checks every rank's collective order; without the idle run the ranks hang);
+    step 0's last micro-batch has no image, so its third one reduce-scatters (once per step)."""
     from dataclasses import replace
 
     cfg = replace(CFG, micro_batches=4)
-    steps = make_steps(tmp_path, FAMILY, cfg)
-    assert idle_vision_replicas(steps, COLLOCATED) >= 2
+    steps = regroup(make_steps(tmp_path, FAMILY, cfg), "it ii ii tt|ii it ii ii")
+    assert idle_vision_replicas(steps, COLLOCATED) == 2
     ref = run_reference(FAMILY, cfg, steps, torch.float64)
     got = run_engine(FAMILY, dict(COLLOCATED, vision_zero=3, text_zero=3), cfg, steps,
                      torch.float64, grads=True)
@@ -108,6 +122,13 @@ COMBOS = {  # name: (layout, (vision stage, text stage), config changes)
     "s3-lora": (COLLOCATED, (1, 3), {"modules": {"llm": {"lora": {"r": 4, "alpha": 8}}}}),
     "s3-frozen-vision": (COLLOCATED, (0, 3), {"modules": {"vision": {"train": False}}}),
     "s3-one-micro-batch": (COLLOCATED, (2, 3), {"micro_batches": 1}),
+    # vision stage 3 (FSDP2 over the vision group): 3 replicas (uneven shards, idle replicas),
+    # the pipelined schedule, a frozen tower (weights sharded, no gradient), checkpointing
+    "disjoint-3v-1t-v3": (D_3V_1T, (3, 0), {}),
+    "disjoint-3v-1t-v3-pipelined": (D_3V_1T, (3, 0), {"schedule": "pipelined"}),
+    "v3-frozen-vision": (COLLOCATED, (3, 1), {"modules": {"vision": {"train": False}}}),
+    "v3-checkpointing-one-micro-batch": (COLLOCATED, (3, 2), {"activation_checkpointing": True,
+                                                              "micro_batches": 1}),
 }
 
 
@@ -117,11 +138,13 @@ def test_stage_combinations(name, tmp_path):
     from dataclasses import replace
 
     layout, (vz, tz), changes = COMBOS[name]
+    changes = dict(changes)
+    schedule = changes.pop("schedule", "sequential")
     cfg = replace(CFG, **changes)
     steps = make_steps(tmp_path, FAMILY, cfg)
     ref = run_reference(FAMILY, cfg, steps, torch.float64)
     got = run_engine(FAMILY, dict(layout, vision_zero=vz, text_zero=tz), cfg, steps,
-                     torch.float64, grads=True)
+                     torch.float64, schedule, grads=True)
     assert_parity(got, ref, **TOL)
 
 
@@ -176,11 +199,14 @@ def test_rank_bytes_equal_the_plan_for_every_stage(steps):
 TP2_DP2_S3 = dict(placement="collocated", vision_dp=2, vision_sp=2, text_dp=2, text_tp=2,
                   vision_zero=2, text_zero=3)
 TP2_S0 = dict(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1, text_tp=2)
+V3_T3 = dict(TP2_DP2_S3, vision_zero=3)  # both modules FSDP2-sharded
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("before, after", [(TP2_DP2_S3, TP2_S0), (TP2_S0, TP2_DP2_S3)],
-                         ids=["stage3-tp2dp2-to-stage0-tp2", "stage0-tp2-to-stage3-tp2dp2"])
+@pytest.mark.parametrize("before, after", [(TP2_DP2_S3, TP2_S0), (TP2_S0, TP2_DP2_S3),
+                                           (V3_T3, TP2_S0)],
+                         ids=["stage3-tp2dp2-to-stage0-tp2", "stage0-tp2-to-stage3-tp2dp2",
+                              "vision-stage3-sp2dp2-to-stage0-sp2"])
 def test_resume_across_stages_is_exact(before, after, tmp_path, tmp_path_factory):
     """3 steps at one stage + save + load at another + 3 steps == 6 uninterrupted reference
     steps (losses, every rank's copy of every parameter; tests/distributed/test_checkpoint.py's
