@@ -110,6 +110,21 @@ def test_vision_fsdp2_sp2dp2_with_idle_replicas(tmp_path):
     assert not any(k.endswith(".grads") or k.endswith(".zero") for k in ops), ops  # FSDP's own
 
 
+@pytest.mark.slow
+def test_vision_fsdp2_qwen3_vl(tmp_path):
+    """Vision stage 3 for Qwen3-VL's tower: its learned position embedding and deepstack mergers
+    are FSDP units too (the deepstack features leave the tower mid-way); idle replicas as in
+    the default case, text stage 1."""
+    from dataclasses import replace
+
+    cfg = replace(CFG, micro_batches=4)
+    steps = regroup(make_steps(tmp_path, "qwen3_vl", cfg), "it ii ii tt|ii it ii ii")
+    ref = run_reference("qwen3_vl", cfg, steps, torch.float64)
+    got = run_engine("qwen3_vl", dict(COLLOCATED, vision_zero=3, text_zero=1), cfg, steps,
+                     torch.float64, grads=True)
+    assert_parity(got, ref, **TOL)
+
+
 D_1V_2T = dict(placement="disjoint", vision_dp=1, vision_sp=1, text_dp=2, text_tp=1)
 D_3V_1T = dict(placement="disjoint", vision_dp=3, vision_sp=1, text_dp=1, text_tp=1)
 COMBOS = {  # name: (layout, (vision stage, text stage), config changes)
