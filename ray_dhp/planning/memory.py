@@ -5,8 +5,9 @@ Model state per rank (what the engine keeps) comes from the run's `PrecisionPoli
 (`ray_dhp.step.precision`): weights and gradients in the policy's dtype for every parameter the rank
 holds, plus fp32 masters and AdamW moments for every parameter the rank *updates* (at ZeRO stage
 1 or 2 each parameter is updated by one of the module's replicas: the same greedy partition as
-the engine, `ray_dhp.parallel.zero.owners`, over the local TP shards). The vision tower is replicated on every vision rank (Ulysses
-shards tokens, not weights); the text model's TP-planned linears, embedding and head are split
+the engine, `ray_dhp.parallel.zero.owners`, over the local TP shards; at stage 3 each rank holds its FSDP2
+shard, ``torch.chunk`` rows of every parameter, `TextParam.fsdp_share`). Below stage 3 the vision
+tower is whole on every vision rank (Ulysses shards tokens, not weights); the text model's TP-planned linears, embedding and head are split
 ``tp`` ways (their row-parallel biases and all norms are replicated). `rank_state` gives the
 exact bytes, which the tests compare with the engine's tensors after a step.
 

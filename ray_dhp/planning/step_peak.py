@@ -5,7 +5,7 @@ on CPU and by ``benchmarks/gpu/precision_check.py`` with CUDA's allocator counte
 During the step a rank holds its `RankState` (weights, gradients, masters, AdamW moments) plus:
 
 * ``bf16_mixed``: nothing for the gradients accumulated in fp32 (they become the masters'
-  gradients as they are); for FSDP2's bf16 gradient shards (text stage 3, ``state.upcast``
+  gradients as they are); for FSDP2's bf16 gradient shards (stage 3, ``state.upcast``
   elements) the fp32 master gradients of one chunk (`ray_dhp.step.precision.MasterWeights.step`
   upcasts, steps and drops them chunk by chunk of ``CHUNK_BYTES``, freeing each bf16 gradient as
   it is upcast: +2 B per element of the chunk);
