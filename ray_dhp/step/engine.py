@@ -402,7 +402,8 @@ class DHPEngine(UpdateMixin):
         return self.cfg.lr * lr_factor(self.step_count, self.cfg)  # the base lr (per-module: x ratio)
 
     def named_full_parameters(self) -> dict:
-        """Full (unsharded) parameters this rank hosts, by the model's own names (collective on text ranks)."""
+        """Full (unsharded) parameters this rank hosts, by the model's own names (collective on the
+        ranks of a TP or stage-3 module)."""
         out = {}
         if self.visual is not None:
             out.update({f"model.visual.{n}": (p.full_tensor() if _is_dtensor(p) else p).detach().clone()
