@@ -4,9 +4,10 @@ step time and bytes communicated, at one model on 4 gloo ranks.
 Layout: collocated, text DP = vision DP = ``--ranks`` (text TP 1, vision SP 1), so every rank is
 a replica of both modules and the stages differ only in what a replica keeps. Contenders, built
 once each in the same processes (same seed: the same initial weights, first-step losses recorded):
-``s0`` (text 0, vision 0), ``s1`` (1, 1), ``s2`` (2, 2), ``s3`` (text 3 = FSDP2, vision 2: vision
-stage 3 is refused, `ray_dhp.parallel.zero.resolve_stage`), ``s1-offload`` (``s1`` with both
-modules' masters and moments on the host, `ray_dhp.step.offload`). One warm-up step each, one counted
+``s0`` (text 0, vision 0), ``s1`` (1, 1), ``s2`` (2, 2), ``s3`` (text 3 = FSDP2, vision 2),
+``s3v`` (both modules at stage 3: FSDP2 for the ViT too, `ray_dhp.parallel.fsdp_vision`),
+``s1-offload`` (``s1`` with both modules' masters and moments on the host,
+`ray_dhp.step.offload`); ``--contenders`` runs a subset (``s0`` always). One warm-up step each, one counted
 step each (collectives by name, `benchmarks.measure.CollectiveCounter`, FSDP2's included), then
 ``--steps`` rounds in rotating order with a barrier before each step. Step time = the slowest
 rank's; medians and ratios to ``s0``.
@@ -24,8 +25,8 @@ Shape ``--shape text-wide`` (`benchmarks.shapes`): Qwen2.5-0.5B's text width (hi
 4864, 14/2 heads) with 2 layers and the vitheavy ViT; the 7B width (one layer alone is 233 M
 parameters, 3.7 GB at stage 0) does not fit 4 ranks on this 24 GiB machine.
 
-Run: ``python -m benchmarks.zero_stages [--ranks 4] [--steps 5] [--tiny]``; writes
-``benchmarks/results/zero-stages-<shape>-cpu2-<date>.json`` and ``.png``.
+Run: ``python -m benchmarks.zero_stages [--ranks 4] [--steps 5] [--tiny] [--contenders s0,s3v]``;
+writes ``benchmarks/results/zero-stages-<shape>-cpu2-<date>[-<subset>].json`` and ``.png``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import time
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 # name: (vision stage, text stage, optimizer offload of both modules)
 CONTENDERS = {"s0": (0, 0, False), "s1": (1, 1, False), "s2": (2, 2, False), "s3": (2, 3, False),
-              "s1-offload": (1, 1, True)}
+              "s3v": (3, 3, False), "s1-offload": (1, 1, True)}
 RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce": lambda n: (n - 1) / n,
         "broadcast": lambda n: (n - 1) / n, "reduce_scatter_single": lambda n: (n - 1) / n,
         "reduce_scatter_tensor": lambda n: (n - 1) / n, "all_gather_single": lambda n: n - 1,
@@ -90,8 +91,8 @@ def zero_body(rank, world, opts: dict) -> dict:
     out = {}
     with counter.installed():
         engines = {}
-        for name, stages in CONTENDERS.items():
-            topo, engine = _build(config, world, stages, cfg)
+        for name in opts["contenders"]:
+            topo, engine = _build(config, world, CONTENDERS[name], cfg)
             _, loss = _timed(engine, batch)  # warm-up
             with counter.counting():
                 _timed(engine, batch)
@@ -101,7 +102,7 @@ def zero_body(rank, world, opts: dict) -> dict:
                          "plan": {k: getattr(plan, k) for k in ("weights", "grads", "masters",
                                                                 "optimizer", "total", "host")}}
             engines[name] = engine
-        names = list(CONTENDERS)
+        names = list(opts["contenders"])
         for r in range(opts["steps"]):
             for name in names[r % len(names):] + names[:r % len(names)]:
                 out[name]["times"].append(_timed(engines[name], batch)[0])
@@ -162,7 +163,8 @@ def summarise(per_rank: list, counts, world: int, policy) -> dict:
     from ray_dhp.parallel.zero import replica_bytes
 
     rows = {}
-    for name, (vz, tz, off) in CONTENDERS.items():
+    for name in per_rank[0]:
+        vz, tz, off = CONTENDERS[name]
         steps = [max(r[name]["times"][i] for r in per_rank)
                  for i in range(len(per_rank[0][name]["times"]))]
         r0 = per_rank[0][name]
@@ -243,6 +245,8 @@ def main(argv=None) -> dict:
     p.add_argument("--tiny", action="store_true", help="vitheavy shape, 64 patches, 1 round")
     p.add_argument("--host-adam-numel", type=int, default=8_000_000)
     p.add_argument("--out", default=RESULTS)
+    p.add_argument("--contenders", default=",".join(CONTENDERS),
+                   help=f"comma-separated subset of {', '.join(CONTENDERS)} (s0 is always run)")
     p.add_argument("--table", metavar="RESULT_JSON", help="print the README table of a result")
     a = p.parse_args(argv)
     if a.table:
@@ -256,7 +260,13 @@ def main(argv=None) -> dict:
     from ray_dhp.step.precision import POLICIES
     from ray_dhp.train.launch import spawn
 
-    opts = {"shape": a.shape, "patches": a.patches, "steps": a.steps, "precision": a.precision}
+    names = [n for n in a.contenders.split(",") if n]
+    unknown = sorted(set(names) - set(CONTENDERS))
+    if unknown:
+        p.error(f"--contenders: unknown {unknown}; choose from {list(CONTENDERS)}")
+    names = ["s0"] + [n for n in names if n != "s0"]
+    opts = {"shape": a.shape, "patches": a.patches, "steps": a.steps, "precision": a.precision,
+            "contenders": names}
     per_rank = spawn(zero_body, a.ranks, (opts,), backend="gloo", threads=1, timeout_s=3000)
     counts = count_params(model_config(a.shape))
     rows = summarise(per_rank, counts, a.ranks, POLICIES[a.precision])
@@ -266,6 +276,8 @@ def main(argv=None) -> dict:
               "contenders": rows, "host_adam": host_adam(a.host_adam_numel)}
     os.makedirs(a.out, exist_ok=True)
     stem = os.path.join(a.out, f"zero-stages-{a.shape}-cpu2-{datetime.date.today().isoformat()}")
+    if set(names) != set(CONTENDERS):  # a subset: its own files
+        stem += "-" + "-".join(names)
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=1)
     _plot(rows, stem + ".png", f"ZeRO stages, {a.shape}, {a.ranks} gloo ranks, {a.precision}")

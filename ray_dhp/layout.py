@@ -32,13 +32,14 @@ class ModuleParallel:
             data_parallel ranks; vision: the whole vision group, whose SP ranks hold the tower
             too), as in DeepSpeed: 0 replicated; 1 fp32 masters and AdamW moments partitioned;
             2 also the reduced gradients (each reduced only to its owner); 3 also the weights
-            (torch FSDP2 over the replicas). None: 1 where the module has more than one
-            replica, else 0 (why: docs/concepts.md, "ZeRO stages"); vision stage 3 is refused.
+            (torch FSDP2 over the replicas; vision: over the whole vision group, composed with
+            Ulysses SP). None: 1 where the module has more than one replica, else 0 (why:
+            docs/concepts.md, "ZeRO stages").
         optimizer_offload: the module's optimizer masters and AdamW moments (of its ZeRO
             partition) live in host memory and the update runs on the CPU (DeepSpeedCPUAdam for
             fp32 masters, torch AdamW otherwise; DeepSpeed compiles its CPU op on first use, minutes);
-            the device keeps weights and gradients. Needs plain (not DTensor) parameters: vision
-            always, text with tensor_parallel=1 and zero_stage < 3.
+            the device keeps weights and gradients. Needs plain (not DTensor) parameters:
+            zero_stage < 3, and for text tensor_parallel=1.
         expert_parallel: text, mixture-of-experts models only: each sparse layer's experts are
             partitioned over this many data_parallel replicas (it must divide data_parallel and
             the number of experts); tokens reach their experts by all-to-all, expert gradients

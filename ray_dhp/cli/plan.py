@@ -122,9 +122,10 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
     ]
     for r in range(topo.world_size):
         roles = topo.roles(r)
-        v = counts.vision if "vision" in roles else 0
+        vg = topo.vision  # a module's FSDP shard at stage 3
+        v = counts.vision_held_by(r - vg.offset, vg.size, vg.zero_stage) if "vision" in roles else 0
         st = rank_state(counts, topo, r, policy)
-        t = st.params - v  # the text part: its FSDP shard at stage 3
+        t = st.params - v
         out.append(f"  rank {r} [{'+'.join(roles)}]: vision {_num(v)} + text {_num(t)} params; "
                    f"weights {_gib(st.weights)}, grads {_gib(st.grads)}, masters "
                    f"{_gib(st.masters)}, AdamW {_gib(st.optimizer)} = state {_gib(st.total)}; "

@@ -1,6 +1,7 @@
-"""ZeRO stage 3 for the language model: torch FSDP2 (``fully_shard``) over the ``dp`` dimension of
+"""ZeRO stage 3: torch FSDP2 (``fully_shard``) for the language model over the ``dp`` dimension of
 the text mesh, on top of the DTensor TP plan on ``tp`` (torchtitan's 2-D order: TP first, then
-one FSDP unit per decoder layer, the embedding and the head, and the root for what is left).
+one FSDP unit per decoder layer, the embedding and the head, and the root for what is left); and
+for the vision tower over the whole vision group (`ray_dhp.parallel.fsdp_vision`).
 
 Each unit's parameters are ``Shard(0)`` over the data-parallel replicas (and keep their TP
 placement): a rank holds ``1/dp`` of its TP shard's weights, gradients, fp32 masters and AdamW
@@ -8,10 +9,10 @@ moments. A unit's weights are all-gathered before its forward (the next unit's a
 and again before its backward; its gradients are reduce-scattered (SUM: the loss is normalised by
 the step's global token count, `ray_dhp.parallel.data`) right after its backward, in fp32 for
 bf16 gradients. With several micro-batches the reduce-scatter runs once per step, in the last
-micro-batch's backward (`FSDPText.sync`); the others accumulate the unsharded gradients.
+micro-batch's backward (`FSDPShards.sync`); the others accumulate the unsharded gradients.
 
 The global gradient norm counts each entry once: every rank adds its local shard, the entries of
-TP-replicated parameters only on TP rank 0 (`FSDPText.norm_share`).
+TP-replicated parameters only on TP rank 0 (`FSDPShards.norm_share`).
 
 FSDP's collectives run in the forward/backward of every unit, so every text replica must run the
 same number of forwards per micro-batch: the engine runs a replica's samples as one padded batch
@@ -36,22 +37,30 @@ def _units(model, family) -> list:
     return units
 
 
-class FSDPText:
-    """The FSDP2-sharded language model of one text rank (see the module docstring)."""
+class FSDPShards:
+    """One module's FSDP2 units and root on this rank (see the module docstring).
 
-    def __init__(self, model, family, dp_mesh, reduce_dtype, tp_first: bool):
+    Args:
+        units: the FSDP units, in forward order; ``root``: the module whose forward runs them
+            (it takes the parameters no unit holds).
+        dp_mesh: the 1-D mesh of the module's replicas; ``reduce_dtype``: FSDP's reduce dtype.
+        tp_first: this rank counts the TP-replicated entries in the norm (TP rank 0; True
+            without TP).
+    """
+
+    def __init__(self, units: list, root, dp_mesh, reduce_dtype, tp_first: bool):
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
-        self.units = _units(model, family)
+        self.units = units
         for unit in self.units:
             fully_shard(unit, mesh=dp_mesh, mp_policy=mp)
-        fully_shard(model, mesh=dp_mesh, mp_policy=mp)
-        self.modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        fully_shard(root, mesh=dp_mesh, mp_policy=mp)
+        self.modules = [m for m in root.modules() if isinstance(m, FSDPModule)]
         for m in self.modules:
             m.set_gradient_divide_factor(1.0)  # SUM over replicas, not a mean
             m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
-        self.root, self.tp_first = model, tp_first
+        self.root, self.tp_first = root, tp_first
 
     def sync(self, last: bool) -> None:
         """Reduce-scatter the gradients in the coming backward (``last``: the step's last
@@ -84,13 +93,17 @@ class FSDPText:
 
 
 def shard_text(engine) -> None:
-    """Stage 3 of the engine's language model, if configured: `FSDPText` in ``engine.fsdp``
+    """Stage 3 of the engine's language model, if configured: `FSDPShards` in ``engine.fsdp``
     (None otherwise). Called after the TP plan and LoRA and before the parameter lists are
     taken (``fully_shard`` replaces the parameters with their sharded DTensors)."""
     g = engine.groups
     engine.fsdp = None
     if engine.text_model is None or g.topology.text.zero_stage != 3:
         return
-    reduce_dtype = engine.policy.reduce_dtype if engine.dtype != torch.float64 else None
-    engine.fsdp = FSDPText(engine.text_model, engine.family, g.text_mesh["dp"], reduce_dtype,
-                           tp_first=g.text_coord[1] == 0)
+    engine.fsdp = FSDPShards(_units(engine.text_model, engine.family), engine.text_model,
+                             g.text_mesh["dp"], reduce_dtype_of(engine), tp_first=g.text_coord[1] == 0)
+
+
+def reduce_dtype_of(engine):
+    """FSDP's gradient reduce dtype: the policy's (fp32 for bf16 gradients); none in fp64."""
+    return engine.policy.reduce_dtype if engine.dtype != torch.float64 else None

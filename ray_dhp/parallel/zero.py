@@ -58,11 +58,6 @@ def resolve_stage(stage: Optional[int], replicas: int, key: str) -> int:
         return 1 if replicas > 1 else 0
     if isinstance(stage, bool) or stage not in ZERO_STAGES:
         raise ValueError(f"{key}.zero_stage must be one of {ZERO_STAGES}, got {stage!r}.")
-    if stage == 3 and key == "vision":
-        raise ValueError("vision.zero_stage=3 is not supported: a vision replica whose share of a "
-                         "micro-batch has no image skips the tower, and FSDP's per-block "
-                         "collectives need every replica; use vision.zero_stage=2 (the tower's "
-                         "masters, moments and reduced gradients partitioned).")
     if stage > 0 and replicas == 1:
         raise ValueError(f"{key}.zero_stage={stage} partitions the module's state over its "
                          f"replicas, but it has only one; set {key}.data_parallel > 1 or "

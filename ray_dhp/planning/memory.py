@@ -5,8 +5,9 @@ Model state per rank (what the engine keeps) comes from the run's `PrecisionPoli
 (`ray_dhp.step.precision`): weights and gradients in the policy's dtype for every parameter the rank
 holds, plus fp32 masters and AdamW moments for every parameter the rank *updates* (at ZeRO stage
 1 or 2 each parameter is updated by one of the module's replicas: the same greedy partition as
-the engine, `ray_dhp.parallel.zero.owners`, over the local TP shards). The vision tower is replicated on every vision rank (Ulysses
-shards tokens, not weights); the text model's TP-planned linears, embedding and head are split
+the engine, `ray_dhp.parallel.zero.owners`, over the local TP shards; at stage 3 each rank holds its FSDP2
+shard, ``torch.chunk`` rows of every parameter, `TextParam.fsdp_share`). Below stage 3 the vision
+tower is whole on every vision rank (Ulysses shards tokens, not weights); the text model's TP-planned linears, embedding and head are split
 ``tp`` ways (their row-parallel biases and all norms are replicated). `rank_state` gives the
 exact bytes, which the tests compare with the engine's tensors after a step.
 
@@ -48,6 +49,8 @@ class ParamCounts:
     text_frozen_sharded: int = 0
     # `TextParam` of every text parameter, in the model's order (ZeRO partitions)
     text_sizes: tuple = ()
+    # `TextParam` (never TP-sharded) of every ViT parameter, in the model's order (FSDP2 shares)
+    vision_params: tuple = ()
 
     def text_per_rank(self, tp: int) -> int:
         return self.text - self.text_sharded + self.text_sharded // tp
@@ -59,7 +62,15 @@ class ParamCounts:
         """ViT parameters vision rank ``rank_in_group`` updates (all of them at stage 0)."""
         if not stage or group_size == 1 or not self.vision_sizes:
             return self.vision - self.vision_frozen
+        if stage == 3:
+            return sum(q.fsdp_share(rank_in_group, group_size, 1) for q in self.vision_params if q.trained)
         return _owned(list(self.vision_sizes), rank_in_group, group_size)
+
+    def vision_held_by(self, rank_in_group: int, group_size: int, stage: int) -> int:
+        """ViT parameters vision rank ``rank_in_group`` holds (its FSDP2 shards at stage 3)."""
+        if stage != 3 or group_size == 1 or not self.vision_params:
+            return self.vision
+        return sum(q.fsdp_share(rank_in_group, group_size, 1) for q in self.vision_params)
 
     def text_updated_by(self, dp_index: int, dp: int, tp: int, stage: int) -> int:
         """Elements of the trained text parameters (local TP shards) text replica ``dp_index``
@@ -145,13 +156,15 @@ def count_params(config, tuning=None) -> ParamCounts:
     vision_names = {f"model.visual.{n}" for n, _ in family.visual(model).named_parameters()}
     trains = (lambda name: True) if tuning is None else tuning.trains
     vision = text = sharded = largest = v_frozen = t_frozen = t_frozen_sharded = 0
-    text_sizes = []
+    text_sizes, vision_params = [], []
     sizes = tuple(p.numel() for n, p in family.visual(model).named_parameters()
                   if trains(f"model.visual.{n}"))
     for name, p in model.named_parameters():
         largest = max(largest, p.numel())
         if name in vision_names:
             vision += p.numel()
+            vision_params.append(TextParam(p.numel(), False, p.shape[0] if p.dim() else 1, False,
+                                           trains(name)))
             v_frozen += 0 if trains(name) else p.numel()
             continue
         text += p.numel()
@@ -163,7 +176,8 @@ def count_params(config, tuning=None) -> ParamCounts:
                                     _dim0_sharded(name, plan), trains(name), id(p) in experts))
     return ParamCounts(vision=vision, text=text, text_sharded=sharded, vision_sizes=sizes,
                        largest=largest, vision_frozen=v_frozen, text_frozen=t_frozen,
-                       text_frozen_sharded=t_frozen_sharded, text_sizes=tuple(text_sizes))
+                       text_frozen_sharded=t_frozen_sharded, text_sizes=tuple(text_sizes),
+                       vision_params=tuple(vision_params))
 
 
 @dataclass(frozen=True)
@@ -211,22 +225,21 @@ def rank_state(counts: ParamCounts, topology, rank: int, policy) -> RankState:
         base = rank_state(counts, dataclasses.replace(topology, text_expert_parallel=1), rank, policy)
         return _plus_experts(base, *experts, policy)
     tp = topology.text.inner
-    v = counts.vision if "vision" in roles else 0
-    tg = topology.text
+    tg, vg = topology.text, topology.vision
+    v = counts.vision_held_by(rank - vg.offset, vg.size, vg.zero_stage) if "vision" in roles else 0
     t = counts.text_held_by(tg.coord(rank)[0], tg.dp, tp, tg.zero_stage) if "text" in roles else 0
     vu = tu = 0
     if v:
-        vg = topology.vision
         vu = counts.vision_updated_by(rank - vg.offset, vg.size, vg.zero_stage)
     if t:
         tu = counts.text_updated_by(tg.coord(rank)[0], tg.dp, tp, tg.zero_stage)
     held, updated = v + t, vu + tu
-    v_trained = v - counts.vision_frozen if v else 0
+    v_trained = (vu if vg.zero_stage == 3 else v - counts.vision_frozen) if v else 0
     t_trained = ((counts.text_updated_by(tg.coord(rank)[0], tg.dp, tp, 0) if tg.zero_stage != 3
                   else tu) if t else 0)
     # gradients accumulate in the policy's grad dtype (fp32 for bf16 weights), except FSDP2's
-    # text shards at stage 3, which keep the weights' dtype (FSDP2 sums in fp32 itself)
-    fsdp = t_trained if tg.zero_stage == 3 else 0
+    # shards of a module at stage 3, which keep the weights' dtype (FSDP2 sums in fp32 itself)
+    fsdp = (t_trained if tg.zero_stage == 3 else 0) + (v_trained if vg.zero_stage == 3 else 0)
     grads = (v_trained + t_trained - fsdp) * policy.grad_bytes() + fsdp * policy.weight_bytes()
     # host optimizer offload (`ray_dhp.step.offload`): the module's masters (without fp32 masters:
     # copies in the weights' dtype) and moments of what the rank updates live on the host
@@ -238,8 +251,8 @@ def rank_state(counts: ParamCounts, topology, rank: int, policy) -> RankState:
     host = off * (copy_bytes + 2 * _bytes(policy.moment_dtype))
     # a checkpoint holds the fp32 masters of what the rank updates, the weights of the rest
     saved = masters + (held - (updated if policy.master else off)) * policy.weight_bytes()
-    # stage 3 shards the text weights after they are built: the whole TP shard exists first
-    built = (v + (counts.text_per_rank(tp) if t else 0)) * policy.weight_bytes()
+    # stage 3 shards the weights after they are built: the whole (TP shard of the) module first
+    built = ((counts.vision if v else 0) + (counts.text_per_rank(tp) if t else 0)) * policy.weight_bytes()
     return RankState(params=held, updated=updated, weights=weights,
                      grads=grads, masters=masters, optimizer=optimizer,
                      startup_peak=max(weights + masters - off * copy_bytes, built) + 4 * counts.largest,

@@ -135,12 +135,12 @@ def evaluate(config, counts, layout: Layout, w: Workload, hw: Hardware = Hardwar
 
 def zero_options(layout: Layout) -> list:
     """The layout at every (vision, text) ZeRO-stage pair it admits beyond its defaults: vision
-    0-2 with more than one vision rank, text 0-3 with text data_parallel > 1 (0-2 with expert
+    0-3 with more than one vision rank, text 0-3 with text data_parallel > 1 (0-2 with expert
     parallelism)."""
     from dataclasses import replace
 
     topo = layout.topology()
-    vs = (0, 1, 2) if topo.vision.size > 1 else (0,)
+    vs = (0, 1, 2, 3) if topo.vision.size > 1 else (0,)
     ts = ((0, 1, 2) if layout.text_ep > 1 else (0, 1, 2, 3)) if topo.text.dp > 1 else (0,)
     return [replace(layout, vision_zero=a, text_zero=b) for a in vs for b in ts
             if (a, b) != (topo.vision.zero_stage, topo.text.zero_stage)]

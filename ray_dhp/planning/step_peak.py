@@ -5,7 +5,7 @@ on CPU and by ``benchmarks/gpu/precision_check.py`` with CUDA's allocator counte
 During the step a rank holds its `RankState` (weights, gradients, masters, AdamW moments) plus:
 
 * ``bf16_mixed``: nothing for the gradients accumulated in fp32 (they become the masters'
-  gradients as they are); for FSDP2's bf16 gradient shards (text stage 3, ``state.upcast``
+  gradients as they are); for FSDP2's bf16 gradient shards (stage 3, ``state.upcast``
   elements) the fp32 master gradients of one chunk (`ray_dhp.step.precision.MasterWeights.step`
   upcasts, steps and drops them chunk by chunk of ``CHUNK_BYTES``, freeing each bf16 gradient as
   it is upcast: +2 B per element of the chunk);
@@ -69,7 +69,8 @@ def rank_step_peak(state, policy, counts, topology, rank: int, text_config) -> i
     unsharded (an upper bound where TP splits it)."""
     roles = topology.roles(rank)
     tp = topology.text.inner
-    reduced = counts.vision if "vision" in roles and topology.vision.size > 1 else 0
+    v = topology.vision  # at stage 3 FSDP2 reduce-scatters the ViT in its backward: no buckets
+    reduced = counts.vision if "vision" in roles and v.size > 1 and v.zero_stage != 3 else 0
     if "text" in roles and topology.text.dp > 1:
         reduced += counts.text_per_rank(tp)
     emb = text_config.vocab_size * text_config.hidden_size

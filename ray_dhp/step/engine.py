@@ -43,6 +43,7 @@ from ray_dhp.parallel import data as dp
 from ray_dhp.parallel.balance import Balancer
 from ray_dhp.parallel.comm import CommCounter
 from ray_dhp.parallel.fsdp import shard_text
+from ray_dhp.parallel.fsdp_vision import shard_vision
 from ray_dhp.parallel.tensor import apply_tp_plan, partial_grad_params
 from ray_dhp.train.loop_config import TrainLoopConfig
 from ray_dhp.step.tuning import apply_tuning, check_layout, tuning_of, vision_trains
@@ -81,6 +82,7 @@ class DHPEngine(UpdateMixin):
             add_lora(self.text_model, self.tuning.lora, cfg.seed, groups.text_mesh["tp"] if tp else None,
                      self.family.text_tp_plan(self.config.text_config) if tp else None)
         shard_text(self)  # ZeRO stage 3: FSDP2 over the text dp ranks (ray_dhp.parallel.fsdp)
+        shard_vision(self)  # ... and over the vision group (ray_dhp.parallel.fsdp_vision)
         held = apply_tuning(self.visual, self.text_model, self.tuning)
         self.vision_params, self.text_params, self.frozen_params = held
         self._partial = (partial_grad_params(self.text_model, self.family.tp_partial_grad_suffixes)
@@ -93,8 +95,8 @@ class DHPEngine(UpdateMixin):
             self._router_loss = RouterLoss(self.family.language_model(self.text_model), self.family.moe,
                                            self.config.text_config, groups.text_dp)
         # bf16 policies: micro-batch gradients sum in fp32 (FSDP2 does it itself at stage 3)
-        accumulate_in_fp32(self.vision_params + (self.text_params if self.fsdp is None else []),
-                           self.policy)
+        accumulate_in_fp32((self.vision_params if self.vision_fsdp is None else [])
+                           + (self.text_params if self.fsdp is None else []), self.policy)
         self.feature_dim = self.family.feature_dim(self.config)
         self.step_count = 0
         self._timer = PhaseTimer(groups.device)
@@ -255,6 +257,8 @@ class DHPEngine(UpdateMixin):
                                         self.dtype, g.device, comm=self.comm, inflight=self._inflight)
         if mb.feats is not None:  # also with 0 local rows: the SP all-to-alls run in backward
             self._arm_reduce("vision", mb is self._states[-1])
+            if self.vision_fsdp is not None:  # reduce-scatter in the last vision backward only
+                self.vision_fsdp.sync_for(self._states, mb)
             with self._timer("vision_bwd"):
                 mb.feats.backward(g_local.to(mb.feats.dtype))
         mb.feats = mb.grad_feats = None
@@ -264,14 +268,17 @@ class DHPEngine(UpdateMixin):
 
         i, k = self.groups.vision_coord
         plan = lay.vision_plans[i]
-        if plan is None:
-            return None
+        fsdp = self.vision_fsdp
+        if plan is None:  # no image here; at stage 3 the tower's collectives still run
+            return None if fsdp is None else fsdp.idle()
         mine = [samples[s] for s in lay.vision_samples[i] if samples[s].image_grid_thw is not None]
         if any(s.pixel_values is None for s in mine):
             raise RuntimeError("a sample this vision replica computes has no pixels here: the "
                                "loader routed them by another balance than the engine's (give "
                                "StepLoader the engine's balancer)")
         pv = to_device(torch.cat([s.pixel_values for s in mine]), self.groups.device).to(self.dtype)
+        if fsdp is not None:
+            return fsdp.forward(pv, plan, k, self.groups.vision_sp, comm=self.comm)
         return vision_forward(self.family.name, self.visual, pv, plan, k, self.groups.vision_sp,
                               comm=self.comm)
 
@@ -395,10 +402,12 @@ class DHPEngine(UpdateMixin):
         return self.cfg.lr * lr_factor(self.step_count, self.cfg)  # the base lr (per-module: x ratio)
 
     def named_full_parameters(self) -> dict:
-        """Full (unsharded) parameters this rank hosts, by the model's own names (collective on text ranks)."""
+        """Full (unsharded) parameters this rank hosts, by the model's own names (collective on the
+        ranks of a TP or stage-3 module)."""
         out = {}
         if self.visual is not None:
-            out.update({f"model.visual.{n}": p.detach().clone() for n, p in self.visual.named_parameters()})
+            out.update({f"model.visual.{n}": (p.full_tensor() if _is_dtensor(p) else p).detach().clone()
+                        for n, p in self.visual.named_parameters()})
         if self.text_model is not None:
             for n, p in self.text_model.named_parameters():
                 out[n] = (p.full_tensor() if _is_dtensor(p) else p).detach().clone()

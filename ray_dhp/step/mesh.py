@@ -27,6 +27,7 @@ class DHPGroups:
     vision_sp: Optional[dist.ProcessGroup] = None   # my vision replica's SP ranks
     vision_dp: Optional[dist.ProcessGroup] = None   # ranks holding my SP slice in other replicas
     vision_all: Optional[dist.ProcessGroup] = None  # the whole vision group
+    vision_mesh: Optional[object] = None            # 1-D DeviceMesh over vision_all (ZeRO 3)
     text_tp: Optional[dist.ProcessGroup] = None
     text_ep: Optional[dist.ProcessGroup] = None   # expert parallel (ray_dhp.parallel.expert)
     text_edp: Optional[dist.ProcessGroup] = None  # expert data parallel: same experts
@@ -94,6 +95,11 @@ def build_groups(topology: Topology, device: torch.device) -> DHPGroups:
     # The data loader exchanges samples from a background thread: its own (CPU) group, so its
     # collectives never interleave with the training ones.
     groups.data = dist.new_group(list(range(topology.world_size)), backend="gloo")
+    if groups.is_vision and v.zero_stage == 3:  # FSDP2 over the whole vision group
+        from torch.distributed.device_mesh import DeviceMesh
+
+        groups.vision_mesh = DeviceMesh.from_group(groups.vision_all, device.type,
+                                                   mesh_dim_names=("dp",))
     if groups.is_text:
         from torch.distributed.device_mesh import DeviceMesh
 

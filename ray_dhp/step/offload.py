@@ -34,8 +34,9 @@ def check_offload(module: str, offload, stage: int, tp: int) -> None:
         raise ValueError(
             f"{module}.optimizer_offload=true needs plain parameters, but {module} has "
             + ("tensor_parallel > 1" if tp > 1 else "zero_stage=3 (FSDP2)")
-            + " (DTensor shards); set text.tensor_parallel=1 and text.zero_stage <= 2, or "
-              f"{module}.optimizer_offload=false.")
+            + " (DTensor shards); set "
+            + ("text.tensor_parallel=1 and " if module == "text" else "")
+            + f"{module}.zero_stage <= 2, or {module}.optimizer_offload=false.")
 
 
 def host_adamw(groups: list, cfg):

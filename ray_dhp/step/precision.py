@@ -19,7 +19,7 @@ is fp32, so autograd casts each incoming bf16 gradient to fp32 and sums it into 
 that grows with M. The fp32 gradients are then summed over replicas in fp32 and become the fp32
 masters' gradients as they are (``bf16_mixed``: no copy; the clipping factor is applied there) or,
 under ``bf16``, are rounded to bf16 once, parameter by parameter, for the bf16 AdamW update
-(`round_grads_for_update`). At text ZeRO stage 3, FSDP2 accumulates in fp32 itself (its
+(`round_grads_for_update`). At ZeRO stage 3, FSDP2 accumulates in fp32 itself (its
 ``reduce_dtype``) and hands back bf16 gradient shards (2 B per parameter, upcast chunk by chunk
 into the masters).
 
@@ -215,7 +215,7 @@ class MasterWeights:
         ``master.grad = coef * float(param.grad)``, AdamW steps the chunk (it skips masters without
         a gradient), the chunk's weights are refreshed from its masters and its fp32 gradients
         dropped. A gradient accumulated in fp32 (`accumulate_in_fp32`) *is* the master's gradient
-        (no copy, no transient); a bf16 one (FSDP2's shards at text stage 3) is freed as soon as it
+        (no copy, no transient); a bf16 one (FSDP2's shards at stage 3) is freed as soon as it
         is upcast, so the fp32 gradients of only one chunk exist at a time
         (`ray_dhp.planning.step_peak`)."""
         for chunk in self._chunks(CHUNK_BYTES if chunk_bytes is None else chunk_bytes):

@@ -32,9 +32,13 @@ class UpdateMixin:
         if self.visual is not None:
             v = topo.vision
             named = [(n, p) for n, p in self.visual.named_parameters() if p.requires_grad]
-            self.zero["vision"] = z = ZeroPartition(
-                [p for _, p in named], v.zero_stage, g.vision_all, v.ranks, g.rank - v.offset,
-                leader=g.rank == v.offset)
+            if self.vision_fsdp is not None:  # stage 3 (ray_dhp.parallel.fsdp_vision)
+                z = self.zero["vision"] = self.vision_fsdp
+                z.params = [p for _, p in named]
+            else:
+                self.zero["vision"] = z = ZeroPartition(
+                    [p for _, p in named], v.zero_stage, g.vision_all, v.ranks, g.rank - v.offset,
+                    leader=g.rank == v.offset)
             self.vision_opt, self.vision_sched, self.vision_masters = build_optimizer_for(
                 z.mine(named), self.cfg, self.policy, prefix="model.visual.", offload=v.offload)
         else:

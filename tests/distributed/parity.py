@@ -34,20 +34,24 @@ def make_steps(tmp_path, family: str, cfg: TrainLoopConfig, *, num_samples=16, t
 
 
 def named_full_grads(engine) -> dict:
-    """The gradients this rank holds for its parameters, unsharded (collective on text ranks);
+    """The gradients this rank holds for its parameters, unsharded (collective on a DTensor module);
     frozen parameters (`ray_dhp.step.tuning`) have none and are left out, and so are, after the
     reduction at ZeRO stage 2, those another replica owns (`ray_dhp.parallel.zero`)."""
     out = {}
     if engine.visual is not None:
-        out.update({f"model.visual.{n}": p.grad.detach().clone() for n, p in engine.visual.named_parameters()
+        out.update({f"model.visual.{n}": _full(p.grad) for n, p in engine.visual.named_parameters()
                     if p.requires_grad and p.grad is not None})
     if engine.text_model is not None:
         for n, p in engine.text_model.named_parameters():
             if not p.requires_grad or p.grad is None:
                 continue
-            g = p.grad
-            out[n] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+            out[n] = _full(p.grad)
     return out
+
+
+def _full(g: torch.Tensor) -> torch.Tensor:
+    """A detached copy of ``g``, unsharded (a DTensor's ``full_tensor``: collective)."""
+    return (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
 
 
 def capture_grads(engine) -> list:

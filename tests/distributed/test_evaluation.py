@@ -124,10 +124,15 @@ LAYOUTS = {
     "collocated-dp2": dict(placement="collocated", vision_dp=2, vision_sp=1, text_dp=2, text_tp=1),
     "collocated-dp2-budget": dict(placement="collocated", vision_dp=2, vision_sp=1, text_dp=2,
                                   text_tp=1),
+    # ZeRO stage 3 for both modules: FSDP2's all-gathers in every evaluation forward, the ViT's
+    # on a replica without images too (`ray_dhp.parallel.fsdp_vision`)
+    "collocated-dp2-stage3": dict(placement="collocated", vision_dp=2, vision_sp=1, text_dp=2,
+                                  text_tp=1, vision_zero=3, text_zero=3),
 }
+SLOW = ("budget", "stage3")
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=(pytest.mark.slow,) if n.endswith("budget") else ())
+@pytest.mark.parametrize("name", [pytest.param(n, marks=(pytest.mark.slow,) if n.endswith(SLOW) else ())
                                   for n in LAYOUTS])
 def test_eval_loss_matches_reference_and_leaves_training_unchanged(name, data):
     steps, val, ref = data

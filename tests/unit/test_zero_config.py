@@ -23,6 +23,8 @@ def test_default_is_stage_1_where_a_module_has_replicas():
                     vision=ModuleParallel(sequence_parallel=2, zero_stage=2),
                     text=ModuleParallel(data_parallel=2, zero_stage=3))
     assert (cfg.topology().vision.zero_stage, cfg.topology().text.zero_stage) == (2, 3)
+    t = _layout(vision_dp=1, vision_sp=4, vision_zero=3)  # FSDP2 over the SP ranks alone
+    assert t.vision.zero_stage == 3
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -31,7 +33,9 @@ def test_default_is_stage_1_where_a_module_has_replicas():
     (dict(text_dp=1, text_tp=4, text_zero=1), r"text.zero_stage=1 .* only one; set text.data_parallel"),
     (dict(vision_dp=1, vision_sp=1, placement="disjoint", vision_zero=2),
      r"vision.zero_stage=2 .* only one"),
-    (dict(vision_zero=3), r"vision.zero_stage=3 is not supported"),
+    (dict(vision_zero=3, vision_offload=True),
+     r"vision.optimizer_offload=true needs plain parameters, but vision has zero_stage=3 .* set "
+     r"vision.zero_stage <= 2, or vision.optimizer_offload=false"),
 ])
 def test_bad_stages_fail_naming_the_key(kw, match):
     with pytest.raises(ValueError, match=match):
