@@ -8,9 +8,9 @@ checkpoint (pinned host memory on GPU, so the device-to-host copies run at full 
 `BackgroundWriter.reserve` allocates and touches them before the first save point (the built-in
 loop calls it after the run's first step, once the AdamW moments exist), so a save point's
 blocked window holds the copies only, not the allocation and first-touch page faults of a
-fresh copy of the state (measured on this machine's VM: ~10x the copy itself); a
-DTensor's local shard is copied and re-wrapped with the same sharding, so the checkpoint keeps
-its layout-independent DCP form. The buffers are one copy of the rank's checkpoint state:
+fresh copy of the state (3-10x the copy itself on the 2-core test VM,
+`benchmarks/checkpoint_io.py`); a DTensor's local shard is copied and re-wrapped with the same
+sharding, so the checkpoint keeps its layout-independent DCP form. The buffers are one copy of the rank's checkpoint state:
 ``ray-dhp plan`` counts them per rank ("checkpoint staging", host memory).
 
 A thread then writes the snapshot (`ray_dhp.checkpointing.checkpoint.write`: DCP shards with
