@@ -349,8 +349,8 @@ def summarise(result: dict) -> None:
     result["save_s"] = {k: save[k] for k in SAVES}
     result["load_s"] = {k: _median(raw["loads"][k]) for k in LOADS}
     result["blocked_cpu_s"] = {k: _median([p[k]["cpu"] for p in pairs]) for k in ("memcpy", "async")}
-    # CPU seconds of each write (process-wide, slowest rank): the work a contender adds, which
-    # the shared machine's waits for cores and disk do not blur
+    # process CPU seconds of each write (slowest rank; kernel time included: page-cache copies,
+    # reclaim), beside the wall seconds that the shared machine's waits stretch
     cpu = result["write_cpu_s"] = {  # None: a run from before it was recorded
         k: _median([x["write_cpu"] for x in raw["saves"][k]])
         if all("write_cpu" in x for x in raw["saves"][k]) else None for k in SAVES if k != "memcpy"}
