@@ -9,15 +9,20 @@ DTensors, in bf16: 3.3 GiB of state in total (weights only: the shared 24 GiB ma
 two ranks' AdamW state plus a staging copy; the cost per byte is what is compared). Contenders
 for a save:
 
-* ``memcpy`` — copying the state once in memory into preallocated buffers (the reference for the
-  asynchronous path's goal: blocked <= 1.5x this);
+* ``memcpy`` — copying the state once in memory into the staging buffers (the reference for
+  the asynchronous path's goal: blocked <= 1.5x this), measured beside each ``async`` staging:
+  ``PAIRS`` adjacent (memcpy, staging) pairs per round, in alternating order, into the same
+  buffers (allocated and touched once before round 1, as `BackgroundWriter.reserve` does in a
+  run), each pair's wall and CPU seconds and page faults recorded; the first staging, which
+  allocates the buffers, is recorded apart (``first_staging_per_rank``);
 * ``dcp`` — plain ``dcp.save`` (fsynced files), no integrity layer;
 * ``sync-before`` — the former save: ``dcp.save``, then every written file read back for its
   SHA-256, then the commit;
 * ``sync`` — ours, synchronous: checksums computed while DCP writes, commit
   (`ray_dhp.checkpointing.checkpoint.write`);
-* ``async`` — ours, background (`ray_dhp.checkpointing.staging`): blocked = staging into reused
-  host buffers; durable = until every rank's thread has committed.
+* ``async`` — ours, background (`ray_dhp.checkpointing.staging`): blocked = staging into the
+  reused host buffers (median of the round's pairs); durable = that plus the write in a thread
+  until every rank has committed.
 
 and for a load (into the same, already allocated tensors): ``dcp`` (plain ``dcp.load``),
 ``sync-before`` (SHA-256 of every file, split over the ranks, then ``dcp.load``), ``ours``
@@ -26,9 +31,15 @@ written, so loads read from the page cache (a cold read adds the storage's read 
 three alike; the former path read every byte twice).
 
 Part 2 (2 ranks, collocated SP=2 / TP=2, the ``vitheavy-wide`` model of `benchmarks.shapes`, fp32,
-each in fresh processes): peak RSS and time to the end of the first step of a fresh start, of a
-resume onto an unfilled (meta-built) engine (ours), and of the former resume (initial weights
-built first, then overwritten by the load).
+each in fresh processes): peak RSS to the end of the second step (``STEPS``: a fresh start's
+first step runs without AdamW moments, which its first update creates; a resumed run has them
+from the load on, so its first step is any later step's; the peak after step 1 is recorded
+too) and time to the end of the first step, of a fresh start, of a resume onto an unfilled
+(meta-built) engine (ours), and of the former resume (initial weights built first, then
+overwritten by the load). The fresh start then writes the checkpoint the resumes load through
+`BackgroundWriter` (``staging_on_engine``: seconds to reserve the buffers, a save point's
+blocked time — capture of the engine's state plus staging — and one plain copy of the same
+tensors).
 
 Part 3: checksum rates in memory (one core): SHA-256, zlib CRC32, XXH3-128.
 
@@ -46,6 +57,8 @@ import resource
 import shutil
 import tempfile
 import time
+
+from benchmarks.checkpoint_resume import RESUMES, _resume_body, _resume_goal, _resume_rows, run_resume
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 GIB = 1024 ** 3
@@ -104,23 +117,76 @@ def _sha256_files(d: str, names) -> None:
                 h.update(b)
 
 
-def _save_one(kind: str, state: dict, d: str, buffers: dict, writer) -> dict:
+def _window(fn) -> dict:
+    """Run ``fn()``; its wall seconds, this thread's CPU seconds and the process's page faults
+    (a wall time far above the CPU time: the thread waited, e.g. for a core of the shared
+    machine; minor faults: pages touched for the first time)."""
+    r0, c0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.thread_time(), time.perf_counter()
+    fn()
+    wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    return {"wall": wall, "cpu": cpu, "minflt": r1.ru_minflt - r0.ru_minflt,
+            "majflt": r1.ru_majflt - r0.ru_majflt}
+
+
+def _memcpy(state: dict, buffers: dict) -> None:
+    for k, v in state["model"].items():
+        buffers[f"/model/{k}"].copy_(v._local_tensor)
+
+
+PAIRS = 3  # memcpy / staging pairs per round (each one in-memory copy of the state)
+
+
+def _async_one(state: dict, d: str, buffers: dict, writer, snap_meta, r: int) -> dict:
+    """The asynchronous save: ``PAIRS`` adjacent pairs of (one plain in-memory copy of the
+    state, the staging of the save) into the same reused buffers, in alternating order, then
+    the background write of the last staged snapshot. Both contenders of a pair see the same
+    machine state (the same preceding write, the same neighbours)."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from ray_dhp.checkpointing import checkpoint
+    from ray_dhp.checkpointing.staging import stage
+
+    pairs, snap = [], None
+    for i in range(PAIRS):
+        out = {}
+
+        def staging():
+            nonlocal snap
+            snap = checkpoint.Snapshot(stage(state, buffers, pin=False),
+                                       {"torch": torch.get_rng_state()}, snap_meta)
+
+        for kind in (("memcpy", "async") if (r + i) % 2 == 0 else ("async", "memcpy")):
+            dist.barrier()
+            out[kind] = _window(staging if kind == "async" else lambda: _memcpy(state, buffers))
+        pairs.append(out)
+    dist.barrier()
+    c0, t0 = time.process_time(), time.perf_counter()
+    t = threading.Thread(target=checkpoint.write, args=(d, snap, writer.group))
+    t.start()
+    t.join()
+    write, cpu = time.perf_counter() - t0, time.process_time() - c0
+    blocked = _barrier_max(_median([p["async"]["wall"] for p in pairs]))
+    return {"blocked": blocked, "durable": blocked + _barrier_max(write),
+            "write_cpu": _barrier_max(cpu), "pairs": pairs}
+
+
+def _save_one(kind: str, state: dict, d: str, buffers: dict, writer, r: int) -> dict:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     from ray_dhp.checkpointing import checkpoint, integrity
-    from ray_dhp.checkpointing.staging import stage
 
     rank = dist.get_rank()
     snap_meta = {"format_version": checkpoint.FORMAT_VERSION, "step": 1} if rank == 0 else None
+    if kind == "async":  # the step is blocked only while staging
+        return _async_one(state, d, buffers, writer, snap_meta, r)
     dist.barrier()
-    t0 = time.perf_counter()
-    if kind == "memcpy":
-        for k, v in state["model"].items():
-            buffers[f"/model/{k}"].copy_(v._local_tensor)
-        blocked = time.perf_counter() - t0
-        return {"blocked": _barrier_max(blocked), "durable": _barrier_max(blocked)}
+    c0, t0 = time.process_time(), time.perf_counter()
     if kind == "dcp":
         dcp.save(state, checkpoint_id=d)
     elif kind == "sync-before":
@@ -131,21 +197,11 @@ def _save_one(kind: str, state: dict, d: str, buffers: dict, writer) -> dict:
         if rank == 0:
             _sha256_files(d, [".metadata"])
             integrity.commit(d, {**snap_meta, "files": {}})
-    elif kind == "sync":
+    else:  # sync
         checkpoint.write(d, checkpoint.Snapshot(state, {"torch": torch.get_rng_state()}, snap_meta))
-    else:  # async: the step is blocked only while staging
-        import threading
-
-        snap = checkpoint.Snapshot(stage(state, buffers, pin=False), {"torch": torch.get_rng_state()},
-                                   snap_meta)
-        blocked = time.perf_counter() - t0
-        t = threading.Thread(target=checkpoint.write, args=(d, snap, writer.group))
-        t.start()
-        t.join()
-        total = time.perf_counter() - t0
-        return {"blocked": _barrier_max(blocked), "durable": _barrier_max(total)}
-    total = time.perf_counter() - t0
-    return {"blocked": _barrier_max(total), "durable": _barrier_max(total)}
+    total, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"blocked": _barrier_max(total), "durable": _barrier_max(total),
+            "write_cpu": _barrier_max(cpu)}
 
 
 def _load_one(kind: str, state: dict, d: str) -> float:
@@ -156,7 +212,7 @@ def _load_one(kind: str, state: dict, d: str) -> float:
     from ray_dhp.checkpointing.hashing import VerifyingReader
 
     dist.barrier()
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     if kind == "dcp":
         dcp.load(state, checkpoint_id=d)
     elif kind == "sync-before":
@@ -178,64 +234,31 @@ def _io_body(rank, world, shapes, repeats, root):
     state = _state(shapes, rank, world)
     writer = BackgroundWriter("cpu")
     buffers: dict = {}
-    stage(state, buffers, pin=False)  # allocate the staging buffers once (as a run does)
+    dist.barrier()
+    # The first staging allocates the buffers: what every save point would pay without
+    # BackgroundWriter.reserve (the run allocates them once, after its first step).
+    first = _window(lambda: stage(state, buffers, pin=False))
     local_bytes = staged_bytes(buffers)
-    saves = {k: [] for k in SAVES}
+    writes = [k for k in SAVES if k != "memcpy"]  # memcpy is measured beside each staging
+    saves = {k: [] for k in writes}
     loads = {k: [] for k in LOADS}
     d = os.path.join(root, "ckpt")
     for r in range(repeats):
-        order = SAVES[r % len(SAVES):] + SAVES[:r % len(SAVES)]
-        for kind in order:
+        for kind in writes[r % len(writes):] + writes[:r % len(writes)]:
             if rank == 0:
                 shutil.rmtree(d, ignore_errors=True)
             dist.barrier()
-            saves[kind].append(_save_one(kind, state, d, buffers, writer))
+            saves[kind].append(_save_one(kind, state, d, buffers, writer, r))
         if rank == 0:  # the last write is ours (sync or async): a complete checkpoint to load
             shutil.rmtree(d, ignore_errors=True)
         dist.barrier()
-        _save_one("sync", state, d, buffers, writer)
+        _save_one("sync", state, d, buffers, writer, r)
         for kind in LOADS[r % len(LOADS):] + LOADS[:r % len(LOADS)]:
             loads[kind].append(_load_one(kind, state, d))
     files = sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d) if n.endswith(".distcp"))
     return {"saves": saves, "loads": loads, "local_bytes": local_bytes, "distcp_bytes": files,
+            "first_staging": first,
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-
-
-# -- part 2: resume memory ---------------------------------------------------------------------
-
-RESUME_LAYOUT = dict(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1, text_tp=2)
-
-
-def _resume_body(rank, world, mode, root, tiny):
-    import torch
-
-    from benchmarks.shapes import make_batch, model_config
-    from ray_dhp.checkpointing import checkpoint
-    from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.step.mesh import build_groups
-    from ray_dhp.step.topology import Topology
-    from ray_dhp.train.loop_config import TrainLoopConfig
-
-    config = model_config("vitheavy" if tiny else "vitheavy-wide")
-    groups = build_groups(Topology.build(**RESUME_LAYOUT), torch.device("cpu"))
-    cfg = TrainLoopConfig(global_batch_size=2, seed=0, lr=1e-4)
-    batch = make_batch(2, 64, config)
-    t0 = time.perf_counter()
-    init = "checkpoint" if mode == "resume" else "source"
-    engine = DHPEngine(config, groups, cfg, init=init)
-    if mode != "fresh":
-        checkpoint.load(os.path.join(root, "resume_ckpt"), engine)
-    out = engine.step([batch])
-    t = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    if mode == "fresh":  # the checkpoint the resumes load (after the measurement)
-
-        class _Pos:
-            def state_dict(self):
-                return {}
-
-        checkpoint.save(os.path.join(root, "resume_ckpt"), engine, _Pos())
-    return {"peak_rss": peak, "time_to_first_step_s": t, "loss": float(out["loss"])}
 
 
 def _rates(tiny: bool) -> dict:
@@ -258,32 +281,26 @@ def _rates(tiny: bool) -> dict:
     return out
 
 
+def _pairs(io) -> list:
+    """Every (memcpy, staging) pair of the asynchronous contender, each metric the slowest
+    rank's (the step waits for the slowest)."""
+    out = []
+    for r, sample in enumerate(io[0]["saves"]["async"]):
+        for i in range(len(sample["pairs"])):
+            every = [o["saves"]["async"][r]["pairs"][i] for o in io]
+            out.append({k: {m: max(e[k][m] for e in every) for m in every[0][k]}
+                        for k in ("memcpy", "async")})
+    return out
+
+
+def _cpu_ratio(pairs) -> float:
+    """Median over the pairs of staging CPU seconds / memcpy CPU seconds."""
+    return _median([p["async"]["cpu"] / max(p["memcpy"]["cpu"], 1e-9) for p in pairs])
+
+
 def _median(xs):
     xs = sorted(xs)
     return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
-
-
-def run_resume(out_dir: str, tiny: bool) -> dict:
-    """Part 2 alone (``--only resume``): the resume memory, re-measured after a change."""
-    from ray_dhp.train.launch import spawn
-
-    root = tempfile.mkdtemp(prefix="ckpt_io_", dir=os.environ.get("CKPT_IO_DIR"))
-    try:
-        resume = {m: spawn(_resume_body, 2, (m, root, tiny)) for m in ("fresh", "resume", "resume-before")}
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    result = {"date": datetime.date.today().isoformat(), "layout": RESUME_LAYOUT,
-              "model": "vitheavy" if tiny else "vitheavy-wide",
-              "resume": {m: {"peak_rss_per_rank": [o["peak_rss"] for o in outs],
-                             "time_to_first_step_s": max(o["time_to_first_step_s"] for o in outs),
-                             "loss": outs[0]["loss"]} for m, outs in resume.items()}}
-    result["resume_peak_over_fresh"] = (max(result["resume"]["resume"]["peak_rss_per_rank"])
-                                        / max(result["resume"]["fresh"]["peak_rss_per_rank"]))
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"checkpoint-io-resume{'-tiny' if tiny else ''}-cpu2-"
-                                    f"{result['date']}.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    return result
 
 
 def run(repeats: int, out_dir: str, tiny: bool) -> dict:
@@ -294,37 +311,58 @@ def run(repeats: int, out_dir: str, tiny: bool) -> dict:
         shapes = _shapes(tiny)
         params = sum(__import__("math").prod(s) for s in shapes.values())
         io = spawn(_io_body, 2, (shapes, repeats, root))
-        resume = {m: spawn(_resume_body, 2, (m, root, tiny)) for m in ("fresh", "resume", "resume-before")}
+        resume = {m: spawn(_resume_body, 2, (m, root, tiny)) for m in RESUMES}
     finally:
         shutil.rmtree(root, ignore_errors=True)
     r0 = io[0]
-    save = {k: {m: _median([x[m] for x in r0["saves"][k]]) for m in ("blocked", "durable")}
-            for k in SAVES}
-    load = {k: _median(r0["loads"][k]) for k in LOADS}
     result = {
         "date": datetime.date.today().isoformat(), "machine": "2 CPU cores, gloo, shared (noisy)",
         "params_total": params, "dtype": "bfloat16", "ranks": 2,
         "state_bytes_per_rank": [o["local_bytes"] for o in io],
         "shard_file_bytes_total": r0["distcp_bytes"], "repeats": repeats,
-        "save_s": save, "load_s": load, "raw": {"saves": r0["saves"], "loads": r0["loads"]},
+        "raw": {"saves": r0["saves"], "loads": r0["loads"]},
         "io_peak_rss_per_rank": [o["peak_rss"] for o in io],
-        "resume": {m: {"peak_rss_per_rank": [o["peak_rss"] for o in outs],
-                       "time_to_first_step_s": max(o["time_to_first_step_s"] for o in outs),
-                       "loss": outs[0]["loss"]} for m, outs in resume.items()},
+        "staging_pairs": _pairs(io), "pairs_per_round": PAIRS,
+        "first_staging_per_rank": [o["first_staging"] for o in io],
+        "resume": _resume_rows(resume), "staging_on_engine": resume["fresh"][0]["staging"],
         "hash_rates_gib_s": _rates(tiny),
     }
-    result["goals"] = {
-        "async_blocked_over_memcpy": save["async"]["blocked"] / save["memcpy"]["blocked"],
-        "integrity_overhead_vs_dcp_save": save["sync"]["durable"] / save["dcp"]["durable"] - 1,
-        "resume_peak_over_fresh": max(result["resume"]["resume"]["peak_rss_per_rank"])
-        / max(result["resume"]["fresh"]["peak_rss_per_rank"]),
-    }
+    summarise(result)
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, f"checkpoint-io{'-tiny' if tiny else ''}-cpu2-{result['date']}")
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=1)
     _plot(result, stem + ".png")
     return result
+
+
+def summarise(result: dict) -> None:
+    """Add the medians and the goals to ``result`` from its raw samples (``raw``: rank 0's
+    writes and loads, each already the slowest rank's; ``staging_pairs``)."""
+    raw, pairs = result["raw"], result["staging_pairs"]
+    save = {k: {m: _median([x[m] for x in raw["saves"][k]]) for m in ("blocked", "durable")}
+            for k in SAVES if k != "memcpy"}
+    # memcpy and staging: the median over the same pairs (the step is blocked by one staging)
+    for k in ("memcpy", "async"):
+        save.setdefault(k, {})["blocked"] = _median([p[k]["wall"] for p in pairs])
+    save["memcpy"]["durable"] = save["memcpy"]["blocked"]
+    result["save_s"] = {k: save[k] for k in SAVES}
+    result["load_s"] = {k: _median(raw["loads"][k]) for k in LOADS}
+    result["blocked_cpu_s"] = {k: _median([p[k]["cpu"] for p in pairs]) for k in ("memcpy", "async")}
+    # process CPU seconds of each write (slowest rank; kernel time included: page-cache copies,
+    # reclaim), beside the wall seconds that the shared machine's waits stretch
+    cpu = result["write_cpu_s"] = {  # None: a run from before it was recorded
+        k: _median([x["write_cpu"] for x in raw["saves"][k]])
+        if all("write_cpu" in x for x in raw["saves"][k]) else None for k in SAVES if k != "memcpy"}
+    result["goals"] = {
+        "async_blocked_over_memcpy": save["async"]["blocked"] / save["memcpy"]["blocked"],
+        "async_blocked_over_memcpy_per_pair_median": _median(
+            [p["async"]["wall"] / p["memcpy"]["wall"] for p in pairs]),
+        "async_blocked_cpu_over_memcpy_cpu": _cpu_ratio(pairs),
+        "integrity_overhead_vs_dcp_save": save["sync"]["durable"] / save["dcp"]["durable"] - 1,
+        "integrity_cpu_overhead_vs_dcp_save": cpu["sync"] / cpu["dcp"] - 1 if cpu["dcp"] else None,
+        **_resume_goal(result["resume"]),
+    }
 
 
 def _plot(result: dict, path: str) -> None:

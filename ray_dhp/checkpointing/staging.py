@@ -4,9 +4,13 @@
 (`ray_dhp.checkpointing.checkpoint.capture`: parameters or fp32 masters, AdamW moments,
 schedule positions, RNG states) into host buffers — a consistent snapshot, since the next step
 updates the live tensors in place. The buffers are allocated once and reused by every later
-checkpoint (pinned host memory on GPU, so the device-to-host copies run at full bandwidth); a
-DTensor's local shard is copied and re-wrapped with the same sharding, so the checkpoint keeps
-its layout-independent DCP form. The buffers are one copy of the rank's checkpoint state:
+checkpoint (pinned host memory on GPU, so the device-to-host copies run at full bandwidth);
+`BackgroundWriter.reserve` allocates and touches them before the first save point (the built-in
+loop calls it after the run's first step, once the AdamW moments exist), so a save point's
+blocked window holds the copies only, not the allocation and first-touch page faults of a
+fresh copy of the state (3-10x the copy itself on the 2-core test VM,
+`benchmarks/checkpoint_io.py`); a DTensor's local shard is copied and re-wrapped with the same
+sharding, so the checkpoint keeps its layout-independent DCP form. The buffers are one copy of the rank's checkpoint state:
 ``ray-dhp plan`` counts them per rank ("checkpoint staging", host memory).
 
 A thread then writes the snapshot (`ray_dhp.checkpointing.checkpoint.write`: DCP shards with
@@ -64,6 +68,22 @@ class BackgroundWriter:
         self.buffers: dict = {}
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
+
+    def reserve(self, engine) -> float:
+        """Allocate the staging buffers for ``engine``'s checkpoint state now, outside a save
+        point, and touch every page (by staging the state once); returns the seconds taken. A
+        tensor that appears later (or changes shape) is still allocated at the save point.
+        Call it at the same point on every rank (the optimizer state dict may be collective)."""
+        import time
+
+        from ray_dhp.checkpointing.checkpoint import train_state
+
+        t0 = time.perf_counter()
+        pin = self.device.type == "cuda"
+        stage(train_state(engine), self.buffers, pin)
+        if pin:
+            torch.cuda.current_stream(self.device).synchronize()
+        return time.perf_counter() - t0
 
     def start(self, directory: str, engine, sampler, processor=None,
               on_written: Optional[Callable[[], None]] = None) -> float:

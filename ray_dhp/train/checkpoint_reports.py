@@ -46,6 +46,14 @@ class CheckpointReports:
         self._pending = None  # (temporary directory, metrics, step) of the write in flight
         self.last_blocked_s: Optional[float] = None  # seconds the last save point held the step
 
+    def reserve(self, engine) -> None:
+        """After the run's first step (the AdamW moments exist): allocate the staging buffers
+        now, so that no save point's blocked time includes allocating them (asynchronous
+        only; collective)."""
+        if self.writer is not None and not self.writer.buffers:
+            seconds = self.writer.reserve(engine)
+            logger.debug("checkpoint staging buffers allocated in %.2f s", seconds)
+
     def save(self, metrics: dict, engine, loader, processor=None) -> None:
         """A save point: the checkpoint of ``engine`` now, reported with ``metrics``."""
         import time

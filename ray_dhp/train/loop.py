@@ -103,6 +103,8 @@ def _train(cfg: TrainLoopConfig, ctx, loader, processor, hook, trackers, eval_lo
         data_wait += time.perf_counter() - t0
         out = engine.step(micro_batches)
         window_time += time.perf_counter() - t0
+        if step == first:  # outside the timed window, once: the async save's host buffers
+            reports.reserve(engine)
         window_tokens += sum(int(s.input_ids.numel()) for mb in micro_batches for s in mb)
         window_patches += sum(int(s.image_grid_thw.prod(-1).sum()) for mb in micro_batches for s in mb
                               if s.image_grid_thw is not None)

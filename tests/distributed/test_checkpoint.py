@@ -76,15 +76,20 @@ def _train_body(rank, world, layout, cfg, data, model, resume_from, stop, save_a
     first = checkpoint.load(resume_from, engine, sampler) if resume_from else 0
     params0 = engine.named_full_parameters()
     writer = BackgroundWriter(groups.device) if save_at else None
-    history, at_save = [], {}
+    history, at_save, reserved = [], {}, None
     for _ in range(first, stop):
         history.append(engine.step(sampler.next_step()))
+        if writer is not None and reserved is None:  # as the built-in loop: after the first step
+            writer.reserve(engine)
+            reserved = {k: b.data_ptr() for k, b in writer.buffers.items()}
         if engine.step_count in save_at:
             at_save[engine.step_count] = engine.named_full_parameters()
             writer.start(os.path.join(ckpt_root, f"checkpoint_{engine.step_count:06d}"), engine,
                          sampler, processor=demo.tiny_processor(FAMILY))
     if writer is not None:
         writer.wait()
+        # every save staged into the buffers reserved after the first step: none allocated later
+        assert {k: b.data_ptr() for k, b in writer.buffers.items()} == reserved
     logits = _text_logits(engine, probe) if probe is not None and engine.text_model is not None else None
     return {"first": first, "history": history, "params0": params0, "at_save": at_save,
             "params": engine.named_full_parameters(), "logits": logits}
