@@ -111,6 +111,15 @@ def merge_ranks(outs: list) -> dict:
     return {"history": outs[0]["history"], "params": params, "params0": params0, "per_rank": outs}
 
 
+def moe_layout(placement: str, vision: tuple, text: tuple, ep: int = 1) -> dict:
+    """A layout dict for `run_engine`: ``vision=(sp, dp)``, ``text=(tp, dp)``, expert parallelism ``ep``."""
+    (sp, vdp), (tp, tdp) = vision, text
+    out = dict(placement=placement, vision_dp=vdp, vision_sp=sp, text_dp=tdp, text_tp=tp)
+    if ep > 1:
+        out["text_ep"] = ep
+    return out
+
+
 def run_engine(family: str, layout: dict, cfg: TrainLoopConfig, steps, dtype=None,
                schedule: str = "sequential", *, grads: bool = False, drift=(), model=None) -> dict:
     """Run the DHP engine on spawned ranks; ``grads``: also record the clipped gradients of every

@@ -24,20 +24,13 @@ import torch
 from ray_dhp import demo
 from ray_dhp.models.qwen3_vl_moe import sparse_layers
 from ray_dhp.train.loop_config import TrainLoopConfig
+from tests.distributed.parity import moe_layout as _layout
 from tests.distributed.parity import assert_parity, make_steps, run_engine, run_reference
 
 FAMILY = "qwen3_vl_moe"
 CFG = TrainLoopConfig(lr=1e-3, global_batch_size=8, micro_batches=2, num_steps=3,
                       max_grad_norm=0.5, weight_decay=0.1, lr_schedule="cosine", warmup_steps=1)
 TOLS = dict(loss_tol=1e-8, param_tol=1e-10, update_tol=1e-10, grad_tol=1e-10)
-
-
-def _layout(placement, vision, text, ep=1):
-    (sp, vdp), (tp, tdp) = vision, text
-    out = dict(placement=placement, vision_dp=vdp, vision_sp=sp, text_dp=tdp, text_tp=tp)
-    if ep > 1:
-        out["text_ep"] = ep
-    return out
 
 
 @pytest.fixture(scope="module")

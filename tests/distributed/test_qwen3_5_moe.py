@@ -43,6 +43,7 @@ import torch
 
 from ray_dhp import demo
 from ray_dhp.models.qwen3_5_moe import sparse_layers
+from tests.distributed.parity import moe_layout as _layout
 from tests.distributed.parity import assert_parity, copy_errors, make_steps, run_engine, run_reference
 from tests.distributed.test_parity import CFG
 
@@ -50,14 +51,6 @@ FAMILY = "qwen3_5_moe"
 FP32_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "input_layernorm.weight",
               "post_attention_layernorm.weight", "language_model.norm.weight", "linear_attn.A_log")
 TOL, FP32_TOL = 1e-10, 1e-5
-
-
-def _layout(placement, vision, text, ep=1):
-    (sp, vdp), (tp, tdp) = vision, text
-    out = dict(placement=placement, vision_dp=vdp, vision_sp=sp, text_dp=tdp, text_tp=tp)
-    if ep > 1:
-        out["text_ep"] = ep
-    return out
 
 
 CASES = {  # id: (layout, config changes)
