@@ -38,7 +38,7 @@ import torch
 
 __all__ = ["AUDIO_PLACEHOLDER", "AUDIO_PAD", "AudioError", "AudioSettings", "audio_paths",
            "decode_audio", "audio_features", "audio_tokens", "encode_audio", "find_audio_record",
-           "record_audio"]
+           "record_audio", "refusal", "refuse_audio"]
 
 AUDIO_PLACEHOLDER = "<audio>"
 AUDIO_PAD = "<|AUDIO|>"
@@ -183,3 +183,22 @@ def record_audio(data: dict, data_root, n_placeholders: int, feature_extractor,
     lengths = torch.tensor([f.shape[1] for f in feats], dtype=torch.long)
     pads = [AUDIO_PAD * int(audio_tokens(n)) for n in lengths.tolist()]
     return torch.cat(feats, dim=1), lengths, pads
+
+
+def refusal(where: str, family: Optional[str] = None, has_encoder: bool = True) -> str:
+    """Why a record with audio cannot train with the ``family`` model (None: any model) today."""
+    why = ("the audio encoder is not yet supported by the engine (issue #33)" if has_encoder
+           else f"the {family} family has no audio encoder")
+    return (f"{where}: the record has an 'audio' key, but {why}; drop the 'audio' key and the "
+            "<audio> placeholders of such records (or filter them out) to train on the others")
+
+
+def refuse_audio(paths, family: str, has_encoder: bool) -> None:
+    """Driver-side check, before any worker starts: ValueError naming the first record (file and
+    line) of the annotation files or folders ``paths`` that has an ``"audio"`` key."""
+    from ray_dhp.data.reading import _expand
+
+    for path in _expand(list(paths)):
+        line = find_audio_record(path)
+        if line is not None:
+            raise ValueError(refusal(f"{path}:{line}", family, has_encoder))

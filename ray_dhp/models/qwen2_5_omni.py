@@ -21,3 +21,16 @@ SPEC = FamilySpec(
                    "computes each sample's positions with",
     audio=True,
 )
+
+
+def audio_forward(audio_tower, input_features, feature_attention_mask):
+    """``[tokens, output_dim]``: the audio tower on collated clips (`ray_dhp.data.collate.
+    audio_inputs`: ``[clips, n_mels, frames]`` and the ``[clips, frames]`` mask), one row per
+    ``<|AUDIO|>`` pad of the clips in order — what the thinker's ``get_audio_features`` computes
+    (the masked columns concatenated along time, per-clip lengths before and after the convs),
+    for the engine to run as a module of its own."""
+    lengths = feature_attention_mask.sum(-1)
+    flat = input_features.permute(0, 2, 1)[feature_attention_mask.bool()].permute(1, 0)
+    after_cnn, _ = audio_tower._get_feat_extract_output_lengths(lengths)
+    flat = flat.to(audio_tower.conv1.weight.dtype)
+    return audio_tower(flat, feature_lens=lengths, aftercnn_lens=after_cnn).last_hidden_state
