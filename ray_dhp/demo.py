@@ -232,13 +232,15 @@ def tiny_model_config(family: str = "qwen2_5_vl", *, tie_word_embeddings: bool =
         tie_word_embeddings: share one weight between the input embedding and ``lm_head`` (as
             Qwen2.5-VL-3B and the small Qwen3-VL models do).
 
-    ``"qwen2_5_omni"``: the Qwen2.5-Omni *thinker* (`ray_dhp.demo_audio.tiny_omni_config`).
+    ``"qwen2_5_omni"``: the Qwen2.5-Omni *thinker* (`ray_dhp.demo_audio.omni_config`).
     """
     _check_family(family)
     if family in AUDIO_FAMILIES:
-        from ray_dhp.demo_audio import tiny_omni_config
+        from ray_dhp.demo_audio import omni_config, omni_tokenizer
 
-        return tiny_omni_config()
+        tok = omni_tokenizer(build_tokenizer(), CHAT_TEMPLATE)
+        return omni_config(tok, _token_ids(), _text_config(_token_ids(), -(-len(tok) // 8) * 8),
+                           _vision_config("qwen2_5_vl"))
     from transformers import (Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3_5Config, Qwen3_5MoeConfig,
                               Qwen3VLConfig, Qwen3VLMoeConfig)
 
@@ -286,13 +288,14 @@ def tiny_processor(family: str = "qwen2_5_vl", *, min_side: int = 56, max_side: 
         min_side: side of the smallest image area, in pixels.
         max_side: side of the largest image area, in pixels.
 
-    ``"qwen2_5_omni"``: with an audio feature extractor (`ray_dhp.demo_audio.tiny_omni_processor`).
+    ``"qwen2_5_omni"``: with an audio feature extractor (`ray_dhp.demo_audio.omni_processor`).
     """
     _check_family(family)
     if family in AUDIO_FAMILIES:
-        from ray_dhp.demo_audio import tiny_omni_processor
+        from ray_dhp.demo_audio import omni_processor, omni_tokenizer
 
-        return tiny_omni_processor(min_side=min_side, max_side=max_side)
+        images = tiny_processor("qwen2_5_vl", min_side=min_side, max_side=max_side).image_processor
+        return omni_processor(omni_tokenizer(build_tokenizer(), CHAT_TEMPLATE), images)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from ray_dhp.data.processing import VLProcessor

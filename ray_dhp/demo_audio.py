@@ -1,7 +1,8 @@
 """The demo's audio side: a tiny Qwen2.5-Omni thinker, its processor, and a generated clip set.
 
-* `tiny_omni_config` / `tiny_omni_processor` (reached as ``demo.tiny_model_config("qwen2_5_omni")``
-  / ``demo.tiny_processor("qwen2_5_omni")``): the *thinker* of Qwen2.5-Omni
+* `omni_tokenizer` / `omni_config` / `omni_processor`, called by
+  ``demo.tiny_model_config("qwen2_5_omni")`` / ``demo.tiny_processor("qwen2_5_omni")`` with the
+  demo's own parts (this module does not import `ray_dhp.demo`): the *thinker* of Qwen2.5-Omni
   (``Qwen2_5OmniThinkerForConditionalGeneration``: Whisper-style audio encoder, the Qwen2.5-VL
   ViT, the Qwen2 LM) at the demo's tiny size, built offline from the demo tokenizer plus the
   three Omni audio tokens; the processor adds a Whisper log-mel feature extractor.
@@ -20,13 +21,12 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["AUDIO_TOKENS", "OMNI_CHAT_TEMPLATE", "build_omni_tokenizer", "tiny_omni_config",
-           "tiny_omni_processor", "tone", "write_wav", "make_audio_dataset", "SOUNDS"]
+__all__ = ["AUDIO_TOKENS", "omni_template", "omni_tokenizer", "omni_config", "omni_processor",
+           "tone", "write_wav", "make_audio_dataset", "SOUNDS"]
 
 #: Qwen2.5-Omni's audio tokens, appended after the demo tokenizer's vocabulary (ids 371-373).
 AUDIO_TOKENS = ("<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>")
-#: the demo chat template with audio items rendered as Qwen2.5-Omni's template renders them
-#: (``<|audio_bos|><|AUDIO|><|audio_eos|>``).
+#: audio items as Qwen2.5-Omni's template renders them (``<|audio_bos|><|AUDIO|><|audio_eos|>``)
 _AUDIO_BRANCH = ("{% elif item['type'] == 'audio' or 'audio' in item %}"
                  "<|audio_bos|><|AUDIO|><|audio_eos|>")
 SOUNDS = ("low tone", "high tone", "rising chirp", "falling chirp")
@@ -35,30 +35,24 @@ _FREQS = {"low tone": (220.0, 220.0), "high tone": (880.0, 880.0),
 PROMPT = "What do you hear?"
 
 
-def _template() -> str:
-    from ray_dhp.demo import CHAT_TEMPLATE
-
+def omni_template(chat_template: str) -> str:
+    """The demo's chat template with an audio branch (before its text branch)."""
     anchor = "{% elif 'text' in item %}"
-    assert CHAT_TEMPLATE.count(anchor) == 1
-    return CHAT_TEMPLATE.replace(anchor, _AUDIO_BRANCH + anchor)
-
-
-OMNI_CHAT_TEMPLATE = _template()
+    assert chat_template.count(anchor) == 1
+    return chat_template.replace(anchor, _AUDIO_BRANCH + anchor)
 
 
 @functools.lru_cache(maxsize=None)
-def build_omni_tokenizer():
-    """`ray_dhp.demo.build_tokenizer` (same ids) plus `AUDIO_TOKENS` as special tokens, with the
+def omni_tokenizer(base, chat_template: str):
+    """``base`` (the demo tokenizer: same ids) plus `AUDIO_TOKENS` as special tokens, with the
     attributes ``Qwen2_5OmniProcessor`` reads (``audio_token``, ``vision_bos_token``, ...) and
-    `OMNI_CHAT_TEMPLATE`. Cached: do not modify it."""
+    `omni_template` of ``chat_template``. Cached: do not modify it."""
     from transformers import PreTrainedTokenizerFast
 
-    from ray_dhp.demo import build_tokenizer
-
-    base = build_tokenizer()
     tok = PreTrainedTokenizerFast(
         tokenizer_object=copy.deepcopy(base._tokenizer), pad_token=base.pad_token,
-        eos_token=base.eos_token, chat_template=OMNI_CHAT_TEMPLATE, model_max_length=32768,
+        eos_token=base.eos_token, chat_template=omni_template(chat_template),
+        model_max_length=32768,
         extra_special_tokens={
             "image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
             "vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>",
@@ -69,25 +63,21 @@ def build_omni_tokenizer():
     return tok
 
 
-def tiny_omni_config():
-    """A tiny ``Qwen2_5OmniThinkerConfig``: the text and vision parts of
-    ``demo.tiny_model_config("qwen2_5_vl")`` (Qwen2 LM hidden 64, 4+4 heads, 2 layers; windowed
-    ViT hidden 32, 4 heads, depth 4, full attention in blocks 1 and 3) and an audio encoder of
-    128 mel bins, d_model 32, 4 heads, 2 layers, ``n_window`` 25 (attention chunks of 50
-    feature frames, so a 1 s clip spans two), output 64. fp32, dropout 0, sdpa."""
+def omni_config(tok, ids: dict, text: dict, vision: dict):
+    """A tiny ``Qwen2_5OmniThinkerConfig`` from the demo's parts: ``tok`` (`omni_tokenizer`),
+    ``ids`` (the demo's special-token ids), ``text`` and ``vision`` (the Qwen2.5-VL tiny text and
+    vision config dicts: Qwen2 LM hidden 64, 4+4 heads, 2 layers; windowed ViT hidden 32, 4 heads,
+    depth 4, full attention in blocks 1 and 3), and an audio encoder of 128 mel bins, d_model
+    32, 4 heads, 2 layers, ``n_window`` 25 (attention chunks of 50 feature frames, so a 1 s clip
+    spans two), output 64. fp32, dropout 0, sdpa."""
     from transformers import Qwen2_5OmniThinkerConfig
 
-    from ray_dhp.demo import _text_config, _token_ids, _vision_config
-
-    tok = build_omni_tokenizer()
-    ids = _token_ids()
-    text = _text_config(ids, -(-len(tok) // 8) * 8)
-    text.pop("dtype")
+    text = {k: v for k, v in text.items() if k != "dtype"}
     audio = {"num_mel_bins": 128, "encoder_layers": 2, "encoder_attention_heads": 4,
              "encoder_ffn_dim": 64, "d_model": 32, "output_dim": 64, "n_window": 25,
              "max_source_positions": 1500, "dropout": 0.0, "attention_dropout": 0.0,
              "activation_dropout": 0.0}
-    vision = {k: v for k, v in _vision_config("qwen2_5_vl").items() if k != "tokens_per_second"}
+    vision = {k: v for k, v in vision.items() if k != "tokens_per_second"}
     a_id, bos, eos = (tok.convert_tokens_to_ids(t) for t in AUDIO_TOKENS)
     config = Qwen2_5OmniThinkerConfig(
         text_config=text, vision_config=vision, audio_config=audio,
@@ -103,20 +93,18 @@ def tiny_omni_config():
     return config
 
 
-def tiny_omni_processor(*, min_side: int = 56, max_side: int = 112, max_audio_seconds=None):
-    """`ray_dhp.data.VLProcessor` for `tiny_omni_config`: `build_omni_tokenizer`, the PIL image
-    processor of ``demo.tiny_processor("qwen2_5_vl")`` and a Whisper feature extractor (128 mel
-    bins, 16 kHz, hop 160, n_fft 400: Qwen2.5-Omni's) with a 30 s window."""
+def omni_processor(tok, images, *, max_audio_seconds=None):
+    """`ray_dhp.data.VLProcessor` for `omni_config`: ``tok`` (`omni_tokenizer`), ``images`` (the
+    PIL image processor of ``demo.tiny_processor("qwen2_5_vl")``) and a Whisper feature extractor
+    (128 mel bins, 16 kHz, hop 160, n_fft 400: Qwen2.5-Omni's) with a 30 s window."""
     from transformers import WhisperFeatureExtractor
 
     from ray_dhp.data.audio import AudioSettings
     from ray_dhp.data.processing import VLProcessor
-    from ray_dhp.demo import tiny_processor
 
-    images = tiny_processor("qwen2_5_vl", min_side=min_side, max_side=max_side).image_processor
     fe = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, hop_length=160,
                                  chunk_length=30, n_fft=400, return_attention_mask=True)
-    return VLProcessor(build_omni_tokenizer(), images, feature_extractor=fe,
+    return VLProcessor(tok, images, feature_extractor=fe,
                        audio=AudioSettings(max_seconds=max_audio_seconds))
 
 
@@ -142,17 +130,14 @@ def write_wav(path, samples: np.ndarray, rate: int = 16000) -> Path:
 
 
 def make_audio_dataset(path, num_samples: int = 8, seed: int = 0, *,
-                       seconds=(0.6, 1.0, 1.3), rates=(16000, 22050), image_every: int = 0) -> Path:
+                       seconds=(0.6, 1.0, 1.3), rates=(16000, 22050)) -> Path:
     """Write a LLaVA-format set of generated clips; return its ``data.jsonl``.
 
     Sample ``i`` is one clip (`SOUNDS`: low / high tone, rising / falling chirp) of
     ``seconds[i % len]`` seconds at ``rates[i % len]`` Hz (clips off the feature extractor's
     16 kHz are resampled when read), asked "What do you hear?" and answered with its label.
-    ``image_every`` k > 0: every k-th sample (i % k == k - 1) also shows an image of the demo's
-    shape set (``<image>`` then ``<audio>``). Same ``seed`` -> same files, byte for byte.
+    Same ``seed`` -> same files, byte for byte.
     """
-    from ray_dhp.demo import COLOURS, SHAPES, _caption, _draw
-
     root = Path(path)
     (root / "audio").mkdir(parents=True, exist_ok=True)
     rng, lines = random.Random(seed), []
@@ -162,14 +147,6 @@ def make_audio_dataset(path, num_samples: int = 8, seed: int = 0, *,
         write_wav(root / name, tone(label, seconds[i % len(seconds)], rate), rate)
         record = {"id": f"{i:05d}", "audio": name, "conversations": [
             {"from": "human", "value": f"<audio>\n{PROMPT}"}, {"from": "gpt", "value": label}]}
-        if image_every > 0 and i % image_every == image_every - 1:
-            (root / "images").mkdir(exist_ok=True)
-            count, colour, shape = rng.randint(1, 3), rng.choice(list(COLOURS)), rng.choice(SHAPES)
-            record["image"] = f"images/{i:03d}.png"
-            _draw((56, 56), count, colour, shape, rng).save(root / record["image"], format="PNG")
-            record["conversations"] = [
-                {"from": "human", "value": f"<image>\n<audio>\nDescribe both."},
-                {"from": "gpt", "value": f"{_caption(count, colour, shape)} and a {label}"}]
         lines.append(json.dumps(record))
     out = root / "data.jsonl"
     out.write_text("\n".join(lines) + "\n")

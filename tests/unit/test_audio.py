@@ -20,15 +20,18 @@ from ray_dhp.demo_audio import make_audio_dataset, tone, write_wav
 
 @pytest.fixture(scope="module")
 def audio_set(tmp_path_factory):
-    path = make_audio_dataset(tmp_path_factory.mktemp("audio") / "set", num_samples=4, image_every=2)
+    path = make_audio_dataset(tmp_path_factory.mktemp("audio") / "set", num_samples=4)
     return path, read_annotations(path)
 
 
 def _two_clip_record(root):
     """One record with two clips (16 kHz and 22.05 kHz) around an image, in one user turn."""
+    from PIL import Image
+
+    Image.new("RGB", (84, 56), (40, 80, 220)).save(root / "img.png")
     write_wav(root / "a.wav", tone("rising chirp", 0.7), 16000)
     write_wav(root / "b.wav", tone("low tone", 1.1, 22050), 22050)
-    return {"audio": ["a.wav", "b.wav"], "image": "images/001.png", "conversations": [
+    return {"audio": ["a.wav", "b.wav"], "image": "img.png", "conversations": [
         {"from": "human", "value": "<audio>\n<image>\nthen <audio>\nWhat do you hear?"},
         {"from": "gpt", "value": "a rising chirp then a low tone"}]}
 
