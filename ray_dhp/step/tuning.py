@@ -32,6 +32,10 @@ MODULE_KEYS = ("train", "lr", "weight_decay", "lora")
 LORA_KEYS = ("r", "alpha", "target_modules")
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MERGER_PREFIXES = ("model.visual.merger.", "model.visual.deepstack_merger_list.")
+#: Encoders the engine does not host as modules yet (Qwen2.5-Omni's audio tower, issue #33):
+#: the text ranks keep them, frozen. No record reaches them (audio is refused before training),
+#: so the stock model gives them no gradient and leaves them unchanged too.
+UNHOSTED_PREFIXES = ("model.audio_tower.",)
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,8 @@ class Tuning:
     lora: Optional[LoraChoice] = None
 
     def choice(self, module: str) -> ModuleChoice:
+        if module == "unhosted":
+            return ModuleChoice(train=False)
         return self.modules.get(module, ModuleChoice())
 
     def trains(self, name: str) -> bool:
@@ -79,7 +85,10 @@ class Tuning:
 
 
 def module_of(name: str) -> str:
-    """"vision", "merger" or "llm" for a parameter's full name in the transformers model."""
+    """"vision", "merger", "llm" or "unhosted" (`UNHOSTED_PREFIXES`) for a parameter's full
+    name in the transformers model."""
+    if name.startswith(UNHOSTED_PREFIXES):
+        return "unhosted"
     if name.startswith(MERGER_PREFIXES):
         return "merger"
     if name.startswith("model.visual."):
