@@ -6,7 +6,6 @@ import random
 from pathlib import Path
 
 import pytest
-import ray
 import yaml
 
 from benchmarks import schedule_model
@@ -25,13 +24,6 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "examples" / "tiny.yaml")
 BIG = str(ROOT / "examples" / "qwen2_5_vl_32b_8gpu.yaml")
 BF16_CKPT = ActivationSettings(dtype_bytes=2, attention="flash", checkpointing=True)
-
-
-@pytest.fixture
-def forbid_ray_init(monkeypatch):
-    calls = []
-    monkeypatch.setattr(ray, "init", lambda *a, **k: calls.append((a, k)))
-    return calls
 
 
 @pytest.fixture(scope="module")
