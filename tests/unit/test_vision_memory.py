@@ -1,7 +1,10 @@
 """The vision activation model (`ray_dhp.planning.memory_vision`) against the bytes autograd
 really saves inside the stock transformers towers at their published widths (forward + backward
 through `vision_forward` at SP 1, each saved storage once, parameters excluded: the counter of
-``benchmarks/video_sp.py``), at two shapes per family and in bf16.
+``benchmarks/video_sp.py``): Qwen2.5-VL at two shapes (512 tokens, 2 blocks, fp32; 256 tokens,
+3 blocks, bf16) in the default run, Qwen2-VL (LayerNorm, QuickGELU) and Qwen3-VL (deepstack,
+learned position embedding) in the slow run. At SP > 1 the model is 2.1% above the measured
+bytes (``benchmarks/README.md``, video SP): conservative, not checked here.
 
 Tolerance: 0.1 %. Every tensor the towers save is a per-token tensor the model counts (measured
 equal to the byte on torch 2.13 CPU, SDPA); what the bound leaves room for is per-call state a
