@@ -12,7 +12,9 @@ width. Per block and token:
   towers' LayerNorm keeps its input and fp32 mean and rstd: ``d·h + 8``;
 * attention (SDPA/flash): the qkv projection's input ``h`` and output ``3h``, the rotated q and k
   and the attention output (``3h``) in ``d`` bytes, plus the kernel's fp32 log-sum-exp (one per
-  head);
+  head). Under Ulysses (SP > 1, the full-attention blocks) ``6h``: the qkv input, the all-to-all's
+  head-sharded q, k, v (``3h``), the attention output and the projection's input (the output
+  all-to-all's result);
 * the MLP: its input ``h`` and ``m·i``, where ``m`` counts the ``i``-wide tensors its activation
   path keeps: Qwen2.5-VL's gated SiLU 4 (gate, SiLU output, up, product), Qwen2-VL's QuickGELU 3
   (fc1 output, sigmoid, product: ``x·sigmoid(1.702x)`` is three ops), a one-op GELU 2 (fc1 output,
@@ -77,6 +79,14 @@ def _once_bytes(vc, h: int, d: int) -> float:
     return patches + rotary + positions + merger + deepstack
 
 
+def _ulysses_blocks(vc, sp: int) -> int:
+    """Blocks whose attention runs the Ulysses all-to-alls: the full-attention ones at SP > 1."""
+    if sp == 1:
+        return 0
+    full = getattr(vc, "fullatt_block_indexes", None)
+    return vc.depth if full is None else len(full)
+
+
 def vision_activation_bytes(vc, tokens: int, sp: int, s,
                             image_tokens: Optional[int] = None) -> float:
     """Activation bytes of one vision SP rank for ``tokens`` patch tokens of its replica
@@ -84,7 +94,10 @@ def vision_activation_bytes(vc, tokens: int, sp: int, s,
     h, i, depth, d = vision_width(vc), _vision_mlp(vc), vc.depth, s.dtype_bytes
     local = tokens / sp
     per_block = local * _block_bytes(vc, h, i, d)
-    blocks = depth * local * h * d + per_block if s.checkpointing else depth * per_block
+    if s.checkpointing:
+        blocks = depth * local * h * d + per_block
+    else:
+        blocks = depth * per_block - _ulysses_blocks(vc, sp) * local * h * d
     total = blocks + local * _once_bytes(vc, h, d)
     if s.attention == "eager":
         seg = image_tokens or tokens

@@ -3,8 +3,8 @@ really saves inside the stock transformers towers at their published widths (for
 through `vision_forward` at SP 1, each saved storage once, parameters excluded: the counter of
 ``benchmarks/video_sp.py``): Qwen2.5-VL at two shapes (512 tokens, 2 blocks, fp32; 256 tokens,
 3 blocks, bf16) in the default run, Qwen2-VL (LayerNorm, QuickGELU) and Qwen3-VL (deepstack,
-learned position embedding) in the slow run. At SP > 1 the model is 2.1% above the measured
-bytes (``benchmarks/README.md``, video SP): conservative, not checked here.
+learned position embedding) in the slow run; SP 2 (Ulysses full-attention blocks) in
+``tests/distributed/test_vision_memory_sp.py``.
 
 Tolerance: 0.1 %. Every tensor the towers save is a per-token tensor the model counts (measured
 equal to the byte on torch 2.13 CPU, SDPA); what the bound leaves room for is per-call state a
@@ -39,7 +39,8 @@ CASES = [  # family, depth, extra vision settings, grid (t, h, w), dtype; one fa
 ]
 
 
-def _measured(family, depth, extra, grid, dtype):
+def measured(family, depth, extra, grid, dtype, sp=1, rank=0, group=None):
+    """(vision config, patch tokens, vision bytes saved on SP rank ``rank`` of ``sp``)."""
     config = demo.tiny_model_config(family)
     vc = config.vision_config
     for k, v in dict(WIDTHS[family], depth=depth, **extra).items():
@@ -49,11 +50,11 @@ def _measured(family, depth, extra, grid, dtype):
     grid_thw = torch.tensor([grid])
     pixels = torch.randn(int(grid_thw.prod()), vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2,
                          generator=torch.Generator().manual_seed(0)).to(dtype)
-    plan = plan_vision_shards(family, vc, grid_thw, 1)
+    plan = plan_vision_shards(family, vc, grid_thw, sp)
     counter = ActivationCounter()
     handles = counter.watch_vision(tower)
     with counter.count():
-        out = vision_forward(family, tower, pixels, plan, 0, None)
+        out = vision_forward(family, tower, pixels, plan, rank, group)
     out.float().square().mean().backward()
     for h in handles:
         h.remove()
@@ -63,7 +64,7 @@ def _measured(family, depth, extra, grid, dtype):
 @pytest.mark.parametrize("family, depth, extra, grid, dtype", CASES)
 def test_vision_activation_bytes_match_saved_tensors(family, depth, extra, grid, dtype):
     torch.set_num_threads(1)
-    vc, tokens, measured = _measured(family, depth, extra, grid, dtype)
+    vc, tokens, saved = measured(family, depth, extra, grid, dtype)
     model = vision_activation_bytes(vc, tokens, 1, ActivationSettings(dtype.itemsize, "flash", False))
-    print(f"{family} {grid} {dtype}: measured {measured} B, model {model:.0f} B")
-    assert abs(model / measured - 1) < 1e-3, (model, measured)
+    print(f"{family} {grid} {dtype}: measured {saved} B, model {model:.0f} B")
+    assert abs(model / saved - 1) < 1e-3, (model, saved)
