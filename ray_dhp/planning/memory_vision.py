@@ -36,7 +36,8 @@ from typing import Optional
 
 __all__ = ["vision_activation_bytes", "vision_width"]
 
-# ``i``-wide tensors an MLP keeps per token, by activation (the gated SiLU MLP counts its up branch)
+# ``i``-wide tensors an MLP keeps per token, by activation (the gated SiLU MLP counts its up
+# branch); another activation counts as a one-op one (2)
 _MLP_KEPT = {"silu": 4, "quick_gelu": 3, "gelu": 2, "gelu_pytorch_tanh": 2}
 
 
@@ -51,6 +52,10 @@ def _vision_mlp(vc) -> int:
     return i if i else int(vc.embed_dim * getattr(vc, "mlp_ratio", 4))
 
 
+def _heads(vc) -> int:
+    return getattr(vc, "num_heads", None) or vc.num_attention_heads
+
+
 def _rms_norm(vc) -> bool:
     """Qwen2.5-VL's tower uses RMSNorm (fp32 compute); Qwen2-VL's and Qwen3-VL's use LayerNorm."""
     return getattr(vc, "model_type", "").startswith("qwen2_5")
@@ -62,16 +67,16 @@ def _norm_bytes(vc, h: int, d: int) -> int:
 
 def _block_bytes(vc, h: int, i: int, d: int) -> float:
     """Bytes one block keeps per token (module docstring)."""
-    attention = 7 * d * h + 4 * vc.num_heads
-    mlp = d * h + _MLP_KEPT[getattr(vc, "hidden_act", "quick_gelu")] * d * i
+    attention = 7 * d * h + 4 * _heads(vc)
+    mlp = d * h + _MLP_KEPT.get(getattr(vc, "hidden_act", "quick_gelu"), 2) * d * i
     return 2 * _norm_bytes(vc, h, d) + attention + mlp
 
 
 def _once_bytes(vc, h: int, d: int) -> float:
     """Bytes per token kept once per tower: patches, rotary tables, position indices, mergers."""
     channels = getattr(vc, "in_channels", None) or getattr(vc, "in_chans", 3)
-    patches = channels * vc.temporal_patch_size * vc.patch_size ** 2 * d
-    rotary = 2 * (h // vc.num_heads) * 4
+    patches = channels * getattr(vc, "temporal_patch_size", 1) * vc.patch_size ** 2 * d
+    rotary = 2 * (h // _heads(vc)) * 4
     positions = 4 * 8 if getattr(vc, "num_position_embeddings", None) else 0
     merger = _norm_bytes(vc, h, d) + 3 * d * h
     deepstack = len(getattr(vc, "deepstack_visual_indexes", None) or ()) * (
@@ -104,7 +109,7 @@ def vision_activation_bytes(vc, tokens: int, sp: int, s,
         full = len(getattr(vc, "fullatt_block_indexes", None) or range(depth))
         window = (getattr(vc, "window_size", 0) // vc.patch_size) ** 2 or seg
         windows = depth - full
-        heads = vc.num_heads / sp
+        heads = _heads(vc) / sp
         layers_kept = (1 if s.checkpointing else full)
         total += 2 * heads * (tokens / seg) * seg * seg * s.dtype_bytes * layers_kept
         if not s.checkpointing:
