@@ -119,3 +119,45 @@ def test_bf16_mixed_expert_partition_state_equals_the_plan(tmp_path):
             (want.weights, want.grads, want.masters, want.optimizer), (rank, st, want)
         masters.add(st["masters"])
     assert len(masters) > 1  # the ZeRO-1 partitions differ per rank (not a uniform split)
+
+
+EXPERT_TP_CASES = [
+    pytest.param("collocated", (2, 1), (2, 1), id="collocated-sp2-tp2-experts-tp"),  # default run
+    pytest.param("collocated", (2, 2), (2, 2), id="collocated-sp2dp2-tp2dp2-experts-tp",
+                 marks=pytest.mark.slow),
+    pytest.param("disjoint", (1, 1), (2, 1), id="disjoint-1v-2t-tp2-experts-tp", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("placement, vision, text", EXPERT_TP_CASES)
+def test_moe_experts_tp_parity_fp64(placement, vision, text, moe_reference):
+    """Experts sharded over the TP ranks by their intermediate dim (`ray_dhp.parallel.expert_tp`):
+    the same parity as above (same tolerances: the partial sums over the TP ranks reorder fp64
+    sums only), every rank holding half of every expert, per-rank bytes measured = the plan."""
+    from ray_dhp.planning.memory import count_params, rank_state
+    from ray_dhp.step.precision import policy_of
+    from ray_dhp.step.topology import Topology
+
+    steps, ref = moe_reference
+    layout = dict(_layout(placement, vision, text), text_expert_tp=True)
+    got = run_engine(FAMILY, layout, CFG, steps, torch.float64, grads=True)
+    assert_parity(got, ref, **TOLS)
+    tc = demo.tiny_model_config(FAMILY).text_config
+    layers = len(sparse_layers(tc))
+    topo, counts = Topology.build(**layout), count_params(demo.tiny_model_config(FAMILY))
+    for rank, o in enumerate(got["per_rank"]):
+        if "lm_head.weight" not in o["params"]:
+            continue
+        # forward: the partial outputs' all-reduce and the gate/up all-gather, every sparse layer
+        assert o["comm"]["all_reduce/text.experts_tp"]["calls"] == layers * CFG.micro_batches * CFG.num_steps
+        assert o["comm"]["all_gather/text.experts_tp"]["calls"] == layers * CFG.micro_batches * CFG.num_steps
+        want = rank_state(counts, topo, rank, policy_of(CFG))
+        st = o["state"]
+        assert (st["weights"], st["grads"], st["optimizer"]) == \
+            (2 * want.weights, 2 * want.grads, 2 * want.optimizer), (rank, st, want)
+    # the plan: the experts' bytes halve on each TP rank against the replicated layout
+    replicated = rank_state(counts, Topology.build(**_layout(placement, vision, text)), topo.world_size - 1,
+                            policy_of(CFG))
+    experts = 3 * tc.num_experts * tc.moe_intermediate_size * tc.hidden_size * layers
+    assert replicated.weights - rank_state(counts, topo, topo.world_size - 1, policy_of(CFG)).weights \
+        == experts // 2 * 4
