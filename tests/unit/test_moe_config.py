@@ -47,6 +47,13 @@ def test_tiny_moe_config():
      r"text.expert_parallel=2 must be a positive integer dividing text.data_parallel \(3\)"),
     ("qwen3_vl_moe", ModuleParallel(data_parallel=2, expert_parallel=2, zero_stage=3),
      r"text.expert_parallel > 1 is not covered with text.zero_stage=3"),
+    ("qwen2_5_vl", ModuleParallel(tensor_parallel=2, expert_tensor_parallel=True),
+     r"text.expert_tensor_parallel=true: the qwen2_5_vl family is a dense model"),
+    ("qwen3_vl_moe", ModuleParallel(data_parallel=2, expert_tensor_parallel=True),
+     r"text.expert_tensor_parallel=true .* needs text.tensor_parallel > 1"),
+    ("qwen3_vl_moe", ModuleParallel(tensor_parallel=2, data_parallel=2, expert_parallel=2,
+                                    expert_tensor_parallel=True),
+     r"text.expert_tensor_parallel=true and text.expert_parallel > 1 are exclusive"),
 ])
 def test_driver_errors_name_the_key(family, text, match):
     with pytest.raises(ValueError, match=match):
@@ -61,6 +68,10 @@ def test_run_file_key(tmp_path):
                     "text: {data_parallel: 4, expert_parallel: 2}\n")
     topo = load_run_file(str(path), []).dhp_config().topology()
     assert topo.text_expert_parallel == 2 and "text_expert_parallel=2" in topo.describe()
+    path.write_text("model: {demo: qwen3_vl_moe}\nplacement: disjoint\n"
+                    "text: {tensor_parallel: 2, expert_tensor_parallel: true}\n")
+    topo = load_run_file(str(path), []).dhp_config().topology()
+    assert topo.text_expert_tp and "text_expert_tensor_parallel=true" in topo.describe()
 
 
 def test_ep_groups_are_data_parallel_blocks():
