@@ -58,6 +58,8 @@ CASES = {  # id: (layout, config changes)
     "collocated-dp2-ep2": (_layout("collocated", (1, 2), (1, 2), ep=2), {}),
     "collocated-sp2dp2-tp2dp2-ep2": (_layout("collocated", (2, 2), (2, 2), ep=2), {}),
     "disjoint-1v-2t-tp2": (_layout("disjoint", (1, 1), (2, 1)), {}),
+    # the routed experts sharded over TP by their intermediate dim (parallel/expert_tp.py)
+    "collocated-sp2-tp2-experts-tp": (dict(_layout("collocated", (2, 1), (2, 1)), text_expert_tp=True), {}),
     "disjoint-1v-2t-ep2": (_layout("disjoint", (1, 1), (1, 2), ep=2), {}),
     "collocated-dp2-ep2-checkpointing": (_layout("collocated", (1, 2), (1, 2), ep=2),
                                          {"activation_checkpointing": True}),
