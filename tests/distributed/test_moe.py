@@ -161,3 +161,28 @@ def test_moe_experts_tp_parity_fp64(placement, vision, text, moe_reference):
     experts = 3 * tc.num_experts * tc.moe_intermediate_size * tc.hidden_size * layers
     assert replicated.weights - rank_state(counts, topo, topo.world_size - 1, policy_of(CFG)).weights \
         == experts // 2 * 4
+
+
+@pytest.mark.slow
+def test_moe_lora_at_ep2(moe_reference):
+    """PEFT LoRA on the MoE LM (default targets: here the attention's q/k/v/o; the tiny model's
+    layers are all sparse, so no dense MLP) with the experts partitioned over EP2: against the
+    single-process PEFT model (fp64; tolerances as above, the aux loss's fp32 sums included:
+    the router is frozen but routes, and its load-balancing loss still enters the loss). The
+    router and every expert stay bit-identical on every rank; the adapters move."""
+    import dataclasses
+
+    steps, _ = moe_reference
+    cfg = dataclasses.replace(CFG, modules={"llm": {"lora": {"r": 4, "alpha": 8}}})
+    ref = run_reference(FAMILY, cfg, steps, torch.float64)
+    got = run_engine(FAMILY, _layout("collocated", (1, 2), (1, 2), 2), cfg, steps, torch.float64)
+    assert_parity(got, ref, loss_tol=1e-8, param_tol=1e-10, update_tol=1e-10)
+    lora = {n for n in ref["params"] if ".lora_B." in n}
+    assert lora and all(".self_attn." in n for n in lora)
+    assert all(ref["params0"][n].abs().max() == 0 < ref["params"][n].abs().max() for n in lora)
+    frozen = [n for n in ref["params"] if n.endswith(("mlp.gate.weight", "mlp.experts.gate_up_proj"))]
+    assert frozen
+    for out in got["per_rank"]:
+        for name in out["params"]:
+            if name.startswith("model.language_model.") and ".lora_" not in name:
+                assert torch.equal(out["params"][name], out["params0"][name]), name

@@ -121,3 +121,26 @@ def test_qwen3_5_moe_is_exact(case, reference):
     if changes.get("activation_checkpointing"):  # recomputed blocks redo both in backward
         per_step *= 2
     assert calls == ({per_step} if ep > 1 else {0}), calls
+
+
+@pytest.mark.slow
+def test_qwen3_5_moe_lora_at_sp2_tp2(reference):
+    """PEFT LoRA with the default targets at collocated SP2/TP2: the gated attention's q/k/v/o
+    and the shared expert's gate/up/down (TP-sharded, their adapters get the dense MLP's plan);
+    the router, the fused experts and ``shared_expert_gate`` stay frozen (`ray_dhp.models.lora`).
+    Against the single-process PEFT model, fp64, 1e-10 (the frozen base holds the fp32-norm
+    weights, which get no gradient; the loss 1e-8: the aux loss's fp32 sums). Every base weight
+    of the language model stays bit-identical on every rank; the adapters move."""
+    steps, _ = reference
+    cfg = dataclasses.replace(CFG, modules={"llm": {"lora": {"r": 4, "alpha": 8}}})
+    ref = run_reference(FAMILY, cfg, steps, torch.float64)
+    got = run_engine(FAMILY, CASES["collocated-sp2-tp2"][0], cfg, steps, torch.float64)
+    assert_parity(got, ref, loss_tol=1e-8, param_tol=1e-10, update_tol=1e-10)
+    lora = {n for n in ref["params"] if ".lora_B." in n}
+    assert any(".mlp.shared_expert." in n for n in lora) and any(".self_attn." in n for n in lora)
+    assert not any(".experts." in n or "shared_expert_gate" in n or ".mlp.gate." in n for n in lora)
+    assert all(ref["params0"][n].abs().max() == 0 < ref["params"][n].abs().max() for n in lora)
+    for out in got["per_rank"]:
+        for name in out["params"]:
+            if name.startswith("model.language_model.") and ".lora_" not in name:
+                assert torch.equal(out["params"][name], out["params0"][name]), name
