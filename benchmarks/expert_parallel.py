@@ -1,18 +1,24 @@
-"""Expert parallelism vs experts replicated on every rank (plain DP), same model, same ranks.
+"""Expert parallelism vs experts replicated (plain DP) vs experts sharded by TP, same model, same ranks.
 
 A tiny ``qwen3_vl_moe`` widened in the experts (``--experts`` experts of intermediate
-``--moe-intermediate``, top-2), collocated on ``--ranks`` ranks: vision DP = text DP = ranks, the
-text experts either replicated (``expert_parallel=1``: every rank holds and steps all experts,
-expert gradients all-reduced over all ranks) or partitioned (``expert_parallel=ranks``). Both
-engines are built in one world from the same seed and stepped **interleaved** on the same
-micro-batches (one warm-up step each, then ``--steps`` timed steps in alternating order, a
-barrier before each; step time = slowest rank, medians). Reported per contender: step time,
-bytes each rank sends per step by collective (`ray_dhp.parallel.comm.CommCounter`), model-state
-bytes measured from the rank's tensors next to `ray_dhp.planning.memory.rank_state` (the
-``ray-dhp plan`` figure), and the first step's loss (equal up to summation order).
+``--moe-intermediate``, top-2), collocated on ``--ranks`` ranks (vision DP = ranks). Contenders:
 
-Not a contender here: experts sharded by text TP (the family replicates sparse blocks over TP
-ranks; expert TP is not implemented).
+* ``replicated (ep=1)``: text DP = ranks, every rank holds and steps all experts, expert
+  gradients all-reduced over all ranks;
+* ``expert parallel (ep=ranks)``: text DP = ranks, the experts partitioned over them
+  (`ray_dhp.parallel.expert`: token all-to-alls, expert gradients reduced over EDP = 1);
+* ``tp=ranks, experts replicated``: text TP = ranks (attention, dense parts sharded), the sparse
+  blocks replicated on every TP rank (the family's default under TP);
+* ``tp=ranks, experts tp-sharded``: the same, each expert's intermediate dim sharded over the TP
+  ranks like a dense MLP (`text.expert_tensor_parallel`, `ray_dhp.parallel.expert_tp`: one
+  all-gather of the gate/up activations and two all-reduces per sparse layer).
+
+All engines are built in one world from the same seed and stepped **interleaved** on the same
+micro-batches (one warm-up step each, then ``--steps`` timed steps in rotating order, a barrier
+before each; step time = slowest rank, medians). Reported per contender: step time, bytes each
+rank sends per step by collective (`ray_dhp.parallel.comm.CommCounter`), model-state bytes and
+the experts' bytes measured from the rank's tensors next to `ray_dhp.planning.memory.rank_state`
+(the ``ray-dhp plan`` figure), and the first step's loss (equal up to summation order).
 
 Run: ``python -m benchmarks.expert_parallel [--ranks 4] [--steps 4]``; writes
 ``benchmarks/results/expert-parallel-<hw>-<date>.json`` and ``.png``.
@@ -47,6 +53,8 @@ def body(rank, world, opts: dict):
     from ray_dhp.data.sampler import StepSampler
     from ray_dhp import demo
     from ray_dhp.parallel.comm import CommCounter
+    from ray_dhp.parallel.expert import expert_params
+    from ray_dhp.parallel.tensor import local
     from ray_dhp.planning.memory import count_params, rank_state
     from ray_dhp.step.engine import DHPEngine
     from ray_dhp.step.mesh import build_groups
@@ -61,11 +69,13 @@ def body(rank, world, opts: dict):
     sampler = StepSampler(read_annotations(path), demo.tiny_processor("qwen3_vl_moe"),
                           resolve_data_root(path), cfg)
     steps = [sampler.next_step() for _ in range(cfg.num_steps)]
-    names = {"replicated (ep=1)": 1, f"expert parallel (ep={world})": world}
+    names = {"replicated (ep=1)": dict(text_dp=world, text_tp=1),
+             f"expert parallel (ep={world})": dict(text_dp=world, text_tp=1, text_ep=world),
+             f"tp={world}, experts replicated": dict(text_dp=1, text_tp=world),
+             f"tp={world}, experts tp-sharded": dict(text_dp=1, text_tp=world, text_expert_tp=True)}
     engines, comms, topos = {}, {}, {}
-    for name, ep in names.items():
-        topos[name] = Topology.build(placement="collocated", vision_dp=world, vision_sp=1,
-                                     text_dp=world, text_tp=1, text_ep=ep)
+    for name, layout in names.items():
+        topos[name] = Topology.build(placement="collocated", vision_dp=world, vision_sp=1, **layout)
         comms[name] = CommCounter()
         engines[name] = DHPEngine(config, build_groups(topos[name], torch.device("cpu")), cfg,
                                   comm=comms[name])
@@ -75,7 +85,7 @@ def body(rank, world, opts: dict):
         out[name]["first_loss"] = e.step(steps[0])["loss"]
         out[name]["comm"] = comms[name].as_dict()
     for k in range(opts["steps"]):
-        order = list(engines) if k % 2 == 0 else list(reversed(engines))
+        order = list(engines)[k % len(engines):] + list(engines)[:k % len(engines)]
         for name in order:
             dist.barrier()
             t = time.perf_counter()
@@ -84,11 +94,27 @@ def body(rank, world, opts: dict):
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             out[name]["times"].append(float(dt))
     counts = count_params(config)
+    no_experts = _without_experts(counts)
     for name, e in engines.items():
         want = rank_state(counts, topos[name], rank, policy_of(cfg))
         out[name]["state_measured"] = e.state_bytes()["total"]
         out[name]["state_plan"] = want.total
+        out[name]["expert_bytes_measured"] = sum(local(p).numel() * local(p).element_size()
+                                                 for p in expert_params(e.text_model, e.family.moe))
+        out[name]["expert_bytes_plan"] = want.weights - rank_state(no_experts, topos[name], rank,
+                                                                   policy_of(cfg)).weights
     return out
+
+
+def _without_experts(counts):
+    """``counts`` minus the experts' tensors (the plan's expert weight bytes: the difference)."""
+    import dataclasses
+
+    experts = [q for q in counts.text_sizes if q.expert]
+    return dataclasses.replace(
+        counts, text=counts.text - sum(q.numel for q in experts),
+        text_sharded=counts.text_sharded - sum(q.numel for q in experts if q.sharded),
+        text_sizes=tuple(q for q in counts.text_sizes if not q.expert))
 
 
 def main(argv=None) -> None:
@@ -116,6 +142,10 @@ def main(argv=None) -> None:
                      "state_plan_max": max(r[name]["state_plan"] for r in per_rank),
                      "measured_equals_plan": all(r[name]["state_measured"] == r[name]["state_plan"]
                                                  for r in per_rank),
+                     "expert_bytes_measured_max": max(r[name]["expert_bytes_measured"] for r in per_rank),
+                     "expert_bytes_plan_max": max(r[name]["expert_bytes_plan"] for r in per_rank),
+                     "expert_bytes_measured_equals_plan": all(
+                         r[name]["expert_bytes_measured"] == r[name]["expert_bytes_plan"] for r in per_rank),
                      "first_loss": per_rank[0][name]["first_loss"]})
     stem = f"expert-parallel-cpu{os.cpu_count()}-{datetime.date.today().isoformat()}"
     os.makedirs(a.out, exist_ok=True)
@@ -124,8 +154,9 @@ def main(argv=None) -> None:
                    "steps": a.steps, "rows": rows}, f, indent=1)
     _plot(rows, os.path.join(a.out, stem + ".png"))
     for r in rows:
-        print(f"{r['contender']:<24} step {r['median_step_s']:.3f} s  sent {r['bytes_sent_per_rank_max'] / 2**20:.2f} MiB"
+        print(f"{r['contender']:<30} step {r['median_step_s']:.3f} s  sent {r['bytes_sent_per_rank_max'] / 2**20:.2f} MiB"
               f"  state {r['state_measured_max'] / 2**20:.2f} MiB (plan {r['state_plan_max'] / 2**20:.2f})"
+              f"  experts {r['expert_bytes_measured_max'] / 2**20:.2f} MiB (plan {r['expert_bytes_plan_max'] / 2**20:.2f})"
               f"  loss {r['first_loss']:.6f}")
 
 
@@ -135,13 +166,16 @@ def _plot(rows: list, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
-    names = [r["contender"] for r in rows]
-    for ax, key, label in zip(axes, ("median_step_s", "bytes_sent_per_rank_max", "state_measured_max"),
-                              ("step time (s, median)", "bytes sent / rank / step", "model state / rank (B)")):
-        ax.bar(names, [r[key] for r in rows], color=["tab:gray", "tab:blue"][:len(rows)])
+    fig, axes = plt.subplots(1, 4, figsize=(15, 3.6))
+    names = [r["contender"].replace(", ", "\n") for r in rows]
+    for ax, key, label in zip(axes, ("median_step_s", "bytes_sent_per_rank_max", "state_measured_max",
+                                     "expert_bytes_measured_max"),
+                              ("step time (s, median)", "bytes sent / rank / step",
+                               "model state / rank (B)", "expert weights / rank (B)")):
+        ax.bar(names, [r[key] for r in rows],
+               color=["tab:gray", "tab:blue", "tab:olive", "tab:orange"][:len(rows)])
         ax.set_title(label, fontsize=9)
-        ax.tick_params(axis="x", labelsize=7)
+        ax.tick_params(axis="x", labelsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -46,6 +46,10 @@ class ModuleParallel:
             are summed over the replicas holding the same experts, and at zero_stage 1-2 the
             experts' masters and AdamW moments are split over the ranks holding them (those
             replicas and their TP ranks; `ray_dhp.parallel.expert`).
+        expert_tensor_parallel: text, mixture-of-experts models only: instead of replicating the
+            experts on the tensor_parallel ranks, shard every expert's intermediate dimension
+            over them like the dense MLP (needs tensor_parallel > 1, expert_parallel = 1; one
+            all-gather and two all-reduces per sparse layer; `ray_dhp.parallel.expert_tp`).
 
     Example:
         >>> ModuleParallel(sequence_parallel=2, data_parallel=2)  # 4 vision workers
@@ -57,6 +61,7 @@ class ModuleParallel:
     zero_stage: Optional[int] = checked(None, choices=(None,) + ZERO_STAGES)
     optimizer_offload: bool = False
     expert_parallel: int = checked(1, ge=1)
+    expert_tensor_parallel: bool = False
 
     def __post_init__(self):
         for name in ("sequence_parallel", "tensor_parallel", "data_parallel", "expert_parallel"):
@@ -181,6 +186,7 @@ class DHPConfig(BackendConfig):
             vision_zero=self.vision.zero_stage, text_zero=self.text.zero_stage,
             vision_offload=self.vision.optimizer_offload, text_offload=self.text.optimizer_offload,
             text_ep=self.text.expert_parallel,
+            text_expert_tp=self.text.expert_tensor_parallel,
         )
 
     @property
@@ -204,6 +210,13 @@ class DHPConfig(BackendConfig):
         if self.vision.expert_parallel != 1:
             raise ValueError("vision.expert_parallel: the vision encoder has no experts; leave it at 1.")
         family.validate_expert_parallel(self.model_config(), self.text.expert_parallel)
+        if self.vision.expert_tensor_parallel:
+            raise ValueError("vision.expert_tensor_parallel: the vision encoder has no experts; "
+                             "leave it false.")
+        if self.text.expert_tensor_parallel:
+            from ray_dhp.parallel.expert_tp import validate
+
+            validate(family, self.model_config(), self.text.tensor_parallel)
         if isinstance(self.model, str):  # every shard there, shapes and dtypes as config.json says
             from ray_dhp.models.loading import check_model_directory
 

@@ -22,6 +22,13 @@ The adapter weights are initialised like PEFT's defaults (``lora_A`` Kaiming-uni
 the parameter name, so every rank and the single-process reference hold the same values.
 Text sequence parallelism is not covered (its row-parallel layers reduce-scatter into a sequence
 shard): the driver refuses the combination.
+
+Mixture-of-experts LMs: the targets match the attention's linears, the dense layers' MLP and a
+shared expert's (``mlp.shared_expert.{gate,up,down}_proj``, Qwen3.5-MoE: TP-sharded like a dense
+MLP, so its adapters get the same plan). The router (``mlp.gate``, a top-k module holding a
+weight) and the fused experts (``mlp.experts.gate_up_proj [E, 2I, H]``: 3-D parameters, no
+``nn.Linear`` to wrap) are not targets: they stay frozen with the base, and naming them is refused
+in the driver (`ray_dhp.step.tuning`).
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ def target_regex(targets) -> str:
     """PEFT ``target_modules`` (a full-match regex): the named linears of the language model's
     decoder layers only (the vision tower has linears of the same names)."""
     names = "|".join(re.escape(t) for t in targets)
-    return rf"(.*\.)?language_model\.layers\.\d+\.(self_attn|mlp)\.({names})"
+    return rf"(.*\.)?language_model\.layers\.\d+\.(self_attn|mlp|mlp\.shared_expert)\.({names})"
 
 
 def peft_config(choice):

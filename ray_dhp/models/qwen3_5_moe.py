@@ -26,10 +26,19 @@ Under text tensor parallelism:
   gradient is whole there (no partial sum), like the router's.
 
 The TP degree must divide the shared expert's width (``shared_expert_intermediate_size``) and
-the linear-attention heads. Text sequence parallelism is not covered (the routed part would see
-sequence shards: the routers' statistics and the replicated experts' gradients would become
-partial over TP ranks); the driver refuses it. Packing is refused as for Qwen3.5 (the
-recurrence would carry state across packed samples).
+the linear-attention heads. Packing is refused as for Qwen3.5 (the recurrence would carry state
+across packed samples).
+
+Under text sequence parallelism (`text_sp_plan`) the attention and linear-attention layers are
+Qwen3.5's; the sparse block's input is all-gathered along the sequence (DTensor
+``PrepareModuleInput``: ``Shard(1) -> Replicate``), so the whole block — router, routed experts,
+shared expert (plain column/row-parallel, all-reduced output), its gate — runs on the whole
+sequence exactly as without SP (the routers' statistics are the full micro-batch's; every
+gradient whole on every TP rank, the shared expert's input gradient all-reduced by its
+column-parallel style), and its replicated output is cut back to the rank's sequence shard
+(``PrepareModuleOutput``: ``Replicate -> Shard(1)``, a local slice; backward: the all-gather of
+the shards' gradients). The block keeps the gathered ``S`` tokens, not ``S / tp``: the
+sequence-shard economy holds for the attention halves and the norms only.
 """
 
 from ray_dhp.models import qwen3_5
@@ -54,6 +63,30 @@ def text_tp_plan(text_config, prefix: str = "model.language_model") -> dict:
     return plan
 
 
+def text_sp_plan(text_config, prefix: str = "model.language_model") -> dict:
+    """`qwen3_5.text_sp_plan` with the MLP entries replaced by the gathered sparse block
+    (module docstring)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   PrepareModuleOutput, RowwiseParallel)
+
+    from ray_dhp.parallel.channels import Styles
+
+    plan = qwen3_5.text_sp_plan(text_config, prefix)
+    mlp = f"{prefix}.layers.*.mlp"
+    for name in (mlp, f"{mlp}.down_proj"):
+        plan.pop(name)
+    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                use_local_output=True)
+    shard = PrepareModuleOutput(output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),),
+                                use_local_output=True)
+    plan[mlp] = Styles(gather, shard)
+    plan.update({f"{mlp}.shared_expert.gate_proj": ColwiseParallel(),
+                 f"{mlp}.shared_expert.up_proj": ColwiseParallel(),
+                 f"{mlp}.shared_expert.down_proj": RowwiseParallel()})
+    return plan
+
+
 def text_tp_divisors(text_config) -> tuple:
     return (*qwen3_5.text_tp_divisors(text_config),
             ("shared expert intermediate size", text_config.shared_expert_intermediate_size))
@@ -64,7 +97,7 @@ SPEC = FamilySpec(
     model_type="qwen3_5_moe",
     model_class="Qwen3_5MoeForConditionalGeneration",
     text_tp_plan=text_tp_plan,
-    text_sp_plan=None,
+    text_sp_plan=text_sp_plan,
     tp_partial_grad_suffixes=qwen3_5.SPEC.tp_partial_grad_suffixes,
     tp_divisors=text_tp_divisors,
     packing=False,

@@ -7,7 +7,8 @@ every TP rank like a norm: its input is the replicated residual stream, every TP
 the whole block on the same tokens, so its output and its gradients are the same on every TP
 rank (no reduction). Dense layers (``mlp_only_layers``, ``decoder_sparse_step``) get the dense
 MLP plan. Text sequence parallelism is not covered for this family (the driver refuses it).
-Experts can instead be partitioned over text data-parallel ranks: `ray_dhp.parallel.expert`.
+Experts can instead be partitioned over text data-parallel ranks (`ray_dhp.parallel.expert`) or
+sharded over the TP ranks by their intermediate dim (`ray_dhp.parallel.expert_tp`).
 """
 
 from ray_dhp.models.base import FamilySpec, MoESpec, standard_text_plan

@@ -12,7 +12,10 @@ checkpointing, which recomputes the forward):
   (``Workload.vision_segment``, `ray_dhp.planning.video`);
 * text: ``6 * P_t * L_t`` over ``L_t = text tokens + L_v / merge²`` (image tokens after the
   merge; the input embedding is a lookup, not counted), plus causal attention ``6 * d * L_t²``
-  per layer (half of the full ``12 * d * L_t²``).
+  per layer (half of the full ``12 * d * L_t²``). A mixture-of-experts LM counts its *active*
+  parameters: a token passes only its top-k experts, so ``P_t`` leaves out the other
+  ``E - k`` experts of every sparse layer (router and shared expert counted in full;
+  `ray_dhp.planning.experts.inactive_expert_params`).
 
 A rank's share: a vision replica gets ``ceil(mb / dp_v)`` of a micro-batch's ``mb`` samples and
 each of its ``sp`` ranks computes ``1/sp`` of them (Ulysses splits tokens for the linears and
@@ -251,7 +254,9 @@ def text_flops(config, text_params: int, vision_tokens: int, text_tokens: int,
     tc = config.text_config
     s = text_tokens_per_sample(config, vision_tokens, text_tokens)
     tied = getattr(config, "tie_word_embeddings", False) or getattr(tc, "tie_word_embeddings", False)
-    matmul = text_params - (0 if tied else tc.vocab_size * tc.hidden_size)
+    from ray_dhp.planning.experts import inactive_expert_params
+
+    matmul = text_params - (0 if tied else tc.vocab_size * tc.hidden_size) - inactive_expert_params(config)
     d = tc.num_attention_heads * (getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads)
     return (6 * matmul * s + 6 * tc.num_hidden_layers * d * s * s) * _recompute(settings)
 

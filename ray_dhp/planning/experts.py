@@ -30,6 +30,17 @@ def sparse_layer_count(config) -> int:
     return len(moe.sparse_layers(config.text_config)) if moe is not None else 0
 
 
+def inactive_expert_params(config) -> int:
+    """Expert parameters a token does NOT pass (0 for a dense model): per sparse layer the
+    ``E - k`` experts outside its top-k, each ``3 * I * H`` (``gate_up_proj`` ``2I x H``,
+    ``down_proj`` ``H x I``). The step's FLOPs count the active rest (`ray_dhp.planning.cost_model`)."""
+    layers = sparse_layer_count(config)
+    if not layers:
+        return 0
+    tc = config.text_config
+    return layers * (tc.num_experts - tc.num_experts_per_tok) * 3 * tc.moe_intermediate_size * tc.hidden_size
+
+
 def buffer_bytes(config, tokens: float, micro_batches: int, checkpointing: bool,
                  dtype_bytes: int) -> float:
     """Bytes of the hidden-state all-to-all buffers one EP rank passes per step (module

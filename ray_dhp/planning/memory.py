@@ -228,6 +228,9 @@ def rank_state(counts: ParamCounts, topology, rank: int, policy) -> RankState:
         counts, experts = _split_experts(counts, ep, topology, rank)
         base = rank_state(counts, dataclasses.replace(topology, text_expert_parallel=1), rank, policy)
         return _plus_experts(base, *experts, policy)
+    if topology.text_expert_tp and "text" in roles:  # experts TP-sharded like the dense MLP
+        counts = _experts_tp_sharded(counts)
+        topology = dataclasses.replace(topology, text_expert_tp=False)
     tp = topology.text.inner
     tg, vg = topology.text, topology.vision
     v = counts.vision_held_by(rank - vg.offset, vg.size, vg.zero_stage) if "vision" in roles else 0
@@ -285,6 +288,18 @@ def _split_experts(counts: ParamCounts, ep: int, topology, rank: int):
         text_frozen=counts.text_frozen - frozen,
         text_sizes=tuple(q for q in counts.text_sizes if not q.expert))
     return rest, (held, trained, updated)
+
+
+def _experts_tp_sharded(counts: ParamCounts) -> ParamCounts:
+    """``counts`` with the experts' tensors TP-sharded (`ray_dhp.parallel.expert_tp`; neither
+    along dim 0)."""
+    moved = [q for q in counts.text_sizes if q.expert and not q.sharded]
+    frozen = sum(q.numel for q in moved if not q.trained)
+    return dataclasses.replace(
+        counts, text_sharded=counts.text_sharded + sum(q.numel for q in moved),
+        text_frozen_sharded=counts.text_frozen_sharded + frozen,
+        text_sizes=tuple(dataclasses.replace(q, sharded=True) if q.expert else q
+                         for q in counts.text_sizes))
 
 
 def _plus_experts(base: RankState, held: int, trained: int, updated: int, policy) -> RankState:

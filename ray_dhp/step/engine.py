@@ -72,6 +72,10 @@ class DHPEngine(UpdateMixin):
         self.family.validate_layout(self.config, sp=topo.vision.inner, tp=topo.text.inner,
                                     text_sp=topo.text_sequence_parallel, packing=cfg.packing)
         self.family.validate_expert_parallel(self.config, topo.text_expert_parallel)
+        if topo.text_expert_tp:
+            from ray_dhp.parallel.expert_tp import validate
+
+            validate(self.family, self.config, topo.text.inner)
         self._build_shards(model, dtype, fill=init == "source")
         self.tuning = tuning_of(cfg)  # per-module choices: frozen parameters are left out below
         if self.tuning.lora is not None and self.text_model is not None:  # PEFT LoRA, TP-exact
@@ -128,6 +132,10 @@ class DHPEngine(UpdateMixin):
                 from ray_dhp.parallel.expert import shard_experts
 
                 shard_experts(full, self.family.moe, g.text_ep_mesh, self.comm)
+            if topo.text_expert_tp:  # experts' intermediate dim over TP (parallel/expert_tp.py)
+                from ray_dhp.parallel.expert_tp import shard_experts_tp
+
+                shard_experts_tp(full, self.family.moe, g.text_mesh["tp"], self.comm)
         materialize(meta, parts, g.device, fill=fill)
 
     # -- one step ------------------------------------------------------------------------------

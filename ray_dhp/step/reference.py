@@ -182,7 +182,7 @@ def _add_peft_lora(model, choice, seed: int) -> set:
     prefix = next(n for n, m in model.named_modules() if m is language_model)
     names = "|".join(choice.target_modules)
     config = LoraConfig(r=choice.r, lora_alpha=choice.alpha, lora_dropout=0.0,
-                        target_modules=rf"{prefix}\.layers\.\d+\.(self_attn|mlp)\.({names})")
+                        target_modules=rf"{prefix}\.layers\.\d+\.(self_attn|mlp|mlp\.shared_expert)\.({names})")
     get_peft_model(model, config, autocast_adapter_dtype=False)  # wraps; modifies model in place
     ids = set()
     with torch.no_grad():

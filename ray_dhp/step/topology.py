@@ -78,13 +78,16 @@ class Topology:
     # Expert parallelism of a mixture-of-experts LM: each sparse layer's experts partitioned
     # over this many text data-parallel replicas (`ray_dhp.parallel.expert`).
     text_expert_parallel: int = 1
+    # ... or every expert's intermediate dim sharded over the text TP ranks like a dense MLP
+    # (`ray_dhp.parallel.expert_tp`).
+    text_expert_tp: bool = False
 
     @classmethod
     def build(
         cls, *, placement: str, vision_dp: int, vision_sp: int, text_dp: int, text_tp: int,
         text_sequence_parallel: bool = False, vision_zero: Optional[int] = None,
         text_zero: Optional[int] = None, vision_offload: bool = False, text_offload: bool = False,
-        text_ep: int = 1,
+        text_ep: int = 1, text_expert_tp: bool = False,
     ) -> "Topology":
         """``vision_zero`` / ``text_zero``: the modules' ZeRO stages; None is the default (1 with
         more than one replica, `ray_dhp.parallel.zero.resolve_stage`)."""
@@ -134,6 +137,7 @@ class Topology:
         if text_ep > 1 and text_offload:
             raise ValueError("text.optimizer_offload=true is not covered with text.expert_parallel > 1 "
                              "(the experts are DTensor shards); set text.optimizer_offload=false.")
+        check_expert_tp(text_expert_tp, text_tp, text_ep, text_zero)
         return cls(
             world_size=world,
             placement=placement,
@@ -141,6 +145,7 @@ class Topology:
             text=ModuleLayout("text", "tp", text_dp, text_tp, text_offset, text_zero, text_offload),
             text_sequence_parallel=text_sequence_parallel,
             text_expert_parallel=text_ep,
+            text_expert_tp=text_expert_tp,
         )
 
     def roles(self, world_rank: int) -> tuple[str, ...]:
@@ -154,7 +159,8 @@ class Topology:
         lines = [f"placement={self.placement} world_size={self.world_size}"
                  + (" text_sequence_parallel=true" if self.text_sequence_parallel else "")
                  + (f" text_expert_parallel={self.text_expert_parallel}"
-                    if self.text_expert_parallel > 1 else "")]
+                    if self.text_expert_parallel > 1 else "")
+                 + (" text_expert_tensor_parallel=true" if self.text_expert_tp else "")]
         for r in range(self.world_size):
             parts = []
             if (c := self.vision.coord(r)) is not None:
@@ -276,3 +282,21 @@ def fill_nodes(topology: Topology, gpus_per_node: int) -> list:
     (Ray Train's PACK placement on idle nodes) and the backend orders the ranks node-locally."""
     slots = [r // gpus_per_node for r in range(topology.world_size)]
     return nodes_by_rank(node_local_order(topology, slots), slots)
+
+
+def check_expert_tp(on, tp: int, ep: int, zero: int) -> None:
+    """``text.expert_tensor_parallel``: a bool, with text TP > 1, without EP or ZeRO-3."""
+    if not isinstance(on, bool):
+        raise ValueError(f"text.expert_tensor_parallel must be true or false, got {on!r}.")
+    if not on:
+        return
+    if tp == 1:
+        raise ValueError("text.expert_tensor_parallel=true shards the experts over the text "
+                         "tensor-parallel ranks and needs text.tensor_parallel > 1.")
+    if ep > 1:
+        raise ValueError("text.expert_tensor_parallel=true and text.expert_parallel > 1 are "
+                         "exclusive (experts either partitioned over replicas or sharded over TP); "
+                         "set one of them off.")
+    if zero == 3:
+        raise ValueError("text.expert_tensor_parallel=true is not covered with text.zero_stage=3; "
+                         "use text.zero_stage 0-2.")

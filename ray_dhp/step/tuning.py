@@ -31,6 +31,14 @@ MODULES = ("vision", "merger", "llm")
 MODULE_KEYS = ("train", "lr", "weight_decay", "lora")
 LORA_KEYS = ("r", "alpha", "target_modules")
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Mixture-of-experts parts that are not LoRA targets (they stay frozen under LoRA), and why.
+MOE_PARTS = {
+    "experts": "the fused experts are 3-D parameters (mlp.experts.gate_up_proj [E, 2I, H], "
+               "down_proj [E, H, I]), not nn.Linear layers an adapter can wrap",
+    "gate_up_proj": "a fused expert parameter, not an nn.Linear",
+    "gate": "the router (mlp.gate) stays frozen under LoRA",
+    "shared_expert_gate": "the shared expert's gate (Linear(H, 1)) stays frozen under LoRA",
+}
 MERGER_PREFIXES = ("model.visual.merger.", "model.visual.deepstack_merger_list.")
 #: Encoders the engine does not host as modules yet (Qwen2.5-Omni's audio tower, issue #33):
 #: the text ranks keep them, frozen. No record reaches them (audio is refused before training),
@@ -165,6 +173,11 @@ def _parse_lora(spec, where: str) -> LoraChoice:
     targets = spec.get("target_modules", DEFAULT_LORA_TARGETS)
     if isinstance(targets, str):
         targets = (targets,)
+    moe = [t for t in targets if t in MOE_PARTS]
+    if moe:
+        raise ConfigError(f"{where}.target_modules: {moe}: {'; '.join(MOE_PARTS[t] for t in moe)}; "
+                          f"LoRA takes the linears {list(DEFAULT_LORA_TARGETS)} (on a "
+                          "mixture-of-experts model: attention, dense and shared-expert MLPs).")
     bad = [t for t in targets if t not in DEFAULT_LORA_TARGETS]
     if not targets or bad:
         raise ConfigError(f"{where}.target_modules: {bad or 'empty'}: choose among the language "

@@ -30,3 +30,26 @@ def test_step_flops_add_up_per_sample_and_per_image():
 def test_no_mfu_without_a_known_peak():
     assert peak_flops(torch.device("cpu"), "bfloat16") is None
     assert peak_flops(torch.device("cpu"), None) is None
+
+
+def test_moe_text_flops_count_the_active_parameters():
+    """A mixture-of-experts LM's FLOPs count a token's top-k experts, not all of them. Tiny
+    ``qwen3_vl_moe`` by hand: 180,608 text parameters, minus one vocab x hidden = 376 x 64 =
+    24,064 (untied: the input embedding is a lookup, not a matmul), minus the 2 sparse layers x
+    (8 - 2) idle experts x 3 x 32 x 64 = 73,728: 82,816 active matmul parameters; for 100 tokens
+    6 x 82,816 x 100 + causal attention 6 x 2 layers x 64 x 100² = 49,689,600 + 7,680,000."""
+    from transformers import AutoConfig
+
+    from ray_dhp.cli.presets import preset_dims
+
+    config = demo.tiny_model_config("qwen3_vl_moe")
+    counts = count_params(config)
+    assert counts.text == 180_608
+    assert text_flops(config, counts.text, 0, 100) == 6 * 82_816 * 100 + 6 * 2 * 64 * 100 ** 2
+    # 30B-A3B: 3.04 B active matmul parameters (48 layers: attention 18.87 M, router 0.26 M,
+    # 8 of 128 experts x 4.72 M; lm_head 0.31 B), the model card's "A3B" (3.3 B with the embedding)
+    dims = preset_dims("qwen3_vl_moe", "30b-a3b")
+    config = AutoConfig.for_model(dims.pop("model_type"), **dims)
+    counts = count_params(config)
+    active = (text_flops(config, counts.text, 0, 1) - 6 * 48 * 4096) / 6
+    assert round(active / 1e9, 2) == 3.04

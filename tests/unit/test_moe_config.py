@@ -47,6 +47,13 @@ def test_tiny_moe_config():
      r"text.expert_parallel=2 must be a positive integer dividing text.data_parallel \(3\)"),
     ("qwen3_vl_moe", ModuleParallel(data_parallel=2, expert_parallel=2, zero_stage=3),
      r"text.expert_parallel > 1 is not covered with text.zero_stage=3"),
+    ("qwen2_5_vl", ModuleParallel(tensor_parallel=2, expert_tensor_parallel=True),
+     r"text.expert_tensor_parallel=true: the qwen2_5_vl family is a dense model"),
+    ("qwen3_vl_moe", ModuleParallel(data_parallel=2, expert_tensor_parallel=True),
+     r"text.expert_tensor_parallel=true .* needs text.tensor_parallel > 1"),
+    ("qwen3_vl_moe", ModuleParallel(tensor_parallel=2, data_parallel=2, expert_parallel=2,
+                                    expert_tensor_parallel=True),
+     r"text.expert_tensor_parallel=true and text.expert_parallel > 1 are exclusive"),
 ])
 def test_driver_errors_name_the_key(family, text, match):
     with pytest.raises(ValueError, match=match):
@@ -61,6 +68,10 @@ def test_run_file_key(tmp_path):
                     "text: {data_parallel: 4, expert_parallel: 2}\n")
     topo = load_run_file(str(path), []).dhp_config().topology()
     assert topo.text_expert_parallel == 2 and "text_expert_parallel=2" in topo.describe()
+    path.write_text("model: {demo: qwen3_vl_moe}\nplacement: disjoint\n"
+                    "text: {tensor_parallel: 2, expert_tensor_parallel: true}\n")
+    topo = load_run_file(str(path), []).dhp_config().topology()
+    assert topo.text_expert_tp and "text_expert_tensor_parallel=true" in topo.describe()
 
 
 def test_ep_groups_are_data_parallel_blocks():
@@ -193,3 +204,28 @@ def test_plan_traffic_has_the_expert_all_to_all_and_edp_gradients():
     assert ep4["text expert gradients"] > 0
     groups = collective_groups(Layout("collocated", "sequential", 1, 8, 1, 8, text_ep=4).topology(), 8)
     assert groups["text expert all-to-all"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+@pytest.mark.parametrize("target, match", [
+    ("experts", r"modules.llm.lora.target_modules: \['experts'\]: the fused experts are 3-D parameters"),
+    ("gate", r"modules.llm.lora.target_modules: \['gate'\]: the router \(mlp.gate\) stays frozen"),
+])
+def test_lora_refuses_the_experts_and_the_router_naming_the_key(target, match):
+    from ray_dhp.train.loop_config import TrainLoopConfig
+
+    with pytest.raises(ValueError, match=match):
+        TrainLoopConfig(modules={"llm": {"lora": {"target_modules": [target]}}})
+
+
+def test_lora_targets_reach_the_shared_expert_not_the_router_or_experts():
+    """The PEFT target regex on Qwen3.5-MoE's module names: attention and shared-expert linears."""
+    import re
+
+    from ray_dhp.models.lora import target_regex
+    from ray_dhp.step.tuning import DEFAULT_LORA_TARGETS
+
+    rx = re.compile(target_regex(DEFAULT_LORA_TARGETS))
+    p = "model.language_model.layers.3"
+    assert rx.fullmatch(f"{p}.self_attn.q_proj") and rx.fullmatch(f"{p}.mlp.shared_expert.down_proj")
+    for name in ("mlp.gate", "mlp.experts", "mlp.shared_expert_gate", "linear_attn.in_proj_qkv"):
+        assert not rx.fullmatch(f"{p}.{name}"), name
