@@ -34,6 +34,11 @@ SHAPES = {
     "text-wide": dict(vision={**_VITHEAVY["vision"], "out_hidden_size": 896}, text=dict(
         hidden_size=896, num_hidden_layers=2, num_attention_heads=14, num_key_value_heads=2,
         intermediate_size=4864)),
+    # ZeRO stages at the 7B text width (Qwen2.5-VL-7B: hidden 3584, MLP 18944, 28/4 heads), one
+    # decoder layer (233 M parameters), the demo tokenizer's small vocabulary, vitheavy ViT.
+    "7b-wide": dict(vision={**_VITHEAVY["vision"], "out_hidden_size": 3584}, text=dict(
+        hidden_size=3584, num_hidden_layers=1, num_attention_heads=28, num_key_value_heads=4,
+        intermediate_size=18944)),
     # For the GPU script: the same proportions, 4x wider.
     "vitheavy-wide": dict(
         vision={**_VITHEAVY["vision"], "hidden_size": 512, "intermediate_size": 1536, "out_hidden_size": 1024},

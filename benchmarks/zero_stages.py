@@ -7,7 +7,8 @@ once each in the same processes (same seed: the same initial weights, first-step
 ``s0`` (text 0, vision 0), ``s1`` (1, 1), ``s2`` (2, 2), ``s3`` (text 3 = FSDP2, vision 2),
 ``s3v`` (both modules at stage 3: FSDP2 for the ViT too, `ray_dhp.parallel.fsdp_vision`),
 ``s1-offload`` (``s1`` with both modules' masters and moments on the host,
-`ray_dhp.step.offload`); ``--contenders`` runs a subset (``s0`` always). One warm-up step each, one counted
+`ray_dhp.step.offload`), ``s3-plain``/``s3v-plain`` (below); ``--contenders`` runs a subset
+(``s0`` always). One warm-up step each, one counted
 step each (collectives by name, `benchmarks.measure.CollectiveCounter`, FSDP2's included), then
 ``--steps`` rounds in rotating order with a barrier before each step. Step time = the slowest
 rank's; medians and ratios to ``s0``.
@@ -21,11 +22,18 @@ Host AdamW (`host_adam`, in the driver, one thread): DeepSpeedCPUAdam vs torch's
 single-tensor AdamW over ``--host-adam-numel`` fp32 parameters, the engine choice of
 `ray_dhp.step.offload.host_adamw`.
 
-Shape ``--shape text-wide`` (`benchmarks.shapes`): Qwen2.5-0.5B's text width (hidden 896, MLP
-4864, 14/2 heads) with 2 layers and the vitheavy ViT; the 7B width (one layer alone is 233 M
-parameters, 3.7 GB at stage 0) does not fit 4 ranks on this 24 GiB machine.
+Shapes (`benchmarks.shapes`): ``text-wide``, Qwen2.5-0.5B's text width (hidden 896, MLP 4864,
+14/2 heads) with 2 layers and the vitheavy ViT, all contenders resident side by side; ``7b-wide``,
+Qwen2.5-VL-7B's text width (hidden 3584, MLP 18944, 28/4 heads) with one decoder layer (236 M
+parameters: ~4 GB per rank at stage 0), too large for the contenders to live side by side on a
+24 GiB machine: ``--one-at-a-time`` builds, measures, times and frees one contender after the
+other in the given order (its step times are then not interleaved: read its ratios as coarser).
 
-Run: ``python -m benchmarks.zero_stages [--ranks 4] [--steps 5] [--tiny] [--contenders s0,s3v]``;
+``s3-plain`` / ``s3v-plain``: ``s3`` / ``s3v`` with FSDP2's defaults instead of the engine's
+explicit prefetch (`ray_dhp.parallel.fsdp.FSDPShards.overlap`), side by side with them.
+
+Run: ``python -m benchmarks.zero_stages [--ranks 4] [--steps 5] [--tiny] [--contenders s0,s3v]
+[--shape 7b-wide --one-at-a-time]``;
 writes ``benchmarks/results/zero-stages-<shape>-cpu2-<date>[-<subset>].json`` and ``.png``.
 """
 
@@ -33,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -41,7 +50,10 @@ import time
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 # name: (vision stage, text stage, optimizer offload of both modules)
 CONTENDERS = {"s0": (0, 0, False), "s1": (1, 1, False), "s2": (2, 2, False), "s3": (2, 3, False),
-              "s3v": (3, 3, False), "s1-offload": (1, 1, True)}
+              "s3v": (3, 3, False), "s1-offload": (1, 1, True),
+              "s3-plain": (2, 3, False), "s3v-plain": (3, 3, False)}
+# FSDP2's defaults (no explicit prefetch, synchronous gathers on gloo; `FSDPShards.overlap`)
+PLAIN = {"s3-plain", "s3v-plain"}
 RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce": lambda n: (n - 1) / n,
         "broadcast": lambda n: (n - 1) / n, "reduce_scatter_single": lambda n: (n - 1) / n,
         "reduce_scatter_tensor": lambda n: (n - 1) / n, "all_gather_single": lambda n: n - 1,
@@ -52,17 +64,21 @@ def _layout(world: int) -> dict:
     return dict(placement="collocated", vision_dp=world, vision_sp=1, text_dp=world, text_tp=1)
 
 
-def _build(config, world, stages, cfg):
+def _build(config, world, name, cfg):
     import torch
 
     from ray_dhp.step.engine import DHPEngine
     from ray_dhp.step.mesh import build_groups
     from ray_dhp.step.topology import Topology
 
-    vz, tz, off = stages
+    vz, tz, off = CONTENDERS[name]
     topo = Topology.build(**_layout(world), vision_zero=vz, text_zero=tz, vision_offload=off,
                           text_offload=off)
-    return topo, DHPEngine(config, build_groups(topo, torch.device("cpu")), cfg)
+    engine = DHPEngine(config, build_groups(topo, torch.device("cpu")), cfg)
+    for fsdp in (engine.fsdp, engine.vision_fsdp):
+        if fsdp is not None:
+            fsdp.overlap(name not in PLAIN)
+    return topo, engine
 
 
 def _timed(engine, batch) -> tuple:
@@ -89,19 +105,28 @@ def zero_body(rank, world, opts: dict) -> dict:
     counts = count_params(config)
     counter = CollectiveCounter()
     out = {}
+
+    def measure(name):
+        topo, engine = _build(config, world, name, cfg)
+        _, loss = _timed(engine, batch)  # warm-up
+        with counter.counting():
+            _timed(engine, batch)
+        plan = rank_state(counts, topo, rank, engine.policy)
+        out[name] = {"first_loss": loss, "comm": counter.as_dict(), "times": [],
+                     "held": engine.state_bytes(),
+                     "plan": {k: getattr(plan, k) for k in ("weights", "grads", "masters",
+                                                            "optimizer", "total", "host")}}
+        return engine
+
     with counter.installed():
-        engines = {}
-        for name in opts["contenders"]:
-            topo, engine = _build(config, world, CONTENDERS[name], cfg)
-            _, loss = _timed(engine, batch)  # warm-up
-            with counter.counting():
-                _timed(engine, batch)
-            plan = rank_state(counts, topo, rank, engine.policy)
-            out[name] = {"first_loss": loss, "comm": counter.as_dict(), "times": [],
-                         "held": engine.state_bytes(),
-                         "plan": {k: getattr(plan, k) for k in ("weights", "grads", "masters",
-                                                                "optimizer", "total", "host")}}
-            engines[name] = engine
+        if opts["one_at_a_time"]:  # a shape whose contenders do not fit side by side
+            for name in opts["contenders"]:
+                engine = measure(name)
+                out[name]["times"] = [_timed(engine, batch)[0] for _ in range(opts["steps"])]
+                del engine
+                gc.collect()
+            return out
+        engines = {name: measure(name) for name in opts["contenders"]}
         names = list(opts["contenders"])
         for r in range(opts["steps"]):
             for name in names[r % len(names):] + names[:r % len(names)]:
@@ -181,9 +206,9 @@ def summarise(per_rank: list, counts, world: int, policy) -> dict:
             "comm_rank0": r0["comm"], "ring_bytes_rank0": _ring_bytes(r0["comm"], world),
             "planned_sync_bytes": planned,
         }
-    base = rows["s0"]["step_s_median"]
+    base = rows["s0"]["step_s_median"] if "s0" in rows else None
     for row in rows.values():
-        row["step_vs_s0"] = row["step_s_median"] / base
+        row["step_vs_s0"] = None if base is None else row["step_s_median"] / base
     return rows
 
 
@@ -199,9 +224,13 @@ def table(result: dict) -> str:
             f"| `{name}` | {r['stages']['vision']}/{r['stages']['text']} | "
             f"{h['held']['total'] / mib:.1f} ({h['plan']['total'] / mib:.1f}) | "
             f"{h['held'].get('host', 0) / mib:.1f} | {'yes' if r['held_equals_plan'] else 'NO'} | "
-            f"{r['step_s_median']:.3f} | {r['step_vs_s0']:.2f}x | "
+            f"{r['step_s_median']:.3f} | {_ratio(r)} | "
             f"{r['ring_bytes_rank0'] / mib:.1f} ({r['planned_sync_bytes'] / mib:.1f}) |")
     return "\n".join(lines)
+
+
+def _ratio(row: dict) -> str:
+    return "—" if row["step_vs_s0"] is None else f"{row['step_vs_s0']:.2f}x"
 
 
 def _plot(rows: dict, path: str, title: str) -> None:
@@ -221,7 +250,7 @@ def _plot(rows: dict, path: str, title: str) -> None:
                     color="k", marker="_", s=400, label="plan", zorder=3)
     axes[0].set_ylabel("rank 0 model state (MiB)")
     axes[0].legend(fontsize=7)
-    axes[1].bar(names, [rows[n]["step_vs_s0"] for n in names], color="tab:gray")
+    axes[1].bar(names, [rows[n]["step_vs_s0"] or 0.0 for n in names], color="tab:gray")
     axes[1].axhline(1.3, ls="--", color="r", lw=0.8)
     axes[1].set_ylabel("step time / stage 0 (median)")
     axes[2].bar(names, [rows[n]["ring_bytes_rank0"] / 2 ** 20 for n in names], label="counted (ring est.)")
@@ -247,6 +276,9 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default=RESULTS)
     p.add_argument("--contenders", default=",".join(CONTENDERS),
                    help=f"comma-separated subset of {', '.join(CONTENDERS)} (s0 is always run)")
+    p.add_argument("--one-at-a-time", action="store_true",
+                   help="build, measure and free one contender at a time, in the given order "
+                        "(shapes whose contenders do not fit side by side; s0 not forced)")
     p.add_argument("--table", metavar="RESULT_JSON", help="print the README table of a result")
     a = p.parse_args(argv)
     if a.table:
@@ -264,15 +296,18 @@ def main(argv=None) -> dict:
     unknown = sorted(set(names) - set(CONTENDERS))
     if unknown:
         p.error(f"--contenders: unknown {unknown}; choose from {list(CONTENDERS)}")
-    names = ["s0"] + [n for n in names if n != "s0"]
+    if not a.one_at_a_time:
+        names = ["s0"] + [n for n in names if n != "s0"]
     opts = {"shape": a.shape, "patches": a.patches, "steps": a.steps, "precision": a.precision,
-            "contenders": names}
+            "contenders": names, "one_at_a_time": a.one_at_a_time}
+    load_start = os.getloadavg()
     per_rank = spawn(zero_body, a.ranks, (opts,), backend="gloo", threads=1, timeout_s=3000)
     counts = count_params(model_config(a.shape))
     rows = summarise(per_rank, counts, a.ranks, POLICIES[a.precision])
     result = {"shape": a.shape, "parameters": counts.vision + counts.text, "ranks": a.ranks,
               "layout": f"collocated vision DP{a.ranks} / text DP{a.ranks}", **opts,
-              "load_average": os.getloadavg(), "machine": "2-core CPU, gloo, shared",
+              "load_average_start": load_start,
+              "load_average_end": os.getloadavg(), "machine": "2-core CPU, gloo, shared",
               "contenders": rows, "host_adam": host_adam(a.host_adam_numel)}
     os.makedirs(a.out, exist_ok=True)
     stem = os.path.join(a.out, f"zero-stages-{a.shape}-cpu2-{datetime.date.today().isoformat()}")
@@ -285,7 +320,7 @@ def main(argv=None) -> dict:
         h = r["held_vs_plan"][0]
         print(f"{name}: rank0 state {h['held']['total'] / 2 ** 20:.1f} MiB (plan "
               f"{h['plan']['total'] / 2 ** 20:.1f}; on the host {h['held']['host'] / 2 ** 20:.1f}), all ranks = plan: {r['held_equals_plan']}; "
-              f"step {r['step_s_median']:.3f} s ({r['step_vs_s0']:.2f}x s0); sent "
+              f"step {r['step_s_median']:.3f} s ({_ratio(r)} s0); sent "
               f"{r['ring_bytes_rank0'] / 2 ** 20:.1f} MiB (planner {r['planned_sync_bytes'] / 2 ** 20:.1f})")
     h = result["host_adam"]
     print(f"host AdamW over {h['numel']} fp32 params: DeepSpeedCPUAdam {h['deepspeed_cpu_adam']:.4f} s, "

@@ -21,6 +21,8 @@ at stage 3 (not as cost-balanced padded groups).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ray_dhp.parallel import data as dp
@@ -46,9 +48,12 @@ class FSDPShards:
         dp_mesh: the 1-D mesh of the module's replicas; ``reduce_dtype``: FSDP's reduce dtype.
         tp_first: this rank counts the TP-replicated entries in the norm (TP rank 0; True
             without TP).
+        chain: the units that always run in this order, prefetched along it (`overlap`;
+            default all of them).
     """
 
-    def __init__(self, units: list, root, dp_mesh, reduce_dtype, tp_first: bool):
+    def __init__(self, units: list, root, dp_mesh, reduce_dtype, tp_first: bool,
+                 chain: Optional[list] = None):
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
@@ -60,7 +65,21 @@ class FSDPShards:
         for m in self.modules:
             m.set_gradient_divide_factor(1.0)  # SUM over replicas, not a mean
             m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
-        self.root, self.tp_first = root, tp_first
+        self.root, self.tp_first, self.cpu = root, tp_first, dp_mesh.device_type == "cpu"
+        self.chain = units if chain is None else chain
+        self.overlap(True)
+
+    def overlap(self, on: bool) -> None:
+        """Explicit prefetch along ``chain``: a unit's pre-forward starts the next one's
+        all-gather and its pre-backward the previous one's. On a CPU device (gloo) the prefetches are issued ``async_op`` so that
+        they run on gloo's thread while this unit computes: CPU has no streams, so FSDP2's
+        default (stream-ordered) prefetch would gather synchronously. On CUDA FSDP2's own streams
+        overlap them (``async_op`` stays off). ``on=False``: FSDP2's defaults (the benchmark's
+        ``s3-plain`` contender, `benchmarks/zero_stages.py`)."""
+        for a, b in zip(self.chain, self.chain[1:]):
+            a.set_modules_to_forward_prefetch([b] if on else [])
+            b.set_modules_to_backward_prefetch([a] if on else [])
+        self.root._set_unshard_async_op(on and self.cpu)  # torch's private setter (no public one)
 
     def sync(self, last: bool) -> None:
         """Reduce-scatter the gradients in the coming backward (``last``: the step's last

@@ -65,7 +65,8 @@ class VisionStage3(FSDPShards):
 
     def __init__(self, family: str, visual, mesh, reduce_dtype, dtype, device):
         self.wrapper = VisionRoot(family, visual)
-        super().__init__(vision_units(visual), self.wrapper, mesh, reduce_dtype, tp_first=True)
+        super().__init__(vision_units(visual), self.wrapper, mesh, reduce_dtype, tp_first=True,
+                         chain=list(visual.blocks))  # merger / deepstack units run out of list order
         self.family, self.dtype, self.device = family, dtype, device
         self._idle: Optional[tuple] = None
 

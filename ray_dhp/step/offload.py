@@ -14,6 +14,18 @@ single-tensor 0.143 s, DeepSpeed 0.024 s per step; `benchmarks/zero_stages.py --
 and torch's AdamW otherwise (DeepSpeed's kernel has no fp64). DeepSpeed compiles its CPU op
 on first use (minutes, then cached in ``~/.cache/torch_extensions``).
 
+Host buffers (`HostTransfer`): on a CUDA device the masters (copied to the device every step)
+and each chunk's gradient staging buffer are pinned, and the copies are ``non_blocking``: the
+chunk's gradients are upcast on the device and copied into the pinned staging buffer, the
+stream is synchronised once per chunk before the host AdamW reads them, and the new masters go
+back as fp32 (``non_blocking`` from pinned memory) and are rounded into the weights on the
+device; the copies back are ordered before any later device work by the stream, and the next
+host write of those masters comes after the next chunk's synchronisation. The AdamW moments
+never leave the host and are not pinned. Without an accelerator (CPU torch cannot pin) the same
+path runs unpinned and blocking; a gradient already on the host in the masters' dtype (fp32
+accumulations on a CPU device) is the master's gradient, no copy. The CUDA path is not measured
+here (no GPU on the development machine).
+
 Offload needs plain (not DTensor) parameters: a host copy of a DTensor would need a host
 device mesh beside the device one. So: every vision stage, text only with ``tensor_parallel=1``
 and ``zero_stage`` 0-2 (`check_offload`, naming the key).
@@ -37,6 +49,52 @@ def check_offload(module: str, offload, stage: int, tp: int) -> None:
             + " (DTensor shards); set "
             + ("text.tensor_parallel=1 and " if module == "text" else "")
             + f"{module}.zero_stage <= 2, or {module}.optimizer_offload=false.")
+
+
+def pins(device: torch.device) -> bool:
+    """Whether the host buffers of an offloaded update for parameters on ``device`` are pinned:
+    only for a CUDA device (pinning needs the accelerator's driver; a CPU device's copies are
+    plain memcpys)."""
+    return device.type == "cuda" and torch.cuda.is_available()
+
+
+class HostTransfer:
+    """The device <-> host copies of one module's offloaded update (see the module docstring)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.pinned = device, pins(device)
+
+    def master(self, p: torch.Tensor, dtype) -> torch.nn.Parameter:
+        """The host copy of ``p`` in ``dtype`` (None: its own), pinned if `pins`."""
+        out = torch.empty(p.shape, dtype=dtype or p.dtype, device=HOST, pin_memory=self.pinned)
+        return torch.nn.Parameter(out.copy_(p.detach()), requires_grad=True)
+
+    def grads_in(self, chunk: list, coef: float) -> None:
+        """``m.grad = coef * p.grad`` on the host for every (parameter, master) of ``chunk``,
+        each ``p.grad`` freed; the copies land in one staging buffer (pinned if `pins`)."""
+        copied = [(p, m) for p, m in chunk if p.grad.device != HOST or p.grad.dtype != m.dtype]
+        sizes = [-(-m.numel() * m.element_size() // 64) * 64 for _, m in copied]  # 64 B aligned
+        staging = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=self.pinned)
+        offset = 0
+        for (p, m), size in zip(copied, sizes):
+            view = staging[offset:offset + m.numel() * m.element_size()].view(m.dtype).view(m.shape)
+            offset += size
+            # pinned: upcast on the device, then a same-dtype (truly asynchronous) copy
+            view.copy_(p.grad.to(m.dtype) if self.pinned else p.grad, non_blocking=self.pinned)
+            p.grad, m.grad = None, view
+        for p, m in chunk:
+            if m.grad is None:  # already on the host in the masters' dtype: no copy
+                p.grad, m.grad = None, p.grad
+        if self.pinned and copied:
+            torch.cuda.current_stream(self.device).synchronize()
+        if coef != 1.0:
+            for _, m in chunk:
+                m.grad.mul_(coef)
+
+    def weights_out(self, chunk: list) -> None:
+        """The chunk's weights from its (stepped) masters."""
+        for p, m in chunk:
+            p.copy_(m.to(p.device, non_blocking=True) if self.pinned else m)
 
 
 def host_adamw(groups: list, cfg):

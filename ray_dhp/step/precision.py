@@ -180,6 +180,28 @@ def _master_of(p: torch.Tensor, dtype=torch.float32, device=None) -> torch.nn.Pa
                                             copy=True), requires_grad=True)
 
 
+class _OnDevice:
+    """The copies of `MasterWeights.step` with the masters beside the weights (the host ones:
+    `ray_dhp.step.offload.HostTransfer`)."""
+
+    @staticmethod
+    def grads_in(chunk: list, coef: float) -> None:
+        for p, m in chunk:
+            g = p.grad.to(device=m.device, dtype=m.dtype)
+            p.grad = None
+            if coef != 1.0:
+                g.mul_(coef)
+            m.grad = g
+
+    @staticmethod
+    def weights_out(chunk: list) -> None:
+        for p, m in chunk:
+            p.copy_(m)
+
+
+_ON_DEVICE = _OnDevice()
+
+
 class MasterWeights:
     """fp32 masters of some (bf16) parameters, held in a module that mirrors their names.
 
@@ -192,8 +214,14 @@ class MasterWeights:
     def __init__(self, named_params, dtype=torch.float32, device=None):
         """``dtype``/``device`` of the copies (None: the parameter's; host optimizer offload,
         `ray_dhp.step.offload`, gives the host and, without fp32 masters, no dtype)."""
+        from ray_dhp.step.offload import HOST, HostTransfer
+
         self.module = torch.nn.Module()
         self.pairs = []  # (model parameter, master)
+        named_params = list(named_params)
+        # host masters (optimizer offload): pinned buffers and asynchronous copies on CUDA
+        self.transfer = (HostTransfer(named_params[0][1].device)
+                         if device == HOST and named_params else None)
         for name, p in named_params:
             *path, leaf = name.split(".")
             owner = self.module
@@ -201,7 +229,8 @@ class MasterWeights:
                 if not hasattr(owner, part):
                     owner.add_module(part, torch.nn.Module())
                 owner = getattr(owner, part)
-            master = _master_of(p, dtype, device)
+            master = _master_of(p, dtype, device) if self.transfer is None else \
+                self.transfer.master(p, dtype)
             owner.register_parameter(leaf, master)
             self.pairs.append((p, master))
 
@@ -218,16 +247,12 @@ class MasterWeights:
         (no copy, no transient); a bf16 one (FSDP2's shards at stage 3) is freed as soon as it
         is upcast, so the fp32 gradients of only one chunk exist at a time
         (`ray_dhp.planning.step_peak`)."""
+        copies = _ON_DEVICE if self.transfer is None else self.transfer  # host: pinned on CUDA
         for chunk in self._chunks(CHUNK_BYTES if chunk_bytes is None else chunk_bytes):
-            for p, m in chunk:
-                g = p.grad.to(device=m.device, dtype=m.dtype)
-                p.grad = None
-                if coef != 1.0:
-                    g.mul_(coef)
-                m.grad = g
+            copies.grads_in(chunk, coef)
             opt.step()
-            for p, m in chunk:
-                p.copy_(m)
+            copies.weights_out(chunk)
+            for _, m in chunk:
                 m.grad = None
 
     def _chunks(self, chunk_bytes: int):
