@@ -79,7 +79,8 @@ class FSDPShards:
         for a, b in zip(self.chain, self.chain[1:]):
             a.set_modules_to_forward_prefetch([b] if on else [])
             b.set_modules_to_backward_prefetch([a] if on else [])
-        self.root._set_unshard_async_op(on and self.cpu)  # torch's private setter (no public one)
+        if self.cpu:  # torch's private setter (no public one); never called on CUDA
+            self.root._set_unshard_async_op(on)
 
     def sync(self, last: bool) -> None:
         """Reduce-scatter the gradients in the coming backward (``last``: the step's last
