@@ -58,6 +58,11 @@ class FamilySpec:
     # vision config (the Qwen towers keep it in the vision config).
     merge_size: Callable = lambda config: getattr(config, "vision_config", config).spatial_merge_size
     vision_heads: Callable = lambda vision_config: vision_config.num_heads
+    vision_depth: Callable = lambda vision_config: vision_config.depth
+    projector_dim: Optional[Callable] = None  # (config) -> width of a feature row, if not the tower's
+    # The seam's ``pooler_output``: a tuple of row blocks (the Qwen-VL models) or one
+    # ``[rows, width]`` tensor (models that ``masked_scatter`` it whole, e.g. InternVL).
+    pooled_tuple: bool = True
 
     # -- model access (the seams of transformers' VLM classes) ---------------------------------
 
@@ -112,10 +117,11 @@ class FamilySpec:
         """Width of one merged vision row as it crosses the boundary (deepstack concatenated)."""
         return self.vision_out_dim(config) * (1 + self.num_deepstack(config))
 
-    @staticmethod
-    def vision_out_dim(config) -> int:
+    def vision_out_dim(self, config) -> int:
         """Width of the merger output (Qwen2-VL calls it ``hidden_size``, later families
-        ``out_hidden_size``)."""
+        ``out_hidden_size``; `projector_dim` where the family says)."""
+        if self.projector_dim is not None:
+            return self.projector_dim(config)
         vc = config.vision_config
         return getattr(vc, "out_hidden_size", None) or vc.hidden_size
 
@@ -136,6 +142,8 @@ class FamilySpec:
     def _wrap(self, config, feats: torch.Tensor):
         from transformers.modeling_outputs import BaseModelOutputWithPooling
 
+        if not self.pooled_tuple:
+            return BaseModelOutputWithPooling(pooler_output=feats)
         n_deep = self.num_deepstack(config)
         if n_deep == 0:
             return BaseModelOutputWithPooling(pooler_output=(feats,))

@@ -31,4 +31,7 @@ SPEC = FamilySpec(
     merger_prefixes=("model.multi_modal_projector.",),
     merge_size=merge_size,
     vision_heads=lambda vision_config: vision_config.num_attention_heads,
+    vision_depth=lambda vision_config: vision_config.num_hidden_layers,
+    projector_dim=lambda config: config.text_config.hidden_size,  # the projector's linear_2
+    pooled_tuple=False,
 )

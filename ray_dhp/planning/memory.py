@@ -153,12 +153,12 @@ def count_params(config, tuning=None) -> ParamCounts:
 
         inject(model, tuning.lora, seed=0)
         plan = counting_plan(plan, tuning.lora.target_modules)
-    vision_names = {f"model.visual.{n}" for n, _ in family.visual(model).named_parameters()}
+    vision_names = {f"{family.vision_prefix}{n}" for n, _ in family.visual(model).named_parameters()}
     trains = (lambda name: True) if tuning is None else tuning.trains
     vision = text = sharded = largest = v_frozen = t_frozen = t_frozen_sharded = 0
     text_sizes, vision_params = [], []
     sizes = tuple(p.numel() for n, p in family.visual(model).named_parameters()
-                  if trains(f"model.visual.{n}"))
+                  if trains(f"{family.vision_prefix}{n}"))
     for name, p in model.named_parameters():
         largest = max(largest, p.numel())
         if name in vision_names:

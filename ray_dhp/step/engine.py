@@ -83,7 +83,7 @@ class DHPEngine(UpdateMixin):
                      self.family.text_tp_plan(self.config.text_config) if tp else None)
         shard_text(self)  # ZeRO stage 3: FSDP2 over the text dp ranks (ray_dhp.parallel.fsdp)
         shard_vision(self)  # ... and over the vision group (ray_dhp.parallel.fsdp_vision)
-        held = apply_tuning(self.visual, self.text_model, self.tuning)
+        held = apply_tuning(self.visual, self.text_model, self.tuning, self.family.vision_prefix)
         self.vision_params, self.text_params, self.frozen_params = held
         self._partial = (partial_grad_params(self.text_model, self.family.tp_partial_grad_suffixes)
                          if self.text_model is not None and topo.text.inner > 1 else [])
@@ -118,9 +118,9 @@ class DHPEngine(UpdateMixin):
         parts = {}
         if g.is_vision:
             self.visual = self.family.visual(full)
-            parts[module_prefix(full, self.visual)] = self.visual
+            parts.update(self.family.vision_modules(full))
         if g.is_text:
-            full.model.visual = None  # the text shard does not hold the vision tower
+            self.family.drop_vision(full)  # the text shard does not hold the vision tower
             self.text_model = parts[""] = full
             if topo.text.inner > 1:
                 apply_tp_plan(full, g.text_mesh["tp"], self._text_plan(full))
@@ -198,7 +198,7 @@ class DHPEngine(UpdateMixin):
     def _vision_fwd(self, mb: "_MicroBatch", n_targets: int) -> None:
         g = self.groups
         mb.lay = layout_micro_batch(mb.samples, g.topology, self.family.name,
-                                    self.config.vision_config, self.balancer())
+                                    self.config, self.balancer())
         if g.is_vision and mb.has_images:
             with self._autocast(), torch.set_grad_enabled(vision_trains(self.tuning)):
                 mb.feats = self._vision_forward(mb.samples, mb.lay)
@@ -264,8 +264,6 @@ class DHPEngine(UpdateMixin):
         mb.feats = mb.grad_feats = None
 
     def _vision_forward(self, samples, lay: MicroBatchLayout) -> Optional[torch.Tensor]:
-        from ray_dhp.models.vision_qwen import vision_forward
-
         i, k = self.groups.vision_coord
         plan = lay.vision_plans[i]
         fsdp = self.vision_fsdp
@@ -279,8 +277,8 @@ class DHPEngine(UpdateMixin):
         pv = to_device(torch.cat([s.pixel_values for s in mine]), self.groups.device).to(self.dtype)
         if fsdp is not None:
             return fsdp.forward(pv, plan, k, self.groups.vision_sp, comm=self.comm)
-        return vision_forward(self.family.name, self.visual, pv, plan, k, self.groups.vision_sp,
-                              comm=self.comm)
+        return self.family.vision_forward(self.visual, pv, plan, k, self.groups.vision_sp,
+                                          comm=self.comm)
 
     def _held_rows(self, lay: MicroBatchLayout) -> dict:
         v = self.groups.topology.vision
@@ -353,7 +351,7 @@ class DHPEngine(UpdateMixin):
                 feats.requires_grad_(True)
             from ray_dhp.data.collate import row_modalities
 
-            merge = self.config.vision_config.spatial_merge_size
+            merge = self.family.merge_size(self.config)
             enc = self.family.encoder_outputs(self.config, feats, row_modalities(samples, merge))
         grid, mask, pos = batch["image_grid_thw"], batch["attention_mask"], batch.get("position_ids")
         videos = {k: to_device(batch[k], dev) for k in ("video_grid_thw", "second_per_grid_ts")
@@ -406,7 +404,7 @@ class DHPEngine(UpdateMixin):
         ranks of a TP or stage-3 module)."""
         out = {}
         if self.visual is not None:
-            out.update({f"model.visual.{n}": (p.full_tensor() if _is_dtensor(p) else p).detach().clone()
+            out.update({f"{self.family.vision_prefix}{n}": (p.full_tensor() if _is_dtensor(p) else p).detach().clone()
                         for n, p in self.visual.named_parameters()})
         if self.text_model is not None:
             for n, p in self.text_model.named_parameters():
