@@ -364,7 +364,7 @@ def _block_elems(h: int, i: int) -> int:
 def vision_activation_bytes(vc, tokens: int, sp: int, s: ActivationSettings,
                             image_tokens: Optional[int] = None) -> float:
     """Activation bytes of one vision SP rank for ``tokens`` patch tokens of its replica."""
-    h, i, depth = vision_width(vc), _vision_mlp(vc), vc.depth
+    h, i, depth = vision_width(vc), _vision_mlp(vc), vision_depth(vc)
     local = tokens / sp
     per_block = local * _block_elems(h, i) * s.dtype_bytes
     total = depth * local * h * s.dtype_bytes + per_block if s.checkpointing else depth * per_block
@@ -373,12 +373,24 @@ def vision_activation_bytes(vc, tokens: int, sp: int, s: ActivationSettings,
         full = len(getattr(vc, "fullatt_block_indexes", None) or range(depth))
         window = (getattr(vc, "window_size", 0) // vc.patch_size) ** 2 or seg
         windows = depth - full
-        heads = vc.num_heads / sp
+        heads = (getattr(vc, "num_heads", None) or vc.num_attention_heads) / sp
         layers_kept = (1 if s.checkpointing else full)
         total += 2 * heads * (tokens / seg) * seg * seg * s.dtype_bytes * layers_kept
         if not s.checkpointing:
             total += 2 * heads * tokens * min(window, seg) * s.dtype_bytes * windows
     return total
+
+
+def vision_depth(vc) -> int:
+    """ViT blocks: ``depth`` (Qwen towers) or ``num_hidden_layers`` (InternViT)."""
+    return getattr(vc, "depth", None) or vc.num_hidden_layers
+
+
+def merged(config) -> int:
+    """Patches per merged feature row of ``config``'s family (`FamilySpec.merge_size` squared)."""
+    from ray_dhp.models import family_of
+
+    return family_of(config).merge_size(config) ** 2
 
 
 def vision_width(vc) -> int:
@@ -453,7 +465,7 @@ def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int,
     patch tokens per attention segment (a video's frame, `ray_dhp.planning.video`; None: the
     sample is one image)."""
     vc, tc = config.vision_config, config.text_config
-    merge = vc.spatial_merge_size ** 2
+    merge = merged(config)
     sp, tp = topology.vision.inner, topology.text.inner
     seq = text_tokens + vision_tokens // merge
     v_act = vision_activation_bytes(vc, samples * vision_tokens, sp, settings,
@@ -482,7 +494,7 @@ def estimate_zero3(config, counts: ParamCounts, world: int, *, vision_tokens: in
     per GPU (no SP/TP: every activation of that sample stays on its GPU); ``segment_tokens`` as
     in `estimate_ranks`."""
     vc, tc = config.vision_config, config.text_config
-    seq = text_tokens + vision_tokens // vc.spatial_merge_size ** 2
+    seq = text_tokens + vision_tokens // merged(config)
     state = (counts.vision + counts.text) * state_bytes / world
     return (state + vision_activation_bytes(vc, vision_tokens, 1, settings, segment_tokens)
             + text_activation_bytes(tc, seq, 1, settings))
