@@ -70,3 +70,49 @@ def test_internvl_is_exact(case, reference):
     got = run_engine(FAMILY, layout, dataclasses.replace(CFG, **changes), steps, torch.float64,
                      grads=True)
     assert_parity(got, ref, **TOL)
+
+
+# -- a saved Hugging Face directory: sharded load, first step ------------------------------------
+
+def _dir_body(rank, world, layout, cfg, data, model_dir):
+    from ray_dhp import demo
+    from ray_dhp.data.reading import read_annotations, resolve_data_root
+    from ray_dhp.data.sampler import StepSampler
+    from ray_dhp.step.engine import DHPEngine
+    from ray_dhp.step.mesh import build_groups
+    from ray_dhp.step.topology import Topology
+
+    groups = build_groups(Topology.build(**layout), torch.device("cpu"))
+    engine = DHPEngine(model_dir, groups, cfg, dtype=torch.float64)
+    sampler = StepSampler(read_annotations(data), demo.tiny_processor(FAMILY), resolve_data_root(data), cfg)
+    params0 = engine.named_full_parameters()
+    history = [engine.step(sampler.next_step()) for _ in range(cfg.num_steps)]
+    return {"history": history, "params0": params0, "params": engine.named_full_parameters()}
+
+
+@pytest.mark.slow
+def test_internvl_directory_loads_sharded(tmp_path):
+    """``save_pretrained`` of the tiny model, really sharded (100 KB files): the engine at
+    collocated SP2/TP2 reads only its slices (vision parts and TP shards under their saved
+    names), and its first step equals the stock ``from_pretrained`` model's (1e-10)."""
+    import os
+
+    from ray_dhp import demo
+    from ray_dhp.models import build_model
+    from tests.distributed.parity import merge_ranks
+    from tests.spawn import run_on_ranks
+
+    model_dir = str(tmp_path / "tiny")
+    build_model(demo.tiny_model_config(FAMILY), seed=5).save_pretrained(model_dir, max_shard_size="100KB")
+    assert len([f for f in os.listdir(model_dir) if f.endswith(".safetensors")]) > 2
+    cfg = dataclasses.replace(CFG, num_steps=1)
+    steps = make_steps(tmp_path, FAMILY, cfg)  # the same samples as the engine's sampler's
+    ref = run_reference(FAMILY, cfg, steps, torch.float64, model=model_dir)
+    data = str(demo.make_dataset(tmp_path / "data", num_samples=16, seed=cfg.seed, text_only_every=4,
+                                 image_sizes=((56, 56), (84, 56), (112, 84))))
+    got = merge_ranks(run_on_ranks(_dir_body, 2, args=(CASES["collocated-sp2-tp2"][0], cfg, data,
+                                                       model_dir)))
+    assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10)
+    seed0 = build_model(demo.tiny_model_config(FAMILY), seed=0)  # not the saved weights (seed 5)
+    name = "model.vision_tower.encoder.layer.0.attention.q_proj.weight"
+    assert not torch.equal(got["params0"][name].float(), dict(seed0.named_parameters())[name])
