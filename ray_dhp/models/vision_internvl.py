@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from ray_dhp.models.vision_qwen import VisionShardPlan, _balanced_cuts, _nonempty, _ulysses_context
 from ray_dhp.parallel.comm import CommCounter
@@ -59,7 +58,6 @@ class TilePlan(VisionShardPlan):
     of ``pixel_values`` in unit order); ``cu_seqlens`` counts ``1 + h*w`` tokens per tile."""
 
     tokens: Optional[list] = None
-    cls_per_rank: Optional[list] = None
 
     def tokens_per_rank(self) -> list[int]:
         return [int(t.numel()) for t in self.tokens]
@@ -101,19 +99,17 @@ def plan_for(family: str, config, grid_thw: torch.LongTensor, sp: int) -> TilePl
         bounds.append(tok)
     tcuts = _balanced_cuts(bounds, sp)
     cuts = [bounds.index(c) for c in tcuts]
-    tokens, cls = [], []
+    tokens = []
     for lo, hi in zip(cuts[:-1], cuts[1:]):
-        parts, mine = [], []
+        parts = []
         for r in range(lo, hi):
             if r in starts:
                 parts.append(torch.tensor([-1 - unit_tile[r]]))
-                mine.append(unit_tile[r])
             parts.append(unit_ids[r])
         tokens.append(torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long))
-        cls.append(mine)
     seg = torch.tensor([0] + [1 + h * w for h, w in tiles]).cumsum(0).to(torch.int32)
     return TilePlan(grid_thw=grid, order=torch.arange(n_rows), cuts=cuts, merge_unit=unit,
-                    cu_seqlens=seg, tokens=tokens, cls_per_rank=cls)
+                    cu_seqlens=seg, tokens=tokens)
 
 
 def _ulysses_tile_attention(self, hidden_states, attention_mask=None, ulysses=None,

@@ -82,6 +82,9 @@ class DHPEngine(UpdateMixin):
             add_lora(self.text_model, self.tuning.lora, cfg.seed, groups.text_mesh["tp"] if tp else None,
                      self.family.text_tp_plan(self.config.text_config) if tp else None)
         shard_text(self)  # ZeRO stage 3: FSDP2 over the text dp ranks (ray_dhp.parallel.fsdp)
+        if topo.vision.zero_stage == 3 and not self.family.vision_zero3:
+            raise ValueError(f"vision.zero_stage=3 is not covered for the {self.family.name} family "
+                             "(its tower is not split into FSDP units); use vision.zero_stage<=2.")
         shard_vision(self)  # ... and over the vision group (ray_dhp.parallel.fsdp_vision)
         held = apply_tuning(self.visual, self.text_model, self.tuning, self.family.vision_prefix)
         self.vision_params, self.text_params, self.frozen_params = held
