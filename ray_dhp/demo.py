@@ -27,6 +27,7 @@ from pathlib import Path
 
 __all__ = [
     "FAMILIES",
+    "AUDIO_FAMILIES",
     "SPECIAL_TOKENS",
     "CHAT_TEMPLATE",
     "DEFAULT_SYSTEM_PROMPT",
@@ -38,6 +39,8 @@ __all__ = [
 ]
 
 FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "internvl")
+#: families with an audio encoder (their tiny config and processor: `ray_dhp.demo_audio`)
+AUDIO_FAMILIES = ("qwen2_5_omni",)
 
 #: Special tokens of the Qwen chat format, in id order (ids 0..6 of the demo tokenizer).
 SPECIAL_TOKENS = (
@@ -192,8 +195,8 @@ def _qwen3_5_text(text: dict) -> dict:
 
 
 def _check_family(family: str) -> None:
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
+    if family not in FAMILIES + AUDIO_FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES + AUDIO_FAMILIES}")
 
 
 #: The tiny mixture-of-experts LM (``qwen3_vl_moe``): 8 experts of intermediate 32, top-2, in
@@ -257,10 +260,18 @@ def tiny_model_config(family: str = "qwen2_5_vl", *, tie_word_embeddings: bool =
             ``"qwen3_5"`` or ``"qwen3_5_moe"``.
         tie_word_embeddings: share one weight between the input embedding and ``lm_head`` (as
             Qwen2.5-VL-3B and the small Qwen3-VL models do).
+
+    ``"qwen2_5_omni"``: the Qwen2.5-Omni *thinker* (`ray_dhp.demo_audio.omni_config`).
     """
     _check_family(family)
     if family == "internvl":
         return _tiny_internvl(tie_word_embeddings)
+    if family in AUDIO_FAMILIES:
+        from ray_dhp.demo_audio import omni_config, omni_tokenizer
+
+        tok = omni_tokenizer(build_tokenizer(), CHAT_TEMPLATE)
+        return omni_config(tok, _token_ids(), _text_config(_token_ids(), -(-len(tok) // 8) * 8),
+                           _vision_config("qwen2_5_vl"))
     from transformers import (Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3_5Config, Qwen3_5MoeConfig,
                               Qwen3VLConfig, Qwen3VLMoeConfig)
 
@@ -307,8 +318,15 @@ def tiny_processor(family: str = "qwen2_5_vl", *, min_side: int = 56, max_side: 
             ``"qwen3_5"`` or ``"qwen3_5_moe"``.
         min_side: side of the smallest image area, in pixels.
         max_side: side of the largest image area, in pixels.
+
+    ``"qwen2_5_omni"``: with an audio feature extractor (`ray_dhp.demo_audio.omni_processor`).
     """
     _check_family(family)
+    if family in AUDIO_FAMILIES:
+        from ray_dhp.demo_audio import omni_processor, omni_tokenizer
+
+        images = tiny_processor("qwen2_5_vl", min_side=min_side, max_side=max_side).image_processor
+        return omni_processor(omni_tokenizer(build_tokenizer(), CHAT_TEMPLATE), images)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from ray_dhp.data.processing import VLProcessor

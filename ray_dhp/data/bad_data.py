@@ -44,6 +44,12 @@ _FIXES = {
     "no video stream": "drop the audio-only files from the 'video' entries",
     "video too large": "downscale the videos, or raise max_image_pixels (it bounds a frame too)",
     "video count mismatch": "each <video> placeholder needs exactly one entry in 'video'",
+    "missing audio": "audio paths are resolved against {root}: check data_root (or the audio "
+                     "paths of the annotation file)",
+    "corrupt audio": "re-encode or drop the damaged audio files",
+    "audio too long": "cut the clips, or raise the audio length limit (at most the feature "
+                      "extractor's window)",
+    "audio count mismatch": "each <audio> placeholder needs exactly one entry in 'audio'",
     "no trainable tokens": "every conversation needs an assistant ('gpt') turn",
 }
 

@@ -26,14 +26,17 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["IMAGE_PLACEHOLDER", "VIDEO_PLACEHOLDER", "ChatTemplateError", "TemplateRenderer",
+__all__ = ["IMAGE_PLACEHOLDER", "VIDEO_PLACEHOLDER", "AUDIO_PLACEHOLDER", "ChatTemplateError", "TemplateRenderer",
            "QwenFormat", "expand_pads", "placeholder_kinds"]
 
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
+AUDIO_PLACEHOLDER = "<audio>"  # Qwen2.5-Omni: `ray_dhp.data.audio`
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
-_PLACEHOLDER = re.compile("(<image>|<video>)")
+AUDIO_PAD = "<|AUDIO|>"
+AUDIO_ITEM = "<|audio_bos|><|AUDIO|><|audio_eos|>"  # how Qwen2.5-Omni's template writes a clip
+_PLACEHOLDER = re.compile("(<image>|<video>|<audio>)")
 EOS = "<|im_end|>"
 
 
@@ -51,8 +54,8 @@ def _with_system(messages: list, system_prompt) -> list:
 
 
 def placeholder_kinds(messages: list) -> list:
-    """``"image"`` / ``"video"`` for each ``<image>`` / ``<video>`` placeholder of the non-assistant
-    turns, in order (the order the model reads the visual items in)."""
+    """``"image"`` / ``"video"`` / ``"audio"`` for each ``<image>`` / ``<video>`` / ``<audio>``
+    placeholder of the non-assistant turns, in order (the order the model reads the items in)."""
     return [m[1:-1] for role, text in messages if role != "assistant"
             for m in _PLACEHOLDER.findall(text)]
 
@@ -64,7 +67,7 @@ def _content(role: str, text: str):
         return text
     items = []
     for piece in _PLACEHOLDER.split(text):
-        if piece in (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER):
+        if piece in (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, AUDIO_PLACEHOLDER):
             items.append({"type": piece[1:-1]})
         elif piece:
             items.append({"type": "text", "text": piece})
@@ -145,6 +148,7 @@ class QwenFormat:
             if role != "assistant":
                 text = text.replace(IMAGE_PLACEHOLDER, f"<|vision_start|>{IMAGE_PAD}<|vision_end|>")
                 text = text.replace(VIDEO_PLACEHOLDER, f"<|vision_start|>{VIDEO_PAD}<|vision_end|>")
+                text = text.replace(AUDIO_PLACEHOLDER, AUDIO_ITEM)
             head, body = f"<|im_start|>{role}\n", f"{text}{EOS}"
             if role == "assistant":
                 spans.append((pos + len(head), pos + len(head) + len(body)))
@@ -153,20 +157,24 @@ class QwenFormat:
         return "".join(parts), spans
 
 
-def expand_pads(text: str, spans: list, images: list, videos: list) -> tuple[str, list]:
-    """Replace the i-th ``<|image_pad|>`` of ``text`` by ``images[i]`` and the i-th
-    ``<|video_pad|>`` by ``videos[i]`` (the replacement strings) and move ``spans`` along.
+def expand_pads(text: str, spans: list, images: list, videos: list,
+                audios: tuple = ()) -> tuple[str, list]:
+    """Replace the i-th ``<|image_pad|>`` of ``text`` by ``images[i]``, the i-th
+    ``<|video_pad|>`` by ``videos[i]`` and the i-th ``<|AUDIO|>`` by ``audios[i]`` (the
+    replacement strings) and move ``spans`` along.
 
     Raises:
         ValueError: the text holds another number of image or video pads than there are items.
     """
-    for pad, reps, what in ((IMAGE_PAD, images, "image"), (VIDEO_PAD, videos, "video")):
+    for pad, reps, what in ((IMAGE_PAD, images, "image"), (VIDEO_PAD, videos, "video"),
+                            (AUDIO_PAD, audios, "audio")):
         if text.count(pad) != len(reps):
             raise ValueError(f"the chat template rendered {text.count(pad)} {pad} token(s) for "
                              f"{len(reps)} {what}(s); the template must write one {pad} per "
                              f"{what} item ({{'type': '{what}'}}) of a message")
-    pieces = re.split(f"({re.escape(IMAGE_PAD)}|{re.escape(VIDEO_PAD)})", text)
-    todo = {IMAGE_PAD: iter(images), VIDEO_PAD: iter(videos)}
+    pads = (IMAGE_PAD, VIDEO_PAD, AUDIO_PAD)
+    pieces = re.split("(" + "|".join(map(re.escape, pads)) + ")", text)
+    todo = {IMAGE_PAD: iter(images), VIDEO_PAD: iter(videos), AUDIO_PAD: iter(audios)}
     cuts, pos, out = [], 0, []  # cuts: (pad's position, characters added)
     for piece in pieces:
         if piece in todo:

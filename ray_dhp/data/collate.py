@@ -10,7 +10,7 @@ import torch
 
 from ray_dhp.data.processing import IGNORE_INDEX, Sample
 
-__all__ = ["pad_text_batch", "pack_text_batch", "pack_rows", "row_modalities"]
+__all__ = ["pad_text_batch", "pack_text_batch", "pack_rows", "row_modalities", "audio_inputs"]
 
 
 def _pad(rows: list[torch.Tensor], length: int, value: int) -> torch.Tensor:
@@ -58,6 +58,25 @@ def _images(samples: Sequence[Sample]) -> dict:
     return out
 
 
+def audio_inputs(samples: Sequence[Sample]) -> dict:
+    """The model's audio inputs of the samples, clips in batch order: ``input_features``
+    ``[clips, n_mels, frames]`` (each clip's columns left-aligned, zeros after them) and
+    ``feature_attention_mask`` ``[clips, frames]`` (1 on a clip's columns), ``frames`` the longest
+    clip's; neither key without audio (the VL models' forwards do not take them). The stock processor pads every clip to its extractor's whole
+    window instead (other values after the mask); the model reads only the masked columns."""
+    clips = [c for s in samples if s.audio_lengths is not None
+             for c in s.audio_features.split(s.audio_lengths.tolist(), dim=1)]
+    if not clips:
+        return {}
+    frames = max(c.shape[1] for c in clips)
+    feats = clips[0].new_zeros((len(clips), clips[0].shape[0], frames))
+    mask = torch.zeros((len(clips), frames), dtype=torch.long)
+    for i, c in enumerate(clips):
+        feats[i, :, :c.shape[1]] = c
+        mask[i, :c.shape[1]] = 1
+    return {"input_features": feats, "feature_attention_mask": mask}
+
+
 def row_modalities(samples: Sequence[Sample], merge: int) -> torch.LongTensor:
     """``[rows]``: 1 (image) or 2 (video) for every merged vision row of ``samples``, in the
     order the boundary delivers them (sample by sample, items in placeholder order)."""
@@ -83,7 +102,8 @@ def pad_text_batch(samples: Sequence[Sample], pad_id: int, *, pad_to_multiple_of
         ``mm_token_type_ids`` (0 on padding) — all ``[B, L]`` long — plus the visual inputs
         of `_images`: ``image_grid_thw`` / ``pixel_values`` (the images' grids and patches in
         batch order; pixels None if one of them comes without pixels), ``video_grid_thw`` /
-        ``pixel_values_videos`` / ``second_per_grid_ts`` for the videos.
+        ``pixel_values_videos`` / ``second_per_grid_ts`` for the videos, and the audio inputs
+        of `audio_inputs` (``input_features`` / ``feature_attention_mask``).
     """
     if not samples:
         raise ValueError("pad_text_batch needs at least one sample")
@@ -96,6 +116,7 @@ def pad_text_batch(samples: Sequence[Sample], pad_id: int, *, pad_to_multiple_of
         "mm_token_type_ids": _pad([s.mm_token_type_ids for s in samples], length, 0),
     }
     batch.update(_images(samples))
+    batch.update(audio_inputs(samples))
     return batch
 
 

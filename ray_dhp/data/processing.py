@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ray_dhp.data.chat import (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, ChatTemplateError, QwenFormat,
+from ray_dhp.data.chat import (AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, ChatTemplateError, QwenFormat,
                                TemplateRenderer, expand_pads, placeholder_kinds)
 from ray_dhp.data.images import ImageError, load_image, upright_size
 from ray_dhp.data.reading import Record
@@ -98,6 +98,9 @@ class Sample:
         modalities: ``[num_items]`` 1 (image) or 2 (video) per item; None: all images.
         second_per_grid_ts: ``[num_videos]`` seconds per temporal patch of each video
             (``temporal_patch_size / sample_fps``, Qwen2.5-VL's absolute-time M-RoPE), or None.
+        audio_features: ``[n_mels, frames]`` float32 log-mel features of the record's audio
+            clips concatenated along time, in placeholder order (`ray_dhp.data.audio`), or None.
+        audio_lengths: ``[num_clips]`` frames of each clip, or None.
     """
 
     index: int
@@ -108,6 +111,8 @@ class Sample:
     image_grid_thw: torch.LongTensor | None = None
     modalities: torch.LongTensor | None = None
     second_per_grid_ts: torch.Tensor | None = None
+    audio_features: torch.Tensor | None = None
+    audio_lengths: torch.LongTensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -181,17 +186,24 @@ class VLProcessor:
             qwen-vl-utils' defaults).
         video_timestamps: render each video's frame groups with their timestamps, as
             Qwen3-VL's processor does (`load_processor` sets it for Qwen3-VL processors).
+        feature_extractor: the audio feature extractor (Qwen2.5-Omni's Whisper log-mel), or
+            None: records with ``"audio"`` are then bad samples.
+        audio: how clips are read (`ray_dhp.data.audio.AudioSettings`).
     """
 
     chat_source = None  # the file the chat template came from (`load_processor`), if known
 
     def __init__(self, tokenizer, image_processor=None, *, system_prompt: str | None = None,
-                 chat_template: str | None = None, video=None, video_timestamps: bool = False):
+                 chat_template: str | None = None, video=None, video_timestamps: bool = False,
+                 feature_extractor=None, audio=None):
+        from ray_dhp.data.audio import AudioSettings
         from ray_dhp.data.video import VideoSettings
 
         self.tokenizer, self.image_processor, self.system_prompt = tokenizer, image_processor, system_prompt
         self.video = video if video is not None else VideoSettings()
         self.video_timestamps = video_timestamps
+        self.feature_extractor = feature_extractor
+        self.audio = audio if audio is not None else AudioSettings()
         template = chat_template or getattr(tokenizer, "chat_template", None)
         if isinstance(template, dict):  # several named templates: the default one
             template = template.get("default")
@@ -219,7 +231,8 @@ class VLProcessor:
         out = VLProcessor(self.tokenizer, with_pixel_limits(self.image_processor, min_pixels, max_pixels),
                           system_prompt=system_prompt, chat_template=self.renderer.chat_template,
                           video=video if video is not None else self.video,
-                          video_timestamps=self.video_timestamps)
+                          video_timestamps=self.video_timestamps,
+                          feature_extractor=self.feature_extractor, audio=self.audio)
         out.chat_source = self.chat_source
         return out
 
@@ -235,6 +248,8 @@ class VLProcessor:
         tokenizer.save_pretrained(directory)
         if self.image_processor is not None:
             self.image_processor.save_pretrained(directory)
+        if self.feature_extractor is not None:
+            self.feature_extractor.save_pretrained(directory)
 
     @property
     def pad_token_id(self) -> int:
@@ -297,14 +312,16 @@ class VLProcessor:
             raise BadSample(str(exc)) from exc
         pixel_values, grid = self._encode_images(images)
         clips = [self._encode_video(v, max_pixels) for v in videos]
+        audio, audio_lengths, audio_pads = self._encode_audio(record.data, data_root, kinds)
         image_pads = [] if grid is None else ["<|image_pad|>" * (n // self.merge_size**2)
                                               for n in grid.prod(-1).tolist()]
         try:
             text, spans = self.renderer.render(messages, self.system_prompt)
         except ChatTemplateError as exc:
             raise BadSample(str(exc)) from exc
-        text, spans = expand_pads(text, spans, image_pads, [c[3] for c in clips])
-        visual = self._in_placeholder_order(kinds, pixel_values, grid, clips)
+        text, spans = expand_pads(text, spans, image_pads, [c[3] for c in clips], audio_pads)
+        visual = self._in_placeholder_order([k for k in kinds if k != "audio"], pixel_values,
+                                            grid, clips)
         input_ids, labels = self._tokenize(text, spans)
         if max_tokens is not None and len(input_ids) > max_tokens:
             raise BadSample(f"too long: {len(input_ids)} tokens > max_tokens={max_tokens}")
@@ -313,13 +330,35 @@ class VLProcessor:
         mm = torch.zeros_like(input_ids)
         mm[input_ids == self.ids["image_pad"]] = 1
         mm[input_ids == self.ids["video_pad"]] = 2
+        if audio_lengths is not None:
+            self._mark_audio(input_ids, mm, audio_pads)
         rows = [int(g.prod()) // self.merge_size**2 for g in visual[1]] if visual[1] is not None else []
         for kind, name in ((1, "image"), (2, "video")):
             want = sum(n for n, k in zip(rows, visual[2].tolist()) if k == kind) if rows else 0
             if int((mm == kind).sum()) != want:
                 raise ValueError(f"{name}-pad tokens were merged or split by the tokenizer; "
                                  f"<|{name}_pad|> must be a special token")
-        return Sample(record.index, input_ids, labels, mm, *visual)
+        return Sample(record.index, input_ids, labels, mm, *visual, audio, audio_lengths)
+
+    def _mark_audio(self, input_ids, mm, audio_pads) -> None:
+        """``mm_token_type_ids`` 3 at the audio pads (transformers' convention); their count
+        must be the clips' token count."""
+        from ray_dhp.data.audio import AUDIO_PAD
+
+        hit = input_ids == self.tokenizer.convert_tokens_to_ids(AUDIO_PAD)
+        mm[hit] = 3
+        if int(hit.sum()) != sum(p.count(AUDIO_PAD) for p in audio_pads):
+            raise ValueError(f"audio-pad tokens were merged or split by the tokenizer; {AUDIO_PAD} "
+                             "must be a special token")
+
+    def _encode_audio(self, data, data_root, kinds):
+        from ray_dhp.data.audio import AudioError, record_audio
+
+        try:
+            return record_audio(data, data_root, kinds.count("audio"), self.feature_extractor,
+                                self.audio)
+        except AudioError as exc:
+            raise BadSample(str(exc)) from exc
 
     def _encode_video(self, source, max_pixels):
         from ray_dhp.data.video import VideoError, encode_video
@@ -351,12 +390,13 @@ class VLProcessor:
         return torch.cat(pv), torch.cat(grids), mods, seconds
 
     def _validate(self, messages: list[tuple[str, str]]) -> list[tuple[str, str]]:
-        specials = [tok for _, tok in _SPECIAL] + [self.tokenizer.pad_token or "<|endoftext|>"]
+        specials = [tok for _, tok in _SPECIAL] + [self.tokenizer.pad_token or "<|endoftext|>",
+                                                   "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]
         for role, text in messages:
             hit = next((s for s in specials if s in text), None)
             if hit is not None:
                 raise BadSample(f"malformed record: a {role} turn contains the special token {hit}")
-            for ph in (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER):
+            for ph in (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, AUDIO_PLACEHOLDER):
                 if role == "assistant" and ph in text:
                     raise BadSample(f"malformed record: {ph} in an assistant turn")
         return messages

@@ -96,6 +96,10 @@ class StepSampler:
                 max_pixels=getattr(self.cfg, "max_image_pixels", None))
         except BadSample as e:
             return e
+        if sample.audio_lengths is not None:  # not bad data: the engine cannot train it yet
+            from ray_dhp.data.audio import refusal
+
+            raise ValueError(refusal(getattr(self.records[i], "where", f"record {i}")))
         sample.index = i
         return sample
 

@@ -43,6 +43,10 @@ class FamilySpec:
     # a second kind of mixer); the attention heads, KV heads, MLP width and vocabulary always.
     tp_divisors: Callable = lambda text_config: ()
     packing: bool = True  # False: samples cannot share a row (a recurrent mixer carries state)
+    packing_reason: str = "its recurrent layers would carry state across packed samples"
+    # The model has an audio encoder (Qwen2.5-Omni's thinker) that the engine does not host yet:
+    # records with audio are refused before training (`ray_dhp.data.audio.refuse_audio`).
+    audio: bool = False
     moe: Optional[MoESpec] = None  # a mixture-of-experts language model (`ray_dhp.models.moe`)
     # -- the vision side, as data --------------------------------------------------------------
     # The module (import path) that splits the tower over SP ranks: ``plan_for(name, config,
@@ -187,9 +191,8 @@ class FamilySpec:
         """Raise ValueError naming ``key`` if packing is on for a family that cannot pack (the
         driver calls it with its own key name, before any worker starts)."""
         if packing and not self.packing:
-            raise ValueError(f"{key}=true is not covered for the {self.name} family (its "
-                             f"recurrent layers would carry state across packed samples); set "
-                             f"{key}=false.")
+            raise ValueError(f"{key}=true is not covered for the {self.name} family "
+                             f"({self.packing_reason}); set {key}=false.")
 
     def validate_expert_parallel(self, config, ep: int) -> None:
         """Raise ValueError naming ``text.expert_parallel`` if ``ep`` does not fit the model."""

@@ -26,6 +26,8 @@ SPEC = FamilySpec(
     text_sp_plan=lambda text_config: sequence_parallel_text_plan(),
     tp_partial_grad_suffixes=("self_attn.q_norm.weight", "self_attn.k_norm.weight"),
     packing=False,
+    packing_reason="packed rows take each sample's positions from a Qwen-VL get_rope_index, "
+                   "which this model does not have",
     vision_module="ray_dhp.models.vision_internvl",
     vision_parts=("vision_tower", "multi_modal_projector"),
     merger_prefixes=("model.multi_modal_projector.",),

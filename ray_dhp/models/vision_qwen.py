@@ -54,6 +54,7 @@ class _FamilySpec:
 _VISION_FAMILIES = {
     "qwen2_vl": _FamilySpec(),
     "qwen2_5_vl": _FamilySpec(windowed=True),
+    "qwen2_5_omni": _FamilySpec(windowed=True),  # the thinker's ViT is Qwen2.5-VL's
     "qwen3_vl": _FamilySpec(learned_pos_embed=True, deepstack=True),
     "qwen3_5": _FamilySpec(learned_pos_embed=True),
     "qwen3_5_moe": _FamilySpec(learned_pos_embed=True),  # Qwen3.5's ViT

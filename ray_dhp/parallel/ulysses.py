@@ -245,7 +245,7 @@ def ulysses_attention_forward(self, hidden_states: torch.Tensor, cu_seqlens: tor
     """
     rotary, _ = _model_functions(self)
     s, heads, hd = hidden_states.shape[0], self.num_heads, self.head_dim
-    q, k, v = self.qkv(hidden_states).reshape(s, 3, heads, hd).unbind(1)
+    q, k, v = _project_qkv(self, hidden_states, s, heads, hd)
     cos, sin = position_embeddings
     q, k = rotary(q, k, cos, sin)
     if ulysses is not None and ulysses.sp > 1:
@@ -254,6 +254,15 @@ def ulysses_attention_forward(self, hidden_states: torch.Tensor, cu_seqlens: tor
     if ulysses is not None and ulysses.sp > 1:
         out = heads_to_seq(out, ulysses)
     return self.proj(out.reshape(s, heads * hd))
+
+
+def _project_qkv(attn, hidden_states: torch.Tensor, s: int, heads: int, hd: int):
+    """``q, k, v`` (each ``[s, heads, hd]``) from a fused ``qkv`` linear (Qwen-VL towers) or from
+    separate ``q`` / ``k`` / ``v`` linears (Qwen2.5-Omni's tower), as the module's own forward
+    computes them."""
+    if hasattr(attn, "qkv"):
+        return attn.qkv(hidden_states).reshape(s, 3, heads, hd).unbind(1)
+    return tuple(getattr(attn, n)(hidden_states).reshape(s, heads, hd) for n in ("q", "k", "v"))
 
 
 def install_ulysses_attention(attn: torch.nn.Module, sp: int = 1) -> None:

@@ -33,6 +33,10 @@ MODULE_KEYS = ("train", "lr", "weight_decay", "lora")
 LORA_KEYS = ("r", "alpha", "target_modules")
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MERGER_PREFIXES = ("model.visual.merger.", "model.visual.deepstack_merger_list.")
+#: Encoders the engine does not host as modules yet (Qwen2.5-Omni's audio tower, issue #33):
+#: the text ranks keep them, frozen. No record reaches them (audio is refused before training),
+#: so the stock model gives them no gradient and leaves them unchanged too.
+UNHOSTED_PREFIXES = ("model.audio_tower.",)
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,8 @@ class Tuning:
     lora: Optional[LoraChoice] = None
 
     def choice(self, module: str) -> ModuleChoice:
+        if module == "unhosted":
+            return ModuleChoice(train=False)
         return self.modules.get(module, ModuleChoice())
 
     def trains(self, name: str) -> bool:
@@ -80,8 +86,11 @@ class Tuning:
 
 
 def module_of(name: str) -> str:
-    """"vision", "merger" or "llm" for a parameter's full name in the transformers model (the
-    prefixes of every family's vision parts and projector: `vision_name_prefixes`)."""
+    """"vision", "merger", "llm" or "unhosted" (`UNHOSTED_PREFIXES`) for a parameter's full
+    name in the transformers model (the prefixes of every family's vision parts and projector:
+    `vision_name_prefixes`)."""
+    if name.startswith(UNHOSTED_PREFIXES):
+        return "unhosted"
     vision, merger = vision_name_prefixes()
     if name.startswith(merger):
         return "merger"

@@ -96,7 +96,11 @@ class DisaggregatedTrainer(DataParallelTrainer):
             loop_cfg = TrainLoopConfig.from_dict(config)  # fail here, before any worker starts
             from ray_dhp.models import family_of
 
-            family_of(dhp_config.model_config()).check_packing(loop_cfg.packing, loop_key("packing"))
+            family = family_of(dhp_config.model_config())
+            family.check_packing(loop_cfg.packing, loop_key("packing"))
+            from ray_dhp.data.audio import refuse_audio
+
+            refuse_audio(paths.values(), family.name, family.audio)  # until the engine hosts it
             _check_training_datasets(loop_cfg, set(ray_datasets) | set(paths))
             _check_evaluation(loop_cfg, set(ray_datasets) | set(paths), run_config)
             from ray_dhp.data.pixels import check_run_pixels

@@ -1,0 +1,36 @@
+"""Qwen2.5-Omni's thinker: a Qwen2.5-VL windowed ViT (Ulysses only in
+``fullatt_block_indexes``), the Qwen2 LM under TP, and a Whisper-style audio tower.
+
+Through today's two-module engine the vision tower and the LM train exactly as Qwen2.5-VL's
+(images and video enter the thinker through ``mm_encoder_outputs``); the audio tower
+(``model.audio_tower``) stays on the text ranks untouched, with no gradient: records with audio
+are refused before training (`ray_dhp.data.audio.refuse_audio`) until the engine hosts the audio
+encoder as a module of its own (issue #33).
+"""
+
+from ray_dhp.models.base import FamilySpec, sequence_parallel_text_plan, standard_text_plan
+
+SPEC = FamilySpec(
+    name="qwen2_5_omni",
+    model_type="qwen2_5_omni_thinker",
+    model_class="Qwen2_5OmniThinkerForConditionalGeneration",
+    text_tp_plan=lambda text_config: standard_text_plan(),
+    text_sp_plan=lambda text_config: sequence_parallel_text_plan(),
+    packing=False,
+    packing_reason="its get_rope_index takes other arguments than the Qwen-VL ones that packing "
+                   "computes each sample's positions with",
+    audio=True,
+)
+
+
+def audio_forward(audio_tower, input_features, feature_attention_mask):
+    """``[tokens, output_dim]``: the audio tower on collated clips (`ray_dhp.data.collate.
+    audio_inputs`: ``[clips, n_mels, frames]`` and the ``[clips, frames]`` mask), one row per
+    ``<|AUDIO|>`` pad of the clips in order — what the thinker's ``get_audio_features`` computes
+    (the masked columns concatenated along time, per-clip lengths before and after the convs),
+    for the engine to run as a module of its own."""
+    lengths = feature_attention_mask.sum(-1)
+    flat = input_features.permute(0, 2, 1)[feature_attention_mask.bool()].permute(1, 0)
+    after_cnn, _ = audio_tower._get_feat_extract_output_lengths(lengths)
+    flat = flat.to(audio_tower.conv1.weight.dtype)
+    return audio_tower(flat, feature_lens=lengths, aftercnn_lens=after_cnn).last_hidden_state
