@@ -18,10 +18,19 @@ dataset again: that resume is exact when the dataset yields the same rows in the
 (deterministic sources and transforms; the trainer sets ``preserve_order=True``; a
 ``random_shuffle`` needs its ``seed``). With several nodes, each node streams its own spool: they agree under that same condition, which every rank checks by the
 spool's row count and content digest (`check_agreement`).
+
+Clean-up: when a run ends successfully (`release_spools`, after its last step on every rank)
+its spools are deleted, on every node; a later ``fit`` of the same run streams the dataset again.
+When it fails they are kept, since the run is resumable: Ray Train's restart and a later ``fit``
+of the same run read them back (that is what makes the resume exact for a non-deterministic
+dataset). A write cut short — a killed worker leaves a ``.tmp<pid>`` file, never an index — is
+removed when the next spool of any run starts in that folder (`sweep_partial`: no process holds
+its spool's lock any longer, so nobody is writing it).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -32,7 +41,7 @@ import numpy as np
 
 from ray_dhp.data.index import FileIndex, IndexWriter, _header, locked
 
-__all__ = ["spool_dataset", "spool_dir", "check_agreement"]
+__all__ = ["spool_dataset", "spool_dir", "check_agreement", "release_spools", "sweep_partial"]
 
 _BATCH = 1024
 
@@ -65,6 +74,7 @@ def spool_dataset(iterator, name: str, directory: Path, key: str, *, in_task: bo
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{name}.{key}")
     data_path = Path(directory) / f"{safe}.jsonl"
     index_path = data_path.with_name(data_path.name + ".idx")
+    sweep_partial(Path(directory))
     with locked(index_path):
         head = _header(index_path)
         if head is None or not data_path.exists():
@@ -77,6 +87,14 @@ def spool_dataset(iterator, name: str, directory: Path, key: str, *, in_task: bo
 
 def _write(iterator, data_path: Path, index_path: Path) -> None:
     tmp = data_path.with_name(data_path.name + f".tmp{os.getpid()}")
+    try:
+        _stream(iterator, tmp, data_path, index_path)
+    except BaseException:  # a failed write leaves nothing behind (no index: no spool)
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _stream(iterator, tmp: Path, data_path: Path, index_path: Path) -> None:
     digest, pos, rows = hashlib.blake2b(digest_size=16), 0, 0
     with IndexWriter(index_path, kind=1, key=(0, 0)) as writer, open(tmp, "wb") as out:
         for batch in iterator.iter_batches(batch_size=_BATCH, batch_format="pyarrow"):
@@ -131,3 +149,43 @@ def check_agreement(sampler, group=None) -> None:
                 f"{theirs}, here: {mine} as (rows, digest)): every rank must see the same rows in "
                 "the same order; make the dataset deterministic (fixed inputs, a seeded "
                 "random_shuffle, preserve_order=True)")
+
+
+def sweep_partial(directory: Path) -> list:
+    """Delete the partial writes in ``directory`` that nobody is writing any more: a
+    ``<spool>.jsonl.tmp<pid>`` whose spool lock (held by the writer for the whole write) is free.
+    Returns the deleted paths."""
+    out = []
+    for tmp in sorted(Path(directory).glob("*.jsonl.tmp*")):
+        lock = tmp.with_name(tmp.name.rsplit(".tmp", 1)[0] + ".idx.lock")
+        with open(lock, "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # being written now
+                continue
+            try:
+                tmp.unlink(missing_ok=True)
+                out.append(tmp)
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+    return out
+
+
+def release_spools(sampler, group=None) -> list:
+    """At the successful end of a run: delete the spools of the sampler's Ray Datasets (data,
+    index and lock files) once every rank of ``group`` is done with them (a barrier; ranks of
+    one node delete the same files, so a missing one is fine; a rank that still has them mapped
+    keeps its mapping). Collective when ``group`` has several ranks; returns the deleted paths."""
+    import torch.distributed as dist
+
+    files = [f for part in getattr(sampler.records, "parts", ()) for f in getattr(part, "files", ())
+             if getattr(f, "fingerprint", None) is not None]
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.barrier(group=group)
+    out = []
+    for f in files:
+        for path in (f.data_path, f.index_path, Path(str(f.index_path) + ".lock")):
+            if path.exists():
+                path.unlink(missing_ok=True)
+                out.append(path)
+    return out

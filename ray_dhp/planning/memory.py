@@ -11,9 +11,11 @@ tower is whole on every vision rank (Ulysses shards tokens, not weights); the te
 ``tp`` ways (their row-parallel biases and all norms are replicated). `rank_state` gives the
 exact bytes, which the tests compare with the engine's tensors after a step.
 
-Activations are a *simple* estimate per transformer block and token, counting the tensors a
-pre-norm block keeps for backward: ``8·h + 4·i`` elements (two norms' inputs and outputs, q, k,
-v, attention output, residual; gate, up, activation and product of the gated MLP). Under
+Vision activations are the bytes the stock towers save for backward, per block and token
+(`ray_dhp.planning.memory_vision`, measured there). Text activations are a *simple* estimate per
+transformer block and token, counting the tensors a pre-norm block keeps for backward:
+``8·h + 4·i`` elements (two norms' inputs and outputs, q, k, v, attention output, residual;
+gate, up, activation and product of the gated MLP). Under
 Ulysses SP each vision rank keeps ``1/sp`` of the tokens; under TP the attention and MLP
 intermediates are split ``tp`` ways while norms and residuals are replicated, unless the text
 sequence parallelism is on (then they hold ``1/tp`` of the tokens; see ``text_activation_bytes``). With ``attention="eager"`` the ``heads × s²`` score and probability
@@ -29,6 +31,8 @@ import fnmatch
 import functools
 from dataclasses import dataclass
 from typing import Optional
+
+from ray_dhp.planning.memory_vision import vision_activation_bytes, vision_width  # noqa: F401
 
 GIB = 1024 ** 3
 STATE_BYTES_PER_PARAM = 16  # fp32 weight + grad + AdamW exp_avg + exp_avg_sq (policy fp32)
@@ -357,30 +361,6 @@ class ActivationSettings:
     checkpointing: bool = False
 
 
-def _block_elems(h: int, i: int) -> int:
-    return 8 * h + 4 * i
-
-
-def vision_activation_bytes(vc, tokens: int, sp: int, s: ActivationSettings,
-                            image_tokens: Optional[int] = None) -> float:
-    """Activation bytes of one vision SP rank for ``tokens`` patch tokens of its replica."""
-    h, i, depth = vision_width(vc), _vision_mlp(vc), vision_depth(vc)
-    local = tokens / sp
-    per_block = local * _block_elems(h, i) * s.dtype_bytes
-    total = depth * local * h * s.dtype_bytes + per_block if s.checkpointing else depth * per_block
-    if s.attention == "eager":
-        seg = image_tokens or tokens
-        full = len(getattr(vc, "fullatt_block_indexes", None) or range(depth))
-        window = (getattr(vc, "window_size", 0) // vc.patch_size) ** 2 or seg
-        windows = depth - full
-        heads = (getattr(vc, "num_heads", None) or vc.num_attention_heads) / sp
-        layers_kept = (1 if s.checkpointing else full)
-        total += 2 * heads * (tokens / seg) * seg * seg * s.dtype_bytes * layers_kept
-        if not s.checkpointing:
-            total += 2 * heads * tokens * min(window, seg) * s.dtype_bytes * windows
-    return total
-
-
 def vision_depth(vc) -> int:
     """ViT blocks: ``depth`` (Qwen towers) or ``num_hidden_layers`` (InternViT)."""
     return getattr(vc, "depth", None) or vc.num_hidden_layers
@@ -391,17 +371,6 @@ def merged(config) -> int:
     from ray_dhp.models import family_of
 
     return family_of(config).merge_size(config) ** 2
-
-
-def vision_width(vc) -> int:
-    """The ViT's own width: ``embed_dim`` for Qwen2-VL (whose ``hidden_size`` is the LLM width the
-    merger projects to), ``hidden_size`` for Qwen2.5-VL and Qwen3-VL."""
-    return getattr(vc, "embed_dim", None) or vc.hidden_size
-
-
-def _vision_mlp(vc) -> int:
-    i = getattr(vc, "intermediate_size", None)
-    return i if i else int(vc.embed_dim * getattr(vc, "mlp_ratio", 4))
 
 
 def _mlp_widths(tc) -> tuple:

@@ -23,7 +23,7 @@ def collective_bytes(config, counts, layout: Layout, w: Workload) -> dict:
     all-reduce: ``2 (n - 1) / n`` of the buffer; all-to-all: ``(n - 1) / n``). The gradient
     entries follow each module's ZeRO stage (`ray_dhp.parallel.zero.replica_bytes`: + the owners'
     broadcast at stages 1-2, reduce instead of all-reduce at 2, FSDP2's all-gathers and one
-    reduce-scatter at 3)."""
+    reduce-scatter at 3), in the dtypes the engine sends (`element_bytes`)."""
     from ray_dhp.models import family_of
     from ray_dhp.parallel.zero import replica_bytes
     from ray_dhp.planning.experts import gradient_split, sent_bytes
@@ -40,19 +40,32 @@ def collective_bytes(config, counts, layout: Layout, w: Workload) -> dict:
     feat = (w.vision_tokens // vc.spatial_merge_size ** 2) * family_of(config).feature_dim(config) \
         * s.dtype_bytes
     boundary = 2 * max(st * feat, sv * feat / v.inner * t.inner)
-    g = 4 if w.state_bytes >= 16 else 2
-    v_grads = replica_bytes(v.size, v.zero_stage, counts.vision * g, counts.vision * 4)
+    g, wb = element_bytes(w)
+    v_grads = replica_bytes(v.size, v.zero_stage, counts.vision * g, counts.vision * wb)
     # expert parallelism (`ray_dhp.planning.experts`): the token all-to-alls; the experts'
     # gradients summed over EDP (+ their owners' broadcast over the expert replicas at ZeRO 1-2)
     ep = topo.text_expert_parallel
     dense, experts = gradient_split(counts, t.inner, ep)
-    t_grads = replica_bytes(t.dp, t.zero_stage, dense * g, dense * 4)
+    t_grads = replica_bytes(t.dp, t.zero_stage, dense * g, dense * wb)
     moe_a2a = sent_bytes(config, tok, ep, m, s.checkpointing, s.dtype_bytes)
     e_reps = t.inner * (t.dp // ep)
-    e_grads = (replica_bytes(t.dp // ep, 0, experts * g, experts * 4)
-               + (replica_bytes(e_reps, 1, 0, experts * 4) if t.zero_stage in (1, 2) else 0))
+    e_grads = (replica_bytes(t.dp // ep, 0, experts * g, experts * wb)
+               + (replica_bytes(e_reps, 1, 0, experts * wb) if t.zero_stage in (1, 2) else 0))
     return dict(zip(COLLECTIVES, (m * a2a * (3 if s.checkpointing else 2), m * ar,
                                   m * boundary, v_grads, t_grads, moe_a2a, e_grads)))
+
+
+def element_bytes(w: Workload) -> tuple:
+    """``(gradient, weight)`` bytes per parameter entry the replicas exchange. With the run's
+    policy (``w.policy``, `ray_dhp.step.precision`): the gradients are summed in its
+    ``reduce_dtype`` (fp32 under every policy: bf16 weights accumulate fp32 gradients), and the
+    owners' broadcast of the new values (ZeRO 1-2) and FSDP2's all-gathers (stage 3, no
+    ``param_dtype`` cast) move the weights the modules hold, in ``param_dtype`` (bf16 under
+    ``bf16_mixed``, whose fp32 masters stay on their owners, and ``bf16``). Without a policy:
+    fp32 weights, and gradients of 2 bytes when ``w.state_bytes`` is under 16."""
+    if w.policy is None:
+        return (4 if w.state_bytes >= 16 else 2), 4
+    return w.policy.reduce_dtype.itemsize, w.policy.weight_bytes()
 
 
 def boundary_pairs(topology: Topology, micro_batch_size: int) -> list:

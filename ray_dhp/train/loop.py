@@ -67,7 +67,11 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
                               config={**cfg.to_dict(), "dhp": ctx.dhp_config.to_dict()},
                               run_name=ray.train.get_context().get_experiment_name())
     try:
-        return _train(cfg, ctx, loader, processor, hook, trackers, eval_loader)
+        out = _train(cfg, ctx, loader, processor, hook, trackers, eval_loader)
+        from ray_dhp.data.spool import release_spools
+
+        release_spools(loader.sampler, loader.group)  # done: its Ray Dataset spools go (kept on failure)
+        return out
     finally:
         trackers.close()
         loader.close()

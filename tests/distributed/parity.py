@@ -13,6 +13,10 @@ the other copies are right.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import NamedTuple
+
+import pytest
 import torch
 
 from ray_dhp import demo
@@ -22,6 +26,11 @@ from ray_dhp.step.reference import ReferenceTrainer
 from ray_dhp.step.topology import Topology
 from ray_dhp.train.loop_config import TrainLoopConfig
 from tests.spawn import run_on_ranks
+
+# The parity configuration of the fp64 family matrices: 3 steps of 2 micro-batches, clipping active
+# (max_grad_norm 0.5 is below the tiny models' grad-norms), weight decay, warm-up then cosine.
+CFG = TrainLoopConfig(lr=1e-3, global_batch_size=8, micro_batches=2, num_steps=3,
+                      max_grad_norm=0.5, weight_decay=0.1, lr_schedule="cosine", warmup_steps=1)
 
 
 def make_steps(tmp_path, family: str, cfg: TrainLoopConfig, *, num_samples=16, text_only_every=4,
@@ -140,6 +149,38 @@ def run_reference(family: str, cfg: TrainLoopConfig, steps, dtype=None, model=No
         {n: p.grad.detach().clone() for n, p in ref.model.named_parameters() if p.grad is not None}))
     history = [ref.step(mbs) for mbs in steps]
     return {"history": history, "params": ref.named_parameters(), "params0": params0, "grads": grads}
+
+
+class Reference(NamedTuple):
+    cfg: TrainLoopConfig
+    steps: list
+    ref: dict
+
+
+def reference_fixture(family: str | None = None, cfg: TrainLoopConfig = CFG, *,
+                      dtype=torch.float64, make=make_steps, name: str = "reference"):
+    """A module-scoped pytest fixture named ``name`` whose value is
+    ``get(family=family, **changes) -> Reference(cfg, steps, ref)``: ``cfg`` with ``changes``
+    (`dataclasses.replace`), the steps ``make(tmp_path, family, cfg)`` made of it and the stock
+    single-process model's trajectory on them (`run_reference` in ``dtype``), built once per
+    ``(family, changes)`` in the module. Assign it in a test module:
+    ``reference = reference_fixture("qwen3_5")``."""
+
+    @pytest.fixture(scope="module", name=name)
+    def fixture(tmp_path_factory):
+        cache = {}
+
+        def get(fam: str | None = family, **changes) -> Reference:
+            key = (fam, repr(sorted(changes.items())))  # values may be dicts (module choices)
+            if key not in cache:
+                run_cfg = dataclasses.replace(cfg, **changes)
+                steps = make(tmp_path_factory.mktemp(fam), fam, run_cfg)
+                cache[key] = Reference(run_cfg, steps, run_reference(fam, run_cfg, steps, dtype))
+            return cache[key]
+
+        return get
+
+    return fixture
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

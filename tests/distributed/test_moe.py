@@ -23,20 +23,14 @@ import torch
 
 from ray_dhp import demo
 from ray_dhp.models.qwen3_vl_moe import sparse_layers
-from ray_dhp.train.loop_config import TrainLoopConfig
 from tests.distributed.parity import moe_layout as _layout
-from tests.distributed.parity import assert_parity, make_steps, run_engine, run_reference
+from tests.distributed.parity import CFG, assert_parity, make_steps, reference_fixture, run_engine
 
 FAMILY = "qwen3_vl_moe"
-CFG = TrainLoopConfig(lr=1e-3, global_batch_size=8, micro_batches=2, num_steps=3,
-                      max_grad_norm=0.5, weight_decay=0.1, lr_schedule="cosine", warmup_steps=1)
 TOLS = dict(loss_tol=1e-8, param_tol=1e-10, update_tol=1e-10, grad_tol=1e-10)
 
 
-@pytest.fixture(scope="module")
-def moe_reference(tmp_path_factory):
-    steps = make_steps(tmp_path_factory.mktemp(FAMILY), FAMILY, CFG)
-    return steps, run_reference(FAMILY, CFG, steps, torch.float64)
+moe_reference = reference_fixture(FAMILY, name="moe_reference")
 
 
 CASES = [
@@ -55,7 +49,7 @@ CASES = [
 
 @pytest.mark.parametrize("placement, vision, text, ep", CASES)
 def test_moe_parity_fp64(placement, vision, text, ep, moe_reference):
-    steps, ref = moe_reference
+    _, steps, ref = moe_reference()
     got = run_engine(FAMILY, _layout(placement, vision, text, ep), CFG, steps, torch.float64, grads=True)
     grads = ref["grads"][0]
     assert any(n.endswith("mlp.gate.weight") for n in grads)
@@ -89,7 +83,7 @@ def test_moe_ep2_with_activation_checkpointing(moe_reference):
     record only the first forward); the reference needs no recompute (same numbers)."""
     import dataclasses
 
-    steps, ref = moe_reference
+    _, steps, ref = moe_reference()
     cfg = dataclasses.replace(CFG, activation_checkpointing=True)
     got = run_engine(FAMILY, _layout("collocated", (1, 2), (1, 2), 2), cfg, steps, torch.float64,
                      grads=True)

@@ -22,7 +22,7 @@ import torch
 
 from ray_dhp.data.collate import pack_rows
 from ray_dhp.train.loop_config import TrainLoopConfig
-from tests.distributed.parity import assert_parity, make_steps, run_engine, run_reference
+from tests.distributed.parity import assert_parity, make_steps, reference_fixture, run_engine, run_reference
 
 CFG = TrainLoopConfig(lr=1e-3, global_batch_size=8, micro_batches=2, num_steps=3,
                       max_grad_norm=0.5, weight_decay=0.1, lr_schedule="cosine", warmup_steps=1,
@@ -47,20 +47,15 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def padded_reference(tmp_path_factory):
-    cache = {}
+def _packable_steps(tmp_path, fam, cfg):
+    steps = make_steps(tmp_path, fam, cfg)
+    rows = [pack_rows([s.num_tokens for s in mb], cfg.max_tokens) for st in steps for mb in st]
+    # the case is meaningful: several rows per micro-batch, several samples per row
+    assert all(len(r) > 1 for r in rows) and any(len(x) > 1 for r in rows for x in r)
+    return steps
 
-    def get(fam):
-        if fam not in cache:
-            steps = make_steps(tmp_path_factory.mktemp(fam), fam, CFG)
-            rows = [pack_rows([s.num_tokens for s in mb], CFG.max_tokens) for st in steps for mb in st]
-            # the case is meaningful: several rows per micro-batch, several samples per row
-            assert all(len(r) > 1 for r in rows) and any(len(x) > 1 for r in rows for x in r)
-            cache[fam] = (steps, run_reference(fam, CFG, steps, torch.float64))
-        return cache[fam]
 
-    return get
+padded_reference = reference_fixture(cfg=CFG, make=_packable_steps, name="padded_reference")
 
 
 @pytest.mark.parametrize(
@@ -68,7 +63,7 @@ def padded_reference(tmp_path_factory):
     [pytest.param(f, n, lay, mt, marks=() if default else (pytest.mark.slow,), id=f"{f}-{n}")
      for f, n, lay, mt, default in CASES])
 def test_packed_equals_padded_fp64(family, name, layout, max_tokens, padded_reference):
-    steps, ref = padded_reference(family)
+    _, steps, ref = padded_reference(family)
     cfg = replace(CFG, packing=True, max_tokens=max_tokens)
     got = run_engine(family, layout, cfg, steps, torch.float64)
     assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10)
@@ -80,7 +75,7 @@ def test_packed_bf16_autocast_tracks_fp32(padded_reference):
     reference (the fp64 reference starts from a different random init: init is drawn per dtype).
     bf16 has a 2^-8 relative mantissa but the loss is computed in fp32; measured gap ~1e-5, the
     same as padded bf16."""
-    steps, _ = padded_reference("qwen2_5_vl")
+    _, steps, _ = padded_reference("qwen2_5_vl")
     ref = run_reference("qwen2_5_vl", CFG, steps)
     got = run_engine("qwen2_5_vl", TP2, replace(CFG, packing=True, precision="bf16_autocast"), steps)
     for g, r in zip(got["history"], ref["history"]):

@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from ray_dhp.train.loop_config import TrainLoopConfig
-from tests.distributed.parity import (assert_parity, make_steps, parity_failures, rel_err, run_engine,
-                                      run_reference)
+from tests.distributed.parity import (CFG, assert_parity, parity_failures, reference_fixture, rel_err,
+                                      run_engine)
 
 
 def _layout(placement, vision, text):
@@ -59,10 +59,6 @@ DEFAULT = {
     ("qwen3_vl", "disjoint", (1, 1), (2, 2)),
 }
 
-CFG = TrainLoopConfig(lr=1e-3, global_batch_size=8, micro_batches=2, num_steps=3,
-                      max_grad_norm=0.5, weight_decay=0.1, lr_schedule="cosine", warmup_steps=1)
-
-
 def _params():
     for case in _matrix():
         marks = () if case in DEFAULT else (pytest.mark.slow,)
@@ -70,22 +66,12 @@ def _params():
         yield pytest.param(*case, marks=marks, id=f"{fam}-{placement}-sp{v[0]}dp{v[1]}-tp{t[0]}dp{t[1]}")
 
 
-@pytest.fixture(scope="module")
-def steps_cache(tmp_path_factory):
-    cache = {}
-
-    def get(fam):
-        if fam not in cache:
-            steps = make_steps(tmp_path_factory.mktemp(fam), fam, CFG)
-            cache[fam] = (steps, run_reference(fam, CFG, steps, torch.float64))
-        return cache[fam]
-
-    return get
+reference = reference_fixture()
 
 
 @pytest.mark.parametrize("family, placement, vision, text", list(_params()))
-def test_layout_matrix_fp64(family, placement, vision, text, steps_cache):
-    steps, ref = steps_cache(family)
+def test_layout_matrix_fp64(family, placement, vision, text, reference):
+    _, steps, ref = reference(family)
     got = run_engine(family, _layout(placement, vision, text), CFG, steps, torch.float64)
     assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10)
 
@@ -98,11 +84,9 @@ FP32_LAYOUTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def fp32_reference(tmp_path_factory):
-    cfg = TrainLoopConfig(lr=1e-3, global_batch_size=4, num_steps=5, max_grad_norm=1.0, seed=0)
-    steps = make_steps(tmp_path_factory.mktemp("fp32"), "qwen2_5_vl", cfg)
-    return cfg, steps, run_reference("qwen2_5_vl", cfg, steps)
+fp32_reference = reference_fixture(
+    "qwen2_5_vl", TrainLoopConfig(lr=1e-3, global_batch_size=4, num_steps=5, max_grad_norm=1.0, seed=0),
+    dtype=None, name="fp32_reference")
 
 
 # fp32 tolerance, derived. fp32 rounds to u = 2^-24 ~ 6e-8. A sharded run computes the same sums
@@ -134,7 +118,7 @@ def test_same_loss_and_gradients_fp32(name, layout, fp32_reference):
     """fp32 (the production dtype): loss and grad-norm of all 5 steps, and every rank's copy of
     the clipped gradient of step 1 (what the first optimizer step is given), every tensor
     including the key biases, within `FP32_TOL`; initial parameters bit-equal."""
-    cfg, steps, ref = fp32_reference
+    cfg, steps, ref = fp32_reference()
     got = run_engine("qwen2_5_vl", layout, cfg, steps, grads=True)
     assert_parity(got, ref, loss_tol=FP32_TOL, param_tol=None, update_tol=None,
                   grad_tol=FP32_TOL, grad_steps=1)
@@ -142,14 +126,14 @@ def test_same_loss_and_gradients_fp32(name, layout, fp32_reference):
         assert all(torch.equal(p, ref["params0"][n]) for n, p in out["params0"].items())
 
 
-def test_key_bias_gradient_is_not_zero_fp64(steps_cache):
+def test_key_bias_gradient_is_not_zero_fp64(reference):
     """The key biases are checked like every other tensor: with rotary embeddings their gradient
     is not zero (q_i . R(j) b_k depends on the key position j, so softmax does not cancel it).
     Measured on this reference (step 1): ||grad k_proj.bias|| / ||grad q_proj.bias|| = 0.25
     (layer 0) and 0.53 (layer 1). Within a head the entries shrink with the rotary frequency: the
     fastest-rotating dimensions carry 1e-1..1 of the largest, the slowest 1e-5..1e-3 (what makes
     fp32 parameters after AdamW ill-conditioned, see `FP32_TOL`)."""
-    _, ref = steps_cache("qwen2_5_vl")
+    _, _, ref = reference("qwen2_5_vl")
     g = ref["grads"][0]
     for layer in (0, 1):
         pre = f"model.language_model.layers.{layer}.self_attn."
@@ -163,13 +147,13 @@ NORM_P = "model.language_model.norm.weight"                 # replicated over TP
 SHARDED_P = "model.language_model.layers.0.mlp.down_proj.weight"  # TP-sharded, one per replica
 
 
-def test_a_drifting_replica_is_caught(steps_cache):
+def test_a_drifting_replica_is_caught(reference):
     """The harness compares every copy: after training, rank 0's vision copy, rank 1's copy of a
     TP-replicated norm and rank 2's shard of a TP-sharded weight (so text replica 1's full tensor,
     on ranks 2 and 3) are nudged by 1e-7 in place on that rank only. Exactly those copies fail,
     the other replicas still match; the old harness, which kept one copy per name (the last
     rank's), would have passed the first two."""
-    steps, ref = steps_cache("qwen2_5_vl")
+    _, steps, ref = reference("qwen2_5_vl")
     drift = [(0, VISION_P, 1e-7), (1, NORM_P, 1e-7), (2, SHARDED_P, 1e-7)]
     got = run_engine("qwen2_5_vl", DRIFT_LAYOUT, CFG, steps, torch.float64, drift=drift)
     bad = parity_failures(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10)
@@ -182,11 +166,11 @@ def test_a_drifting_replica_is_caught(steps_cache):
         assert rel_err(got["params"][name], ref["params"][name]) <= 1e-10
 
 
-def test_activation_checkpointing_is_exact(steps_cache):
+def test_activation_checkpointing_is_exact(reference):
     """Recomputing blocks (incl. the Ulysses all-to-alls) in backward changes nothing (fp64)."""
     from dataclasses import replace
 
-    steps, ref = steps_cache("qwen2_5_vl")
+    _, steps, ref = reference("qwen2_5_vl")
     cfg = replace(CFG, activation_checkpointing=True)
     got = run_engine("qwen2_5_vl", _layout("collocated", (2, 1), (2, 1)), cfg, steps, torch.float64)
     assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10)
@@ -197,7 +181,7 @@ def test_bf16_autocast_tracks_fp32(fp32_reference):
     2^-8 relative mantissa; the measured gap is ~0.1%)."""
     from dataclasses import replace
 
-    cfg, steps, ref = fp32_reference
+    cfg, steps, ref = fp32_reference()
     got = run_engine("qwen2_5_vl", _layout("collocated", (2, 1), (2, 1)),
                      replace(cfg, precision="bf16_autocast"), steps)
     for g, r in zip(got["history"], ref["history"]):
@@ -212,17 +196,9 @@ PIPELINED = [  # the 4-rank case (SP and DP on both sides) runs by default, the 
 
 
 @pytest.mark.parametrize("name, layout", PIPELINED)
-def test_pipelined_schedule_is_exact(name, layout, tmp_path_factory):
+def test_pipelined_schedule_is_exact(name, layout, reference):
     """The 1F1B-like schedule between disjoint groups changes timing, never results (fp64, 4
     micro-batches, asymmetric groups)."""
-    from dataclasses import replace
-
-    cfg = replace(CFG, micro_batches=4)
-    key = "pipelined_steps"
-    if not hasattr(test_pipelined_schedule_is_exact, key):
-        steps = make_steps(tmp_path_factory.mktemp("pipe"), "qwen2_5_vl", cfg)
-        setattr(test_pipelined_schedule_is_exact, key,
-                (steps, run_reference("qwen2_5_vl", cfg, steps, torch.float64)))
-    steps, ref = getattr(test_pipelined_schedule_is_exact, key)
+    cfg, steps, ref = reference("qwen2_5_vl", micro_batches=4)
     got = run_engine("qwen2_5_vl", layout, cfg, steps, torch.float64, schedule="pipelined")
     assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10)

@@ -30,8 +30,8 @@ import dataclasses
 import pytest
 import torch
 
-from tests.distributed.parity import assert_parity, copy_errors, make_steps, run_engine, run_reference
-from tests.distributed.test_parity import CFG
+from tests.distributed.parity import (CFG, assert_parity, copy_errors, make_steps, reference_fixture,
+                                      run_engine, run_reference)
 
 FAMILY = "qwen3_5"
 FP32_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
@@ -58,10 +58,7 @@ CASES = {  # id: (layout, config changes)
 DEFAULT = {"collocated-sp2-tp2"}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    steps = make_steps(tmp_path_factory.mktemp(FAMILY), FAMILY, CFG)
-    return steps, run_reference(FAMILY, CFG, steps, torch.float64)
+reference = reference_fixture(FAMILY)
 
 
 def assert_qwen3_5_parity(got, ref, text_sp=False):
@@ -77,7 +74,7 @@ def assert_qwen3_5_parity(got, ref, text_sp=False):
 @pytest.mark.parametrize("case", [pytest.param(c, marks=() if c in DEFAULT else (pytest.mark.slow,), id=c)
                                   for c in CASES])
 def test_qwen3_5_is_exact(case, reference):
-    steps, ref = reference
+    _, steps, ref = reference()
     layout, changes = CASES[case]
     got = run_engine(FAMILY, layout, dataclasses.replace(CFG, **changes), steps, torch.float64)
     assert_qwen3_5_parity(got, ref, text_sp=layout["text_sequence_parallel"])
@@ -146,7 +143,7 @@ def test_qwen3_5_lora_at_sp2_tp2(reference):
     Gated DeltaNet projections are not targets) at collocated SP2/TP2 against the single-process
     PEFT model (fp64, 1e-10: the frozen base holds the fp32-norm weights, which get no gradient);
     the base weights of the language model stay bit-identical, the adapters move."""
-    steps, _ = reference
+    _, steps, _ = reference()
     cfg = dataclasses.replace(CFG, modules={"llm": {"lora": {"r": 4, "alpha": 8}}})
     ref = run_reference(FAMILY, cfg, steps, torch.float64)
     got = run_engine(FAMILY, CASES["collocated-sp2-tp2"][0], cfg, steps, torch.float64)

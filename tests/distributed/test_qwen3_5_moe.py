@@ -44,8 +44,7 @@ import torch
 from ray_dhp import demo
 from ray_dhp.models.qwen3_5_moe import sparse_layers
 from tests.distributed.parity import moe_layout as _layout
-from tests.distributed.parity import assert_parity, copy_errors, make_steps, run_engine, run_reference
-from tests.distributed.test_parity import CFG
+from tests.distributed.parity import CFG, assert_parity, copy_errors, reference_fixture, run_engine
 
 FAMILY = "qwen3_5_moe"
 FP32_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "input_layernorm.weight",
@@ -65,10 +64,7 @@ CASES = {  # id: (layout, config changes)
 DEFAULT = {"collocated-sp2-tp2"}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    steps = make_steps(tmp_path_factory.mktemp(FAMILY), FAMILY, CFG)
-    return steps, run_reference(FAMILY, CFG, steps, torch.float64)
+reference = reference_fixture(FAMILY)
 
 
 def _errors(got, ref) -> list:
@@ -99,7 +95,7 @@ def assert_qwen3_5_moe_parity(got, ref) -> dict:
 @pytest.mark.parametrize("case", [pytest.param(c, marks=() if c in DEFAULT else (pytest.mark.slow,), id=c)
                                   for c in CASES])
 def test_qwen3_5_moe_is_exact(case, reference):
-    steps, ref = reference
+    _, steps, ref = reference()
     layout, changes = CASES[case]
     got = run_engine(FAMILY, layout, dataclasses.replace(CFG, **changes), steps, torch.float64,
                      grads=True)

@@ -10,16 +10,12 @@ in every case. Qwen3-VL covers the deepstack seam, packing the per-sample positi
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from ray_dhp.train.loop_config import TrainLoopConfig
-from tests.distributed.parity import assert_parity, make_steps, run_engine, run_reference
+from tests.distributed.parity import assert_parity, make_steps, reference_fixture, run_engine, run_reference
 
-CFG = TrainLoopConfig(lr=1e-3, global_batch_size=8, micro_batches=2, num_steps=3,
-                      max_grad_norm=0.5, weight_decay=0.1, lr_schedule="cosine", warmup_steps=1)
 VARIANTS = {"plain": {}, "packing": {"packing": True},
             "checkpointing": {"activation_checkpointing": True}}
 
@@ -52,23 +48,12 @@ def _params():
                            id=f"{fam}-{placement}-sp{v[0]}dp{v[1]}-tp{t[0]}dp{t[1]}-sp-{variant}")
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    cache = {}
-
-    def get(fam, variant):
-        if (fam, variant) not in cache:
-            cfg = dataclasses.replace(CFG, **VARIANTS[variant])
-            steps = make_steps(tmp_path_factory.mktemp(f"{fam}_{variant}"), fam, cfg)
-            cache[fam, variant] = (cfg, steps, run_reference(fam, cfg, steps, torch.float64))
-        return cache[fam, variant]
-
-    return get
+reference = reference_fixture()
 
 
 @pytest.mark.parametrize("family, placement, vision, text, variant", list(_params()))
 def test_text_sequence_parallel_is_exact_fp64(family, placement, vision, text, variant, reference):
-    cfg, steps, ref = reference(family, variant)
+    cfg, steps, ref = reference(family, **VARIANTS[variant])
     got = run_engine(family, _layout(placement, vision, text), cfg, steps, torch.float64)
     assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10)
     lengths = {int(s.num_tokens) for st in steps for mb in st for s in mb}

@@ -19,7 +19,7 @@ from ray_dhp.data.video import VideoSettings
 from ray_dhp.demo_video import make_video_dataset, moving_square, write_mp4
 from ray_dhp.models.vision_qwen import plan_vision_shards
 from ray_dhp.train.loop_config import TrainLoopConfig
-from tests.distributed.parity import assert_parity, run_engine, run_reference
+from tests.distributed.parity import assert_parity, reference_fixture, run_engine, run_reference
 
 CFG = TrainLoopConfig(lr=1e-3, global_batch_size=4, micro_batches=2, num_steps=2,
                       max_grad_norm=0.5, weight_decay=0.1, seed=0)
@@ -46,12 +46,14 @@ def video_steps(tmp_path, family: str, cfg: TrainLoopConfig):
     return steps
 
 
+video_reference = reference_fixture(cfg=CFG, make=video_steps, name="video_reference")
+
+
 @pytest.mark.parametrize("family,layout", [
     pytest.param(f, l, marks=() if (f, l) in DEFAULT else (pytest.mark.slow,), id=f"{f}-{l}")
     for f in ("qwen2_5_vl", "qwen2_vl", "qwen3_vl") for l in LAYOUTS])
-def test_video_parity_fp64(tmp_path, family, layout):
-    steps = video_steps(tmp_path, family, CFG)
-    ref = run_reference(family, CFG, steps, torch.float64)
+def test_video_parity_fp64(family, layout, video_reference):
+    _, steps, ref = video_reference(family)
     got = run_engine(family, LAYOUTS[layout], CFG, steps, torch.float64, grads=True)
     worst = assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10, grad_tol=1e-10)
     print(f"{family} {layout}: worst update error {worst[0]:.2e}, parameter {worst[1]:.2e} ({worst[2]})")

@@ -61,10 +61,14 @@ def test_disjoint_with_ray_data_dataset(ray_cluster, tmp_path):
     ds = ray.data.read_json(str(data)).map_batches(absolute_images, batch_format="pyarrow")
     # also: packed rows, token-budget micro-batches and a decoding process per rank, in Ray workers
     # (no data_root: a wrong image path would be a skipped sample)
+    spools = tmp_path / "spools"
     result = _trainer(tmp_path, dhp, {"train": ds}, num_steps=2, log_every=1, packing=True,
-                      max_tokens=64, micro_batch_tokens=64, data_workers=1).fit()
+                      max_tokens=64, micro_batch_tokens=64, data_workers=1,
+                      index_dir=str(spools)).fit()
     assert result.metrics["step"] == 2 and result.metrics["skipped_samples"] == 0
     assert result.metrics["loss"] > 0
+    # the run ended successfully: its spool was written there and is gone (`release_spools`)
+    assert spools.is_dir() and not list(spools.glob("*.jsonl*"))
 
 
 def test_wrong_worker_count_fails_before_workers_start(tmp_path):

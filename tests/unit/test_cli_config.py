@@ -7,7 +7,6 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
-import ray
 import yaml
 
 from ray_dhp.cli import main
@@ -19,15 +18,6 @@ from ray_dhp.train.loop_config import TrainLoopConfig
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "examples" / "tiny.yaml")
 BIG = str(ROOT / "examples" / "qwen2_5_vl_32b_8gpu.yaml")
-
-
-@pytest.fixture
-def forbid_ray_init(monkeypatch):
-    """Records any ``ray.init`` call (the list stays empty if Ray is never started); robust to a
-    Ray cluster that other tests of the session left running."""
-    calls = []
-    monkeypatch.setattr(ray, "init", lambda *a, **k: calls.append((a, k)))
-    return calls
 
 
 def test_printed_defaults_are_complete_and_load_back_to_the_defaults(tmp_path, capsys,

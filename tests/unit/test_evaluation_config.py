@@ -15,13 +15,6 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "examples" / "tiny.yaml")
 
 
-@pytest.fixture
-def no_ray(monkeypatch):
-    calls = []
-    monkeypatch.setattr(ray, "init", lambda *a, **k: calls.append((a, k)))
-    return calls
-
-
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("evalcfg")
@@ -64,22 +57,22 @@ CKPT_SCORE = r"run_config\.checkpoint_config\.checkpoint_score_attribute='eval_l
      r"train_loop_config\.dataset_weights: names 'validation', the evaluation set"),
 ])
 def test_python_api_rejects_contradictory_evaluation_settings(loop, with_val, score, message, files,
-                                                             no_ray):
+                                                             forbid_ray_init):
     train, val = files
     datasets = {"train": train, **({"validation": val} if with_val else {})}
     with pytest.raises(ValueError, match=message):
         _trainer(loop, datasets, score)
-    assert not no_ray
+    assert not forbid_ray_init
 
 
-def test_python_api_accepts_matching_cadences(files, no_ray):
+def test_python_api_accepts_matching_cadences(files, forbid_ray_init):
     train, val = files
     t = _trainer({"checkpoint_every": 4, "eval_every": 2}, {"train": train, "validation": val},
                  "eval_loss")
     assert t.train_loop_config["dataset_paths"]["validation"] == val
     _trainer({"checkpoint_every": 4, "eval_every": 4}, {"train": train, "validation": val}, "eval_loss")
     _trainer({"checkpoint_every": 0}, {"train": train, "validation": val}, "eval_loss")  # end only
-    assert not no_ray
+    assert not forbid_ray_init
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -99,13 +92,13 @@ def test_python_api_accepts_matching_cadences(files, no_ray):
 ])
 @pytest.mark.parametrize("command", ["config", "train"])
 def test_run_file_rejects_contradictory_evaluation_settings(overrides, message, command, files,
-                                                            capsys, no_ray, tmp_path):
+                                                            capsys, forbid_ray_init, tmp_path):
     _, val = files
     argv = [command, TINY, *[o.format(val=val) for o in overrides], f"run.storage_path={tmp_path}"]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"ray-dhp {command}: configuration error: {message}" in err, err
-    assert not no_ray and not list(tmp_path.iterdir())
+    assert not forbid_ray_init and not list(tmp_path.iterdir())
 
 
 def test_run_file_validation_reaches_the_trainer(files, tmp_path):
@@ -123,13 +116,13 @@ def test_run_file_validation_reaches_the_trainer(files, tmp_path):
     assert (ck.checkpoint_score_attribute, ck.checkpoint_score_order, ck.num_to_keep) == ("eval_loss", "min", 1)
 
 
-def test_sweep_on_eval_loss_needs_a_validation_set(no_ray):
+def test_sweep_on_eval_loss_needs_a_validation_set(forbid_ray_init):
     from ray_dhp.train.tune import sweep
 
     with pytest.raises(ConfigError, match="sweep metric='eval_loss' is an evaluation metric: set "
                                           "data.validation"):
         sweep(TINY, {"optim.lr": 1e-3}, metric="eval_loss")
-    assert not no_ray
+    assert not forbid_ray_init
 
 
 def test_eval_loader_covers_each_valid_record_once_in_order(tmp_path):

@@ -112,6 +112,12 @@ def test_packed_forward_equals_padded_fp64(family, dataset, model64):
     packed = pack_text_batch(samples, 0, MAX_TOKENS, rope_index=model.model.get_rope_index)
     common = dict(pixel_values=padded["pixel_values"].double(), image_grid_thw=padded["image_grid_thw"],
                   use_cache=False)
+    assert_packed_logits_equal(model, samples, padded, packed, common)
+
+
+def assert_packed_logits_equal(model, samples, padded, packed, common: dict) -> None:
+    """Each sample's per-token logits from the packed rows equal its padded row's within 1e-12
+    of the row's largest logit (fp64; ``common``: the vision inputs, passed to both forwards)."""
     with torch.no_grad():
         ref = model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"],
                     mm_token_type_ids=padded["mm_token_type_ids"], **common).logits

@@ -4,7 +4,6 @@ per-frame segments, the cost and memory models' per-frame attention, the CLI. No
 from pathlib import Path
 
 import pytest
-import ray
 
 from ray_dhp import demo
 from ray_dhp.cli import main
@@ -17,13 +16,6 @@ from ray_dhp.planning.video import VideoShape, parse_videos
 ROOT = Path(__file__).resolve().parents[2]
 BIG = str(ROOT / "examples" / "qwen2_5_vl_32b_8gpu.yaml")
 EAGER = ActivationSettings(dtype_bytes=2, attention="eager", checkpointing=False)
-
-
-@pytest.fixture
-def forbid_ray_init(monkeypatch):
-    calls = []
-    monkeypatch.setattr(ray, "init", lambda *a, **k: calls.append((a, k)))
-    return calls
 
 
 def test_video_shape_tokens_and_segments():

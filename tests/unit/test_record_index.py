@@ -6,9 +6,11 @@ resume (no Ray cluster: a stand-in iterator yields the batches)."""
 import json
 import os
 import pickle
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+
 import pytest
 
 from ray_dhp.data import index as index_mod
@@ -131,6 +133,38 @@ def test_spooling_a_value_that_is_not_json_names_the_type(tmp_path):
     with pytest.raises(TypeError, match="bytes cannot be a LLaVA record field"):
         spool_dataset(_Bad([]), "train", tmp_path, key="r")
     assert not any(p.suffix in (".idx", ".jsonl") for p in tmp_path.iterdir())  # nothing half-written
+    assert not list(tmp_path.glob("*.tmp*"))  # the failed write's partial file is gone too
+
+
+def test_spools_go_when_the_run_ends_and_partial_writes_of_killed_writers_at_the_next_start(tmp_path):
+    """`release_spools` (a successful end) deletes the run's spools and nothing else; a failed or
+    killed run's complete spool stays (resumable: read back, no second pass); a killed writer's
+    partial file goes at the next spool start unless its lock is held (being written)."""
+    import fcntl
+    from types import SimpleNamespace
+
+    from ray_dhp.data.reading import Annotations
+    from ray_dhp.data.spool import release_spools
+
+    rows = [{"id": i} for i in range(5)]
+    shard = _Shard(rows)
+    done = spool_dataset(shard, "train", tmp_path, key="done")
+    kept = spool_dataset(_Shard(rows), "train", tmp_path, key="failed")  # a run that failed
+    dead = tmp_path / "train.killed.jsonl.tmp4242"  # a worker killed mid-write
+    busy = tmp_path / "train.busy.jsonl.tmp4343"   # a write in progress
+    dead.write_bytes(b'{"id": 0}\n')
+    busy.write_bytes(b'{"id": 0}\n')
+    with open(tmp_path / "train.busy.jsonl.idx.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        spool_dataset(shard, "train", tmp_path, key="done")  # the next start (here: a restart)
+        assert not dead.exists() and busy.exists() and shard.passes == 1
+    sampler = SimpleNamespace(records=SimpleNamespace(parts=[Annotations([done])]))
+    gone = release_spools(sampler)
+    assert set(gone) == {done.data_path, done.index_path, Path(f"{done.index_path}.lock")}
+    assert not any(p.exists() for p in gone)
+    assert kept.data_path.exists() and kept.index_path.exists()
+    again = spool_dataset(_Shard([]), "train", tmp_path, key="failed")  # its resume reads it back
+    assert again.fingerprint == kept.fingerprint and len(Annotations([again])) == 5
 
 
 def test_ranks_that_spooled_different_rows_stop_with_the_fix(tmp_path, monkeypatch):

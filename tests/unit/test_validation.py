@@ -6,7 +6,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import ray
 
 from ray_dhp.checks import Check, ConfigError
 from ray_dhp.cli import main
@@ -44,22 +43,15 @@ BAD = [  # (override, message): numbers finite and in range, choices, cross-key 
 ]
 
 
-@pytest.fixture
-def no_ray(monkeypatch):
-    calls = []
-    monkeypatch.setattr(ray, "init", lambda *a, **k: calls.append((a, k)))
-    return calls
-
-
 @pytest.mark.parametrize("override, message", BAD)
 @pytest.mark.parametrize("command", ["plan", "config", "train"])
 def test_every_command_rejects_the_same_values_naming_the_key(command, override, message, capsys,
-                                                              no_ray, tmp_path):
+                                                              forbid_ray_init, tmp_path):
     argv = [command, TINY, *override.split("|"), f"run.storage_path={tmp_path}"]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"ray-dhp {command}: configuration error: {message}" in err, err
-    assert not no_ray and not list(tmp_path.iterdir())  # nothing started, nothing written
+    assert not forbid_ray_init and not list(tmp_path.iterdir())  # nothing started, nothing written
 
 
 @pytest.mark.parametrize("key, value, message", [
@@ -80,7 +72,7 @@ def test_python_api_names_the_train_loop_config_key(key, value, message):
     assert TrainLoopConfig.from_dict({"lr": "3e-4"}).lr == 3e-4  # coerced as in a run file
 
 
-def test_trainer_checks_train_loop_config_before_workers_start(no_ray):
+def test_trainer_checks_train_loop_config_before_workers_start(forbid_ray_init):
     from ray_dhp import DHPConfig, DisaggregatedTrainer, ModuleParallel, demo
 
     cfg = DHPConfig(model=demo.tiny_model_config(), processor=demo.tiny_processor(),
@@ -101,7 +93,7 @@ def test_trainer_checks_train_loop_config_before_workers_start(no_ray):
                              dhp_config=sp, datasets={"train": str(Path(TINY))})
     with pytest.raises(ValueError, match=r"DHPConfig\.timeout_s: must be > 0"):
         DHPConfig(model=demo.tiny_model_config(), timeout_s=0)
-    assert not no_ray
+    assert not forbid_ray_init
 
 
 def test_check_describes_and_rejects():
@@ -122,7 +114,7 @@ def test_reference_lists_only_settable_keys_with_what_they_accept():
     assert "moments" not in eps_row  # eps is not "AdamW moments" (the old description)
 
 
-def test_plan_on_cpu_says_cpu_and_follows_max_tokens(capsys, no_ray):
+def test_plan_on_cpu_says_cpu_and_follows_max_tokens(capsys, forbid_ray_init):
     assert main(["plan", TINY, "data.max_tokens=300", "--vision-tokens", "64,4096",
                  "--text-tokens", "100"]) == 0
     out = capsys.readouterr().out
@@ -132,14 +124,14 @@ def test_plan_on_cpu_says_cpu_and_follows_max_tokens(capsys, no_ray):
     assert "vision tokens per sample = 64:\n  rank 0 memory:" in out  # 116 tokens: estimated
 
 
-def test_config_prints_the_checked_run_file(capsys, no_ray):
+def test_config_prints_the_checked_run_file(capsys, forbid_ray_init):
     assert main(["config", TINY, "optim.lr=3e-4"]) == 0
     printed = capsys.readouterr().out
     assert "lr: 0.0003" in printed and "sequence_parallel: 2" in printed
     assert main(["config"]) == 2
 
 
-def test_finished_run_is_refused_and_unfinished_resumed(monkeypatch, tmp_path, capsys, no_ray):
+def test_finished_run_is_refused_and_unfinished_resumed(monkeypatch, tmp_path, capsys, forbid_ray_init):
     import ray_dhp.cli.runs as runs
 
     rf = load_run_file(TINY, [f"run.storage_path={tmp_path}"])
@@ -151,7 +143,7 @@ def test_finished_run_is_refused_and_unfinished_resumed(monkeypatch, tmp_path, c
     err = capsys.readouterr().err
     assert "run.name: the run 'tiny_demo' in" in err and "already finished" in err
     assert "give another run.name (e.g. run.name=tiny_demo_2)" in err
-    assert "raise optim.num_steps above 20" in err and not no_ray
+    assert "raise optim.num_steps above 20" in err and not forbid_ray_init
 
 
 def test_bootstrap_keeps_the_callers_shell_options(tmp_path):

@@ -278,6 +278,7 @@ def test_packed_video_samples_equal_padded_fp64(tmp_path, family):
     from ray_dhp.demo import tiny_model_config
     from ray_dhp.demo_video import make_video_dataset
     from ray_dhp.models import build_model
+    from tests.unit.test_packing import assert_packed_logits_equal
 
     path = make_video_dataset(tmp_path / "d", num_samples=4)
     proc, recs = _processor(family), read_annotations(path)
@@ -292,15 +293,7 @@ def test_packed_video_samples_equal_padded_fp64(tmp_path, family):
                   video_grid_thw=padded["video_grid_thw"], use_cache=False)
     if family == "qwen2_5_vl":
         common["second_per_grid_ts"] = padded["second_per_grid_ts"]
-    with torch.no_grad():
-        ref = model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"],
-                    mm_token_type_ids=padded["mm_token_type_ids"], **common).logits
-        got = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"],
-                    mm_token_type_ids=packed["mm_token_type_ids"], **common).logits
-    ids = packed["sample_ids"]
-    for i, s in enumerate(samples):
-        diff = (got[ids == i] - ref[i, :s.num_tokens]).abs().max()
-        assert diff <= 1e-12 * ref[i].abs().max(), (i, float(diff))
+    assert_packed_logits_equal(model, samples, padded, packed, common)
 
 
 def test_load_processor_renders_timestamps_for_qwen3_vl_processors(tmp_path):

@@ -1,0 +1,128 @@
+"""Vision activation bytes for `ray-dhp plan` (`ray_dhp.planning.memory` re-exports these).
+
+The count is what autograd saves for backward inside a Qwen vision tower (each storage once,
+parameters excluded), per patch token, as measured with ``torch.autograd.graph.saved_tensors_hooks``
+on the stock transformers towers at their published widths (``tests/unit/test_vision_memory.py``
+compares it with the measured bytes; ``benchmarks/video_sp.py`` at 16 frames). ``d`` is the
+activation element size (`ActivationSettings.dtype_bytes`), ``h`` the ViT width, ``i`` its MLP
+width. Per block and token:
+
+* two norms. Qwen2.5-VL's RMSNorm upcasts to fp32 and keeps the fp32 input, the fp32
+  ``rsqrt`` and the normalised input in the model's dtype: ``4h + 4 + d·h`` bytes each; the other
+  towers' LayerNorm keeps its input and fp32 mean and rstd: ``d·h + 8``;
+* attention (SDPA/flash): the qkv projection's input ``h`` and output ``3h``, the rotated q and k
+  and the attention output (``3h``) in ``d`` bytes, plus the kernel's fp32 log-sum-exp (one per
+  head). Under Ulysses (SP > 1, the full-attention blocks) ``6h``: the qkv input, the all-to-all's
+  head-sharded q, k, v (``3h``), the attention output and the projection's input (the output
+  all-to-all's result);
+* the MLP: its input ``h`` and ``m·i``, where ``m`` counts the ``i``-wide tensors its activation
+  path keeps: Qwen2.5-VL's gated SiLU 4 (gate, SiLU output, up, product), Qwen2-VL's QuickGELU 3
+  (fc1 output, sigmoid, product: ``x·sigmoid(1.702x)`` is three ops), a one-op GELU 2 (fc1 output,
+  GELU output).
+
+Once per token: the patch input of the Conv3d (``C·T·P²`` values), the rotary ``cos`` and
+``sin`` (fp32, ``head_dim`` each, shared by every block), Qwen3-VL's interpolation indices (4
+int64), the merger (its norm, then its two linears' inputs and the GELU's: ``3·d·h`` per token,
+the merged rows being ``merge²·h`` wide) and each deepstack merger (the same without re-keeping
+its norm input, the block output the next block keeps already). Under Ulysses SP every term is
+``1/sp`` of the tokens. With ``attention="eager"`` the ``heads × s²`` score and probability
+matrices are added; with activation checkpointing each block keeps only its input, plus one block
+recomputed.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+__all__ = ["vision_activation_bytes", "vision_width"]
+
+# ``i``-wide tensors an MLP keeps per token, by activation (the gated SiLU MLP counts its up
+# branch); another activation counts as a one-op one (2)
+_MLP_KEPT = {"silu": 4, "quick_gelu": 3, "gelu": 2, "gelu_pytorch_tanh": 2}
+
+
+def vision_width(vc) -> int:
+    """The ViT's own width: ``embed_dim`` for Qwen2-VL (whose ``hidden_size`` is the LLM width the
+    merger projects to), ``hidden_size`` for Qwen2.5-VL and Qwen3-VL."""
+    return getattr(vc, "embed_dim", None) or vc.hidden_size
+
+
+def _vision_mlp(vc) -> int:
+    i = getattr(vc, "intermediate_size", None)
+    return i if i else int(vc.embed_dim * getattr(vc, "mlp_ratio", 4))
+
+
+def _heads(vc) -> int:
+    return getattr(vc, "num_heads", None) or vc.num_attention_heads
+
+
+def _rms_norm(vc) -> bool:
+    """Qwen2.5-VL's tower uses RMSNorm (fp32 compute); Qwen2-VL's and Qwen3-VL's use LayerNorm."""
+    return getattr(vc, "model_type", "").startswith("qwen2_5")
+
+
+def _norm_bytes(vc, h: int, d: int) -> int:
+    return 4 * h + 4 + d * h if _rms_norm(vc) else d * h + 8
+
+
+def _block_bytes(vc, h: int, i: int, d: int) -> float:
+    """Bytes one block keeps per token (module docstring)."""
+    attention = 7 * d * h + 4 * _heads(vc)
+    mlp = d * h + _MLP_KEPT.get(getattr(vc, "hidden_act", "quick_gelu"), 2) * d * i
+    return 2 * _norm_bytes(vc, h, d) + attention + mlp
+
+
+def _once_bytes(vc, h: int, d: int) -> float:
+    """Bytes per token kept once per tower: patches, rotary tables, position indices, mergers."""
+    channels = getattr(vc, "in_channels", None) or getattr(vc, "in_chans", 3)
+    patches = channels * getattr(vc, "temporal_patch_size", 1) * _patch_side(vc) ** 2 * d
+    rotary = 2 * (h // _heads(vc)) * 4
+    positions = 4 * 8 if getattr(vc, "num_position_embeddings", None) else 0
+    merger = _norm_bytes(vc, h, d) + 3 * d * h
+    n_deep = len(getattr(vc, "deepstack_visual_indexes", None) or ())
+    deepstack = n_deep * (3 * d * h + 8 / vc.spatial_merge_size ** 2) if n_deep else 0
+    return patches + rotary + positions + merger + deepstack
+
+
+def _depth(vc) -> int:
+    """ViT blocks: ``depth`` (Qwen towers) or ``num_hidden_layers`` (InternViT)."""
+    return getattr(vc, "depth", None) or vc.num_hidden_layers
+
+
+def _patch_side(vc) -> int:
+    """Patch side in pixels (InternViT's config gives ``(h, w)``: square patches)."""
+    p = vc.patch_size
+    return p[0] if isinstance(p, (tuple, list)) else p
+
+
+def _ulysses_blocks(vc, sp: int) -> int:
+    """Blocks whose attention runs the Ulysses all-to-alls: the full-attention ones at SP > 1."""
+    if sp == 1:
+        return 0
+    full = getattr(vc, "fullatt_block_indexes", None)
+    return _depth(vc) if full is None else len(full)
+
+
+def vision_activation_bytes(vc, tokens: int, sp: int, s,
+                            image_tokens: Optional[int] = None) -> float:
+    """Activation bytes of one vision SP rank for ``tokens`` patch tokens of its replica
+    (``s``: an `ActivationSettings`)."""
+    h, i, depth, d = vision_width(vc), _vision_mlp(vc), _depth(vc), s.dtype_bytes
+    local = tokens / sp
+    per_block = local * _block_bytes(vc, h, i, d)
+    if s.checkpointing:
+        blocks = depth * local * h * d + per_block
+    else:
+        blocks = depth * per_block - _ulysses_blocks(vc, sp) * local * h * d
+    total = blocks + local * _once_bytes(vc, h, d)
+    if s.attention == "eager":
+        seg = image_tokens or tokens
+        full = len(getattr(vc, "fullatt_block_indexes", None) or range(depth))
+        window = (getattr(vc, "window_size", 0) // _patch_side(vc)) ** 2 or seg
+        windows = depth - full
+        heads = _heads(vc) / sp
+        layers_kept = (1 if s.checkpointing else full)
+        total += 2 * heads * (tokens / seg) * seg * seg * s.dtype_bytes * layers_kept
+        if not s.checkpointing:
+            total += 2 * heads * tokens * min(window, seg) * s.dtype_bytes * windows
+    return total
