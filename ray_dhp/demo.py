@@ -38,7 +38,7 @@ __all__ = [
     "BAD_KINDS",
 ]
 
-FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "internvl")
 #: families with an audio encoder (their tiny config and processor: `ray_dhp.demo_audio`)
 AUDIO_FAMILIES = ("qwen2_5_omni",)
 
@@ -211,6 +211,35 @@ _TINY_QWEN3_5_MOE = {**{k: v for k, v in _TINY_MOE.items()
                      "shared_expert_intermediate_size": 64}
 
 
+#: Tiny InternVL: 56-px tiles of 14-px patches (4x4 patches, 2x2 feature rows per tile), an
+#: InternViT of hidden 32, 4 heads, 2 layers (LayerNorm, no q/k norm, mean pooling: InternVL3's
+#: 300M tower), pixel shuffle 0.5 and a Qwen2 LM with 1-D RoPE.
+_TINY_INTERNVL_TILE = 56
+_TINY_INTERNVL_VISION = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                         "intermediate_size": 64, "image_size": _TINY_INTERNVL_TILE,
+                         "patch_size": 14, "norm_type": "layer_norm", "use_qk_norm": False,
+                         "use_mean_pooling": True, "hidden_dropout_prob": 0.0,
+                         "attention_dropout": 0.0, "projection_dropout": 0.0}
+
+
+def _tiny_internvl(tie_word_embeddings: bool):
+    from transformers import InternVLConfig
+
+    ids = _token_ids()
+    vocab = -(-len(build_tokenizer()) // 8) * 8
+    text = {**_text_config(ids, vocab), "model_type": "qwen2", "tie_word_embeddings": tie_word_embeddings,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    config = InternVLConfig(text_config=text, vision_config=dict(_TINY_INTERNVL_VISION),
+                            image_token_id=ids["image_token_id"], downsample_ratio=0.5,
+                            image_seq_length=(_TINY_INTERNVL_TILE // 14 // 2) ** 2,
+                            tie_word_embeddings=tie_word_embeddings)
+    config.pad_token_id, config.eos_token_id = ids["pad_token_id"], ids["eos_token_id"]
+    for sub in (config, config.text_config, config.vision_config):
+        sub.dtype = "float32"
+    config._attn_implementation = "sdpa"
+    return config
+
+
 def tiny_model_config(family: str = "qwen2_5_vl", *, tie_word_embeddings: bool = False):
     """Random-init sized config of a Qwen-VL ``...ForConditionalGeneration`` model.
 
@@ -235,6 +264,8 @@ def tiny_model_config(family: str = "qwen2_5_vl", *, tie_word_embeddings: bool =
     ``"qwen2_5_omni"``: the Qwen2.5-Omni *thinker* (`ray_dhp.demo_audio.omni_config`).
     """
     _check_family(family)
+    if family == "internvl":
+        return _tiny_internvl(tie_word_embeddings)
     if family in AUDIO_FAMILIES:
         from ray_dhp.demo_audio import omni_config, omni_tokenizer
 
@@ -300,6 +331,9 @@ def tiny_processor(family: str = "qwen2_5_vl", *, min_side: int = 56, max_side: 
 
     from ray_dhp.data.processing import VLProcessor
 
+    if family == "internvl":
+        return VLProcessor(build_tokenizer(), _tiny_tiler(max_side))
+
     geo = _vision_geometry(family)
     scale = geo["patch_size"] / 14  # keep the same patch grid for 16-px patches
     image_processor = Qwen2VLImageProcessorPil(
@@ -308,6 +342,20 @@ def tiny_processor(family: str = "qwen2_5_vl", *, min_side: int = 56, max_side: 
         temporal_patch_size=geo["temporal_patch_size"],
     )
     return VLProcessor(build_tokenizer(), image_processor, video_timestamps=family == "qwen3_vl")
+
+
+def _tiny_tiler(max_side: int):
+    """InternVL's tiling (transformers' PIL ``GotOcr2ImageProcessorPil``: the image cut into 1..N
+    tiles of the closest aspect ratio plus a thumbnail) at the tiny tile size, as patch rows
+    (`ray_dhp.data.tiles.TileImageProcessor`); at most ``(max_side // tile)**2`` tiles."""
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    from ray_dhp.data.tiles import TileImageProcessor
+
+    tile = _TINY_INTERNVL_TILE
+    tiler = GotOcr2ImageProcessorPil(size={"height": tile, "width": tile}, crop_to_patches=True,
+                                     min_patches=1, max_patches=max(1, (max_side // tile) ** 2))
+    return TileImageProcessor(tiler, patch_size=14, merge_size=2)
 
 
 def _caption(count: int, colour: str, shape: str) -> str:

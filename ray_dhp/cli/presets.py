@@ -120,7 +120,45 @@ def _qwen3_vl_moe(hidden: int, layers: int, heads: int, moe_intermediate: int,
     }
 
 
+# InternVL3 (OpenGVLab/InternVL3-*-hf, transformers' ``internvl``): InternViT-300M-448px-V2.5
+# (1B-14B: 24 layers, width 1024, 16 heads, LayerNorm) or InternViT-6B-448px-V2.5 (38B, 78B: 45
+# layers, width 3200, 25 heads, RMSNorm with q/k norm), 448-px tiles of 14-px patches, pixel
+# shuffle 0.5, and the Qwen2.5 LM of the size (vocabulary 151674: text TP <= 2 unless padded).
+_INTERNVIT_300M = {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16,
+                   "intermediate_size": 4096, "norm_type": "layer_norm", "use_qk_norm": False,
+                   "layer_scale_init_value": 0.1, "image_size": [448, 448], "patch_size": [14, 14]}
+_INTERNVIT_6B = {**_INTERNVIT_300M, "hidden_size": 3200, "num_hidden_layers": 45,
+                 "num_attention_heads": 25, "intermediate_size": 12800, "norm_type": "rms_norm",
+                 "use_qk_norm": True}
+
+
+def _internvl3(vision: dict, hidden: int, layers: int, heads: int, kv_heads: int,
+               intermediate: int, tied: bool = False) -> dict:
+    return {
+        "model_type": "internvl",
+        "vision_config": dict(vision),
+        "text_config": {
+            "model_type": "qwen2", "hidden_size": hidden, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+            "intermediate_size": intermediate, "vocab_size": 151674,
+            "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+            "tie_word_embeddings": tied,
+        },
+        "downsample_ratio": 0.5, "image_token_id": 151667, "image_seq_length": 256,
+        "tie_word_embeddings": tied,
+    }
+
+
 PRESETS = {
+    "internvl": {
+        "1b": _internvl3(_INTERNVIT_300M, 896, 24, 14, 2, 4864, tied=True),
+        "2b": _internvl3(_INTERNVIT_300M, 1536, 28, 12, 2, 8960, tied=True),
+        "8b": _internvl3(_INTERNVIT_300M, 3584, 28, 28, 4, 18944),
+        "14b": _internvl3(_INTERNVIT_300M, 5120, 48, 40, 8, 13824),
+        "38b": _internvl3(_INTERNVIT_6B, 5120, 64, 40, 8, 27648),
+        "78b": _internvl3(_INTERNVIT_6B, 8192, 80, 64, 8, 29568),
+    },
     "qwen2_5_vl": {
         "7b": _qwen2_5_vl(3584, 28, 28, 4, 18944),
         "32b": _qwen2_5_vl(5120, 64, 40, 8, 27648),

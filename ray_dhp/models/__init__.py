@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from ray_dhp.models.base import FamilySpec
+from ray_dhp.models.internvl import SPEC as INTERNVL
 from ray_dhp.models.qwen2_5_omni import SPEC as QWEN2_5_OMNI
 from ray_dhp.models.qwen2_5_vl import SPEC as QWEN2_5_VL
 from ray_dhp.models.qwen2_vl import SPEC as QWEN2_VL
@@ -14,7 +15,7 @@ from ray_dhp.models.qwen3_vl import SPEC as QWEN3_VL
 from ray_dhp.models.qwen3_vl_moe import SPEC as QWEN3_VL_MOE
 
 FAMILIES = {s.name: s for s in (QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, QWEN3_5,
-                                        QWEN3_5_MOE, QWEN2_5_OMNI)}
+                                        QWEN3_5_MOE, QWEN2_5_OMNI, INTERNVL)}
 _BY_MODEL_TYPE = {s.model_type: s for s in FAMILIES.values()}
 
 __all__ = ["FAMILIES", "FamilySpec", "family_of", "load_model_config", "build_model"]

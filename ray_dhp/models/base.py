@@ -48,12 +48,71 @@ class FamilySpec:
     # records with audio are refused before training (`ray_dhp.data.audio.refuse_audio`).
     audio: bool = False
     moe: Optional[MoESpec] = None  # a mixture-of-experts language model (`ray_dhp.models.moe`)
+    # -- the vision side, as data --------------------------------------------------------------
+    # The module (import path) that splits the tower over SP ranks: ``plan_for(name, config,
+    # grid_thw, sp)``, ``vision_forward(name, visual, pixel_values, plan, sp_rank, sp_group,
+    # comm)``, ``install_for(name, visual, sp)``; ``stock_pixels(config, pixel_values, grid)``
+    # (optional) turns a sample's pixel rows into what the stock model's forward takes.
+    vision_module: str = "ray_dhp.models.vision_qwen"
+    # Attributes of ``model.model`` that make the vision side (tower + projector), and the
+    # parameter-name prefixes (full model names) of its projector ("merger" in `modules:`).
+    vision_parts: tuple = ("visual",)
+    merger_prefixes: tuple = ("model.visual.merger.", "model.visual.deepstack_merger_list.")
+    # (config) -> patches per side of one merged feature row; config: the model's or its
+    # vision config (the Qwen towers keep it in the vision config).
+    merge_size: Callable = lambda config: getattr(config, "vision_config", config).spatial_merge_size
+    vision_heads: Callable = lambda vision_config: vision_config.num_heads
+    vision_depth: Callable = lambda vision_config: vision_config.depth
+    projector_dim: Optional[Callable] = None  # (config) -> width of a feature row, if not the tower's
+    # The seam's ``pooler_output``: a tuple of row blocks (the Qwen-VL models) or one
+    # ``[rows, width]`` tensor (models that ``masked_scatter`` it whole, e.g. InternVL).
+    pooled_tuple: bool = True
+    vision_zero3: bool = True  # False: `ray_dhp.parallel.fsdp_vision` cannot unit this tower
 
-    # -- model access (the seams of transformers' Qwen-VL classes) -----------------------------
+    # -- model access (the seams of transformers' VLM classes) ---------------------------------
 
-    @staticmethod
-    def visual(model) -> torch.nn.Module:
-        return model.model.visual
+    def visual(self, model) -> torch.nn.Module:
+        """The vision side of ``model``: ``model.model.<part>`` for one part; several parts are
+        held by one `VisionParts` container (their parameter names ``<part>.<name>``)."""
+        parts = [getattr(model.model, p) for p in self.vision_parts]
+        if len(parts) == 1:
+            return parts[0]
+        return VisionParts(dict(zip(self.vision_parts, parts)))
+
+    @property
+    def vision_prefix(self) -> str:
+        """Full-model name prefix of the `visual` module's parameter names."""
+        return f"model.{self.vision_parts[0]}." if len(self.vision_parts) == 1 else "model."
+
+    def vision_modules(self, model) -> dict:
+        """``{full-model prefix: module}`` of each vision part (what a vision rank keeps)."""
+        return {f"model.{p}.": getattr(model.model, p) for p in self.vision_parts}
+
+    def drop_vision(self, model) -> None:
+        """Detach the vision parts from ``model`` (a text-only shard does not hold them)."""
+        for p in self.vision_parts:
+            setattr(model.model, p, None)
+
+    def vision_ops(self):
+        import importlib
+
+        return importlib.import_module(self.vision_module)
+
+    def plan_vision(self, config, grid_thw, sp: int):
+        """The SP split of one replica's images (`vision_module`'s ``plan_for``)."""
+        return self.vision_ops().plan_for(self.name, config, grid_thw, sp)
+
+    def vision_forward(self, visual, pixel_values, plan, sp_rank: int, sp_group, comm=None):
+        return self.vision_ops().vision_forward(self.name, visual, pixel_values, plan, sp_rank,
+                                                sp_group, comm=comm)
+
+    def stock_inputs(self, config, kwargs: dict) -> dict:
+        """The keyword arguments of one padded batch as the stock model's forward takes them."""
+        convert = getattr(self.vision_ops(), "stock_pixels", None)
+        if convert is not None and kwargs.get("pixel_values") is not None:
+            kwargs = {**kwargs, "pixel_values": convert(config, kwargs["pixel_values"],
+                                                        kwargs["image_grid_thw"])}
+        return kwargs
 
     @staticmethod
     def language_model(model) -> torch.nn.Module:
@@ -63,10 +122,11 @@ class FamilySpec:
         """Width of one merged vision row as it crosses the boundary (deepstack concatenated)."""
         return self.vision_out_dim(config) * (1 + self.num_deepstack(config))
 
-    @staticmethod
-    def vision_out_dim(config) -> int:
+    def vision_out_dim(self, config) -> int:
         """Width of the merger output (Qwen2-VL calls it ``hidden_size``, later families
-        ``out_hidden_size``)."""
+        ``out_hidden_size``; `projector_dim` where the family says)."""
+        if self.projector_dim is not None:
+            return self.projector_dim(config)
         vc = config.vision_config
         return getattr(vc, "out_hidden_size", None) or vc.hidden_size
 
@@ -87,6 +147,8 @@ class FamilySpec:
     def _wrap(self, config, feats: torch.Tensor):
         from transformers.modeling_outputs import BaseModelOutputWithPooling
 
+        if not self.pooled_tuple:
+            return BaseModelOutputWithPooling(pooler_output=feats)
         n_deep = self.num_deepstack(config)
         if n_deep == 0:
             return BaseModelOutputWithPooling(pooler_output=(feats,))
@@ -106,7 +168,7 @@ class FamilySpec:
         if text_sp and self.text_sp_plan is None:
             raise ValueError(f"text sequence_parallel=true is not covered for the {self.name} family; "
                              f"set text.sequence_parallel=false.")
-        vh = vc.num_heads
+        vh = self.vision_heads(vc)
         if vh % sp:
             raise ValueError(
                 f"vision sequence_parallel={sp} must divide the vision attention heads ({vh}); "
@@ -143,6 +205,17 @@ class FamilySpec:
         if n % ep:
             raise ValueError(f"text.expert_parallel={ep} must divide the number of experts ({n}); "
                              f"use one of {_divisors(n)}.")
+
+
+class VisionParts(torch.nn.Module):
+    """Several sub-modules of a model that together are its vision side (e.g. InternVL's
+    ``vision_tower`` and ``multi_modal_projector``), registered under their own attribute names
+    (the same module objects: the container owns no parameters of its own)."""
+
+    def __init__(self, parts: dict):
+        super().__init__()
+        for name, module in parts.items():
+            self.add_module(name, module)
 
 
 def _reject_dropout(config) -> None:

@@ -161,6 +161,18 @@ def plan_vision_shards(family: str, vision_config, grid_thw: torch.LongTensor, s
     )
 
 
+def plan_for(family: str, config, grid_thw: torch.LongTensor, sp: int) -> VisionShardPlan:
+    """`plan_vision_shards` given the model's (or the tower's) config (`FamilySpec.plan_vision`)."""
+    return plan_vision_shards(family, getattr(config, "vision_config", config), grid_thw, sp)
+
+
+def install_for(family: str, visual: torch.nn.Module, sp: int = 1) -> None:
+    """`install_ulysses` by degree (`FamilySpec.vision_module`'s common entry)."""
+    _spec(family)
+    for blk in visual.blocks:
+        install_ulysses_attention(blk.attn, sp)
+
+
 def install_ulysses(family: str, visual: torch.nn.Module, sp_group=None, comm=None) -> None:
     """Install the Ulysses attention forward on every block of ``visual`` (idempotent, optional).
 

@@ -224,17 +224,18 @@ class CostModel:
 
         counts = counts or count_params(config)
         vc, tc, family = config.vision_config, config.text_config, family_of(config)
-        h, merge = vision_width(vc), vc.spatial_merge_size ** 2
+        h, merge = vision_width(vc), family.merge_size(config) ** 2
         mw = merge * h
         merger = min(counts.vision, (mw * mw + mw * family.vision_out_dim(config))
                      * (1 + family.num_deepstack(config)))
-        full = len(getattr(vc, "fullatt_block_indexes", None) or range(vc.depth))
-        window = (getattr(vc, "window_size", 0) // vc.patch_size) ** 2 if full < vc.depth else 0
+        depth = family.vision_depth(vc)
+        full = len(getattr(vc, "fullatt_block_indexes", None) or range(depth))
+        window = (getattr(vc, "window_size", 0) // vc.patch_size) ** 2 if full < depth else 0
         tied = getattr(config, "tie_word_embeddings", False) or getattr(tc, "tie_word_embeddings", False)
         matmul = counts.text - (0 if tied else tc.vocab_size * tc.hidden_size)
         d = tc.num_attention_heads * (getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads)
         return cls(merge=merge, vision_linear=6 * (counts.vision - merger) * merge + 6 * merger,
-                   vision_full=12 * h * full * merge, vision_window=12 * h * (vc.depth - full) * merge,
+                   vision_full=12 * h * full * merge, vision_window=12 * h * (depth - full) * merge,
                    window=window, text_linear=6 * matmul * merge,
                    text_quadratic=6 * tc.num_hidden_layers * d * merge,
                    text_call=6 * matmul * merge * TEXT_CALL_TOKENS)

@@ -127,7 +127,7 @@ def _attention_interface(attn):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.utils.generic import is_flash_attention_requested
 
-    _, eager = _model_functions(attn)
+    eager = sys.modules[type(attn).__module__].eager_attention_forward  # its modeling file's
     impl = attn.config._attn_implementation
     if is_flash_attention_requested(attn.config):
         impl = "sdpa"  # the varlen kernel is called directly (``_flash_varlen``); else masked SDPA

@@ -67,7 +67,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ray_dhp.planning.memory import ActivationSettings, vision_width
+from ray_dhp.planning.memory import ActivationSettings, merged, vision_depth, vision_width
 from ray_dhp.step.topology import Topology, fill_nodes
 
 __all__ = ["Hardware", "Workload", "Layout", "PhaseTimes", "phase_times", "step_time",
@@ -220,9 +220,10 @@ def _recompute(settings: ActivationSettings) -> float:
 def _vision_spans(vc) -> tuple:
     """(full-attention blocks, window-attention blocks, patches per window) as ray_dhp.planning.memory
     counts them: Qwen2.5-VL lists its full blocks, the other families attend fully everywhere."""
-    full = len(getattr(vc, "fullatt_block_indexes", None) or range(vc.depth))
-    window = (getattr(vc, "window_size", 0) // vc.patch_size) ** 2
-    return full, vc.depth - full, window
+    depth = vision_depth(vc)
+    full = len(getattr(vc, "fullatt_block_indexes", None) or range(depth))
+    window = (getattr(vc, "window_size", 0) // vc.patch_size) ** 2 if full < depth else 0
+    return full, depth - full, window
 
 
 def vision_flops(config, vision_params: int, vision_tokens: int,
@@ -233,7 +234,7 @@ def vision_flops(config, vision_params: int, vision_tokens: int,
     from ray_dhp.models import family_of
 
     vc, family = config.vision_config, family_of(config)
-    h, merge = vision_width(vc), vc.spatial_merge_size ** 2
+    h, merge = vision_width(vc), merged(config)
     m = merge * h  # the merger's input width
     merger = min(vision_params, (m * m + m * family.vision_out_dim(config))
                  * (1 + family.num_deepstack(config)))
@@ -245,7 +246,7 @@ def vision_flops(config, vision_params: int, vision_tokens: int,
 
 
 def text_tokens_per_sample(config, vision_tokens: int, text_tokens: int) -> int:
-    return text_tokens + vision_tokens // config.vision_config.spatial_merge_size ** 2
+    return text_tokens + vision_tokens // merged(config)
 
 
 def text_flops(config, text_params: int, vision_tokens: int, text_tokens: int,
@@ -346,7 +347,7 @@ def phase_times(config, counts, layout: Layout, w: Workload, hw: Hardware) -> Ph
         t_comm += _all_to_all(hw, buffer_bytes(config, tok, 1, ckpt, s.dtype_bytes), ep,
                               _bw(hw, ep_groups(t, ep), nodes))
     # boundary: features of the replica's samples, replicated over TP
-    feat = family_of(config).feature_dim(config) * s.dtype_bytes / vc.spatial_merge_size ** 2
+    feat = family_of(config).feature_dim(config) * s.dtype_bytes / merged(config)
     boundary_bw = _bw(hw, [v.ranks + t.ranks], nodes)
     boundary = max(replica_share(w, t.dp, lambda vt: vt) * feat,
                    v_tokens * feat / v.inner * t.inner) / boundary_bw + hw.latency_s

@@ -157,12 +157,12 @@ def count_params(config, tuning=None) -> ParamCounts:
 
         inject(model, tuning.lora, seed=0)
         plan = counting_plan(plan, tuning.lora.target_modules)
-    vision_names = {f"model.visual.{n}" for n, _ in family.visual(model).named_parameters()}
+    vision_names = {f"{family.vision_prefix}{n}" for n, _ in family.visual(model).named_parameters()}
     trains = (lambda name: True) if tuning is None else tuning.trains
     vision = text = sharded = largest = v_frozen = t_frozen = t_frozen_sharded = 0
     text_sizes, vision_params = [], []
     sizes = tuple(p.numel() for n, p in family.visual(model).named_parameters()
-                  if trains(f"model.visual.{n}"))
+                  if trains(f"{family.vision_prefix}{n}"))
     for name, p in model.named_parameters():
         largest = max(largest, p.numel())
         if name in vision_names:
@@ -376,6 +376,18 @@ class ActivationSettings:
     checkpointing: bool = False
 
 
+def vision_depth(vc) -> int:
+    """ViT blocks: ``depth`` (Qwen towers) or ``num_hidden_layers`` (InternViT)."""
+    return getattr(vc, "depth", None) or vc.num_hidden_layers
+
+
+def merged(config) -> int:
+    """Patches per merged feature row of ``config``'s family (`FamilySpec.merge_size` squared)."""
+    from ray_dhp.models import family_of
+
+    return family_of(config).merge_size(config) ** 2
+
+
 def _mlp_widths(tc) -> tuple:
     """(TP-sharded, TP-replicated) MLP width per token: a dense ``intermediate_size``; an MoE LM
     without one (Qwen3.5-MoE: every layer sparse) has its shared expert (TP-sharded) and its
@@ -437,7 +449,7 @@ def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int,
     patch tokens per attention segment (a video's frame, `ray_dhp.planning.video`; None: the
     sample is one image)."""
     vc, tc = config.vision_config, config.text_config
-    merge = vc.spatial_merge_size ** 2
+    merge = merged(config)
     sp, tp = topology.vision.inner, topology.text.inner
     seq = text_tokens + vision_tokens // merge
     v_act = vision_activation_bytes(vc, samples * vision_tokens, sp, settings,
@@ -466,7 +478,7 @@ def estimate_zero3(config, counts: ParamCounts, world: int, *, vision_tokens: in
     per GPU (no SP/TP: every activation of that sample stays on its GPU); ``segment_tokens`` as
     in `estimate_ranks`."""
     vc, tc = config.vision_config, config.text_config
-    seq = text_tokens + vision_tokens // vc.spatial_merge_size ** 2
+    seq = text_tokens + vision_tokens // merged(config)
     state = (counts.vision + counts.text) * state_bytes / world
     return (state + vision_activation_bytes(vc, vision_tokens, 1, settings, segment_tokens)
             + text_activation_bytes(tc, seq, 1, settings))

@@ -75,13 +75,24 @@ def _block_bytes(vc, h: int, i: int, d: int) -> float:
 def _once_bytes(vc, h: int, d: int) -> float:
     """Bytes per token kept once per tower: patches, rotary tables, position indices, mergers."""
     channels = getattr(vc, "in_channels", None) or getattr(vc, "in_chans", 3)
-    patches = channels * getattr(vc, "temporal_patch_size", 1) * vc.patch_size ** 2 * d
+    patches = channels * getattr(vc, "temporal_patch_size", 1) * _patch_side(vc) ** 2 * d
     rotary = 2 * (h // _heads(vc)) * 4
     positions = 4 * 8 if getattr(vc, "num_position_embeddings", None) else 0
     merger = _norm_bytes(vc, h, d) + 3 * d * h
-    deepstack = len(getattr(vc, "deepstack_visual_indexes", None) or ()) * (
-        3 * d * h + 8 / vc.spatial_merge_size ** 2)
+    n_deep = len(getattr(vc, "deepstack_visual_indexes", None) or ())
+    deepstack = n_deep * (3 * d * h + 8 / vc.spatial_merge_size ** 2) if n_deep else 0
     return patches + rotary + positions + merger + deepstack
+
+
+def _depth(vc) -> int:
+    """ViT blocks: ``depth`` (Qwen towers) or ``num_hidden_layers`` (InternViT)."""
+    return getattr(vc, "depth", None) or vc.num_hidden_layers
+
+
+def _patch_side(vc) -> int:
+    """Patch side in pixels (InternViT's config gives ``(h, w)``: square patches)."""
+    p = vc.patch_size
+    return p[0] if isinstance(p, (tuple, list)) else p
 
 
 def _ulysses_blocks(vc, sp: int) -> int:
@@ -89,14 +100,14 @@ def _ulysses_blocks(vc, sp: int) -> int:
     if sp == 1:
         return 0
     full = getattr(vc, "fullatt_block_indexes", None)
-    return vc.depth if full is None else len(full)
+    return _depth(vc) if full is None else len(full)
 
 
 def vision_activation_bytes(vc, tokens: int, sp: int, s,
                             image_tokens: Optional[int] = None) -> float:
     """Activation bytes of one vision SP rank for ``tokens`` patch tokens of its replica
     (``s``: an `ActivationSettings`)."""
-    h, i, depth, d = vision_width(vc), _vision_mlp(vc), vc.depth, s.dtype_bytes
+    h, i, depth, d = vision_width(vc), _vision_mlp(vc), _depth(vc), s.dtype_bytes
     local = tokens / sp
     per_block = local * _block_bytes(vc, h, i, d)
     if s.checkpointing:
@@ -107,7 +118,7 @@ def vision_activation_bytes(vc, tokens: int, sp: int, s,
     if s.attention == "eager":
         seg = image_tokens or tokens
         full = len(getattr(vc, "fullatt_block_indexes", None) or range(depth))
-        window = (getattr(vc, "window_size", 0) // vc.patch_size) ** 2 or seg
+        window = (getattr(vc, "window_size", 0) // _patch_side(vc)) ** 2 or seg
         windows = depth - full
         heads = _heads(vc) / sp
         layers_kept = (1 if s.checkpointing else full)

@@ -86,8 +86,11 @@ class DHPEngine(UpdateMixin):
             add_lora(self.text_model, self.tuning.lora, cfg.seed, groups.text_mesh["tp"] if tp else None,
                      self.family.text_tp_plan(self.config.text_config) if tp else None)
         shard_text(self)  # ZeRO stage 3: FSDP2 over the text dp ranks (ray_dhp.parallel.fsdp)
+        if topo.vision.zero_stage == 3 and not self.family.vision_zero3:
+            raise ValueError(f"vision.zero_stage=3 is not covered for the {self.family.name} family "
+                             "(its tower is not split into FSDP units); use vision.zero_stage<=2.")
         shard_vision(self)  # ... and over the vision group (ray_dhp.parallel.fsdp_vision)
-        held = apply_tuning(self.visual, self.text_model, self.tuning)
+        held = apply_tuning(self.visual, self.text_model, self.tuning, self.family.vision_prefix)
         self.vision_params, self.text_params, self.frozen_params = held
         self._partial = (partial_grad_params(self.text_model, self.family.tp_partial_grad_suffixes)
                          if self.text_model is not None and topo.text.inner > 1 else [])
@@ -122,9 +125,9 @@ class DHPEngine(UpdateMixin):
         parts = {}
         if g.is_vision:
             self.visual = self.family.visual(full)
-            parts[module_prefix(full, self.visual)] = self.visual
+            parts.update(self.family.vision_modules(full))
         if g.is_text:
-            full.model.visual = None  # the text shard does not hold the vision tower
+            self.family.drop_vision(full)  # the text shard does not hold the vision tower
             self.text_model = parts[""] = full
             if topo.text.inner > 1:
                 apply_tp_plan(full, g.text_mesh["tp"], self._text_plan(full))
@@ -206,7 +209,7 @@ class DHPEngine(UpdateMixin):
     def _vision_fwd(self, mb: "_MicroBatch", n_targets: int) -> None:
         g = self.groups
         mb.lay = layout_micro_batch(mb.samples, g.topology, self.family.name,
-                                    self.config.vision_config, self.balancer())
+                                    self.config, self.balancer())
         if g.is_vision and mb.has_images:
             with self._autocast(), torch.set_grad_enabled(vision_trains(self.tuning)):
                 mb.feats = self._vision_forward(mb.samples, mb.lay)
@@ -272,8 +275,6 @@ class DHPEngine(UpdateMixin):
         mb.feats = mb.grad_feats = None
 
     def _vision_forward(self, samples, lay: MicroBatchLayout) -> Optional[torch.Tensor]:
-        from ray_dhp.models.vision_qwen import vision_forward
-
         i, k = self.groups.vision_coord
         plan = lay.vision_plans[i]
         fsdp = self.vision_fsdp
@@ -287,8 +288,8 @@ class DHPEngine(UpdateMixin):
         pv = to_device(torch.cat([s.pixel_values for s in mine]), self.groups.device).to(self.dtype)
         if fsdp is not None:
             return fsdp.forward(pv, plan, k, self.groups.vision_sp, comm=self.comm)
-        return vision_forward(self.family.name, self.visual, pv, plan, k, self.groups.vision_sp,
-                              comm=self.comm)
+        return self.family.vision_forward(self.visual, pv, plan, k, self.groups.vision_sp,
+                                          comm=self.comm)
 
     def _held_rows(self, lay: MicroBatchLayout) -> dict:
         v = self.groups.topology.vision
@@ -361,7 +362,7 @@ class DHPEngine(UpdateMixin):
                 feats.requires_grad_(True)
             from ray_dhp.data.collate import row_modalities
 
-            merge = self.config.vision_config.spatial_merge_size
+            merge = self.family.merge_size(self.config)
             enc = self.family.encoder_outputs(self.config, feats, row_modalities(samples, merge))
         grid, mask, pos = batch["image_grid_thw"], batch["attention_mask"], batch.get("position_ids")
         videos = {k: to_device(batch[k], dev) for k in ("video_grid_thw", "second_per_grid_ts")
@@ -414,7 +415,7 @@ class DHPEngine(UpdateMixin):
         ranks of a TP or stage-3 module)."""
         out = {}
         if self.visual is not None:
-            out.update({f"model.visual.{n}": (p.full_tensor() if _is_dtensor(p) else p).detach().clone()
+            out.update({f"{self.family.vision_prefix}{n}": (p.full_tensor() if _is_dtensor(p) else p).detach().clone()
                         for n, p in self.visual.named_parameters()})
         if self.text_model is not None:
             for n, p in self.text_model.named_parameters():

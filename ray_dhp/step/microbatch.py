@@ -74,12 +74,15 @@ class MicroBatchLayout:
                            for i in grp]) if grp else torch.zeros(0, dtype=torch.long) for grp in groups]
 
 
-def layout_micro_batch(samples, topology, family_name: str, vision_config,
+def layout_micro_batch(samples, topology, family_name: str, config,
                        balancer: "Balancer" = COUNT) -> MicroBatchLayout:
     """The micro-batch's plan: samples per vision and per text replica (``balancer``: by cost,
-    or contiguous equal counts), feature-row offsets, each vision replica's SP shard plan and
-    each text replica's padded groups."""
-    from ray_dhp.models.vision_qwen import plan_vision_shards
+    or contiguous equal counts), feature-row offsets, each vision replica's SP shard plan
+    (`FamilySpec.plan_vision`) and each text replica's padded groups. ``config``: the model
+    config (the Qwen families also take their vision config: the merge size is there)."""
+    from ray_dhp.models import FAMILIES
+
+    family = FAMILIES[family_name]
 
     n = len(samples)
     v, t = topology.vision, topology.text
@@ -88,7 +91,7 @@ def layout_micro_batch(samples, topology, family_name: str, vision_config,
             f"a micro-batch of {n} samples cannot feed {v.dp} vision and {t.dp} text replicas; "
             f"raise global_batch_size or lower micro_batches / data_parallel."
         )
-    merge = vision_config.spatial_merge_size
+    merge = family.merge_size(config)
     offsets = [0]
     for s in samples:
         offsets.append(offsets[-1] + image_rows(s, merge))
@@ -96,8 +99,7 @@ def layout_micro_batch(samples, topology, family_name: str, vision_config,
     plans = []
     for idx in vs:
         grids = [samples[i].image_grid_thw for i in idx if samples[i].image_grid_thw is not None]
-        plans.append(plan_vision_shards(family_name, vision_config, torch.cat(grids), v.inner)
-                     if grids else None)
+        plans.append(family.plan_vision(config, torch.cat(grids), v.inner) if grids else None)
     ts = balancer.text_replicas(samples, t.dp)
     return MicroBatchLayout(vs, ts, offsets, plans, [balancer.text_groups(samples, idx) for idx in ts])
 

@@ -37,7 +37,7 @@ import zlib
 import torch
 
 from ray_dhp.data.collate import pad_text_batch
-from ray_dhp.models import build_model, load_model_config
+from ray_dhp.models import build_model, family_of, load_model_config
 from ray_dhp.step.loss import LossInputs, backward_loss, sample_ids_of
 from ray_dhp.step.microbatch import count_targets, shift_labels, upcast
 from ray_dhp.step.optim import lr_factor
@@ -95,6 +95,7 @@ class ReferenceTrainer:
             kwargs = {k: v.to(self.device) for k, v in batch.items() if v is not None and k != "labels"}
             if "second_per_grid_ts" not in inspect.signature(self.model.forward).parameters:
                 kwargs.pop("second_per_grid_ts", None)  # Qwen2.5-VL's absolute-time M-RoPE only
+            kwargs = family_of(self.config).stock_inputs(self.config, kwargs)
             for key in ("pixel_values", "pixel_values_videos"):
                 if key in kwargs:
                     kwargs[key] = kwargs[key].to(self.dtype)
@@ -160,12 +161,14 @@ class ReferenceTrainer:
 
 def _named_by_module(model) -> list:
     """``(name, parameter, module)`` for every parameter, ``module`` one of "vision" (the
-    vision tower), "merger" (its ``merger`` and Qwen3-VL's ``deepstack_merger_list``) or "llm"
-    (everything else), told apart by the transformers model's own sub-modules."""
-    visual = model.model.visual
-    merger = {id(p) for sub in ("merger", "deepstack_merger_list")
-              if getattr(visual, sub, None) is not None for p in getattr(visual, sub).parameters()}
-    tower = {id(p) for p in visual.parameters()} - merger
+    vision tower), "merger" (its projector: Qwen's ``merger`` and Qwen3-VL's
+    ``deepstack_merger_list``, InternVL's ``multi_modal_projector``) or "llm" (everything else),
+    told apart by the family's vision parts (`FamilySpec.visual`) and projector prefixes."""
+    family = family_of(model.config)
+    visual = family.visual(model)
+    by_id = {id(p): family.vision_prefix + n for n, p in visual.named_parameters()}
+    merger = {id(p) for p in visual.parameters() if by_id[id(p)].startswith(family.merger_prefixes)}
+    tower = set(by_id) - merger
     return [(n, p, "merger" if id(p) in merger else "vision" if id(p) in tower else "llm")
             for n, p in model.named_parameters()]
 

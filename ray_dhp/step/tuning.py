@@ -22,6 +22,7 @@ exactly and exports a full model.
 from __future__ import annotations
 
 import difflib
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -94,14 +95,27 @@ class Tuning:
 
 def module_of(name: str) -> str:
     """"vision", "merger", "llm" or "unhosted" (`UNHOSTED_PREFIXES`) for a parameter's full
-    name in the transformers model."""
+    name in the transformers model (the prefixes of every family's vision parts and projector:
+    `vision_name_prefixes`)."""
     if name.startswith(UNHOSTED_PREFIXES):
         return "unhosted"
-    if name.startswith(MERGER_PREFIXES):
+    vision, merger = vision_name_prefixes()
+    if name.startswith(merger):
         return "merger"
-    if name.startswith("model.visual."):
+    if name.startswith(vision):
         return "vision"
     return "llm"
+
+
+@functools.lru_cache(maxsize=None)
+def vision_name_prefixes() -> tuple:
+    """(vision-side prefixes, projector prefixes) of full parameter names, over all families
+    (`FamilySpec.vision_parts` / ``merger_prefixes``; ``MERGER_PREFIXES``: the Qwen ones)."""
+    from ray_dhp.models import FAMILIES
+
+    vision = {f"model.{p}." for s in FAMILIES.values() for p in s.vision_parts}
+    merger = set(MERGER_PREFIXES) | {m for s in FAMILIES.values() for m in s.merger_prefixes}
+    return tuple(sorted(vision)), tuple(sorted(merger))
 
 
 def is_lora_param(name: str) -> bool:
@@ -237,12 +251,13 @@ def vision_trains(tuning: Tuning) -> bool:
 
 
 
-def apply_tuning(visual, text_model, tuning: Tuning) -> tuple:
+def apply_tuning(visual, text_model, tuning: Tuning, vision_prefix: str = "model.visual.") -> tuple:
     """Freeze what does not train in the engine's shards (``visual``: the vision tower incl. the
     merger, named ``model.visual.*``; ``text_model``: the model without its vision tower; either
-    may be None). Returns (trainable vision params, trainable text params, frozen params)."""
+    may be None; ``vision_prefix``: `FamilySpec.vision_prefix`). Returns (trainable vision
+    params, trainable text params, frozen params)."""
     out = ([], [], [])
-    for module, prefix, slot in ((visual, "model.visual.", 0), (text_model, "", 1)):
+    for module, prefix, slot in ((visual, vision_prefix, 0), (text_model, "", 1)):
         if module is None:
             continue
         freeze(module, tuning, prefix)

@@ -40,7 +40,8 @@ class UpdateMixin:
                     [p for _, p in named], v.zero_stage, g.vision_all, v.ranks, g.rank - v.offset,
                     leader=g.rank == v.offset)
             self.vision_opt, self.vision_sched, self.vision_masters = build_optimizer_for(
-                z.mine(named), self.cfg, self.policy, prefix="model.visual.", offload=v.offload)
+                z.mine(named), self.cfg, self.policy, prefix=self.family.vision_prefix,
+                offload=v.offload)
         else:
             self.vision_opt = self.vision_sched = self.vision_masters = None
         self.expert_params = []  # expert parallelism: reduced over EDP, own partition (parallel/expert.py)

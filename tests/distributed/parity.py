@@ -48,7 +48,8 @@ def named_full_grads(engine) -> dict:
     reduction at ZeRO stage 2, those another replica owns (`ray_dhp.parallel.zero`)."""
     out = {}
     if engine.visual is not None:
-        out.update({f"model.visual.{n}": _full(p.grad) for n, p in engine.visual.named_parameters()
+        out.update({f"{engine.family.vision_prefix}{n}": _full(p.grad)
+                    for n, p in engine.visual.named_parameters()
                     if p.requires_grad and p.grad is not None})
     if engine.text_model is not None:
         for n, p in engine.text_model.named_parameters():

@@ -117,7 +117,10 @@ def test_chat_template_renders_qwen_format():
 
 # --- tiny configs and models -----------------------------------------------------------------
 
-@pytest.mark.parametrize("family", FAMILIES)
+QWEN_FAMILIES = tuple(f for f in FAMILIES if f.startswith("qwen"))
+
+
+@pytest.mark.parametrize("family", QWEN_FAMILIES)
 def test_tiny_config_shapes_and_ids(family):
     config, tok = tiny_model_config(family), build_tokenizer()
     text, vision = config.text_config, config.vision_config
@@ -143,7 +146,7 @@ def test_tiny_config_shapes_and_ids(family):
         assert set(text.layer_types) == {"linear_attention", "full_attention"}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", QWEN_FAMILIES)
 def test_tiny_model_forward_backward(family, records, dataset):
     processor = tiny_processor(family)
     samples = [processor.process(r, resolve_data_root(dataset)) for r in records[:4]]
@@ -159,6 +162,35 @@ def test_tiny_model_forward_backward(family, records, dataset):
     loss.backward()
     patch_grad = model.model.visual.patch_embed.proj.weight.grad
     assert patch_grad is not None and torch.isfinite(patch_grad).all() and patch_grad.abs().sum() > 0
+
+
+def test_tiny_internvl_tiles_and_stock_forward(records, dataset):
+    """The tiny InternVL: 56-px tiles of 4x4 patches, 2x2 feature rows per tile; the tile
+    processor's patch rows turned back into tiles (`stock_pixels`) feed the stock model, whose
+    placeholder count (``tiles * 4`` per image) matches the expanded pad tokens."""
+    from transformers import InternVLForConditionalGeneration
+
+    from ray_dhp.models.vision_internvl import stock_pixels
+
+    config, tok = tiny_model_config("internvl"), build_tokenizer()
+    assert config.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>")
+    assert (config.vision_config.image_size, config.downsample_ratio) == ((56, 56), 0.5)
+    processor = tiny_processor("internvl")
+    samples = [processor.process(r, resolve_data_root(dataset)) for r in records[:4]]
+    grids = torch.cat([s.image_grid_thw for s in samples if s.image_grid_thw is not None])
+    assert (grids[:, 1:] == 4).all() and int(grids[:, 0].max()) > 1  # several tiles somewhere
+    for s in samples[:3]:
+        assert int((s.input_ids == config.image_token_id).sum()) == int(s.image_grid_thw[:, 0].sum()) * 4
+        assert s.pixel_values.shape == (int(s.image_grid_thw.prod(-1).sum()), 3 * 14 * 14)
+    batch = pad_text_batch(samples, processor.pad_token_id)
+    torch.manual_seed(0)
+    model = InternVLForConditionalGeneration(config)
+    loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                 labels=batch["labels"],
+                 pixel_values=stock_pixels(config, batch["pixel_values"], batch["image_grid_thw"])).loss
+    loss.backward()
+    grad = model.model.vision_tower.embeddings.patch_embeddings.projection.weight.grad
+    assert torch.isfinite(loss) and grad is not None and grad.abs().sum() > 0
 
 
 def test_mrope_positions_are_2d_on_image_tokens(processor, records, dataset):

@@ -1,0 +1,118 @@
+"""InternVL (InternViT on fixed tiles + pixel shuffle + MLP projector, Qwen2 LM with 1-D RoPE) is
+exact under every layout: loss, grad-norm, every clipped gradient, every parameter and every
+update of every rank's copy equal the single-process stock ``InternVLForConditionalGeneration``'s
+(fp64, 3 steps, 2 micro-batches, clipping active; the parity batches of ``test_parity.py`` cut
+into 1-4 tiles per image by InternVL's own tiling).
+
+Tolerance 1e-10 relative, as in ``test_parity.py``: in fp64 only summation orders differ (the
+Ulysses attention per tile segment, the projector on a rank's rows, TP partial sums), each an
+error of a few ulp (1e-16) of the terms, amplified at most ~1e3 by AdamW's normalisation of the
+updates; a wrong split (a CLS token dropped, a unit's patches in the wrong channel order, a
+missing all-to-all) is an O(1) error.
+
+Layouts: collocated SP2/TP2 in the default run; disjoint 1+2, disjoint 1+4, text sequence
+parallelism and activation checkpointing in the slow run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.distributed.parity import assert_parity, make_steps, run_engine, run_reference
+from tests.distributed.test_parity import CFG
+
+FAMILY = "internvl"
+TOL = dict(loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10, grad_tol=1e-10)
+
+
+def _layout(placement, vision, text, text_sp=False):
+    (sp, vdp), (tp, tdp) = vision, text
+    return dict(placement=placement, vision_dp=vdp, vision_sp=sp, text_dp=tdp, text_tp=tp,
+                text_sequence_parallel=text_sp)
+
+
+CASES = {  # id: (layout, config changes)
+    "collocated-sp2-tp2": (_layout("collocated", (2, 1), (2, 1)), {}),
+    "disjoint-1v-2t": (_layout("disjoint", (1, 1), (2, 1)), {}),
+    "disjoint-1v-4t": (_layout("disjoint", (1, 1), (4, 1)), {}),
+    "collocated-sp4-tp4": (_layout("collocated", (4, 1), (4, 1)), {}),
+    "collocated-sp2-tp2-text-sp": (_layout("collocated", (2, 1), (2, 1), text_sp=True), {}),
+    "collocated-sp2-tp2-checkpointing": (_layout("collocated", (2, 1), (2, 1)),
+                                         {"activation_checkpointing": True}),
+    "disjoint-2v-2t-text-sp-checkpointing": (_layout("disjoint", (2, 1), (2, 1), text_sp=True),
+                                             {"activation_checkpointing": True}),
+}
+DEFAULT = {"collocated-sp2-tp2"}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    steps = make_steps(tmp_path_factory.mktemp(FAMILY), FAMILY, CFG)
+    return steps, run_reference(FAMILY, CFG, steps, torch.float64)
+
+
+def test_samples_have_tiles(reference):
+    """The parity batches exercise the tile path: several images with more than one tile."""
+    steps, _ = reference
+    grids = [s.image_grid_thw for st in steps for mb in st for s in mb if s.image_grid_thw is not None]
+    tiles = torch.cat(grids)[:, 0]
+    assert len(grids) >= 6 and int(tiles.max()) > 1 and int(tiles.min()) == 1
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c in DEFAULT else (pytest.mark.slow,), id=c)
+                                  for c in CASES])
+def test_internvl_is_exact(case, reference):
+    steps, ref = reference
+    layout, changes = CASES[case]
+    got = run_engine(FAMILY, layout, dataclasses.replace(CFG, **changes), steps, torch.float64,
+                     grads=True)
+    assert_parity(got, ref, **TOL)
+
+
+# -- a saved Hugging Face directory: sharded load, first step ------------------------------------
+
+def _dir_body(rank, world, layout, cfg, data, model_dir):
+    from ray_dhp import demo
+    from ray_dhp.data.reading import read_annotations, resolve_data_root
+    from ray_dhp.data.sampler import StepSampler
+    from ray_dhp.step.engine import DHPEngine
+    from ray_dhp.step.mesh import build_groups
+    from ray_dhp.step.topology import Topology
+
+    groups = build_groups(Topology.build(**layout), torch.device("cpu"))
+    engine = DHPEngine(model_dir, groups, cfg, dtype=torch.float64)
+    sampler = StepSampler(read_annotations(data), demo.tiny_processor(FAMILY), resolve_data_root(data), cfg)
+    params0 = engine.named_full_parameters()
+    history = [engine.step(sampler.next_step()) for _ in range(cfg.num_steps)]
+    return {"history": history, "params0": params0, "params": engine.named_full_parameters()}
+
+
+@pytest.mark.slow
+def test_internvl_directory_loads_sharded(tmp_path):
+    """``save_pretrained`` of the tiny model, really sharded (100 KB files): the engine at
+    collocated SP2/TP2 reads only its slices (vision parts and TP shards under their saved
+    names), and its first step equals the stock ``from_pretrained`` model's (1e-10)."""
+    import os
+
+    from ray_dhp import demo
+    from ray_dhp.models import build_model
+    from tests.distributed.parity import merge_ranks
+    from tests.spawn import run_on_ranks
+
+    model_dir = str(tmp_path / "tiny")
+    build_model(demo.tiny_model_config(FAMILY), seed=5).save_pretrained(model_dir, max_shard_size="100KB")
+    assert len([f for f in os.listdir(model_dir) if f.endswith(".safetensors")]) > 2
+    cfg = dataclasses.replace(CFG, num_steps=1)
+    steps = make_steps(tmp_path, FAMILY, cfg)  # the same samples as the engine's sampler's
+    ref = run_reference(FAMILY, cfg, steps, torch.float64, model=model_dir)
+    data = str(demo.make_dataset(tmp_path / "data", num_samples=16, seed=cfg.seed, text_only_every=4,
+                                 image_sizes=((56, 56), (84, 56), (112, 84))))
+    got = merge_ranks(run_on_ranks(_dir_body, 2, args=(CASES["collocated-sp2-tp2"][0], cfg, data,
+                                                       model_dir)))
+    assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10)
+    seed0 = build_model(demo.tiny_model_config(FAMILY), seed=0)  # not the saved weights (seed 5)
+    name = "model.vision_tower.encoder.layer.0.attention.q_proj.weight"
+    assert not torch.equal(got["params0"][name].float(), dict(seed0.named_parameters())[name])
