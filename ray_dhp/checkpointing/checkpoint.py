@@ -53,19 +53,17 @@ from ray_dhp.data.sampler import OldSamplerState, check_state
 
 logger = logging.getLogger(__name__)
 
-VISION_PREFIX = "model.visual."
-
-
 # -- what is saved -----------------------------------------------------------------------------
 
 def model_state(engine) -> dict:
-    """This rank's parameters by Hugging Face name (vision prefixed ``model.visual.``); DTensors
+    """This rank's parameters by Hugging Face name (the vision side under its family's prefix,
+    e.g. ``model.visual.``, InternVL's ``model.`` over its two parts); DTensors
     stay sharded. Detached views: DCP loads into them in place. Under a policy with fp32
     masters (bf16_mixed) these are the masters the rank updates, so a resume is exact."""
     out = {}
     if engine.visual is not None:
         src = engine.vision_masters or engine.visual
-        out.update({VISION_PREFIX + n: p.detach() for n, p in src.named_parameters()})
+        out.update({engine.family.vision_prefix + n: p.detach() for n, p in src.named_parameters()})
     if engine.text_model is not None:
         src = engine.text_masters or engine.text_model
         out.update({n: p.detach() for n, p in src.named_parameters()})

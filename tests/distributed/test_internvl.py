@@ -74,8 +74,9 @@ def test_internvl_is_exact(case, reference):
 
 # -- a saved Hugging Face directory: sharded load, first step ------------------------------------
 
-def _dir_body(rank, world, layout, cfg, data, model_dir):
+def _dir_body(rank, world, layout, cfg, data, model_dir, ckpt):
     from ray_dhp import demo
+    from ray_dhp.checkpointing.staging import BackgroundWriter
     from ray_dhp.data.reading import read_annotations, resolve_data_root
     from ray_dhp.data.sampler import StepSampler
     from ray_dhp.step.engine import DHPEngine
@@ -87,17 +88,24 @@ def _dir_body(rank, world, layout, cfg, data, model_dir):
     sampler = StepSampler(read_annotations(data), demo.tiny_processor(FAMILY), resolve_data_root(data), cfg)
     params0 = engine.named_full_parameters()
     history = [engine.step(sampler.next_step()) for _ in range(cfg.num_steps)]
+    writer = BackgroundWriter(groups.device)
+    writer.start(ckpt, engine, sampler, processor=demo.tiny_processor(FAMILY))
+    writer.wait()
     return {"history": history, "params0": params0, "params": engine.named_full_parameters()}
 
 
 @pytest.mark.slow
-def test_internvl_directory_loads_sharded(tmp_path):
+def test_internvl_directory_loads_sharded_and_exports(tmp_path):
     """``save_pretrained`` of the tiny model, really sharded (100 KB files): the engine at
     collocated SP2/TP2 reads only its slices (vision parts and TP shards under their saved
-    names), and its first step equals the stock ``from_pretrained`` model's (1e-10)."""
+    names), and its first step equals the stock ``from_pretrained`` model's (1e-10); the
+    checkpoint it then writes exports a directory that ``from_pretrained`` loads with the
+    trained weights, bit for bit (the vision parts under their own names)."""
     import os
 
-    from ray_dhp import demo
+    import transformers
+
+    from ray_dhp import demo, export_hf
     from ray_dhp.models import build_model
     from tests.distributed.parity import merge_ranks
     from tests.spawn import run_on_ranks
@@ -110,9 +118,16 @@ def test_internvl_directory_loads_sharded(tmp_path):
     ref = run_reference(FAMILY, cfg, steps, torch.float64, model=model_dir)
     data = str(demo.make_dataset(tmp_path / "data", num_samples=16, seed=cfg.seed, text_only_every=4,
                                  image_sizes=((56, 56), (84, 56), (112, 84))))
+    ckpt = str(tmp_path / "ckpt" / "checkpoint_000001")
     got = merge_ranks(run_on_ranks(_dir_body, 2, args=(CASES["collocated-sp2-tp2"][0], cfg, data,
-                                                       model_dir)))
+                                                       model_dir, ckpt)))
     assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10)
     seed0 = build_model(demo.tiny_model_config(FAMILY), seed=0)  # not the saved weights (seed 5)
     name = "model.vision_tower.encoder.layer.0.attention.q_proj.weight"
     assert not torch.equal(got["params0"][name].float(), dict(seed0.named_parameters())[name])
+    out = export_hf(ckpt, str(tmp_path / "hf"))
+    exported = dict(transformers.InternVLForConditionalGeneration.from_pretrained(
+        out, dtype=torch.float64).named_parameters())
+    assert set(exported) == set(got["params"])
+    for name, p in got["params"].items():
+        assert torch.equal(exported[name], p), name
