@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from ray_dhp.parallel.channels import _segment_pieces, segment_index
 from ray_dhp.parallel.comm import CommCounter, record
+from ray_dhp.parallel.text_sp import CopyToTP
 
 __all__ = ["shard_experts_tp", "validate"]
 
@@ -77,22 +78,6 @@ def shard_experts_tp(model: torch.nn.Module, spec, tp_mesh, comm: Optional[CommC
         m.forward = types.MethodType(_tp_forward, m)
 
 
-class _CopyIn(torch.autograd.Function):
-    """Identity forward; backward all-reduces (SUM) the gradient over the TP group."""
-
-    @staticmethod
-    def forward(ctx, x, group, comm):
-        ctx.group, ctx.comm = group, comm
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        record(ctx.comm, "all_reduce", "text.experts_tp.grad", grad)
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None, None
-
-
 class _ReduceOut(torch.autograd.Function):
     """All-reduce (SUM) forward over the TP group; identity backward."""
 
@@ -113,8 +98,8 @@ def _tp_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
     """`Qwen3VLMoeTextExperts.forward` with this rank's intermediate slices (module docstring)."""
     mesh, comm = self.tp_mesh, self.tp_comm
     group = mesh.get_group()
-    x = _CopyIn.apply(hidden_states, group, comm)
-    w = _CopyIn.apply(top_k_weights, group, comm)
+    x = CopyToTP.apply(hidden_states, group, comm, "text.experts_tp.grad")
+    w = CopyToTP.apply(top_k_weights, group, comm, "text.experts_tp.grad")
     gate_up, down = self.gate_up_proj.to_local(), self.down_proj.to_local()
     top_k = top_k_index.shape[1]
     flat_expert = top_k_index.reshape(-1)

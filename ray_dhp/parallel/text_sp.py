@@ -43,20 +43,21 @@ def local_visual_rows(visual_pos_masks: torch.Tensor, lo: int, hi: int) -> tuple
     return local, rank_of[:, lo:hi][local]
 
 
-class _CopyToTP(torch.autograd.Function):
-    """Identity forward; backward all-reduces (SUM) the gradient over the TP group."""
+class CopyToTP(torch.autograd.Function):
+    """Identity forward; backward all-reduces (SUM) the gradient over the TP group (recorded
+    under ``label``): the input of a TP region whose ranks each use all of it."""
 
     @staticmethod
-    def forward(ctx, x, group, comm):
-        ctx.group, ctx.comm = group, comm
+    def forward(ctx, x, group, comm, label):
+        ctx.group, ctx.comm, ctx.label = group, comm, label
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
-        record(ctx.comm, "all_reduce", "text.sp_deepstack", grad)
-        return grad, None, None
+        record(ctx.comm, "all_reduce", ctx.label, grad)
+        return grad, None, None, None
 
 
 def _deepstack_shard(self, hidden_states, visual_pos_masks, visual_embeds):
@@ -64,7 +65,8 @@ def _deepstack_shard(self, hidden_states, visual_pos_masks, visual_embeds):
     rank = dist.get_rank(group)
     s_local = hidden_states.shape[1]
     mask, rows = local_visual_rows(visual_pos_masks.to(hidden_states.device), rank * s_local, (rank + 1) * s_local)
-    visual_embeds = _CopyToTP.apply(visual_embeds.to(hidden_states.device, hidden_states.dtype), group, comm)
+    visual_embeds = CopyToTP.apply(visual_embeds.to(hidden_states.device, hidden_states.dtype), group, comm,
+                                   "text.sp_deepstack")
     visual_embeds = visual_embeds[rows.to(hidden_states.device)]
     hidden_states = hidden_states.clone()
     hidden_states[mask, :] = hidden_states[mask, :] + visual_embeds

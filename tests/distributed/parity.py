@@ -151,6 +151,58 @@ def run_reference(family: str, cfg: TrainLoopConfig, steps, dtype=None, model=No
     return {"history": history, "params": ref.named_parameters(), "params0": params0, "grads": grads}
 
 
+def _directory_body(rank, world, family, layout, cfg, data, model_dir, ckpt):
+    from ray_dhp.checkpointing.staging import BackgroundWriter
+    from ray_dhp.step.engine import DHPEngine
+    from ray_dhp.step.mesh import build_groups
+
+    groups = build_groups(Topology.build(**layout), torch.device("cpu"))
+    engine = DHPEngine(model_dir, groups, cfg, dtype=torch.float64)
+    processor = demo.tiny_processor(family)
+    sampler = StepSampler(read_annotations(data), processor, resolve_data_root(data), cfg)
+    params0 = engine.named_full_parameters()
+    history = [engine.step(sampler.next_step()) for _ in range(cfg.num_steps)]
+    writer = BackgroundWriter(groups.device)
+    writer.start(ckpt, engine, sampler, processor=processor)
+    writer.wait()
+    return {"history": history, "params0": params0, "params": engine.named_full_parameters()}
+
+
+def run_from_directory(tmp_path, family: str, layout: dict, cfg: TrainLoopConfig) -> tuple:
+    """The family's tiny model saved by ``save_pretrained``, really sharded (100 KB files): the
+    stock ``from_pretrained`` model's trajectory and the engine's (reading only its slices, fp64,
+    on spawned ranks) over the same samples, then a checkpoint of the engine. Returns ``(got,
+    ref, ckpt)``."""
+    import os
+
+    from ray_dhp.models import build_model
+
+    model_dir = str(tmp_path / "tiny")
+    build_model(demo.tiny_model_config(family), seed=5).save_pretrained(model_dir, max_shard_size="100KB")
+    assert len([f for f in os.listdir(model_dir) if f.endswith(".safetensors")]) > 2
+    steps = make_steps(tmp_path, family, cfg)  # the same samples as the engine's sampler's
+    ref = run_reference(family, cfg, steps, torch.float64, model=model_dir)
+    data = str(demo.make_dataset(tmp_path / "data", num_samples=16, seed=cfg.seed, text_only_every=4,
+                                 image_sizes=((56, 56), (84, 56), (112, 84))))
+    ckpt = str(tmp_path / "ckpt" / "checkpoint_000001")
+    world = Topology.build(**layout).world_size
+    got = merge_ranks(run_on_ranks(_directory_body, world,
+                                   args=(family, layout, cfg, data, model_dir, ckpt)))
+    return got, ref, ckpt
+
+
+def assert_export_round_trip(ckpt: str, out_dir: str, model_cls, params: dict) -> None:
+    """``export_hf`` of ``ckpt`` loads through ``model_cls.from_pretrained`` with exactly
+    ``params`` (names and values, bit for bit)."""
+    from ray_dhp import export_hf
+
+    out = export_hf(ckpt, out_dir)
+    exported = dict(model_cls.from_pretrained(out, dtype=torch.float64).named_parameters())
+    assert set(exported) == set(params)
+    for name, p in params.items():
+        assert torch.equal(exported[name], p), name
+
+
 class Reference(NamedTuple):
     cfg: TrainLoopConfig
     steps: list

@@ -74,26 +74,6 @@ def test_internvl_is_exact(case, reference):
 
 # -- a saved Hugging Face directory: sharded load, first step ------------------------------------
 
-def _dir_body(rank, world, layout, cfg, data, model_dir, ckpt):
-    from ray_dhp import demo
-    from ray_dhp.checkpointing.staging import BackgroundWriter
-    from ray_dhp.data.reading import read_annotations, resolve_data_root
-    from ray_dhp.data.sampler import StepSampler
-    from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.step.mesh import build_groups
-    from ray_dhp.step.topology import Topology
-
-    groups = build_groups(Topology.build(**layout), torch.device("cpu"))
-    engine = DHPEngine(model_dir, groups, cfg, dtype=torch.float64)
-    sampler = StepSampler(read_annotations(data), demo.tiny_processor(FAMILY), resolve_data_root(data), cfg)
-    params0 = engine.named_full_parameters()
-    history = [engine.step(sampler.next_step()) for _ in range(cfg.num_steps)]
-    writer = BackgroundWriter(groups.device)
-    writer.start(ckpt, engine, sampler, processor=demo.tiny_processor(FAMILY))
-    writer.wait()
-    return {"history": history, "params0": params0, "params": engine.named_full_parameters()}
-
-
 @pytest.mark.slow
 def test_internvl_directory_loads_sharded_and_exports(tmp_path):
     """``save_pretrained`` of the tiny model, really sharded (100 KB files): the engine at
@@ -101,33 +81,17 @@ def test_internvl_directory_loads_sharded_and_exports(tmp_path):
     names), and its first step equals the stock ``from_pretrained`` model's (1e-10); the
     checkpoint it then writes exports a directory that ``from_pretrained`` loads with the
     trained weights, bit for bit (the vision parts under their own names)."""
-    import os
-
     import transformers
 
-    from ray_dhp import demo, export_hf
+    from ray_dhp import demo
     from ray_dhp.models import build_model
-    from tests.distributed.parity import merge_ranks
-    from tests.spawn import run_on_ranks
+    from tests.distributed.parity import assert_export_round_trip, run_from_directory
 
-    model_dir = str(tmp_path / "tiny")
-    build_model(demo.tiny_model_config(FAMILY), seed=5).save_pretrained(model_dir, max_shard_size="100KB")
-    assert len([f for f in os.listdir(model_dir) if f.endswith(".safetensors")]) > 2
-    cfg = dataclasses.replace(CFG, num_steps=1)
-    steps = make_steps(tmp_path, FAMILY, cfg)  # the same samples as the engine's sampler's
-    ref = run_reference(FAMILY, cfg, steps, torch.float64, model=model_dir)
-    data = str(demo.make_dataset(tmp_path / "data", num_samples=16, seed=cfg.seed, text_only_every=4,
-                                 image_sizes=((56, 56), (84, 56), (112, 84))))
-    ckpt = str(tmp_path / "ckpt" / "checkpoint_000001")
-    got = merge_ranks(run_on_ranks(_dir_body, 2, args=(CASES["collocated-sp2-tp2"][0], cfg, data,
-                                                       model_dir, ckpt)))
+    got, ref, ckpt = run_from_directory(tmp_path, FAMILY, CASES["collocated-sp2-tp2"][0],
+                                        dataclasses.replace(CFG, num_steps=1))
     assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10)
     seed0 = build_model(demo.tiny_model_config(FAMILY), seed=0)  # not the saved weights (seed 5)
     name = "model.vision_tower.encoder.layer.0.attention.q_proj.weight"
     assert not torch.equal(got["params0"][name].float(), dict(seed0.named_parameters())[name])
-    out = export_hf(ckpt, str(tmp_path / "hf"))
-    exported = dict(transformers.InternVLForConditionalGeneration.from_pretrained(
-        out, dtype=torch.float64).named_parameters())
-    assert set(exported) == set(got["params"])
-    for name, p in got["params"].items():
-        assert torch.equal(exported[name], p), name
+    assert_export_round_trip(ckpt, str(tmp_path / "hf"), transformers.InternVLForConditionalGeneration,
+                             got["params"])

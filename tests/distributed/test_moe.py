@@ -132,7 +132,7 @@ def test_moe_experts_tp_parity_fp64(placement, vision, text, moe_reference):
     from ray_dhp.step.precision import policy_of
     from ray_dhp.step.topology import Topology
 
-    steps, ref = moe_reference
+    _, steps, ref = moe_reference()
     layout = dict(_layout(placement, vision, text), text_expert_tp=True)
     got = run_engine(FAMILY, layout, CFG, steps, torch.float64, grads=True)
     assert_parity(got, ref, **TOLS)
@@ -166,7 +166,7 @@ def test_moe_lora_at_ep2(moe_reference):
     router and every expert stay bit-identical on every rank; the adapters move."""
     import dataclasses
 
-    steps, _ = moe_reference
+    _, steps, _ = moe_reference()
     cfg = dataclasses.replace(CFG, modules={"llm": {"lora": {"r": 4, "alpha": 8}}})
     ref = run_reference(FAMILY, cfg, steps, torch.float64)
     got = run_engine(FAMILY, _layout("collocated", (1, 2), (1, 2), 2), cfg, steps, torch.float64)

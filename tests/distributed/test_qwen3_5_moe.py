@@ -140,7 +140,7 @@ def test_qwen3_5_moe_lora_at_sp2_tp2(reference):
     Against the single-process PEFT model, fp64, 1e-10 (the frozen base holds the fp32-norm
     weights, which get no gradient; the loss 1e-8: the aux loss's fp32 sums). Every base weight
     of the language model stays bit-identical on every rank; the adapters move."""
-    steps, _ = reference
+    _, steps, _ = reference()
     cfg = dataclasses.replace(CFG, modules={"llm": {"lora": {"r": 4, "alpha": 8}}})
     ref = run_reference(FAMILY, cfg, steps, torch.float64)
     got = run_engine(FAMILY, CASES["collocated-sp2-tp2"][0], cfg, steps, torch.float64)
