@@ -24,7 +24,8 @@ import torch
 from ray_dhp import demo
 from ray_dhp.models.qwen3_vl_moe import sparse_layers
 from tests.distributed.parity import moe_layout as _layout
-from tests.distributed.parity import CFG, assert_parity, make_steps, reference_fixture, run_engine
+from tests.distributed.parity import (CFG, assert_parity, make_steps, reference_fixture, run_engine,
+                                      run_reference)
 
 FAMILY = "qwen3_vl_moe"
 TOLS = dict(loss_tol=1e-8, param_tol=1e-10, update_tol=1e-10, grad_tol=1e-10)

@@ -44,7 +44,8 @@ import torch
 from ray_dhp import demo
 from ray_dhp.models.qwen3_5_moe import sparse_layers
 from tests.distributed.parity import moe_layout as _layout
-from tests.distributed.parity import CFG, assert_parity, copy_errors, reference_fixture, run_engine
+from tests.distributed.parity import (CFG, assert_parity, copy_errors, reference_fixture, run_engine,
+                                      run_reference)
 
 FAMILY = "qwen3_5_moe"
 FP32_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "input_layernorm.weight",
