@@ -34,7 +34,7 @@ from ray_dhp.step.microbatch import (  # noqa: F401  (re-exported: ray_dhp.step.
     shift_labels, upcast)
 from ray_dhp.models import family_of, load_model_config
 from ray_dhp.models.contract import check_features_consumed, check_transformers
-from ray_dhp.models.loading import build_meta_model, materialize, module_prefix
+from ray_dhp.models.loading import build_meta_model, materialize
 from ray_dhp.step.gpu import apply_tf32, to_device
 from ray_dhp.step.precision import accumulate_in_fp32, policy_of, weight_dtype
 from ray_dhp.step.schedule import order_for

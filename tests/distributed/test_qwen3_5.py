@@ -30,8 +30,8 @@ import dataclasses
 import pytest
 import torch
 
-from tests.distributed.parity import (CFG, assert_parity, copy_errors, make_steps, reference_fixture,
-                                      run_engine, run_reference)
+from tests.distributed.parity import (CFG, assert_parity, copy_errors, reference_fixture, run_engine,
+                                      run_reference)
 
 FAMILY = "qwen3_5"
 FP32_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
