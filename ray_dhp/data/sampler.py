@@ -96,7 +96,7 @@ class StepSampler:
                 max_pixels=getattr(self.cfg, "max_image_pixels", None))
         except BadSample as e:
             return e
-        if sample.audio_lengths is not None:  # not bad data: the engine cannot train it yet
+        if getattr(sample, "audio_lengths", None) is not None:  # not bad data: the engine cannot train it yet
             from ray_dhp.data.audio import refusal
 
             raise ValueError(refusal(getattr(self.records[i], "where", f"record {i}")))
