@@ -121,6 +121,14 @@ def merge_ranks(outs: list) -> dict:
     return {"history": outs[0]["history"], "params": params, "params0": params0, "per_rank": outs}
 
 
+def dense_layout(placement: str, vision: tuple, text: tuple, text_sp: bool = False) -> dict:
+    """A layout dict for `run_engine`: ``vision=(sp, dp)``, ``text=(tp, dp)``, text sequence
+    parallelism ``text_sp``."""
+    (sp, vdp), (tp, tdp) = vision, text
+    return dict(placement=placement, vision_dp=vdp, vision_sp=sp, text_dp=tdp, text_tp=tp,
+                text_sequence_parallel=text_sp)
+
+
 def moe_layout(placement: str, vision: tuple, text: tuple, ep: int = 1) -> dict:
     """A layout dict for `run_engine`: ``vision=(sp, dp)``, ``text=(tp, dp)``, expert parallelism ``ep``."""
     (sp, vdp), (tp, tdp) = vision, text

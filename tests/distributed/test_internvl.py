@@ -21,17 +21,12 @@ import dataclasses
 import pytest
 import torch
 
+from tests.distributed.parity import dense_layout as _layout
 from tests.distributed.parity import assert_parity, make_steps, run_engine, run_reference
 from tests.distributed.test_parity import CFG
 
 FAMILY = "internvl"
 TOL = dict(loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10, grad_tol=1e-10)
-
-
-def _layout(placement, vision, text, text_sp=False):
-    (sp, vdp), (tp, tdp) = vision, text
-    return dict(placement=placement, vision_dp=vdp, vision_sp=sp, text_dp=tdp, text_tp=tp,
-                text_sequence_parallel=text_sp)
 
 
 CASES = {  # id: (layout, config changes)

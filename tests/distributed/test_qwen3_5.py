@@ -30,6 +30,7 @@ import dataclasses
 import pytest
 import torch
 
+from tests.distributed.parity import dense_layout as _layout
 from tests.distributed.parity import (CFG, assert_parity, copy_errors, reference_fixture, run_engine,
                                       run_reference)
 
@@ -37,12 +38,6 @@ FAMILY = "qwen3_5"
 FP32_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 SEQUENCE_FP32_NORMS = FP32_NORMS + ("input_layernorm.weight", "post_attention_layernorm.weight",
                                     "language_model.norm.weight")
-
-
-def _layout(placement, vision, text, text_sp=False):
-    (sp, vdp), (tp, tdp) = vision, text
-    return dict(placement=placement, vision_dp=vdp, vision_sp=sp, text_dp=tdp, text_tp=tp,
-                text_sequence_parallel=text_sp)
 
 
 CASES = {  # id: (layout, config changes)
