@@ -8,7 +8,7 @@ on text ranks, which works for both placements.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -18,16 +18,26 @@ from ray_dhp.step.topology import Topology
 
 
 @dataclass
+class EncoderGroups:
+    """One encoder module's groups on a rank that hosts it."""
+
+    sp: Optional[dist.ProcessGroup] = None    # my replica's SP ranks
+    dp: Optional[dist.ProcessGroup] = None    # ranks holding my SP slice in other replicas
+    all: Optional[dist.ProcessGroup] = None   # the whole encoder group
+    mesh: Optional[object] = None             # 1-D DeviceMesh over `all` (ZeRO 3)
+
+
+@dataclass
 class DHPGroups:
-    """The groups one rank takes part in (None where the rank does not host that module)."""
+    """The groups one rank takes part in (None where the rank does not host that module).
+
+    ``encoders[name]``: the groups of each encoder module this rank hosts (vision, audio, ...);
+    ``vision_*`` read the vision encoder's."""
 
     topology: Topology
     rank: int
     device: torch.device
-    vision_sp: Optional[dist.ProcessGroup] = None   # my vision replica's SP ranks
-    vision_dp: Optional[dist.ProcessGroup] = None   # ranks holding my SP slice in other replicas
-    vision_all: Optional[dist.ProcessGroup] = None  # the whole vision group
-    vision_mesh: Optional[object] = None            # 1-D DeviceMesh over vision_all (ZeRO 3)
+    encoders: dict = field(default_factory=dict)   # encoder name -> EncoderGroups
     text_tp: Optional[dist.ProcessGroup] = None
     text_ep: Optional[dist.ProcessGroup] = None   # expert parallel (ray_dhp.parallel.expert)
     text_edp: Optional[dist.ProcessGroup] = None  # expert data parallel: same experts
@@ -38,23 +48,55 @@ class DHPGroups:
     text_mesh: Optional[object] = None              # DeviceMesh ("dp", "tp") on text ranks
     data: Optional[dist.ProcessGroup] = None        # all ranks, gloo: the data loader's exchange
 
+    def hosts(self, name: str) -> bool:
+        """Whether this rank hosts module ``name`` ("text" or an encoder's name)."""
+        m = self.topology.text if name == "text" else self.topology.encoder(name)
+        return m is not None and m.coord(self.rank) is not None
+
+    def coord(self, name: str) -> Optional[tuple[int, int]]:
+        """(dp replica, inner rank) of this rank in module ``name``."""
+        m = self.topology.text if name == "text" else self.topology.encoder(name)
+        return None if m is None else m.coord(self.rank)
+
+    def _vision(self) -> EncoderGroups:
+        return self.encoders.get("vision", _NONE)
+
+    @property
+    def vision_sp(self):
+        return self._vision().sp
+
+    @property
+    def vision_dp(self):
+        return self._vision().dp
+
+    @property
+    def vision_all(self):
+        return self._vision().all
+
+    @property
+    def vision_mesh(self):
+        return self._vision().mesh
+
     @property
     def is_vision(self) -> bool:
-        return self.topology.vision.coord(self.rank) is not None
+        return self.hosts("vision")
 
     @property
     def is_text(self) -> bool:
-        return self.topology.text.coord(self.rank) is not None
+        return self.hosts("text")
 
     @property
     def vision_coord(self) -> Optional[tuple[int, int]]:
         """(dp replica, sp rank) of this rank in the vision group."""
-        return self.topology.vision.coord(self.rank)
+        return self.coord("vision")
 
     @property
     def text_coord(self) -> Optional[tuple[int, int]]:
         """(dp replica, tp rank) of this rank in the text group."""
-        return self.topology.text.coord(self.rank)
+        return self.coord("text")
+
+
+_NONE = EncoderGroups()
 
 
 def _new_groups(rank_lists: list[list[int]], rank: int) -> Optional[dist.ProcessGroup]:
@@ -76,12 +118,14 @@ def build_groups(topology: Topology, device: torch.device) -> DHPGroups:
             f"world size {dist.get_world_size()} != topology world size {topology.world_size}"
         )
     rank = dist.get_rank()
-    v, t = topology.vision, topology.text
+    t = topology.text
     groups = DHPGroups(topology=topology, rank=rank, device=device)
-    # Fixed order on every rank: vision sp, vision dp, vision all, text tp, text dp, text all.
-    groups.vision_sp = _new_groups(v.inner_groups(), rank)
-    groups.vision_dp = _new_groups(v.dp_groups(), rank)
-    groups.vision_all = _new_groups([v.ranks], rank)
+    # Fixed order on every rank: per encoder (module order) sp, dp, all; then text tp, dp, all.
+    for m in topology.encoders:
+        eg = EncoderGroups(sp=_new_groups(m.inner_groups(), rank), dp=_new_groups(m.dp_groups(), rank),
+                           all=_new_groups([m.ranks], rank))
+        if eg.all is not None:
+            groups.encoders[m.name] = eg
     groups.text_tp = _new_groups(t.inner_groups(), rank)
     groups.text_dp = _new_groups(t.dp_groups(), rank)
     groups.text_all = _new_groups([t.ranks], rank)
@@ -95,11 +139,12 @@ def build_groups(topology: Topology, device: torch.device) -> DHPGroups:
     # The data loader exchanges samples from a background thread: its own (CPU) group, so its
     # collectives never interleave with the training ones.
     groups.data = dist.new_group(list(range(topology.world_size)), backend="gloo")
-    if groups.is_vision and v.zero_stage == 3:  # FSDP2 over the whole vision group
-        from torch.distributed.device_mesh import DeviceMesh
+    for m in topology.encoders:  # ZeRO-3: FSDP2 over the whole encoder group
+        if m.name in groups.encoders and m.zero_stage == 3:
+            from torch.distributed.device_mesh import DeviceMesh
 
-        groups.vision_mesh = DeviceMesh.from_group(groups.vision_all, device.type,
-                                                   mesh_dim_names=("dp",))
+            eg = groups.encoders[m.name]
+            eg.mesh = DeviceMesh.from_group(eg.all, device.type, mesh_dim_names=("dp",))
     if groups.is_text:
         from torch.distributed.device_mesh import DeviceMesh
 

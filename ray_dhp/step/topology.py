@@ -5,10 +5,12 @@ validate a layout before any worker starts.
 
 Rank layout (innermost dimension fastest, like ``init_device_mesh``):
 
-* vision group, mesh ``("dp", "sp")``: group-local rank ``v = dp * sp_size + sp``
+* an encoder group (vision, audio, ...), mesh ``("dp", "sp")``: group-local rank
+  ``v = dp * sp_size + sp``
 * text group, mesh ``("dp", "tp")``:    group-local rank ``t = dp * tp_size + tp``
-* ``collocated``: both groups span all workers (world rank = group-local rank).
-* ``disjoint``: vision workers are world ranks ``[0, Nv)``, text workers ``[Nv, Nv + Nt)``.
+* ``collocated``: every group spans all workers (world rank = group-local rank).
+* ``disjoint``: the encoders take consecutive blocks of world ranks in module order (vision
+  ``[0, Nv)``, then e.g. audio ``[Nv, Nv + Na)``), the LM the last block.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ PLACEMENTS = ("collocated", "disjoint")
 class ModuleLayout:
     """One module group: ``dp`` replicas of an ``inner``-way sharded module (sp or tp)."""
 
-    name: str  # "vision" | "text"
+    name: str  # "vision" | "audio" | ... | "text"
     inner_dim: str  # "sp" | "tp"
     dp: int
     inner: int
@@ -56,7 +58,7 @@ class ModuleLayout:
         return [[self.rank_at(d, i) for i in range(self.inner)] for d in range(self.dp)]
 
     def inner_groups(self) -> list[list[int]]:
-        """One rank list per replica: the sp (vision) or tp (text) groups."""
+        """One rank list per replica: the sp (encoder) or tp (text) groups."""
         return self.mesh()
 
     def dp_groups(self) -> list[list[int]]:
@@ -65,12 +67,29 @@ class ModuleLayout:
 
 
 @dataclass(frozen=True)
+class EncoderDegrees:
+    """What one encoder module asks for: ``dp`` replicas of an ``sp``-way sequence-parallel
+    tower, its ZeRO stage (None: the default) and whether its optimizer state lives on the host.
+    `Topology.build` takes the vision encoder's as keywords and any other encoder's (audio, ...)
+    in ``encoders``: one code path for every encoder."""
+
+    dp: int = 1
+    sp: int = 1
+    zero: Optional[int] = None
+    offload: bool = False
+
+
+@dataclass(frozen=True)
 class Topology:
-    """The whole layout: world size, placement and both module groups."""
+    """The whole layout: world size, placement, the encoder groups and the LM's group.
+
+    ``encoders`` holds every encoder module (vision first, then e.g. audio) in rank order: under
+    the disjoint placement each takes the next block of world ranks, then the LM; collocated,
+    every module spans all workers. Everything that is per module iterates over `modules`."""
 
     world_size: int
     placement: str
-    vision: ModuleLayout
+    encoders: tuple  # ModuleLayout per encoder, in rank order
     text: ModuleLayout
     # Megatron sequence parallelism in the language model: between the TP regions the hidden
     # states are sharded along the sequence over the text TP ranks (needs text_tp > 1).
@@ -82,23 +101,60 @@ class Topology:
     # (`ray_dhp.parallel.expert_tp`).
     text_expert_tp: bool = False
 
+    @property
+    def modules(self) -> tuple:
+        """Every module's layout: the encoders in rank order, then the LM."""
+        return (*self.encoders, self.text)
+
+    @property
+    def encoder_names(self) -> tuple:
+        return tuple(m.name for m in self.encoders)
+
+    def encoder(self, name: str) -> Optional[ModuleLayout]:
+        """The layout of encoder ``name``, or None if the model trains without it."""
+        return next((m for m in self.encoders if m.name == name), None)
+
+    def module(self, name: str) -> ModuleLayout:
+        m = self.text if name == "text" else self.encoder(name)
+        if m is None:
+            raise KeyError(f"no module {name!r} in this layout (modules: "
+                           f"{[x.name for x in self.modules]})")
+        return m
+
+    @property
+    def vision(self) -> ModuleLayout:
+        """The vision encoder's layout (every family here has one)."""
+        return self.module("vision")
+
     @classmethod
     def build(
         cls, *, placement: str, vision_dp: int, vision_sp: int, text_dp: int, text_tp: int,
         text_sequence_parallel: bool = False, vision_zero: Optional[int] = None,
         text_zero: Optional[int] = None, vision_offload: bool = False, text_offload: bool = False,
-        text_ep: int = 1, text_expert_tp: bool = False,
+        text_ep: int = 1, text_expert_tp: bool = False, encoders: Optional[dict] = None,
     ) -> "Topology":
         """``vision_zero`` / ``text_zero``: the modules' ZeRO stages; None is the default (1 with
-        more than one replica, `ray_dhp.parallel.zero.resolve_stage`)."""
+        more than one replica, `ray_dhp.parallel.zero.resolve_stage`). ``encoders``: further
+        encoder modules, ``{name: EncoderDegrees}`` (e.g. ``{"audio": EncoderDegrees(dp=2)}``),
+        laid out after the vision encoder."""
         from ray_dhp.parallel.zero import resolve_stage
+        from ray_dhp.step.offload import check_offload
 
         if placement not in PLACEMENTS:
             raise ValueError(
                 f"placement={placement!r} is not known; use one of {PLACEMENTS}."
             )
-        for what, v in (("vision data_parallel", vision_dp), ("vision sequence_parallel", vision_sp),
-                        ("text data_parallel", text_dp), ("text tensor_parallel", text_tp)):
+        wanted = {"vision": EncoderDegrees(vision_dp, vision_sp, vision_zero, vision_offload)}
+        for name, deg in (encoders or {}).items():
+            if name in wanted or name == "text" or not isinstance(deg, EncoderDegrees):
+                raise ValueError(f"encoder {name!r}: give each further encoder once, by a name other "
+                                 f"than 'vision'/'text', as an EncoderDegrees (got {deg!r}).")
+            wanted[name] = deg
+        for name, deg in wanted.items():
+            for what, v in (("data_parallel", deg.dp), ("sequence_parallel", deg.sp)):
+                if not isinstance(v, int) or v < 1:
+                    raise ValueError(f"{name} {what} must be a positive integer, got {v!r}.")
+        for what, v in (("text data_parallel", text_dp), ("text tensor_parallel", text_tp)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{what} must be a positive integer, got {v!r}.")
         if not isinstance(text_ep, int) or text_ep < 1 or text_dp % text_ep:
@@ -114,22 +170,25 @@ class Topology:
                 "and needs text tensor_parallel > 1; set text.tensor_parallel >= 2 or "
                 "text.sequence_parallel=false."
             )
-        nv, nt = vision_dp * vision_sp, text_dp * text_tp
+        nt = text_dp * text_tp
         if placement == "collocated":
-            if nv != nt:
-                raise ValueError(
-                    f"collocated placement needs both module groups to span the same workers, but "
-                    f"vision uses {vision_dp}x{vision_sp}={nv} and text {text_dp}x{text_tp}={nt} "
-                    f"workers; change the degrees so the products match, or use placement='disjoint'."
-                )
-            world, text_offset = nv, 0
-        else:
-            world, text_offset = nv + nt, nv
-        vision_zero = resolve_stage(vision_zero, nv, "vision")
+            for name, deg in wanted.items():
+                if deg.dp * deg.sp != nt:
+                    raise ValueError(
+                        f"collocated placement needs every module group to span the same workers, "
+                        f"but {name} uses {deg.dp}x{deg.sp}={deg.dp * deg.sp} and text "
+                        f"{text_dp}x{text_tp}={nt} workers; change the degrees so the products "
+                        f"match, or use placement='disjoint'."
+                    )
+        layouts, offset = [], 0
+        for name, deg in wanted.items():
+            zero = resolve_stage(deg.zero, deg.dp * deg.sp, name)
+            check_offload(name, deg.offload, zero, 1)
+            layouts.append(ModuleLayout(name, "sp", deg.dp, deg.sp, offset, zero, deg.offload))
+            if placement == "disjoint":
+                offset += deg.dp * deg.sp
+        world = nt + offset
         text_zero = resolve_stage(text_zero, text_dp, "text")
-        from ray_dhp.step.offload import check_offload
-
-        check_offload("vision", vision_offload, vision_zero, 1)
         check_offload("text", text_offload, text_zero, text_tp)
         if text_ep > 1 and text_zero == 3:
             raise ValueError("text.expert_parallel > 1 is not covered with text.zero_stage=3 "
@@ -141,18 +200,19 @@ class Topology:
         return cls(
             world_size=world,
             placement=placement,
-            vision=ModuleLayout("vision", "sp", vision_dp, vision_sp, 0, vision_zero, vision_offload),
-            text=ModuleLayout("text", "tp", text_dp, text_tp, text_offset, text_zero, text_offload),
+            encoders=tuple(layouts),
+            text=ModuleLayout("text", "tp", text_dp, text_tp, offset, text_zero, text_offload),
             text_sequence_parallel=text_sequence_parallel,
             text_expert_parallel=text_ep,
             text_expert_tp=text_expert_tp,
         )
 
     def roles(self, world_rank: int) -> tuple[str, ...]:
-        """The modules ``world_rank`` hosts: ("vision", "text"), ("vision",) or ("text",)."""
+        """The modules ``world_rank`` hosts, in module order: e.g. ("vision", "text"),
+        ("vision",), ("audio",) or ("text",)."""
         if not 0 <= world_rank < self.world_size:
             raise ValueError(f"rank {world_rank} outside world of size {self.world_size}")
-        return tuple(m.name for m in (self.vision, self.text) if m.coord(world_rank) is not None)
+        return tuple(m.name for m in self.modules if m.coord(world_rank) is not None)
 
     def describe(self) -> str:
         """Human-readable table of which rank runs what (for logs and `ray-dhp plan`)."""
@@ -162,11 +222,8 @@ class Topology:
                     if self.text_expert_parallel > 1 else "")
                  + (" text_expert_tensor_parallel=true" if self.text_expert_tp else "")]
         for r in range(self.world_size):
-            parts = []
-            if (c := self.vision.coord(r)) is not None:
-                parts.append(f"vision(dp={c[0]}, sp={c[1]})")
-            if (c := self.text.coord(r)) is not None:
-                parts.append(f"text(dp={c[0]}, tp={c[1]})")
+            parts = [f"{m.name}(dp={c[0]}, {m.inner_dim}={c[1]})"
+                     for m in self.modules if (c := m.coord(r)) is not None]
             lines.append(f"  rank {r}: " + " + ".join(parts))
         return "\n".join(lines)
 
@@ -187,9 +244,9 @@ def _lcm(a: int, b: int) -> int:
 
 
 def inner_groups(topology: Topology) -> list:
-    """``[(label, ranks)]`` of every sp (vision) and tp (text) group: the chatty collectives."""
+    """``[(label, ranks)]`` of every sp (encoder) and tp (text) group: the chatty collectives."""
     out = []
-    for m in (topology.vision, topology.text):
+    for m in topology.modules:
         if m.inner > 1:
             out += [(f"{m.name} {m.inner_dim} group {k}", g)
                     for k, g in enumerate(m.inner_groups())]
@@ -209,11 +266,12 @@ def crossing_groups(topology: Topology, node_of: Sequence) -> list:
 
 def _units(topology: Topology) -> list:
     """Logical rank blocks that must share a node for every sp/tp group to be node-local."""
-    v, t = topology.vision, topology.text
     if topology.placement == "collocated":
-        u = _lcm(v.inner, t.inner)
+        u = 1
+        for m in topology.modules:
+            u = _lcm(u, m.inner)
         return [list(range(k, k + u)) for k in range(0, topology.world_size, u)]
-    return v.inner_groups() + t.inner_groups()
+    return [g for m in topology.modules for g in m.inner_groups()]
 
 
 def _permuted(topology: Topology, nodes: Sequence) -> list:
