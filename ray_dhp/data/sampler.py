@@ -45,6 +45,10 @@ class StepSampler:
         self._setup(sources, processor, cfg)
         return self
 
+    #: records with audio are sample-able only when the layout trains an audio encoder module
+    #: (the run sets it from its topology); otherwise they are refused, naming the record
+    allow_audio = False
+
     def _setup(self, sources, processor, cfg) -> None:
         if not sources:
             raise ValueError("no training dataset")
@@ -96,7 +100,7 @@ class StepSampler:
                 max_pixels=getattr(self.cfg, "max_image_pixels", None))
         except BadSample as e:
             return e
-        if getattr(sample, "audio_lengths", None) is not None:  # not bad data: the engine cannot train it yet
+        if getattr(sample, "audio_lengths", None) is not None and not self.allow_audio:  # not bad data: no audio group
             from ray_dhp.data.audio import refusal
 
             raise ValueError(refusal(getattr(self.records[i], "where", f"record {i}")))

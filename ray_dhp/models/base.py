@@ -27,6 +27,34 @@ class MoESpec:
 
 
 @dataclass(frozen=True)
+class EncoderSpec:
+    """An encoder module besides the vision side (Qwen2.5-Omni's audio tower), as data: its
+    ``name`` (the module's config section and ``modules:`` key), the attributes of
+    ``model.model`` that make it (``parts``), and the module (import path) of its operations:
+    ``rows(sample)`` (feature rows the sample hands the LM), ``cost(sample)`` (for balancing),
+    ``forward(module, samples, dtype, device)`` (the rows of ``samples`` in order),
+    ``install_slot(model)`` / ``fill_slot(model, feats)`` / ``text_inputs(samples)`` (how the text
+    shard takes the rows: the stock forward's own seam, `ray_dhp.models.audio_omni`)."""
+
+    name: str
+    parts: tuple
+    ops: str
+    # parameter names (under `prefix`) the stock forward never reads (Qwen2.5-Omni's
+    # ``audio_bos_eos_token``): no gradient in the stock model, so AdamW never steps them;
+    # the engine holds them frozen, which is the same
+    unused: tuple = ()
+
+    def operations(self):
+        import importlib
+
+        return importlib.import_module(self.ops)
+
+    @property
+    def prefix(self) -> str:
+        return f"model.{self.parts[0]}."
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     name: str                      # "qwen2_5_vl"
     model_type: str                # transformers config.model_type
@@ -44,9 +72,9 @@ class FamilySpec:
     tp_divisors: Callable = lambda text_config: ()
     packing: bool = True  # False: samples cannot share a row (a recurrent mixer carries state)
     packing_reason: str = "its recurrent layers would carry state across packed samples"
-    # The model has an audio encoder (Qwen2.5-Omni's thinker) that the engine does not host yet:
-    # records with audio are refused before training (`ray_dhp.data.audio.refuse_audio`).
-    audio: bool = False
+    # Encoder modules besides the vision side (`EncoderSpec`), e.g. Qwen2.5-Omni's audio tower;
+    # each trains as a module of its own when the layout gives it a group (``audio:``).
+    encoders: tuple = ()
     moe: Optional[MoESpec] = None  # a mixture-of-experts language model (`ray_dhp.models.moe`)
     # -- the vision side, as data --------------------------------------------------------------
     # The module (import path) that splits the tower over SP ranks: ``plan_for(name, config,
@@ -70,6 +98,46 @@ class FamilySpec:
     vision_zero3: bool = True  # False: `ray_dhp.parallel.fsdp_vision` cannot unit this tower
 
     # -- model access (the seams of transformers' VLM classes) ---------------------------------
+
+    @property
+    def audio(self) -> bool:
+        """Whether the model has an audio encoder."""
+        return any(e.name == "audio" for e in self.encoders)
+
+    def encoder_spec(self, name: str) -> Optional[EncoderSpec]:
+        return next((e for e in self.encoders if e.name == name), None)
+
+    def encoder_module(self, name: str, model) -> torch.nn.Module:
+        """Encoder ``name``'s module in ``model`` (the vision side: `visual`)."""
+        if name == "vision":
+            return self.visual(model)
+        spec = self.encoder_spec(name)
+        if spec is None:
+            raise KeyError(f"the {self.name} family has no {name!r} encoder")
+        return getattr(model.model, spec.parts[0])
+
+    def encoder_prefix(self, name: str) -> str:
+        """Full-model name prefix of encoder ``name``'s parameters."""
+        return self.vision_prefix if name == "vision" else self.encoder_spec(name).prefix
+
+    def encoder_dim(self, name: str, config) -> int:
+        """Width of one row of encoder ``name`` as it crosses the boundary."""
+        return self.feature_dim(config) if name == "vision" else \
+            self.encoder_spec(name).operations().dim(config)
+
+    def drop_encoder(self, name: str, model) -> None:
+        """Take encoder ``name`` out of ``model`` (a text shard): the vision parts are detached,
+        another encoder is replaced by its parameter-free slot (`EncoderSpec` operations)."""
+        if name == "vision":
+            self.drop_vision(model)
+        else:
+            self.encoder_spec(name).operations().install_slot(model)
+
+    def encoder_parts(self, name: str, model) -> dict:
+        """``{full-model prefix: module}`` of encoder ``name`` (what its ranks keep)."""
+        if name == "vision":
+            return self.vision_modules(model)
+        return {f"model.{p}.": getattr(model.model, p) for p in self.encoder_spec(name).parts}
 
     def visual(self, model) -> torch.nn.Module:
         """The vision side of ``model``: ``model.model.<part>`` for one part; several parts are

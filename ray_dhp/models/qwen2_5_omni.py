@@ -1,14 +1,14 @@
 """Qwen2.5-Omni's thinker: a Qwen2.5-VL windowed ViT (Ulysses only in
 ``fullatt_block_indexes``), the Qwen2 LM under TP, and a Whisper-style audio tower.
 
-Through today's two-module engine the vision tower and the LM train exactly as Qwen2.5-VL's
-(images and video enter the thinker through ``mm_encoder_outputs``); the audio tower
-(``model.audio_tower``) stays on the text ranks untouched, with no gradient: records with audio
-are refused before training (`ray_dhp.data.audio.refuse_audio`) until the engine hosts the audio
-encoder as a module of its own (issue #33).
+Three modules: the vision tower and the LM train as Qwen2.5-VL's (images and video enter the
+thinker through ``mm_encoder_outputs``); the audio tower (``model.audio_tower``) is the encoder
+module ``audio`` (`ray_dhp.models.audio_omni`), with its own group when the layout gives it one
+(``audio:``). Without an audio group the text ranks keep the tower, frozen, and records with
+audio are refused before training (`ray_dhp.data.audio.refuse_audio`).
 """
 
-from ray_dhp.models.base import FamilySpec, sequence_parallel_text_plan, standard_text_plan
+from ray_dhp.models.base import EncoderSpec, FamilySpec, sequence_parallel_text_plan, standard_text_plan
 
 SPEC = FamilySpec(
     name="qwen2_5_omni",
@@ -19,7 +19,8 @@ SPEC = FamilySpec(
     packing=False,
     packing_reason="its get_rope_index takes other arguments than the Qwen-VL ones that packing "
                    "computes each sample's positions with",
-    audio=True,
+    encoders=(EncoderSpec("audio", parts=("audio_tower",), ops="ray_dhp.models.audio_omni",
+                          unused=("audio_bos_eos_token.",)),),
 )
 
 

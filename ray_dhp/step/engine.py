@@ -47,6 +47,7 @@ from ray_dhp.parallel.fsdp_vision import shard_vision
 from ray_dhp.parallel.tensor import apply_tp_plan, partial_grad_params
 from ray_dhp.train.loop_config import TrainLoopConfig
 from ray_dhp.step.tuning import apply_tuning, check_layout, tuning_of, vision_trains
+from ray_dhp.step.encoders import check_encoders
 from ray_dhp.step.updates import UpdateMixin
 
 
@@ -72,6 +73,7 @@ class DHPEngine(UpdateMixin):
         self.family.validate_layout(self.config, sp=topo.vision.inner, tp=topo.text.inner,
                                     text_sp=topo.text_sequence_parallel, packing=cfg.packing)
         self.family.validate_expert_parallel(self.config, topo.text_expert_parallel)
+        check_encoders(self.family, topo)
         if topo.text_expert_tp:
             from ray_dhp.parallel.expert_tp import validate
 
@@ -90,8 +92,11 @@ class DHPEngine(UpdateMixin):
             raise ValueError(f"vision.zero_stage=3 is not covered for the {self.family.name} family "
                              "(its tower is not split into FSDP units); use vision.zero_stage<=2.")
         shard_vision(self)  # ... and over the vision group (ray_dhp.parallel.fsdp_vision)
-        held = apply_tuning(self.visual, self.text_model, self.tuning, self.family.vision_prefix)
-        self.vision_params, self.text_params, self.frozen_params = held
+        unhosted = tuple(e.prefix for e in self.family.encoders if topo.encoder(e.name) is None) \
+            + tuple(e.prefix + u for e in self.family.encoders for u in e.unused)
+        held = apply_tuning({**{(n, self.family.encoder_prefix(n)): m for n, m in self.shards.items()},
+                             ("text", ""): self.text_model}, self.tuning, unhosted)
+        self.params, self.frozen_params = held  # module name -> its trainable parameters
         self._partial = (partial_grad_params(self.text_model, self.family.tp_partial_grad_suffixes)
                          if self.text_model is not None and topo.text.inner > 1 else [])
         self._build_optimizers()  # over each module's ZeRO partition (step/updates.py)
@@ -102,9 +107,10 @@ class DHPEngine(UpdateMixin):
             self._router_loss = RouterLoss(self.family.language_model(self.text_model), self.family.moe,
                                            self.config.text_config, groups.text_dp)
         # bf16 policies: micro-batch gradients sum in fp32 (FSDP2 does it itself at stage 3)
-        accumulate_in_fp32((self.vision_params if self.vision_fsdp is None else [])
-                           + (self.text_params if self.fsdp is None else []), self.policy)
-        self.feature_dim = self.family.feature_dim(self.config)
+        accumulate_in_fp32([p for n, ps in self.params.items() if self._fsdp_of(n) is None for p in ps],
+                           self.policy)
+        self.feature_dims = {m.name: self.family.encoder_dim(m.name, self.config) for m in topo.encoders}
+        self.feature_dim = self.feature_dims["vision"]
         self.step_count = 0
         self._timer = PhaseTimer(groups.device)
         self._loss_fn, self._num_samples = None, 0  # set by forward_backward for its phases
@@ -121,13 +127,14 @@ class DHPEngine(UpdateMixin):
         full.train()
         if self.cfg.activation_checkpointing:  # recompute every vision and text block in backward
             full.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.visual = self.text_model = None
-        parts = {}
-        if g.is_vision:
-            self.visual = self.family.visual(full)
-            parts.update(self.family.vision_modules(full))
+        self.shards, self.text_model, parts = {}, None, {}
+        for m in topo.encoders:  # each encoder this rank hosts
+            if g.hosts(m.name):
+                self.shards[m.name] = self.family.encoder_module(m.name, full)
+                parts.update(self.family.encoder_parts(m.name, full))
         if g.is_text:
-            self.family.drop_vision(full)  # the text shard does not hold the vision tower
+            for m in topo.encoders:  # the text shard holds no encoder (rows come through
+                self.family.drop_encoder(m.name, full)  # the boundary)
             self.text_model = parts[""] = full
             if topo.text.inner > 1:
                 apply_tp_plan(full, g.text_mesh["tp"], self._text_plan(full))
@@ -162,6 +169,8 @@ class DHPEngine(UpdateMixin):
             raise ValueError("the step has no trainable tokens (all labels are -100)")
         self._loss_fn, self._num_samples = loss_fn, sum(len(mb) for mb in micro_batches)
         states = self._states = [_MicroBatch(mb) for mb in micro_batches]
+        for state in states:  # known before any phase runs (`_last_with`)
+            self._note_inputs(state)
         self._overlap = last
         self._inflight = bnd.InFlight()  # boundary sends not yet waited for
         for phase, k in order_for(self.schedule, len(states)):
@@ -169,6 +178,9 @@ class DHPEngine(UpdateMixin):
                 getattr(self, "_" + phase)(states[k], n_targets)
         with self._timer("optimizer"):  # as before the split: the boundary's last sends
             self._inflight.wait()
+        for m in self.groups.topology.encoders:  # which encoders step (`_trains_this_step`)
+            self._had_input[m.name] = self._had_input.get(m.name, False) or any(
+                s.inputs[m.name] for s in states)
         leader = self._is_text_leader_of_replica()
         loss = sum(s.loss_sum for s in states) if leader else 0.0
         router = self._router_loss
@@ -206,22 +218,33 @@ class DHPEngine(UpdateMixin):
 
     # -- the four phases of a micro-batch (see ray_dhp.step.schedule) -------------------------------
 
+    # Every phase walks the encoders in module order (`Topology.encoders`), the same on every
+    # rank, so each encoder's boundary exchange is one exchange in the same place everywhere.
+
     def _vision_fwd(self, mb: "_MicroBatch", n_targets: int) -> None:
+        """The encoders' forward (phase name kept: the vision side is the first encoder)."""
         g = self.groups
         mb.lay = layout_micro_batch(mb.samples, g.topology, self.family.name,
                                     self.config, self.balancer())
-        if g.is_vision and mb.has_images:
-            with self._autocast(), torch.set_grad_enabled(vision_trains(self.tuning)):
-                mb.feats = self._vision_forward(mb.samples, mb.lay)
+        self._note_inputs(mb)
+        for m in g.topology.encoders:
+            if g.hosts(m.name) and mb.inputs[m.name]:
+                with self._autocast(), torch.set_grad_enabled(self.encoder_trains(m.name)):
+                    mb.feats[m.name] = self._encoder_forward(m.name, mb.samples, mb.lay)
 
     def _send_features(self, mb: "_MicroBatch", n_targets: int) -> None:
-        if not mb.has_images:
-            return
         g = self.groups
-        mb.plan = bnd.plan_boundary(g.topology, g.rank, self._held_rows(mb.lay), self._needed_rows(mb.lay))
-        local = None if mb.feats is None else mb.feats.detach().to(self.dtype)
-        mb.text_feats = bnd.features_forward(mb.plan, local, self.feature_dim, self.dtype, g.device,
-                                             comm=self.comm, inflight=self._inflight)
+        for m in g.topology.encoders:
+            if not mb.inputs[m.name]:
+                continue
+            lay = mb.lay.encoders[m.name]
+            plan = mb.plan[m.name] = bnd.plan_boundary(g.topology, g.rank, self._held_rows(m, lay),
+                                                       self._needed_rows(mb.lay, m.name))
+            feats = mb.feats.get(m.name)
+            local = None if feats is None else feats.detach().to(self.dtype)
+            mb.text_feats[m.name] = bnd.features_forward(
+                plan, local, self.feature_dims[m.name], self.dtype, g.device, comm=self.comm,
+                inflight=self._inflight)
 
     def _text_fwd_bwd(self, mb: "_MicroBatch", n_targets: int) -> None:
         g = self.groups
@@ -233,46 +256,92 @@ class DHPEngine(UpdateMixin):
             if self.fsdp is not None:  # reduce-scatter in the step's last backward only
                 self.fsdp.sync(mb is self._states[-1])
             mb.loss_sum, mb.grad_feats = self._text_groups(mb, mb.lay.text_samples[j], groups, n_targets)
-        mb.text_feats = None
+        mb.text_feats = {}
 
     def _text_groups(self, mb: "_MicroBatch", mine: list, groups: list, n_targets: int):
         """The replica's samples ``mine`` run as ``groups`` (each padded to its own longest),
         one forward/backward after the other; each group takes its rows of the replica's
-        features, whose gradient accumulates over the groups. Loss sum and feature gradient."""
+        features (per encoder), whose gradient accumulates over the groups. Loss sum and the
+        feature gradients ``{encoder: grad}``."""
         last = mb is self._states[-1]
         if len(groups) == 1:
             self._arm_reduce("text", last)
             return self._text_forward_backward([mb.samples[i] for i in mine], mb.text_feats, n_targets)
-        feats = mb.text_feats
-        if feats is not None and feats.shape[0] > 0:
-            feats = feats.detach().requires_grad_(vision_trains(self.tuning))
+        feats = {}
+        for name, f in mb.text_feats.items():
+            if f is not None and f.shape[0] > 0:
+                f = f.detach().requires_grad_(self.encoder_trains(name))
+            feats[name] = f
+        rows = {name: mb.lay.group_rows(mine, groups, name) for name in feats}
         loss_sum = 0.0
-        for n, (grp, rows) in enumerate(zip(groups, mb.lay.group_rows(mine, groups))):
+        for n, grp in enumerate(groups):
             self._arm_reduce("text", last and n == len(groups) - 1)
-            sub = None if feats is None else feats.index_select(0, rows.to(feats.device))
+            sub = {name: None if f is None else f.index_select(0, rows[name][n].to(f.device))
+                   for name, f in feats.items()}
             loss, _ = self._text_forward_backward([mb.samples[i] for i in grp], sub, n_targets)
             loss_sum = loss_sum + loss
-        if feats is not None and feats.shape[0] > 0:
-            check_features_consumed(feats, passed=True)
-        return loss_sum, None if feats is None else feats.grad
+        grads = {}
+        for name, f in feats.items():
+            if f is not None and f.shape[0] > 0:
+                check_features_consumed(f, passed=True)
+            grads[name] = None if f is None else f.grad
+        return loss_sum, grads
 
     def _return_grads(self, mb: "_MicroBatch", n_targets: int) -> None:
-        if not mb.has_images:
-            return
-        if not vision_trains(self.tuning):  # frozen vision side: no feature gradients go back
-            mb.feats = mb.grad_feats = None
-            return
         g = self.groups
-        n_local = 0 if mb.feats is None else mb.feats.shape[0]
-        g_local = bnd.features_backward(mb.plan, mb.grad_feats, n_local, self.feature_dim,
-                                        self.dtype, g.device, comm=self.comm, inflight=self._inflight)
-        if mb.feats is not None:  # also with 0 local rows: the SP all-to-alls run in backward
-            self._arm_reduce("vision", mb is self._states[-1])
-            if self.vision_fsdp is not None:  # reduce-scatter in the last vision backward only
-                self.vision_fsdp.sync_for(self._states, mb)
-            with self._timer("vision_bwd"):
-                mb.feats.backward(g_local.to(mb.feats.dtype))
-        mb.feats = mb.grad_feats = None
+        for m in g.topology.encoders:
+            name = m.name
+            if not mb.inputs[name]:
+                continue
+            feats = mb.feats.pop(name, None)
+            if not self.encoder_trains(name):  # frozen encoder: no feature gradients go back
+                continue
+            n_local = 0 if feats is None else feats.shape[0]
+            g_local = bnd.features_backward(mb.plan[name], mb.grad_feats.get(name), n_local,
+                                            self.feature_dims[name], self.dtype, g.device,
+                                            comm=self.comm, inflight=self._inflight)
+            if feats is not None:  # also with 0 local rows: the SP all-to-alls run in backward
+                self._arm_reduce(name, mb is self._last_with(name))
+                if name == "vision" and self.vision_fsdp is not None:  # reduce-scatter in the
+                    self.vision_fsdp.sync_for(self._states, mb)        # last vision backward only
+                with self._timer(f"{name}_bwd"):
+                    feats.backward(g_local.to(feats.dtype))
+        mb.feats, mb.grad_feats = {}, {}
+
+    def _note_inputs(self, mb: "_MicroBatch") -> None:
+        """Which encoders have input in ``mb`` (plain data: the same on every rank)."""
+        for m in self.groups.topology.encoders:
+            if m.name not in mb.inputs:
+                if m.name == "vision":
+                    mb.inputs[m.name] = mb.has_images
+                else:
+                    ops = self.family.encoder_spec(m.name).operations()
+                    mb.inputs[m.name] = any(ops.has_input(s) for s in mb.samples)
+
+    def _last_with(self, name: str):
+        """The step's last micro-batch state with input for encoder ``name`` (vision: the last
+        state, as the ZeRO-3 tower runs its collectives in every micro-batch)."""
+        if name == "vision":
+            return self._states[-1]
+        return next((s for s in reversed(self._states) if s.inputs.get(name)), None)
+
+    def encoder_trains(self, name: str) -> bool:
+        """Does any parameter of encoder ``name`` train? If not, no feature gradient crosses
+        its boundary and its forward keeps no graph."""
+        return vision_trains(self.tuning) if name == "vision" else self.tuning.choice(name).train
+
+    def _encoder_forward(self, name: str, samples, lay: MicroBatchLayout) -> Optional[torch.Tensor]:
+        if name == "vision":
+            return self._vision_forward(samples, lay)
+        i, _ = self.groups.coord(name)
+        el = lay.encoders[name]
+        if el.plans[i] is None:
+            return None
+        ops = self.family.encoder_spec(name).operations()
+        mine = [samples[s] for s in el.samples[i] if ops.has_input(samples[s])]
+        if any(s.audio_features is None for s in mine):
+            raise RuntimeError(f"a sample this {name} replica computes has no {name} features here")
+        return ops.forward(self.shards[name], mine, self.dtype, self.groups.device)
 
     def _vision_forward(self, samples, lay: MicroBatchLayout) -> Optional[torch.Tensor]:
         i, k = self.groups.vision_coord
@@ -291,20 +360,26 @@ class DHPEngine(UpdateMixin):
         return self.family.vision_forward(self.visual, pv, plan, k, self.groups.vision_sp,
                                           comm=self.comm)
 
-    def _held_rows(self, lay: MicroBatchLayout) -> dict:
-        v = self.groups.topology.vision
+    def _held_rows(self, m, lay) -> dict:
+        """World rank -> the feature rows it computes of encoder ``m`` (`ModuleLayout`), in its
+        local order: the vision side's SP cuts, or a replica's rows whole."""
         held = {}
-        for i, plan in enumerate(lay.vision_plans):
-            rows = lay.rows_of(lay.vision_samples[i])  # the replica's local row -> global row
-            for k in range(v.inner):
-                ids = rows[plan.order[plan.cuts[k]:plan.cuts[k + 1]]] if plan is not None \
-                    else torch.zeros(0, dtype=torch.long)
-                held[v.rank_at(i, k)] = ids
+        for i, plan in enumerate(lay.plans):
+            rows = lay.rows_of(lay.samples[i])  # the replica's local row -> global row
+            for k in range(m.inner):
+                if plan is None:
+                    ids = torch.zeros(0, dtype=torch.long)
+                elif m.name == "vision":
+                    ids = rows[plan.order[plan.cuts[k]:plan.cuts[k + 1]]]
+                else:
+                    ids = rows
+                held[m.rank_at(i, k)] = ids
         return held
 
-    def _needed_rows(self, lay: MicroBatchLayout) -> dict:
+    def _needed_rows(self, lay: MicroBatchLayout, name: str) -> dict:
+        """Text world rank -> the rows of encoder ``name`` its replica's samples consume."""
         t = self.groups.topology.text
-        return {t.rank_at(j, k): lay.rows_of(idx)
+        return {t.rank_at(j, k): lay.rows_of(idx, name)
                 for j, idx in enumerate(lay.text_samples) for k in range(t.inner)}
 
     def balancer(self) -> Balancer:
@@ -350,20 +425,28 @@ class DHPEngine(UpdateMixin):
             )
         return batch
 
-    def _text_logits(self, samples, feats):
-        """The text forward of ``samples`` (with ``feats``, their image features): the batch,
-        the encoder outputs placed into it (None without images) and the (vocab-sharded)
-        logits. Shared by training and `ray_dhp.step.evaluation`."""
+    def _text_logits(self, samples, feats: dict):
+        """The text forward of ``samples`` with ``feats`` (``{encoder: rows}``, their features
+        in the text layout): the batch, the features as handed in per encoder (those with
+        rows) and the (vocab-sharded) logits. Shared by training and `ray_dhp.step.evaluation`."""
         dev = self.groups.device
         batch = self._text_batch(samples)
-        enc = None
-        if feats is not None and feats.shape[0] > 0:
-            if torch.is_grad_enabled() and vision_trains(self.tuning) and not feats.requires_grad:
-                feats.requires_grad_(True)
-            from ray_dhp.data.collate import row_modalities
+        handed, enc, extra = {}, None, {}
+        for name, f in feats.items():
+            if f is None or f.shape[0] == 0:
+                continue
+            if torch.is_grad_enabled() and self.encoder_trains(name) and not f.requires_grad:
+                f.requires_grad_(True)
+            handed[name] = f
+            if name == "vision":
+                from ray_dhp.data.collate import row_modalities
 
-            merge = self.family.merge_size(self.config)
-            enc = self.family.encoder_outputs(self.config, feats, row_modalities(samples, merge))
+                merge = self.family.merge_size(self.config)
+                enc = self.family.encoder_outputs(self.config, f, row_modalities(samples, merge))
+            else:  # through the stock forward's own seam (`EncoderSpec` operations)
+                ops = self.family.encoder_spec(name).operations()
+                ops.fill_slot(self.text_model, f)
+                extra.update(ops.text_inputs(samples, dev))
         grid, mask, pos = batch["image_grid_thw"], batch["attention_mask"], batch.get("position_ids")
         videos = {k: to_device(batch[k], dev) for k in ("video_grid_thw", "second_per_grid_ts")
                   if batch.get(k) is not None and (k == "video_grid_thw" or _accepts(self.text_model, k))}
@@ -374,23 +457,33 @@ class DHPEngine(UpdateMixin):
                 position_ids=None if pos is None else to_device(pos, dev),
                 mm_token_type_ids=to_device(batch["mm_token_type_ids"], dev),
                 image_grid_thw=None if grid is None else to_device(grid, dev),
-                mm_encoder_outputs=enc, use_cache=False, **videos)
-        return batch, enc, out.logits
+                mm_encoder_outputs=enc, use_cache=False, **videos, **extra)
+        return batch, handed, out.logits
 
-    def _text_forward_backward(self, samples, feats, n_targets: int):
+    def _text_forward_backward(self, samples, feats: dict, n_targets: int):
         dev, router = self.groups.device, self._router_loss
         if router is not None:
             router.record(True)
-        batch, enc, logits = self._text_logits(samples, feats)
+        batch, handed, logits = self._text_logits(samples, feats)
         targets = batch["targets"] if "targets" in batch else shift_labels(batch["labels"])
         sample_ids = sample_ids_of(batch, samples).to(dev)
         inputs = LossInputs(upcast(logits), targets.to(dev), sample_ids,
                             list(samples), n_targets, self._num_samples)
         extra = None if router is None else router.contribution(sample_ids >= 0, len(self._states))
         value = backward_loss(self._loss_fn, inputs, self.groups.topology.text.inner > 1, extra)
-        check_features_consumed(feats, passed=enc is not None)
-        grad = feats.grad if enc is not None and feats.is_leaf else None
-        return value, grad
+        grads = {}
+        for name, f in feats.items():
+            check_features_consumed(f, passed=name in handed)
+            grads[name] = f.grad if name in handed and f.is_leaf else None
+        return value, grads
+
+    @property
+    def visual(self):
+        """This rank's vision shard (None if it hosts none)."""
+        return self.shards.get("vision")
+
+    def _fsdp_of(self, name: str):
+        return self.fsdp if name == "text" else self.vision_fsdp if name == "vision" else None
 
     def _autocast(self):
         import contextlib
@@ -414,9 +507,10 @@ class DHPEngine(UpdateMixin):
         """Full (unsharded) parameters this rank hosts, by the model's own names (collective on the
         ranks of a TP or stage-3 module)."""
         out = {}
-        if self.visual is not None:
-            out.update({f"{self.family.vision_prefix}{n}": (p.full_tensor() if _is_dtensor(p) else p).detach().clone()
-                        for n, p in self.visual.named_parameters()})
+        for name, module in self.shards.items():
+            prefix = self.family.encoder_prefix(name)
+            out.update({f"{prefix}{n}": (p.full_tensor() if _is_dtensor(p) else p).detach().clone()
+                        for n, p in module.named_parameters()})
         if self.text_model is not None:
             for n, p in self.text_model.named_parameters():
                 out[n] = (p.full_tensor() if _is_dtensor(p) else p).detach().clone()

@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from ray_dhp.parallel import boundary as bnd
 from ray_dhp.parallel.balance import COUNT, Balancer
 
-__all__ = ["shift_labels", "upcast", "count_targets", "image_rows", "MicroBatchLayout",
+__all__ = ["shift_labels", "upcast", "count_targets", "image_rows", "EncoderLayout", "MicroBatchLayout",
            "layout_micro_batch", "PhaseTimer"]
 
 
@@ -48,19 +47,19 @@ def image_rows(sample, merge: int) -> int:
 
 
 @dataclass
-class MicroBatchLayout:
-    """Who does what for one micro-batch; identical on every rank (plain data)."""
+class EncoderLayout:
+    """One encoder's part of a micro-batch: which of its replicas computes which samples, the
+    feature-row offsets of the samples (rows into the LM, in sample order) and each replica's
+    shard plan (the vision side: its SP split, `FamilySpec.plan_vision`; an encoder without
+    sequence parallelism: True), None where a replica has no input."""
 
-    vision_samples: list        # per vision dp replica: ascending list of sample indices
-    text_samples: list          # per text dp replica: ascending list of sample indices
-    row_offsets: list           # per sample: first global feature row (len = samples + 1)
-    vision_plans: list          # per vision dp replica: VisionShardPlan or None (no images)
-    text_groups: Optional[list] = None  # per text replica: its samples as padded groups run in
-    #                                     turn (lists of sample indices); None: one group each
+    samples: list   # per dp replica: ascending list of sample indices
+    offsets: list   # per sample: first feature row (len = samples + 1)
+    plans: list     # per dp replica: shard plan, or None (no input)
 
     def rows_of(self, indices) -> torch.Tensor:
-        """Global feature rows of the samples ``indices`` (ascending), concatenated in order."""
-        parts = [torch.arange(self.row_offsets[i], self.row_offsets[i + 1]) for i in indices]
+        """Feature rows of the samples ``indices`` (ascending), concatenated in order."""
+        parts = [torch.arange(self.offsets[i], self.offsets[i + 1]) for i in indices]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
     def group_rows(self, mine, groups) -> list:
@@ -69,39 +68,85 @@ class MicroBatchLayout:
         start, at = {}, 0
         for i in mine:
             start[i] = at
-            at += self.row_offsets[i + 1] - self.row_offsets[i]
-        return [torch.cat([torch.arange(start[i], start[i] + self.row_offsets[i + 1] - self.row_offsets[i])
+            at += self.offsets[i + 1] - self.offsets[i]
+        return [torch.cat([torch.arange(start[i], start[i] + self.offsets[i + 1] - self.offsets[i])
                            for i in grp]) if grp else torch.zeros(0, dtype=torch.long) for grp in groups]
+
+
+@dataclass
+class MicroBatchLayout:
+    """Who does what for one micro-batch; identical on every rank (plain data)."""
+
+    encoders: dict              # encoder name -> EncoderLayout (module order)
+    text_samples: list          # per text dp replica: ascending list of sample indices
+    text_groups: Optional[list] = None  # per text replica: its samples as padded groups run in
+    #                                     turn (lists of sample indices); None: one group each
+
+    @property
+    def vision_samples(self) -> list:
+        return self.encoders["vision"].samples
+
+    @property
+    def row_offsets(self) -> list:
+        return self.encoders["vision"].offsets
+
+    @property
+    def vision_plans(self) -> list:
+        return self.encoders["vision"].plans
+
+    def rows_of(self, indices, encoder: str = "vision") -> torch.Tensor:
+        return self.encoders[encoder].rows_of(indices)
+
+    def group_rows(self, mine, groups, encoder: str = "vision") -> list:
+        return self.encoders[encoder].group_rows(mine, groups)
 
 
 def layout_micro_batch(samples, topology, family_name: str, config,
                        balancer: "Balancer" = COUNT) -> MicroBatchLayout:
-    """The micro-batch's plan: samples per vision and per text replica (``balancer``: by cost,
-    or contiguous equal counts), feature-row offsets, each vision replica's SP shard plan
-    (`FamilySpec.plan_vision`) and each text replica's padded groups. ``config``: the model
+    """The micro-batch's plan: per encoder (`Topology.encoders`) its samples per replica
+    (``balancer``: by cost, or contiguous equal counts), feature-row offsets and each replica's
+    shard plan; the samples per text replica and their padded groups. ``config``: the model
     config (the Qwen families also take their vision config: the merge size is there)."""
     from ray_dhp.models import FAMILIES
 
     family = FAMILIES[family_name]
+    n, t = len(samples), topology.text
+    for m in topology.modules:
+        if n < m.dp:
+            raise ValueError(
+                f"a micro-batch of {n} samples cannot feed {m.dp} {m.name} replicas; raise "
+                f"global_batch_size or lower micro_batches / data_parallel.")
+    encoders = {m.name: _encoder_layout(m, samples, family, config, balancer)
+                for m in topology.encoders}
+    ts = balancer.text_replicas(samples, t.dp)
+    return MicroBatchLayout(encoders, ts, [balancer.text_groups(samples, idx) for idx in ts])
 
-    n = len(samples)
-    v, t = topology.vision, topology.text
-    if n < v.dp or n < t.dp:
-        raise ValueError(
-            f"a micro-batch of {n} samples cannot feed {v.dp} vision and {t.dp} text replicas; "
-            f"raise global_batch_size or lower micro_batches / data_parallel."
-        )
-    merge = family.merge_size(config)
+
+def _encoder_layout(m, samples, family, config, balancer) -> EncoderLayout:
+    """One encoder's `EncoderLayout`: the vision side by its SP plans, any other encoder
+    (no sequence parallelism) by its `EncoderSpec` operations."""
+    from ray_dhp.parallel.balance import contiguous, lpt
+
+    if m.name == "vision":
+        merge = family.merge_size(config)
+        offsets = [0]
+        for s in samples:
+            offsets.append(offsets[-1] + image_rows(s, merge))
+        vs = balancer.vision_replicas(samples, m.dp)
+        plans = []
+        for idx in vs:
+            grids = [samples[i].image_grid_thw for i in idx if samples[i].image_grid_thw is not None]
+            plans.append(family.plan_vision(config, torch.cat(grids), m.inner) if grids else None)
+        return EncoderLayout(vs, offsets, plans)
+    ops = family.encoder_spec(m.name).operations()
     offsets = [0]
     for s in samples:
-        offsets.append(offsets[-1] + image_rows(s, merge))
-    vs = balancer.vision_replicas(samples, v.dp)
-    plans = []
-    for idx in vs:
-        grids = [samples[i].image_grid_thw for i in idx if samples[i].image_grid_thw is not None]
-        plans.append(family.plan_vision(config, torch.cat(grids), v.inner) if grids else None)
-    ts = balancer.text_replicas(samples, t.dp)
-    return MicroBatchLayout(vs, ts, offsets, plans, [balancer.text_groups(samples, idx) for idx in ts])
+        offsets.append(offsets[-1] + ops.rows(s))
+    idx = (contiguous(len(samples), m.dp) if balancer.mode == "count"
+           else lpt([ops.cost(s) for s in samples], m.dp))
+    idx = [sorted(i) for i in idx]
+    plans = [True if any(ops.has_input(samples[i]) for i in part) else None for part in idx]
+    return EncoderLayout(idx, offsets, plans)
 
 
 @dataclass
@@ -110,10 +155,12 @@ class _MicroBatch:
 
     samples: list
     lay: Optional[MicroBatchLayout] = None
-    feats: Optional[torch.Tensor] = None       # vision rows computed here (with graph)
-    plan: Optional[bnd.BoundaryPlan] = None
-    text_feats: Optional[torch.Tensor] = None  # rows in this rank's text layout
-    grad_feats: Optional[torch.Tensor] = None
+    # per encoder name (`Topology.encoders`):
+    feats: dict = field(default_factory=dict)       # rows computed here (with graph)
+    plan: dict = field(default_factory=dict)        # bnd.BoundaryPlan
+    text_feats: dict = field(default_factory=dict)  # rows in this rank's text layout
+    grad_feats: dict = field(default_factory=dict)
+    inputs: dict = field(default_factory=dict)      # encoder name -> does any sample have input
     loss_sum: float = 0.0
 
     @property

@@ -96,7 +96,7 @@ class ReferenceTrainer:
             if "second_per_grid_ts" not in inspect.signature(self.model.forward).parameters:
                 kwargs.pop("second_per_grid_ts", None)  # Qwen2.5-VL's absolute-time M-RoPE only
             kwargs = family_of(self.config).stock_inputs(self.config, kwargs)
-            for key in ("pixel_values", "pixel_values_videos"):
+            for key in ("pixel_values", "pixel_values_videos", "input_features"):
                 if key in kwargs:
                     kwargs[key] = kwargs[key].to(self.dtype)
             with self._autocast():
@@ -162,15 +162,18 @@ class ReferenceTrainer:
 def _named_by_module(model) -> list:
     """``(name, parameter, module)`` for every parameter, ``module`` one of "vision" (the
     vision tower), "merger" (its projector: Qwen's ``merger`` and Qwen3-VL's
-    ``deepstack_merger_list``, InternVL's ``multi_modal_projector``) or "llm" (everything else),
-    told apart by the family's vision parts (`FamilySpec.visual`) and projector prefixes."""
+    ``deepstack_merger_list``, InternVL's ``multi_modal_projector``), another encoder's name
+    (Qwen2.5-Omni's "audio" tower) or "llm" (everything else), told apart by the family's
+    vision parts (`FamilySpec.visual`), projector prefixes and encoder modules."""
     family = family_of(model.config)
     visual = family.visual(model)
     by_id = {id(p): family.vision_prefix + n for n, p in visual.named_parameters()}
     merger = {id(p) for p in visual.parameters() if by_id[id(p)].startswith(family.merger_prefixes)}
     tower = set(by_id) - merger
-    return [(n, p, "merger" if id(p) in merger else "vision" if id(p) in tower else "llm")
-            for n, p in model.named_parameters()]
+    other = {id(p): e.name for e in family.encoders
+             for p in family.encoder_module(e.name, model).parameters()}
+    return [(n, p, "merger" if id(p) in merger else "vision" if id(p) in tower
+             else other.get(id(p), "llm")) for n, p in model.named_parameters()]
 
 
 def _add_peft_lora(model, choice, seed: int) -> set:

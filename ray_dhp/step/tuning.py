@@ -28,7 +28,8 @@ from typing import Callable, Optional
 
 from ray_dhp.checks import ConfigError
 
-MODULES = ("vision", "merger", "llm")
+MODULES = ("vision", "merger", "audio", "llm")
+CORE_MODULES = ("vision", "merger", "llm")  # the modules of every family
 MODULE_KEYS = ("train", "lr", "weight_decay", "lora")
 LORA_KEYS = ("r", "alpha", "target_modules")
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -41,10 +42,6 @@ MOE_PARTS = {
     "shared_expert_gate": "the shared expert's gate (Linear(H, 1)) stays frozen under LoRA",
 }
 MERGER_PREFIXES = ("model.visual.merger.", "model.visual.deepstack_merger_list.")
-#: Encoders the engine does not host as modules yet (Qwen2.5-Omni's audio tower, issue #33):
-#: the text ranks keep them, frozen. No record reaches them (audio is refused before training),
-#: so the stock model gives them no gradient and leaves them unchanged too.
-UNHOSTED_PREFIXES = ("model.audio_tower.",)
 
 
 @dataclass(frozen=True)
@@ -71,8 +68,6 @@ class Tuning:
     lora: Optional[LoraChoice] = None
 
     def choice(self, module: str) -> ModuleChoice:
-        if module == "unhosted":
-            return ModuleChoice(train=False)
         return self.modules.get(module, ModuleChoice())
 
     def trains(self, name: str) -> bool:
@@ -94,11 +89,12 @@ class Tuning:
 
 
 def module_of(name: str) -> str:
-    """"vision", "merger", "llm" or "unhosted" (`UNHOSTED_PREFIXES`) for a parameter's full
-    name in the transformers model (the prefixes of every family's vision parts and projector:
-    `vision_name_prefixes`)."""
-    if name.startswith(UNHOSTED_PREFIXES):
-        return "unhosted"
+    """"vision", "merger", an encoder's name ("audio") or "llm" for a parameter's full name in
+    the transformers model (the prefixes of every family's vision parts and projector:
+    `vision_name_prefixes`; of its other encoders: `FamilySpec.encoders`)."""
+    for prefix, encoder in encoder_name_prefixes():
+        if name.startswith(prefix):
+            return encoder
     vision, merger = vision_name_prefixes()
     if name.startswith(merger):
         return "merger"
@@ -118,6 +114,14 @@ def vision_name_prefixes() -> tuple:
     return tuple(sorted(vision)), tuple(sorted(merger))
 
 
+@functools.lru_cache(maxsize=None)
+def encoder_name_prefixes() -> tuple:
+    """((full-name prefix, encoder name), ...) of every family's encoders besides vision."""
+    from ray_dhp.models import FAMILIES
+
+    return tuple(sorted({(e.prefix, e.name) for s in FAMILIES.values() for e in s.encoders}))
+
+
 def is_lora_param(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
@@ -129,7 +133,7 @@ def parse_tuning(spec: Optional[dict], key: str = "train_loop_config.modules") -
     if spec is None:
         return Tuning()
     if not isinstance(spec, dict):
-        raise ConfigError(f"{key}: expected a mapping {{vision|merger|llm: {{train, lr, "
+        raise ConfigError(f"{key}: expected a mapping {{vision|merger|audio|llm: {{train, lr, "
                           f"weight_decay, lora}}}}, got {spec!r}.")
     modules, lora = {}, None
     for module, sub in spec.items():
@@ -155,7 +159,9 @@ def parse_tuning(spec: Optional[dict], key: str = "train_loop_config.modules") -
                                   f"adapters on the language model; drop one of them.")
             lora = _parse_lora(sub["lora"], f"{where}.lora")
     tuning = Tuning({m: modules.get(m, ModuleChoice()) for m in MODULES}, lora)
-    if not any(c.train for c in tuning.modules.values()):
+    # every model has the vision side and the LM; an encoder such as audio only some do, so it
+    # counts as training only where the mapping names it
+    if not any(c.train for m, c in tuning.modules.items() if m in CORE_MODULES or m in modules):
         raise ConfigError(f"{key}: every module is frozen (train=false for vision, merger and "
                           f"llm): nothing would train.")
     return tuning
@@ -251,19 +257,26 @@ def vision_trains(tuning: Tuning) -> bool:
 
 
 
-def apply_tuning(visual, text_model, tuning: Tuning, vision_prefix: str = "model.visual.") -> tuple:
-    """Freeze what does not train in the engine's shards (``visual``: the vision tower incl. the
-    merger, named ``model.visual.*``; ``text_model``: the model without its vision tower; either
-    may be None; ``vision_prefix``: `FamilySpec.vision_prefix`). Returns (trainable vision
-    params, trainable text params, frozen params)."""
-    out = ([], [], [])
-    for module, prefix, slot in ((visual, vision_prefix, 0), (text_model, "", 1)):
+def apply_tuning(modules: dict, tuning: Tuning, unhosted: tuple = ()) -> tuple:
+    """Freeze what does not train in the engine's shards. ``modules``: ``{(module name, full-
+    name prefix of its parameters): module or None}`` (the encoders this rank hosts, e.g.
+    ``("vision", "model.visual.")``, and ``("text", "")``: the model without them);
+    ``unhosted``: parameter-name prefixes held frozen because the stock model never gives them
+    a gradient either: encoders the layout gives no group of their own, which the text shard
+    keeps (records with their modality are refused) and parameters a forward never reads
+    (`EncoderSpec.unused`). Returns (``{module name: trainable params}``,
+    frozen params)."""
+    params, frozen = {}, []
+    for (name, prefix), module in modules.items():
         if module is None:
             continue
         freeze(module, tuning, prefix)
-        for p in module.parameters():
-            out[slot if p.requires_grad else 2].append(p)
-    return out
+        params[name] = []
+        for n, p in module.named_parameters():
+            if p.requires_grad and (prefix + n).startswith(unhosted):
+                p.requires_grad_(False)
+            (params[name] if p.requires_grad else frozen).append(p)
+    return params, frozen
 
 
 def check_layout(tuning: Tuning, text_sequence_parallel: bool,

@@ -1,6 +1,6 @@
 """The update half of `ray_dhp.step.engine.DHPEngine` (step 5 of its docstring): gradient
-reduction over the replicas, the global norm counted once over both modules, clipping, both
-optimizers (fp32 masters under ``bf16_mixed``) over each module's ZeRO partition
+reduction over the replicas, the global norm counted once over every module, clipping, one
+optimizer per module (fp32 masters under ``bf16_mixed``) over its ZeRO partition
 (`ray_dhp.parallel.zero`).
 
 `UpdateMixin` holds no state of its own: it works on the engine's ``groups``, ``cfg``, ``policy``,
@@ -23,27 +23,29 @@ class UpdateMixin:
     # -- optimizers over each module's ZeRO partition (ray_dhp.parallel.zero) -----------------
 
     def _build_optimizers(self) -> None:
-        """AdamW for each module over the parameters this rank updates: all of them at stage 0,
-        its ZeRO partition at stages 1-2 (`ray_dhp.parallel.zero`)."""
+        """AdamW for each module this rank hosts (the encoders in module order, then the LM)
+        over the parameters this rank updates: all of them at stage 0, its ZeRO partition at
+        stages 1-2 (`ray_dhp.parallel.zero`). ``self.opts[name]``: (optimizer, scheduler,
+        fp32 masters or None)."""
         from ray_dhp.parallel.zero import ZeroPartition
 
         g, topo = self.groups, self.groups.topology
-        self.zero = {}
-        if self.visual is not None:
-            v = topo.vision
-            named = [(n, p) for n, p in self.visual.named_parameters() if p.requires_grad]
-            if self.vision_fsdp is not None:  # stage 3 (ray_dhp.parallel.fsdp_vision)
-                z = self.zero["vision"] = self.vision_fsdp
+        self.zero, self.opts = {}, {}
+        for m in topo.encoders:
+            module = self.shards.get(m.name)
+            if module is None:
+                continue
+            named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+            if m.name == "vision" and self.vision_fsdp is not None:  # stage 3 (parallel/fsdp_vision.py)
+                z = self.zero[m.name] = self.vision_fsdp
                 z.params = [p for _, p in named]
             else:
-                self.zero["vision"] = z = ZeroPartition(
-                    [p for _, p in named], v.zero_stage, g.vision_all, v.ranks, g.rank - v.offset,
-                    leader=g.rank == v.offset)
-            self.vision_opt, self.vision_sched, self.vision_masters = build_optimizer_for(
-                z.mine(named), self.cfg, self.policy, prefix=self.family.vision_prefix,
-                offload=v.offload)
-        else:
-            self.vision_opt = self.vision_sched = self.vision_masters = None
+                self.zero[m.name] = z = ZeroPartition(
+                    [p for _, p in named], m.zero_stage, g.encoders[m.name].all, m.ranks,
+                    g.rank - m.offset, leader=g.rank == m.offset)
+            self.opts[m.name] = build_optimizer_for(
+                z.mine(named), self.cfg, self.policy, prefix=self.family.encoder_prefix(m.name),
+                offload=m.offload)
         self.expert_params = []  # expert parallelism: reduced over EDP, own partition (parallel/expert.py)
         if self.text_model is not None:
             t, (j, k) = topo.text, g.text_coord
@@ -67,14 +69,39 @@ class UpdateMixin:
                     [p for _, p in named], t.zero_stage, g.text_dp,
                     [t.rank_at(d, k) for d in range(t.dp)], j, leader=g.rank == t.offset,
                     tp_group=g.text_tp, tp_first=k == 0, late=self._partial)
-            self.text_opt, self.text_sched, self.text_masters = build_optimizer_for(
+            self.opts["text"] = build_optimizer_for(
                 z.mine(named) + (experts if self.expert_params else []), self.cfg, self.policy,
                 offload=t.offload)
-        else:
-            self.text_opt = self.text_sched = self.text_masters = None
         for z in self.zero.values():
             if hasattr(z, "install_hooks"):  # a ZeroPartition (FSDP2 reduces in its own hooks)
                 z.install_hooks()
+        self._had_input = {}  # module name -> any input since the last optimizer step
+
+    # the vision side's and the LM's state by their old names (readers outside the engine)
+    vision_params = property(lambda self: self.params.get("vision", []))
+    text_params = property(lambda self: self.params.get("text", []))
+    vision_opt = property(lambda self: self._opt_part("vision", 0))
+    vision_sched = property(lambda self: self._opt_part("vision", 1))
+    vision_masters = property(lambda self: self._opt_part("vision", 2))
+    text_opt = property(lambda self: self._opt_part("text", 0))
+    text_sched = property(lambda self: self._opt_part("text", 1))
+    text_masters = property(lambda self: self._opt_part("text", 2))
+
+    def _opt_part(self, name: str, i: int):
+        got = self.opts.get(name)
+        return None if got is None else got[i]
+
+    def _all_params(self) -> list:
+        return [p for ps in self.params.values() for p in ps]
+
+    def _trains_this_step(self, name: str) -> bool:
+        """Does module ``name`` step this time? Not an encoder that had no input since the last
+        optimizer step: the single-process model gives its parameters no gradient, so AdamW
+        leaves them (and their moments) untouched, weight decay included. The LM always has
+        input; a ZeRO-3 vision tower runs its collectives in every step and steps always."""
+        if name == "text" or (name == "vision" and self.vision_fsdp is not None):
+            return True
+        return self._had_input.get(name, False)
 
     def _zero_broadcast(self) -> None:
         for name, z in self.zero.items():
@@ -85,15 +112,19 @@ class UpdateMixin:
     def _reduce_and_clip(self) -> float:
         """Reduce the gradients over replicas; the global norm (each parameter counted once).
         Every control value lives on ``groups.device`` (valid under NCCL and gloo alike)."""
-        g, dev = self.groups, self.groups.device
+        g, dev, topo = self.groups, self.groups.device, self.groups.topology
         up = self._reduce_dtype()
-        v_sq = t_sq = torch.zeros((), dtype=torch.float64, device=dev)
-        dp.ensure_grads(self.vision_params + self.text_params)
-        self.last_grad_bytes = sum(local_nbytes(p.grad) for p in self.vision_params + self.text_params
+        dp.ensure_grads([p for n, ps in self.params.items() if self._trains_this_step(n) for p in ps])
+        self.last_grad_bytes = sum(local_nbytes(p.grad) for p in self._all_params()
                                    if p.grad is not None)  # before stage 2 frees the others'
-        if g.is_vision:
-            self.zero["vision"].reduce(self.comm, "vision.grads", reduce_dtype=up)
-            v_sq = self.zero["vision"].norm_share(dev)
+        shares = []
+        for m in topo.encoders:  # module order: the same collectives in the same order everywhere
+            sq = torch.zeros((), dtype=torch.float64, device=dev)
+            if g.hosts(m.name) and self._trains_this_step(m.name):
+                self.zero[m.name].reduce(self.comm, f"{m.name}.grads", reduce_dtype=up)
+                sq = self.zero[m.name].norm_share(dev)
+            shares.append(sq)
+        t_sq = torch.zeros((), dtype=torch.float64, device=dev)
         if g.is_text:
             dp.all_reduce_grads(self._partial, g.text_tp, self.comm, "text.partial_grads", reduce_dtype=up)
             self.zero["text"].reduce(self.comm, "text.grads", reduce_dtype=up)
@@ -102,7 +133,7 @@ class UpdateMixin:
                 from ray_dhp.parallel.expert import reduce_expert_grads
 
                 t_sq = t_sq + reduce_expert_grads(self, up)
-        parts = torch.stack([v_sq, t_sq])  # each rank's share; every entry counted once in all
+        parts = torch.stack(shares + [t_sq])  # each rank's share; every entry counted once in all
         dist.all_reduce(parts)
         return float(parts.sum().sqrt())
 
@@ -117,14 +148,16 @@ class UpdateMixin:
             z.arm(self.comm, f"{module}.grads", reduce_dtype=self._reduce_dtype())
 
     def _optimizer_step(self, coef: float) -> None:
-        """Clip by ``coef`` and step both optimizers. With fp32 masters (bf16_mixed) the bf16
-        gradients are upcast into the masters' gradients, clipped there in fp32, the masters
-        stepped, and the bf16 weights refreshed from them."""
-        modules = ((self.vision_params, self.vision_opt, self.vision_sched, self.vision_masters),
-                   (self.text_params, self.text_opt, self.text_sched, self.text_masters))
+        """Clip by ``coef`` and step each module's optimizer (`_trains_this_step`; its
+        scheduler steps regardless). With fp32 masters (bf16_mixed) the bf16 gradients are
+        upcast into the masters' gradients, clipped there in fp32, the masters stepped, and
+        the bf16 weights refreshed from them."""
         self._release_unowned_grads()
-        for params, opt, sched, masters in modules:
-            if masters is not None:  # fp32 master gradients one chunk at a time
+        for name, params in self.params.items():
+            opt, sched, masters = self.opts.get(name, (None, None, None))
+            if not self._trains_this_step(name):
+                pass
+            elif masters is not None:  # fp32 master gradients one chunk at a time
                 masters.step(opt, coef)
             elif self.policy.param_dtype != self.policy.grad_dtype:  # bf16: fp32 sums rounded once
                 round_grads_for_update(params, coef)
@@ -137,8 +170,9 @@ class UpdateMixin:
                     opt.step()
             if opt is not None:
                 sched.step()
-        for p in self.vision_params + self.text_params:  # incl. those another rank updates
+        for p in self._all_params():  # incl. those another rank updates
             p.grad = None
+        self._had_input = {}
         self._zero_broadcast()
 
     def _release_unowned_grads(self) -> None:
@@ -153,11 +187,11 @@ class UpdateMixin:
     def params_from_masters(self) -> None:
         """After loading masters (a checkpoint): round them into the weights, and share the
         ZeRO owners' values with the other replicas (collective on each module's replicas)."""
-        for masters in (self.vision_masters, self.text_masters):
+        for _, _, masters in self.opts.values():
             if masters is not None:
                 masters.masters_to_params()
         topo = self.groups.topology  # the same on every rank: the broadcast is collective
-        if self.policy.master or topo.vision.offload or topo.text.offload:
+        if self.policy.master or any(m.offload for m in topo.modules):
             self._zero_broadcast()
 
     def state_bytes(self) -> dict:

@@ -47,9 +47,9 @@ def named_full_grads(engine) -> dict:
     frozen parameters (`ray_dhp.step.tuning`) have none and are left out, and so are, after the
     reduction at ZeRO stage 2, those another replica owns (`ray_dhp.parallel.zero`)."""
     out = {}
-    if engine.visual is not None:
-        out.update({f"{engine.family.vision_prefix}{n}": _full(p.grad)
-                    for n, p in engine.visual.named_parameters()
+    for name, module in engine.shards.items():  # every encoder this rank hosts
+        prefix = engine.family.encoder_prefix(name)
+        out.update({f"{prefix}{n}": _full(p.grad) for n, p in module.named_parameters()
                     if p.requires_grad and p.grad is not None})
     if engine.text_model is not None:
         for n, p in engine.text_model.named_parameters():
