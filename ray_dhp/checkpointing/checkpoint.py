@@ -5,8 +5,8 @@ Train merges them into one storage directory, so every file name is unique per r
 
 * ``__<rank>_0.distcp`` + ``.metadata`` — one DCP checkpoint over all ranks with
   ``model.<name>`` (parameters by the model's own Hugging Face names; text parameters are
-  DTensors under tensor parallelism, saved as shards), ``optim.{vision,text}`` (AdamW state
-  keyed by parameter name, `get_optimizer_state_dict`) and ``sched.{vision,text}``. Replicated
+  DTensors under tensor parallelism, saved as shards), ``optim.<module>`` (AdamW state
+  keyed by parameter name, `get_optimizer_state_dict`) and ``sched.<module>`` (vision, audio, ..., text). Replicated
   tensors (vision parameters on every vision rank, text parameters on every text replica) are
   stored once (DCP deduplicates identical keys). Loading into another layout's (DTensor) state
   dict reshards.
@@ -56,14 +56,15 @@ logger = logging.getLogger(__name__)
 # -- what is saved -----------------------------------------------------------------------------
 
 def model_state(engine) -> dict:
-    """This rank's parameters by Hugging Face name (the vision side under its family's prefix,
-    e.g. ``model.visual.``, InternVL's ``model.`` over its two parts); DTensors
-    stay sharded. Detached views: DCP loads into them in place. Under a policy with fp32
-    masters (bf16_mixed) these are the masters the rank updates, so a resume is exact."""
+    """This rank's parameters by Hugging Face name (each encoder under its family's prefix,
+    e.g. ``model.visual.``, InternVL's ``model.`` over its two parts, ``model.audio_tower.``);
+    DTensors stay sharded. Detached views: DCP loads into them in place. Under a policy with
+    fp32 masters (bf16_mixed) these are the masters the rank updates, so a resume is exact."""
     out = {}
-    if engine.visual is not None:
-        src = engine.vision_masters or engine.visual
-        out.update({engine.family.vision_prefix + n: p.detach() for n, p in src.named_parameters()})
+    for name, module in engine.shards.items():
+        src = engine.opts.get(name, (None, None, None))[2] or module
+        prefix = engine.family.encoder_prefix(name)
+        out.update({prefix + n: p.detach() for n, p in src.named_parameters()})
     if engine.text_model is not None:
         src = engine.text_masters or engine.text_model
         out.update({n: p.detach() for n, p in src.named_parameters()})
@@ -71,12 +72,14 @@ def model_state(engine) -> dict:
 
 
 def _modules(engine) -> dict:
-    """{"vision"|"text": (module the optimizer steps, optimizer, scheduler)} for the modules
-    this rank hosts (the fp32 masters' mirror module under bf16_mixed)."""
+    """{module name ("vision", "audio", ..., "text"): (module the optimizer steps, optimizer,
+    scheduler)} for the modules this rank hosts (the fp32 masters' mirror module under
+    bf16_mixed)."""
     out = {}
-    if engine.visual is not None and engine.vision_opt is not None:
-        m = engine.vision_masters.module if engine.vision_masters else engine.visual
-        out["vision"] = (m, engine.vision_opt, engine.vision_sched)
+    for name, module in engine.shards.items():
+        opt, sched, masters = engine.opts.get(name, (None, None, None))
+        if opt is not None:
+            out[name] = (masters.module if masters else module, opt, sched)
     if engine.text_model is not None and engine.text_opt is not None:
         m = engine.text_masters.module if engine.text_masters else engine.text_model
         out["text"] = (m, engine.text_opt, engine.text_sched)

@@ -325,12 +325,12 @@ def measure_engine_state(engine) -> dict:
 
     from ray_dhp.step.precision import local_nbytes
 
-    params = engine.vision_params + engine.text_params + getattr(engine, "frozen_params", [])
+    params = [p for ps in engine.params.values() for p in ps] + getattr(engine, "frozen_params", [])
+    opts = list(engine.opts.values())  # (optimizer, scheduler, masters) per hosted module
     out = {"weights": sum(local_nbytes(p) for p in params),
            "grads": getattr(engine, "last_grad_bytes", 0),
-           "masters": sum(m.nbytes() for m in (engine.vision_masters, engine.text_masters)
-                          if m is not None),
-           "optimizer": sum(local_nbytes(v) for opt in (engine.vision_opt, engine.text_opt)
+           "masters": sum(m.nbytes() for _, _, m in opts if m is not None),
+           "optimizer": sum(local_nbytes(v) for opt, _, _ in opts
                             if opt is not None for st in opt.state.values()
                             for v in st.values() if torch.is_tensor(v) and v.dim() > 0)}
     out["total"] = sum(out.values())

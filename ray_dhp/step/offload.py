@@ -112,9 +112,8 @@ def host_adamw(groups: list, cfg):
 def host_bytes(engine) -> int:
     """Bytes of the offloaded modules' masters and optimizer tensors, measured (all on the host)."""
     out = 0
-    for masters, opt, module in ((engine.vision_masters, engine.vision_opt, "vision"),
-                                 (engine.text_masters, engine.text_opt, "text")):
-        if masters is None or not getattr(engine.groups.topology, module).offload:
+    for module, (opt, _, masters) in engine.opts.items():
+        if masters is None or not engine.groups.topology.module(module).offload:
             continue
         tensors = [m for _, m in masters.pairs] + [v for st in opt.state.values()
                                                    for v in st.values()

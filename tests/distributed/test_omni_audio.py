@@ -91,3 +91,80 @@ def test_omni_three_modules_collocated(omni):
                   encoders={"audio": EncoderDegrees(dp=2)})
     worst = _check(run_engine("qwen2_5_omni", layout, CFG, steps, torch.float64, grads=True), ref)
     print(f"omni collocated vision sp2 / audio dp2 / text tp2: worst update {worst[0]:.2e}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["pipelined", "sequential"])
+def test_omni_three_modules_disjoint(omni, schedule):
+    """Disjoint, each module on its own workers, unequal sizes: vision SP2 (ranks 0-1), audio
+    DP1 (rank 2), text TP2 (ranks 3-4); pipelined (the encoders on micro-batch k+1 while the LM
+    works on k) and sequential."""
+    steps, ref = omni
+    layout = dict(placement="disjoint", vision_dp=1, vision_sp=2, text_dp=1, text_tp=2,
+                  encoders={"audio": EncoderDegrees(dp=1)})
+    got = run_engine("qwen2_5_omni", layout, CFG, steps, torch.float64, schedule, grads=True)
+    worst = _check(got, ref)
+    print(f"omni disjoint 2+1+2 {schedule}: worst update {worst[0]:.2e}")
+
+
+@pytest.mark.slow
+def test_omni_frozen_audio_encoder(omni):
+    """``modules: {audio: {train: false}}``: the audio rows still reach the LM, no gradient goes
+    back, the tower stays bit-identical on every rank that holds it (as in the reference)."""
+    steps, _ = omni
+    cfg = dataclasses.replace(CFG, modules={"audio": {"train": False}})
+    ref = run_reference("qwen2_5_omni", cfg, steps, torch.float64)
+    layout = dict(placement="collocated", vision_dp=2, vision_sp=1, text_dp=1, text_tp=2,
+                  encoders={"audio": EncoderDegrees(dp=2)})
+    got = run_engine("qwen2_5_omni", layout, cfg, steps, torch.float64, grads=True)
+    _check(got, ref, cfg)
+    audio = [n for n in ref["params"] if n.startswith("model.audio_tower.")]
+    assert all(torch.equal(ref["params"][n], ref["params0"][n]) for n in audio)
+    assert all(torch.equal(o["params"][n], o["params0"][n]) for o in got["per_rank"]
+               for n in audio if n in o["params"])
+
+
+def _resume_body(rank, world, layout, cfg, steps, ckpt, first):
+    """Train ``steps[first:]`` at ``layout``; with ``first`` > 0 load ``ckpt`` first, else
+    save it after the steps. Returns the losses and the full parameters."""
+    import types
+
+    from ray_dhp.checkpointing import checkpoint
+    from ray_dhp.step.engine import DHPEngine
+    from ray_dhp.step.mesh import build_groups
+    from ray_dhp.step.topology import Topology
+
+    groups = build_groups(Topology.build(**layout), torch.device("cpu"))
+    engine = DHPEngine(demo.tiny_model_config("qwen2_5_omni"), groups, cfg, dtype=torch.float64,
+                       init="checkpoint" if first else "source")
+    if first:
+        assert checkpoint.load(ckpt, engine) == first
+    losses = [engine.step(mb)["loss"] for mb in steps[first:]]
+    if not first:
+        checkpoint.save(ckpt, engine, types.SimpleNamespace(state_dict=lambda: {}))
+    return {"losses": losses, "params": engine.named_full_parameters()}
+
+
+@pytest.mark.slow
+def test_omni_resume_at_another_layout(omni, tmp_path):
+    """1 step collocated (vision SP2, audio DP2, text TP2), save, load disjoint (vision 1,
+    audio 2, text 1), 2 more steps == 3 uninterrupted reference steps: every loss and every
+    rank's copy of every parameter (the audio tower's AdamW moments and step counts included,
+    which the no-audio second step must leave as they were)."""
+    from tests.distributed.parity import copy_errors
+    from tests.spawn import run_on_ranks
+
+    steps, ref = omni
+    ckpt = str(tmp_path / "ckpt")
+    a = dict(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1, text_tp=2,
+             encoders={"audio": EncoderDegrees(dp=2)})
+    b = dict(placement="disjoint", vision_dp=1, vision_sp=1, text_dp=1, text_tp=1,
+             encoders={"audio": EncoderDegrees(dp=2)})
+    first = run_on_ranks(_resume_body, 2, args=(a, CFG, steps[:1], ckpt, 0))
+    rest = run_on_ranks(_resume_body, 4, args=(b, CFG, steps, ckpt, 1))
+    losses = first[0]["losses"] + rest[0]["losses"]
+    want = [h["loss"] for h in ref["history"]]
+    assert len(losses) == len(want) == 3
+    assert all(abs(g - w) <= 1e-10 * w for g, w in zip(losses, want)), (losses, want)
+    errs = copy_errors(rest, ref["params"])
+    assert errs and max(errs)[0] <= 1e-10, max(errs)
