@@ -183,7 +183,8 @@ def _recommend(args, rf, tokens) -> int:
                               attention=args.attention, device_gib=args.device_gib,
                               hardware=hw, top=args.top,
                               vision_mix=getattr(args, "vision_mix", None),
-                              videos=getattr(args, "videos", None))
+                              videos=getattr(args, "videos", None),
+                              audio_seconds=_audio_seconds(args.audio_seconds))
     print(text)
     return 0 if ok else 1
 

@@ -173,18 +173,21 @@ def lm_audio_tokens(config, seconds: float) -> int:
 def estimate_module_ranks(config, topology, counts, audio: Optional[AudioCounts], *,
                           audio_seconds: float, text_tokens: int, samples: int,
                           settings: ActivationSettings, policy=None,
-                          audio_samples: Optional[int] = None,
+                          audio_samples: Optional[int] = None, lm_tokens_included: bool = False,
                           state_bytes: float = STATE_BYTES_PER_PARAM, **kw) -> list:
     """`ray_dhp.planning.memory.estimate_ranks` over every module: with an audio group, each
     sample also carries one clip of ``audio_seconds`` (its rows lengthen the LM's sequence), the
     audio ranks hold the tower (`module_rank_state`) and its activations (``audio_act``), and
     the text ranks no longer hold it; ``audio_samples``: clips per audio replica (default
-    ``samples``, the other modules' per-replica share). Without one: `estimate_ranks` itself."""
+    ``samples``, the other modules' per-replica share); ``lm_tokens_included``: ``text_tokens``
+    counts the clip's LLM tokens already (the recommender's `Workload`). Without an audio group:
+    `estimate_ranks` itself."""
     common = dict(samples=samples, settings=settings, policy=policy, state_bytes=state_bytes, **kw)
     if audio is None or topology.encoder("audio") is None:
         return estimate_ranks(config, topology, counts, text_tokens=text_tokens, **common)
-    rows = estimate_ranks(config, topology, without_audio(counts),
-                          text_tokens=text_tokens + lm_audio_tokens(config, audio_seconds), **common)
+    extra = 0 if lm_tokens_included else lm_audio_tokens(config, audio_seconds)
+    rows = estimate_ranks(config, topology, without_audio(counts), text_tokens=text_tokens + extra,
+                          **common)
     act = audio_activation_bytes(config.audio_config, audio_samples or samples, audio_seconds,
                                  settings)
     out = []
