@@ -142,7 +142,8 @@ def _cmd_plan(args) -> int:
 
         print(nodes_text(rf, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                          vision_tokens=max(tokens), text_tokens=args.text_tokens,
-                         attention=args.attention, internode_bw=args.internode_gbs * 1e9))
+                         attention=args.attention, internode_bw=args.internode_gbs * 1e9,
+                         audio_seconds=args.audio_seconds))
     return 0
 
 

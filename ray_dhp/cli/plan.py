@@ -204,7 +204,7 @@ def _ranks_text(ranks: list) -> str:
 
 def nodes_text(rf, *, nodes: int, gpus_per_node: int, vision_tokens: int, text_tokens: int,
                attention: str = "flash",
-               internode_bw: float = 45e9) -> str:
+               internode_bw: float = 45e9, audio_seconds: float = 30.0) -> str:
     """The node view of `ray-dhp plan --nodes N --gpus-per-node G`: which DHP ranks share a node
     (as the backend orders them, `ray_dhp.step.topology.node_local_order`) and, per collective, the
     bytes one rank sends per optimizer step and whether its groups cross the node boundary."""
@@ -223,14 +223,22 @@ def nodes_text(rf, *, nodes: int, gpus_per_node: int, vision_tokens: int, text_t
                           f"{gpus_per_node} GPU(s) hold {nodes * gpus_per_node}.")
     slots = [k for k in range(nodes) for _ in range(gpus_per_node)][:topo.world_size]
     node_of = nodes_by_rank(node_local_order(topo, slots), slots)
+    a = topo.encoder("audio")
     layout = Layout(topo.placement, dhp.schedule, topo.vision.inner, topo.vision.dp,
                     topo.text.inner, topo.text.dp, vision_zero=topo.vision.zero_stage,
-                    text_zero=topo.text.zero_stage, text_ep=topo.text_expert_parallel)
+                    text_zero=topo.text.zero_stage, text_ep=topo.text_expert_parallel,
+                    audio_dp=a.dp if a else 0, audio_zero=a.zero_stage if a else None)
+    counts = count_params(config)
+    audio = {}
+    if a is not None:  # one clip per sample: its rows in the LM's sequence, the tower off the LM
+        audio = dict(audio_seconds=audio_seconds, audio_params=count_audio(config))
+        text_tokens, counts = text_tokens + lm_audio_tokens(config, audio_seconds), without_audio(counts)
     w = Workload(vision_tokens=vision_tokens, text_tokens=text_tokens,
                  global_batch_size=rf.optim.global_batch_size, micro_batches=rf.optim.micro_batches,
                  settings=settings_of(rf, attention),
-                 state_bytes=float(policy_of_run(rf).state_bytes()), policy=policy_of_run(rf))
-    volume = collective_bytes(config, count_params(config), layout, w)
+                 state_bytes=float(policy_of_run(rf).state_bytes()), policy=policy_of_run(rf),
+                 **audio)
+    volume = collective_bytes(config, counts, layout, w)
     groups = collective_groups(topo, w.micro_batch_size)
     out = ["", f"nodes: {nodes} x {gpus_per_node} GPUs; DHP ranks by node (Ray Train fills a node "
                "with consecutive ranks under the default PACK strategy; the backend permutes them "
@@ -239,7 +247,8 @@ def nodes_text(rf, *, nodes: int, gpus_per_node: int, vision_tokens: int, text_t
         ranks = [r for r in range(len(node_of)) if node_of[r] == k]
         out.append(f"  node {k}: ranks {_ranks_text(ranks)}")
     out.append(f"collectives per optimizer step ({vision_tokens} vision + {text_tokens} text tokens"
-               f" per sample, {w.micro_batches} micro-batch(es) of {w.micro_batch_size}): bytes "
+               + (f" (with the audio rows), {audio_seconds:g} s of audio" if audio else "")
+               + f" per sample, {w.micro_batches} micro-batch(es) of {w.micro_batch_size}): bytes "
                "one rank sends")
     crossing = 0.0
     for name, gs in groups.items():

@@ -128,3 +128,19 @@ def test_module_ranks_move_the_tower_off_the_text_ranks():
     plain = estimate_module_ranks(config, topo, counts, None, audio_seconds=10.0, **kw)
     assert rows[0].audio_act > 0 and plain[0].audio_act == 0
     assert rows[0].text_act > plain[0].text_act  # 10 s of audio: 250 + 2 more LLM tokens
+
+
+def test_nodes_view_lists_the_audio_collectives():
+    from ray_dhp.cli.plan import nodes_text
+    from ray_dhp.planning.traffic import collective_groups
+
+    rf = load_run_file(OMNI)
+    text = nodes_text(rf, nodes=2, gpus_per_node=4, vision_tokens=4096, text_tokens=512,
+                      audio_seconds=30.0)
+    assert "1264 text tokens (with the audio rows), 30 s of audio" in text  # 512 + 750 + 2
+    lines = {ln.split()[0] + " " + ln.split()[1]: ln for ln in text.splitlines() if ln.startswith("  audio")}
+    assert "inside a node" in lines["audio gradients"]  # audio ranks 2, 3 on node 0
+    assert "CROSSES nodes 0|1" in lines["audio boundary"]  # to the text ranks on node 1
+    groups = collective_groups(rf.dhp_config(with_processor=False).topology(), 2)
+    assert groups["audio gradients"] == [[2, 3]]
+    assert groups["audio boundary"] == [[2, 4, 5, 6, 7], [3, 4, 5, 6, 7]]
