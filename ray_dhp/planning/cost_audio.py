@@ -26,6 +26,7 @@ audio group every audio phase is 0 and the formulas are the two-module ones, ter
 
 from __future__ import annotations
 
+from ray_dhp.planning.links import all_reduce_s, all_to_all_s, link_bw, zero_extra_s
 from ray_dhp.planning.memory_audio import clip_shape
 
 __all__ = ["audio_flops", "audio_phases", "audio_layouts"]
@@ -44,8 +45,6 @@ def audio_phases(config, topology, w, hw, nodes) -> dict:
     """``{audio_fwd, audio_bwd, audio_boundary, audio_end}`` seconds on an audio rank of
     ``topology`` for the workload ``w`` (``w.audio_seconds``, ``w.audio_params``: an
     `ray_dhp.planning.memory_audio.AudioCounts`); all 0 without an audio group."""
-    from ray_dhp.planning.cost_model import _all_reduce, _all_to_all, _bw, _zero_extra
-
     a, t = topology.encoder("audio"), topology.text
     if a is None:
         return {"audio_fwd": 0.0, "audio_bwd": 0.0, "audio_boundary": 0.0, "audio_end": 0.0}
@@ -57,13 +56,13 @@ def audio_phases(config, topology, w, hw, nodes) -> dict:
     rows = clip_shape(config.audio_config, w.audio_seconds).lm_tokens
     feat = config.audio_config.output_dim * s.dtype_bytes
     boundary = (max(-(-mb // t.dp) * rows * feat, clips * rows * feat * t.inner)
-                / _bw(hw, [a.ranks + t.ranks], nodes) + hw.latency_s)
-    bw = _bw(hw, [a.ranks], nodes)
+                / link_bw(hw, [a.ranks + t.ranks], nodes) + hw.latency_s)
+    bw = link_bw(hw, [a.ranks], nodes)
     zero1 = a.zero_stage > 0 and a.size > 1
-    end = (_all_reduce(hw, params * 4, a.size, bw)
-           + (_all_to_all(hw, params * 4, a.size, bw) if zero1 else 0.0)
+    end = (all_reduce_s(hw, params * 4, a.size, bw)
+           + (all_to_all_s(hw, params * 4, a.size, bw) if zero1 else 0.0)
            + params / (a.size if zero1 else 1) * 2 * w.state_bytes / hw.hbm_bw
-           + _zero_extra(a.size, a.zero_stage, params * 4, params * s.dtype_bytes, bw))
+           + zero_extra_s(a.size, a.zero_stage, params * 4, params * s.dtype_bytes, bw))
     return {"audio_fwd": comp * fwd_share, "audio_bwd": comp * (1 - fwd_share),
             "audio_boundary": boundary, "audio_end": end}
 

@@ -67,6 +67,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ray_dhp.planning.links import all_reduce_s as _all_reduce
+from ray_dhp.planning.links import all_to_all_s as _all_to_all
+from ray_dhp.planning.links import link_bw as _bw
+from ray_dhp.planning.links import zero_extra_s as _zero_extra
 from ray_dhp.planning.memory import ActivationSettings, merged, vision_depth, vision_width
 from ray_dhp.step.topology import Topology, fill_nodes
 
@@ -296,34 +300,6 @@ def replica_share(w: Workload, dp: int, per_sample) -> float:
 
 
 # -- communication ----------------------------------------------------------------------------
-
-def _bw(hw: Hardware, groups, node_of=None) -> float:
-    """NVLink if every group lies inside one node, else the inter-node bandwidth. ``node_of[r]``:
-    the node of DHP rank ``r`` (default: consecutive ranks fill nodes of ``gpus_per_node``)."""
-    node = node_of.__getitem__ if node_of is not None else (lambda r: r // hw.gpus_per_node)
-    one_node = all(len({node(r) for r in g}) <= 1 for g in groups)
-    return hw.link_bw if one_node else hw.internode_bw
-
-
-
-def _all_reduce(hw, nbytes, n, bw) -> float:
-    return 0.0 if n <= 1 else 2 * (n - 1) / n * nbytes / bw + hw.latency_s
-
-
-def _zero_extra(n, stage, grad_bytes, weight_bytes, bw) -> float:
-    """Seconds of a stage-2/3 module's synchronisation beyond an all-reduce of its gradients
-    (may be negative: stage 2 reduces instead of all-reducing); 0 at stages 0-1."""
-    from ray_dhp.parallel.zero import replica_bytes
-
-    if stage < 2 or n <= 1:
-        return 0.0
-    return (replica_bytes(n, stage, grad_bytes, weight_bytes)
-            - replica_bytes(n, 0, grad_bytes, weight_bytes)) / bw
-
-
-def _all_to_all(hw, nbytes, n, bw) -> float:
-    return 0.0 if n <= 1 else (n - 1) / n * nbytes / bw + hw.latency_s
-
 
 def phase_times(config, counts, layout: Layout, w: Workload, hw: Hardware) -> PhaseTimes:
     """Per-rank seconds of every phase of one step for ``layout`` (see the module docstring)."""
