@@ -42,8 +42,8 @@ class ModuleParallel:
             heads, MLP width and vocabulary are split over this many workers.
         data_parallel: replicas of the (sharded) module; each sees different samples.
         zero_stage: how the module's state is split over the ranks that replicate it (text: its
-            data_parallel ranks; vision: the whole vision group, whose SP ranks hold the tower
-            too), as in DeepSpeed: 0 replicated; 1 fp32 masters and AdamW moments partitioned;
+            data_parallel ranks; an encoder (vision, audio): its whole group, whose SP ranks hold
+            the tower too), as in DeepSpeed: 0 replicated; 1 fp32 masters and AdamW moments partitioned;
             2 also the reduced gradients (each reduced only to its owner); 3 also the weights
             (torch FSDP2 over the replicas; vision: over the whole vision group, composed with
             Ulysses SP). None: 1 where the module has more than one replica, else 0 (why:
@@ -63,6 +63,10 @@ class ModuleParallel:
             experts on the tensor_parallel ranks, shard every expert's intermediate dimension
             over them like the dense MLP (needs tensor_parallel > 1, expert_parallel = 1; one
             all-gather and two all-reduces per sparse layer; `ray_dhp.parallel.expert_tp`).
+
+    An encoder other than the vision tower (``DHPConfig(audio=...)``) takes the vision keys:
+    ``data_parallel``, ``zero_stage``, ``optimizer_offload`` (the audio encoder: sequence_parallel
+    1 and zero_stage 0-2 for now).
 
     Example:
         >>> ModuleParallel(sequence_parallel=2, data_parallel=2)  # 4 vision workers

@@ -144,3 +144,24 @@ def test_nodes_view_lists_the_audio_collectives():
     groups = collective_groups(rf.dhp_config(with_processor=False).topology(), 2)
     assert groups["audio gradients"] == [[2, 3]]
     assert groups["audio boundary"] == [[2, 4, 5, 6, 7], [3, 4, 5, 6, 7]]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16_mixed", "bf16"])
+@pytest.mark.parametrize("stage, offload", [(0, False), (1, False), (2, False), (1, True)])
+def test_audio_state_is_the_vision_state_of_the_same_parameters(precision, stage, offload):
+    """The audio group's state follows the vision side's rules (`rank_state`): the same
+    parameters as a ViT on a group of the same size and stage give the same bytes."""
+    from ray_dhp.planning.memory import ParamCounts
+    from ray_dhp.step.precision import POLICIES
+
+    policy, sizes = POLICIES[precision], (400, 300, 200, 100)
+    a = AudioCounts(params=1000, sizes=sizes, largest=400)
+    as_vision = ParamCounts(vision=1000, text=0, text_sharded=0, vision_sizes=sizes, largest=400)
+    audio_topo = Topology.build(placement="disjoint", vision_dp=1, vision_sp=1, text_dp=1, text_tp=1,
+                                encoders={"audio": EncoderDegrees(dp=3, zero=stage, offload=offload)})
+    vision_topo = Topology.build(placement="disjoint", vision_dp=3, vision_sp=1, text_dp=1, text_tp=1,
+                                 vision_zero=stage, vision_offload=offload)
+    for k in range(3):
+        got = audio_rank_state(a, audio_topo.encoder("audio"), 1 + k, policy, largest=400)
+        want = rank_state(as_vision, vision_topo, k, policy)
+        assert got == want, (k, got, want)
