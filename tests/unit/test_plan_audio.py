@@ -165,3 +165,35 @@ def test_audio_state_is_the_vision_state_of_the_same_parameters(precision, stage
         got = audio_rank_state(a, audio_topo.encoder("audio"), 1 + k, policy, largest=400)
         want = rank_state(as_vision, vision_topo, k, policy)
         assert got == want, (k, got, want)
+
+
+def test_omni_preset_matches_transformers_thinker_defaults():
+    """transformers' ``Qwen2_5OmniThinkerConfig`` sub-config defaults are the released 7B dims
+    (its docstrings name Qwen/Qwen2.5-Omni-7B), except the ViT width: the class keeps 3584 (the
+    LM width) as ``hidden_size`` while the released tower is 1280 wide (0.68 B parameters, the
+    Qwen2.5-VL ViT's; 3584 would make a 5 B tower)."""
+    from transformers import Qwen2_5OmniThinkerConfig
+
+    from ray_dhp.cli.models import config_from_dims
+    from ray_dhp.cli.presets import preset_dims
+
+    got, ref = config_from_dims(preset_dims("qwen2_5_omni", "7b")), Qwen2_5OmniThinkerConfig()
+    keys = {"audio_config": ("d_model", "encoder_layers", "encoder_attention_heads",
+                             "encoder_ffn_dim", "n_window", "output_dim", "num_mel_bins",
+                             "max_source_positions"),
+            "vision_config": ("depth", "intermediate_size", "num_heads", "fullatt_block_indexes",
+                              "window_size", "patch_size", "spatial_merge_size",
+                              "temporal_patch_size", "out_hidden_size", "hidden_act"),
+            "text_config": ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                            "num_key_value_heads", "intermediate_size", "vocab_size")}
+    for sub, names in keys.items():
+        for k in names:
+            assert list(_tuple(getattr(getattr(got, sub), k))) == list(_tuple(getattr(getattr(ref, sub), k))), (sub, k)
+    assert got.vision_config.hidden_size == 1280
+    for k in ("audio_token_id", "image_token_id", "video_token_id", "audio_start_token_id",
+              "audio_end_token_id", "position_id_per_seconds"):
+        assert getattr(got, k) == getattr(ref, k), k
+
+
+def _tuple(v):
+    return v if isinstance(v, (list, tuple)) else (v,)
