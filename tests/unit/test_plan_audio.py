@@ -197,3 +197,13 @@ def test_omni_preset_matches_transformers_thinker_defaults():
 
 def _tuple(v):
     return v if isinstance(v, (list, tuple)) else (v,)
+
+
+def test_cli_plan_takes_the_clip_length(capsys):
+    from ray_dhp.cli import main
+
+    assert main(["plan", OMNI, "--audio-seconds", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "one 10 s clip per sample" in out and "500 audio-encoder tokens" in out
+    assert main(["plan", OMNI, "--audio-seconds", "0"]) == 2  # a configuration error
+    assert "--audio-seconds 0: give a positive" in capsys.readouterr().err
