@@ -10,10 +10,23 @@ from ray.train.backend import BackendConfig
 
 from ray_dhp.checks import check_fields, checked
 from ray_dhp.parallel.zero import ZERO_STAGES
-from ray_dhp.step.topology import PLACEMENTS, Topology
+from ray_dhp.step.topology import PLACEMENTS, EncoderDegrees, Topology
 
 SCHEDULES = ("sequential", "pipelined")
 NODE_LOCAL = ("warn", "strict")
+# Encoder modules beyond the vision tower, each a `DHPConfig` keyword (and a run-file section) of
+# its name, laid out after the vision encoder in this order; a family hosts encoder ``name`` when
+# its `FamilySpec` says so (``FamilySpec.audio``).
+FURTHER_ENCODERS = ("audio",)
+# What an encoder's group does not cover yet: {name: {what: reason}} (checked by `DHPConfig`).
+_NOT_COVERED = {
+    "audio": {
+        "sequence_parallel": "the audio encoder trains data parallel only; sequence parallelism "
+                             "over long audio (its chunked attention) is not covered yet",
+        "zero_stage": "ZeRO-3 (FSDP2) of the audio encoder is not covered yet; use "
+                      "audio.zero_stage 0-2",
+    },
+}
 
 
 @dataclass
@@ -29,8 +42,8 @@ class ModuleParallel:
             heads, MLP width and vocabulary are split over this many workers.
         data_parallel: replicas of the (sharded) module; each sees different samples.
         zero_stage: how the module's state is split over the ranks that replicate it (text: its
-            data_parallel ranks; vision: the whole vision group, whose SP ranks hold the tower
-            too), as in DeepSpeed: 0 replicated; 1 fp32 masters and AdamW moments partitioned;
+            data_parallel ranks; an encoder (vision, audio): its whole group, whose SP ranks hold
+            the tower too), as in DeepSpeed: 0 replicated; 1 fp32 masters and AdamW moments partitioned;
             2 also the reduced gradients (each reduced only to its owner); 3 also the weights
             (torch FSDP2 over the replicas; vision: over the whole vision group, composed with
             Ulysses SP). None: 1 where the module has more than one replica, else 0 (why:
@@ -50,6 +63,10 @@ class ModuleParallel:
             experts on the tensor_parallel ranks, shard every expert's intermediate dimension
             over them like the dense MLP (needs tensor_parallel > 1, expert_parallel = 1; one
             all-gather and two all-reduces per sparse layer; `ray_dhp.parallel.expert_tp`).
+
+    An encoder other than the vision tower (``DHPConfig(audio=...)``) takes the vision keys:
+    ``data_parallel``, ``zero_stage``, ``optimizer_offload`` (the audio encoder: sequence_parallel
+    1 and zero_stage 0-2 for now).
 
     Example:
         >>> ModuleParallel(sequence_parallel=2, data_parallel=2)  # 4 vision workers
@@ -104,8 +121,13 @@ class DHPConfig(BackendConfig):
             that is a directory.
         vision: degrees of the vision group (``sequence_parallel``, ``data_parallel``).
         text: degrees of the text group (``tensor_parallel``, ``data_parallel``).
-        placement: ``"collocated"`` (every worker hosts a shard of both modules; both groups
-            span all workers) or ``"disjoint"`` (vision workers first, then text workers).
+        audio: degrees of the audio encoder's group (``data_parallel``, ``zero_stage``,
+            ``optimizer_offload``) for a model with an audio encoder (Qwen2.5-Omni's thinker);
+            None (the default): the model trains without an audio group. Every further encoder
+            (`FURTHER_ENCODERS`) is a keyword of its name like this one (docs/multi_encoder.md).
+        placement: ``"collocated"`` (every worker hosts a shard of every module; all groups
+            span all workers) or ``"disjoint"`` (each module on workers of its own: vision
+            workers first, then audio, then text).
         schedule: ``"sequential"`` or ``"pipelined"`` micro-batch schedule between the groups
             (`ray_dhp.step.schedule`); None picks "pipelined" for disjoint, "sequential" for
             collocated. Results do not depend on it, only timing does.
@@ -129,6 +151,7 @@ class DHPConfig(BackendConfig):
     processor: Any = None
     vision: ModuleParallel = field(default_factory=ModuleParallel)
     text: ModuleParallel = field(default_factory=ModuleParallel)
+    audio: Optional[ModuleParallel] = None
     placement: str = checked("collocated", choices=PLACEMENTS)
     schedule: Optional[str] = checked(None, choices=(None,) + SCHEDULES)
     timeout_s: int = checked(1800, gt=0)
@@ -151,11 +174,12 @@ class DHPConfig(BackendConfig):
         for name in ("vision", "text"):
             if not isinstance(getattr(self, name), ModuleParallel):
                 raise ValueError(f"DHPConfig.{name} must be a ModuleParallel, got {getattr(self, name)!r}.")
-        if self.vision.tensor_parallel != 1:
-            raise ValueError("DHPConfig.vision: the vision group uses sequence_parallel, not tensor_parallel.")
-        if isinstance(self.vision.sequence_parallel, bool):
-            raise ValueError("DHPConfig.vision.sequence_parallel is the Ulysses degree (an integer >= 1), "
-                             f"got {self.vision.sequence_parallel!r}.")
+        for name in FURTHER_ENCODERS:
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), ModuleParallel):
+                raise ValueError(f"DHPConfig.{name} must be a ModuleParallel or None, got "
+                                 f"{getattr(self, name)!r}.")
+        for name, m in self.encoder_parallel().items():
+            _check_encoder(name, m)
         if not isinstance(self.text.sequence_parallel, bool) and self.text.sequence_parallel != 1:
             raise ValueError(
                 f"DHPConfig.text.sequence_parallel={self.text.sequence_parallel!r}: for the text group it is "
@@ -175,7 +199,16 @@ class DHPConfig(BackendConfig):
 
     # -- derived -------------------------------------------------------------------------------
 
+    def encoder_parallel(self) -> dict:
+        """``{name: ModuleParallel}`` of every encoder module the model trains, in rank order:
+        the vision tower, then each configured further encoder (`FURTHER_ENCODERS`)."""
+        further = {n: getattr(self, n) for n in FURTHER_ENCODERS if getattr(self, n) is not None}
+        return {"vision": self.vision, **further}
+
     def topology(self) -> Topology:
+        further = {n: EncoderDegrees(dp=m.data_parallel, sp=m.sequence_parallel, zero=m.zero_stage,
+                                     offload=m.optimizer_offload)
+                   for n, m in self.encoder_parallel().items() if n != "vision"}
         return Topology.build(
             placement=self.placement,
             vision_dp=self.vision.data_parallel,
@@ -187,6 +220,7 @@ class DHPConfig(BackendConfig):
             vision_offload=self.vision.optimizer_offload, text_offload=self.text.optimizer_offload,
             text_ep=self.text.expert_parallel,
             text_expert_tp=self.text.expert_tensor_parallel,
+            encoders=further,
         )
 
     @property
@@ -207,12 +241,11 @@ class DHPConfig(BackendConfig):
         family = family_of(self.model_config())
         family.validate_layout(self.model_config(), sp=self.vision.sequence_parallel,
                                tp=self.text.tensor_parallel, text_sp=self.text.sequence_parallel is True)
-        if self.vision.expert_parallel != 1:
-            raise ValueError("vision.expert_parallel: the vision encoder has no experts; leave it at 1.")
+        for name in self.encoder_parallel():
+            if name != "vision" and getattr(family, name, False) is not True:
+                raise ValueError(f"{name}: the {family.name} family has no {name} encoder; remove "
+                                 f"the {name} section (DHPConfig({name}=None)).")
         family.validate_expert_parallel(self.model_config(), self.text.expert_parallel)
-        if self.vision.expert_tensor_parallel:
-            raise ValueError("vision.expert_tensor_parallel: the vision encoder has no experts; "
-                             "leave it false.")
         if self.text.expert_tensor_parallel:
             from ray_dhp.parallel.expert_tp import validate
 
@@ -226,13 +259,13 @@ class DHPConfig(BackendConfig):
         need = self.num_workers
         if num_workers != need:
             t = self.topology()
-            how = (f"vision {t.vision.dp}x{t.vision.inner} (= text {t.text.dp}x{t.text.inner})"
+            how = (" = ".join(f"{m.name} {m.dp}x{m.inner}" for m in t.modules)
                    if self.placement == "collocated"
-                   else f"vision {t.vision.size} + text {t.text.size}")
+                   else " + ".join(f"{m.name} {m.size}" for m in t.modules))
             raise ValueError(
                 f"ScalingConfig(num_workers={num_workers}) does not match the {self.placement} "
                 f"layout, which needs {need} workers ({how}); set num_workers={need} or change "
-                f"the vision/text degrees."
+                f"the {'/'.join(m.name for m in t.modules)} degrees."
             )
 
     # -- BackendConfig -------------------------------------------------------------------------
@@ -262,7 +295,7 @@ class DHPConfig(BackendConfig):
 
     def to_dict(self) -> dict:
         return {
-            "vision": vars(self.vision),
+            **{name: vars(m) for name, m in self.encoder_parallel().items()},
             "text": vars(self.text),
             "placement": self.placement,
             "schedule": self.schedule,
@@ -271,3 +304,25 @@ class DHPConfig(BackendConfig):
 
 
 ModelSpec = Union[str, Any]
+
+
+def _check_encoder(name: str, m: ModuleParallel) -> None:
+    """An encoder's degrees: Ulysses ``sequence_parallel`` (an integer), no tensor or expert
+    parallelism, and nothing `_NOT_COVERED` for it; errors name the key ``<name>.<field>``."""
+    if m.tensor_parallel != 1:
+        raise ValueError(f"{name}.tensor_parallel: the {name} group uses sequence_parallel and "
+                         "data_parallel, not tensor_parallel; leave it at 1.")
+    if isinstance(m.sequence_parallel, bool):
+        raise ValueError(f"{name}.sequence_parallel is the Ulysses degree (an integer >= 1), "
+                         f"got {m.sequence_parallel!r}.")
+    if m.expert_parallel != 1:
+        raise ValueError(f"{name}.expert_parallel: the {name} encoder has no experts; leave it at 1.")
+    if m.expert_tensor_parallel:
+        raise ValueError(f"{name}.expert_tensor_parallel: the {name} encoder has no experts; "
+                         "leave it false.")
+    limits = _NOT_COVERED.get(name, {})
+    if m.sequence_parallel > 1 and "sequence_parallel" in limits:
+        raise ValueError(f"{name}.sequence_parallel={m.sequence_parallel}: "
+                         f"{limits['sequence_parallel']}; set {name}.sequence_parallel=1.")
+    if m.zero_stage == 3 and "zero_stage" in limits:
+        raise ValueError(f"{name}.zero_stage=3: {limits['zero_stage']}.")

@@ -23,7 +23,7 @@ from typing import Optional
 
 from ray_dhp.cli.schema import (ConfigError, apply_overrides, borrow, from_dict, option,
                                 section)
-from ray_dhp.layout import DHPConfig, ModuleParallel
+from ray_dhp.layout import FURTHER_ENCODERS, DHPConfig, ModuleParallel
 from ray_dhp.train.loop_config import TrainLoopConfig, check_dataset_weights
 
 __all__ = ["RunFile", "ConfigError", "load_run_file", "run_file_from_dict", "loop_key_in_file",
@@ -52,7 +52,7 @@ class ModelSection:
 
     demo: Optional[str] = option("qwen2_5_vl", "tiny random-init demo model of this family "
                                  "(qwen2_5_vl, qwen2_vl, qwen3_vl, qwen3_vl_moe, qwen3_5, "
-                                 "qwen3_5_moe, internvl); used when "
+                                 "qwen3_5_moe, internvl, qwen2_5_omni); used when "
                                  "path, preset and config are unset")
     path: Optional[str] = option(None, "local Hugging Face model directory, or a Hub model id "
                                  "(org/name, e.g. Qwen/Qwen2.5-VL-7B-Instruct) found in the "
@@ -94,6 +94,19 @@ VisionSection = make_dataclass(
     + borrow(ModuleParallel, ["data_parallel", "zero_stage", "optimizer_offload"]),
     namespace={"__doc__": "Degrees of the vision group (the vision encoder takes Ulysses sequence "
                           "parallelism, not tensor parallelism).", "__module__": __name__})
+
+@dataclass
+class _AudioOwn:
+    sequence_parallel: int = option(1, "sequence parallelism of the audio encoder: 1 (the audio "
+                                    "encoder trains data parallel only for now)", ge=1)
+
+
+AudioSection = make_dataclass(
+    "AudioSection", borrow(_AudioOwn, ["sequence_parallel"])
+    + borrow(ModuleParallel, ["data_parallel", "zero_stage", "optimizer_offload"]),
+    namespace={"__doc__": "Degrees of the audio encoder's group, for a model with an audio "
+                          "encoder (Qwen2.5-Omni's thinker); absent: the model trains without an "
+                          "audio group (docs/multi_encoder.md).", "__module__": __name__})
 
 TextSection = make_dataclass(
     "TextSection", borrow(ModuleParallel, ["tensor_parallel"])
@@ -207,6 +220,9 @@ class RunFile:
                                     "(sequence_parallel, data_parallel)")
     text: TextSection = section(TextSection, "degrees of the text group "
                                 "(tensor_parallel, data_parallel)")
+    audio: Optional[AudioSection] = section(AudioSection, "degrees of the audio encoder's group "
+                                            "(data_parallel, zero_stage); absent: no audio group",
+                                            optional=True)
     placement: PlacementSection = section(PlacementSection, "where the module groups run",
                                           shorthand="mode")
     data: DataSection = section(DataSection, "training data")
@@ -247,6 +263,8 @@ class RunFile:
                              processor=self.processor_spec() if with_processor else None,
                              vision=ModuleParallel(**asdict(self.vision)),
                              text=ModuleParallel(**asdict(self.text)),
+                             **{name: ModuleParallel(**asdict(getattr(self, name)))
+                                for name in FURTHER_ENCODERS if getattr(self, name) is not None},
                              placement=self.placement.mode, schedule=self.placement.schedule,
                              timeout_s=self.placement.timeout_s,
                              node_local=self.placement.node_local)

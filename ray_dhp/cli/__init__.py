@@ -48,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
                     "ceil(FRAMES / 2) x H/14 x W/14, attention per frame; a comma list prints one "
                     "estimate each (--recommend plans for the longest)")
     pl.add_argument("--text-tokens", type=int, default=512, help="text tokens per sample")
+    pl.add_argument("--audio-seconds", type=float, default=30.0, help="with an audio group "
+                    "(audio: section): seconds of audio per sample, one clip (Whisper features: "
+                    "100 frames/s, 50 encoder tokens/s, 25 LLM tokens/s)")
     pl.add_argument("--attention", choices=["flash", "eager"], default=None, help="attention "
                     "kernel of the activation estimate (default: flash with scaling.use_gpu, "
                     "else eager)")
@@ -132,14 +135,24 @@ def _cmd_plan(args) -> int:
 
         raise ConfigError("--gpus and --micro-batches are options of --recommend; add --recommend.")
     print(plan_text(rf, vision_tokens=tokens, text_tokens=args.text_tokens,
-                    attention=args.attention, device_gib=args.device_gib, videos=args.videos))
+                    attention=args.attention, device_gib=args.device_gib, videos=args.videos,
+                    audio_seconds=_audio_seconds(args.audio_seconds)))
     if args.nodes is not None:
         from ray_dhp.cli.plan import nodes_text
 
         print(nodes_text(rf, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                          vision_tokens=max(tokens), text_tokens=args.text_tokens,
-                         attention=args.attention, internode_bw=args.internode_gbs * 1e9))
+                         attention=args.attention, internode_bw=args.internode_gbs * 1e9,
+                         audio_seconds=args.audio_seconds))
     return 0
+
+
+def _audio_seconds(seconds: float) -> float:
+    if not seconds > 0 or seconds == float("inf"):
+        from ray_dhp.cli.schema import ConfigError
+
+        raise ConfigError(f"--audio-seconds {seconds:g}: give a positive, finite clip length.")
+    return seconds
 
 
 def _videos(text):
@@ -171,7 +184,8 @@ def _recommend(args, rf, tokens) -> int:
                               attention=args.attention, device_gib=args.device_gib,
                               hardware=hw, top=args.top,
                               vision_mix=getattr(args, "vision_mix", None),
-                              videos=getattr(args, "videos", None))
+                              videos=getattr(args, "videos", None),
+                              audio_seconds=_audio_seconds(args.audio_seconds))
     print(text)
     return 0 if ok else 1
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from ray_dhp.planning.memory import (GIB, ActivationSettings, count_params, estimate_ranks,
-                                     estimate_zero3, rank_state)
+from ray_dhp.planning.memory import GIB, ActivationSettings, count_params, estimate_zero3
+from ray_dhp.planning.memory_audio import (audio_activation_bytes, clip_shape, count_audio,
+                                           estimate_module_ranks, lm_audio_tokens,
+                                           module_rank_state, without_audio)
 from ray_dhp.planning.step_peak import rank_step_peak
 
 
@@ -17,7 +19,7 @@ def _num(n: int) -> str:
 
 def _meshes(topology) -> list:
     lines = []
-    for m in (topology.vision, topology.text):
+    for m in topology.modules:
         lines.append(f"  {m.name} mesh (\"dp\", \"{m.inner_dim}\") = {m.mesh()}")
         lines.append(f"    {m.inner_dim} groups {m.inner_groups()}, dp groups {m.dp_groups()}")
     return lines
@@ -42,9 +44,9 @@ def settings_of(rf, attention: str) -> ActivationSettings:
 
 
 def samples_per_replica(rf, topology) -> int:
-    """Samples one replica processes per micro-batch (the larger of the two groups' shares)."""
+    """Samples one replica processes per micro-batch (the largest of the module groups' shares)."""
     mb = rf.optim.global_batch_size // rf.optim.micro_batches
-    return max(1, -(-mb // min(topology.vision.dp, topology.text.dp)))
+    return max(1, -(-mb // min(m.dp for m in topology.modules)))
 
 
 def _fits(total: float, device_gib) -> str:
@@ -81,11 +83,12 @@ def vision_cases(config, vision_tokens: list, videos=None) -> list:
 
 
 def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
-              device_gib=None, videos=None) -> str:
+              device_gib=None, videos=None, audio_seconds: float = 30.0) -> str:
     """The full `ray-dhp plan` report for the run file ``rf``. ``attention`` and
     ``device_gib`` default to flash and 80 GiB with ``scaling.use_gpu``; on CPU to eager (scores
     counted in full) and no device limit. ``videos`` (`ray_dhp.planning.video.VideoShape`, from
-    ``--video``) replace ``vision_tokens``: one estimate per video."""
+    ``--video``) replace ``vision_tokens``: one estimate per video. ``audio_seconds``: with an
+    audio group (``audio:``), each sample also carries one clip this long."""
     gpu = rf.scaling.use_gpu
     attention = attention or ("flash" if gpu else "eager")
     if device_gib is None and gpu:
@@ -98,13 +101,16 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
 
     tuning = tuning_of(rf.optim)  # optim.modules: frozen parts hold weights only
     counts = count_params(config, None if tuning.default else tuning)
+    audio = count_audio(config, tuning) if topo.encoder("audio") is not None else None
+    base = without_audio(counts) if audio is not None else counts  # what vision/text ranks hold
     tp = topo.text.inner
     settings = settings_of(rf, attention)
     samples = samples_per_replica(rf, topo)
     policy = policy_of_run(rf)
     out = [
         f"model: {config.model_type}; parameters: vision {_num(counts.vision)}, "
-        f"text {_num(counts.text)} ({_num(counts.text_sharded)} tensor-parallel)",
+        + (f"audio {_num(audio.params)}, " if audio is not None else "")
+        + f"text {_num(base.text)} ({_num(counts.text_sharded)} tensor-parallel)",
         *([f"frozen (optim.modules): vision {_num(counts.vision_frozen)}, text "
            f"{_num(counts.text_frozen)}"] if counts.vision_frozen or counts.text_frozen else []),
         f"workers: {num_workers} (scaling.use_gpu={rf.scaling.use_gpu})",
@@ -112,7 +118,7 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
         "",
         f"precision (optim.precision): {policy.describe()}",
         "per-rank model state (held by the rank; masters and AdamW moments only for what it "
-        f"updates; ZeRO stages: vision {topo.vision.zero_stage}, text {topo.text.zero_stage}); "
+        f"updates; ZeRO stages: {_stages(topo, ', ')}); "
         "start-up peak = weights "
         "+ masters + one full fp32 tensor (the largest, "
         f"{_num(counts.largest)} elements) while the engine is built; step peak = state + the "
@@ -124,13 +130,18 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
         roles = topo.roles(r)
         vg = topo.vision  # a module's FSDP shard at stage 3
         v = counts.vision_held_by(r - vg.offset, vg.size, vg.zero_stage) if "vision" in roles else 0
-        st = rank_state(counts, topo, r, policy)
-        t = st.params - v
-        out.append(f"  rank {r} [{'+'.join(roles)}]: vision {_num(v)} + text {_num(t)} params; "
+        a = audio.params if audio is not None and "audio" in roles else 0
+        st = module_rank_state(counts, audio, topo, r, policy)
+        t = st.params - v - a
+        ag = topo.encoder("audio")
+        a_reduced = a if a and ag.size > 1 else 0
+        out.append(f"  rank {r} [{'+'.join(roles)}]: vision {_num(v)} + "
+                   + (f"audio {_num(a)} + " if audio is not None else "")
+                   + f"text {_num(t)} params; "
                    f"weights {_gib(st.weights)}, grads {_gib(st.grads)}, masters "
                    f"{_gib(st.masters)}, AdamW {_gib(st.optimizer)} = state {_gib(st.total)}; "
                    f"start-up peak {_gib(st.startup_peak)}; step peak "
-                   f"{_gib(rank_step_peak(st, policy, counts, topo, r, config.text_config))}; "
+                   f"{_gib(rank_step_peak(st, policy, base, topo, r, config.text_config, a_reduced))}; "
                    + (f"offloaded to the host: {_gib(st.host)} (device state "
                       f"{_gib(st.device_total)}); " if st.host else "")
                    + f"host: checkpoint staging "
@@ -138,28 +149,53 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
     out += ["", f"activation estimate: {samples} sample(s) per replica per micro-batch, "
                 f"{text_tokens} text tokens per sample, {settings.dtype_bytes}-byte activations, "
                 f"{attention} attention, activation checkpointing "
-                f"{'on' if settings.checkpointing else 'off'}, ZeRO stages vision "
-                f"{topo.vision.zero_stage} / text {topo.text.zero_stage}; {device}"]
+                f"{'on' if settings.checkpointing else 'off'}, ZeRO stages "
+                f"{_stages(topo, ' / ')}; {device}"]
+    lm_audio = 0
+    if audio is not None:
+        clip, lm_audio = clip_shape(config.audio_config, audio_seconds), lm_audio_tokens(config, audio_seconds)
+        out.append(f"audio: one {audio_seconds:g} s clip per sample (--audio-seconds), "
+                   f"{_audio_samples(rf, topo)} clip(s) per audio replica per micro-batch: "
+                   f"{clip.frames} mel frames, {clip.tokens} audio-encoder tokens (attention in "
+                   f"chunks of {clip.chunk_tokens}), {clip.lm_tokens} + 2 LLM tokens")
     for heading, vt, seg in vision_cases(config, vision_tokens, videos):
         out.append(heading)
-        too_long = _too_long(rf, vt, text_tokens)
+        too_long = _too_long(rf, vt, text_tokens + lm_audio)
         if too_long is not None:
-            out.append(f"  samples of {too_long} tokens ({vt} // 4 + {text_tokens}) exceed "
+            out.append(f"  samples of {too_long} tokens ({vt} // 4 + {text_tokens + lm_audio}) exceed "
                        f"data.max_tokens={rf.data.max_tokens}: skipped as bad data")
             continue
-        for m in estimate_ranks(config, topo, counts, vision_tokens=vt, text_tokens=text_tokens,
-                                samples=samples, settings=settings,
-                                policy=policy, segment_tokens=seg):
+        for m in estimate_module_ranks(config, topo, counts, audio, audio_seconds=audio_seconds,
+                                       audio_samples=_audio_samples(rf, topo),
+                                       vision_tokens=vt, text_tokens=text_tokens,
+                                       samples=samples, settings=settings,
+                                       policy=policy, segment_tokens=seg):
             out.append(f"  rank {m.rank} memory: state {_gib(m.state_bytes)} + vision act "
-                       f"{_gib(m.vision_act)} + text act {_gib(m.text_act)} = {_gib(m.total)}"
+                       f"{_gib(m.vision_act)} + "
+                       + (f"audio act {_gib(m.audio_act)} + " if audio is not None else "")
+                       + f"text act {_gib(m.text_act)} = {_gib(m.total)}"
                        f"{_fits(m.total, device_gib)}")
         z = estimate_zero3(config, counts, topo.world_size, vision_tokens=vt,
-                           text_tokens=text_tokens, settings=settings,
+                           text_tokens=text_tokens + lm_audio, settings=settings,
                            state_bytes=policy.state_bytes(), segment_tokens=seg)
+        if audio is not None:
+            z += audio_activation_bytes(config.audio_config, 1, audio_seconds, settings)
         unit = "GPU" if gpu else "rank"
         out.append(f"  (reference: ZeRO-3 over {topo.world_size} {unit}s, one sample per {unit}, "
                    f"no SP/TP: {_gib(z)} per {unit}{_fits(z, device_gib)})")
     return "\n".join(out)
+
+
+def _audio_samples(rf, topology):
+    """Clips one audio replica encodes per micro-batch (None without an audio group)."""
+    a = topology.encoder("audio")
+    mb = rf.optim.global_batch_size // rf.optim.micro_batches
+    return None if a is None else max(1, -(-mb // a.dp))
+
+
+def _stages(topology, sep: str) -> str:
+    """``vision 1, audio 0, text 1``: every module's ZeRO stage."""
+    return sep.join(f"{m.name} {m.zero_stage}" for m in topology.modules)
 
 
 def _ranks_text(ranks: list) -> str:
@@ -168,7 +204,7 @@ def _ranks_text(ranks: list) -> str:
 
 def nodes_text(rf, *, nodes: int, gpus_per_node: int, vision_tokens: int, text_tokens: int,
                attention: str = "flash",
-               internode_bw: float = 45e9) -> str:
+               internode_bw: float = 45e9, audio_seconds: float = 30.0) -> str:
     """The node view of `ray-dhp plan --nodes N --gpus-per-node G`: which DHP ranks share a node
     (as the backend orders them, `ray_dhp.step.topology.node_local_order`) and, per collective, the
     bytes one rank sends per optimizer step and whether its groups cross the node boundary."""
@@ -187,14 +223,22 @@ def nodes_text(rf, *, nodes: int, gpus_per_node: int, vision_tokens: int, text_t
                           f"{gpus_per_node} GPU(s) hold {nodes * gpus_per_node}.")
     slots = [k for k in range(nodes) for _ in range(gpus_per_node)][:topo.world_size]
     node_of = nodes_by_rank(node_local_order(topo, slots), slots)
+    a = topo.encoder("audio")
     layout = Layout(topo.placement, dhp.schedule, topo.vision.inner, topo.vision.dp,
                     topo.text.inner, topo.text.dp, vision_zero=topo.vision.zero_stage,
-                    text_zero=topo.text.zero_stage, text_ep=topo.text_expert_parallel)
+                    text_zero=topo.text.zero_stage, text_ep=topo.text_expert_parallel,
+                    audio_dp=a.dp if a else 0, audio_zero=a.zero_stage if a else None)
+    counts = count_params(config)
+    audio = {}
+    if a is not None:  # one clip per sample: its rows in the LM's sequence, the tower off the LM
+        audio = dict(audio_seconds=audio_seconds, audio_params=count_audio(config))
+        text_tokens, counts = text_tokens + lm_audio_tokens(config, audio_seconds), without_audio(counts)
     w = Workload(vision_tokens=vision_tokens, text_tokens=text_tokens,
                  global_batch_size=rf.optim.global_batch_size, micro_batches=rf.optim.micro_batches,
                  settings=settings_of(rf, attention),
-                 state_bytes=float(policy_of_run(rf).state_bytes()), policy=policy_of_run(rf))
-    volume = collective_bytes(config, count_params(config), layout, w)
+                 state_bytes=float(policy_of_run(rf).state_bytes()), policy=policy_of_run(rf),
+                 **audio)
+    volume = collective_bytes(config, counts, layout, w)
     groups = collective_groups(topo, w.micro_batch_size)
     out = ["", f"nodes: {nodes} x {gpus_per_node} GPUs; DHP ranks by node (Ray Train fills a node "
                "with consecutive ranks under the default PACK strategy; the backend permutes them "
@@ -203,7 +247,8 @@ def nodes_text(rf, *, nodes: int, gpus_per_node: int, vision_tokens: int, text_t
         ranks = [r for r in range(len(node_of)) if node_of[r] == k]
         out.append(f"  node {k}: ranks {_ranks_text(ranks)}")
     out.append(f"collectives per optimizer step ({vision_tokens} vision + {text_tokens} text tokens"
-               f" per sample, {w.micro_batches} micro-batch(es) of {w.micro_batch_size}): bytes "
+               + (f" (with the audio rows), {audio_seconds:g} s of audio" if audio else "")
+               + f" per sample, {w.micro_batches} micro-batch(es) of {w.micro_batch_size}): bytes "
                "one rank sends")
     crossing = 0.0
     for name, gs in groups.items():

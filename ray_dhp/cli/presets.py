@@ -1,7 +1,7 @@
 """Published model dimensions, usable without weights (``model: {family: ..., preset: ...}``).
 
-The dimensions are those of the public Hugging Face ``config.json`` files of Qwen2.5-VL and
-Qwen3.5 (9B: transformers' own ``Qwen3_5Config`` defaults, its "Qwen3.5-9B style
+The dimensions are those of the public Hugging Face ``config.json`` files of Qwen2.5-VL,
+Qwen2.5-Omni (its thinker, below) and Qwen3.5 (9B: transformers' own ``Qwen3_5Config`` defaults, its "Qwen3.5-9B style
 configuration"; 27B: the released ``Qwen/Qwen3.5-27B`` text config), Qwen3.5-MoE (below) and
 Qwen3-VL-MoE; only the
 fields that shape parameters, parallel degrees and memory are listed (token ids included so a
@@ -150,6 +150,35 @@ def _internvl3(vision: dict, hidden: int, layers: int, heads: int, kv_heads: int
     }
 
 
+# Qwen2.5-Omni-7B's thinker (Qwen/Qwen2.5-Omni-7B ``thinker_config``; transformers'
+# ``Qwen2_5OmniThinkerConfig``, whose sub-config defaults are these dims): the Qwen2.5-7B LM, the
+# Qwen2.5-VL 32-block 1280-wide windowed ViT (full attention in blocks 7, 15, 23, 31) and a
+# Whisper-large-v3-like audio encoder (32 layers, d_model 1280, 20 heads, FFN 5120, 128 mel bins;
+# attention in chunks of 2 x n_window mel frames; its ``proj`` maps to the LM width). The talker
+# and the token2wav vocoder are not part of the thinker and not trained here.
+_QWEN2_5_OMNI_AUDIO = {
+    "d_model": 1280, "encoder_layers": 32, "encoder_attention_heads": 20, "encoder_ffn_dim": 5120,
+    "num_mel_bins": 128, "max_source_positions": 1500, "n_window": 100,
+    "activation_function": "gelu",
+}
+
+
+def _qwen2_5_omni(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int) -> dict:
+    vl = _qwen2_5_vl(hidden, layers, heads, kv_heads, intermediate)
+    vision = {k: v for k, v in _QWEN2_5_VL_VISION.items() if k not in ("tokens_per_second", "in_chans")}
+    return {
+        "model_type": "qwen2_5_omni_thinker",
+        "audio_config": {**_QWEN2_5_OMNI_AUDIO, "output_dim": hidden},
+        "vision_config": {**vision, "intermediate_size": 3420, "in_channels": 3,
+                          "hidden_act": "silu", "out_hidden_size": hidden},
+        "text_config": {**vl["text_config"], "max_position_embeddings": 32768},
+        "audio_token_index": 151646, "image_token_index": 151655, "video_token_index": 151656,
+        "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+        "audio_start_token_id": 151647, "audio_end_token_id": 151648,
+        "position_id_per_seconds": 25, "seconds_per_chunk": 2,
+    }
+
+
 PRESETS = {
     "internvl": {
         "1b": _internvl3(_INTERNVIT_300M, 896, 24, 14, 2, 4864, tied=True),
@@ -163,6 +192,9 @@ PRESETS = {
         "7b": _qwen2_5_vl(3584, 28, 28, 4, 18944),
         "32b": _qwen2_5_vl(5120, 64, 40, 8, 27648),
         "72b": _qwen2_5_vl(8192, 80, 64, 8, 29568),
+    },
+    "qwen2_5_omni": {
+        "7b": _qwen2_5_omni(3584, 28, 28, 4, 18944),
     },
     "qwen3_5": {
         "9b": _qwen3_5(4096, 32, 16, 4, 12288, 16, 32),

@@ -13,12 +13,14 @@ def default_workers(rf) -> int:
     """The run file's worker count: ``scaling.num_workers``, else the size of its layout."""
     if rf.scaling.num_workers:
         return rf.scaling.num_workers
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.step.topology import EncoderDegrees, Topology
 
+    audio = ({"audio": EncoderDegrees(dp=rf.audio.data_parallel, sp=rf.audio.sequence_parallel)}
+             if rf.audio is not None else None)
     try:
         return Topology.build(placement=rf.placement.mode, vision_dp=rf.vision.data_parallel,
                               vision_sp=rf.vision.sequence_parallel, text_dp=rf.text.data_parallel,
-                              text_tp=rf.text.tensor_parallel).world_size
+                              text_tp=rf.text.tensor_parallel, encoders=audio).world_size
     except ValueError as e:
         raise ConfigError(f"{e} (or pass --gpus N)") from None
 
@@ -71,28 +73,30 @@ def _fragment_yaml(cand, micro_batches_override) -> str:
 
 def _row(i, c) -> str:
     lay, idle = c.layout, c.idle_fraction
-    iv, it = idle.get("vision", idle.get("vision+text", 0.0)), idle.get("text", idle.get("vision+text", 0.0))
+    both = idle.get("vision+text", idle.get("vision+audio+text", 0.0))  # collocated: one group
+    iv, it = idle.get("vision", both), idle.get("text", both)
     text = f"tp{lay.text_tp}{'+sp' if lay.text_sp else ''} x dp{lay.text_dp}" \
         + (f" ep{lay.text_ep}" if lay.text_ep > 1 else "")
+    audio = f"{f'dp{lay.audio_dp}':<7}{idle.get('audio', both):5.2f}  " if lay.audio_dp else ""
     return (f"{i:>3}  {lay.placement:<10}  {lay.schedule:<10}  "
-            f"{f'sp{lay.vision_sp} x dp{lay.vision_dp}':<11} {text:<14}"
+            f"{f'sp{lay.vision_sp} x dp{lay.vision_dp}':<11} {audio}{text:<14}"
             f" {c.step_s:9.4g}  {iv:11.2f}  {it:9.2f}  {c.peak_memory_gib:8.3g}"
             f"  {_zero(lay)}")
 
 
 def _zero(lay) -> str:
-    topo = lay.topology()
-    return f"{topo.vision.zero_stage}/{topo.text.zero_stage}"
+    return "/".join(str(m.zero_stage) for m in lay.topology().modules)
 
 
 def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens: int,
                    attention: str = "flash", device_gib: float = 80.0, hardware=None,
-                   top: int = 8, vision_mix=None, videos=None) -> tuple:
+                   top: int = 8, vision_mix=None, videos=None, audio_seconds: float = 30.0) -> tuple:
     """(report, ok): the ranked layouts for the run file ``rf`` on ``gpus`` workers (None: the
     run file's count) and the fragment of the best one; ``ok`` is False when none fits.
     ``vision_mix``: a resolution mix ``((tokens, fraction), ...)`` (`parse_vision_tokens`);
     ``videos`` (``--video``): plan for the longest of them instead (its tokens, per-frame
-    attention)."""
+    attention). With an ``audio:`` section every layout has an audio group and each sample one
+    clip of ``audio_seconds``."""
     from ray_dhp.cli.plan import _num
     from ray_dhp.planning.memory import count_params
     from ray_dhp.models import load_model_config
@@ -117,16 +121,25 @@ def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens:
 
         line, vt, segment = max(vision_cases(config, vision_tokens, videos), key=lambda c: c[1])
         line = f"workload: {line.rstrip(':')} + {text_tokens} text tokens"
-    w = Workload(vision_tokens=vt, text_tokens=text_tokens, global_batch_size=gb, micro_batches=m,
-                 settings=settings, state_bytes=state_bytes, policy=policy,
+    audio, lm_audio = {}, 0
+    if rf.audio is not None:  # three modules: one clip per sample, its rows in the LM's sequence
+        from ray_dhp.planning.memory_audio import count_audio, lm_audio_tokens
+
+        lm_audio = lm_audio_tokens(config, audio_seconds)
+        audio = dict(audio_seconds=audio_seconds, audio_params=count_audio(config))
+    w = Workload(vision_tokens=vt, text_tokens=text_tokens + lm_audio, global_batch_size=gb,
+                 micro_batches=m, settings=settings, state_bytes=state_bytes, policy=policy,
                  device_gib=device_gib,
-                 vision_mix=vision_mix, vision_segment=segment)
+                 vision_mix=vision_mix, vision_segment=segment, **audio)
     cands = recommend(config, n, w, hw, counts=counts)
     ok = [c for c in cands if c.feasible]
+    a_num = f"audio {_num(audio['audio_params'].params)}, " if audio else ""
+    t_num = counts.text - (audio["audio_params"].params if audio else 0)
     out = [
-        f"recommendation for {n} GPUs: {config.model_type} (vision {_num(counts.vision)}, text "
-        f"{_num(counts.text)} parameters)",
+        f"recommendation for {n} GPUs: {config.model_type} (vision {_num(counts.vision)}, {a_num}"
+        f"text {_num(t_num)} parameters)",
         (line or _workload_line(vt, text_tokens, vision_tokens, vision_mix))
+        + (f" + one {audio_seconds:g} s audio clip ({lm_audio} LLM tokens)" if audio else "")
         + f"; global batch {gb} = {m} micro-batch(es) of {w.micro_batch_size}; "
         f"{settings.dtype_bytes}-byte activations, {attention} attention, checkpointing "
         f"{'on' if settings.checkpointing else 'off'}, ZeRO stages: the defaults (1 with "
@@ -136,8 +149,9 @@ def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens:
         f"achieved per GPU ({hw.efficiency:.2f} of peak), links {hw.link_bw / 1e9:.0f} GB/s in a "
         f"node / {hw.internode_bw / 1e9:.0f} GB/s between nodes, {hw.gpus_per_node} GPUs per node",
         "",
-        "  #  placement   schedule    vision      text            step (s)  vision idle  text idle"
-        "  GiB/GPU  ZeRO v/t",
+        "  #  placement   schedule    vision      " + ("audio  idle  " if audio else "")
+        + "text            step (s)  vision idle  text idle  GiB/GPU  ZeRO "
+        + ("v/a/t" if audio else "v/t"),
     ]
     out += [_row(i + 1, c) for i, c in enumerate(ok[:top])]
     if not ok:

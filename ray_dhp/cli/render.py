@@ -63,6 +63,13 @@ def defaults_yaml(root=None) -> str:
     for sec in fields(root):
         cls = sec.metadata["section"]
         lines += _comment(f"{sec.metadata['help']}.", "")
+        if sec.metadata.get("optional"):  # absent by default: its keys commented out
+            lines.append(f"{sec.name}: null  # or a mapping of these keys:")
+            for f in fields(cls):
+                lines += _comment(_help_with_range(cls, f), "  ")
+                lines.append(f"  # {f.name}: {yaml_scalar(_default(f))}")
+            lines.append("")
+            continue
         lines.append(f"{sec.name}:")
         for f in fields(cls):
             lines += _comment(_help_with_range(cls, f), "  ")
@@ -114,6 +121,9 @@ def markdown_reference(root=None) -> str:
         doc = (cls.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ").replace("``", "`")
         if not cls.__module__.startswith("ray_dhp.run_file"):  # a library class: its own words
             doc = f"{sec.metadata['help'].capitalize()}."
+        if sec.metadata.get("optional"):
+            doc += (f" The section is optional: absent (or `{sec.name}: null`) it is off; any "
+                    f"mapping, `{sec.name}: {{}}` too, turns it on with the defaults below.")
         out += [f"## `{sec.name}`", "", doc, ""]
         out += ["| key | type | accepts | default | description |", "|---|---|---|---|---|"]
         for f in fields(cls):

@@ -10,7 +10,8 @@ The rules every section of the run file follows:
 * then checked against what the field accepts (`ray_dhp.checks.Check` in its metadata: bounds,
   choices; numbers are always finite), naming the dotted key;
 * a field whose metadata names a ``section`` is a nested dataclass (loaded recursively); its
-  ``shorthand`` lets a scalar stand for one field (``placement: disjoint``);
+  ``shorthand`` lets a scalar stand for one field (``placement: disjoint``); an ``optional``
+  section (``audio``) is None unless the file gives it;
 * help strings live in field metadata (``help``) or, for borrowed fields, in the ``Args:`` block
   of the owning class's docstring (`doc_args`).
 """
@@ -71,9 +72,13 @@ def option(default: Any = None, help: str = "", *, factory=None, **check):
     return field(default=default, metadata=meta)
 
 
-def section(cls, help: str, shorthand: Optional[str] = None):
-    """A nested section field of type ``cls`` (default: ``cls()``)."""
-    return field(default_factory=cls, metadata={"help": help, "section": cls, "shorthand": shorthand})
+def section(cls, help: str, shorthand: Optional[str] = None, optional: bool = False):
+    """A nested section field of type ``cls`` (default: ``cls()``). ``optional``: absent (or
+    null) by default, the field then None; any mapping given (``{}`` too) makes it a ``cls``."""
+    meta = {"help": help, "section": cls, "shorthand": shorthand, "optional": optional}
+    if optional:
+        return field(default=None, metadata=meta)
+    return field(default_factory=cls, metadata=meta)
 
 
 def borrow(owner, names: Iterable[str], rename: Optional[dict] = None) -> list:
@@ -155,6 +160,8 @@ def _field_value(f: dataclasses.Field, value: Any, dotted: str, root):
         if reason:
             raise ConfigError(f"{dotted}: {reason}.")
         return value
+    if value is None and f.metadata.get("optional"):
+        return None
     shorthand = f.metadata.get("shorthand")
     if shorthand and value is not None and not isinstance(value, dict):
         value = {shorthand: value}

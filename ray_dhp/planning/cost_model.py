@@ -67,6 +67,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ray_dhp.planning.links import all_reduce_s as _all_reduce
+from ray_dhp.planning.links import all_to_all_s as _all_to_all
+from ray_dhp.planning.links import link_bw as _bw
+from ray_dhp.planning.links import zero_extra_s as _zero_extra
 from ray_dhp.planning.memory import ActivationSettings, merged, vision_depth, vision_width
 from ray_dhp.step.topology import Topology, fill_nodes
 
@@ -122,6 +126,11 @@ class Workload:
     #: Patch tokens per attention segment: a video's frame (`ray_dhp.planning.video.VideoShape`,
     #: ``vision_tokens`` = frames x this); None: each sample is one image (one segment).
     vision_segment: Optional[int] = None
+    #: With an audio group (`Layout.audio_dp`): one clip of this many seconds per sample, and the
+    #: audio tower's `ray_dhp.planning.memory_audio.AudioCounts` (``text_tokens`` then includes
+    #: the clip's LLM tokens; `ray_dhp.planning.cost_audio`).
+    audio_seconds: Optional[float] = None
+    audio_params: object = None
 
     def __post_init__(self):
         if self.global_batch_size % self.micro_batches:
@@ -162,30 +171,39 @@ class Layout:
     vision_zero: Optional[int] = None
     text_zero: Optional[int] = None
     text_ep: int = 1  # expert parallelism over the text DP replicas (`ray_dhp.planning.experts`)
+    audio_dp: int = 0  # replicas of the audio encoder's group (0: no audio group)
+    audio_zero: Optional[int] = None
 
     def topology(self) -> Topology:
+        from ray_dhp.step.topology import EncoderDegrees
+
+        audio = {"audio": EncoderDegrees(dp=self.audio_dp, zero=self.audio_zero)} if self.audio_dp else None
         return Topology.build(placement=self.placement, vision_dp=self.vision_dp,
                               vision_sp=self.vision_sp, text_dp=self.text_dp, text_tp=self.text_tp,
                               text_sequence_parallel=self.text_sp,
                               vision_zero=self.vision_zero, text_zero=self.text_zero,
-                              text_ep=self.text_ep)
+                              text_ep=self.text_ep, encoders=audio)
 
     @property
     def num_workers(self) -> int:
         return self.topology().world_size
 
     def describe(self) -> str:
-        zero = ("" if self.vision_zero is None and self.text_zero is None else
-                f" (ZeRO vision {self.topology().vision.zero_stage} / text "
-                f"{self.topology().text.zero_stage})")
+        topo = self.topology()
+        zero = ("" if self.vision_zero is None and self.text_zero is None
+                and self.audio_zero is None else
+                " (ZeRO " + " / ".join(f"{m.name} {m.zero_stage}" for m in topo.modules) + ")")
         return (f"{self.placement} {self.schedule}: vision sp{self.vision_sp}xdp{self.vision_dp}"
-                f" + text tp{self.text_tp}{'+sp' if self.text_sp else ''}xdp{self.text_dp}"
+                + (f" + audio dp{self.audio_dp}" if self.audio_dp else "") + f" + text tp{self.text_tp}{'+sp' if self.text_sp else ''}xdp{self.text_dp}"
                 f"{f' ep{self.text_ep}' if self.text_ep > 1 else ''}{zero}")
 
     def run_file_fragment(self) -> dict:
         """The run-file keys of this layout (``vision``, ``text``, ``placement``, ``scaling``)."""
         return {"vision": {"sequence_parallel": self.vision_sp, "data_parallel": self.vision_dp,
                            **({} if self.vision_zero is None else {"zero_stage": self.vision_zero})},
+                **({"audio": {"data_parallel": self.audio_dp,
+                              **({} if self.audio_zero is None else {"zero_stage": self.audio_zero})}}
+                   if self.audio_dp else {}),
                 "text": {"tensor_parallel": self.text_tp, "data_parallel": self.text_dp,
                          **({"sequence_parallel": True} if self.text_sp else {}),
                          **({} if self.text_zero is None else {"zero_stage": self.text_zero}),
@@ -209,6 +227,11 @@ class PhaseTimes:
     text_end: float
     vision_comm: float
     text_comm: float
+    # the audio encoder's group (`ray_dhp.planning.cost_audio`; 0 without one)
+    audio_fwd: float = 0.0
+    audio_bwd: float = 0.0
+    audio_boundary: float = 0.0
+    audio_end: float = 0.0
 
 
 # -- FLOPs ---------------------------------------------------------------------------------------
@@ -277,34 +300,6 @@ def replica_share(w: Workload, dp: int, per_sample) -> float:
 
 
 # -- communication ----------------------------------------------------------------------------
-
-def _bw(hw: Hardware, groups, node_of=None) -> float:
-    """NVLink if every group lies inside one node, else the inter-node bandwidth. ``node_of[r]``:
-    the node of DHP rank ``r`` (default: consecutive ranks fill nodes of ``gpus_per_node``)."""
-    node = node_of.__getitem__ if node_of is not None else (lambda r: r // hw.gpus_per_node)
-    one_node = all(len({node(r) for r in g}) <= 1 for g in groups)
-    return hw.link_bw if one_node else hw.internode_bw
-
-
-
-def _all_reduce(hw, nbytes, n, bw) -> float:
-    return 0.0 if n <= 1 else 2 * (n - 1) / n * nbytes / bw + hw.latency_s
-
-
-def _zero_extra(n, stage, grad_bytes, weight_bytes, bw) -> float:
-    """Seconds of a stage-2/3 module's synchronisation beyond an all-reduce of its gradients
-    (may be negative: stage 2 reduces instead of all-reducing); 0 at stages 0-1."""
-    from ray_dhp.parallel.zero import replica_bytes
-
-    if stage < 2 or n <= 1:
-        return 0.0
-    return (replica_bytes(n, stage, grad_bytes, weight_bytes)
-            - replica_bytes(n, 0, grad_bytes, weight_bytes)) / bw
-
-
-def _all_to_all(hw, nbytes, n, bw) -> float:
-    return 0.0 if n <= 1 else (n - 1) / n * nbytes / bw + hw.latency_s
-
 
 def phase_times(config, counts, layout: Layout, w: Workload, hw: Hardware) -> PhaseTimes:
     """Per-rank seconds of every phase of one step for ``layout`` (see the module docstring)."""
@@ -379,9 +374,12 @@ def phase_times(config, counts, layout: Layout, w: Workload, hw: Hardware) -> Ph
                          bw_v)
     t_end += _zero_extra(t.dp, t.zero_stage, t_rank * g, t_rank * s.dtype_bytes,
                          _bw(hw, t.dp_groups(), nodes))
+    from ray_dhp.planning.cost_audio import audio_phases
+
     return PhaseTimes(vision_fwd=v_comp * fwd_share + a2a, vision_bwd=v_comp * (1 - fwd_share)
                       + v_comm - a2a, text=t_comp + t_comm, boundary=boundary, vision_end=v_end,
-                      text_end=t_end, vision_comm=v_comm, text_comm=t_comm)
+                      text_end=t_end, vision_comm=v_comm, text_comm=t_comm,
+                      **audio_phases(config, topo, w, hw, nodes))
 
 
 # -- schedules -----------------------------------------------------------------------------------
@@ -398,13 +396,22 @@ def schedule_time(schedule: str, micro_batches: int, vision_fwd: float, vision_b
 
 
 def step_time(layout: Layout, p: PhaseTimes, micro_batches: int) -> tuple:
-    """(step seconds, {group: idle fraction}) of ``layout`` with phase times ``p``."""
+    """(step seconds, {group: idle fraction}) of ``layout`` with phase times ``p``. The encoders
+    (vision, audio) of one micro-batch run one after the other on collocated ranks and
+    concurrently on disjoint ones (`ray_dhp.planning.cost_audio`); the text ranks receive both
+    encoders' features (their transfers add)."""
     sched = "sequential" if layout.placement == "collocated" else layout.schedule
-    body = schedule_time(sched, micro_batches, p.vision_fwd, p.vision_bwd, p.text, p.boundary)
+    m, c = micro_batches, p.boundary + p.audio_boundary
     if layout.placement == "collocated":
-        return body + p.vision_end + p.text_end, {"vision+text": 0.0}
-    step = body + max(p.vision_end, p.text_end)
-    bnd = 2 * micro_batches * p.boundary
-    busy_v = micro_batches * (p.vision_fwd + p.vision_bwd) + bnd + p.vision_end
-    busy_t = micro_batches * p.text + bnd + p.text_end
-    return step, {"vision": max(0.0, 1 - busy_v / step), "text": max(0.0, 1 - busy_t / step)}
+        body = schedule_time(sched, m, p.vision_fwd + p.audio_fwd, p.vision_bwd + p.audio_bwd,
+                             p.text, c)
+        return body + p.vision_end + p.audio_end + p.text_end, \
+            {"+".join(x.name for x in layout.topology().modules): 0.0}
+    body = schedule_time(sched, m, max(p.vision_fwd, p.audio_fwd), max(p.vision_bwd, p.audio_bwd),
+                         p.text, c)
+    step = body + max(p.vision_end, p.audio_end, p.text_end)
+    busy = {"vision": m * (p.vision_fwd + p.vision_bwd) + 2 * m * p.boundary + p.vision_end,
+            "text": m * p.text + 2 * m * c + p.text_end}
+    if layout.audio_dp:
+        busy["audio"] = m * (p.audio_fwd + p.audio_bwd) + 2 * m * p.audio_boundary + p.audio_end
+    return step, {g: max(0.0, 1 - b / step) for g, b in busy.items()}

@@ -36,6 +36,7 @@ from ray_dhp.planning.memory_vision import vision_activation_bytes, vision_width
 
 GIB = 1024 ** 3
 STATE_BYTES_PER_PARAM = 16  # fp32 weight + grad + AdamW exp_avg + exp_avg_sq (policy fp32)
+AUDIO_PREFIX = "model.audio_tower."  # the thinker's audio encoder (`ray_dhp.planning.memory_audio`)
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,7 @@ class TextParam:
     dim0_sharded: bool  # the TP split is along dim 0 (column-parallel, vocab-parallel embedding)
     trained: bool
     expert: bool = False  # a MoE experts tensor (partitioned over expert_parallel, own ZeRO partition)
+    audio: bool = False   # part of the audio tower (`ray_dhp.planning.memory_audio.without_audio`)
 
     def local(self, tp: int) -> int:
         return self.numel // tp if self.sharded else self.numel
@@ -177,7 +179,8 @@ def count_params(config, tuning=None) -> ParamCounts:
             sharded += p.numel()
             t_frozen_sharded += 0 if trains(name) else p.numel()
         text_sizes.append(TextParam(p.numel(), _is_sharded(name, plan), p.shape[0] if p.dim() else 1,
-                                    _dim0_sharded(name, plan), trains(name), id(p) in experts))
+                                    _dim0_sharded(name, plan), trains(name), id(p) in experts,
+                                    name.startswith(AUDIO_PREFIX)))
     return ParamCounts(vision=vision, text=text, text_sharded=sharded, vision_sizes=sizes,
                        largest=largest, vision_frozen=v_frozen, text_frozen=t_frozen,
                        text_frozen_sharded=t_frozen_sharded, text_sizes=tuple(text_sizes),
@@ -431,10 +434,11 @@ class RankMemory:
     state_bytes: float
     vision_act: float
     text_act: float
+    audio_act: float = 0.0  # `ray_dhp.planning.memory_audio.estimate_module_ranks`
 
     @property
     def total(self) -> float:
-        return self.state_bytes + self.vision_act + self.text_act
+        return self.state_bytes + self.vision_act + self.text_act + self.audio_act
 
 
 def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int, text_tokens: int,

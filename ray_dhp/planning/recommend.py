@@ -59,12 +59,19 @@ def _divisors(n: int) -> list:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_layouts(num_workers: int, micro_batches: int = 1, config=None) -> list:
+def enumerate_layouts(num_workers: int, micro_batches: int = 1, config=None,
+                      audio: bool = False) -> list:
     """Every collocated and disjoint layout of ``num_workers`` (pipelined only when M >= 2); with
     text TP > 1 both without and with text sequence parallelism; for a mixture-of-experts
     ``config`` each also at every expert-parallel degree its text replicas and the experts admit
-    (`ray_dhp.planning.experts.expert_degrees`)."""
-    out = _layouts(num_workers, micro_batches)
+    (`ray_dhp.planning.experts.expert_degrees`). ``audio``: the three-module layouts with an
+    audio group (`ray_dhp.planning.cost_audio.audio_layouts`) instead."""
+    if audio:
+        from ray_dhp.planning.cost_audio import audio_layouts
+
+        out = audio_layouts(num_workers, micro_batches, Layout, _divisors)
+    else:
+        out = _layouts(num_workers, micro_batches)
     if config is None:
         return out
     from dataclasses import replace
@@ -93,19 +100,30 @@ def _layouts(num_workers: int, micro_batches: int) -> list:
 
 
 def memory_gib(config, counts, layout: Layout, w: Workload) -> dict:
-    """Largest per-rank estimate (GiB) of each group, from `ray_dhp.planning.memory.estimate_ranks`."""
+    """Largest per-rank estimate (GiB) of each group, from `ray_dhp.planning.memory.estimate_ranks`
+    (with an audio group `ray_dhp.planning.memory_audio.estimate_module_ranks`)."""
     topo = layout.topology()
     kw = dict(vision_tokens=w.vision_tokens, text_tokens=w.text_tokens, settings=w.settings,
               state_bytes=w.state_bytes, policy=w.policy, segment_tokens=w.vision_segment)
     mb = w.micro_batch_size
-    by_v = estimate_ranks(config, topo, counts, samples=-(-mb // topo.vision.dp), **kw)
-    by_t = estimate_ranks(config, topo, counts, samples=-(-mb // topo.text.dp), **kw)
+    if layout.audio_dp:
+        from functools import partial
+
+        from ray_dhp.planning.memory_audio import estimate_module_ranks
+
+        estimate = partial(estimate_module_ranks, audio=w.audio_params,
+                           audio_seconds=w.audio_seconds, audio_samples=-(-mb // layout.audio_dp),
+                           lm_tokens_included=True)
+    else:
+        estimate = estimate_ranks
+    by_v = estimate(config, topo, counts, samples=-(-mb // topo.vision.dp), **kw)
+    by_t = estimate(config, topo, counts, samples=-(-mb // topo.text.dp), **kw)
     alive = 2 if layout.placement == "disjoint" and layout.schedule == "pipelined" \
-        and w.micro_batches > 1 else 1  # the pipelined order keeps two vision graphs
+        and w.micro_batches > 1 else 1  # the pipelined order keeps two encoder graphs
     out: dict = {}
     for a, b in zip(by_v, by_t):
         role = "+".join(a.roles)
-        total = (a.state_bytes + alive * a.vision_act + b.text_act) / GIB
+        total = (a.state_bytes + alive * (a.vision_act + a.audio_act) + b.text_act) / GIB
         out[role] = max(out.get(role, 0.0), total)
     return out
 
@@ -120,7 +138,7 @@ def evaluate(config, counts, layout: Layout, w: Workload, hw: Hardware = Hardwar
         family_of(config).validate_expert_parallel(config, layout.text_ep)
     except ValueError as e:
         return Candidate(layout, reason=f"model dims: {e}")
-    mb, dp = w.micro_batch_size, max(layout.vision_dp, layout.text_dp)
+    mb, dp = w.micro_batch_size, max(layout.vision_dp, layout.text_dp, layout.audio_dp)
     if mb < dp:
         return Candidate(layout, reason=f"batch: a micro-batch of {mb} sample(s) cannot feed "
                                         f"{dp} data-parallel replicas")
@@ -136,14 +154,20 @@ def evaluate(config, counts, layout: Layout, w: Workload, hw: Hardware = Hardwar
 def zero_options(layout: Layout) -> list:
     """The layout at every (vision, text) ZeRO-stage pair it admits beyond its defaults: vision
     0-3 with more than one vision rank, text 0-3 with text data_parallel > 1 (0-2 with expert
-    parallelism)."""
+    parallelism); with an audio group also its stages 0-2 (more than one audio replica)."""
     from dataclasses import replace
 
     topo = layout.topology()
     vs = (0, 1, 2, 3) if topo.vision.size > 1 else (0,)
     ts = ((0, 1, 2) if layout.text_ep > 1 else (0, 1, 2, 3)) if topo.text.dp > 1 else (0,)
-    return [replace(layout, vision_zero=a, text_zero=b) for a in vs for b in ts
-            if (a, b) != (topo.vision.zero_stage, topo.text.zero_stage)]
+    if not layout.audio_dp:
+        return [replace(layout, vision_zero=a, text_zero=b) for a in vs for b in ts
+                if (a, b) != (topo.vision.zero_stage, topo.text.zero_stage)]
+    au = topo.encoder("audio")
+    aus = (0, 1, 2) if au.size > 1 else (0,)
+    return [replace(layout, vision_zero=a, text_zero=b, audio_zero=c)
+            for a in vs for b in ts for c in aus
+            if (a, b, c) != (topo.vision.zero_stage, topo.text.zero_stage, au.zero_stage)]
 
 
 def with_zero_stages(config, counts, cand: Candidate, w: Workload, hw: Hardware) -> Candidate:
@@ -182,9 +206,14 @@ def recommend(config, num_workers: int, workload: Workload, hardware: Hardware =
         from ray_dhp.planning.memory import count_params
 
         counts = count_params(config)
+    audio = workload.audio_seconds is not None  # every candidate has an audio group
+    if audio:
+        from ray_dhp.planning.memory_audio import without_audio
+
+        counts = without_audio(counts)  # the tower lives on the audio ranks
     cands = [with_zero_stages(config, counts, evaluate(config, counts, lay, workload, hardware),
                               workload, hardware)
-             for lay in enumerate_layouts(num_workers, workload.micro_batches, config)]
+             for lay in enumerate_layouts(num_workers, workload.micro_batches, config, audio)]
     return sorted(cands, key=lambda c: (not c.feasible, math.isnan(c.step_s),
                                         c.step_s if not math.isnan(c.step_s) else 0.0,
                                         c.peak_memory_gib if c.memory_gib else 0.0))

@@ -62,15 +62,18 @@ def _update_peak(state, policy, largest, chunk_bytes, fused_adamw) -> int:
     return state.device_total + (4 - policy.weight_bytes()) * chunk + temps
 
 
-def rank_step_peak(state, policy, counts, topology, rank: int, text_config) -> int:
+def rank_step_peak(state, policy, counts, topology, rank: int, text_config,
+                   extra_reduced: int = 0) -> int:
     """`step_peak` of ``rank`` as `ray-dhp plan` prints it (GPU: fused AdamW): the ViT is
     all-reduced over the vision group, the text model over its DP replicas; under TP the
     vocab-parallel embedding's gradient comes back whole. ``largest`` is the largest parameter
-    unsharded (an upper bound where TP splits it)."""
+    unsharded (an upper bound where TP splits it). ``extra_reduced``: elements of a further
+    module the rank all-reduces (an audio tower over its replicas)."""
     roles = topology.roles(rank)
     tp = topology.text.inner
     v = topology.vision  # at stage 3 FSDP2 reduce-scatters the ViT in its backward: no buckets
     reduced = counts.vision if "vision" in roles and v.size > 1 and v.zero_stage != 3 else 0
+    reduced += extra_reduced
     if "text" in roles and topology.text.dp > 1:
         reduced += counts.text_per_rank(tp)
     emb = text_config.vocab_size * text_config.hidden_size

@@ -51,8 +51,18 @@ def collective_bytes(config, counts, layout: Layout, w: Workload) -> dict:
     e_reps = t.inner * (t.dp // ep)
     e_grads = (replica_bytes(t.dp // ep, 0, experts * g, experts * wb)
                + (replica_bytes(e_reps, 1, 0, experts * wb) if t.zero_stage in (1, 2) else 0))
-    return dict(zip(COLLECTIVES, (m * a2a * (3 if s.checkpointing else 2), m * ar,
-                                  m * boundary, v_grads, t_grads, moe_a2a, e_grads)))
+    out = dict(zip(COLLECTIVES, (m * a2a * (3 if s.checkpointing else 2), m * ar,
+                                 m * boundary, v_grads, t_grads, moe_a2a, e_grads)))
+    a = topo.encoder("audio")
+    if a is not None:  # the audio rows to the LM both ways, the audio gradients
+        from ray_dhp.planning.memory_audio import clip_shape
+
+        rows = clip_shape(config.audio_config, w.audio_seconds).lm_tokens
+        feat = rows * config.audio_config.output_dim * s.dtype_bytes
+        sa, params = -(-w.micro_batch_size // a.dp), w.audio_params.params
+        out["audio boundary"] = m * 2 * max(st * feat, sa * feat * t.inner)
+        out["audio gradients"] = replica_bytes(a.size, a.zero_stage, params * g, params * wb)
+    return out
 
 
 def element_bytes(w: Workload) -> tuple:
@@ -68,12 +78,12 @@ def element_bytes(w: Workload) -> tuple:
     return w.policy.reduce_dtype.itemsize, w.policy.weight_bytes()
 
 
-def boundary_pairs(topology: Topology, micro_batch_size: int) -> list:
-    """``[(vision ranks, text ranks)]`` that exchange features: a vision replica and a text
-    replica sharing samples (both split a micro-batch into contiguous, even shares)."""
+def boundary_pairs(topology: Topology, micro_batch_size: int, encoder: str = "vision") -> list:
+    """``[(encoder ranks, text ranks)]`` that exchange features: a replica of ``encoder`` and a
+    text replica sharing samples (both split a micro-batch into contiguous, even shares)."""
     from ray_dhp.parallel.boundary import split_evenly
 
-    v, t = topology.vision, topology.text
+    v, t = topology.module(encoder), topology.text
     vs, ts = split_evenly(micro_batch_size, v.dp), split_evenly(micro_batch_size, t.dp)
     out = []
     for i, a in enumerate(vs):
@@ -86,12 +96,20 @@ def boundary_pairs(topology: Topology, micro_batch_size: int) -> list:
 def collective_groups(topology: Topology, micro_batch_size: int) -> dict:
     """The rank groups of each collective in `COLLECTIVES` (boundary: each exchanging pair)."""
     v, t = topology.vision, topology.text
-    return dict(zip(COLLECTIVES, (
+
+    def pairs(encoder):
+        return [sorted(set(a + b)) for a, b in boundary_pairs(topology, micro_batch_size, encoder)
+                if len(set(a + b)) > 1]
+
+    out = dict(zip(COLLECTIVES, (
         v.inner_groups() if v.inner > 1 else [], t.inner_groups() if t.inner > 1 else [],
-        [sorted(set(a + b)) for a, b in boundary_pairs(topology, micro_batch_size)
-         if len(set(a + b)) > 1],
-        [v.ranks] if v.size > 1 else [], t.dp_groups() if t.dp > 1 else [],
+        pairs("vision"), [v.ranks] if v.size > 1 else [], t.dp_groups() if t.dp > 1 else [],
         *_expert_groups(topology))))
+    a = topology.encoder("audio")
+    if a is not None:
+        out.update({"audio boundary": pairs("audio"),
+                    "audio gradients": [a.ranks] if a.size > 1 else []})
+    return out
 
 
 def _expert_groups(topology: Topology) -> tuple:
