@@ -186,11 +186,16 @@ def record_audio(data: dict, data_root, n_placeholders: int, feature_extractor,
 
 
 def refusal(where: str, family: Optional[str] = None, has_encoder: bool = True) -> str:
-    """Why a record with audio cannot train with the ``family`` model (None: any model) today."""
-    why = ("the audio encoder is not yet supported by the engine (issue #33)" if has_encoder
-           else f"the {family} family has no audio encoder")
-    return (f"{where}: the record has an 'audio' key, but {why}; drop the 'audio' key and the "
-            "<audio> placeholders of such records (or filter them out) to train on the others")
+    """Why a record with audio cannot train with the ``family`` model (None: any model): it has
+    no audio encoder (``has_encoder=False``) or the layout gives the encoder no group."""
+    if has_encoder:
+        return (f"{where}: the record has an 'audio' key, but the layout gives the audio encoder "
+                "no group: add an 'audio:' section (DHPConfig(audio=ModuleParallel(data_parallel="
+                "...))), or drop the 'audio' key and the <audio> placeholders of such records "
+                "(or filter them out) to train on the others")
+    return (f"{where}: the record has an 'audio' key, but the {family} family has no audio "
+            "encoder; drop the 'audio' key and the <audio> placeholders of such records (or "
+            "filter them out) to train on the others")
 
 
 def refuse_audio(paths, family: str, has_encoder: bool) -> None:

@@ -62,18 +62,24 @@ def audio_inputs(samples: Sequence[Sample]) -> dict:
     """The model's audio inputs of the samples, clips in batch order: ``input_features``
     ``[clips, n_mels, frames]`` (each clip's columns left-aligned, zeros after them) and
     ``feature_attention_mask`` ``[clips, frames]`` (1 on a clip's columns), ``frames`` the longest
-    clip's; neither key without audio (the VL models' forwards do not take them). The stock processor pads every clip to its extractor's whole
-    window instead (other values after the mask); the model reads only the masked columns."""
-    clips = [c for s in samples if s.audio_lengths is not None
-             for c in s.audio_features.split(s.audio_lengths.tolist(), dim=1)]
-    if not clips:
+    clip's; neither key without audio (the VL models' forwards do not take them), and only the
+    mask where a sample comes without its features (a text rank: the loader routes them to the
+    audio ranks only). The stock processor pads every clip to its extractor's whole window
+    instead (other values after the mask); the model reads only the masked columns."""
+    with_audio = [s for s in samples if s.audio_lengths is not None]
+    lengths = [n for s in with_audio for n in s.audio_lengths.tolist()]
+    if not lengths:
         return {}
-    frames = max(c.shape[1] for c in clips)
+    frames = max(lengths)
+    mask = torch.zeros((len(lengths), frames), dtype=torch.long)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    if any(s.audio_features is None for s in with_audio):
+        return {"feature_attention_mask": mask}
+    clips = [c for s in with_audio for c in s.audio_features.split(s.audio_lengths.tolist(), dim=1)]
     feats = clips[0].new_zeros((len(clips), clips[0].shape[0], frames))
-    mask = torch.zeros((len(clips), frames), dtype=torch.long)
     for i, c in enumerate(clips):
         feats[i, :, :c.shape[1]] = c
-        mask[i, :c.shape[1]] = 1
     return {"input_features": feats, "feature_attention_mask": mask}
 
 

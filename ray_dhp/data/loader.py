@@ -39,10 +39,14 @@ __all__ = ["StepLoader"]
 @dataclasses.dataclass
 class _Item:
     index: int                 # record index
-    sample: object             # Sample without pixels (pixels are attached after routing)
+    sample: object             # Sample without its routed fields (attached after routing)
     owner: int
-    pixel_shape: Optional[tuple] = None
-    pixel_dtype: Optional[torch.dtype] = None
+    routed: dict = dataclasses.field(default_factory=dict)  # field -> (shape, dtype) it has
+
+
+# Sample fields that go only to the ranks that compute them, by encoder module: the owner keeps
+# the tensor, the metadata exchange carries its shape (`StepLoader._route`).
+ROUTED = (("pixel_values", "vision"), ("audio_features", "audio"))
 
 
 class _Fatal:
@@ -87,8 +91,10 @@ class StepLoader:
         self._thread: Optional[threading.Thread] = None
         self.processed_here = 0  # records this rank processed (decoded) so far
         if groups is not None:  # token-budget micro-batches must feed every replica
-            v, t = groups.topology.vision, groups.topology.text
-            sampler.replicas = (t.dp, max(v.dp, t.dp))
+            t = groups.topology.text
+            sampler.replicas = (t.dp, max(m.dp for m in groups.topology.modules))
+            # records with audio train only where the layout has an audio group
+            sampler.allow_audio = groups.topology.encoder("audio") is not None
 
     # -- what a checkpoint stores ---------------------------------------------------------------
 
@@ -151,7 +157,8 @@ class StepLoader:
         owners = self._owners(candidates)
         mine = self._process_many({q: i for q, (i, o) in enumerate(zip(candidates, owners))
                                    if o == self.rank})
-        pixels = {q: x.pixel_values for q, x in mine.items() if not isinstance(x, (Exception, _Fatal))}
+        kept = {q: {f: getattr(x, f) for f, _ in ROUTED} for q, x in mine.items()
+                if not isinstance(x, (Exception, _Fatal))}
         metas = self._gather_meta(mine)
         chosen = []
         for q, i in enumerate(candidates):
@@ -162,9 +169,10 @@ class StepLoader:
                 # strict: raises here, on every rank alike; skip: logged by the decoding rank only
                 s.note_bad(i, meta, log=owners[q] == self.rank)
                 continue
-            item = _Item(i, meta["sample"], owners[q], meta["pixel_shape"], meta["pixel_dtype"])
+            item = _Item(i, meta["sample"], owners[q], meta["routed"])
             if owners[q] == self.rank:
-                item.sample.pixel_values = pixels.get(q)
+                for f, value in kept[q].items():
+                    setattr(item.sample, f, value)
             chosen.append(item)
         return chosen
 
@@ -231,10 +239,10 @@ class StepLoader:
             elif isinstance(x, Exception):  # BadSample: its reason (the location is known)
                 local[q] = getattr(x, "reason", None) or str(x)
             else:
-                pv = x.pixel_values
-                local[q] = {"sample": dataclasses.replace(x, pixel_values=None),
-                            "pixel_shape": None if pv is None else tuple(pv.shape),
-                            "pixel_dtype": None if pv is None else pv.dtype}
+                fields = {f: getattr(x, f) for f, _ in ROUTED}
+                local[q] = {"sample": dataclasses.replace(x, **{f: None for f in fields}),
+                            "routed": {f: (tuple(v.shape), v.dtype) for f, v in fields.items()
+                                       if v is not None}}
         if self.world == 1:
             return local
         parts = [None] * self.world
@@ -255,38 +263,52 @@ class StepLoader:
             return [(start + q) % self.world for q in range(n)]
         return decode_owners(decode_costs(self.sampler, candidates), self.world, start)
 
-    def _consumers_by_sample(self, micro_batches: list) -> dict:
-        """``id(sample)`` -> global ranks that need its pixels: the vision ranks of the replica
-        the engine's `layout_micro_batch` assigns it (same `Balancer`, same samples)."""
-        v = self.groups.topology.vision
+    def _consumers_by_sample(self, micro_batches: list, encoder: str) -> dict:
+        """``id(sample)`` -> global ranks that need its ``encoder`` input: the ranks of the
+        replica the engine's `layout_micro_batch` assigns it (same `Balancer`, same samples)."""
+        from ray_dhp.models import encoder_operations
+        from ray_dhp.step.microbatch import encoder_replicas
+
+        m = self.groups.topology.encoder(encoder)
         out = {}
+        if m is None:
+            return out
+        ops = None if encoder == "vision" else encoder_operations(encoder)
         for mb in micro_batches:
-            for i, idx in enumerate(self.balancer.vision_replicas(mb, v.dp)):
+            parts = (self.balancer.vision_replicas(mb, m.dp) if encoder == "vision"
+                     else encoder_replicas(m.dp, mb, ops, self.balancer))
+            for i, idx in enumerate(parts):
                 for s in idx:
-                    out[id(mb[s])] = [v.rank_at(i, k) for k in range(v.inner)]
+                    out[id(mb[s])] = [m.rank_at(i, k) for k in range(m.inner)]
         return out
 
     def _route_pixels(self, chosen: list, micro_batches: list) -> None:
+        """Send every routed field (`ROUTED`) from its owner to the ranks that compute it."""
         if self.world == 1:
             return
-        consumers_of = self._consumers_by_sample(micro_batches)
         requests, keep = [], []  # keep: tensors in flight stay alive until every wait()
-        for pos, it in enumerate(chosen):
-            if it.pixel_shape is None:
+        for n_field, (field, encoder) in enumerate(ROUTED):
+            if not any(field in it.routed for it in chosen):
                 continue
-            consumers = consumers_of[id(it.sample)]
-            if it.owner == self.rank:
-                for c in consumers:
-                    if c != self.rank:
-                        requests.append(dist.isend(it.sample.pixel_values.contiguous(), dst=c,
-                                                   group=self.group, tag=pos))
-                if self.rank not in consumers:
-                    keep.append(it.sample.pixel_values)
-                    it.sample.pixel_values = None
-            elif self.rank in consumers:
-                buf = torch.empty(it.pixel_shape, dtype=it.pixel_dtype)
-                requests.append(dist.irecv(buf, src=it.owner, group=self.group, tag=pos))
-                it.sample.pixel_values = buf
+            consumers_of = self._consumers_by_sample(micro_batches, encoder)
+            for pos, it in enumerate(chosen):
+                if field not in it.routed:
+                    continue
+                consumers, tag = consumers_of.get(id(it.sample), []), n_field * len(chosen) + pos
+                if it.owner == self.rank:
+                    value = getattr(it.sample, field)
+                    for c in consumers:
+                        if c != self.rank:
+                            requests.append(dist.isend(value.contiguous(), dst=c, group=self.group,
+                                                       tag=tag))
+                    if self.rank not in consumers:
+                        keep.append(value)
+                        setattr(it.sample, field, None)
+                elif self.rank in consumers:
+                    shape, dtype = it.routed[field]
+                    buf = torch.empty(shape, dtype=dtype)
+                    requests.append(dist.irecv(buf, src=it.owner, group=self.group, tag=tag))
+                    setattr(it.sample, field, buf)
         for r in requests:
             r.wait()
 

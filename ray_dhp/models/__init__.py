@@ -21,6 +21,17 @@ _BY_MODEL_TYPE = {s.model_type: s for s in FAMILIES.values()}
 __all__ = ["FAMILIES", "FamilySpec", "family_of", "load_model_config", "build_model"]
 
 
+def encoder_operations(name: str):
+    """The `EncoderSpec` operations module of encoder ``name`` (the same for every family that
+    has such an encoder: "audio" is Qwen2.5-Omni's tower)."""
+    ops = {e.ops for s in FAMILIES.values() for e in s.encoders if e.name == name}
+    if len(ops) != 1:
+        raise KeyError(f"no single encoder module named {name!r}: {sorted(ops)}")
+    import importlib
+
+    return importlib.import_module(ops.pop())
+
+
 def load_model_config(model):
     """A transformers config from a config object or a local model directory."""
     if isinstance(model, (str, os.PathLike)):

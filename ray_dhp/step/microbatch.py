@@ -125,8 +125,6 @@ def layout_micro_batch(samples, topology, family_name: str, config,
 def _encoder_layout(m, samples, family, config, balancer) -> EncoderLayout:
     """One encoder's `EncoderLayout`: the vision side by its SP plans, any other encoder
     (no sequence parallelism) by its `EncoderSpec` operations."""
-    from ray_dhp.parallel.balance import contiguous, lpt
-
     if m.name == "vision":
         merge = family.merge_size(config)
         offsets = [0]
@@ -142,11 +140,20 @@ def _encoder_layout(m, samples, family, config, balancer) -> EncoderLayout:
     offsets = [0]
     for s in samples:
         offsets.append(offsets[-1] + ops.rows(s))
-    idx = (contiguous(len(samples), m.dp) if balancer.mode == "count"
-           else lpt([ops.cost(s) for s in samples], m.dp))
-    idx = [sorted(i) for i in idx]
+    idx = encoder_replicas(m.dp, samples, ops, balancer)
     plans = [True if any(ops.has_input(samples[i]) for i in part) else None for part in idx]
     return EncoderLayout(idx, offsets, plans)
+
+
+def encoder_replicas(dp: int, samples, ops, balancer) -> list:
+    """Sample indices per replica of an encoder other than vision (``ops``: its `EncoderSpec`
+    operations): by its cost, or contiguous equal counts; ascending within a replica. The
+    loader routes the encoder's inputs by the same rule."""
+    from ray_dhp.parallel.balance import contiguous, lpt
+
+    idx = (contiguous(len(samples), dp) if balancer.mode == "count"
+           else lpt([ops.cost(s) for s in samples], dp))
+    return [sorted(i) for i in idx]
 
 
 @dataclass

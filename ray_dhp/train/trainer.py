@@ -100,7 +100,8 @@ class DisaggregatedTrainer(DataParallelTrainer):
             family.check_packing(loop_cfg.packing, loop_key("packing"))
             from ray_dhp.data.audio import refuse_audio
 
-            refuse_audio(paths.values(), family.name, family.audio)  # until the engine hosts it
+            if getattr(dhp_config, "audio", None) is None:  # no audio group: audio cannot train
+                refuse_audio(paths.values(), family.name, family.audio)
             _check_training_datasets(loop_cfg, set(ray_datasets) | set(paths))
             _check_evaluation(loop_cfg, set(ray_datasets) | set(paths), run_config)
             from ray_dhp.data.pixels import check_run_pixels

@@ -168,3 +168,66 @@ def test_omni_resume_at_another_layout(omni, tmp_path):
     assert all(abs(g - w) <= 1e-10 * w for g, w in zip(losses, want)), (losses, want)
     errs = copy_errors(rest, ref["params"])
     assert errs and max(errs)[0] <= 1e-10, max(errs)
+
+
+def _loader_body(rank, world, path, layout, cfg):
+    """Two steps from a `StepLoader` over the mixed set, each trained by the engine: which
+    samples carry pixels / audio features on this rank, and the step losses."""
+    from ray_dhp.data.loader import StepLoader
+    from ray_dhp.step.engine import DHPEngine
+    from ray_dhp.step.mesh import build_groups
+    from ray_dhp.step.topology import Topology
+
+    groups = build_groups(Topology.build(**layout), torch.device("cpu"))
+    engine = DHPEngine(demo.tiny_model_config("qwen2_5_omni"), groups, cfg, dtype=torch.float64)
+    sampler = StepSampler(read_annotations(path), demo.tiny_processor("qwen2_5_omni"),
+                          resolve_data_root(path), cfg)
+    loader = StepLoader(sampler, groups, prefetch=False, balancer=engine.balancer())
+    seen, losses = [], []
+    for _ in range(2):
+        mbs = loader.next()
+        seen.append([[(s.index, s.pixel_values is not None, s.audio_features is not None,
+                       None if s.audio_features is None else float(s.audio_features.sum()))
+                      for s in mb] for mb in mbs])
+        losses.append(engine.step(mbs)["loss"])
+    loader.close()
+    return {"seen": seen, "losses": losses}
+
+
+@pytest.mark.slow
+def test_loader_routes_audio_to_the_audio_ranks_only(tmp_path):
+    """The loader sends each clip's features from its decoding rank to the audio rank that
+    computes it and to no other rank (the vision and text ranks never hold them), pixels to
+    the vision rank only; the engine trains on what it routed."""
+    from ray_dhp.models import encoder_operations
+    from ray_dhp.parallel.balance import Balancer
+    from ray_dhp.step.microbatch import encoder_replicas
+    from tests.spawn import run_on_ranks
+
+    samples = omni_records(tmp_path)
+    path = str(tmp_path / "mixed.jsonl")
+    cfg = dataclasses.replace(CFG, balance="cost", num_steps=2)
+    layout = dict(placement="disjoint", vision_dp=1, vision_sp=1, text_dp=1, text_tp=1,
+                  encoders={"audio": EncoderDegrees(dp=2)})
+    out = run_on_ranks(_loader_body, 4, args=(path, layout, cfg))
+    ops = encoder_operations("audio")
+    balancer = Balancer.for_config("cost", demo.tiny_model_config("qwen2_5_omni"))
+    n_audio = 0
+    for step in range(2):
+        for k, mb in enumerate(out[0]["seen"][step]):
+            for r in (1, 2):  # the audio ranks' micro-batches are the same samples, in order
+                assert [x[0] for x in out[r]["seen"][step][k]] == [x[0] for x in mb]
+            audio_rank = {}
+            for rep, idx in enumerate(encoder_replicas(2, [samples[x[0]] for x in mb], ops, balancer)):
+                audio_rank.update({i: 1 + rep for i in idx})
+            for i, (index, _, _, _) in enumerate(mb):
+                clip = samples[index].audio_features
+                for r in range(4):
+                    _, has_px, has_audio, total = out[r]["seen"][step][k][i]
+                    assert has_px == (r == 0 and samples[index].pixel_values is not None)
+                    assert has_audio == (clip is not None and r == audio_rank[i]), (r, index)
+                    if has_audio:
+                        n_audio += 1
+                        assert total == float(clip.sum())
+    assert n_audio > 0
+    assert all(o["losses"] == out[0]["losses"] for o in out)

@@ -148,12 +148,15 @@ def test_audio_records_are_refused_before_training(tmp_path, audio_set):
     mixed = tmp_path / "mixed.jsonl"
     mixed.write_text(json.dumps(text) + "\n" + audio_set[0].read_text())
     assert find_audio_record(mixed) == 2
-    with pytest.raises(ValueError, match=r"mixed.jsonl:2: .*audio encoder is not yet supported"):
+    with pytest.raises(ValueError, match=r"mixed.jsonl:2: .*gives the audio encoder no group: add an 'audio:'"):
         refuse_audio([clean, mixed], "qwen2_5_omni", True)
     with pytest.raises(ValueError, match="the qwen2_5_vl family has no audio encoder"):
         refuse_audio([tmp_path], "qwen2_5_vl", False)
     cfg = TrainLoopConfig(global_batch_size=2, micro_batches=1, num_steps=1)
     sampler = StepSampler(read_annotations(audio_set[0]), demo.tiny_processor("qwen2_5_omni"),
                           resolve_data_root(audio_set[0]), cfg)
-    with pytest.raises(ValueError, match="not yet supported by the engine"):
+    with pytest.raises(ValueError, match="no group: add an 'audio:' section"):
         sampler.next_step()
+    sampler.allow_audio = True  # a layout with an audio group (the loader sets it from the topology)
+    step = sampler.next_step()
+    assert all(s.audio_lengths is not None for mb in step for s in mb)
