@@ -1,4 +1,5 @@
-"""Per-module training choices: which of the vision tower, the merger and the language model train,
+"""Per-module training choices: which of the vision tower, the merger, an encoder such as
+Qwen2.5-Omni's audio tower and the language model train,
 with which learning rate and weight decay (``train_loop_config["modules"]``, run file
 ``optim.modules``)::
 
@@ -10,7 +11,8 @@ with which learning rate and weight decay (``train_loop_config["modules"]``, run
 A module not named trains with ``lr`` / ``weight_decay``. Parameters are assigned to a module by
 their name in the transformers model: ``model.visual.merger.*`` and Qwen3-VL's
 ``model.visual.deepstack_merger_list.*`` are the merger, the rest of ``model.visual.*`` the
-vision tower, everything else (``model.language_model.*``, ``lm_head.*``) the language model.
+vision tower, ``model.audio_tower.*`` the audio encoder (`FamilySpec.encoders`), everything else
+(``model.language_model.*``, ``lm_head.*``) the language model.
 
 A frozen parameter has ``requires_grad=False``: no gradient, no optimizer state, no fp32 master;
 gradient reduction, clipping and ZeRO-1 skip it (the single-process reference,

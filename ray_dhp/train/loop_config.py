@@ -32,7 +32,7 @@ class TrainLoopConfig:
         num_steps: optimizer steps to run.
         seed: seeds model init (random-init configs), data order and dropout.
         log_every: report metrics every this many steps (each report is a barrier).
-        max_grad_norm: global gradient-norm clipping over both modules (None = off).
+        max_grad_norm: global gradient-norm clipping over every module (None = off).
         micro_batches: gradient-accumulation micro-batches per step.
         lr_schedule: "constant", "cosine" or "linear" decay after warmup.
         warmup_steps: linear warmup steps.
@@ -140,7 +140,8 @@ class TrainLoopConfig:
             "Checkpoint successfully created" log lines (off: the console shows one progress
             line per report instead).
         modules: per-module training choices (`ray_dhp.step.tuning`), a mapping of ``vision`` (the
-            vision tower), ``merger`` and ``llm`` (the language model) to ``{train: bool, lr:
+            vision tower), ``merger``, ``audio`` (Qwen2.5-Omni's audio tower) and ``llm`` (the
+            language model) to ``{train: bool, lr:
             float, weight_decay: float}``; ``llm`` also takes ``lora: {r, alpha,
             target_modules}`` (PEFT LoRA adapters; the base weights are frozen). A module not
             named trains with lr and weight_decay. Frozen modules keep no gradients, optimizer
