@@ -76,6 +76,9 @@ class FamilySpec:
     # each trains as a module of its own when the layout gives it a group (``audio:``).
     encoders: tuple = ()
     moe: Optional[MoESpec] = None  # a mixture-of-experts language model (`ray_dhp.models.moe`)
+    # the forward's keyword for the videos' seconds per temporal patch (collated as
+    # ``second_per_grid_ts``; Qwen2.5-Omni's thinker calls it ``video_second_per_grid``)
+    video_seconds_key: str = "second_per_grid_ts"
     # -- the vision side, as data --------------------------------------------------------------
     # The module (import path) that splits the tower over SP ranks: ``plan_for(name, config,
     # grid_thw, sp)``, ``vision_forward(name, visual, pixel_values, plan, sp_rank, sp_group,

@@ -448,8 +448,11 @@ class DHPEngine(UpdateMixin):
                 ops.fill_slot(self.text_model, f)
                 extra.update(ops.text_inputs(samples, dev))
         grid, mask, pos = batch["image_grid_thw"], batch["attention_mask"], batch.get("position_ids")
-        videos = {k: to_device(batch[k], dev) for k in ("video_grid_thw", "second_per_grid_ts")
-                  if batch.get(k) is not None and (k == "video_grid_thw" or _accepts(self.text_model, k))}
+        videos = {} if batch.get("video_grid_thw") is None else \
+            {"video_grid_thw": to_device(batch["video_grid_thw"], dev)}
+        seconds = self.family.video_seconds_key  # Qwen2.5-VL's absolute-time M-RoPE and Omni's
+        if batch.get("second_per_grid_ts") is not None and _accepts(self.text_model, seconds):
+            videos[seconds] = to_device(batch["second_per_grid_ts"], dev)
         with self._autocast():
             out = self.text_model(
                 input_ids=to_device(batch["input_ids"], dev),
@@ -541,8 +544,8 @@ _MASKED_ATTENTION = ("sdpa", "eager", "flex_attention")
 
 
 def _accepts(model, name: str) -> bool:
-    """Whether the model's forward takes ``name`` (``second_per_grid_ts``: Qwen2.5-VL only); a
-    PEFT wrapper is looked through."""
+    """Whether the model's forward takes ``name`` (the videos' seconds: Qwen2.5-VL and
+    Qwen2.5-Omni only); a PEFT wrapper is looked through."""
     import inspect
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -93,8 +93,10 @@ class ReferenceTrainer:
         for mb in micro_batches:
             batch = pad_text_batch(mb, self.config.text_config.pad_token_id or 0)
             kwargs = {k: v.to(self.device) for k, v in batch.items() if v is not None and k != "labels"}
-            if "second_per_grid_ts" not in inspect.signature(self.model.forward).parameters:
-                kwargs.pop("second_per_grid_ts", None)  # Qwen2.5-VL's absolute-time M-RoPE only
+            seconds = kwargs.pop("second_per_grid_ts", None)  # the videos' seconds per patch:
+            key = family_of(self.config).video_seconds_key  # Qwen2.5-VL / -Omni's M-RoPE only
+            if seconds is not None and key in inspect.signature(self.model.forward).parameters:
+                kwargs[key] = seconds
             kwargs = family_of(self.config).stock_inputs(self.config, kwargs)
             for key in ("pixel_values", "pixel_values_videos", "input_features"):
                 if key in kwargs:

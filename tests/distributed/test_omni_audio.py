@@ -5,7 +5,9 @@ ViT and the LM each in its own group with its own parallelism, against the stock
 The steps are composed by hand so every empty-modality case occurs: step 1 holds images, audio
 clips, a record with both and text-only records; step 2 has no audio at all (the audio module
 gets no gradient: the stock AdamW leaves its parameters and moments untouched, weight decay
-included, and so must the engine); step 3 has no image (the same for the vision side).
+included, and so must the engine); step 3 has no image or video (the same for the vision side).
+Videos enter the ViT as Qwen2.5-VL's do, their seconds per temporal patch under the thinker's
+own keyword (``video_second_per_grid``).
 
 Tolerance as in test_parity.py's fp64 matrix (1e-10 relative: only summation orders differ; a
 wrong seam — audio rows at the wrong placeholders, a clip's rows from another replica, an
@@ -26,24 +28,25 @@ from ray_dhp import demo
 from ray_dhp.data.reading import read_annotations, resolve_data_root
 from ray_dhp.data.sampler import StepSampler
 from ray_dhp.demo_audio import make_audio_dataset
+from ray_dhp.demo_video import make_video_dataset
 from ray_dhp.step.topology import EncoderDegrees
 from ray_dhp.train.loop_config import TrainLoopConfig
 from tests.distributed.parity import assert_parity, run_engine, run_reference
 
 CFG = TrainLoopConfig(lr=1e-3, global_batch_size=8, micro_batches=2, num_steps=3,
                       max_grad_norm=0.5, weight_decay=0.1, seed=0)
-# record indices of `omni_records`: images, text-only, audio clips, image + audio
-IMG, TXT, AUD, BOTH = (0, 1, 3, 4), (2, 5), (6, 7, 8, 9), 10
+# record indices of `omni_records`: images, text-only, audio clips, image + audio, videos
+IMG, TXT, AUD, BOTH, VID = (0, 1, 3, 4), (2, 5), (6, 7, 8, 9), 10, (11, 12)
 STEPS = (
-    ((IMG[0], AUD[0], BOTH, TXT[0]), (IMG[1], AUD[1], IMG[2], AUD[2])),  # every modality
-    ((IMG[3], TXT[0], IMG[0], TXT[1]), (IMG[1], TXT[1], IMG[2], TXT[0])),  # no audio
+    ((IMG[0], AUD[0], BOTH, TXT[0]), (IMG[1], AUD[1], VID[0], AUD[2])),  # every modality
+    ((IMG[3], TXT[0], VID[1], TXT[1]), (IMG[1], TXT[1], IMG[2], TXT[0])),  # no audio
     ((AUD[0], TXT[0], AUD[3], TXT[1]), (AUD[1], AUD[2], TXT[0], AUD[3])),  # no image
 )
 
 
 def omni_records(root) -> list:
-    """An image set (with text-only records), a clip set and one record with both, in one
-    annotation file under ``root``; returns the processed `Sample` of every record."""
+    """An image set (with text-only records), a clip set, one record with both and two videos,
+    in one annotation file under ``root``; returns the processed `Sample` of every record."""
     img = demo.make_dataset(root / "img", num_samples=6, seed=0, text_only_every=3,
                             image_sizes=((56, 56), (84, 56)))
     aud = make_audio_dataset(root / "aud", num_samples=4, seed=0, seconds=(0.6, 1.0))
@@ -57,6 +60,11 @@ def omni_records(root) -> list:
     both["audio"] = "aud/audio/001.wav"
     both["conversations"][0]["value"] = "<image>\n<audio>\nDescribe the image and the sound."
     recs.append(both)
+    vid = make_video_dataset(root / "vid", num_samples=2, n_frames=4, mix=False)
+    for line in vid.read_text().splitlines():
+        r = json.loads(line)
+        r["video"] = f"vid/{r['video']}"
+        recs.append(r)
     path = root / "mixed.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     sampler = StepSampler(read_annotations(path), demo.tiny_processor("qwen2_5_omni"),
@@ -69,6 +77,7 @@ def omni_records(root) -> list:
 def omni(tmp_path_factory):
     samples = omni_records(tmp_path_factory.mktemp("omni"))
     assert samples[BOTH].audio_lengths is not None and samples[BOTH].image_grid_thw is not None
+    assert all(samples[i].modalities.tolist() == [2] for i in VID)  # videos
     steps = [[[dataclasses.replace(samples[i], index=n * 8 + k * 4 + j) for j, i in enumerate(mb)]
               for k, mb in enumerate(step)] for n, step in enumerate(STEPS)]
     return steps, run_reference("qwen2_5_omni", CFG, steps, torch.float64)
