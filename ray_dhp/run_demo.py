@@ -26,6 +26,12 @@ def parse_args(argv=None):
     p.add_argument("--video", action="store_true",
                    help="train on generated moving-square videos (\"Which way does the square "
                         "move?\"), mixed with image and text-only samples")
+    p.add_argument("--audio", action="store_true",
+                   help="a Qwen2.5-Omni thinker with three modules (audio, vision, text) on a generated "
+                        "set of clips, images, videos and text-only samples")
+    p.add_argument("--audio-dp", type=int, default=None,
+                   help="audio data-parallel degree (default: the vision group's size when "
+                        "collocated, 1 when disjoint)")
     p.add_argument("--out", default=None, help="folder for data and run storage (default: a temp dir)")
     return p.parse_args(argv)
 
@@ -39,8 +45,16 @@ def main(argv=None) -> dict:
     from ray_dhp.train.callbacks import read_history
 
     out = os.path.abspath(args.out or tempfile.mkdtemp(prefix="ray_dhp_demo_"))
-    video_keys = {}
-    if args.video:
+    video_keys, audio = {}, None
+    if args.audio:
+        from ray_dhp.demo_audio import make_omni_dataset
+
+        args.family = "qwen2_5_omni"
+        n = max(4, args.samples // 4)
+        data = make_omni_dataset(os.path.join(out, "data"), images=2 * n, clips=n, videos=n // 2)
+        dp = args.audio_dp or (args.sp * args.vision_dp if args.placement == "collocated" else 1)
+        audio = ModuleParallel(data_parallel=dp)
+    elif args.video:
         from ray_dhp.demo_video import make_video_dataset
 
         data = make_video_dataset(os.path.join(out, "data"), num_samples=args.samples, seed=0)
@@ -53,6 +67,7 @@ def main(argv=None) -> dict:
         processor=demo.tiny_processor(args.family),
         vision=ModuleParallel(sequence_parallel=args.sp, data_parallel=args.vision_dp),
         text=ModuleParallel(tensor_parallel=args.tp, data_parallel=args.text_dp),
+        audio=audio,
         placement=args.placement,
     )
     print(f"[ray_dhp] layout:\n{cfg.topology().describe()}", flush=True)

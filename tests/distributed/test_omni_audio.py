@@ -19,7 +19,6 @@ every step are compared.
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 import torch
@@ -27,8 +26,7 @@ import torch
 from ray_dhp import demo
 from ray_dhp.data.reading import read_annotations, resolve_data_root
 from ray_dhp.data.sampler import StepSampler
-from ray_dhp.demo_audio import make_audio_dataset
-from ray_dhp.demo_video import make_video_dataset
+from ray_dhp.demo_audio import make_omni_dataset
 from ray_dhp.step.topology import EncoderDegrees
 from ray_dhp.train.loop_config import TrainLoopConfig
 from tests.distributed.parity import assert_parity, run_engine, run_reference
@@ -45,32 +43,13 @@ STEPS = (
 
 
 def omni_records(root) -> list:
-    """An image set (with text-only records), a clip set, one record with both and two videos,
-    in one annotation file under ``root``; returns the processed `Sample` of every record."""
-    img = demo.make_dataset(root / "img", num_samples=6, seed=0, text_only_every=3,
-                            image_sizes=((56, 56), (84, 56)))
-    aud = make_audio_dataset(root / "aud", num_samples=4, seed=0, seconds=(0.6, 1.0))
-    recs = []
-    for sub, path in (("img", img), ("aud", aud)):
-        for line in path.read_text().splitlines():
-            r = json.loads(line)
-            r.update({k: f"{sub}/{r[k]}" for k in ("image", "audio") if k in r})
-            recs.append(r)
-    both = json.loads(json.dumps(recs[IMG[0]]))
-    both["audio"] = "aud/audio/001.wav"
-    both["conversations"][0]["value"] = "<image>\n<audio>\nDescribe the image and the sound."
-    recs.append(both)
-    vid = make_video_dataset(root / "vid", num_samples=2, n_frames=4, mix=False)
-    for line in vid.read_text().splitlines():
-        r = json.loads(line)
-        r["video"] = f"vid/{r['video']}"
-        recs.append(r)
-    path = root / "mixed.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    """The processed `Sample` of every record of `make_omni_dataset` under ``root`` (images with
+    text-only records, clips, one record with both, two videos: the indices above)."""
+    path = make_omni_dataset(root, videos=2)
     sampler = StepSampler(read_annotations(path), demo.tiny_processor("qwen2_5_omni"),
                           resolve_data_root(path), CFG)
     sampler.allow_audio = True
-    return [sampler.process(i) for i in range(len(recs))]
+    return [sampler.process(i) for i in range(len(path.read_text().splitlines()))]
 
 
 @pytest.fixture(scope="module")

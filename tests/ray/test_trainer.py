@@ -99,3 +99,22 @@ def test_strict_bad_data_fails_naming_the_line(ray_cluster, tmp_path):
     with pytest.raises(Exception, match=r"data.jsonl:4"):
         _trainer(tmp_path, dhp, {"train": str(data)}, num_steps=2, global_batch_size=6,
                  bad_data="strict").fit()
+
+
+@pytest.mark.slow
+def test_three_modules_audio_vision_text_train_end_to_end(ray_cluster, tmp_path):
+    """A Qwen2.5-Omni thinker with an audio group (issue #33) through `DisaggregatedTrainer`:
+    disjoint vision 1 + audio 2 + text 1 workers on a mixed set (images, clips, a record with
+    both, text-only, videos); the loss falls and no sample is skipped."""
+    from ray_dhp.demo_audio import make_omni_dataset
+
+    data = make_omni_dataset(tmp_path / "data", images=12, clips=8, videos=2)
+    dhp = DHPConfig(model=demo.tiny_model_config("qwen2_5_omni"),
+                    processor=demo.tiny_processor("qwen2_5_omni"), placement="disjoint",
+                    vision=ModuleParallel(), audio=ModuleParallel(data_parallel=2),
+                    text=ModuleParallel())
+    assert dhp.num_workers == 4
+    result = _trainer(tmp_path, dhp, {"train": str(data)}, num_steps=8, log_every=4).fit()
+    assert result.metrics["step"] == 8 and result.metrics["skipped_samples"] == 0
+    hist = read_history(result)
+    assert hist[-1]["loss"] < hist[0]["loss"], [h["loss"] for h in hist]
