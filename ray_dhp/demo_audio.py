@@ -7,8 +7,8 @@
   ViT, the Qwen2 LM) at the demo's tiny size, built offline from the demo tokenizer plus the
   three Omni audio tokens; the processor adds a Whisper log-mel feature extractor.
 * `write_wav` / `tone` / `make_audio_dataset`: 16-bit PCM wav clips synthesised with numpy
-  (steady tones and rising / falling chirps), captioned with their label; `make_omni_dataset`:
-  one set mixing them with images, text-only records and videos.
+  (steady tones and rising / falling chirps), captioned with their label (mixed with images,
+  videos and text-only records: `ray_dhp.demo_omni`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["AUDIO_TOKENS", "omni_template", "omni_tokenizer", "omni_config", "omni_processor",
-           "tone", "write_wav", "make_audio_dataset", "make_omni_dataset", "SOUNDS"]
+           "tone", "write_wav", "make_audio_dataset", "SOUNDS"]
 
 #: Qwen2.5-Omni's audio tokens, appended after the demo tokenizer's vocabulary (ids 371-373).
 AUDIO_TOKENS = ("<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>")
@@ -153,38 +153,3 @@ def make_audio_dataset(path, num_samples: int = 8, seed: int = 0, *,
     out.write_text("\n".join(lines) + "\n")
     return out
 
-
-def make_omni_dataset(path, *, images: int = 6, clips: int = 4, videos: int = 0,
-                      seed: int = 0) -> Path:
-    """One LLaVA-format set mixing every input of a Qwen2.5-Omni thinker; returns its
-    ``mixed.jsonl``. Records in this order: ``images`` shape images (every third text-only,
-    `ray_dhp.demo.make_dataset`), ``clips`` generated clips (`make_audio_dataset`), one record
-    with an image *and* a clip, then ``videos`` moving-square videos
-    (`ray_dhp.demo_video.make_video_dataset`). Paths are relative to ``path``."""
-    from ray_dhp import demo  # not at import time: ray_dhp.demo imports this module
-    from ray_dhp.demo_video import make_video_dataset
-
-    root = Path(path)
-    parts = [("img", demo.make_dataset(root / "img", num_samples=images, seed=seed,
-                                       text_only_every=3, image_sizes=((56, 56), (84, 56)))),
-             ("aud", make_audio_dataset(root / "aud", num_samples=clips, seed=seed,
-                                        seconds=(0.6, 1.0)))]
-    records = []
-    for sub, listing in parts:
-        for line in listing.read_text().splitlines():
-            r = json.loads(line)
-            r.update({k: f"{sub}/{r[k]}" for k in ("image", "audio") if k in r})
-            records.append(r)
-    both = copy.deepcopy(records[0])  # an image record, given a clip too
-    both["audio"] = f"aud/audio/{min(1, clips - 1):03d}.wav"
-    both["conversations"][0]["value"] = "<image>\n<audio>\nDescribe the image and the sound."
-    records.append(both)
-    if videos:
-        vid = make_video_dataset(root / "vid", num_samples=videos, n_frames=4, mix=False, seed=seed)
-        for line in vid.read_text().splitlines():
-            r = json.loads(line)
-            r["video"] = f"vid/{r['video']}"
-            records.append(r)
-    out = root / "mixed.jsonl"
-    out.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return out

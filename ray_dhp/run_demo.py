@@ -47,7 +47,7 @@ def main(argv=None) -> dict:
     out = os.path.abspath(args.out or tempfile.mkdtemp(prefix="ray_dhp_demo_"))
     video_keys, audio = {}, None
     if args.audio:
-        from ray_dhp.demo_audio import make_omni_dataset
+        from ray_dhp.demo_omni import make_omni_dataset
 
         args.family = "qwen2_5_omni"
         n = max(4, args.samples // 4)

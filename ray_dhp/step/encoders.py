@@ -1,10 +1,153 @@
-"""Checks on the encoder modules a layout gives their own groups (`Topology.encoders`).
+"""The encoders' phases of `ray_dhp.step.engine.DHPEngine` (see `ray_dhp.step.schedule`): each
+encoder module's forward on its ranks, its boundary exchange of feature rows into the text
+layout, and the feature gradients back with the encoder's backward.
 
-The vision side is every family's first encoder; any other (Qwen2.5-Omni's audio tower) must be
-one the family has (`FamilySpec.encoders`), and is covered data parallel at ZeRO stages 0-2.
+Every phase walks the encoders in module order (`Topology.encoders`), the same on every rank, so
+each encoder's exchange is one exchange in the same place everywhere (`ray_dhp.parallel.boundary`
+orders a pair's messages so that this holds under NCCL). The vision side is the first encoder; its
+SP plans and ZeRO-3 tower are its own, any other encoder (Qwen2.5-Omni's audio tower) is data
+parallel and reached through its `EncoderSpec` operations. `EncoderPhases` holds no state: it
+works on the engine's ``groups``, ``family``, ``shards`` and micro-batch states.
+
+`check_encoders`: which encoders a layout may give groups of their own (any the family has; an
+encoder other than vision data parallel at ZeRO stages 0-2).
 """
 
 from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ray_dhp.parallel import boundary as bnd
+from ray_dhp.step.gpu import to_device
+from ray_dhp.step.microbatch import MicroBatchLayout, _MicroBatch, layout_micro_batch
+from ray_dhp.step.tuning import vision_trains
+
+
+class EncoderPhases:
+    """The encoders' phases and their helpers, for `DHPEngine`."""
+
+    def _vision_fwd(self, mb: "_MicroBatch", n_targets: int) -> None:
+        """The encoders' forward (phase name kept: the vision side is the first encoder)."""
+        g = self.groups
+        mb.lay = layout_micro_batch(mb.samples, g.topology, self.family.name,
+                                    self.config, self.balancer())
+        self._note_inputs(mb)
+        for m in g.topology.encoders:
+            if g.hosts(m.name) and mb.inputs[m.name]:
+                with self._autocast(), torch.set_grad_enabled(self.encoder_trains(m.name)):
+                    mb.feats[m.name] = self._encoder_forward(m.name, mb.samples, mb.lay)
+
+    def _send_features(self, mb: "_MicroBatch", n_targets: int) -> None:
+        g = self.groups
+        for m in g.topology.encoders:
+            if not mb.inputs[m.name]:
+                continue
+            lay = mb.lay.encoders[m.name]
+            plan = mb.plan[m.name] = bnd.plan_boundary(g.topology, g.rank, self._held_rows(m, lay),
+                                                       self._needed_rows(mb.lay, m.name))
+            feats = mb.feats.get(m.name)
+            local = None if feats is None else feats.detach().to(self.dtype)
+            mb.text_feats[m.name] = bnd.features_forward(
+                plan, local, self.feature_dims[m.name], self.dtype, g.device, comm=self.comm,
+                inflight=self._inflight)
+
+
+    def _return_grads(self, mb: "_MicroBatch", n_targets: int) -> None:
+        g = self.groups
+        for m in g.topology.encoders:
+            name = m.name
+            if not mb.inputs[name]:
+                continue
+            feats = mb.feats.pop(name, None)
+            if not self.encoder_trains(name):  # frozen encoder: no feature gradients go back
+                continue
+            n_local = 0 if feats is None else feats.shape[0]
+            g_local = bnd.features_backward(mb.plan[name], mb.grad_feats.get(name), n_local,
+                                            self.feature_dims[name], self.dtype, g.device,
+                                            comm=self.comm, inflight=self._inflight)
+            if feats is not None:  # also with 0 local rows: the SP all-to-alls run in backward
+                self._arm_reduce(name, mb is self._last_with(name))
+                if name == "vision" and self.vision_fsdp is not None:  # reduce-scatter in the
+                    self.vision_fsdp.sync_for(self._states, mb)        # last vision backward only
+                with self._timer(f"{name}_bwd"):
+                    feats.backward(g_local.to(feats.dtype))
+        mb.feats, mb.grad_feats = {}, {}
+
+    def _note_inputs(self, mb: "_MicroBatch") -> None:
+        """Which encoders have input in ``mb`` (plain data: the same on every rank)."""
+        for m in self.groups.topology.encoders:
+            if m.name not in mb.inputs:
+                if m.name == "vision":
+                    mb.inputs[m.name] = mb.has_images
+                else:
+                    ops = self.family.encoder_spec(m.name).operations()
+                    mb.inputs[m.name] = any(ops.has_input(s) for s in mb.samples)
+
+    def _last_with(self, name: str):
+        """The step's last micro-batch state with input for encoder ``name`` (vision: the last
+        state, as the ZeRO-3 tower runs its collectives in every micro-batch)."""
+        if name == "vision":
+            return self._states[-1]
+        return next((s for s in reversed(self._states) if s.inputs.get(name)), None)
+
+    def encoder_trains(self, name: str) -> bool:
+        """Does any parameter of encoder ``name`` train? If not, no feature gradient crosses
+        its boundary and its forward keeps no graph."""
+        return vision_trains(self.tuning) if name == "vision" else self.tuning.choice(name).train
+
+    def _encoder_forward(self, name: str, samples, lay: MicroBatchLayout) -> Optional[torch.Tensor]:
+        if name == "vision":
+            return self._vision_forward(samples, lay)
+        i, _ = self.groups.coord(name)
+        el = lay.encoders[name]
+        if el.plans[i] is None:
+            return None
+        ops = self.family.encoder_spec(name).operations()
+        mine = [samples[s] for s in el.samples[i] if ops.has_input(samples[s])]
+        if any(s.audio_features is None for s in mine):
+            raise RuntimeError(f"a sample this {name} replica computes has no {name} features here")
+        return ops.forward(self.shards[name], mine, self.dtype, self.groups.device)
+
+    def _vision_forward(self, samples, lay: MicroBatchLayout) -> Optional[torch.Tensor]:
+        i, k = self.groups.vision_coord
+        plan = lay.vision_plans[i]
+        fsdp = self.vision_fsdp
+        if plan is None:  # no image here; at stage 3 the tower's collectives still run
+            return None if fsdp is None else fsdp.idle()
+        mine = [samples[s] for s in lay.vision_samples[i] if samples[s].image_grid_thw is not None]
+        if any(s.pixel_values is None for s in mine):
+            raise RuntimeError("a sample this vision replica computes has no pixels here: the "
+                               "loader routed them by another balance than the engine's (give "
+                               "StepLoader the engine's balancer)")
+        pv = to_device(torch.cat([s.pixel_values for s in mine]), self.groups.device).to(self.dtype)
+        if fsdp is not None:
+            return fsdp.forward(pv, plan, k, self.groups.vision_sp, comm=self.comm)
+        return self.family.vision_forward(self.visual, pv, plan, k, self.groups.vision_sp,
+                                          comm=self.comm)
+
+    def _held_rows(self, m, lay) -> dict:
+        """World rank -> the feature rows it computes of encoder ``m`` (`ModuleLayout`), in its
+        local order: the vision side's SP cuts, or a replica's rows whole."""
+        held = {}
+        for i, plan in enumerate(lay.plans):
+            rows = lay.rows_of(lay.samples[i])  # the replica's local row -> global row
+            for k in range(m.inner):
+                if plan is None:
+                    ids = torch.zeros(0, dtype=torch.long)
+                elif m.name == "vision":
+                    ids = rows[plan.order[plan.cuts[k]:plan.cuts[k + 1]]]
+                else:
+                    ids = rows
+                held[m.rank_at(i, k)] = ids
+        return held
+
+    def _needed_rows(self, lay: MicroBatchLayout, name: str) -> dict:
+        """Text world rank -> the rows of encoder ``name`` its replica's samples consume."""
+        t = self.groups.topology.text
+        return {t.rank_at(j, k): lay.rows_of(idx, name)
+                for j, idx in enumerate(lay.text_samples) for k in range(t.inner)}
 
 
 def check_encoders(family, topology) -> None:

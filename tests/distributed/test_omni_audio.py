@@ -26,7 +26,7 @@ import torch
 from ray_dhp import demo
 from ray_dhp.data.reading import read_annotations, resolve_data_root
 from ray_dhp.data.sampler import StepSampler
-from ray_dhp.demo_audio import make_omni_dataset
+from ray_dhp.demo_omni import make_omni_dataset
 from ray_dhp.step.topology import EncoderDegrees
 from ray_dhp.train.loop_config import TrainLoopConfig
 from tests.distributed.parity import assert_parity, run_engine, run_reference
