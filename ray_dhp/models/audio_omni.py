@@ -47,6 +47,10 @@ def forward(tower, samples, dtype: torch.dtype, device) -> torch.Tensor:
     from ray_dhp.data.collate import audio_inputs
     from ray_dhp.models.qwen2_5_omni import audio_forward
 
+    if any(s.audio_features is None for s in samples):
+        raise RuntimeError("a sample this audio replica computes has no audio features here: the "
+                           "loader routed them by another rule than the engine's (give StepLoader "
+                           "the engine's balancer)")
     batch = audio_inputs(samples)
     feats = batch["input_features"].to(device=device, dtype=dtype)
     return audio_forward(tower, feats, batch["feature_attention_mask"].to(device))
