@@ -43,9 +43,12 @@ def _meta_groups(topology, rank: int):
     """The groups the engine reads at construction: roles and the text ("dp", "tp") mesh."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ray_dhp.step.mesh import DHPGroups
+    from ray_dhp.step.mesh import DHPGroups, EncoderGroups
 
     groups = DHPGroups(topology=topology, rank=rank, device=torch.device("meta"))
+    for m in topology.encoders:  # the encoders this rank hosts (no process groups on meta)
+        if groups.hosts(m.name):
+            groups.encoders[m.name] = EncoderGroups()
     if groups.is_text:
         groups.text_mesh = DeviceMesh("cpu", torch.tensor(topology.text.mesh()),
                                       mesh_dim_names=("dp", "tp"))
@@ -66,7 +69,7 @@ def meta_engine(model, topology, rank: int, cfg=None, dtype: torch.dtype = torch
     from ray_dhp.step.engine import DHPEngine
     from ray_dhp.train.loop_config import TrainLoopConfig
 
-    cfg = cfg or TrainLoopConfig(global_batch_size=max(topology.vision.dp, topology.text.dp))
+    cfg = cfg or TrainLoopConfig(global_batch_size=max(m.dp for m in topology.modules))
     with _fake_world(rank, topology.world_size):
         return DHPEngine(model, _meta_groups(topology, rank), cfg, dtype=dtype)
 
