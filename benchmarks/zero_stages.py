@@ -306,13 +306,17 @@ def main(argv=None) -> dict:
     rows = summarise(per_rank, counts, a.ranks, POLICIES[a.precision])
     result = {"shape": a.shape, "parameters": counts.vision + counts.text, "ranks": a.ranks,
               "layout": f"collocated vision DP{a.ranks} / text DP{a.ranks}", **opts,
-              "load_average_start": load_start,
+              "load_average_start": load_start, "thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE", "0"),
               "load_average_end": os.getloadavg(), "machine": "2-core CPU, gloo, shared",
               "contenders": rows, "host_adam": host_adam(a.host_adam_numel)}
     os.makedirs(a.out, exist_ok=True)
     stem = os.path.join(a.out, f"zero-stages-{a.shape}-cpu2-{datetime.date.today().isoformat()}")
+    if a.precision != "bf16_mixed":
+        stem += f"-{a.precision}"
     if set(names) != set(CONTENDERS):  # a subset: its own files
         stem += "-" + "-".join(names)
+    if os.environ.get("THP_MEM_ALLOC_ENABLE", "0") != "0":  # PyTorch's THP allocation, by hand
+        stem += "-thp"
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=1)
     _plot(rows, stem + ".png", f"ZeRO stages, {a.shape}, {a.ranks} gloo ranks, {a.precision}")
