@@ -64,7 +64,8 @@ class EvalLoader(StepLoader):
             self.group = group if group is not None else dist.new_group(
                 list(range(self.world)), backend="gloo")
         topo = getattr(groups, "topology", None)
-        self.min_samples = 1 if topo is None else max(topo.vision.dp, topo.text.dp)
+        # ghosts fill a short batch until it feeds every replica of every module (audio too)
+        self.min_samples = 1 if topo is None else max(m.dp for m in topo.modules)
 
     @property
     def skipped(self) -> int:
