@@ -315,14 +315,15 @@ class StepLoader:
 
 def _default_balancer(sampler, groups):
     """Without an explicit balancer: by count. Refused where it would matter (the run balances by
-    cost and several vision replicas need the engine's assignment to route pixels)."""
+    cost and an encoder's several replicas need the engine's assignment to route its inputs)."""
     from ray_dhp.parallel.balance import COUNT
 
     cost = getattr(sampler.cfg, "balance", "count") == "cost"
-    if cost and groups is not None and groups.topology.vision.dp > 1:
-        raise ValueError("StepLoader: balance='cost' with vision data_parallel > 1 needs the "
+    wide = [] if groups is None else [m.name for m in groups.topology.encoders if m.dp > 1]
+    if cost and wide:
+        raise ValueError(f"StepLoader: balance='cost' with {wide[0]} data_parallel > 1 needs the "
                          "engine's balancer (StepLoader(..., balancer=engine.balancer())), so "
-                         "pixels go to the replica that computes them; or set balance='count'")
+                         "its inputs go to the replica that computes them; or set balance='count'")
     return COUNT
 
 

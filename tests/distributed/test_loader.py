@@ -7,7 +7,7 @@ import torch
 from ray_dhp import demo
 from ray_dhp.data.reading import read_annotations, resolve_data_root
 from ray_dhp.data.sampler import StepSampler
-from ray_dhp.step.topology import Topology
+from ray_dhp.step.topology import EncoderDegrees, Topology
 from ray_dhp.train.loop_config import TrainLoopConfig
 from tests.spawn import run_on_ranks
 
@@ -130,6 +130,13 @@ def test_cost_balance_needs_the_engines_balancer_with_vision_dp(tmp_path):
     path = demo.make_dataset(tmp_path / "d", num_samples=4)
     with pytest.raises(ValueError, match="engine's balancer"):
         StepLoader(_sampler(path, global_batch_size=4), _Groups())
+
+    class _AudioGroups:  # any encoder with several replicas: here audio DP2 beside vision DP1
+        topology = Topology.build(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1,
+                                  text_tp=2, encoders={"audio": EncoderDegrees(dp=2)})
+
+    with pytest.raises(ValueError, match="audio data_parallel > 1 needs the engine's balancer"):
+        StepLoader(_sampler(path, global_batch_size=4), _AudioGroups())
 
 
 def _strict_body(rank, world, path, layout):
