@@ -301,12 +301,13 @@ def main(argv=None) -> dict:
     opts = {"shape": a.shape, "patches": a.patches, "steps": a.steps, "precision": a.precision,
             "contenders": names, "one_at_a_time": a.one_at_a_time}
     load_start = os.getloadavg()
+    thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "0")  # PyTorch's THP CPU allocation, set by hand
     per_rank = spawn(zero_body, a.ranks, (opts,), backend="gloo", threads=1, timeout_s=3000)
     counts = count_params(model_config(a.shape))
     rows = summarise(per_rank, counts, a.ranks, POLICIES[a.precision])
     result = {"shape": a.shape, "parameters": counts.vision + counts.text, "ranks": a.ranks,
               "layout": f"collocated vision DP{a.ranks} / text DP{a.ranks}", **opts,
-              "load_average_start": load_start, "thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE", "0"),
+              "load_average_start": load_start, "thp_mem_alloc_enable": thp,
               "load_average_end": os.getloadavg(), "machine": "2-core CPU, gloo, shared",
               "contenders": rows, "host_adam": host_adam(a.host_adam_numel)}
     os.makedirs(a.out, exist_ok=True)
@@ -315,7 +316,7 @@ def main(argv=None) -> dict:
         stem += f"-{a.precision}"
     if set(names) != set(CONTENDERS):  # a subset: its own files
         stem += "-" + "-".join(names)
-    if os.environ.get("THP_MEM_ALLOC_ENABLE", "0") != "0":  # PyTorch's THP allocation, by hand
+    if thp != "0":
         stem += "-thp"
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=1)

@@ -46,7 +46,8 @@ def evaluate(engine, batches: Iterable[list]) -> dict:
         the set has no target token).
     """
     g = engine.groups
-    modules = [m for m in (*engine.shards.values(), engine.text_model) if m is not None]  # every module hosted here
+    # every module this rank hosts: its encoders (vision, audio, ...) and the LM
+    modules = [m for m in (*engine.shards.values(), engine.text_model) if m is not None]
     was_training = [m.training for m in modules]
     cuda = [g.device] if g.device.type == "cuda" else []
     loss_sum = torch.zeros((), dtype=torch.float64)

@@ -121,7 +121,7 @@ def test_loader_decodes_once_and_matches_the_sampler(tmp_path, name, prefetch, b
                     assert s[4] == want, (r["vision"], slot)
 
 
-def test_cost_balance_needs_the_engines_balancer_with_vision_dp(tmp_path):
+def test_cost_balance_needs_the_engines_balancer_with_encoder_dp(tmp_path):
     from ray_dhp.data.loader import StepLoader
 
     class _Groups:
