@@ -155,7 +155,7 @@ def _body(rank, world, steps_n, rounds, seed, text_tokens):
     from ray_dhp.step.engine import DHPEngine
     from ray_dhp.step.mesh import build_groups
     from ray_dhp.step.topology import Topology
-    from ray_dhp.train.loop_config import TrainLoopConfig
+    from ray_dhp.config.train_loop import TrainLoopConfig
 
     eng.PhaseTimer = _CpuTimer  # benchmark-only: CPU time per phase as well as wall time
     config = model_config("vitheavy")

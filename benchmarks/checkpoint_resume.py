@@ -34,7 +34,7 @@ def _resume_body(rank, world, mode, root, tiny):
     from ray_dhp.step.engine import DHPEngine
     from ray_dhp.step.mesh import build_groups
     from ray_dhp.step.topology import Topology
-    from ray_dhp.train.loop_config import TrainLoopConfig
+    from ray_dhp.config.train_loop import TrainLoopConfig
 
     config = model_config("vitheavy" if tiny else "vitheavy-wide")
     groups = build_groups(Topology.build(**RESUME_LAYOUT), torch.device("cpu"))

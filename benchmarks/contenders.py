@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ray_dhp.step.engine import count_targets, shift_labels
 from ray_dhp.models import build_model
-from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.config.train_loop import TrainLoopConfig
 
 from benchmarks import measure
 

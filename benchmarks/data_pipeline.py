@@ -38,7 +38,7 @@ def _sampler(path, batch, seed=0):
     from ray_dhp import demo
     from ray_dhp.data.reading import read_annotations, resolve_data_root
     from ray_dhp.data.sampler import StepSampler
-    from ray_dhp.train.loop_config import TrainLoopConfig
+    from ray_dhp.config.train_loop import TrainLoopConfig
 
     cfg = TrainLoopConfig(global_batch_size=batch, num_steps=1000, seed=seed)
     return StepSampler(read_annotations(path), demo.tiny_processor(), resolve_data_root(path), cfg), cfg
@@ -151,7 +151,7 @@ def ab_compare(old_tree: str, rounds: int, steps: int) -> dict:
     one process, alternating before/after within each round (pairs close in time, so a busy
     machine slows both alike); ratios are medians over rounds of the paired ratios."""
     from ray_dhp import demo
-    from ray_dhp.train.loop_config import TrainLoopConfig
+    from ray_dhp.config.train_loop import TrainLoopConfig
 
     versions = _contenders(old_tree)
     times = {v: {"reader": [], "loader": []} for v in versions}

@@ -84,7 +84,7 @@ def child(path: str, spawned_at: float) -> dict:
     from ray_dhp.data.loader import StepLoader
     from ray_dhp.data.reading import read_annotations, resolve_data_root
     from ray_dhp.data.sampler import StepSampler
-    from ray_dhp.train.loop_config import TrainLoopConfig
+    from ray_dhp.config.train_loop import TrainLoopConfig
 
     processor = demo.tiny_processor()
     base = _rss()

@@ -60,7 +60,7 @@ def body(rank, world, opts: dict):
     from ray_dhp.step.mesh import build_groups
     from ray_dhp.step.precision import policy_of
     from ray_dhp.step.topology import Topology
-    from ray_dhp.train.loop_config import TrainLoopConfig
+    from ray_dhp.config.train_loop import TrainLoopConfig
 
     config = _config(opts)
     cfg = TrainLoopConfig(lr=1e-4, global_batch_size=2 * world, micro_batches=1,

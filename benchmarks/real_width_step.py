@@ -42,7 +42,7 @@ def _rank_body(rank, world, config, precision, samples, patches):
     from ray_dhp.planning.memory import count_params, rank_state
     from ray_dhp.step.mesh import build_groups
     from ray_dhp.step.topology import Topology
-    from ray_dhp.train.loop_config import TrainLoopConfig
+    from ray_dhp.config.train_loop import TrainLoopConfig
 
     topo = Topology.build(**LAYOUT)
     groups = build_groups(topo, torch.device("cpu"))

@@ -38,7 +38,7 @@ def _body(rank, world, layout, schedules, steps, patches, micro, shape):
     from ray_dhp.step.engine import DHPEngine
     from ray_dhp.step.mesh import build_groups
     from ray_dhp.step.topology import Topology
-    from ray_dhp.train.loop_config import TrainLoopConfig
+    from ray_dhp.config.train_loop import TrainLoopConfig
 
     config = model_config(shape)
     cfg = TrainLoopConfig(lr=1e-4, global_batch_size=2 * micro, micro_batches=micro, num_steps=steps)

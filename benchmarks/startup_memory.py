@@ -78,7 +78,7 @@ def _rank_body(rank, world, layout, model, path_name, dtype_name):
     from ray_dhp.step.mesh import build_groups
     from ray_dhp.models.loading import local_parameter_bytes
     from ray_dhp.step.topology import Topology
-    from ray_dhp.train.loop_config import TrainLoopConfig
+    from ray_dhp.config.train_loop import TrainLoopConfig
 
     dtype = getattr(torch, dtype_name)
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))

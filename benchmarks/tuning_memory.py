@@ -1,4 +1,4 @@
-"""Model state saved per rank by freezing modules or training LoRA adapters (`ray_dhp.step.tuning`).
+"""Model state saved per rank by freezing modules or training LoRA adapters (`ray_dhp.config.tuning`).
 
 Two parts, both collocated SP=2 / TP=2 under the bf16_mixed policy (bf16 weights and grads,
 fp32 masters and AdamW moments) with vision ZeRO-1:
@@ -52,7 +52,7 @@ def _planned(config, modules, rank: int) -> dict:
     from ray_dhp.planning.memory import count_params, rank_state
     from ray_dhp.step.precision import POLICIES
     from ray_dhp.step.topology import Topology
-    from ray_dhp.step.tuning import parse_tuning
+    from ray_dhp.config.tuning import parse_tuning
 
     tuning = parse_tuning(modules)
     st = rank_state(count_params(config, None if tuning.default else tuning), Topology.build(**LAYOUT),
@@ -67,7 +67,7 @@ def _rank_body(rank, world, config):
     from ray_dhp.step.engine import DHPEngine
     from ray_dhp.step.mesh import build_groups
     from ray_dhp.step.topology import Topology
-    from ray_dhp.train.loop_config import TrainLoopConfig
+    from ray_dhp.config.train_loop import TrainLoopConfig
 
     groups = build_groups(Topology.build(**LAYOUT), torch.device("cpu"))
     out = {}

@@ -96,7 +96,7 @@ def zero_body(rank, world, opts: dict) -> dict:
     from benchmarks.measure import CollectiveCounter
     from benchmarks.shapes import make_batch, model_config
     from ray_dhp.planning.memory import count_params, rank_state
-    from ray_dhp.train.loop_config import TrainLoopConfig
+    from ray_dhp.config.train_loop import TrainLoopConfig
 
     torch.manual_seed(0)
     config = model_config(opts["shape"])

@@ -36,7 +36,7 @@ _LAZY = {
     "DisaggregatedTrainer": ("ray_dhp.train.trainer", "DisaggregatedTrainer"),
     "DHPConfig": ("ray_dhp.layout", "DHPConfig"),
     "ModuleParallel": ("ray_dhp.layout", "ModuleParallel"),
-    "TrainLoopConfig": ("ray_dhp.train.loop_config", "TrainLoopConfig"),
+    "TrainLoopConfig": ("ray_dhp.config.train_loop", "TrainLoopConfig"),
     "Topology": ("ray_dhp.step.topology", "Topology"),
     "get_context": ("ray_dhp.train.backend", "get_context"),
     # building blocks of a custom train loop (docs/custom_loop.md)

@@ -8,7 +8,7 @@ from typing import Any, Optional, Union
 
 from ray.train.backend import BackendConfig
 
-from ray_dhp.checks import check_fields, checked
+from ray_dhp.config.checks import check_fields, checked
 from ray_dhp.parallel.zero import ZERO_STAGES
 from ray_dhp.step.topology import PLACEMENTS, EncoderDegrees, Topology
 

@@ -24,7 +24,7 @@ from typing import Optional
 from ray_dhp.cli.schema import (ConfigError, apply_overrides, borrow, from_dict, option,
                                 section)
 from ray_dhp.layout import FURTHER_ENCODERS, DHPConfig, ModuleParallel
-from ray_dhp.train.loop_config import TrainLoopConfig, check_dataset_weights
+from ray_dhp.config.train_loop import TrainLoopConfig, check_dataset_weights
 
 __all__ = ["RunFile", "ConfigError", "load_run_file", "run_file_from_dict", "loop_key_in_file",
            "SHORTHANDS"]
@@ -330,7 +330,7 @@ class RunFile:
         pixels = (self.processor.min_pixels, self.processor.max_pixels)
         if pixels != (None, None):  # against the model's patch unit and the processor's limits
             check_run_pixels(*pixels, self.dhp_config(), loop_key_in_file)
-        from ray_dhp.step.tuning import check_layout, parse_tuning
+        from ray_dhp.config.tuning import check_layout, parse_tuning
 
         check_layout(parse_tuning(raw.get("modules"), key=loop_key_in_file("modules")),
                      dhp.text.sequence_parallel is True, key=loop_key_in_file("modules"))

@@ -64,7 +64,7 @@ def _body(rank, world, policy, tiny, patches, batch):
     from ray_dhp.parallel.devcheck import CollectiveDeviceCheck
     from ray_dhp.step.precision import POLICIES
     from ray_dhp.step.topology import Topology
-    from ray_dhp.train.loop_config import TrainLoopConfig
+    from ray_dhp.config.train_loop import TrainLoopConfig
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")

@@ -67,7 +67,7 @@ def _body(rank, world, tiny, steps):
     from ray_dhp.step.engine import DHPEngine
     from ray_dhp.step.mesh import build_groups
     from ray_dhp.step.topology import Topology
-    from ray_dhp.train.loop_config import TrainLoopConfig
+    from ray_dhp.config.train_loop import TrainLoopConfig
     from benchmarks import shapes
 
     cuda = torch.cuda.is_available()

@@ -15,7 +15,7 @@ def check_compatible(meta: dict, engine) -> None:
     if meta.get("family") != engine.family.name:
         raise ValueError(f"checkpoint holds a {meta.get('family')} model but this run trains a "
                          f"{engine.family.name} model; use DHPConfig(model=...) of the same family.")
-    from ray_dhp.step.tuning import same_structure
+    from ray_dhp.config.tuning import same_structure
 
     why = same_structure(meta.get("modules"), engine.cfg.modules)
     if why:

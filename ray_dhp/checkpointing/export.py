@@ -186,7 +186,7 @@ def _write_export(d: str, meta: dict, out: str, dtype, source: Optional[str],
     """Everything the exported directory holds, written into ``out`` (a fresh directory)."""
     from ray_dhp.checkpointing import checkpoint as ckpt
     from ray_dhp.models import lora as lora_mod
-    from ray_dhp.step.tuning import parse_tuning
+    from ray_dhp.config.tuning import parse_tuning
 
     if lora not in lora_mod.LORA_EXPORTS:
         raise ValueError(f"lora must be one of {lora_mod.LORA_EXPORTS}, got {lora!r}")

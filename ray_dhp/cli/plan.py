@@ -97,7 +97,7 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
     dhp = rf.dhp_config(with_processor=False)
     topo, config = dhp.topology(), dhp.model_config()
     num_workers = rf.num_workers(dhp)
-    from ray_dhp.step.tuning import tuning_of
+    from ray_dhp.config.tuning import tuning_of
 
     tuning = tuning_of(rf.optim)  # optim.modules: frozen parts hold weights only
     counts = count_params(config, None if tuning.default else tuning)

@@ -11,7 +11,7 @@ from dataclasses import MISSING, fields
 
 import yaml
 
-from ray_dhp.checks import check_of
+from ray_dhp.config.checks import check_of
 from ray_dhp.cli.schema import field_help
 
 WIDTH = 96

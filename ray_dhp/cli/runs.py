@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from ray_dhp.checks import ConfigError
+from ray_dhp.config.checks import ConfigError
 
 
 def checkpoint_step(folder: str) -> Optional[int]:

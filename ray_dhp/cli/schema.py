@@ -7,7 +7,7 @@ The rules every section of the run file follows:
 * values are coerced to the field's annotated type (``int``, ``float``, ``str``, ``bool``,
   ``tuple``/``list``, ``dict``, ``Optional[...]``): YAML reads ``1e-3`` as a string, overrides
   arrive as strings, and both become floats here;
-* then checked against what the field accepts (`ray_dhp.checks.Check` in its metadata: bounds,
+* then checked against what the field accepts (`ray_dhp.config.checks.Check` in its metadata: bounds,
   choices; numbers are always finite), naming the dotted key;
 * a field whose metadata names a ``section`` is a nested dataclass (loaded recursively); its
   ``shorthand`` lets a scalar stand for one field (``placement: disjoint``); an ``optional``
@@ -24,7 +24,7 @@ import re
 from dataclasses import MISSING, field, fields
 from typing import Any, Iterable, Optional
 
-from ray_dhp.checks import Check, ConfigError, check_of, coerce
+from ray_dhp.config.checks import Check, ConfigError, check_of, coerce
 
 __all__ = ["ConfigError", "Check", "doc_args", "field_help", "borrow", "option", "section", "from_dict", "leaf_keys",
            "apply_overrides", "set_dotted", "coerce"]
@@ -64,7 +64,7 @@ def field_help(cls, f) -> str:
 
 
 def option(default: Any = None, help: str = "", *, factory=None, **check):
-    """A plain field with a help string and what it accepts (`ray_dhp.checks.Check` keywords:
+    """A plain field with a help string and what it accepts (`ray_dhp.config.checks.Check` keywords:
     ``gt``, ``ge``, ``lt``, ``le``, ``length``, ``choices``; numbers must be finite anyway)."""
     meta = {"help": help, "check": Check(**check)}
     if factory is not None:

@@ -24,7 +24,7 @@ import os
 import re
 from typing import Optional
 
-from ray_dhp.checks import ConfigError
+from ray_dhp.config.checks import ConfigError
 
 __all__ = ["check_processor_fits", "check_run_processor", "processor_notes"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from ray_dhp.checks import ConfigError
+from ray_dhp.config.checks import ConfigError
 
 __all__ = ["check_pixel_limits", "check_run_pixels", "with_pixel_limits", "pixel_unit"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.config.train_loop import TrainLoopConfig
 
 
 def load_records(cfg: TrainLoopConfig, name: str = "train"):

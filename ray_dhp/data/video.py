@@ -66,6 +66,13 @@ class VideoSettings:
     max_pixels: Optional[int] = None
     total_pixels: Optional[int] = None
 
+    @classmethod
+    def of(cls, cfg) -> "VideoSettings":
+        """The settings of a `TrainLoopConfig`'s ``video_*`` keys."""
+        return cls(fps=cfg.video_fps, min_frames=cfg.video_min_frames,
+                   max_frames=cfg.video_max_frames, min_pixels=cfg.video_min_pixels,
+                   max_pixels=cfg.video_max_pixels, total_pixels=cfg.video_total_pixels)
+
 
 @dataclass
 class DecodedVideo:

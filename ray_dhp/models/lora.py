@@ -28,7 +28,7 @@ shared expert's (``mlp.shared_expert.{gate,up,down}_proj``, Qwen3.5-MoE: TP-shar
 MLP, so its adapters get the same plan). The router (``mlp.gate``, a top-k module holding a
 weight) and the fused experts (``mlp.experts.gate_up_proj [E, 2I, H]``: 3-D parameters, no
 ``nn.Linear`` to wrap) are not targets: they stay frozen with the base, and naming them is refused
-in the driver (`ray_dhp.step.tuning`).
+in the driver (`ray_dhp.config.tuning`).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def target_regex(targets) -> str:
 
 
 def peft_config(choice):
-    """The ``peft.LoraConfig`` of a `ray_dhp.step.tuning.LoraChoice` (dropout 0, no bias)."""
+    """The ``peft.LoraConfig`` of a `ray_dhp.config.tuning.LoraChoice` (dropout 0, no bias)."""
     from peft import LoraConfig
 
     return LoraConfig(r=choice.r, lora_alpha=choice.alpha, lora_dropout=0.0, bias="none",

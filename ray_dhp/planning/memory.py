@@ -48,7 +48,7 @@ class ParamCounts:
     text_sharded: int  # part of ``text`` split over TP ranks
     vision_sizes: tuple = ()   # element count of every trained ViT parameter, in the model's order
     largest: int = 0           # element count of the largest single parameter (full, unsharded)
-    # frozen parameters (`ray_dhp.step.tuning`): held, but no gradient, master or optimizer state
+    # frozen parameters (`ray_dhp.config.tuning`): held, but no gradient, master or optimizer state
     vision_frozen: int = 0
     text_frozen: int = 0
     text_frozen_sharded: int = 0
@@ -136,12 +136,13 @@ def _owner_loads(sizes: tuple, world: int) -> tuple:
 
 def count_params(config, tuning=None) -> ParamCounts:
     """Count parameters on the meta device and classify them with the family's TP plan; with a
-    `ray_dhp.step.tuning.Tuning`, also count the frozen ones."""
+    `ray_dhp.config.tuning.Tuning`, also count the frozen ones."""
     import torch
     import transformers
     from accelerate import init_empty_weights
 
     from ray_dhp.models import family_of
+    from ray_dhp.models.tuning import trains as trains_under
 
     family = family_of(config)
     with init_empty_weights():
@@ -160,7 +161,7 @@ def count_params(config, tuning=None) -> ParamCounts:
         inject(model, tuning.lora, seed=0)
         plan = counting_plan(plan, tuning.lora.target_modules)
     vision_names = {f"{family.vision_prefix}{n}" for n, _ in family.visual(model).named_parameters()}
-    trains = (lambda name: True) if tuning is None else tuning.trains
+    trains = (lambda name: True) if tuning is None else functools.partial(trains_under, tuning)
     vision = text = sharded = largest = v_frozen = t_frozen = t_frozen_sharded = 0
     text_sizes, vision_params = [], []
     sizes = tuple(p.numel() for n, p in family.visual(model).named_parameters()

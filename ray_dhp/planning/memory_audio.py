@@ -53,7 +53,7 @@ class AudioCounts:
 
 def count_audio(config, tuning=None) -> Optional[AudioCounts]:
     """The audio tower's parameters (meta device), or None for a model without one. ``tuning``
-    (`ray_dhp.step.tuning.Tuning`): the module ``audio`` frozen or trained (default trained)."""
+    (`ray_dhp.config.tuning.Tuning`): the module ``audio`` frozen or trained (default trained)."""
     import torch
     from accelerate import init_empty_weights
 

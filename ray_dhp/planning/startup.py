@@ -67,7 +67,7 @@ def meta_engine(model, topology, rank: int, cfg=None, dtype: torch.dtype = torch
         dtype: the weight dtype.
     """
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.train.loop_config import TrainLoopConfig
+    from ray_dhp.config.train_loop import TrainLoopConfig
 
     cfg = cfg or TrainLoopConfig(global_batch_size=max(m.dp for m in topology.modules))
     with _fake_world(rank, topology.world_size):

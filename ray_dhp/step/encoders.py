@@ -22,7 +22,7 @@ import torch
 from ray_dhp.parallel import boundary as bnd
 from ray_dhp.step.gpu import to_device
 from ray_dhp.step.microbatch import MicroBatchLayout, _MicroBatch, layout_micro_batch
-from ray_dhp.step.tuning import vision_trains
+from ray_dhp.models.tuning import vision_trains
 
 
 class EncoderPhases:

@@ -35,6 +35,7 @@ from ray_dhp.step.microbatch import (  # noqa: F401  (re-exported: ray_dhp.step.
 from ray_dhp.models import family_of, load_model_config
 from ray_dhp.models.contract import check_features_consumed, check_transformers
 from ray_dhp.models.loading import build_meta_model, materialize
+from ray_dhp.models.tuning import apply_tuning
 from ray_dhp.step.gpu import apply_tf32, to_device
 from ray_dhp.step.precision import accumulate_in_fp32, policy_of, weight_dtype
 from ray_dhp.step.schedule import order_for
@@ -45,8 +46,8 @@ from ray_dhp.parallel.comm import CommCounter
 from ray_dhp.parallel.fsdp import shard_text
 from ray_dhp.parallel.fsdp_vision import shard_vision
 from ray_dhp.parallel.tensor import apply_tp_plan, partial_grad_params
-from ray_dhp.train.loop_config import TrainLoopConfig
-from ray_dhp.step.tuning import apply_tuning, check_layout, tuning_of
+from ray_dhp.config.train_loop import TrainLoopConfig
+from ray_dhp.config.tuning import check_layout, tuning_of
 from ray_dhp.step.encoders import EncoderPhases, check_encoders
 from ray_dhp.step.updates import UpdateMixin
 

@@ -132,8 +132,8 @@ def check_eval_setup(cfg, *, has_validation: bool, score_attribute=None, name=No
         name: how a loop key is called in messages (default ``train_loop_config.<key>``).
         validation_key, score_key: how the validation set and the score attribute are called.
     """
-    from ray_dhp.checks import ConfigError
-    from ray_dhp.train.loop_config import loop_key
+    from ray_dhp.config.checks import ConfigError
+    from ray_dhp.config.train_loop import loop_key
 
     name = name or loop_key
     if cfg.eval_every > 0 and not has_validation:

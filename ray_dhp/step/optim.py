@@ -6,20 +6,22 @@ import math
 
 import torch
 
-from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.config.train_loop import TrainLoopConfig
+from ray_dhp.config.tuning import tuning_of
+from ray_dhp.models.tuning import hyper
 
 
 def param_groups(named_params, weight_decay: float, lr: float = None, tuning=None,
                  prefix: str = "") -> list:
     """AdamW groups: no decay on norms and biases (parameters with fewer than 2 dims); with a
-    `ray_dhp.step.tuning.Tuning`, one group per module's (lr, weight decay) (parameter names are
+    `ray_dhp.config.tuning.Tuning`, one group per module's (lr, weight decay) (parameter names are
     ``prefix + name`` in the full model). Decayed groups come first, then the others, in the
     order their first parameter appears (one group of each without per-module choices)."""
     decay, no_decay = {}, {}
     for name, p in named_params:
         if not p.requires_grad:
             continue
-        p_lr, p_wd = (lr, weight_decay) if tuning is None else tuning.hyper(prefix + name, lr, weight_decay)
+        p_lr, p_wd = (lr, weight_decay) if tuning is None else hyper(tuning, prefix + name, lr, weight_decay)
         if p.ndim >= 2:
             decay.setdefault((p_lr, p_wd), []).append(p)
         else:
@@ -65,10 +67,8 @@ def adamw_impl(params: list) -> dict:
 
 def build_optimizer(named_params, cfg: TrainLoopConfig, prefix: str = "", host: bool = False):
     """AdamW + LambdaLR for one module's parameters (None if it has none); per-module lr and
-    weight decay from ``cfg.modules`` (`ray_dhp.step.tuning`), names taken as ``prefix + name``;
+    weight decay from ``cfg.modules`` (`ray_dhp.config.tuning`), names taken as ``prefix + name``;
     ``host``: the host AdamW of `ray_dhp.step.offload.host_adamw`."""
-    from ray_dhp.step.tuning import tuning_of
-
     tuning = tuning_of(cfg)
     groups = param_groups(named_params, cfg.weight_decay, cfg.lr,
                           None if tuning.default else tuning, prefix)

@@ -39,7 +39,8 @@ from typing import Optional
 
 import torch
 
-POLICY_NAMES = ("fp32", "bf16_autocast", "bf16_mixed", "bf16")
+from ray_dhp.config.train_loop import POLICY_NAMES
+
 # fp32 master gradients made and stepped per chunk of about this many bytes (`MasterWeights.step`)
 CHUNK_BYTES = 64 << 20
 

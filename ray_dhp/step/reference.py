@@ -23,7 +23,7 @@ helpers, so that parity tests compare the engine with an independent implementat
   weights are rounded from it; bf16 (no copy) rounds the sums to bf16 once for its update.
 
 Shared with the engine (tested on their own, see tests/README.md): the config parsing
-(`TrainLoopConfig`, `ray_dhp.step.tuning.tuning_of`: *what* was asked), the batch padding, the
+(`TrainLoopConfig`, `ray_dhp.config.tuning.tuning_of`: *what* was asked), the batch padding, the
 loss normalisation (`ray_dhp.step.loss`) and the lr schedule's factor (`ray_dhp.step.optim.lr_factor`).
 """
 
@@ -42,8 +42,8 @@ from ray_dhp.step.loss import LossInputs, backward_loss, sample_ids_of
 from ray_dhp.step.microbatch import count_targets, shift_labels, upcast
 from ray_dhp.step.optim import lr_factor
 from ray_dhp.step.precision import policy_of, weight_dtype
-from ray_dhp.step.tuning import tuning_of
-from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.config.tuning import tuning_of
+from ray_dhp.config.train_loop import TrainLoopConfig
 
 ADAPTER = "default"  # PEFT's default adapter name
 

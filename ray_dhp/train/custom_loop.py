@@ -24,7 +24,7 @@ import logging
 import tempfile
 from typing import Callable, Optional, Union
 
-from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.config.train_loop import TrainLoopConfig
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,7 @@ def build_processor(ctx=None, config: Union[TrainLoopConfig, dict, None] = None)
     ``config``, its ``system_prompt``, ``min_pixels``/``max_pixels`` and ``video_*`` keys applied (the driver says
     when the processor has no chat template: `ray_dhp.data.compat.processor_notes`)."""
     from ray_dhp.data.processing import as_vl_processor
+    from ray_dhp.data.video import VideoSettings
 
     ctx = _ctx(ctx)
     dhp = ctx.dhp_config
@@ -74,7 +75,7 @@ def build_processor(ctx=None, config: Union[TrainLoopConfig, dict, None] = None)
     cfg = _cfg(config)
     system = cfg.system_prompt if cfg.system_prompt is not None else processor.system_prompt
     processor = processor.configured(system_prompt=system, min_pixels=cfg.min_pixels,
-                                     max_pixels=cfg.max_pixels, video=cfg.video_settings())
+                                     max_pixels=cfg.max_pixels, video=VideoSettings.of(cfg))
     if ctx.rank == 0:
         logger.debug("prompts: %s (system prompt: %s)", "the processor's chat template"
                      if processor.uses_chat_template else "ray_dhp's own Qwen format",

@@ -11,7 +11,7 @@ import torch
 
 from ray_dhp.train.checkpoint_reports import CheckpointReports
 from ray_dhp.train.custom_loop import build_engine, find_checkpoint
-from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.config.train_loop import TrainLoopConfig
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
 from ray_dhp.train.cluster import DEFAULT_PLACEMENT_TIMEOUT_S, PlacementTimeoutError
 from ray_dhp.layout import DHPConfig
-from ray_dhp.train.loop_config import TrainLoopConfig, loop_key
+from ray_dhp.config.train_loop import TrainLoopConfig, loop_key
 
 
 logger = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class DisaggregatedTrainer(DataParallelTrainer):
             from ray_dhp.data.pixels import check_run_pixels
 
             check_run_pixels(loop_cfg.min_pixels, loop_cfg.max_pixels, dhp_config, loop_key)
-            from ray_dhp.step.tuning import check_layout, tuning_of
+            from ray_dhp.config.tuning import check_layout, tuning_of
 
             check_layout(tuning_of(loop_cfg), dhp_config.text.sequence_parallel is True)
             if dhp_config.processor is None and not isinstance(dhp_config.model, str):
@@ -184,7 +184,7 @@ class DisaggregatedTrainer(DataParallelTrainer):
 
 def _check_training_datasets(cfg: TrainLoopConfig, names: set) -> None:
     """The datasets the built-in loop trains on are among ``datasets=`` (ValueError otherwise)."""
-    from ray_dhp.train.loop_config import check_dataset_weights
+    from ray_dhp.config.train_loop import check_dataset_weights
 
     if cfg.dataset_weights is not None:
         check_dataset_weights(cfg.dataset_weights, names)

@@ -24,7 +24,7 @@ from ray_dhp.data.reading import read_annotations, resolve_data_root
 from ray_dhp.data.sampler import StepSampler
 from ray_dhp.step.reference import ReferenceTrainer
 from ray_dhp.step.topology import Topology
-from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.spawn import run_on_ranks
 
 # The parity configuration of the fp64 family matrices: 3 steps of 2 micro-batches, clipping active
@@ -44,7 +44,7 @@ def make_steps(tmp_path, family: str, cfg: TrainLoopConfig, *, num_samples=16, t
 
 def named_full_grads(engine) -> dict:
     """The gradients this rank holds for its parameters, unsharded (collective on a DTensor module);
-    frozen parameters (`ray_dhp.step.tuning`) have none and are left out, and so are, after the
+    frozen parameters (`ray_dhp.config.tuning`) have none and are left out, and so are, after the
     reduction at ZeRO stage 2, those another replica owns (`ray_dhp.parallel.zero`)."""
     out = {}
     for name, module in engine.shards.items():  # every encoder this rank hosts

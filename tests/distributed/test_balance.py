@@ -20,7 +20,7 @@ from ray_dhp.data.sampler import StepSampler
 from ray_dhp.step.engine import layout_micro_batch
 from ray_dhp.parallel.balance import Balancer, contiguous
 from ray_dhp.step.topology import Topology
-from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import assert_parity, run_engine, run_reference
 
 FAMILY = "qwen2_5_vl"

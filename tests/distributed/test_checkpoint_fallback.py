@@ -13,7 +13,7 @@ import os
 import torch
 
 from ray_dhp import demo
-from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.spawn import run_on_ranks
 
 FAMILY = "qwen2_5_vl"

@@ -27,7 +27,7 @@ from ray_dhp.data.sampler import StepSampler
 from ray_dhp.step.engine import count_targets, shift_labels
 from ray_dhp.step.reference import ReferenceTrainer
 from ray_dhp.step.topology import Topology
-from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import make_steps
 from tests.spawn import run_on_ranks
 

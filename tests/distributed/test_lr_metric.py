@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ray_dhp.step.optim import lr_factor
-from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import make_steps, run_engine
 
 LAYOUT = dict(placement="collocated", vision_dp=1, vision_sp=1, text_dp=1, text_tp=1)

@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 
 from ray_dhp.data.budget import cut_micro_batches
-from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import assert_parity, make_steps, run_engine, run_reference
 
 CFG = TrainLoopConfig(lr=1e-3, global_batch_size=8, micro_batches=1, num_steps=3, max_grad_norm=0.5,

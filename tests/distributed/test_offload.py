@@ -83,7 +83,7 @@ def test_deepspeed_cpu_adam_matches_torch_adamw():
     measured after these 10 steps: max difference 1.7e-7 of the largest weight, 1.1e-4 of the
     largest total update)."""
     from ray_dhp.step.offload import host_adamw
-    from ray_dhp.train.loop_config import TrainLoopConfig
+    from ray_dhp.config.train_loop import TrainLoopConfig
 
     cfg = TrainLoopConfig(lr=1e-3, weight_decay=0.1)
     g = torch.Generator().manual_seed(0)

@@ -28,7 +28,7 @@ from ray_dhp.data.reading import read_annotations, resolve_data_root
 from ray_dhp.data.sampler import StepSampler
 from ray_dhp.demo_omni import make_omni_dataset
 from ray_dhp.step.topology import EncoderDegrees
-from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import assert_parity, run_engine, run_reference
 
 CFG = TrainLoopConfig(lr=1e-3, global_batch_size=8, micro_batches=2, num_steps=3,

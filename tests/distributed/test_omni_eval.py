@@ -26,7 +26,7 @@ from ray_dhp.data.sampler import StepSampler
 from ray_dhp.demo_omni import make_omni_dataset
 from ray_dhp.step.reference import ReferenceTrainer
 from ray_dhp.step.topology import EncoderDegrees, Topology
-from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.test_omni_audio import STEPS
 from tests.spawn import run_on_ranks
 

@@ -13,7 +13,7 @@ and the clipped gradients of every step are compared.
 
 import torch
 
-from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import assert_parity, make_steps, run_engine, run_reference
 
 CFG = TrainLoopConfig(lr=1e-3, global_batch_size=4, micro_batches=2, num_steps=2,

@@ -23,7 +23,7 @@ from ray_dhp import demo
 from ray_dhp.step.loss import cross_entropy_loss
 from ray_dhp.step.reference import ReferenceTrainer
 from ray_dhp.step.topology import Topology
-from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import assert_parity, capture_grads, make_steps, merge_ranks
 from tests.spawn import run_on_ranks
 

@@ -106,7 +106,7 @@ def _engine_body(rank, world, steps, cfg):
 def test_engine_reduces_during_the_last_backward(tmp_path):
     """SP2 vision replicas: with ``last=True`` every vision bucket is launched before
     ``forward_backward`` returns; without it, all of them in ``optimizer_step``."""
-    from ray_dhp.train.loop_config import TrainLoopConfig
+    from ray_dhp.config.train_loop import TrainLoopConfig
     from tests.distributed.parity import make_steps
 
     cfg = TrainLoopConfig(lr=1e-3, global_batch_size=4, num_steps=1, seed=0)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from ray_dhp.data.collate import pack_rows
-from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import assert_parity, make_steps, reference_fixture, run_engine, run_reference
 
 CFG = TrainLoopConfig(lr=1e-3, global_batch_size=8, micro_batches=2, num_steps=3,

@@ -24,7 +24,7 @@ Tolerances:
 import pytest
 import torch
 
-from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import (CFG, assert_parity, parity_failures, reference_fixture, rel_err,
                                       run_engine)
 

@@ -18,7 +18,7 @@ import torch
 
 from ray_dhp import demo
 from ray_dhp.models import build_model
-from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import assert_parity, make_steps, run_engine, run_reference
 from tests.spawn import run_on_ranks
 

@@ -17,7 +17,7 @@ import torch
 
 from ray_dhp import demo
 from ray_dhp.step.topology import Topology
-from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import make_steps
 from tests.spawn import run_on_ranks
 

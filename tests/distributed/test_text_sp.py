@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import assert_parity, make_steps, reference_fixture, run_engine, run_reference
 
 VARIANTS = {"plain": {}, "packing": {"packing": True},

@@ -1,4 +1,4 @@
-"""Per-module training choices (`ray_dhp.step.tuning`) are exact: a frozen vision tower, a frozen
+"""Per-module training choices (`ray_dhp.config.tuning`) are exact: a frozen vision tower, a frozen
 language model and per-module learning rates / weight decay give the single-process reference's
 loss, clipped gradients and updates (fp64, 1e-10 relative, as `test_parity.py`: in fp64 the only
 differences are summation orders, ~1e-14), on every rank's copy, at collocated SP2/TP2 and at
@@ -17,8 +17,9 @@ import torch
 
 from ray_dhp import demo
 from ray_dhp.step.topology import Topology
-from ray_dhp.train.loop_config import TrainLoopConfig
-from ray_dhp.step.tuning import tuning_of
+from ray_dhp.config.train_loop import TrainLoopConfig
+from ray_dhp.config.tuning import tuning_of
+from ray_dhp.models.tuning import trains
 from tests.distributed.parity import assert_parity, make_steps, run_engine, run_reference
 
 FAMILY = "qwen2_5_vl"
@@ -64,7 +65,7 @@ def test_tuning_parity_fp64(choice, layout, steps):
 
     tuning = tuning_of(cfg)
     frozen = _frozen_names(ref)
-    assert frozen == {n for n in ref["params"] if not tuning.trains(n)}
+    assert frozen == {n for n in ref["params"] if not trains(tuning, n)}
     if choice == "per-module-lr":
         assert not frozen
     else:
@@ -205,6 +206,6 @@ def test_lora_resume_and_export_merged_or_adapter(tmp_path):
             assert (got - want).abs().max() <= 1e-10 * want.abs().max(), (got - want).abs().max()
     with pytest.raises(ValueError, match="trained too"):  # adapters only, but the ViT trained
         from ray_dhp.models.lora import check_adapter_export
-        from ray_dhp.step.tuning import parse_tuning
+        from ray_dhp.config.tuning import parse_tuning
 
         check_adapter_export(parse_tuning(LORA))

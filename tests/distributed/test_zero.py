@@ -12,7 +12,7 @@ stepped twice or never, a gradient counted twice in the norm, a stale replica) i
 import pytest
 import torch
 
-from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import assert_parity, make_steps, run_engine, run_reference
 
 CFG = TrainLoopConfig(lr=1e-3, global_batch_size=8, micro_batches=2, num_steps=2,

@@ -15,7 +15,7 @@ from ray_dhp.planning.cost_model import Layout, Workload
 from ray_dhp.planning.memory import count_params
 from ray_dhp.planning.traffic import collective_bytes
 from ray_dhp.step.precision import policy_of
-from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import make_steps, run_engine
 
 FAMILY = "qwen2_5_vl"

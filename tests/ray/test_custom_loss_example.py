@@ -20,7 +20,7 @@ from ray_dhp import demo
 from ray_dhp.train.callbacks import read_history
 from ray_dhp.data.sources import make_sampler
 from ray_dhp.step.reference import ReferenceTrainer
-from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.config.train_loop import TrainLoopConfig
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "custom_loss.py")
 

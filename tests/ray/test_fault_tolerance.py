@@ -30,7 +30,7 @@ import torch
 
 from ray_dhp import DHPConfig, DisaggregatedTrainer, ModuleParallel, demo
 from ray_dhp.train.callbacks import MetricsHistory, read_history
-from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import copy_errors, make_steps, run_engine
 
 FAMILY = "qwen2_5_vl"

@@ -138,7 +138,7 @@ def test_bad_clips_are_bad_samples(tmp_path, case, kind):
 
 def test_audio_records_are_refused_before_training(tmp_path, audio_set):
     from ray_dhp.data.sampler import StepSampler
-    from ray_dhp.train.loop_config import TrainLoopConfig
+    from ray_dhp.config.train_loop import TrainLoopConfig
 
     text = {"conversations": [{"from": "human", "value": 'say "audio": no'},
                               {"from": "gpt", "value": "no"}]}

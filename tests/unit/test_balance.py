@@ -244,14 +244,14 @@ def test_balancer_validation():
         Balancer("fastest")
     with pytest.raises(ValueError, match="CostModel"):
         Balancer("cost")
-    from ray_dhp.train.loop_config import TrainLoopConfig
+    from ray_dhp.config.train_loop import TrainLoopConfig
     with pytest.raises(ValueError, match="balance: must be one of"):
         TrainLoopConfig(balance="tokens")
 
 
 def test_sampler_cuts_equal_count_micro_batches_of_even_cost():
     from ray_dhp.data.sampler import StepSampler
-    from ray_dhp.train.loop_config import TrainLoopConfig
+    from ray_dhp.config.train_loop import TrainLoopConfig
 
     config = demo.tiny_model_config("qwen2_5_vl")
     s = StepSampler.__new__(StepSampler)
@@ -271,7 +271,7 @@ def test_loader_decode_owners_balance_image_pixels(tmp_path):
     from ray_dhp.data.loader import StepLoader, decode_costs
     from ray_dhp.data.reading import read_annotations, resolve_data_root
     from ray_dhp.data.sampler import StepSampler
-    from ray_dhp.train.loop_config import TrainLoopConfig
+    from ray_dhp.config.train_loop import TrainLoopConfig
 
     path = demo.make_dataset(tmp_path / "d", num_samples=8, text_only_every=4,
                              image_sizes=((448, 448), (56, 56), (56, 56)))

@@ -6,11 +6,11 @@ import torch
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from ray_dhp.checks import ConfigError
+from ray_dhp.config.checks import ConfigError
 from ray_dhp.data import IGNORE_INDEX, BadSample, VLProcessor, image_grid
 from ray_dhp.data.processing import load_processor
 from ray_dhp.demo import DEFAULT_SYSTEM_PROMPT, build_tokenizer, tiny_model_config, tiny_processor
-from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.config.train_loop import TrainLoopConfig
 
 DEFAULT = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
 #: a Qwen-style template without a default system prompt (like Qwen3-VL's)

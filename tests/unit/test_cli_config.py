@@ -13,7 +13,7 @@ from ray_dhp.cli import main
 from ray_dhp.cli.render import defaults_yaml, markdown_reference
 from ray_dhp.cli.schema import ConfigError
 from ray_dhp.run_file import RunFile, load_run_file
-from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.config.train_loop import TrainLoopConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "examples" / "tiny.yaml")

@@ -131,7 +131,7 @@ def test_eval_loader_covers_each_valid_record_once_in_order(tmp_path):
     from ray_dhp.data.eval_loader import EvalLoader
     from ray_dhp.data.reading import read_annotations, resolve_data_root
     from ray_dhp.data.sampler import StepSampler
-    from ray_dhp.train.loop_config import TrainLoopConfig
+    from ray_dhp.config.train_loop import TrainLoopConfig
 
     path = demo.make_dataset(tmp_path, num_samples=5, bad_lines=[(1, "corrupt_image")])
     sampler = StepSampler(read_annotations(path), demo.tiny_processor(), resolve_data_root(path),

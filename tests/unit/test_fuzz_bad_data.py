@@ -17,7 +17,7 @@ from ray_dhp.data.loader import StepLoader
 from ray_dhp.data.processing import BadSample
 from ray_dhp.data.reading import read_annotations, resolve_data_root
 from ray_dhp.data.sampler import StepSampler
-from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.hostile_data import make_hostile_dataset
 
 

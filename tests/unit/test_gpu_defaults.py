@@ -8,7 +8,7 @@ import torch
 from ray_dhp.step import gpu
 from ray_dhp.step.microbatch import PhaseTimer
 from ray_dhp.step.optim import adamw_impl
-from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.config.train_loop import TrainLoopConfig
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 

@@ -8,7 +8,7 @@ from ray_dhp import demo
 from ray_dhp.data.loader import StepLoader
 from ray_dhp.data.reading import read_annotations, resolve_data_root
 from ray_dhp.data.sampler import StepSampler
-from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.config.train_loop import TrainLoopConfig
 
 
 def _sampler(path, **cfg):

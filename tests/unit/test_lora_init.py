@@ -15,7 +15,7 @@ import torch
 
 from ray_dhp import demo
 from ray_dhp.models import build_model
-from ray_dhp.step.tuning import LoraChoice
+from ray_dhp.config.tuning import LoraChoice
 
 pytest.importorskip("peft")
 

@@ -15,7 +15,7 @@ from ray_dhp.data.processing import BadSample
 from ray_dhp.data.reading import Record, read_annotations, resolve_data_root
 from ray_dhp.data.sampler import OldSamplerState, StepSampler
 from ray_dhp.data.sources import load_sources
-from ray_dhp.train.loop_config import TrainLoopConfig, check_dataset_weights
+from ray_dhp.config.train_loop import TrainLoopConfig, check_dataset_weights
 
 FIXTURE = Path(__file__).parent / "fixtures" / "sampler_states_da3a5fe.json"
 

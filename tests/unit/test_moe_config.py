@@ -211,7 +211,7 @@ def test_plan_traffic_has_the_expert_all_to_all_and_edp_gradients():
     ("gate", r"modules.llm.lora.target_modules: \['gate'\]: the router \(mlp.gate\) stays frozen"),
 ])
 def test_lora_refuses_the_experts_and_the_router_naming_the_key(target, match):
-    from ray_dhp.train.loop_config import TrainLoopConfig
+    from ray_dhp.config.train_loop import TrainLoopConfig
 
     with pytest.raises(ValueError, match=match):
         TrainLoopConfig(modules={"llm": {"lora": {"target_modules": [target]}}})
@@ -222,7 +222,7 @@ def test_lora_targets_reach_the_shared_expert_not_the_router_or_experts():
     import re
 
     from ray_dhp.models.lora import target_regex
-    from ray_dhp.step.tuning import DEFAULT_LORA_TARGETS
+    from ray_dhp.config.tuning import DEFAULT_LORA_TARGETS
 
     rx = re.compile(target_regex(DEFAULT_LORA_TARGETS))
     p = "model.language_model.layers.3"

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ray_dhp import demo
-from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.config.train_loop import TrainLoopConfig
 
 FAMILY = "qwen2_5_vl"
 

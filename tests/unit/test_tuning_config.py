@@ -1,14 +1,16 @@
-"""Per-module training choices (`ray_dhp.step.tuning`): parsing, the driver's errors (naming the
-key, from Python and from the run file), the optimizer's groups, and the plan's bytes."""
+"""Per-module training choices (`ray_dhp.config.tuning`, `ray_dhp.models.tuning`): parsing, the
+driver's errors (naming the key, from Python and from the run file), the optimizer's groups,
+and the plan's bytes."""
 
 from __future__ import annotations
 
 import pytest
 
 from ray_dhp import demo
-from ray_dhp.checks import ConfigError
-from ray_dhp.train.loop_config import TrainLoopConfig
-from ray_dhp.step.tuning import module_of, parse_tuning
+from ray_dhp.config.checks import ConfigError
+from ray_dhp.config.train_loop import TrainLoopConfig
+from ray_dhp.config.tuning import parse_tuning
+from ray_dhp.models.tuning import module_of, trains
 
 
 @pytest.mark.parametrize("modules, match", [
@@ -53,9 +55,9 @@ def test_modules_of_parameter_names():
     assert module_of("model.language_model.layers.0.mlp.up_proj.weight") == "llm"
     assert module_of("lm_head.weight") == "llm"
     t = parse_tuning({"llm": {"lora": True}})
-    assert t.trains("model.visual.blocks.0.attn.qkv.weight")
-    assert not t.trains("model.language_model.layers.0.self_attn.q_proj.base_layer.weight")
-    assert t.trains("model.language_model.layers.0.self_attn.q_proj.lora_A.default.weight")
+    assert trains(t, "model.visual.blocks.0.attn.qkv.weight")
+    assert not trains(t, "model.language_model.layers.0.self_attn.q_proj.base_layer.weight")
+    assert trains(t, "model.language_model.layers.0.self_attn.q_proj.lora_A.default.weight")
 
 
 def test_optimizer_groups_per_module():
@@ -63,7 +65,8 @@ def test_optimizer_groups_per_module():
     no group; the base lr's groups carry no lr of their own (the optimizer's default)."""
     from ray_dhp.models import build_model
     from ray_dhp.step.optim import build_optimizer
-    from ray_dhp.step.tuning import freeze, tuning_of
+    from ray_dhp.config.tuning import tuning_of
+    from ray_dhp.models.tuning import freeze
 
     cfg = TrainLoopConfig(lr=1e-3, weight_decay=0.1, modules={
         "vision": {"train": False}, "merger": {"lr": 5e-4, "weight_decay": 0.0}})
@@ -109,7 +112,7 @@ def test_plan_counts_frozen_parts_as_weights_only():
 
 
 def test_resume_needs_the_same_trained_modules():
-    from ray_dhp.step.tuning import same_structure
+    from ray_dhp.config.tuning import same_structure
 
     assert same_structure(None, {"merger": {"lr": 1e-4}}) == ""  # rates may change
     assert "vision" in same_structure(None, {"vision": {"train": False}})

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from ray_dhp.checks import Check, ConfigError
+from ray_dhp.config.checks import Check, ConfigError
 from ray_dhp.cli import main
 from ray_dhp.cli.render import markdown_reference
 from ray_dhp.run_file import load_run_file
-from ray_dhp.train.loop_config import TrainLoopConfig
+from ray_dhp.config.train_loop import TrainLoopConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "examples" / "tiny.yaml")

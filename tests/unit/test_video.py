@@ -257,12 +257,12 @@ def test_video_keys_reach_the_processor():
 
     from ray_dhp.demo import tiny_processor
     from ray_dhp.train.custom_loop import build_processor
-    from ray_dhp.train.loop_config import TrainLoopConfig
+    from ray_dhp.config.train_loop import TrainLoopConfig
 
     ctx = SimpleNamespace(rank=0, dhp_config=SimpleNamespace(processor=tiny_processor(), model=None))
     cfg = TrainLoopConfig(video_fps=1.0, video_max_frames=16, video_total_pixels=10**6)
     assert build_processor(ctx, cfg).video == VideoSettings(fps=1.0, max_frames=16, total_pixels=10**6)
-    from ray_dhp.checks import ConfigError
+    from ray_dhp.config.checks import ConfigError
 
     with pytest.raises(ConfigError, match="video_min_frames"):
         TrainLoopConfig(video_min_frames=10, video_max_frames=8).validate()

@@ -1,4 +1,4 @@
-"""Per-module training choices: which of the vision tower, the merger, an encoder such as
+"""Per-module training choices, parsed: which of the vision tower, the merger, an encoder such as
 Qwen2.5-Omni's audio tower and the language model train,
 with which learning rate and weight decay (``train_loop_config["modules"]``, run file
 ``optim.modules``)::
@@ -14,21 +14,16 @@ their name in the transformers model: ``model.visual.merger.*`` and Qwen3-VL's
 vision tower, ``model.audio_tower.*`` the audio encoder (`FamilySpec.encoders`), everything else
 (``model.language_model.*``, ``lm_head.*``) the language model.
 
-A frozen parameter has ``requires_grad=False``: no gradient, no optimizer state, no fp32 master;
-gradient reduction, clipping and ZeRO-1 skip it (the single-process reference,
-`ray_dhp.step.reference`, freezes and groups parameters on its own, so parity checks these).
-It is still held (the forward needs it) and saved in checkpoints, so a checkpoint resumes
-exactly and exports a full model.
+Which parameter belongs to which module, and freezing them: `ray_dhp.models.tuning`.
 """
 
 from __future__ import annotations
 
 import difflib
-import functools
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from ray_dhp.checks import ConfigError
+from ray_dhp.config.checks import ConfigError
 
 MODULES = ("vision", "merger", "audio", "llm")
 CORE_MODULES = ("vision", "merger", "llm")  # the modules of every family
@@ -43,7 +38,6 @@ MOE_PARTS = {
     "gate": "the router (mlp.gate) stays frozen under LoRA",
     "shared_expert_gate": "the shared expert's gate (Linear(H, 1)) stays frozen under LoRA",
 }
-MERGER_PREFIXES = ("model.visual.merger.", "model.visual.deepstack_merger_list.")
 
 
 @dataclass(frozen=True)
@@ -71,61 +65,9 @@ class Tuning:
 
     def choice(self, module: str) -> ModuleChoice:
         return self.modules.get(module, ModuleChoice())
-
-    def trains(self, name: str) -> bool:
-        """Does the parameter ``name`` (full transformers name) train?"""
-        module = module_of(name)
-        if module == "llm" and self.lora is not None:
-            return is_lora_param(name)
-        return self.choice(module).train
-
-    def hyper(self, name: str, lr: float, weight_decay: float) -> tuple:
-        """(lr, weight decay) of the parameter ``name`` (decay before the norms/biases rule)."""
-        c = self.choice(module_of(name))
-        return (lr if c.lr is None else c.lr,
-                weight_decay if c.weight_decay is None else c.weight_decay)
-
     @property
     def default(self) -> bool:
         return self.lora is None and all(c == ModuleChoice() for c in self.modules.values())
-
-
-def module_of(name: str) -> str:
-    """"vision", "merger", an encoder's name ("audio") or "llm" for a parameter's full name in
-    the transformers model (the prefixes of every family's vision parts and projector:
-    `vision_name_prefixes`; of its other encoders: `FamilySpec.encoders`)."""
-    for prefix, encoder in encoder_name_prefixes():
-        if name.startswith(prefix):
-            return encoder
-    vision, merger = vision_name_prefixes()
-    if name.startswith(merger):
-        return "merger"
-    if name.startswith(vision):
-        return "vision"
-    return "llm"
-
-
-@functools.lru_cache(maxsize=None)
-def vision_name_prefixes() -> tuple:
-    """(vision-side prefixes, projector prefixes) of full parameter names, over all families
-    (`FamilySpec.vision_parts` / ``merger_prefixes``; ``MERGER_PREFIXES``: the Qwen ones)."""
-    from ray_dhp.models import FAMILIES
-
-    vision = {f"model.{p}." for s in FAMILIES.values() for p in s.vision_parts}
-    merger = set(MERGER_PREFIXES) | {m for s in FAMILIES.values() for m in s.merger_prefixes}
-    return tuple(sorted(vision)), tuple(sorted(merger))
-
-
-@functools.lru_cache(maxsize=None)
-def encoder_name_prefixes() -> tuple:
-    """((full-name prefix, encoder name), ...) of every family's encoders besides vision."""
-    from ray_dhp.models import FAMILIES
-
-    return tuple(sorted({(e.prefix, e.name) for s in FAMILIES.values() for e in s.encoders}))
-
-
-def is_lora_param(name: str) -> bool:
-    return ".lora_A." in name or ".lora_B." in name
 
 
 # -- parsing ---------------------------------------------------------------------------------
@@ -242,43 +184,6 @@ def tuning_of(cfg) -> Tuning:
     """The `Tuning` of a `TrainLoopConfig` (or anything with a ``modules`` attribute)."""
     return parse_tuning(getattr(cfg, "modules", None))
 
-
-# -- applying ----------------------------------------------------------------------------------
-
-def freeze(module, tuning: Tuning, prefix: str = "") -> None:
-    """``requires_grad`` of every parameter of ``module`` (named ``prefix + name`` in the full
-    model): whether it trains under ``tuning``."""
-    for name, p in module.named_parameters():  # both ways: PEFT's injection freezes the rest
-        p.requires_grad_(tuning.trains(prefix + name))
-
-
-def vision_trains(tuning: Tuning) -> bool:
-    """Does any vision-side parameter (tower or merger) train? If not, no feature gradient
-    crosses the boundary and the vision forward keeps no graph."""
-    return tuning.choice("vision").train or tuning.choice("merger").train
-
-
-
-def apply_tuning(modules: dict, tuning: Tuning, unhosted: tuple = ()) -> tuple:
-    """Freeze what does not train in the engine's shards. ``modules``: ``{(module name, full-
-    name prefix of its parameters): module or None}`` (the encoders this rank hosts, e.g.
-    ``("vision", "model.visual.")``, and ``("text", "")``: the model without them);
-    ``unhosted``: parameter-name prefixes held frozen because the stock model never gives them
-    a gradient either: encoders the layout gives no group of their own, which the text shard
-    keeps (records with their modality are refused) and parameters a forward never reads
-    (`EncoderSpec.unused`). Returns (``{module name: trainable params}``,
-    frozen params)."""
-    params, frozen = {}, []
-    for (name, prefix), module in modules.items():
-        if module is None:
-            continue
-        freeze(module, tuning, prefix)
-        params[name] = []
-        for n, p in module.named_parameters():
-            if p.requires_grad and (prefix + n).startswith(unhosted):
-                p.requires_grad_(False)
-            (params[name] if p.requires_grad else frozen).append(p)
-    return params, frozen
 
 
 def check_layout(tuning: Tuning, text_sequence_parallel: bool,

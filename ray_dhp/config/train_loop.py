@@ -7,11 +7,11 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Callable, Iterable, Optional
 
-from ray_dhp.step.precision import POLICY_NAMES
-from ray_dhp.checks import ConfigError, check_fields, checked, coerce
-from ray_dhp.step.tuning import parse_tuning_named
+from ray_dhp.config.checks import ConfigError, check_fields, checked, coerce
+from ray_dhp.config.tuning import parse_tuning_named
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
+POLICY_NAMES = ("fp32", "bf16_autocast", "bf16_mixed", "bf16")  # `ray_dhp.step.precision.POLICIES`
 BAD_DATA = ("skip", "strict")
 BALANCE = ("cost", "count")  # = ray_dhp.parallel.balance.BALANCE_MODES
 _UNTYPED = ("resume_from",)  # a path or a ray.train.Checkpoint
@@ -139,7 +139,7 @@ class TrainLoopConfig:
         ray_report_logs: keep Ray Train's per-rank "Reporting training result ..." and
             "Checkpoint successfully created" log lines (off: the console shows one progress
             line per report instead).
-        modules: per-module training choices (`ray_dhp.step.tuning`), a mapping of ``vision`` (the
+        modules: per-module training choices (`ray_dhp.config.tuning`), a mapping of ``vision`` (the
             vision tower), ``merger``, ``audio`` (Qwen2.5-Omni's audio tower) and ``llm`` (the
             language model) to ``{train: bool, lr:
             float, weight_decay: float}``; ``llm`` also takes ``lora: {r, alpha,
@@ -214,14 +214,6 @@ class TrainLoopConfig:
                 raise ConfigError.about(template, name)
         check_dataset_weights(self.dataset_weights, key=name("dataset_weights"))
         parse_tuning_named(self.modules, name)
-
-    def video_settings(self):
-        """The `ray_dhp.data.video.VideoSettings` of the ``video_*`` keys."""
-        from ray_dhp.data.video import VideoSettings
-
-        return VideoSettings(fps=self.video_fps, min_frames=self.video_min_frames,
-                             max_frames=self.video_max_frames, min_pixels=self.video_min_pixels,
-                             max_pixels=self.video_max_pixels, total_pixels=self.video_total_pixels)
 
     def _cross_rules(self) -> list:
         """``(message template, holds)`` for the rules that involve several keys."""
