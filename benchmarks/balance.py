@@ -153,8 +153,8 @@ class _CpuTimer:
 def _body(rank, world, steps_n, rounds, seed, text_tokens):
     import ray_dhp.step.engine as eng
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.step.mesh import build_groups
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.mesh import build_groups
+    from ray_dhp.parallel.topology import Topology
     from ray_dhp.config.train_loop import TrainLoopConfig
 
     eng.PhaseTimer = _CpuTimer  # benchmark-only: CPU time per phase as well as wall time

@@ -32,8 +32,8 @@ def _resume_body(rank, world, mode, root, tiny):
     from benchmarks.shapes import make_batch, model_config
     from ray_dhp.checkpointing import checkpoint
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.step.mesh import build_groups
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.mesh import build_groups
+    from ray_dhp.parallel.topology import Topology
     from ray_dhp.config.train_loop import TrainLoopConfig
 
     config = model_config("vitheavy" if tiny else "vitheavy-wide")

@@ -57,8 +57,8 @@ def _ce_sum(logits, targets):
 class DHP:
     def __init__(self, config, cfg, device, *, sp, tp, placement="collocated", comm=None, text_sp=False):
         from ray_dhp.step.engine import DHPEngine
-        from ray_dhp.step.mesh import build_groups
-        from ray_dhp.step.topology import Topology
+        from ray_dhp.parallel.mesh import build_groups
+        from ray_dhp.parallel.topology import Topology
 
         world = dist.get_world_size()
         dp_v = world // sp if placement == "collocated" else 1
@@ -100,7 +100,7 @@ class UniformTP:
     def step(self, batch) -> float:
         from torch.distributed.tensor.parallel import loss_parallel
 
-        from ray_dhp.parallel import data as dp
+        from ray_dhp.parallel import data_parallel as dp
 
         n = count_targets(batch)
         kw, targets = _kwargs(batch, self.device)

@@ -64,8 +64,8 @@ def _body(rank, world, path, batch, steps, rounds):
     from ray_dhp import demo
     from ray_dhp.data.loader import StepLoader
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.step.mesh import build_groups
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.mesh import build_groups
+    from ray_dhp.parallel.topology import Topology
 
     topo = Topology.build(**LAYOUTS[world])
     groups = build_groups(topo, torch.device("cpu"))

@@ -57,9 +57,9 @@ def body(rank, world, opts: dict):
     from ray_dhp.parallel.tensor import local
     from ray_dhp.planning.memory import count_params, rank_state
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.step.mesh import build_groups
+    from ray_dhp.parallel.mesh import build_groups
     from ray_dhp.step.precision import policy_of
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.topology import Topology
     from ray_dhp.config.train_loop import TrainLoopConfig
 
     config = _config(opts)

@@ -40,7 +40,7 @@ def _steps(groups, opts: dict) -> dict:
 
 
 def _topology(world: int):
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.topology import Topology
 
     return Topology.build(placement="collocated", vision_dp=1, vision_sp=world, text_dp=1, text_tp=world)
 
@@ -48,7 +48,7 @@ def _topology(world: int):
 def _plain_body(rank, world, opts):
     import torch
 
-    from ray_dhp.step.mesh import build_groups
+    from ray_dhp.parallel.mesh import build_groups
 
     return _steps(build_groups(_topology(world), torch.device("cpu")), opts)
 

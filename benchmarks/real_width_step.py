@@ -40,8 +40,8 @@ def _rank_body(rank, world, config, precision, samples, patches):
     from benchmarks.shapes import make_batch
     from ray_dhp.step.engine import DHPEngine
     from ray_dhp.planning.memory import count_params, rank_state
-    from ray_dhp.step.mesh import build_groups
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.mesh import build_groups
+    from ray_dhp.parallel.topology import Topology
     from ray_dhp.config.train_loop import TrainLoopConfig
 
     topo = Topology.build(**LAYOUT)

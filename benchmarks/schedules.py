@@ -36,8 +36,8 @@ def _body(rank, world, layout, schedules, steps, patches, micro, shape):
     import time
 
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.step.mesh import build_groups
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.mesh import build_groups
+    from ray_dhp.parallel.topology import Topology
     from ray_dhp.config.train_loop import TrainLoopConfig
 
     config = model_config(shape)

@@ -75,9 +75,9 @@ def _rank_body(rank, world, layout, model, path_name, dtype_name):
     import torch
 
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.step.mesh import build_groups
+    from ray_dhp.parallel.mesh import build_groups
     from ray_dhp.models.loading import local_parameter_bytes
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.topology import Topology
     from ray_dhp.config.train_loop import TrainLoopConfig
 
     dtype = getattr(torch, dtype_name)

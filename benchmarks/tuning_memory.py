@@ -51,7 +51,7 @@ def small_config():
 def _planned(config, modules, rank: int) -> dict:
     from ray_dhp.planning.memory import count_params, rank_state
     from ray_dhp.step.precision import POLICIES
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.topology import Topology
     from ray_dhp.config.tuning import parse_tuning
 
     tuning = parse_tuning(modules)
@@ -65,8 +65,8 @@ def _rank_body(rank, world, config):
 
     from benchmarks.shapes import make_batch
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.step.mesh import build_groups
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.mesh import build_groups
+    from ray_dhp.parallel.topology import Topology
     from ray_dhp.config.train_loop import TrainLoopConfig
 
     groups = build_groups(Topology.build(**LAYOUT), torch.device("cpu"))

@@ -68,8 +68,8 @@ def _build(config, world, name, cfg):
     import torch
 
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.step.mesh import build_groups
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.mesh import build_groups
+    from ray_dhp.parallel.topology import Topology
 
     vz, tz, off = CONTENDERS[name]
     topo = Topology.build(**_layout(world), vision_zero=vz, text_zero=tz, vision_offload=off,

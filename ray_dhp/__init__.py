@@ -37,7 +37,7 @@ _LAZY = {
     "DHPConfig": ("ray_dhp.layout", "DHPConfig"),
     "ModuleParallel": ("ray_dhp.layout", "ModuleParallel"),
     "TrainLoopConfig": ("ray_dhp.config.train_loop", "TrainLoopConfig"),
-    "Topology": ("ray_dhp.step.topology", "Topology"),
+    "Topology": ("ray_dhp.parallel.topology", "Topology"),
     "get_context": ("ray_dhp.train.backend", "get_context"),
     # building blocks of a custom train loop (docs/custom_loop.md)
     "DHPEngine": ("ray_dhp.step.engine", "DHPEngine"),

@@ -10,7 +10,7 @@ from ray.train.backend import BackendConfig
 
 from ray_dhp.config.checks import check_fields, checked
 from ray_dhp.parallel.zero import ZERO_STAGES
-from ray_dhp.step.topology import PLACEMENTS, EncoderDegrees, Topology
+from ray_dhp.parallel.topology import PLACEMENTS, EncoderDegrees, Topology
 
 SCHEDULES = ("sequential", "pipelined")
 NODE_LOCAL = ("warn", "strict")

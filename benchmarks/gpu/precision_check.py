@@ -60,10 +60,10 @@ def _body(rank, world, policy, tiny, patches, batch):
     from ray_dhp.step.engine import DHPEngine
     from ray_dhp.planning.memory import count_params, rank_state
     from ray_dhp.planning.step_peak import step_peak
-    from ray_dhp.step.mesh import build_groups
+    from ray_dhp.parallel.mesh import build_groups
     from ray_dhp.parallel.devcheck import CollectiveDeviceCheck
     from ray_dhp.step.precision import POLICIES
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.topology import Topology
     from ray_dhp.config.train_loop import TrainLoopConfig
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \

@@ -65,8 +65,8 @@ def _body(rank, world, tiny, steps):
     from ray_dhp.planning.flops import peak_flops, step_flops
     from ray_dhp.planning.memory import count_params
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.step.mesh import build_groups
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.mesh import build_groups
+    from ray_dhp.parallel.topology import Topology
     from ray_dhp.config.train_loop import TrainLoopConfig
     from benchmarks import shapes
 

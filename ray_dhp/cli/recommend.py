@@ -13,7 +13,7 @@ def default_workers(rf) -> int:
     """The run file's worker count: ``scaling.num_workers``, else the size of its layout."""
     if rf.scaling.num_workers:
         return rf.scaling.num_workers
-    from ray_dhp.step.topology import EncoderDegrees, Topology
+    from ray_dhp.parallel.topology import EncoderDegrees, Topology
 
     audio = ({"audio": EncoderDegrees(dp=rf.audio.data_parallel, sp=rf.audio.sequence_parallel)}
              if rf.audio is not None else None)

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ray_dhp.parallel.comm import CommCounter, record
-from ray_dhp.step.topology import Topology
+from ray_dhp.parallel.topology import Topology
 
 
 def split_evenly(n: int, parts: int) -> list[range]:

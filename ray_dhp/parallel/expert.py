@@ -185,7 +185,7 @@ def reduce_expert_grads(engine, reduce_dtype=None) -> torch.Tensor:
     """SUM the experts' gradients over the expert-data-parallel group; return this rank's share
     of the global squared norm: the local experts' squares on the first EDP replica of the
     first TP rank (each expert entry counted once over the world), 0 elsewhere."""
-    from ray_dhp.parallel import data as dp
+    from ray_dhp.parallel import data_parallel as dp
     from ray_dhp.parallel.tensor import local
 
     g = engine.groups

@@ -7,7 +7,7 @@ Each unit's parameters are ``Shard(0)`` over the data-parallel replicas (and kee
 placement): a rank holds ``1/dp`` of its TP shard's weights, gradients, fp32 masters and AdamW
 moments. A unit's weights are all-gathered before its forward (the next unit's are prefetched)
 and again before its backward; its gradients are reduce-scattered (SUM: the loss is normalised by
-the step's global token count, `ray_dhp.parallel.data`) right after its backward, in fp32 for
+the step's global token count, `ray_dhp.parallel.data_parallel`) right after its backward, in fp32 for
 bf16 gradients. With several micro-batches the reduce-scatter runs once per step, in the last
 micro-batch's backward (`FSDPShards.sync`); the others accumulate the unsharded gradients.
 
@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from ray_dhp.parallel import data as dp
+from ray_dhp.parallel import data_parallel as dp
 from ray_dhp.parallel.tensor import local
 
 

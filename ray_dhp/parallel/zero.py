@@ -40,12 +40,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ray_dhp.parallel import data as dp
+from ray_dhp.parallel import data_parallel as dp
 from ray_dhp.parallel.comm import CommCounter, record
 from ray_dhp.parallel.tensor import is_sharded, local
 
 ZERO_STAGES = (0, 1, 2, 3)
-_BUCKET_BYTES = 32 << 20  # weight broadcasts (gradient buckets: `ray_dhp.parallel.data._BUCKET_BYTES`)
+_BUCKET_BYTES = 32 << 20  # weight broadcasts (gradient buckets: `ray_dhp.parallel.data_parallel._BUCKET_BYTES`)
 MAX_IN_FLIGHT = 2  # gradient buckets reducing at once (each holds one flat buffer)
 
 
@@ -153,7 +153,7 @@ class ZeroPartition:
         """The reduction's buckets as ``(owner index or None, parameter indices)``, in the order
         they are launched on every replica: parameters in backward order (the reverse of
         ``params``; the ``late`` ones last), cut into runs of one gradient dtype of at most the
-        bucket size (`ray_dhp.parallel.data._BUCKET_BYTES`, one tensor may exceed it); at stage 2
+        bucket size (`ray_dhp.parallel.data_parallel._BUCKET_BYTES`, one tensor may exceed it); at stage 2
         the owners' buckets one owner after the other."""
         order = [i for i in reversed(range(len(self.params))) if i not in self.late] + \
             [i for i in reversed(range(len(self.params))) if i in self.late]

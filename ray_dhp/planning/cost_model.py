@@ -72,7 +72,7 @@ from ray_dhp.planning.links import all_to_all_s as _all_to_all
 from ray_dhp.planning.links import link_bw as _bw
 from ray_dhp.planning.links import zero_extra_s as _zero_extra
 from ray_dhp.planning.memory import ActivationSettings, merged, vision_depth, vision_width
-from ray_dhp.step.topology import Topology, fill_nodes
+from ray_dhp.parallel.topology import Topology, fill_nodes
 
 __all__ = ["Hardware", "Workload", "Layout", "PhaseTimes", "phase_times", "step_time",
            "schedule_time", "vision_flops", "text_flops", "text_tokens_per_sample", "replica_share"]
@@ -175,7 +175,7 @@ class Layout:
     audio_zero: Optional[int] = None
 
     def topology(self) -> Topology:
-        from ray_dhp.step.topology import EncoderDegrees
+        from ray_dhp.parallel.topology import EncoderDegrees
 
         audio = {"audio": EncoderDegrees(dp=self.audio_dp, zero=self.audio_zero)} if self.audio_dp else None
         return Topology.build(placement=self.placement, vision_dp=self.vision_dp,

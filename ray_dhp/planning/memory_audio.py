@@ -82,7 +82,7 @@ def without_audio(counts):
 
 def audio_rank_state(a: AudioCounts, layout, rank: int, policy, largest: int = 0) -> RankState:
     """Model-state bytes of the audio tower on ``rank`` of the audio group ``layout`` (a
-    `ray_dhp.step.topology.ModuleLayout`, ZeRO stage 0-2) under ``policy``; ``largest``: the
+    `ray_dhp.parallel.topology.ModuleLayout`, ZeRO stage 0-2) under ``policy``; ``largest``: the
     elements of the one full fp32 tensor of the start-up peak (0 when another module's state on
     the same rank already counts it)."""
     if layout.zero_stage == 3:

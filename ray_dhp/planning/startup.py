@@ -9,7 +9,7 @@ reports the local parameter bytes of that rank: what the engine materialises on 
 Example::
 
     >>> from ray_dhp.planning.startup import rank_parameter_bytes
-    >>> from ray_dhp.step.topology import Topology
+    >>> from ray_dhp.parallel.topology import Topology
     >>> topo = Topology.build(placement="collocated", vision_dp=1, vision_sp=8, text_dp=1, text_tp=8)
     >>> rank_parameter_bytes(config_32b, topo, rank=0)   # doctest: +SKIP
     {'vision': 2755330560, 'text': 16384288768, 'total': 19139619328}
@@ -43,7 +43,7 @@ def _meta_groups(topology, rank: int):
     """The groups the engine reads at construction: roles and the text ("dp", "tp") mesh."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ray_dhp.step.mesh import DHPGroups, EncoderGroups
+    from ray_dhp.parallel.mesh import DHPGroups, EncoderGroups
 
     groups = DHPGroups(topology=topology, rank=rank, device=torch.device("meta"))
     for m in topology.encoders:  # the encoders this rank hosts (no process groups on meta)
@@ -61,7 +61,7 @@ def meta_engine(model, topology, rank: int, cfg=None, dtype: torch.dtype = torch
     Args:
         model: a transformers config or a local model directory (only its config and
             safetensors headers are read).
-        topology: the `ray_dhp.step.topology.Topology` of the run.
+        topology: the `ray_dhp.parallel.topology.Topology` of the run.
         rank: the world rank to build.
         cfg: the `TrainLoopConfig` (default: one that fits any layout).
         dtype: the weight dtype.

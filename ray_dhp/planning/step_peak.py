@@ -29,9 +29,9 @@ def step_peak(state, policy, largest: int, reduced: int = 0, replicated: int = 0
     buckets in the reduce dtype; ``reduced``: elements this rank all-reduces over replicas), while the
     gradients DTensor hands back whole for a TP-sharded weight (the vocab-parallel embedding's,
     ``replicated``: the elements beyond this rank's shard; sliced by
-    `ray_dhp.parallel.data.ensure_grads`) are still held, and the update (above). ``largest``:
+    `ray_dhp.parallel.data_parallel.ensure_grads`) are still held, and the update (above). ``largest``:
     element count of the largest tensor the rank updates."""
-    from ray_dhp.parallel.data import _BUCKET_BYTES
+    from ray_dhp.parallel.data_parallel import _BUCKET_BYTES
     from ray_dhp.step.precision import CHUNK_BYTES
 
     from ray_dhp.parallel.zero import MAX_IN_FLIGHT

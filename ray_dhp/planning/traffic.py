@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ray_dhp.planning.memory import vision_width
 from ray_dhp.planning.cost_model import Layout, Workload, _vision_spans, text_tokens_per_sample
-from ray_dhp.step.topology import Topology
+from ray_dhp.parallel.topology import Topology
 
 
 COLLECTIVES = ("vision sp all-to-all", "text tp all-reduce", "boundary", "vision gradients",

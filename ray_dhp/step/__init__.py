@@ -1,3 +1,3 @@
 """One training step: the engine (`DHPEngine`) and its plain-data micro-batch plan, schedules,
-optimizer, precision policies, the rank topology and meshes, and the single-process reference.
+optimizer, precision policies, and the single-process reference.
 """

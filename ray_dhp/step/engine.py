@@ -12,7 +12,7 @@ the step's micro-batches (lists of `Sample`) â€” the same lists on every rank â€
 3. runs the text forward/backward with the loss normalised by the step's global token count
    (or the given ``loss_fn``);
 4. returns the feature gradients (exact adjoint) and back-propagates the vision tower;
-5. reduces gradients (SUM over SP and DP, see `parallel/data.py`), clips by the global norm
+5. reduces gradients (SUM over SP and DP, see `parallel/data_parallel.py`), clips by the global norm
    counted once over both modules, and steps both optimizers.
 
 For identical data, seed and hyper-parameters the update equals the single-process one
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ray_dhp.step.loss import LossInputs, backward_loss, sample_ids_of
-from ray_dhp.step.mesh import DHPGroups
+from ray_dhp.parallel.mesh import DHPGroups
 from ray_dhp.step.microbatch import (  # noqa: F401  (re-exported: ray_dhp.step.engine.layout_micro_batch ...)
     MicroBatchLayout, PhaseTimer, _MicroBatch, count_targets, layout_micro_batch,
     shift_labels, upcast)
@@ -40,7 +40,7 @@ from ray_dhp.step.gpu import apply_tf32, to_device
 from ray_dhp.step.precision import accumulate_in_fp32, policy_of, weight_dtype
 from ray_dhp.step.schedule import order_for
 from ray_dhp.parallel import boundary as bnd
-from ray_dhp.parallel import data as dp
+from ray_dhp.parallel import data_parallel as dp
 from ray_dhp.parallel.balance import Balancer
 from ray_dhp.parallel.comm import CommCounter
 from ray_dhp.parallel.fsdp import shard_text

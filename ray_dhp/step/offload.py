@@ -28,7 +28,7 @@ here (no GPU on the development machine).
 
 Offload needs plain (not DTensor) parameters: a host copy of a DTensor would need a host
 device mesh beside the device one. So: every vision stage, text only with ``tensor_parallel=1``
-and ``zero_stage`` 0-2 (`check_offload`, naming the key).
+and ``zero_stage`` 0-2 (`ray_dhp.parallel.topology.check_offload`, naming the key).
 """
 
 from __future__ import annotations
@@ -36,19 +36,6 @@ from __future__ import annotations
 import torch
 
 HOST = torch.device("cpu")
-
-
-def check_offload(module: str, offload, stage: int, tp: int) -> None:
-    """Refuse a value or combination offload does not support, naming ``<module>.optimizer_offload``."""
-    if not isinstance(offload, bool):
-        raise ValueError(f"{module}.optimizer_offload must be true or false, got {offload!r}.")
-    if offload and (tp > 1 or stage == 3):
-        raise ValueError(
-            f"{module}.optimizer_offload=true needs plain parameters, but {module} has "
-            + ("tensor_parallel > 1" if tp > 1 else "zero_stage=3 (FSDP2)")
-            + " (DTensor shards); set "
-            + ("text.tensor_parallel=1 and " if module == "text" else "")
-            + f"{module}.zero_stage <= 2, or {module}.optimizer_offload=false.")
 
 
 def pins(device: torch.device) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ray_dhp.parallel import data as dp
+from ray_dhp.parallel import data_parallel as dp
 from ray_dhp.step.optim import build_optimizer_for
 from ray_dhp.step.precision import local_nbytes, restore_grad_dtype, round_grads_for_update
 

@@ -3,7 +3,7 @@
 Ray Train V2 runs `Backend` hooks in the controller actor. A plain exception in ``on_start`` is a
 non-retryable controller error that leaks the worker group (Ray 2.60), so ``on_start`` only does
 cheap, bounded work: it reads which node every worker landed on, orders the DHP ranks so that the
-sp/tp groups stay inside a node (`ray_dhp.step.topology.node_local_order`), warns about any group the
+sp/tp groups stay inside a node (`ray_dhp.parallel.topology.node_local_order`), warns about any group the
 placement forces across nodes, picks the rendezvous address (the worker of DHP rank 0, wherever
 it is) and exports rank and address to the workers.
 Everything that can fail — ``init_process_group``, ``new_group``, the meshes — happens in
@@ -94,7 +94,7 @@ class DisaggregatedBackend(Backend):
         import ray
         from ray.train._internal.utils import get_address_and_port
 
-        from ray_dhp.step.topology import crossing_groups, node_local_order, nodes_by_rank
+        from ray_dhp.parallel.topology import crossing_groups, node_local_order, nodes_by_rank
 
         backend_config.validate_workers(len(worker_group))
         topo = backend_config.topology()
@@ -145,7 +145,7 @@ class WorkerContextManager:
 
     def __enter__(self):
         global _CURRENT
-        from ray_dhp.step.mesh import build_groups
+        from ray_dhp.parallel.mesh import build_groups
 
         import ray.train
 

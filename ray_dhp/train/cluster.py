@@ -109,7 +109,7 @@ def _storage_warning(storage_path: Optional[str], num_nodes: int) -> Optional[st
 def _layout_forced_apart(topology, caps: dict) -> list:
     """The sp/tp groups that cross nodes in the best assignment on nodes of sizes ``caps``
     (filled largest first, as PACK does on an idle cluster); empty when all can be local."""
-    from ray_dhp.step.topology import crossing_groups, node_local_order, nodes_by_rank
+    from ray_dhp.parallel.topology import crossing_groups, node_local_order, nodes_by_rank
 
     slots = [n for n, c in sorted(caps.items(), key=lambda kv: -kv[1]) for _ in range(c)]
     if len(slots) < topology.world_size:

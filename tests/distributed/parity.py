@@ -23,7 +23,7 @@ from ray_dhp import demo
 from ray_dhp.data.reading import read_annotations, resolve_data_root
 from ray_dhp.data.sampler import StepSampler
 from ray_dhp.step.reference import ReferenceTrainer
-from ray_dhp.step.topology import Topology
+from ray_dhp.parallel.topology import Topology
 from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.spawn import run_on_ranks
 
@@ -92,7 +92,7 @@ def perturb_local(engine, name: str, eps: float) -> None:
 
 def _engine_body(rank, world, family, layout, cfg, steps, dtype, schedule, grads, drift, model=None):
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.step.mesh import build_groups
+    from ray_dhp.parallel.mesh import build_groups
     from ray_dhp.parallel.comm import CommCounter
 
     topo = Topology.build(**layout)
@@ -162,7 +162,7 @@ def run_reference(family: str, cfg: TrainLoopConfig, steps, dtype=None, model=No
 def _directory_body(rank, world, family, layout, cfg, data, model_dir, ckpt):
     from ray_dhp.checkpointing.staging import BackgroundWriter
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.step.mesh import build_groups
+    from ray_dhp.parallel.mesh import build_groups
 
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
     engine = DHPEngine(model_dir, groups, cfg, dtype=torch.float64)

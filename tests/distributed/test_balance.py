@@ -19,7 +19,7 @@ from ray_dhp.data.reading import read_annotations, resolve_data_root
 from ray_dhp.data.sampler import StepSampler
 from ray_dhp.step.engine import layout_micro_batch
 from ray_dhp.parallel.balance import Balancer, contiguous
-from ray_dhp.step.topology import Topology
+from ray_dhp.parallel.topology import Topology
 from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import assert_parity, run_engine, run_reference
 

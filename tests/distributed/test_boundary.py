@@ -13,7 +13,7 @@ from tests.spawn import run_on_ranks
 
 def _body(rank, world, flag):
     from ray_dhp.parallel import boundary as bnd
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.topology import Topology
 
     topo = Topology.build(placement="disjoint", vision_dp=1, vision_sp=1, text_dp=1, text_tp=1)
     held = {0: torch.arange(6)}          # the vision rank computed rows 0..5

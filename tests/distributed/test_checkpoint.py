@@ -66,8 +66,8 @@ def _train_body(rank, world, layout, cfg, data, model, resume_from, stop, save_a
     from ray_dhp.checkpointing import checkpoint
     from ray_dhp.checkpointing.staging import BackgroundWriter
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.step.mesh import build_groups
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.mesh import build_groups
+    from ray_dhp.parallel.topology import Topology
 
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
     engine = DHPEngine(model if model is not None else demo.tiny_model_config(FAMILY), groups, cfg,
@@ -97,7 +97,7 @@ def _train_body(rank, world, layout, cfg, data, model, resume_from, stop, save_a
 
 def run(layout, data, *, stop=None, resume_from=None, save_at=(), ckpt_root=None,
         probe=None, model=None, cfg=CFG):
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.topology import Topology
 
     world = Topology.build(**layout).world_size
     stop = cfg.num_steps if stop is None else stop

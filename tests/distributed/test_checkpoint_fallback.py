@@ -43,8 +43,8 @@ def _body(rank, world, data, root):
     from ray_dhp.checkpointing import checkpoint
     from ray_dhp.checkpointing.integrity import read_meta
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.step.mesh import build_groups
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.mesh import build_groups
+    from ray_dhp.parallel.topology import Topology
     from tests.distributed.test_checkpoint import _sampler
 
     groups = build_groups(Topology.build(**LAYOUT), torch.device("cpu"))

@@ -10,7 +10,7 @@ import torch
 
 from ray_dhp import demo
 from ray_dhp.models.contract import MIN_TRANSFORMERS
-from ray_dhp.step.topology import Topology
+from ray_dhp.parallel.topology import Topology
 from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import make_steps
 from tests.spawn import run_on_ranks
@@ -47,7 +47,7 @@ def _body(rank, world, steps):
 
     from ray_dhp.models import FAMILIES
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.step.mesh import build_groups
+    from ray_dhp.parallel.mesh import build_groups
 
     cls = getattr(transformers, FAMILIES[FAMILY].model_class)
     real = cls.forward

@@ -26,7 +26,7 @@ from ray_dhp.data.reading import read_annotations, resolve_data_root
 from ray_dhp.data.sampler import StepSampler
 from ray_dhp.step.engine import count_targets, shift_labels
 from ray_dhp.step.reference import ReferenceTrainer
-from ray_dhp.step.topology import Topology
+from ray_dhp.parallel.topology import Topology
 from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import make_steps
 from tests.spawn import run_on_ranks
@@ -86,7 +86,7 @@ def _modes(engine) -> dict:
 def _body(rank, world, layout, steps, val, val_cfg):
     from ray_dhp.data.eval_loader import EvalLoader
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.step.mesh import build_groups
+    from ray_dhp.parallel.mesh import build_groups
 
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
     model = demo.tiny_model_config(FAMILY)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ray_dhp import demo
-from ray_dhp.step.topology import Topology
+from ray_dhp.parallel.topology import Topology
 from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import make_steps, rel_err
 from tests.spawn import run_on_ranks
@@ -56,7 +56,7 @@ def _engine_body(rank, world, mbs):
     control) without: gradients left in the weights' dtype, bf16."""
     from ray_dhp.step import engine as engine_mod
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.step.mesh import build_groups
+    from ray_dhp.parallel.mesh import build_groups
 
     groups = build_groups(Topology.build(**ONE_RANK), torch.device("cpu"))
     out = {}

@@ -7,7 +7,7 @@ import torch
 from ray_dhp import demo
 from ray_dhp.data.reading import read_annotations, resolve_data_root
 from ray_dhp.data.sampler import StepSampler
-from ray_dhp.step.topology import EncoderDegrees, Topology
+from ray_dhp.parallel.topology import EncoderDegrees, Topology
 from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.spawn import run_on_ranks
 
@@ -38,8 +38,8 @@ def _summary(micro_batches):
 
 def _body(rank, world, path, layout, cfg, prefetch):
     from ray_dhp.data.loader import StepLoader
-    from ray_dhp.step.mesh import build_groups
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.mesh import build_groups
+    from ray_dhp.parallel.topology import Topology
 
     topo = Topology.build(**layout)
     groups = build_groups(topo, torch.device("cpu"))
@@ -105,7 +105,7 @@ def test_loader_decodes_once_and_matches_the_sampler(tmp_path, name, prefetch, b
     # Pixels live exactly on the vision ranks of the replica the engine's layout assigns the
     # sample (by cost: not the contiguous split).
     from ray_dhp.step.engine import layout_micro_batch
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.topology import Topology
 
     topo, vc = Topology.build(**layout), demo.tiny_model_config().vision_config
     for r in out:
@@ -141,8 +141,8 @@ def test_cost_balance_needs_the_engines_balancer_with_encoder_dp(tmp_path):
 
 def _strict_body(rank, world, path, layout):
     from ray_dhp.data.loader import StepLoader
-    from ray_dhp.step.mesh import build_groups
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.mesh import build_groups
+    from ray_dhp.parallel.topology import Topology
 
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
     loader = StepLoader(_sampler(path, global_batch_size=8, bad_data="strict"), groups)

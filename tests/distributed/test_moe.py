@@ -66,7 +66,7 @@ def test_moe_parity_fp64(placement, vision, text, ep, moe_reference):
     # the plan counts the fp32 policy, these runs hold fp64 tensors: exactly twice the bytes
     from ray_dhp.planning.memory import count_params, rank_state
     from ray_dhp.step.precision import policy_of
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.topology import Topology
 
     topo = Topology.build(**_layout(placement, vision, text, ep))
     counts = count_params(demo.tiny_model_config(FAMILY))
@@ -100,7 +100,7 @@ def test_bf16_mixed_expert_partition_state_equals_the_plan(tmp_path):
 
     from ray_dhp.planning.memory import count_params, rank_state
     from ray_dhp.step.precision import policy_of
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.topology import Topology
 
     cfg = dataclasses.replace(CFG, num_steps=1, precision="bf16_mixed")
     layout = _layout("collocated", (1, 4), (1, 4), 2)
@@ -131,7 +131,7 @@ def test_moe_experts_tp_parity_fp64(placement, vision, text, moe_reference):
     sums only), every rank holding half of every expert, per-rank bytes measured = the plan."""
     from ray_dhp.planning.memory import count_params, rank_state
     from ray_dhp.step.precision import policy_of
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.topology import Topology
 
     _, steps, ref = moe_reference()
     layout = dict(_layout(placement, vision, text), text_expert_tp=True)

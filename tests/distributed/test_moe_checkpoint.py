@@ -33,8 +33,8 @@ def _sampler(data, cfg=CFG):
 def _body(rank, world, layout, data, root, resume, stop, cfg=CFG):
     from ray_dhp.checkpointing import checkpoint
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.step.mesh import build_groups
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.mesh import build_groups
+    from ray_dhp.parallel.topology import Topology
 
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
     engine = DHPEngine(demo.tiny_model_config(FAMILY), groups, cfg, dtype=torch.float64,
@@ -53,7 +53,7 @@ def test_resume_at_another_expert_parallel_degree(first, tmp_path):
     import dataclasses
 
     from ray_dhp.step.reference import ReferenceTrainer
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.topology import Topology
 
     # a micro-batch feeds every text replica (4 of them in the partitioned case)
     cfg = dataclasses.replace(CFG, global_batch_size=2 * CFG.micro_batches * first["text_dp"] // 2)

@@ -24,8 +24,8 @@ EP2 = dict(placement="collocated", vision_dp=2, vision_sp=1, text_dp=2, text_tp=
 def _body(rank, world, cfg, steps):
     from ray_dhp.parallel.comm import CommCounter
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.step.mesh import build_groups
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.mesh import build_groups
+    from ray_dhp.parallel.topology import Topology
 
     groups = build_groups(Topology.build(**EP2), torch.device("cpu"))
     comm = CommCounter()

@@ -49,7 +49,7 @@ def _old_exchange(sends, recv_rows, dim, like, rank, group, inflight, comm, tag)
 def _demo_boundary(rank, world, old):
     """Collocated SP2/TP2 (the demo's layout): each rank holds half the rows, both need all."""
     from ray_dhp.parallel import boundary as bnd
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.topology import Topology
 
     if old:
         bnd._exchange = _old_exchange
@@ -141,7 +141,7 @@ def test_old_exchange_under_the_twin_on_the_parity_layouts(case, tmp_path):
     """Collocated layouts deadlock (every one in the matrix has SP or TP > 1, so some pair
     exchanges rows both ways); disjoint ones only send one way per pair and pass also with the
     old order. The fixed rule passes them all in test_parity.py (which runs under the twin)."""
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.topology import Topology
     from tests.distributed.parity import make_steps
 
     fam, placement, v, t = case

@@ -25,7 +25,7 @@ def test_offload_fp64_parity_stages_1_and_2(tmp_path):
     from ray_dhp import demo
     from ray_dhp.planning.memory import count_params, rank_state
     from ray_dhp.step.precision import POLICIES
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.topology import Topology
 
     steps = make_steps(tmp_path, FAMILY, CFG)
     ref = run_reference(FAMILY, CFG, steps, torch.float64)
@@ -51,7 +51,7 @@ def test_plan_moves_the_optimizer_to_the_host():
     from ray_dhp import demo
     from ray_dhp.planning.memory import count_params, rank_state
     from ray_dhp.step.precision import POLICIES
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.topology import Topology
 
     counts = count_params(demo.tiny_model_config(FAMILY))
     pol = POLICIES["bf16_mixed"]
@@ -69,7 +69,7 @@ def test_plan_moves_the_optimizer_to_the_host():
     (dict(LAYOUT, vision_offload="yes"), "vision.optimizer_offload"),
 ])
 def test_bad_offload_names_the_key(kw, key):
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.topology import Topology
 
     with pytest.raises(ValueError, match=key):
         Topology.build(**kw)

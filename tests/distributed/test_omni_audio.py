@@ -27,7 +27,7 @@ from ray_dhp import demo
 from ray_dhp.data.reading import read_annotations, resolve_data_root
 from ray_dhp.data.sampler import StepSampler
 from ray_dhp.demo_omni import make_omni_dataset
-from ray_dhp.step.topology import EncoderDegrees
+from ray_dhp.parallel.topology import EncoderDegrees
 from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import assert_parity, run_engine, run_reference
 
@@ -119,8 +119,8 @@ def _resume_body(rank, world, layout, cfg, steps, ckpt, first):
 
     from ray_dhp.checkpointing import checkpoint
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.step.mesh import build_groups
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.mesh import build_groups
+    from ray_dhp.parallel.topology import Topology
 
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
     engine = DHPEngine(demo.tiny_model_config("qwen2_5_omni"), groups, cfg, dtype=torch.float64,
@@ -163,8 +163,8 @@ def _loader_body(rank, world, path, layout, cfg):
     samples carry pixels / audio features on this rank, and the step losses."""
     from ray_dhp.data.loader import StepLoader
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.step.mesh import build_groups
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.mesh import build_groups
+    from ray_dhp.parallel.topology import Topology
 
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
     engine = DHPEngine(demo.tiny_model_config("qwen2_5_omni"), groups, cfg, dtype=torch.float64)

@@ -25,7 +25,7 @@ from ray_dhp.data.reading import read_annotations, resolve_data_root
 from ray_dhp.data.sampler import StepSampler
 from ray_dhp.demo_omni import make_omni_dataset
 from ray_dhp.step.reference import ReferenceTrainer
-from ray_dhp.step.topology import EncoderDegrees, Topology
+from ray_dhp.parallel.topology import EncoderDegrees, Topology
 from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.test_omni_audio import STEPS
 from tests.spawn import run_on_ranks
@@ -65,7 +65,7 @@ def _ref_eval(ref, samples) -> float:
 def _body(rank, world, path, step):
     from ray_dhp.data.eval_loader import EvalLoader
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.step.mesh import build_groups
+    from ray_dhp.parallel.mesh import build_groups
 
     groups = build_groups(Topology.build(**LAYOUT), torch.device("cpu"))
     engine = DHPEngine(demo.tiny_model_config(FAMILY), groups, CFG, dtype=torch.float64)

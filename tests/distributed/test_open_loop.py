@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ray_dhp import demo
 from ray_dhp.step.loss import cross_entropy_loss
 from ray_dhp.step.reference import ReferenceTrainer
-from ray_dhp.step.topology import Topology
+from ray_dhp.parallel.topology import Topology
 from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import assert_parity, capture_grads, make_steps, merge_ranks
 from tests.spawn import run_on_ranks
@@ -66,7 +66,7 @@ def _layout(vision, text, placement="collocated", text_sp=False):
 def _open_loop_body(rank, world, layout, cfg, steps, loss_fn):
     """The engine trained by forward_backward(loss_fn) + optimizer_step, in fp64."""
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.step.mesh import build_groups
+    from ray_dhp.parallel.mesh import build_groups
 
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
     engine = DHPEngine(demo.tiny_model_config(FAMILY), groups, cfg, dtype=torch.float64)
@@ -112,7 +112,7 @@ def _step_vs_open_loop_body(rank, world, layout, cfg, steps):
     with a user-written cross-entropy + optimizer_step; one accumulating one forward_backward
     per micro-batch (normalised by the whole step's count) before optimizer_step."""
     from ray_dhp.step.engine import DHPEngine, count_targets
-    from ray_dhp.step.mesh import build_groups
+    from ray_dhp.parallel.mesh import build_groups
 
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
     engines = [DHPEngine(demo.tiny_model_config(FAMILY), groups, cfg, dtype=torch.float64)

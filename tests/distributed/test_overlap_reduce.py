@@ -24,7 +24,7 @@ def _body(rank, world):
 def _stage(rank, stage):
     import torch.distributed as dist
 
-    from ray_dhp.parallel import data as dp
+    from ray_dhp.parallel import data_parallel as dp
     from ray_dhp.parallel.comm import CommCounter
     from ray_dhp.parallel.zero import ZeroPartition
 
@@ -85,8 +85,8 @@ def _engine_body(rank, world, steps, cfg):
     from ray_dhp import demo
     from ray_dhp.parallel.comm import CommCounter
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.step.mesh import build_groups
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.mesh import build_groups
+    from ray_dhp.parallel.topology import Topology
 
     layout = dict(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1, text_tp=2)
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))

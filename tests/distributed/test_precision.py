@@ -13,7 +13,7 @@ import torch
 
 from ray_dhp import demo
 from ray_dhp.step.precision import POLICY_NAMES
-from ray_dhp.step.topology import Topology
+from ray_dhp.parallel.topology import Topology
 from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import make_steps, rel_err
 from tests.spawn import run_on_ranks
@@ -34,7 +34,7 @@ def steps(tmp_path_factory):
 
 def _engine(layout, cfg):
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.step.mesh import build_groups
+    from ray_dhp.parallel.mesh import build_groups
 
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
     return DHPEngine(demo.tiny_model_config(FAMILY), groups, cfg), groups
@@ -195,7 +195,7 @@ def _check_body(rank, world, steps):
     an engine step with the pre-fix gradient norm (CPU scalars over the TP group) is caught."""
     import torch.distributed as dist
 
-    from ray_dhp.parallel import data as dp
+    from ray_dhp.parallel import data_parallel as dp
     from ray_dhp.parallel.devcheck import CollectiveDeviceCheck
 
     engine, groups = _engine(SP2_TP2, CFG)

@@ -92,10 +92,10 @@ def _probe_reads() -> list:
 
 def _holdings_body(rank, world, layout, model):
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.step.mesh import build_groups
+    from ray_dhp.parallel.mesh import build_groups
     from ray_dhp.models.loading import local_parameter_bytes
     from ray_dhp.parallel.tensor import local
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.topology import Topology
 
     reads = _probe_reads()
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))

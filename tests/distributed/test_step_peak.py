@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 
 from ray_dhp import demo
-from ray_dhp.step.topology import Topology
+from ray_dhp.parallel.topology import Topology
 from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import make_steps
 from tests.spawn import run_on_ranks
@@ -61,10 +61,10 @@ def _optimizer_peak(prof, base: int) -> int:
 def _body(rank, world, steps):
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from ray_dhp.parallel import data as dp
+    from ray_dhp.parallel import data_parallel as dp
     from ray_dhp.step import precision
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.step.mesh import build_groups
+    from ray_dhp.parallel.mesh import build_groups
 
     precision.CHUNK_BYTES, dp._BUCKET_BYTES = CHUNK, BUCKET
     groups = build_groups(Topology.build(**SP2_TP2), torch.device("cpu"))

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from ray_dhp import demo
-from ray_dhp.step.topology import Topology
+from ray_dhp.parallel.topology import Topology
 from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import (assert_parity, copy_errors, make_steps, rel_err, run_engine,
                                       run_reference)
@@ -108,7 +108,7 @@ def test_tied_embeddings_parity_fp64(case, steps_cache):
 
 def _bf16_body(rank, world, layout, cfg, steps):
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.step.mesh import build_groups
+    from ray_dhp.parallel.mesh import build_groups
 
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
     engine = DHPEngine(_tied(), groups, cfg)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ray_dhp import demo
-from ray_dhp.step.topology import Topology
+from ray_dhp.parallel.topology import Topology
 from ray_dhp.config.train_loop import TrainLoopConfig
 from ray_dhp.config.tuning import tuning_of
 from ray_dhp.models.tuning import trains

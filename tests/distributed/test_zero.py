@@ -70,7 +70,7 @@ def idle_vision_replicas(steps, layout) -> int:
     from ray_dhp import demo
     from ray_dhp.parallel.balance import Balancer
     from ray_dhp.step.microbatch import _MicroBatch, layout_micro_batch
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.topology import Topology
 
     config, topo = demo.tiny_model_config(FAMILY), Topology.build(**layout)
     balancer = Balancer.for_config(CFG.balance, config, packing=CFG.packing)
@@ -172,8 +172,8 @@ def _bytes_body(rank, world, layout, steps, precision):
     from ray_dhp import demo
     from ray_dhp.parallel.devcheck import CollectiveDeviceCheck
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.step.mesh import build_groups
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.mesh import build_groups
+    from ray_dhp.parallel.topology import Topology
 
     out = {}
     for vz, tz in STAGES:
@@ -192,7 +192,7 @@ def test_rank_bytes_equal_the_plan_for_every_stage(steps):
     from ray_dhp import demo
     from ray_dhp.planning.memory import count_params, rank_state
     from ray_dhp.step.precision import POLICIES
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.topology import Topology
     from tests.spawn import run_on_ranks
 
     outs = run_on_ranks(_bytes_body, 4, args=(COLLOCATED, steps, "bf16_mixed"))

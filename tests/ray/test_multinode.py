@@ -41,7 +41,7 @@ from ray.cluster_utils import Cluster
 
 from ray_dhp import DHPConfig, DisaggregatedTrainer, ModuleParallel, demo
 from ray_dhp.train.callbacks import MetricsHistory
-from ray_dhp.step.topology import Topology, crossing_groups
+from ray_dhp.parallel.topology import Topology, crossing_groups
 from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import make_steps, rel_err, run_engine
 from tests.ray.conftest import stop_private_head

@@ -13,7 +13,7 @@ from ray_dhp.step.engine import layout_micro_batch
 from ray_dhp.parallel.balance import (Balancer, CostModel, balanced_micro_batches, contiguous,
                                       decode_owners, imbalance, lpt, lpt_grouped, lpt_padded,
                                       padded_groups)
-from ray_dhp.step.topology import Topology
+from ray_dhp.parallel.topology import Topology
 
 
 def _sample(i, patches_hw=None, tokens=32):

@@ -11,7 +11,7 @@ from ray_dhp import demo
 from ray_dhp.layout import DHPConfig, ModuleParallel
 from ray_dhp.models.moe import aux_contribution
 from ray_dhp.parallel.expert import edp_groups, ep_groups
-from ray_dhp.step.topology import Topology
+from ray_dhp.parallel.topology import Topology
 
 
 def test_presets_have_the_published_sizes():

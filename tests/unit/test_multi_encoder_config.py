@@ -6,7 +6,7 @@ import pytest
 from ray_dhp import DHPConfig, ModuleParallel, demo
 from ray_dhp.cli.schema import ConfigError
 from ray_dhp.run_file import load_run_file
-from ray_dhp.step.topology import EncoderDegrees, Topology
+from ray_dhp.parallel.topology import EncoderDegrees, Topology
 
 TINY = "examples/tiny.yaml"
 

@@ -15,7 +15,7 @@ from ray_dhp.planning.memory_audio import (AudioCounts, audio_activation_bytes, 
                                            module_rank_state, without_audio)
 from ray_dhp.run_file import load_run_file
 from ray_dhp.step.precision import policy_of
-from ray_dhp.step.topology import EncoderDegrees, Topology
+from ray_dhp.parallel.topology import EncoderDegrees, Topology
 
 OMNI = "examples/qwen2_5_omni_7b_8gpu.yaml"
 

@@ -7,7 +7,7 @@ from ray_dhp.cli.models import config_from_dims
 from ray_dhp.cli.presets import preset_dims
 from ray_dhp.planning.memory import count_params
 from ray_dhp.planning.startup import meta_engine, rank_parameter_bytes
-from ray_dhp.step.topology import Topology
+from ray_dhp.parallel.topology import Topology
 
 
 @pytest.mark.parametrize("placement, rank", [("collocated", 5), ("disjoint", 2)])

@@ -9,7 +9,7 @@ import torch
 from ray_dhp import demo
 from ray_dhp.layout import DHPConfig, ModuleParallel
 from ray_dhp.parallel.text_sp import local_visual_rows
-from ray_dhp.step.topology import Topology
+from ray_dhp.parallel.topology import Topology
 
 
 def test_topology_needs_tp_for_text_sp():

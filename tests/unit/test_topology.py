@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ray_dhp.parallel.boundary import plan_boundary, split_evenly
-from ray_dhp.step.topology import Topology
+from ray_dhp.parallel.topology import Topology
 
 
 def test_collocated_meshes_span_all_workers():

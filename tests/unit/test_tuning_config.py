@@ -95,7 +95,7 @@ def test_plan_counts_frozen_parts_as_weights_only():
     keeps the base frozen."""
     from ray_dhp.planning.memory import count_params, rank_state
     from ray_dhp.step.precision import POLICIES
-    from ray_dhp.step.topology import Topology
+    from ray_dhp.parallel.topology import Topology
 
     config = demo.tiny_model_config("qwen2_5_vl")
     topo = Topology.build(placement="collocated", vision_sp=2, vision_dp=1, text_tp=2, text_dp=1)

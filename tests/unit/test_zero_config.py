@@ -6,7 +6,7 @@ import pytest
 from ray_dhp import DHPConfig, ModuleParallel, demo
 from ray_dhp.parallel.zero import replica_bytes
 from ray_dhp.planning.memory import TextParam
-from ray_dhp.step.topology import Topology
+from ray_dhp.parallel.topology import Topology
 
 
 def _layout(**kw):

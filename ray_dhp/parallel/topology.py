@@ -138,7 +138,6 @@ class Topology:
         encoder modules, ``{name: EncoderDegrees}`` (e.g. ``{"audio": EncoderDegrees(dp=2)}``),
         laid out after the vision encoder."""
         from ray_dhp.parallel.zero import resolve_stage
-        from ray_dhp.step.offload import check_offload
 
         if placement not in PLACEMENTS:
             raise ValueError(
@@ -358,3 +357,16 @@ def check_expert_tp(on, tp: int, ep: int, zero: int) -> None:
     if zero == 3:
         raise ValueError("text.expert_tensor_parallel=true is not covered with text.zero_stage=3; "
                          "use text.zero_stage 0-2.")
+
+
+def check_offload(module: str, offload, stage: int, tp: int) -> None:
+    """Refuse a value or combination offload does not support, naming ``<module>.optimizer_offload``."""
+    if not isinstance(offload, bool):
+        raise ValueError(f"{module}.optimizer_offload must be true or false, got {offload!r}.")
+    if offload and (tp > 1 or stage == 3):
+        raise ValueError(
+            f"{module}.optimizer_offload=true needs plain parameters, but {module} has "
+            + ("tensor_parallel > 1" if tp > 1 else "zero_stage=3 (FSDP2)")
+            + " (DTensor shards); set "
+            + ("text.tensor_parallel=1 and " if module == "text" else "")
+            + f"{module}.zero_stage <= 2, or {module}.optimizer_offload=false.")

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ray_dhp.step.topology import Topology
+from ray_dhp.parallel.topology import Topology
 
 
 @dataclass
