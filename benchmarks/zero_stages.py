@@ -5,7 +5,7 @@ Layout: collocated, text DP = vision DP = ``--ranks`` (text TP 1, vision SP 1), 
 a replica of both modules and the stages differ only in what a replica keeps. Contenders, built
 once each in the same processes (same seed: the same initial weights, first-step losses recorded):
 ``s0`` (text 0, vision 0), ``s1`` (1, 1), ``s2`` (2, 2), ``s3`` (text 3 = FSDP2, vision 2),
-``s3v`` (both modules at stage 3: FSDP2 for the ViT too, `ray_dhp.parallel.fsdp_vision`),
+``s3v`` (both modules at stage 3: FSDP2 for the ViT too, `ray_dhp.models.fsdp_vision`),
 ``s1-offload`` (``s1`` with both modules' masters and moments on the host,
 `ray_dhp.step.offload`), ``s3-plain``/``s3v-plain`` (below); ``--contenders`` runs a subset
 (``s0`` always). One warm-up step each, one counted

@@ -18,8 +18,9 @@ root) and its user turns hold one ``<audio>`` placeholder per clip, in order::
   spectrogram, which padding frames never raise), so they are the stock values bit for bit
   (``tests/unit/test_audio.py``) at a fraction of the work.
 * One clip becomes ``frames = ceil(samples / hop_length)`` feature columns and
-  ``audio_tokens(frames)`` ``<|AUDIO|>`` pads (the Omni encoder's two stride-2 stages), placed
-  between ``<|audio_bos|>`` and ``<|audio_eos|>``.
+  ``audio_tokens(frames)`` ``<|AUDIO|>`` pads (the Omni encoder's two stride-2 stages,
+  `ray_dhp.models.qwen2_5_omni.audio_tokens`), placed between ``<|audio_bos|>`` and
+  ``<|audio_eos|>``.
 
 Bad clips are bad samples (``AudioError`` -> `ray_dhp.data.processing.BadSample`, counted and
 skipped like bad images): a missing or unreadable file, no audio stream, an empty clip, a clip
@@ -36,8 +37,10 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ray_dhp.models.qwen2_5_omni import audio_tokens
+
 __all__ = ["AUDIO_PLACEHOLDER", "AUDIO_PAD", "AudioError", "AudioSettings", "audio_paths",
-           "decode_audio", "audio_features", "audio_tokens", "encode_audio", "find_audio_record",
+           "decode_audio", "audio_features", "encode_audio", "find_audio_record",
            "record_audio", "refusal", "refuse_audio"]
 
 AUDIO_PLACEHOLDER = "<audio>"
@@ -102,14 +105,6 @@ def decode_audio(path, sampling_rate: int) -> np.ndarray:
     if wave.size == 0:
         raise AudioError(f"empty audio: {path} decodes to no samples")
     return wave
-
-
-def audio_tokens(frames):
-    """Audio pad tokens of a clip of ``frames`` feature columns (int or tensor): the Omni
-    encoder's conv stride 2, then its pooling stride 2 (transformers'
-    ``_get_feat_extract_output_lengths``)."""
-    after_conv = (frames - 1) // 2 + 1
-    return (after_conv - 2) // 2 + 1
 
 
 def audio_features(wave: np.ndarray, feature_extractor) -> torch.Tensor:

@@ -9,8 +9,9 @@ from typing import Optional
 import torch
 
 from ray_dhp.data.processing import IGNORE_INDEX, Sample
+from ray_dhp.models.qwen2_5_omni import audio_inputs
 
-__all__ = ["pad_text_batch", "pack_text_batch", "pack_rows", "row_modalities", "audio_inputs"]
+__all__ = ["pad_text_batch", "pack_text_batch", "pack_rows", "row_modalities"]
 
 
 def _pad(rows: list[torch.Tensor], length: int, value: int) -> torch.Tensor:
@@ -58,31 +59,6 @@ def _images(samples: Sequence[Sample]) -> dict:
     return out
 
 
-def audio_inputs(samples: Sequence[Sample]) -> dict:
-    """The model's audio inputs of the samples, clips in batch order: ``input_features``
-    ``[clips, n_mels, frames]`` (each clip's columns left-aligned, zeros after them) and
-    ``feature_attention_mask`` ``[clips, frames]`` (1 on a clip's columns), ``frames`` the longest
-    clip's; neither key without audio (the VL models' forwards do not take them), and only the
-    mask where a sample comes without its features (a text rank: the loader routes them to the
-    audio ranks only). The stock processor pads every clip to its extractor's whole window
-    instead (other values after the mask); the model reads only the masked columns."""
-    with_audio = [s for s in samples if s.audio_lengths is not None]
-    lengths = [n for s in with_audio for n in s.audio_lengths.tolist()]
-    if not lengths:
-        return {}
-    frames = max(lengths)
-    mask = torch.zeros((len(lengths), frames), dtype=torch.long)
-    for i, n in enumerate(lengths):
-        mask[i, :n] = 1
-    if any(s.audio_features is None for s in with_audio):
-        return {"feature_attention_mask": mask}
-    clips = [c for s in with_audio for c in s.audio_features.split(s.audio_lengths.tolist(), dim=1)]
-    feats = clips[0].new_zeros((len(clips), clips[0].shape[0], frames))
-    for i, c in enumerate(clips):
-        feats[i, :, :c.shape[1]] = c
-    return {"input_features": feats, "feature_attention_mask": mask}
-
-
 def row_modalities(samples: Sequence[Sample], merge: int) -> torch.LongTensor:
     """``[rows]``: 1 (image) or 2 (video) for every merged vision row of ``samples``, in the
     order the boundary delivers them (sample by sample, items in placeholder order)."""
@@ -109,7 +85,7 @@ def pad_text_batch(samples: Sequence[Sample], pad_id: int, *, pad_to_multiple_of
         of `_images`: ``image_grid_thw`` / ``pixel_values`` (the images' grids and patches in
         batch order; pixels None if one of them comes without pixels), ``video_grid_thw`` /
         ``pixel_values_videos`` / ``second_per_grid_ts`` for the videos, and the audio inputs
-        of `audio_inputs` (``input_features`` / ``feature_attention_mask``).
+        of `ray_dhp.models.qwen2_5_omni.audio_inputs` (``input_features`` / ``feature_attention_mask``).
     """
     if not samples:
         raise ValueError("pad_text_batch needs at least one sample")

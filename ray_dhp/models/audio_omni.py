@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ray_dhp.data.audio import audio_tokens
+from ray_dhp.models.qwen2_5_omni import audio_forward, audio_inputs, audio_tokens
 
 __all__ = ["dim", "rows", "cost", "has_input", "forward", "AudioSlot", "install_slot", "fill_slot",
            "text_inputs"]
@@ -44,9 +44,6 @@ def cost(sample) -> int:
 
 def forward(tower, samples, dtype: torch.dtype, device) -> torch.Tensor:
     """``[rows, output_dim]``: the tower on the clips of ``samples`` (samples in order)."""
-    from ray_dhp.data.collate import audio_inputs
-    from ray_dhp.models.qwen2_5_omni import audio_forward
-
     if any(s.audio_features is None for s in samples):
         raise RuntimeError("a sample this audio replica computes has no audio features here: the "
                            "loader routed them by another rule than the engine's (give StepLoader "
@@ -93,8 +90,6 @@ def text_inputs(samples, device) -> dict:
     shard: the clips' mask (positions and the row count read the lengths from it) and a
     one-channel ``input_features`` of the same frames, which only routes the forward into its
     audio seam (the slot ignores the values). Empty without audio."""
-    from ray_dhp.data.collate import audio_inputs
-
     batch = audio_inputs(samples)
     if not batch:
         return {}

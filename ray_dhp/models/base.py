@@ -98,7 +98,7 @@ class FamilySpec:
     # The seam's ``pooler_output``: a tuple of row blocks (the Qwen-VL models) or one
     # ``[rows, width]`` tensor (models that ``masked_scatter`` it whole, e.g. InternVL).
     pooled_tuple: bool = True
-    vision_zero3: bool = True  # False: `ray_dhp.parallel.fsdp_vision` cannot unit this tower
+    vision_zero3: bool = True  # False: `ray_dhp.models.fsdp_vision` cannot unit this tower
 
     # -- model access (the seams of transformers' VLM classes) ---------------------------------
 

@@ -36,5 +36,5 @@ SPEC = FamilySpec(
     vision_depth=lambda vision_config: vision_config.num_hidden_layers,
     projector_dim=lambda config: config.text_config.hidden_size,  # the projector's linear_2
     pooled_tuple=False,
-    vision_zero3=False,  # parallel/fsdp_vision.py units the Qwen towers' sub-modules only
+    vision_zero3=False,  # models/fsdp_vision.py units the Qwen towers' sub-modules only
 )

@@ -8,6 +8,8 @@ module ``audio`` (`ray_dhp.models.audio_omni`), with its own group when the layo
 audio are refused before training (`ray_dhp.data.audio.refuse_audio`).
 """
 
+import torch
+
 from ray_dhp.models.base import EncoderSpec, FamilySpec, sequence_parallel_text_plan, standard_text_plan
 
 SPEC = FamilySpec(
@@ -26,8 +28,8 @@ SPEC = FamilySpec(
 
 
 def audio_forward(audio_tower, input_features, feature_attention_mask):
-    """``[tokens, output_dim]``: the audio tower on collated clips (`ray_dhp.data.collate.
-    audio_inputs`: ``[clips, n_mels, frames]`` and the ``[clips, frames]`` mask), one row per
+    """``[tokens, output_dim]``: the audio tower on collated clips (`audio_inputs`:
+    ``[clips, n_mels, frames]`` and the ``[clips, frames]`` mask), one row per
     ``<|AUDIO|>`` pad of the clips in order — what the thinker's ``get_audio_features`` computes
     (the masked columns concatenated along time, per-clip lengths before and after the convs),
     for the engine to run as a module of its own."""
@@ -36,3 +38,36 @@ def audio_forward(audio_tower, input_features, feature_attention_mask):
     after_cnn, _ = audio_tower._get_feat_extract_output_lengths(lengths)
     flat = flat.to(audio_tower.conv1.weight.dtype)
     return audio_tower(flat, feature_lens=lengths, aftercnn_lens=after_cnn).last_hidden_state
+
+
+def audio_tokens(frames):
+    """Audio pad tokens of a clip of ``frames`` feature columns (int or tensor): the Omni
+    encoder's conv stride 2, then its pooling stride 2 (transformers'
+    ``_get_feat_extract_output_lengths``)."""
+    after_conv = (frames - 1) // 2 + 1
+    return (after_conv - 2) // 2 + 1
+
+
+def audio_inputs(samples) -> dict:
+    """The model's audio inputs of the samples (`ray_dhp.data.processing.Sample`), clips in batch order: ``input_features``
+    ``[clips, n_mels, frames]`` (each clip's columns left-aligned, zeros after them) and
+    ``feature_attention_mask`` ``[clips, frames]`` (1 on a clip's columns), ``frames`` the longest
+    clip's; neither key without audio (the VL models' forwards do not take them), and only the
+    mask where a sample comes without its features (a text rank: the loader routes them to the
+    audio ranks only). The stock processor pads every clip to its extractor's whole window
+    instead (other values after the mask); the model reads only the masked columns."""
+    with_audio = [s for s in samples if s.audio_lengths is not None]
+    lengths = [n for s in with_audio for n in s.audio_lengths.tolist()]
+    if not lengths:
+        return {}
+    frames = max(lengths)
+    mask = torch.zeros((len(lengths), frames), dtype=torch.long)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    if any(s.audio_features is None for s in with_audio):
+        return {"feature_attention_mask": mask}
+    clips = [c for s in with_audio for c in s.audio_features.split(s.audio_lengths.tolist(), dim=1)]
+    feats = clips[0].new_zeros((len(clips), clips[0].shape[0], frames))
+    for i, c in enumerate(clips):
+        feats[i, :, :c.shape[1]] = c
+    return {"input_features": feats, "feature_attention_mask": mask}

@@ -1,7 +1,7 @@
 """ZeRO stage 3: torch FSDP2 (``fully_shard``) for the language model over the ``dp`` dimension of
 the text mesh, on top of the DTensor TP plan on ``tp`` (torchtitan's 2-D order: TP first, then
 one FSDP unit per decoder layer, the embedding and the head, and the root for what is left); and
-for the vision tower over the whole vision group (`ray_dhp.parallel.fsdp_vision`).
+for the vision tower over the whole vision group (`ray_dhp.models.fsdp_vision`).
 
 Each unit's parameters are ``Shard(0)`` over the data-parallel replicas (and keep their TP
 placement): a rank holds ``1/dp`` of its TP shard's weights, gradients, fp32 masters and AdamW

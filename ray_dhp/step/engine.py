@@ -44,7 +44,7 @@ from ray_dhp.parallel import data_parallel as dp
 from ray_dhp.parallel.balance import Balancer
 from ray_dhp.parallel.comm import CommCounter
 from ray_dhp.parallel.fsdp import shard_text
-from ray_dhp.parallel.fsdp_vision import shard_vision
+from ray_dhp.models.fsdp_vision import shard_vision
 from ray_dhp.parallel.tensor import apply_tp_plan, partial_grad_params
 from ray_dhp.config.train_loop import TrainLoopConfig
 from ray_dhp.config.tuning import check_layout, tuning_of
@@ -92,7 +92,7 @@ class DHPEngine(EncoderPhases, UpdateMixin):
         if topo.vision.zero_stage == 3 and not self.family.vision_zero3:
             raise ValueError(f"vision.zero_stage=3 is not covered for the {self.family.name} family "
                              "(its tower is not split into FSDP units); use vision.zero_stage<=2.")
-        shard_vision(self)  # ... and over the vision group (ray_dhp.parallel.fsdp_vision)
+        shard_vision(self)  # ... and over the vision group (ray_dhp.models.fsdp_vision)
         unhosted = tuple(e.prefix for e in self.family.encoders if topo.encoder(e.name) is None) \
             + tuple(e.prefix + u for e in self.family.encoders for u in e.unused)
         held = apply_tuning({**{(n, self.family.encoder_prefix(n)): m for n, m in self.shards.items()},

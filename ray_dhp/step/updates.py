@@ -36,7 +36,7 @@ class UpdateMixin:
             if module is None:
                 continue
             named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-            if m.name == "vision" and self.vision_fsdp is not None:  # stage 3 (parallel/fsdp_vision.py)
+            if m.name == "vision" and self.vision_fsdp is not None:  # stage 3 (models/fsdp_vision.py)
                 z = self.zero[m.name] = self.vision_fsdp
                 z.params = [p for _, p in named]
             else:

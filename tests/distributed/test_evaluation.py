@@ -125,7 +125,7 @@ LAYOUTS = {
     "collocated-dp2-budget": dict(placement="collocated", vision_dp=2, vision_sp=1, text_dp=2,
                                   text_tp=1),
     # ZeRO stage 3 for both modules: FSDP2's all-gathers in every evaluation forward, the ViT's
-    # on a replica without images too (`ray_dhp.parallel.fsdp_vision`)
+    # on a replica without images too (`ray_dhp.models.fsdp_vision`)
     "collocated-dp2-stage3": dict(placement="collocated", vision_dp=2, vision_sp=1, text_dp=2,
                                   text_tp=1, vision_zero=3, text_zero=3),
 }

@@ -66,7 +66,7 @@ def test_text_fsdp2_tp2dp2_with_vision_stage2(reference):
 
 def idle_vision_replicas(steps, layout) -> int:
     """Micro-batches x vision replicas with no image in a micro-batch that has images: where
-    vision stage 3 must run the tower's collectives without work (`ray_dhp.parallel.fsdp_vision`)."""
+    vision stage 3 must run the tower's collectives without work (`ray_dhp.models.fsdp_vision`)."""
     from ray_dhp import demo
     from ray_dhp.parallel.balance import Balancer
     from ray_dhp.step.microbatch import _MicroBatch, layout_micro_batch

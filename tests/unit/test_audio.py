@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from ray_dhp import demo
-from ray_dhp.data.audio import (AudioSettings, audio_tokens, decode_audio, find_audio_record,
+from ray_dhp.data.audio import (AudioSettings, decode_audio, find_audio_record,
                                 refuse_audio)
-from ray_dhp.data.collate import audio_inputs, pad_text_batch
+from ray_dhp.data.collate import pad_text_batch
+from ray_dhp.models.qwen2_5_omni import audio_inputs, audio_tokens
 from ray_dhp.data.processing import BadSample, _messages
 from ray_dhp.data.reading import read_annotations, resolve_data_root
 from ray_dhp.demo_audio import make_audio_dataset, tone, write_wav

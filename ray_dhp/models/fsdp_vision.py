@@ -33,6 +33,7 @@ from typing import Optional
 
 import torch
 
+from ray_dhp.models.vision_qwen import plan_vision_shards, vision_forward
 from ray_dhp.parallel.fsdp import FSDPShards, reduce_dtype_of
 
 
@@ -44,8 +45,6 @@ class VisionRoot(torch.nn.Module):
         self.family, self.visual = family, visual
 
     def forward(self, pixel_values, plan, sp_rank: int, sp_group, comm=None):
-        from ray_dhp.models.vision_qwen import vision_forward
-
         return vision_forward(self.family, self.visual, pixel_values, plan, sp_rank, sp_group,
                               comm=comm)
 
@@ -76,8 +75,6 @@ class VisionStage3(FSDPShards):
     def idle(self) -> torch.Tensor:
         """The tower's collectives without work: run on one zero merge unit, 0 rows kept."""
         if self._idle is None:
-            from ray_dhp.models.vision_qwen import plan_vision_shards
-
             vc = self.wrapper.visual.config
             m = vc.spatial_merge_size
             plan = plan_vision_shards(self.family, vc, torch.tensor([[1, m, m]]), sp=1)
