@@ -89,11 +89,11 @@ def balancer_of(name: str, config):
     save: the plan before padded groups); ``equal`` balances by cost."""
     import dataclasses
 
-    from ray_dhp.parallel.balance import Balancer
+    from ray_dhp.step.microbatch import balancer_for
 
     if name == "count":
-        return Balancer.for_config("count", config)
-    bal = Balancer.for_config("cost", config)
+        return balancer_for("count", config)
+    bal = balancer_for("cost", config)
     if name == "cost_1batch":
         return dataclasses.replace(bal, model=dataclasses.replace(bal.model, text_call=10 ** 30))
     return bal

@@ -55,7 +55,8 @@ def body(rank, world, opts: dict):
     from ray_dhp.parallel.comm import CommCounter
     from ray_dhp.parallel.expert import expert_params
     from ray_dhp.parallel.tensor import local
-    from ray_dhp.planning.memory import count_params, rank_state
+    from ray_dhp.planning.memory import rank_state
+    from ray_dhp.models.sizes import count_params
     from ray_dhp.step.engine import DHPEngine
     from ray_dhp.parallel.mesh import build_groups
     from ray_dhp.step.precision import policy_of

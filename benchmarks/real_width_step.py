@@ -39,7 +39,8 @@ def _rank_body(rank, world, config, precision, samples, patches):
 
     from benchmarks.shapes import make_batch
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.planning.memory import count_params, rank_state
+    from ray_dhp.planning.memory import rank_state
+    from ray_dhp.models.sizes import count_params
     from ray_dhp.parallel.mesh import build_groups
     from ray_dhp.parallel.topology import Topology
     from ray_dhp.config.train_loop import TrainLoopConfig
@@ -64,7 +65,7 @@ def _rank_body(rank, world, config, precision, samples, patches):
 
 def run(width: str, precision: str, samples: int, patches: int, out_dir: str) -> dict:
     from ray_dhp.train.launch import spawn
-    from ray_dhp.planning.memory import count_params
+    from ray_dhp.models.sizes import count_params
 
     config = model_config(width)
     counts = count_params(config)

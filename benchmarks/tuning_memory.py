@@ -49,7 +49,8 @@ def small_config():
 
 
 def _planned(config, modules, rank: int) -> dict:
-    from ray_dhp.planning.memory import count_params, rank_state
+    from ray_dhp.planning.memory import rank_state
+    from ray_dhp.models.sizes import count_params
     from ray_dhp.step.precision import POLICIES
     from ray_dhp.parallel.topology import Topology
     from ray_dhp.config.tuning import parse_tuning

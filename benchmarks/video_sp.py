@@ -131,7 +131,8 @@ def longest_videos(size: int = 448, gpus: int = 8, device_gib: float = 80.0,
     """Longest ``size``-px video at 2 fps per model, DHP (planner) vs ZeRO-3, AC off / on."""
     from ray_dhp.cli.models import config_from_dims
     from ray_dhp.cli.presets import preset_dims
-    from ray_dhp.planning.memory import GIB, ActivationSettings, count_params, estimate_zero3
+    from ray_dhp.planning.memory import GIB, ActivationSettings, estimate_zero3
+    from ray_dhp.models.sizes import count_params
     from ray_dhp.planning.recommend import Workload, recommend
     from ray_dhp.planning.video import VideoShape, longest_frames
     from ray_dhp.step.precision import POLICIES

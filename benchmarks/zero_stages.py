@@ -95,7 +95,8 @@ def zero_body(rank, world, opts: dict) -> dict:
 
     from benchmarks.measure import CollectiveCounter
     from benchmarks.shapes import make_batch, model_config
-    from ray_dhp.planning.memory import count_params, rank_state
+    from ray_dhp.planning.memory import rank_state
+    from ray_dhp.models.sizes import count_params
     from ray_dhp.config.train_loop import TrainLoopConfig
 
     torch.manual_seed(0)
@@ -288,7 +289,7 @@ def main(argv=None) -> dict:
     if a.tiny:
         a.shape, a.patches, a.steps, a.host_adam_numel = "vitheavy", 64, 1, 80_000
     from benchmarks.shapes import model_config
-    from ray_dhp.planning.memory import count_params
+    from ray_dhp.models.sizes import count_params
     from ray_dhp.step.precision import POLICIES
     from ray_dhp.train.launch import spawn
 

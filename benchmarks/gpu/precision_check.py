@@ -58,7 +58,8 @@ def _body(rank, world, policy, tiny, patches, batch):
 
     from benchmarks import shapes
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.planning.memory import count_params, rank_state
+    from ray_dhp.planning.memory import rank_state
+    from ray_dhp.models.sizes import count_params
     from ray_dhp.planning.step_peak import step_peak
     from ray_dhp.parallel.mesh import build_groups
     from ray_dhp.parallel.devcheck import CollectiveDeviceCheck

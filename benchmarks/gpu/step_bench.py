@@ -63,7 +63,7 @@ def _body(rank, world, tiny, steps):
     from torch.profiler import ProfilerActivity, profile
 
     from ray_dhp.planning.flops import peak_flops, step_flops
-    from ray_dhp.planning.memory import count_params
+    from ray_dhp.models.sizes import count_params
     from ray_dhp.step.engine import DHPEngine
     from ray_dhp.parallel.mesh import build_groups
     from ray_dhp.parallel.topology import Topology

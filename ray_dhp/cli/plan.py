@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from ray_dhp.planning.memory import GIB, ActivationSettings, count_params, estimate_zero3
+from ray_dhp.planning.memory import GIB, ActivationSettings, estimate_zero3
+
+from ray_dhp.models.sizes import count_params
 from ray_dhp.planning.memory_audio import (audio_activation_bytes, clip_shape, count_audio,
                                            estimate_module_ranks, lm_audio_tokens,
                                            module_rank_state, without_audio)
@@ -209,7 +211,7 @@ def nodes_text(rf, *, nodes: int, gpus_per_node: int, vision_tokens: int, text_t
     (as the backend orders them, `ray_dhp.parallel.topology.node_local_order`) and, per collective, the
     bytes one rank sends per optimizer step and whether its groups cross the node boundary."""
     from ray_dhp.cli.schema import ConfigError
-    from ray_dhp.planning.memory import count_params
+    from ray_dhp.models.sizes import count_params
     from ray_dhp.planning.recommend import Layout, Workload
     from ray_dhp.parallel.topology import node_local_order, nodes_by_rank
     from ray_dhp.planning.traffic import collective_bytes, collective_groups

@@ -98,7 +98,7 @@ def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens:
     attention). With an ``audio:`` section every layout has an audio group and each sample one
     clip of ``audio_seconds``."""
     from ray_dhp.cli.plan import _num
-    from ray_dhp.planning.memory import count_params
+    from ray_dhp.models.sizes import count_params
     from ray_dhp.models import load_model_config
     from ray_dhp.planning.recommend import Hardware, Workload, recommend
 

@@ -31,6 +31,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ray_dhp.models import encoder_operations
+from ray_dhp.parallel.balance import COUNT, decode_owners, encoder_replicas
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["StepLoader"]
@@ -255,8 +258,6 @@ class StepLoader:
     def _owners(self, candidates: list) -> list:
         """Decode owner (rank) per candidate: balanced by image pixels (``balance="cost"``) or
         round-robin; ties rotate from where the previous deal stopped. Same on every rank."""
-        from ray_dhp.parallel.balance import decode_owners
-
         start, n = self._next_owner, len(candidates)
         self._next_owner = (start + n) % self.world
         if self.balancer.mode == "count" or self.world == 1:
@@ -266,9 +267,6 @@ class StepLoader:
     def _consumers_by_sample(self, micro_batches: list, encoder: str) -> dict:
         """``id(sample)`` -> global ranks that need its ``encoder`` input: the ranks of the
         replica the engine's `layout_micro_batch` assigns it (same `Balancer`, same samples)."""
-        from ray_dhp.models import encoder_operations
-        from ray_dhp.step.microbatch import encoder_replicas
-
         m = self.groups.topology.encoder(encoder)
         out = {}
         if m is None:
@@ -316,8 +314,6 @@ class StepLoader:
 def _default_balancer(sampler, groups):
     """Without an explicit balancer: by count. Refused where it would matter (the run balances by
     cost and an encoder's several replicas need the engine's assignment to route its inputs)."""
-    from ray_dhp.parallel.balance import COUNT
-
     cost = getattr(sampler.cfg, "balance", "count") == "cost"
     wide = [] if groups is None else [m.name for m in groups.topology.encoders if m.dp > 1]
     if cost and wide:

@@ -110,7 +110,7 @@ def lora_tp_plan(base_plan: dict, targets) -> dict:
 
 def counting_plan(base_plan: dict, targets) -> dict:
     """The plan by parameter-owning module after injection (``P`` -> ``P.base_layer``), plus
-    the adapters': what `ray_dhp.planning.memory.count_params` classifies sharded parameters with."""
+    the adapters': what `ray_dhp.models.sizes.count_params` classifies sharded parameters with."""
     plan = {}
     for pattern, style in base_plan.items():
         key = f"{pattern}.base_layer" if pattern.rsplit(".", 1)[-1] in targets else pattern

@@ -187,6 +187,15 @@ def decode_owners(costs: Sequence[int], world: int, start: int = 0) -> list[int]
     return owners
 
 
+def encoder_replicas(dp: int, samples, ops, balancer) -> list:
+    """Sample indices per replica of an encoder other than vision (``ops``: its `EncoderSpec`
+    operations): by its cost, or contiguous equal counts; ascending within a replica. The
+    loader routes the encoder's inputs by the same rule."""
+    idx = (contiguous(len(samples), dp) if balancer.mode == "count"
+           else lpt([ops.cost(s) for s in samples], dp))
+    return [sorted(i) for i in idx]
+
+
 # -- the cost model ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -203,7 +212,8 @@ class CostModel:
 
     All terms are multiplied by ``merge²`` so they stay integers (only ratios matter).
     ``text_call``, the fixed cost of one more text forward/backward call, is the linear cost of
-    `TEXT_CALL_TOKENS` tokens.
+    `TEXT_CALL_TOKENS` tokens. A model config's widths and parameter counts become these
+    integers in `ray_dhp.step.microbatch.cost_model_of`.
     """
 
     merge: int               # patches per merged row (spatial_merge_size²)
@@ -214,31 +224,6 @@ class CostModel:
     text_linear: int         # per token
     text_quadratic: int      # per token²
     text_call: int = 0       # per text forward/backward call (a padded group, `padded_groups`)
-
-    @classmethod
-    def from_config(cls, config, counts=None) -> "CostModel":
-        """From a transformers VLM config (``counts``: `ray_dhp.planning.memory.ParamCounts`, else
-        counted on the meta device)."""
-        from ray_dhp.planning.memory import count_params, vision_width
-        from ray_dhp.models import family_of
-
-        counts = counts or count_params(config)
-        vc, tc, family = config.vision_config, config.text_config, family_of(config)
-        h, merge = vision_width(vc), family.merge_size(config) ** 2
-        mw = merge * h
-        merger = min(counts.vision, (mw * mw + mw * family.vision_out_dim(config))
-                     * (1 + family.num_deepstack(config)))
-        depth = family.vision_depth(vc)
-        full = len(getattr(vc, "fullatt_block_indexes", None) or range(depth))
-        window = (getattr(vc, "window_size", 0) // vc.patch_size) ** 2 if full < depth else 0
-        tied = getattr(config, "tie_word_embeddings", False) or getattr(tc, "tie_word_embeddings", False)
-        matmul = counts.text - (0 if tied else tc.vocab_size * tc.hidden_size)
-        d = tc.num_attention_heads * (getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads)
-        return cls(merge=merge, vision_linear=6 * (counts.vision - merger) * merge + 6 * merger,
-                   vision_full=12 * h * full * merge, vision_window=12 * h * (depth - full) * merge,
-                   window=window, text_linear=6 * matmul * merge,
-                   text_quadratic=6 * tc.num_hidden_layers * d * merge,
-                   text_call=6 * matmul * merge * TEXT_CALL_TOKENS)
 
     def vision(self, grid_thw) -> int:
         """Cost of one sample's images and videos (``[n_items, 3]`` grids, or None: 0). A video
@@ -276,13 +261,6 @@ class Balancer:
             raise ValueError(f"balance={self.mode!r}: use one of {BALANCE_MODES}")
         if self.mode == "cost" and self.model is None:
             raise ValueError("balance='cost' needs a CostModel")
-
-    @classmethod
-    def for_config(cls, mode: str, config, counts=None, *, packing: bool = False) -> "Balancer":
-        """The policy ``mode`` for the model ``config`` (no cost model is built for "count");
-        ``packing``: the engine packs text rows (``TrainLoopConfig.packing``) instead of padding."""
-        return cls(mode, CostModel.from_config(config, counts) if mode == "cost" else None,
-                   padded=not packing)
 
     def vision_costs(self, samples) -> list[int]:
         return [self.model.vision(s.image_grid_thw) for s in samples]

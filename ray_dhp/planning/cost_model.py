@@ -71,7 +71,8 @@ from ray_dhp.planning.links import all_reduce_s as _all_reduce
 from ray_dhp.planning.links import all_to_all_s as _all_to_all
 from ray_dhp.planning.links import link_bw as _bw
 from ray_dhp.planning.links import zero_extra_s as _zero_extra
-from ray_dhp.planning.memory import ActivationSettings, merged, vision_depth, vision_width
+from ray_dhp.planning.memory import ActivationSettings, merged, vision_depth
+from ray_dhp.models.sizes import vision_width
 from ray_dhp.parallel.topology import Topology, fill_nodes
 
 __all__ = ["Hardware", "Workload", "Layout", "PhaseTimes", "phase_times", "step_time",

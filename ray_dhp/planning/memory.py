@@ -27,165 +27,14 @@ The logits of the vocab-parallel loss are fp32, ``vocab/tp`` wide, kept twice (l
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
-from ray_dhp.planning.memory_vision import vision_activation_bytes, vision_width  # noqa: F401
+from ray_dhp.models.sizes import ParamCounts, owned, vision_width
+from ray_dhp.planning.memory_vision import vision_activation_bytes  # noqa: F401
 
 GIB = 1024 ** 3
 STATE_BYTES_PER_PARAM = 16  # fp32 weight + grad + AdamW exp_avg + exp_avg_sq (policy fp32)
-AUDIO_PREFIX = "model.audio_tower."  # the thinker's audio encoder (`ray_dhp.planning.memory_audio`)
-
-
-@dataclass(frozen=True)
-class ParamCounts:
-    """Parameters of one model: totals and what one TP rank of the text model holds."""
-
-    vision: int
-    text: int
-    text_sharded: int  # part of ``text`` split over TP ranks
-    vision_sizes: tuple = ()   # element count of every trained ViT parameter, in the model's order
-    largest: int = 0           # element count of the largest single parameter (full, unsharded)
-    # frozen parameters (`ray_dhp.config.tuning`): held, but no gradient, master or optimizer state
-    vision_frozen: int = 0
-    text_frozen: int = 0
-    text_frozen_sharded: int = 0
-    # `TextParam` of every text parameter, in the model's order (ZeRO partitions)
-    text_sizes: tuple = ()
-    # `TextParam` (never TP-sharded) of every ViT parameter, in the model's order (FSDP2 shares)
-    vision_params: tuple = ()
-
-    def text_per_rank(self, tp: int) -> int:
-        return self.text - self.text_sharded + self.text_sharded // tp
-
-    def text_frozen_per_rank(self, tp: int) -> int:
-        return self.text_frozen - self.text_frozen_sharded + self.text_frozen_sharded // tp
-
-    def vision_updated_by(self, rank_in_group: int, group_size: int, stage: int) -> int:
-        """ViT parameters vision rank ``rank_in_group`` updates (all of them at stage 0)."""
-        if not stage or group_size == 1 or not self.vision_sizes:
-            return self.vision - self.vision_frozen
-        if stage == 3:
-            return sum(q.fsdp_share(rank_in_group, group_size, 1) for q in self.vision_params if q.trained)
-        return _owned(list(self.vision_sizes), rank_in_group, group_size)
-
-    def vision_held_by(self, rank_in_group: int, group_size: int, stage: int) -> int:
-        """ViT parameters vision rank ``rank_in_group`` holds (its FSDP2 shards at stage 3)."""
-        if stage != 3 or group_size == 1 or not self.vision_params:
-            return self.vision
-        return sum(q.fsdp_share(rank_in_group, group_size, 1) for q in self.vision_params)
-
-    def text_updated_by(self, dp_index: int, dp: int, tp: int, stage: int) -> int:
-        """Elements of the trained text parameters (local TP shards) text replica ``dp_index``
-        updates (all of them at stage 0)."""
-        trained = self.text_per_rank(tp) - self.text_frozen_per_rank(tp)
-        if not stage or dp == 1 or not self.text_sizes:
-            return trained
-        if stage == 3:
-            return sum(q.fsdp_share(dp_index, dp, tp) for q in self.text_sizes if q.trained)
-        return _owned([q.local(tp) for q in self.text_sizes if q.trained], dp_index, dp)
-
-    def text_held_by(self, dp_index: int, dp: int, tp: int, stage: int) -> int:
-        """Elements of the text parameters text replica ``dp_index`` holds (its FSDP shards at
-        stage 3, else its whole TP shard)."""
-        if stage != 3 or dp == 1 or not self.text_sizes:
-            return self.text_per_rank(tp)
-        return sum(q.fsdp_share(dp_index, dp, tp) for q in self.text_sizes)
-
-
-@dataclass(frozen=True)
-class TextParam:
-    """One text parameter as the ZeRO partitions see it."""
-
-    numel: int
-    sharded: bool      # split over the TP ranks
-    dim0: int          # its first dimension (FSDP2 shards the local TP shard along it)
-    dim0_sharded: bool  # the TP split is along dim 0 (column-parallel, vocab-parallel embedding)
-    trained: bool
-    expert: bool = False  # a MoE experts tensor (partitioned over expert_parallel, own ZeRO partition)
-    audio: bool = False   # part of the audio tower (`ray_dhp.planning.memory_audio.without_audio`)
-
-    def local(self, tp: int) -> int:
-        return self.numel // tp if self.sharded else self.numel
-
-    def fsdp_share(self, index: int, dp: int, tp: int) -> int:
-        """Elements of replica ``index``'s FSDP2 shard: ``torch.chunk`` rows along dim 0."""
-        rows = self.dim0 // tp if self.dim0_sharded else self.dim0
-        per = -(-rows // dp)
-        mine = max(0, min(per, rows - index * per))
-        return self.local(tp) // rows * mine if rows else 0
-
-
-def _owned(sizes: list, index: int, world: int) -> int:
-    return _owner_loads(tuple(sizes), world)[index]
-
-
-@functools.lru_cache(maxsize=512)
-def _owner_loads(sizes: tuple, world: int) -> tuple:
-    """Elements each of ``world`` ranks owns under `ray_dhp.parallel.zero.owners` (computed once
-    per partition: the planner asks for every rank of every candidate layout)."""
-    from ray_dhp.parallel.zero import owners
-
-    loads = [0] * world
-    for n, o in zip(sizes, owners(list(sizes), world)):
-        loads[o] += n
-    return tuple(loads)
-
-
-def count_params(config, tuning=None) -> ParamCounts:
-    """Count parameters on the meta device and classify them with the family's TP plan; with a
-    `ray_dhp.config.tuning.Tuning`, also count the frozen ones."""
-    import torch
-    import transformers
-    from accelerate import init_empty_weights
-
-    from ray_dhp.models import family_of
-    from ray_dhp.models.tuning import trains as trains_under
-
-    family = family_of(config)
-    with init_empty_weights():
-        model = getattr(transformers, family.model_class)._from_config(config, dtype=torch.float32)
-    model.tie_weights()  # init_empty_weights re-wraps every registered parameter, ties too: a tied
-    # weight (embedding = lm_head) is one parameter, counted once (as `build_meta_model` holds it)
-    plan = family.text_tp_plan(config.text_config)
-    experts = set()
-    if family.moe is not None:
-        from ray_dhp.parallel.expert import expert_params
-
-        experts = {id(p) for p in expert_params(model, family.moe)}
-    if tuning is not None and tuning.lora is not None:  # PEFT adapters, sharded by their plan
-        from ray_dhp.models.lora import counting_plan, inject
-
-        inject(model, tuning.lora, seed=0)
-        plan = counting_plan(plan, tuning.lora.target_modules)
-    vision_names = {f"{family.vision_prefix}{n}" for n, _ in family.visual(model).named_parameters()}
-    trains = (lambda name: True) if tuning is None else functools.partial(trains_under, tuning)
-    vision = text = sharded = largest = v_frozen = t_frozen = t_frozen_sharded = 0
-    text_sizes, vision_params = [], []
-    sizes = tuple(p.numel() for n, p in family.visual(model).named_parameters()
-                  if trains(f"{family.vision_prefix}{n}"))
-    for name, p in model.named_parameters():
-        largest = max(largest, p.numel())
-        if name in vision_names:
-            vision += p.numel()
-            vision_params.append(TextParam(p.numel(), False, p.shape[0] if p.dim() else 1, False,
-                                           trains(name)))
-            v_frozen += 0 if trains(name) else p.numel()
-            continue
-        text += p.numel()
-        t_frozen += 0 if trains(name) else p.numel()
-        if _is_sharded(name, plan):
-            sharded += p.numel()
-            t_frozen_sharded += 0 if trains(name) else p.numel()
-        text_sizes.append(TextParam(p.numel(), _is_sharded(name, plan), p.shape[0] if p.dim() else 1,
-                                    _dim0_sharded(name, plan), trains(name), id(p) in experts,
-                                    name.startswith(AUDIO_PREFIX)))
-    return ParamCounts(vision=vision, text=text, text_sharded=sharded, vision_sizes=sizes,
-                       largest=largest, vision_frozen=v_frozen, text_frozen=t_frozen,
-                       text_frozen_sharded=t_frozen_sharded, text_sizes=tuple(text_sizes),
-                       vision_params=tuple(vision_params))
 
 
 @dataclass(frozen=True)
@@ -285,7 +134,7 @@ def _split_experts(counts: ParamCounts, ep: int, topology, rank: int):
     sizes = [q.numel // ep for q in experts if q.trained]
     trained = updated = sum(sizes)
     if t.zero_stage in (1, 2) and replicas > 1:
-        updated = _owned(sizes, replica_index(t, ep, t.coord(rank)), replicas)
+        updated = owned(sizes, replica_index(t, ep, t.coord(rank)), replicas)
     frozen = sum(q.numel for q in experts if not q.trained)
     rest = dataclasses.replace(
         counts, text=counts.text - sum(q.numel for q in experts),
@@ -320,55 +169,10 @@ def _plus_experts(base: RankState, held: int, trained: int, updated: int, policy
         startup_peak=base.startup_peak + weights + masters, staging=base.staging + saved + optimizer)
 
 
-def measure_engine_state(engine) -> dict:
-    """Bytes a `DHPEngine` holds, measured from its tensors: weights (local shards), the
-    gradients the last step held when the optimizer ran (``engine.last_grad_bytes``; 0 before the
-    first step), fp32 masters and the optimizers' tensors (AdamW moments, after a step). Compare
-    with `rank_state`."""
-    import torch
-
-    from ray_dhp.step.precision import local_nbytes
-
-    params = [p for ps in engine.params.values() for p in ps] + getattr(engine, "frozen_params", [])
-    opts = list(engine.opts.values())  # (optimizer, scheduler, masters) per hosted module
-    out = {"weights": sum(local_nbytes(p) for p in params),
-           "grads": getattr(engine, "last_grad_bytes", 0),
-           "masters": sum(m.nbytes() for _, _, m in opts if m is not None),
-           "optimizer": sum(local_nbytes(v) for opt, _, _ in opts
-                            if opt is not None for st in opt.state.values()
-                            for v in st.values() if torch.is_tensor(v) and v.dim() > 0)}
-    out["total"] = sum(out.values())
-    from ray_dhp.step.offload import host_bytes
-
-    out["host"] = host_bytes(engine)  # part of the total
-    return out
-
-
 def _bytes(dtype) -> int:
     import torch
 
     return torch.empty((), dtype=dtype).element_size()
-
-
-def _dim0_sharded(param_name: str, plan: dict) -> bool:
-    """The TP split of ``param_name`` is along its dim 0: column-parallel weights and biases, the
-    vocab-parallel (row-parallel) embedding."""
-    module, leaf = param_name.rsplit(".", 1)
-    for pattern, style in plan.items():
-        if fnmatch.fnmatchcase(module, pattern):
-            kind = type(style).__name__
-            return kind == "ColwiseParallel" or (kind == "RowwiseParallel" and module.endswith("embed_tokens"))
-    return False
-
-
-def _is_sharded(param_name: str, plan: dict) -> bool:
-    module, leaf = param_name.rsplit(".", 1)
-    for pattern, style in plan.items():
-        if fnmatch.fnmatchcase(module, pattern):  # a style may keep its module's own parameters whole
-            if not getattr(style, "shards_parameters", True):
-                return False
-            return not (leaf == "bias" and type(style).__name__ == "RowwiseParallel")
-    return False
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from ray_dhp.planning.memory import (AUDIO_PREFIX, STATE_BYTES_PER_PARAM,  # noqa: F401
-                                     ActivationSettings, RankState, _bytes, _owned,
-                                     estimate_ranks, rank_state)
+from ray_dhp.models.sizes import owned
+from ray_dhp.planning.memory import (STATE_BYTES_PER_PARAM, ActivationSettings,  # noqa: F401
+                                     RankState, _bytes, estimate_ranks, rank_state)
 
 FRAMES_PER_SECOND = 100  # Whisper log-mel frames (hop 160 at 16 kHz)
 
@@ -71,7 +71,7 @@ def count_audio(config, tuning=None) -> Optional[AudioCounts]:
 
 
 def without_audio(counts):
-    """`ray_dhp.planning.memory.ParamCounts` of the model less its audio tower (which the text
+    """`ray_dhp.models.sizes.ParamCounts` of the model less its audio tower (which the text
     ranks then do not hold): the tower's parameters are never TP-sharded."""
     audio = [q for q in counts.text_sizes if q.audio]
     return dataclasses.replace(
@@ -89,7 +89,7 @@ def audio_rank_state(a: AudioCounts, layout, rank: int, policy, largest: int = 0
         raise ValueError("audio.zero_stage=3 is not covered (see DHPConfig).")
     trained = a.params - a.frozen
     n, index = layout.size, rank - layout.offset
-    updated = _owned(list(a.sizes), index, n) if layout.zero_stage and n > 1 and a.sizes else trained
+    updated = owned(list(a.sizes), index, n) if layout.zero_stage and n > 1 and a.sizes else trained
     off = updated if layout.offload else 0
     copy_bytes = 4 if policy.master else policy.weight_bytes()
     moment = _bytes(policy.moment_dtype)

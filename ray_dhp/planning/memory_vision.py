@@ -34,17 +34,13 @@ from __future__ import annotations
 
 from typing import Optional
 
-__all__ = ["vision_activation_bytes", "vision_width"]
+from ray_dhp.models.sizes import vision_width
+
+__all__ = ["vision_activation_bytes"]
 
 # ``i``-wide tensors an MLP keeps per token, by activation (the gated SiLU MLP counts its up
 # branch); another activation counts as a one-op one (2)
 _MLP_KEPT = {"silu": 4, "quick_gelu": 3, "gelu": 2, "gelu_pytorch_tanh": 2}
-
-
-def vision_width(vc) -> int:
-    """The ViT's own width: ``embed_dim`` for Qwen2-VL (whose ``hidden_size`` is the LLM width the
-    merger projects to), ``hidden_size`` for Qwen2.5-VL and Qwen3-VL."""
-    return getattr(vc, "embed_dim", None) or vc.hidden_size
 
 
 def _vision_mlp(vc) -> int:

@@ -191,7 +191,7 @@ def recommend(config, num_workers: int, workload: Workload, hardware: Hardware =
         num_workers: accelerators (one worker each).
         workload: tokens per sample, batch, micro-batches, activation settings, device memory.
         hardware: the cost model's device and links (`Hardware`).
-        counts: `ray_dhp.planning.memory.ParamCounts`; None counts them on the meta device.
+        counts: `ray_dhp.models.sizes.ParamCounts`; None counts them on the meta device.
 
     Example:
         >>> from ray_dhp import demo
@@ -203,7 +203,7 @@ def recommend(config, num_workers: int, workload: Workload, hardware: Hardware =
     if num_workers < 1:
         raise ValueError(f"num_workers={num_workers}: need at least one worker.")
     if counts is None:
-        from ray_dhp.planning.memory import count_params
+        from ray_dhp.models.sizes import count_params
 
         counts = count_params(config)
     audio = workload.audio_seconds is not None  # every candidate has an audio group

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ray_dhp.step.loss import LossInputs, backward_loss, sample_ids_of
 from ray_dhp.parallel.mesh import DHPGroups
 from ray_dhp.step.microbatch import (  # noqa: F401  (re-exported: ray_dhp.step.engine.layout_micro_batch ...)
-    MicroBatchLayout, PhaseTimer, _MicroBatch, count_targets, layout_micro_batch,
+    MicroBatchLayout, PhaseTimer, _MicroBatch, balancer_for, count_targets, layout_micro_batch,
     shift_labels, upcast)
 from ray_dhp.models import family_of, load_model_config
 from ray_dhp.models.contract import check_features_consumed, check_transformers
@@ -264,8 +264,7 @@ class DHPEngine(EncoderPhases, UpdateMixin):
     def balancer(self) -> Balancer:
         """The run's `Balancer` (``cfg.balance``), built on first use from the model config."""
         if getattr(self, "_balancer", None) is None:
-            self._balancer = Balancer.for_config(self.cfg.balance, self.config,
-                                                 packing=self.cfg.packing)
+            self._balancer = balancer_for(self.cfg.balance, self.config, packing=self.cfg.packing)
         return self._balancer
 
     def _text_plan(self, full) -> dict:

@@ -20,7 +20,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ray_dhp.parallel.balance import COUNT, Balancer
+from ray_dhp.models import FAMILIES, family_of
+from ray_dhp.models.sizes import count_params, vision_width
+from ray_dhp.parallel.balance import COUNT, TEXT_CALL_TOKENS, Balancer, CostModel, encoder_replicas
 
 __all__ = ["shift_labels", "upcast", "count_targets", "image_rows", "EncoderLayout", "MicroBatchLayout",
            "layout_micro_batch", "PhaseTimer"]
@@ -107,8 +109,6 @@ def layout_micro_batch(samples, topology, family_name: str, config,
     (``balancer``: by cost, or contiguous equal counts), feature-row offsets and each replica's
     shard plan; the samples per text replica and their padded groups. ``config``: the model
     config (the Qwen families also take their vision config: the merge size is there)."""
-    from ray_dhp.models import FAMILIES
-
     family = FAMILIES[family_name]
     n, t = len(samples), topology.text
     for m in topology.modules:
@@ -145,15 +145,34 @@ def _encoder_layout(m, samples, family, config, balancer) -> EncoderLayout:
     return EncoderLayout(idx, offsets, plans)
 
 
-def encoder_replicas(dp: int, samples, ops, balancer) -> list:
-    """Sample indices per replica of an encoder other than vision (``ops``: its `EncoderSpec`
-    operations): by its cost, or contiguous equal counts; ascending within a replica. The
-    loader routes the encoder's inputs by the same rule."""
-    from ray_dhp.parallel.balance import contiguous, lpt
+def cost_model_of(config, counts=None) -> CostModel:
+    """The `CostModel` of a transformers VLM config (``counts``:
+    `ray_dhp.models.sizes.ParamCounts`, else counted on the meta device)."""
+    counts = counts or count_params(config)
+    vc, tc, family = config.vision_config, config.text_config, family_of(config)
+    h, merge = vision_width(vc), family.merge_size(config) ** 2
+    mw = merge * h
+    merger = min(counts.vision, (mw * mw + mw * family.vision_out_dim(config))
+                 * (1 + family.num_deepstack(config)))
+    depth = family.vision_depth(vc)
+    full = len(getattr(vc, "fullatt_block_indexes", None) or range(depth))
+    window = (getattr(vc, "window_size", 0) // vc.patch_size) ** 2 if full < depth else 0
+    tied = getattr(config, "tie_word_embeddings", False) or getattr(tc, "tie_word_embeddings", False)
+    matmul = counts.text - (0 if tied else tc.vocab_size * tc.hidden_size)
+    d = tc.num_attention_heads * (getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads)
+    return CostModel(merge=merge, vision_linear=6 * (counts.vision - merger) * merge + 6 * merger,
+                     vision_full=12 * h * full * merge, vision_window=12 * h * (depth - full) * merge,
+                     window=window, text_linear=6 * matmul * merge,
+                     text_quadratic=6 * tc.num_hidden_layers * d * merge,
+                     text_call=6 * matmul * merge * TEXT_CALL_TOKENS)
 
-    idx = (contiguous(len(samples), dp) if balancer.mode == "count"
-           else lpt([ops.cost(s) for s in samples], dp))
-    return [sorted(i) for i in idx]
+
+def balancer_for(mode: str, config, counts=None, *, packing: bool = False) -> Balancer:
+    """The `Balancer` of policy ``mode`` for the model ``config`` (no cost model is built for
+    "count"); ``packing``: the engine packs text rows (``TrainLoopConfig.packing``) instead of
+    padding."""
+    return Balancer(mode, cost_model_of(config, counts) if mode == "cost" else None,
+                    padded=not packing)
 
 
 @dataclass

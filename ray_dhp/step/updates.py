@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ray_dhp.parallel import data_parallel as dp
+from ray_dhp.step.offload import host_bytes
 from ray_dhp.step.optim import build_optimizer_for
 from ray_dhp.step.precision import local_nbytes, restore_grad_dtype, round_grads_for_update
 
@@ -196,8 +197,23 @@ class UpdateMixin:
 
     def state_bytes(self) -> dict:
         """Bytes of model state this rank holds, measured from its tensors
-        (`ray_dhp.planning.memory.measure_engine_state`)."""
-        from ray_dhp.planning.memory import measure_engine_state
-
+        (`measure_engine_state`)."""
         return measure_engine_state(self)
 
+
+def measure_engine_state(engine) -> dict:
+    """Bytes a `DHPEngine` holds, measured from its tensors: weights (local shards), the
+    gradients the last step held when the optimizer ran (``engine.last_grad_bytes``; 0 before the
+    first step), fp32 masters and the optimizers' tensors (AdamW moments, after a step). Compare
+    with `ray_dhp.planning.memory.rank_state`."""
+    params = [p for ps in engine.params.values() for p in ps] + getattr(engine, "frozen_params", [])
+    opts = list(engine.opts.values())  # (optimizer, scheduler, masters) per hosted module
+    out = {"weights": sum(local_nbytes(p) for p in params),
+           "grads": getattr(engine, "last_grad_bytes", 0),
+           "masters": sum(m.nbytes() for _, _, m in opts if m is not None),
+           "optimizer": sum(local_nbytes(v) for opt, _, _ in opts
+                            if opt is not None for st in opt.state.values()
+                            for v in st.values() if torch.is_tensor(v) and v.dim() > 0)}
+    out["total"] = sum(out.values())
+    out["host"] = host_bytes(engine)  # part of the total
+    return out

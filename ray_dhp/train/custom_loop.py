@@ -97,10 +97,10 @@ def build_loader(config: Union[TrainLoopConfig, dict], engine=None, ctx=None, pr
         balancer = engine.balancer()
     else:
         from ray_dhp.models import load_model_config
-        from ray_dhp.parallel.balance import Balancer
+        from ray_dhp.step.microbatch import balancer_for
 
-        balancer = Balancer.for_config(cfg.balance, load_model_config(ctx.dhp_config.model),
-                                       packing=cfg.packing)
+        balancer = balancer_for(cfg.balance, load_model_config(ctx.dhp_config.model),
+                                packing=cfg.packing)
     processor = build_processor(ctx, cfg) if processor is None else processor
     return StepLoader(make_sampler(cfg, processor), ctx.groups, prefetch=cfg.prefetch,
                       num_workers=cfg.data_workers, balancer=balancer)

@@ -83,7 +83,7 @@ def _train(cfg: TrainLoopConfig, ctx, loader, processor, hook, trackers, eval_lo
     """The loop itself (see `train_loop`)."""
     from ray_dhp.checkpointing import checkpoint
     from ray_dhp.planning.flops import peak_flops, step_flops
-    from ray_dhp.planning.memory import count_params
+    from ray_dhp.models.sizes import count_params
     from ray_dhp.parallel.comm import CommCounter
 
     # The run's latest checkpoint (after a restart) or cfg.resume_from: the engine is then built

@@ -18,7 +18,8 @@ from ray_dhp import demo
 from ray_dhp.data.reading import read_annotations, resolve_data_root
 from ray_dhp.data.sampler import StepSampler
 from ray_dhp.step.engine import layout_micro_batch
-from ray_dhp.parallel.balance import Balancer, contiguous
+from ray_dhp.parallel.balance import contiguous
+from ray_dhp.step.microbatch import balancer_for
 from ray_dhp.parallel.topology import Topology
 from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import assert_parity, run_engine, run_reference
@@ -34,7 +35,7 @@ def _mixed_steps(tmp_path, cfg):
                              image_sizes=SIZES)
     sampler = StepSampler(read_annotations(path), demo.tiny_processor(FAMILY, max_side=448),
                           resolve_data_root(path), cfg)
-    sampler.balancer = Balancer.for_config(cfg.balance, demo.tiny_model_config(FAMILY))
+    sampler.balancer = balancer_for(cfg.balance, demo.tiny_model_config(FAMILY))
     return [sampler.next_step() for _ in range(cfg.num_steps)], sampler.balancer
 
 

@@ -22,9 +22,9 @@ def _sampler(path, **cfg):
 
 def _balancer(cfg):
     """The engine's balancer for the demo model (``cfg["balance"]``, default "cost")."""
-    from ray_dhp.parallel.balance import Balancer
+    from ray_dhp.step.microbatch import balancer_for
 
-    return Balancer.for_config(TrainLoopConfig(**cfg).balance, demo.tiny_model_config())
+    return balancer_for(TrainLoopConfig(**cfg).balance, demo.tiny_model_config())
 
 
 def _summary(micro_batches):

@@ -64,7 +64,8 @@ def test_moe_parity_fp64(placement, vision, text, ep, moe_reference):
     assert all(h["aux_loss"] > 0 for h in got["history"])
     # per-rank bytes measured = the plan (`ray-dhp plan`: experts / ep, the rest as without EP);
     # the plan counts the fp32 policy, these runs hold fp64 tensors: exactly twice the bytes
-    from ray_dhp.planning.memory import count_params, rank_state
+    from ray_dhp.planning.memory import rank_state
+    from ray_dhp.models.sizes import count_params
     from ray_dhp.step.precision import policy_of
     from ray_dhp.parallel.topology import Topology
 
@@ -98,7 +99,9 @@ def test_bf16_mixed_expert_partition_state_equals_the_plan(tmp_path):
     `rank_state` exactly (the fp64 cases above have no masters)."""
     import dataclasses
 
-    from ray_dhp.planning.memory import count_params, rank_state
+    from ray_dhp.planning.memory import rank_state
+
+    from ray_dhp.models.sizes import count_params
     from ray_dhp.step.precision import policy_of
     from ray_dhp.parallel.topology import Topology
 
@@ -129,7 +132,8 @@ def test_moe_experts_tp_parity_fp64(placement, vision, text, moe_reference):
     """Experts sharded over the TP ranks by their intermediate dim (`ray_dhp.parallel.expert_tp`):
     the same parity as above (same tolerances: the partial sums over the TP ranks reorder fp64
     sums only), every rank holding half of every expert, per-rank bytes measured = the plan."""
-    from ray_dhp.planning.memory import count_params, rank_state
+    from ray_dhp.planning.memory import rank_state
+    from ray_dhp.models.sizes import count_params
     from ray_dhp.step.precision import policy_of
     from ray_dhp.parallel.topology import Topology
 

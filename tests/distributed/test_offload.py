@@ -23,7 +23,8 @@ def test_offload_fp64_parity_stages_1_and_2(tmp_path):
     """Vision stage 2 + text stage 1 at DP2, both offloaded, 2 micro-batches, clipping, cosine
     schedule: equal to the reference; and the planner's host bytes equal the measured ones."""
     from ray_dhp import demo
-    from ray_dhp.planning.memory import count_params, rank_state
+    from ray_dhp.planning.memory import rank_state
+    from ray_dhp.models.sizes import count_params
     from ray_dhp.step.precision import POLICIES
     from ray_dhp.parallel.topology import Topology
 
@@ -49,7 +50,8 @@ def test_plan_moves_the_optimizer_to_the_host():
     """bf16_mixed, text DP2 stage 1: offload moves masters + moments (12 B per updated
     parameter) to the host and nothing else."""
     from ray_dhp import demo
-    from ray_dhp.planning.memory import count_params, rank_state
+    from ray_dhp.planning.memory import rank_state
+    from ray_dhp.models.sizes import count_params
     from ray_dhp.step.precision import POLICIES
     from ray_dhp.parallel.topology import Topology
 

@@ -188,7 +188,7 @@ def test_loader_routes_audio_to_the_audio_ranks_only(tmp_path):
     computes it and to no other rank (the vision and text ranks never hold them), pixels to
     the vision rank only; the engine trains on what it routed."""
     from ray_dhp.models import encoder_operations
-    from ray_dhp.parallel.balance import Balancer
+    from ray_dhp.step.microbatch import balancer_for
     from ray_dhp.step.microbatch import encoder_replicas
     from tests.spawn import run_on_ranks
 
@@ -199,7 +199,7 @@ def test_loader_routes_audio_to_the_audio_ranks_only(tmp_path):
                   encoders={"audio": EncoderDegrees(dp=2)})
     out = run_on_ranks(_loader_body, 4, args=(path, layout, cfg))
     ops = encoder_operations("audio")
-    balancer = Balancer.for_config("cost", demo.tiny_model_config("qwen2_5_omni"))
+    balancer = balancer_for("cost", demo.tiny_model_config("qwen2_5_omni"))
     n_audio = 0
     for step in range(2):
         for k, mb in enumerate(out[0]["seen"][step]):

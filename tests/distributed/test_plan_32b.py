@@ -62,7 +62,8 @@ POLICIES_CHECKED = ("bf16_autocast", "bf16_mixed", "bf16")
 
 def test_32b_tp8_rank_state_matches_plan():
     from ray_dhp.cli.plan import plan_text
-    from ray_dhp.planning.memory import count_params, rank_state
+    from ray_dhp.planning.memory import rank_state
+    from ray_dhp.models.sizes import count_params
     from ray_dhp.step.precision import POLICIES
     from ray_dhp.run_file import load_run_file
 

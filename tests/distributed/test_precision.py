@@ -60,7 +60,8 @@ def test_rank_bytes_equal_the_plan_for_every_policy(layout, steps):
     after one step equal `ray_dhp.planning.memory.rank_state` (what `ray-dhp plan` prints) exactly, for
     every policy; with 2 vision ranks and ZeRO-1 (the default) the ViT's masters and moments are
     split by the engine's own partition. Every collective of the step passes the device check."""
-    from ray_dhp.planning.memory import count_params, rank_state
+    from ray_dhp.planning.memory import rank_state
+    from ray_dhp.models.sizes import count_params
     from ray_dhp.step.precision import POLICIES
 
     outs = run_on_ranks(_bytes_body, Topology.build(**layout).world_size, args=(layout, steps))

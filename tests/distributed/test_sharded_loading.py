@@ -121,7 +121,7 @@ def _slice_of(full: torch.Tensor, shape_local: tuple, shard_dims: list, tp_rank:
 @pytest.mark.parametrize("layout,source", [(DISJOINT, "config"), (COLLOCATED, "directory")],
                          ids=["disjoint-1v-2t-config", "collocated-sp2-tp2-directory"])
 def test_each_rank_holds_only_its_shards_bit_identical(layout, source, sharded_dir):
-    from ray_dhp.planning.memory import count_params
+    from ray_dhp.models.sizes import count_params
 
     model = demo.tiny_model_config(FAMILY) if source == "config" else sharded_dir
     ref = build_model(model, seed=5)  # the old full build every rank used to make

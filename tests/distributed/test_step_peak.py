@@ -87,7 +87,8 @@ def _body(rank, world, steps):
 
 
 def test_bf16_mixed_step_peak_equals_the_plan(tmp_path):
-    from ray_dhp.planning.memory import count_params, rank_state
+    from ray_dhp.planning.memory import rank_state
+    from ray_dhp.models.sizes import count_params
     from ray_dhp.planning.step_peak import step_peak
     from ray_dhp.step.precision import POLICIES
 

@@ -133,7 +133,8 @@ def test_bf16_mixed_one_master_and_the_plans_bytes(steps_cache):
     tied weight has one fp32 master (none for ``lm_head``), stays tied through the step, its
     bf16 weight is its master rounded, and each rank's weights / grads / masters / AdamW bytes
     equal `rank_state` of `count_params` (the tied weight counted once), exactly."""
-    from ray_dhp.planning.memory import count_params, rank_state
+    from ray_dhp.planning.memory import rank_state
+    from ray_dhp.models.sizes import count_params
     from ray_dhp.step.precision import policy_of
 
     cfg = replace(CFG, precision="bf16_mixed", num_steps=1)

@@ -82,7 +82,8 @@ def test_tuning_parity_fp64(choice, layout, steps):
 
 def _assert_state_is_the_plan(got: dict, cfg: TrainLoopConfig, layout: dict) -> None:
     """Each rank's measured weights / grads / masters / AdamW bytes equal the plan's."""
-    from ray_dhp.planning.memory import count_params, rank_state
+    from ray_dhp.planning.memory import rank_state
+    from ray_dhp.models.sizes import count_params
     from ray_dhp.step.precision import policy_of
 
     topo = Topology.build(**layout)

@@ -68,12 +68,12 @@ def idle_vision_replicas(steps, layout) -> int:
     """Micro-batches x vision replicas with no image in a micro-batch that has images: where
     vision stage 3 must run the tower's collectives without work (`ray_dhp.models.fsdp_vision`)."""
     from ray_dhp import demo
-    from ray_dhp.parallel.balance import Balancer
+    from ray_dhp.step.microbatch import balancer_for
     from ray_dhp.step.microbatch import _MicroBatch, layout_micro_batch
     from ray_dhp.parallel.topology import Topology
 
     config, topo = demo.tiny_model_config(FAMILY), Topology.build(**layout)
-    balancer = Balancer.for_config(CFG.balance, config, packing=CFG.packing)
+    balancer = balancer_for(CFG.balance, config, packing=CFG.packing)
     return sum(plan is None for mbs in steps for mb in mbs if _MicroBatch(mb).has_images
                for plan in layout_micro_batch(mb, topo, FAMILY, config.vision_config,
                                               balancer).vision_plans)
@@ -190,7 +190,8 @@ def test_rank_bytes_equal_the_plan_for_every_stage(steps):
     bf16_mixed step equal `rank_state` (what `ray-dhp plan` prints) for stages 0-3 at
     TP2xDP2 / SP2xDP2, and every collective passes the device check (NCCL-valid)."""
     from ray_dhp import demo
-    from ray_dhp.planning.memory import count_params, rank_state
+    from ray_dhp.planning.memory import rank_state
+    from ray_dhp.models.sizes import count_params
     from ray_dhp.step.precision import POLICIES
     from ray_dhp.parallel.topology import Topology
     from tests.spawn import run_on_ranks

@@ -12,7 +12,7 @@ import pytest
 
 from ray_dhp import demo
 from ray_dhp.planning.cost_model import Layout, Workload
-from ray_dhp.planning.memory import count_params
+from ray_dhp.models.sizes import count_params
 from ray_dhp.planning.traffic import collective_bytes
 from ray_dhp.step.precision import policy_of
 from ray_dhp.config.train_loop import TrainLoopConfig

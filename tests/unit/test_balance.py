@@ -10,9 +10,10 @@ from ray_dhp import demo
 from ray_dhp.data.budget import cut_micro_batches
 from ray_dhp.data.processing import Sample
 from ray_dhp.step.engine import layout_micro_batch
-from ray_dhp.parallel.balance import (Balancer, CostModel, balanced_micro_batches, contiguous,
+from ray_dhp.parallel.balance import (Balancer, balanced_micro_batches, contiguous,
                                       decode_owners, imbalance, lpt, lpt_grouped, lpt_padded,
                                       padded_groups)
+from ray_dhp.step.microbatch import balancer_for, cost_model_of
 from ray_dhp.parallel.topology import Topology
 
 
@@ -84,7 +85,7 @@ def test_decode_owners_balance_bytes_and_rotate_ties():
 
 def test_cost_model_grows_quadratically_with_full_attention():
     config = demo.tiny_model_config("qwen2_5_vl")
-    m = CostModel.from_config(config)
+    m = cost_model_of(config)
     small, big = m.vision(torch.tensor([[1, 8, 8]])), m.vision(torch.tensor([[1, 32, 32]]))
     assert big > 16 * small  # 16x the patches: more than 16x the cost (attention ~ patches^2)
     assert m.vision(None) == 0
@@ -92,7 +93,7 @@ def test_cost_model_grows_quadratically_with_full_attention():
     two = m.vision(torch.tensor([[1, 16, 16], [1, 16, 16]]))
     assert two == 2 * m.vision(torch.tensor([[1, 16, 16]])) < m.vision(torch.tensor([[1, 16, 32]]))
     assert m.text(400) > 10 * m.text(40) and isinstance(m.text(3), int)
-    q2 = CostModel.from_config(demo.tiny_model_config("qwen2_vl"))
+    q2 = cost_model_of(demo.tiny_model_config("qwen2_vl"))
     assert q2.window == 0 and q2.vision_window == 0  # every block attends fully
 
 
@@ -101,7 +102,7 @@ def test_cost_model_counts_a_video_as_its_frames():
     temporal patch), so its cost is the sum over those segments, not one ``t·h·w`` span."""
     from transformers.vision_utils import get_vision_cu_seqlens
 
-    m = CostModel.from_config(demo.tiny_model_config("qwen2_5_vl"))
+    m = cost_model_of(demo.tiny_model_config("qwen2_5_vl"))
     video = torch.tensor([[12, 16, 16]])
     frame = m.vision(torch.tensor([[1, 16, 16]]))
     assert m.vision(video) == 12 * frame
@@ -117,7 +118,7 @@ def test_cost_model_counts_a_video_as_its_frames():
     # frame's size balance against it (one span would have put every image on the other part)
     samples = [_sample(0)] + [_sample(i, (16, 16)) for i in range(1, 13)]
     samples[0].image_grid_thw = video
-    bal = Balancer.for_config("cost", demo.tiny_model_config("qwen2_5_vl"))
+    bal = balancer_for("cost", demo.tiny_model_config("qwen2_5_vl"))
     parts = bal.vision_replicas(samples, 2)
     assert parts == [[0], list(range(1, 13))]
     assert imbalance(bal.vision_costs(samples), parts) == 1.0
@@ -128,7 +129,7 @@ def test_layout_balanced_vs_count():
     topo = Topology.build(placement="collocated", vision_dp=2, vision_sp=2, text_dp=2, text_tp=2)
     samples = [_sample(0, (8, 8)), _sample(1, (32, 32)), _sample(2, (8, 8)), _sample(3, (16, 16)),
                _sample(4), _sample(5, (8, 8))]
-    bal = Balancer.for_config("cost", config)
+    bal = balancer_for("cost", config)
     lay = layout_micro_batch(samples, topo, "qwen2_5_vl", config.vision_config, bal)
     cnt = layout_micro_batch(samples, topo, "qwen2_5_vl", config.vision_config)
     assert cnt.vision_samples == [[0, 1, 2], [3, 4, 5]]
@@ -212,7 +213,7 @@ def test_layout_text_groups_and_their_feature_rows():
     # a long image sample and short text-only ones: worth two padded groups
     samples = [_sample(0, (8, 8), tokens=30), _sample(1, tokens=20), _sample(2, (32, 32), tokens=400),
                _sample(3, tokens=24), _sample(4, (8, 8), tokens=28)]
-    bal = Balancer.for_config("cost", config)
+    bal = balancer_for("cost", config)
     lay = layout_micro_batch(samples, topo, "qwen2_5_vl", config.vision_config, bal)
     (groups,) = lay.text_groups
     assert groups[0] == [2] and sorted(groups[1]) == [0, 1, 3, 4]
@@ -259,7 +260,7 @@ def test_sampler_cuts_equal_count_micro_batches_of_even_cost():
     samples = [_sample(0, (32, 32)), _sample(1, (32, 32)), _sample(2, (8, 8)), _sample(3, (8, 8)),
                _sample(4), _sample(5), _sample(6, (8, 8)), _sample(7, (8, 8))]
     assert [[x.index for x in mb] for mb in s.cut(samples)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    s.balancer = Balancer.for_config("cost", config)
+    s.balancer = balancer_for("cost", config)
     mbs = s.cut(samples)
     assert sorted(len(mb) for mb in mbs) == [4, 4]
     assert sorted(x.index for mb in mbs for x in mb) == list(range(8))
@@ -280,7 +281,7 @@ def test_loader_decode_owners_balance_image_pixels(tmp_path):
     costs = decode_costs(sampler, list(range(8)))
     assert costs[3] == costs[7] == 1024  # text-only
     assert costs[0] == 1024 + 448 * 448 and costs[1] == 1024 + 56 * 56
-    loader = StepLoader(sampler, balancer=Balancer.for_config("cost", demo.tiny_model_config()))
+    loader = StepLoader(sampler, balancer=balancer_for("cost", demo.tiny_model_config()))
     loader.world = 2  # the owner deal only (no exchange)
     owners = loader._owners(list(range(8)))  # noqa: SLF001
     loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(2)]

@@ -18,7 +18,8 @@ def test_presets_have_the_published_sizes():
     from transformers import AutoConfig
 
     from ray_dhp.cli.presets import preset_dims
-    from ray_dhp.planning.memory import count_params, rank_state
+    from ray_dhp.planning.memory import rank_state
+    from ray_dhp.models.sizes import count_params
     from ray_dhp.step.precision import POLICIES
 
     dims = preset_dims("qwen3_vl_moe", "30b-a3b")
@@ -163,7 +164,8 @@ def test_recommend_picks_expert_parallelism_for_30b_a3b_on_8_gpus():
     """`--recommend` enumerates EP degrees (`ray_dhp.planning.experts.expert_degrees`): for
     30B-A3B on 8 x 80 GB (bf16_mixed, checkpointing) the fastest feasible layout is EP (without
     EP only text ZeRO-3 fits, and its weight all-gathers cost more than the token all-to-alls)."""
-    from ray_dhp.planning.memory import ActivationSettings, count_params
+    from ray_dhp.planning.memory import ActivationSettings
+    from ray_dhp.models.sizes import count_params
     from ray_dhp.planning.recommend import Workload, recommend
     from ray_dhp.step.precision import POLICIES
 
@@ -188,7 +190,7 @@ def test_plan_traffic_has_the_expert_all_to_all_and_edp_gradients():
     experts' gradients leave the text-DP reduction for the smaller EDP one."""
     from ray_dhp.planning.cost_model import Layout, Workload
     from ray_dhp.planning.experts import gradient_split, sent_bytes
-    from ray_dhp.planning.memory import count_params
+    from ray_dhp.models.sizes import count_params
     from ray_dhp.planning.traffic import collective_bytes, collective_groups
 
     config = _preset("30b-a3b")

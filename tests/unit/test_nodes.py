@@ -197,7 +197,7 @@ def test_plan_nodes_view_marks_what_crosses_the_boundary(capsys, monkeypatch):
 
 def test_cost_model_charges_the_network_only_where_groups_cross():
     from ray_dhp import demo
-    from ray_dhp.planning.memory import count_params
+    from ray_dhp.models.sizes import count_params
     from ray_dhp.planning.recommend import Hardware, Layout, Workload, phase_times
     from ray_dhp.planning.traffic import collective_bytes
 

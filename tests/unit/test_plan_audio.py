@@ -9,7 +9,8 @@ import torch
 
 from benchmarks.measure import ActivationCounter
 from ray_dhp.cli.plan import plan_text
-from ray_dhp.planning.memory import ActivationSettings, count_params, rank_state
+from ray_dhp.planning.memory import ActivationSettings, rank_state
+from ray_dhp.models.sizes import count_params
 from ray_dhp.planning.memory_audio import (AudioCounts, audio_activation_bytes, audio_rank_state,
                                            clip_shape, count_audio, estimate_module_ranks,
                                            module_rank_state, without_audio)
@@ -151,7 +152,7 @@ def test_nodes_view_lists_the_audio_collectives():
 def test_audio_state_is_the_vision_state_of_the_same_parameters(precision, stage, offload):
     """The audio group's state follows the vision side's rules (`rank_state`): the same
     parameters as a ViT on a group of the same size and stage give the same bytes."""
-    from ray_dhp.planning.memory import ParamCounts
+    from ray_dhp.models.sizes import ParamCounts
     from ray_dhp.step.precision import POLICIES
 
     policy, sizes = POLICIES[precision], (400, 300, 200, 100)

@@ -32,7 +32,7 @@ def test_plan_shards_the_shared_expert_and_replicates_the_routed_part():
     """`ray-dhp plan` classifies parameters by the TP plan: the shared expert's projections are
     sharded; the router, the routed experts, the shared-expert gate, the linear-attention
     parameters seen through the rank's channels and every norm are held whole."""
-    from ray_dhp.planning.memory import count_params
+    from ray_dhp.models.sizes import count_params
 
     config = demo.tiny_model_config(FAMILY)
     spec = FAMILIES[FAMILY]
@@ -73,7 +73,7 @@ def test_presets_have_the_published_sizes(preset, total):
     from transformers import AutoConfig
 
     from ray_dhp.cli.presets import preset_dims
-    from ray_dhp.planning.memory import count_params
+    from ray_dhp.models.sizes import count_params
 
     dims = preset_dims(FAMILY, preset)
     config = AutoConfig.for_model(dims.pop("model_type"), **dims)

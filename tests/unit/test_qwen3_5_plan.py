@@ -60,7 +60,7 @@ def test_layout_checks_name_the_linear_heads_and_packing():
 def test_plan_counts_the_replicated_linear_attention_parameters_whole():
     """`ray-dhp plan` classifies parameters by the TP plan: the conv weight, ``dt_bias``,
     ``A_log`` and every norm are replicated (held whole by each TP rank), all else is sharded."""
-    from ray_dhp.planning.memory import count_params
+    from ray_dhp.models.sizes import count_params
 
     config = demo.tiny_model_config("qwen3_5")
     spec = FAMILIES["qwen3_5"]

@@ -15,7 +15,8 @@ from ray_dhp.cli import main
 from ray_dhp.cli.models import config_from_dims
 from ray_dhp.cli.presets import preset_dims
 from ray_dhp.layout import DHPConfig, ModuleParallel
-from ray_dhp.planning.memory import ActivationSettings, count_params
+from ray_dhp.planning.memory import ActivationSettings
+from ray_dhp.models.sizes import count_params
 from ray_dhp.planning.recommend import (Workload, enumerate_layouts, recommend, schedule_time,
                                         text_flops, vision_flops)
 from ray_dhp.run_file import load_run_file, run_file_from_dict
@@ -254,7 +255,8 @@ def test_vision_activations_use_the_vit_width_for_every_family():
     """Qwen2-VL's vision ``hidden_size`` is the LLM width the merger projects to; the ViT's own
     width is ``embed_dim``. The activation estimate must scale with the ViT width."""
     from ray_dhp import demo
-    from ray_dhp.planning.memory import ActivationSettings, vision_activation_bytes, vision_width
+    from ray_dhp.planning.memory import ActivationSettings, vision_activation_bytes
+    from ray_dhp.models.sizes import vision_width
 
     s = ActivationSettings()
     for family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):

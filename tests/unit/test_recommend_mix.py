@@ -9,7 +9,8 @@ from ray_dhp.cli.models import config_from_dims
 from ray_dhp.cli.presets import preset_dims
 from ray_dhp.cli.recommend import parse_vision_tokens
 from ray_dhp.cli.schema import ConfigError
-from ray_dhp.planning.memory import ActivationSettings, count_params
+from ray_dhp.planning.memory import ActivationSettings
+from ray_dhp.models.sizes import count_params
 from ray_dhp.planning.recommend import Layout, Workload, phase_times, replica_share, vision_flops
 from ray_dhp.planning.recommend import Hardware
 

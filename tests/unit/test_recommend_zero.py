@@ -4,7 +4,8 @@ predicted memory is the planner's at those stages, and the run-file fragment nam
 
 from ray_dhp import demo
 from ray_dhp.planning.cost_model import Layout
-from ray_dhp.planning.memory import ActivationSettings, count_params
+from ray_dhp.planning.memory import ActivationSettings
+from ray_dhp.models.sizes import count_params
 from ray_dhp.planning.recommend import Workload, evaluate, recommend, zero_options
 from ray_dhp.step.precision import POLICIES
 

@@ -5,7 +5,7 @@ import pytest
 
 from ray_dhp.cli.models import config_from_dims
 from ray_dhp.cli.presets import preset_dims
-from ray_dhp.planning.memory import count_params
+from ray_dhp.models.sizes import count_params
 from ray_dhp.planning.startup import meta_engine, rank_parameter_bytes
 from ray_dhp.parallel.topology import Topology
 

@@ -93,7 +93,8 @@ def test_optimizer_groups_per_module():
 def test_plan_counts_frozen_parts_as_weights_only():
     """`rank_state`: a frozen LLM costs only its weights; LoRA adds the adapters (trained) and
     keeps the base frozen."""
-    from ray_dhp.planning.memory import count_params, rank_state
+    from ray_dhp.planning.memory import rank_state
+    from ray_dhp.models.sizes import count_params
     from ray_dhp.step.precision import POLICIES
     from ray_dhp.parallel.topology import Topology
 

@@ -5,7 +5,7 @@ import pytest
 
 from ray_dhp import DHPConfig, ModuleParallel, demo
 from ray_dhp.parallel.zero import replica_bytes
-from ray_dhp.planning.memory import TextParam
+from ray_dhp.models.sizes import TextParam
 from ray_dhp.parallel.topology import Topology
 
 
