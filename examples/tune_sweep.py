@@ -12,7 +12,7 @@ import os
 
 from ray import tune
 
-from ray_dhp.train.tune import sweep
+from ray_dhp.tune import sweep
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -29,6 +29,8 @@ __all__ = [
     "LossInputs",
     "cross_entropy_loss",
     "export_hf",
+    "sweep",
+    "metric_report_callback",
     "demo",
 ]
 
@@ -51,6 +53,9 @@ _LAZY = {
     "LossInputs": ("ray_dhp.step.loss", "LossInputs"),
     "cross_entropy_loss": ("ray_dhp.step.loss", "cross_entropy_loss"),
     "export_hf": ("ray_dhp.checkpointing.export", "export_hf"),
+    # Ray Tune sweeps over run-file keys (docs/cluster.md)
+    "sweep": ("ray_dhp.tune", "sweep"),
+    "metric_report_callback": ("ray_dhp.tune", "metric_report_callback"),
     "demo": ("ray_dhp.demo", None),
 }
 

@@ -40,7 +40,7 @@ def test_cli_train_with_overrides_end_to_end(ray_start, fast_reports, tmp_path, 
 def test_tune_sweep_returns_the_better_trial(ray_start, fast_reports, tmp_path):
     from ray import tune
 
-    from ray_dhp.train.tune import sweep
+    from ray_dhp.tune import sweep
 
     grid = sweep(TINY, {"optim.lr": tune.grid_search([1e-6, 3e-3])},
                  overrides=["optim.num_steps=3", "optim.log_every=10", "data.demo_samples=16",

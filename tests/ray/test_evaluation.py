@@ -68,7 +68,7 @@ def test_tune_sweep_on_eval_loss(ray_start, fast_reports, tmp_path):
     only the evaluation reports (steps 2 and 3) may reach Tune."""
     from ray import tune
 
-    from ray_dhp.train.tune import sweep
+    from ray_dhp.tune import sweep
 
     val = demo.make_dataset(tmp_path / "val", num_samples=3, seed=3)
     tiny = str(Path(__file__).resolve().parents[2] / "examples" / "tiny.yaml")

@@ -154,7 +154,7 @@ def test_export_without_the_export_module_fails_clearly(monkeypatch, capsys, tmp
 def test_sweep_keys_are_checked_and_grids_expanded():
     from ray import tune
 
-    from ray_dhp.train.tune import _check_keys, _grid_values, trial_run_file
+    from ray_dhp.tune import _check_keys, _grid_values, trial_run_file
 
     space = {"optim.lr": tune.grid_search([1e-4, 1e-3]),
              "vision": tune.grid_search([{"sequence_parallel": 2},

@@ -117,7 +117,7 @@ def test_run_file_validation_reaches_the_trainer(files, tmp_path):
 
 
 def test_sweep_on_eval_loss_needs_a_validation_set(forbid_ray_init):
-    from ray_dhp.train.tune import sweep
+    from ray_dhp.tune import sweep
 
     with pytest.raises(ConfigError, match="sweep metric='eval_loss' is an evaluation metric: set "
                                           "data.validation"):
@@ -152,7 +152,7 @@ def test_tune_callback_forwards_only_reports_with_the_metric(monkeypatch):
     reach the trial's queue (rank 0's metrics, plus the checkpoint path as Ray's callback adds)."""
     import ray.tune.integration.ray_train as rt
 
-    from ray_dhp.train.tune import metric_report_callback
+    from ray_dhp.tune import metric_report_callback
 
     queue = []
 

@@ -8,7 +8,7 @@ trials run at once as the cluster has CPUs for their workers, so worker groups a
 
 Example:
     >>> from ray import tune
-    >>> from ray_dhp.train.tune import sweep
+    >>> from ray_dhp.tune import sweep
     >>> grid = sweep("examples/tiny.yaml",
     ...              {"optim.lr": tune.grid_search([1e-4, 1e-3]),
     ...               "vision": tune.grid_search([{"sequence_parallel": 2},
