@@ -69,3 +69,88 @@ def test_no_import_circle_in_the_package():
     graph = import_graph()
     assert "ray_dhp.demo" in graph["ray_dhp.run_demo"]  # the graph sees real imports
     assert cycles(graph) == []
+
+
+# -- floors ----------------------------------------------------------------------------------
+# The package in a declared order, bottom to top: a module imports only from its own floor or
+# the floors below it (function-level imports count; edges to third-party packages do not).
+# A module's floor is that of the longest prefix below that names it.
+FLOORS = (
+    ("config", ("ray_dhp.config",)),          # plain dataclasses and their validation
+    ("parallel", ("ray_dhp.parallel",)),      # topology, meshes, family-free mechanisms
+    ("models", ("ray_dhp.models",)),          # each family's plan, loading, its parallel forward
+    ("data", ("ray_dhp.data",)),              # reading, processing, sampling, loading
+    ("step", ("ray_dhp.step",)),              # one training step: the engine and its parts
+    ("planning", ("ray_dhp.planning",)),      # what a run costs before it starts
+    ("checkpointing", ("ray_dhp.checkpointing",)),
+    ("train", ("ray_dhp.train", "ray_dhp.layout")),  # Ray Train integration, DHPConfig
+    ("entry", ("ray_dhp.cli", "ray_dhp.run_file", "ray_dhp.tune", "ray_dhp.demo",
+               "ray_dhp.demo_audio", "ray_dhp.demo_video", "ray_dhp.demo_omni",
+               "ray_dhp.run_demo", "ray_dhp.__main__", "ray_dhp")),  # what a user runs or names
+)
+
+
+def floor_of(module: str, floors=FLOORS) -> int:
+    """Index (0: bottom) of ``module``'s floor; KeyError if no floor names it."""
+    best = None
+    for i, (_, prefixes) in enumerate(floors):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and (best is None or len(p) > best[1]):
+                best = (i, len(p))
+    if best is None:
+        raise KeyError(f"{module} is on no floor: add it to FLOORS")
+    return best[0]
+
+
+def explicit_graph() -> dict:
+    """`import_graph` plus the edges into a package ``__init__`` that an import names
+    explicitly (``from ray_dhp.models import family_of``: ``models/__init__`` is code the
+    importer uses; running a parent ``__init__`` by Python's rules is still left out)."""
+    mods = _modules()
+    edges = import_graph()
+    for name, path in mods.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                edges[name] |= {t for t in _targets(node, name, is_pkg, mods)
+                                if t in mods and t != name and mods[t].name == "__init__.py"}
+    return edges
+
+
+def upward_edges(edges: dict, floors=FLOORS) -> list:
+    """``(module, target, module's floor, target's floor)`` of every import of a higher floor."""
+    out = []
+    for m in sorted(edges):
+        for t in sorted(edges[m]):
+            if floor_of(t, floors) > floor_of(m, floors):
+                out.append((m, t, floors[floor_of(m, floors)][0], floors[floor_of(t, floors)][0]))
+    return out
+
+
+def floor_table(edges: dict, floors=FLOORS) -> str:
+    rows = [f"{i}  {name:<14} {len([m for m in edges if floor_of(m, floors) == i]):>3} modules  "
+            f"{' '.join(p.removeprefix('ray_dhp.') or 'ray_dhp' for p in prefixes)}"
+            for i, (name, prefixes) in reversed(list(enumerate(floors)))]
+    return "floors, top to bottom:\n" + "\n".join(rows)
+
+
+def test_floor_check_sees_an_upward_import():
+    floors = (("low", ("p.low",)), ("high", ("p.high", "p.top")))
+    assert upward_edges({"p.low.a": {"p.low.b"}, "p.low.b": set(), "p.high.c": {"p.low.a"},
+                         "p.top": {"p.high.c"}}, floors) == []
+    assert upward_edges({"p.low.a": {"p.high.c"}, "p.high.c": set()}, floors) == \
+        [("p.low.a", "p.high.c", "low", "high")]
+
+
+def test_every_module_is_on_a_floor():
+    for m in import_graph():
+        floor_of(m)
+
+
+def test_no_import_goes_up_a_floor():
+    graph = explicit_graph()
+    print("\n" + floor_table(graph))
+    assert "ray_dhp.models" in graph["ray_dhp.step.microbatch"]  # explicit __init__ edges seen
+    up = upward_edges(graph)
+    assert not up, f"{len(up)} import(s) go up a floor:\n" + "\n".join(
+        f"  {m} -> {t}   ({a} -> {b})" for m, t, a, b in up)
