@@ -49,13 +49,14 @@ def audio_tokens(frames):
 
 
 def audio_inputs(samples) -> dict:
-    """The model's audio inputs of the samples (`ray_dhp.data.processing.Sample`), clips in batch order: ``input_features``
-    ``[clips, n_mels, frames]`` (each clip's columns left-aligned, zeros after them) and
-    ``feature_attention_mask`` ``[clips, frames]`` (1 on a clip's columns), ``frames`` the longest
-    clip's; neither key without audio (the VL models' forwards do not take them), and only the
-    mask where a sample comes without its features (a text rank: the loader routes them to the
-    audio ranks only). The stock processor pads every clip to its extractor's whole window
-    instead (other values after the mask); the model reads only the masked columns."""
+    """The model's audio inputs of the samples (`ray_dhp.data.processing.Sample`), clips in
+    batch order: ``input_features`` ``[clips, n_mels, frames]`` (each clip's columns
+    left-aligned, zeros after them) and ``feature_attention_mask`` ``[clips, frames]`` (1 on a
+    clip's columns), ``frames`` the longest clip's; neither key without audio (the VL models'
+    forwards do not take them), and only the mask where a sample comes without its features (a
+    text rank: the loader routes them to the audio ranks only). The stock processor pads every
+    clip to its extractor's whole window instead (other values after the mask); the model reads
+    only the masked columns."""
     with_audio = [s for s in samples if s.audio_lengths is not None]
     lengths = [n for s in with_audio for n in s.audio_lengths.tolist()]
     if not lengths:

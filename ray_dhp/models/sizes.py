@@ -10,6 +10,9 @@ import fnmatch
 import functools
 from dataclasses import dataclass
 
+from ray_dhp.models import family_of
+from ray_dhp.models.tuning import trains as trains_under
+
 AUDIO_PREFIX = "model.audio_tower."  # the thinker's audio encoder (`ray_dhp.planning.memory_audio`)
 
 
@@ -114,9 +117,6 @@ def count_params(config, tuning=None) -> ParamCounts:
     import torch
     import transformers
     from accelerate import init_empty_weights
-
-    from ray_dhp.models import family_of
-    from ray_dhp.models.tuning import trains as trains_under
 
     family = family_of(config)
     with init_empty_weights():
