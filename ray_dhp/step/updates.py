@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 
 from ray_dhp.parallel import data_parallel as dp
+from ray_dhp.parallel.expert import expert_params, expert_partition, reduce_expert_grads
+from ray_dhp.parallel.zero import ZeroPartition
 from ray_dhp.step.offload import host_bytes
 from ray_dhp.step.optim import build_optimizer_for
 from ray_dhp.step.precision import local_nbytes, restore_grad_dtype, round_grads_for_update
@@ -28,8 +30,6 @@ class UpdateMixin:
         over the parameters this rank updates: all of them at stage 0, its ZeRO partition at
         stages 1-2 (`ray_dhp.parallel.zero`). ``self.opts[name]``: (optimizer, scheduler,
         fp32 masters or None)."""
-        from ray_dhp.parallel.zero import ZeroPartition
-
         g, topo = self.groups, self.groups.topology
         self.zero, self.opts = {}, {}
         for m in topo.encoders:
@@ -52,14 +52,10 @@ class UpdateMixin:
             t, (j, k) = topo.text, g.text_coord
             named = [(n, p) for n, p in self.text_model.named_parameters() if p.requires_grad]
             if topo.text_expert_parallel > 1:
-                from ray_dhp.parallel.expert import expert_params
-
                 ids = {id(p) for p in expert_params(self.text_model, self.family.moe)}
                 experts = [(n, p) for n, p in named if id(p) in ids]
                 named = [(n, p) for n, p in named if id(p) not in ids]
                 self.expert_params = [p for _, p in experts]
-                from ray_dhp.parallel.expert import expert_partition
-
                 self.zero["experts"] = expert_partition(self.expert_params, g)
                 experts = self.zero["experts"].mine(experts)
             if self.fsdp is not None:  # stage 3 (ray_dhp.parallel.fsdp)
@@ -131,8 +127,6 @@ class UpdateMixin:
             self.zero["text"].reduce(self.comm, "text.grads", reduce_dtype=up)
             t_sq = self.zero["text"].norm_share(dev)
             if self.expert_params:  # summed over the replicas holding the same experts only
-                from ray_dhp.parallel.expert import reduce_expert_grads
-
                 t_sq = t_sq + reduce_expert_grads(self, up)
         parts = torch.stack(shares + [t_sq])  # each rank's share; every entry counted once in all
         dist.all_reduce(parts)
