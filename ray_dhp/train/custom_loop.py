@@ -21,9 +21,9 @@ Every function here is collective: call it on every rank, in the same order.
 from __future__ import annotations
 
 import logging
-import tempfile
 from typing import Callable, Optional, Union
 
+from ray_dhp.train.cleanup import staging_dir
 from ray_dhp.train.loop_config import TrainLoopConfig
 
 logger = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ def report_checkpoint(metrics: dict, engine, loader, processor=None,
 
     from ray_dhp.checkpointing import checkpoint
 
-    with tempfile.TemporaryDirectory(prefix="ray_dhp_ckpt_") as d:
+    with staging_dir() as d:
         checkpoint.save(d, engine, loader, processor)
         if on_saved is not None:
             on_saved()
