@@ -21,8 +21,9 @@ storage during the call, and a restarted run resumes from the newest registered 
 from __future__ import annotations
 
 import logging
-import tempfile
 from typing import Callable, Optional
+
+from ray_dhp.train.cleanup import staging_dir
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class CheckpointReports:
             return
         self.flush(wait=True)  # at most one write in flight
         step = engine.step_count
-        tmp = tempfile.TemporaryDirectory(prefix="ray_dhp_ckpt_")
+        tmp = staging_dir()
         self.writer.start(tmp.name, engine, loader, processor,
                           on_written=lambda: self.hook("checkpoint_writing", step))
         self._pending = (tmp, dict(metrics), step)

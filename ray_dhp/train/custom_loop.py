@@ -21,10 +21,10 @@ Every function here is collective: call it on every rank, in the same order.
 from __future__ import annotations
 
 import logging
-import tempfile
 from typing import Callable, Optional, Union
 
 from ray_dhp.config.train_loop import TrainLoopConfig
+from ray_dhp.train.cleanup import staging_dir
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def report_checkpoint(metrics: dict, engine, loader, processor=None,
 
     from ray_dhp.checkpointing import checkpoint
 
-    with tempfile.TemporaryDirectory(prefix="ray_dhp_ckpt_") as d:
+    with staging_dir() as d:
         checkpoint.save(d, engine, loader, processor)
         if on_saved is not None:
             on_saved()

@@ -1,36 +1,61 @@
-"""Ray Train's placement-group cleaner, asking the cluster it runs in.
+"""Ray Train's placement-group cleaner, asking its own cluster's GCS whether the controller lives.
 
 Ray Train V2 starts a detached ``PlacementGroupCleaner`` actor per run. Its monitor thread asks
-the state API every second whether the controller is alive, with no address: the state API then
-takes ``RAY_ADDRESS``, else the address file of the last ``ray start`` on the machine, else every
-``gcs_server`` process it finds. Beside another Ray instance on the same machine (a ``ray
-start`` cluster, another job's private Ray) that raises "Found multiple active Ray instances"
-mid-run, or, when the address file names a cluster that is gone, "Timed out while waiting for
-GCS to become available" (the ~30-line traceback after ``[ray_dhp] done``); a file naming a live
-other cluster even has the cleaner look for our controller there.
+every second whether the run's controller is alive and, when the answer is "dead", removes the
+run's placement group (so a driver that died cannot leak it). Ray 2.60 asks through the *state
+API*, an HTTP client of the dashboard, and treats "not found" as dead. The HTTP address comes
+from the GCS key the head node wrote at start-up, and a cluster started without a dashboard
+still records ``127.0.0.1:8265`` there. So:
+
+- beside another Ray instance on the same machine whose dashboard holds :8265, the cleaner of a
+  dashboard-less cluster asks the *other* cluster, which does not know our controller: "dead".
+  The cleaner removes the live run's placement group and Ray destroys its workers ("A worker
+  health check failed"; the controller log says "Detected that the Ray Train controller actor
+  ... is dead"). Started in the other order the run survives (docs/faq.md has the report);
+- before such a neighbour exists, every check fails ("Failed to connect to API server") and the
+  cleaner would never clean anything.
 
 `ClusterCleanerCallback` replaces Ray's callback (`DisaggregatedTrainer` swaps it in): the same
-cleaner, with ``RAY_ADDRESS`` set in its own process to the GCS address of the cluster it runs
-in, so each state-API call reaches this cluster and no other.
+cleaner, but its liveness check reads the actor table of the GCS this actor process is connected
+to (the run's own cluster: the connection Ray made when it started the actor, no address lookup,
+no HTTP, no dashboard), so no other Ray on the machine can answer for it.
 """
 
 from __future__ import annotations
 
-import os
 
 from ray.train.v2._internal.callbacks import placement_group_callback as _pgc
-from ray.train.v2._internal.execution.controller.placement_group_cleaner import PlacementGroupCleaner
+from ray.train.v2._internal.execution.controller import placement_group_cleaner as _cleaner_mod
 
-__all__ = ["ClusterCleanerCallback", "with_cluster_cleaner"]
+__all__ = ["ClusterCleanerCallback", "with_cluster_cleaner", "controller_alive"]
 
 
-class _ClusterCleaner(PlacementGroupCleaner):
-    """`PlacementGroupCleaner` whose state-API calls go to the cluster it runs in."""
+
+def controller_alive(actor_id: str, timeout=None) -> bool:
+    """Whether ``actor_id`` is alive, from the actor table of the GCS this process is connected
+    to (`ray._private.state`: a direct GCS read). "Not found" is dead there too, but only our own
+    cluster can say it. A failed read raises Ray's ``RayStateApiException`` so the cleaner keeps
+    monitoring (its own rule for an unavailable state API) instead of cleaning on a guess.
+    ``timeout`` is accepted for the signature of Ray's ``is_actor_alive`` and not needed: the
+    read goes to the local GCS client, not over HTTP."""
+    import ray._private.state as gcs_state
+    from ray.util.state.exception import RayStateApiException
+
+    try:
+        info = gcs_state.actors(actor_id=actor_id)
+    except Exception as e:  # a GCS hiccup: say "unknown", never "dead"
+        raise RayStateApiException(f"reading actor {actor_id} from this cluster's GCS: {e}") from e
+    return bool(info) and info.get("State") != "DEAD"
+
+
+class _ClusterCleaner(_cleaner_mod.PlacementGroupCleaner):
+    """`PlacementGroupCleaner` whose liveness checks read this cluster's GCS (`controller_alive`).
+
+    The cleaner's monitor loop calls its module's ``is_actor_alive``; this actor has a process of
+    its own, so pointing that name at `controller_alive` here changes nothing anywhere else."""
 
     def __init__(self, *args, **kwargs):
-        import ray
-
-        os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address  # this actor's process
+        _cleaner_mod.is_actor_alive = controller_alive
         super().__init__(*args, **kwargs)
 
 

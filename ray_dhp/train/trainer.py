@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-
 import os
+import signal
+import threading
 from typing import Any, Callable, Optional
 
+import ray
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
 from ray_dhp.train.cluster import DEFAULT_PLACEMENT_TIMEOUT_S, PlacementTimeoutError
 from ray_dhp.layout import DHPConfig
 from ray_dhp.config.train_loop import TrainLoopConfig, loop_key
+from ray_dhp.train.cleanup import owned_actors, sweep_staging_on_all_nodes, wait_for_owned_actors
+from ray_dhp.train.waiting import PlacementWatch
 
 
 logger = logging.getLogger(__name__)
@@ -167,7 +172,10 @@ class DisaggregatedTrainer(DataParallelTrainer):
         fc = bound_placement_retries(self.run_config.failure_config, self._placement_timeout_s)
         self.run_config.failure_config = fc
         try:
-            return super().fit()
+            with PlacementWatch([dict(self.scaling_config._resources_per_worker_not_none)]
+                                * self.scaling_config.num_workers, self._placement_timeout_s), \
+                    _leaving_nothing():
+                return super().fit()
         except ray.train.ControllerError as e:
             if not isinstance(e.controller_failure, WorkerGroupStartupTimeoutError):
                 raise
@@ -180,6 +188,32 @@ class DisaggregatedTrainer(DataParallelTrainer):
                 f"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S): the cluster no longer has room for "
                 "them — a node was lost and no replacement joined, or the cluster is too small. "
                 "Add nodes (or lower the worker count) and resume the run by its name.")) from e
+
+
+@contextlib.contextmanager
+def _leaving_nothing():
+    """Around ``fit()``: afterwards (returned, failed or interrupted) put back the driver's
+    SIGINT handler, wait (bounded) until the actors the run started have exited, and sweep
+    workers' checkpoint staging folders on every node (`ray_dhp.train.cleanup`). The handler: Ray Train installs one in the main
+    thread that holds the controller's handle (Ctrl-C aborts the run gracefully) and leaves it
+    installed: the controller actor and its dataset manager then stay alive as long as the
+    driver process does (a notebook or a script running several fits kept one idle controller
+    per finished run), and a later Ctrl-C called ``abort`` on a finished controller."""
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGINT) if main else None
+    try:
+        mine = set(owned_actors())  # the caller's own actors, from before the run
+    except Exception:  # the GCS table unreadable: skip the wait, never fail the run for it
+        mine = None
+    try:
+        yield
+    finally:
+        if main and signal.getsignal(signal.SIGINT) is not before:
+            signal.signal(signal.SIGINT, before)
+        left = [] if mine is None else wait_for_owned_actors(ignore=mine, timeout_s=30.0)
+        if left:
+            logger.warning("ray_dhp: actors of this run still alive 30 s after fit(): %s", left)
+        sweep_staging_on_all_nodes(ray.get_runtime_context().get_job_id())
 
 
 def _check_training_datasets(cfg: TrainLoopConfig, names: set) -> None:

@@ -2,11 +2,11 @@
 
 Each case runs the built-in loop on a disjoint layout (1 vision worker + 1 text worker) with
 ``FailureConfig(max_failures=2)`` and checkpoints every 2 steps; one worker kills itself once
-(test-only fault injection through the loop's ``hook``, see `_fp64_loop`). The run must finish,
+(test-only fault injection through the loop's ``hook``, see `tests.ray.loops.fp64_loop`). The run must finish,
 resume from the last *complete* checkpoint, and end with the same loss and parameters as an
 uninterrupted run of the same layout (`tests.distributed.parity.run_engine`, same data, seed and
 hyper-parameters), every rank's copy of every parameter. Both run in fp64 (the workers' engine is
-built with ``dtype=torch.float64`` by the test's loop, see `_fp64_loop`), relative 1e-10: the
+built with ``dtype=torch.float64`` by the test's loop, see `tests.ray.loops.fp64_loop`), relative 1e-10: the
 Ray workers and the spawned ranks may use other thread counts and so other fp32 summation orders,
 which AdamW's per-entry normalisation would amplify to O(lr) in fp32 (issue #20); in fp64 that
 noise stays ~1e-16, while a lost optimizer/scheduler/data position is O(lr) off.
@@ -32,53 +32,12 @@ from ray_dhp import DHPConfig, DisaggregatedTrainer, ModuleParallel, demo
 from ray_dhp.train.callbacks import MetricsHistory, read_history
 from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import copy_errors, make_steps, run_engine
+from tests.ray.loops import fp64_loop
 
 FAMILY = "qwen2_5_vl"
 CFG = TrainLoopConfig(lr=1e-3, global_batch_size=4, num_steps=6, seed=0, log_every=2,
                       checkpoint_every=2, lr_schedule="cosine", warmup_steps=1, max_grad_norm=1.0)
 LAYOUT = dict(placement="disjoint", vision_dp=1, vision_sp=1, text_dp=1, text_tp=1)
-
-
-def _fp64_loop(fault=None):
-    """The built-in loop, its engine built in fp64 (test-only: the loop has no dtype option; fp64
-    is what makes the comparison exact, see the module doc). With ``fault``, rank
-    ``fault["rank"]`` SIGKILLs itself at ``(fault["event"], fault["step"])`` once per run (a
-    marker file remembers it), and rank 0 logs every attempt. Everything the workers run is
-    defined inside ``loop`` (pickled by value: the workers cannot import this test module)."""
-
-    def loop(config):
-        import signal
-
-        import torch
-
-        from ray_dhp.step import engine
-        from ray_dhp.train.loop import train_loop
-
-        base = getattr(engine.DHPEngine, "fp32_base", engine.DHPEngine)
-
-        class DHPEngine64(base):
-            fp32_base = base
-
-            def __init__(self, *args, **kwargs):
-                super().__init__(*args, dtype=torch.float64, **kwargs)
-
-        engine.DHPEngine = DHPEngine64  # train_loop imports it from the module at call time
-        if fault is None:
-            return train_loop(config)
-        rank = ray.train.get_context().get_world_rank()
-        if rank == 0:
-            with open(fault["attempts"], "a") as f:
-                f.write("attempt\n")
-
-        def hook(event, step):
-            if (rank, event, step) == (fault["rank"], fault["event"], fault["step"]) \
-                    and not os.path.exists(fault["marker"]):
-                open(fault["marker"], "w").close()
-                os.kill(os.getpid(), signal.SIGKILL)
-
-        return train_loop(config, hook=hook)
-
-    return loop
 
 
 def _loop_config(**changes) -> dict:
@@ -102,7 +61,7 @@ def _fit_with_fault(tmp_path, data, fault: dict, **loop_changes):
     fault = dict(fault, marker=str(tmp_path / "killed"), attempts=str(tmp_path / "attempts"))
     dhp = _dhp(vision=ModuleParallel(), text=ModuleParallel(), placement="disjoint")
     trainer = DisaggregatedTrainer(
-        _fp64_loop(fault), train_loop_config=_loop_config(**loop_changes), dhp_config=dhp,
+        fp64_loop(fault), train_loop_config=_loop_config(**loop_changes), dhp_config=dhp,
         scaling_config=ray.train.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
         run_config=_run_config(tmp_path, "ft"), datasets={"train": str(data)})
     result = trainer.fit()
@@ -182,7 +141,7 @@ def test_vision_worker_killed_mid_run_then_resume_at_another_layout(
     # A new run continues at collocated SP=2/TP=2 from the finished run's checkpoint.
     cfg = _loop_config(num_steps=7, lr_schedule="constant", warmup_steps=0)
     trainer = DisaggregatedTrainer(
-        _fp64_loop(), train_loop_config=cfg,
+        fp64_loop(), train_loop_config=cfg,
         dhp_config=_dhp(vision=ModuleParallel(sequence_parallel=2), text=ModuleParallel(tensor_parallel=2)),
         scaling_config=ray.train.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
         run_config=ray.train.RunConfig(name="continued", storage_path=str(tmp_path / "runs")),

@@ -1,0 +1,232 @@
+"""Runs that share a machine with another Ray instance: nothing killed, stalled or leaked.
+
+The reproduced fault (fails on 80d6f43): a run on a private Ray without a dashboard, and another
+Ray cluster started on the machine while it trains, whose dashboard takes :8265. Ray Train's
+placement-group cleaner asked the state API (HTTP to the address the dashboard-less head
+recorded, :8265, now the other cluster's) whether our controller was alive; the other cluster
+did not know it, so the cleaner removed the live run's placement group and its workers died
+("A worker health check failed"). `ray_dhp.train.pg_cleaner` reads the run's own GCS instead.
+
+Each run is a separate program (`tests/ray/private_run.py`, public API, fp64) or the CLI, with a
+temp folder of its own (``TMPDIR``), so what it leaves is measurable: placement groups and actors
+in its cluster after ``fit()`` (GCS), processes carrying its ``TMPDIR`` after it exits, files in
+that folder (Ray's session logs and torch's compile cache are by design, `machine.BY_DESIGN`).
+Losses: every step's against the same layout trained by the engine on spawned gloo ranks
+(fp64, relative 1e-10), i.e. the run alone.
+
+Default: the fault's order (run first, neighbour with a dashboard started mid-run) and a CLI run
+stopped with SIGTERM then resumed exactly. Slow: the other order, a run whose own Ray has a
+dashboard, a neighbour without one, two CLI runs with private Rays at once, SIGINT.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ray_dhp.config.train_loop import TrainLoopConfig
+from ray_dhp.train.callbacks import read_history
+from tests.distributed.parity import make_steps, run_engine
+from tests.ray.machine import (kill_processes_with_tmpdir, neighbour_cluster,
+                               processes_with_tmpdir, short_tmp, temp_leftovers,
+                               wait_no_processes)
+from tests.ray.private_run import LOOP  # the script's own hyper-parameters
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tests" / "ray" / "private_run.py"
+TINY = ROOT / "examples" / "tiny.yaml"
+FAMILY = "qwen2_5_vl"
+LAYOUT = dict(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1, text_tp=2)
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory):
+    """The data and the run alone: the same layout by the engine on spawned ranks (fp64)."""
+    cfg = TrainLoopConfig(**LOOP)
+    tmp = tmp_path_factory.mktemp("alone")
+    steps = make_steps(tmp, FAMILY, cfg)
+    ref = run_engine(FAMILY, LAYOUT, cfg, steps, torch.float64)
+    return tmp / f"data_{FAMILY}" / "data.jsonl", [h["loss"] for h in ref["history"]]
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_runs():
+    """A failing test must not leave its runs (paused forever, or their private Rays) behind:
+    everything started with a temp folder of this test's is killed at teardown."""
+    before = set(_STARTED)
+    yield
+    for tmpdir in set(_STARTED) - before:
+        kill_processes_with_tmpdir(str(tmpdir))
+
+
+_STARTED: list = []
+
+
+def _env(tmpdir: Path) -> dict:
+    _STARTED.append(tmpdir)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(TMPDIR=str(tmpdir), PYTHONPATH=str(ROOT), RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.25")
+    return env
+
+
+class PrivateRun:
+    """`private_run.py` in the background, pausing after step 2 when ``pause``."""
+
+    def __init__(self, tmp: Path, data: Path, *, dashboard=False, pause=False, name="private"):
+        self.tmp, self.out = short_tmp(), tmp / f"{name}.json"
+        self.pause = tmp / f"{name}_pause" if pause else None
+        cmd = [sys.executable, str(SCRIPT), str(self.out), "--data", str(data),
+               "--storage", str(tmp / "runs"), "--name", name]
+        cmd += ["--dashboard"] if dashboard else []
+        if self.pause:
+            self.pause.mkdir()
+            cmd += ["--pause-dir", str(self.pause)]
+        self.log = open(tmp / f"{name}.log", "w")
+        self.proc = subprocess.Popen(cmd, env=_env(self.tmp), stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+
+    def wait_paused(self, timeout_s=600):
+        deadline = time.monotonic() + timeout_s
+        while not all((self.pause / f"paused.{r}").exists() for r in (0, 1)):
+            assert self.proc.poll() is None, self.tail()
+            assert time.monotonic() < deadline, self.tail()
+            time.sleep(0.5)
+
+    def go(self):
+        (self.pause / "go").touch()
+
+    def finish(self, timeout_s=600) -> dict:
+        assert self.proc.wait(timeout=timeout_s) == 0, self.tail()
+        self.log.close()
+        return json.loads(self.out.read_text())
+
+    def tail(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()[-4000:]
+
+
+def _assert_alone_and_clean(run: PrivateRun, out: dict, alone_losses: list):
+    assert out["error"] is None, out["error"]
+    losses = [h["loss"] for h in sorted(out["history"], key=lambda h: h["step"])]
+    assert len(losses) == len(alone_losses)
+    for got, want in zip(losses, alone_losses):
+        assert abs(got - want) <= 1e-10 * abs(want), (losses, alone_losses)
+    assert out["left"]["placement_groups"] == 0 and out["left"]["actors"] == [], out["left"]
+    assert wait_no_processes(str(run.tmp)) == []
+    assert temp_leftovers(str(run.tmp)) == []
+
+
+def test_a_neighbour_cluster_started_mid_run_does_not_kill_it(tmp_path, alone):
+    data, losses = alone
+    run = PrivateRun(tmp_path, data, pause=True)
+    run.wait_paused()
+    with neighbour_cluster(dashboard=True):
+        time.sleep(5)  # the cleaner checks every second: several checks see the neighbour
+        run.go()
+        out = run.finish()
+    _assert_alone_and_clean(run, out, losses)
+
+
+@pytest.mark.slow
+def test_a_run_started_beside_a_neighbour_cluster(tmp_path, alone):
+    data, losses = alone
+    with neighbour_cluster(dashboard=True):
+        run = PrivateRun(tmp_path, data)
+        out = run.finish()
+    _assert_alone_and_clean(run, out, losses)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("own_dashboard,their_dashboard", [(True, True), (False, False)],
+                         ids=["both-dashboards", "no-dashboards"])
+def test_neighbour_mid_run_other_dashboards(tmp_path, alone, own_dashboard, their_dashboard):
+    data, losses = alone
+    run = PrivateRun(tmp_path, data, dashboard=own_dashboard, pause=True)
+    run.wait_paused()
+    with neighbour_cluster(dashboard=their_dashboard):
+        time.sleep(5)
+        run.go()
+        out = run.finish()
+    _assert_alone_and_clean(run, out, losses)
+
+
+# -- the command line: interrupts, two private Rays at once ---------------------------------------
+
+def _cli(tmp: Path, name: str, tmpdir: Path, *extra) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "ray_dhp", "train", str(TINY), f"run.name={name}",
+           f"run.storage_path={tmp / 'runs'}", "run.ray_address=local", "optim.num_steps=8",
+           "optim.log_every=1", "checkpoint.checkpoint_every=2", "data.demo_samples=16", *extra]
+    log = open(tmp / f"{name}.log", "a")
+    return subprocess.Popen(cmd, env=_env(tmpdir), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def _losses(run_dir: Path) -> dict:
+    """Step -> loss of the run folder's history (a resumed run's steps replace the same steps of
+    the interrupted one; a line torn by the interrupt is left out by `read_history`)."""
+    return {m["step"]: m["loss"] for m in read_history(str(run_dir)) if "loss" in m}
+
+
+@pytest.fixture(scope="module")
+def cli_alone(tmp_path_factory):
+    """The CLI run alone, uninterrupted: every step's loss."""
+    tmp = tmp_path_factory.mktemp("cli_alone")
+    proc = _cli(tmp, "alone", short_tmp())
+    assert proc.wait(timeout=900) == 0, (tmp / "alone.log").read_text()[-4000:]
+    return _losses(tmp / "runs" / "alone")
+
+
+def _same(got: dict, want: dict):
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+    for step, loss in want.items():
+        assert abs(got[step] - loss) <= 1e-10 * abs(loss), (step, got[step], loss)
+
+
+@pytest.mark.parametrize("sig", [pytest.param(signal.SIGTERM, id="sigterm"),
+                                 pytest.param(signal.SIGINT, id="sigint", marks=pytest.mark.slow)])
+def test_an_interrupted_cli_run_stops_cleanly_and_resumes_exactly(tmp_path, cli_alone, sig):
+    run_dir, tmpdir = tmp_path / "runs" / "intr", short_tmp()
+    proc = _cli(tmp_path, "intr", tmpdir)
+    deadline = time.monotonic() + 900
+    while not (run_dir / "checkpoint_000004").exists():
+        assert proc.poll() is None, (tmp_path / "intr.log").read_text()[-4000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    t0 = time.monotonic()
+    proc.send_signal(sig)
+    proc.wait(timeout=60)
+    stopped_s = time.monotonic() - t0
+    log = (tmp_path / "intr.log").read_text()
+    assert stopped_s <= 30, stopped_s
+    assert "interrupted. Run the same command again to resume" in log, log[-3000:]
+    assert processes_with_tmpdir(str(tmpdir)) == []  # the CLI waited for its Ray's processes
+    assert temp_leftovers(str(tmpdir)) == []
+    kept = sorted(p.name for p in run_dir.glob("checkpoint_0*"))
+    assert kept and kept[-1] >= "checkpoint_000004", kept
+    resumed_at = int(kept[-1].rpartition("_")[2])
+
+    proc = _cli(tmp_path, "intr", tmpdir)  # the same command again
+    assert proc.wait(timeout=900) == 0, (tmp_path / "intr.log").read_text()[-4000:]
+    log = (tmp_path / "intr.log").read_text()
+    assert f"resuming run 'intr' from its checkpoint at step {resumed_at}" in log
+    _same(_losses(run_dir), cli_alone)  # the steps after the resume overwrite nothing: same losses
+    assert wait_no_processes(str(tmpdir)) == [] and temp_leftovers(str(tmpdir)) == []
+
+
+@pytest.mark.slow
+def test_two_cli_runs_with_private_rays_at_once(tmp_path, cli_alone):
+    tmps = {name: short_tmp() for name in ("first", "second")}
+    procs = {name: _cli(tmp_path, name, tmps[name]) for name in tmps}
+    for name, proc in procs.items():
+        assert proc.wait(timeout=1200) == 0, (tmp_path / f"{name}.log").read_text()[-4000:]
+    for name in procs:
+        _same(_losses(tmp_path / "runs" / name), cli_alone)
+        assert wait_no_processes(str(tmps[name])) == []
+        assert temp_leftovers(str(tmps[name])) == []
