@@ -10,3 +10,20 @@ from tests.spawn import THREADS_ENV, rank_threads
 
 if os.environ.get(THREADS_ENV):
     torch.set_num_threads(rank_threads())
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the cases of `tests.default_suite.DEMOTED` slow (see there why each may leave the
+    default run). When the whole suite is collected, every entry must name a collected test."""
+    import pytest
+
+    from tests.default_suite import DEMOTED
+
+    ids = {item.nodeid for item in items}
+    for item in items:
+        if item.nodeid in DEMOTED:
+            item.add_marker(pytest.mark.slow)
+    whole = [str(a) for a in config.args] in ([], ["tests"]) or config.args == [str(config.rootpath / "tests")]
+    missing = sorted(set(DEMOTED) - ids)
+    if whole and missing:
+        raise pytest.UsageError(f"tests/default_suite.py names tests that do not exist: {missing}")
