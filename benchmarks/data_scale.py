@@ -219,7 +219,7 @@ def ray_run(path: Path, rows: int, storage: Path) -> dict:
 def ray_section(path: Path, rows: int, storage: Path) -> dict:
     import ray
 
-    ray.init(num_cpus=6, include_dashboard=False)
+    ray.init(address="local", num_cpus=6, include_dashboard=False)
     try:
         small = ray_run(path, 1000, storage)
         large = ray_run(path, rows, storage)

@@ -84,7 +84,7 @@ def run_ray(opts: dict) -> dict:
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=os.environ.get("DHP_BENCH_RAY_LOGS") == "1",
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=os.environ.get("DHP_BENCH_RAY_LOGS") == "1",
                  runtime_env={"env_vars": {"PYTHONPATH": REPO}})
     try:
         n, tmp = opts["ranks"], tempfile.mkdtemp(prefix="dhp_bench_")

@@ -10,7 +10,7 @@ def ray_start():
     reuses an already initialised Ray and shuts down only what it started."""
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=8)
+        ray.init(address="local", num_cpus=8)
     yield
     if started and ray.is_initialized():
         ray.shutdown()

@@ -13,7 +13,7 @@ from ray_dhp.train.callbacks import read_history
 def ray_cluster():
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=8)
+        ray.init(address="local", num_cpus=8)
     yield
     if started:
         ray.shutdown()
