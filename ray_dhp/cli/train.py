@@ -159,10 +159,10 @@ def _close_private_ray(own_tmp: str) -> None:
         except Exception:
             pids = []
         ray.shutdown()
-        killed = reap_ray_processes(pids)
-        if left or killed:
-            print(f"[ray_dhp] Ray stopped with actors still exiting: {left}; worker processes "
-                  f"killed after shutdown: {killed}", flush=True)
+        reap_ray_processes(pids)  # dead actors whose processes were still exiting: routine
+        if left:
+            print(f"[ray_dhp] Ray stopped while actors of the run were still alive: {left}",
+                  flush=True)
     shutil.rmtree(own_tmp, ignore_errors=True)
 
 

@@ -47,6 +47,20 @@ def _config_value(config, name):
     return None, name
 
 
+def _same_size(a, b) -> bool:
+    """Equal geometry, a square written either way: InternVL's config keeps ``patch_size`` as
+    ``(14, 14)`` where its image processor says ``14``."""
+    def sides(v):
+        return tuple(v) if isinstance(v, (list, tuple)) else None
+
+    sa, sb = sides(a), sides(b)
+    if sa is None and sb is not None:
+        return all(x == a for x in sb)
+    if sb is None and sa is not None:
+        return all(x == b for x in sa)
+    return (sa or a) == (sb or b)
+
+
 def check_processor_fits(processor, config, *, processor_at: str, model_at: str) -> None:
     """ConfigError naming both sides' file and field for the first way ``processor`` (a
     `VLProcessor`) does not fit the model ``config``. ``processor_at`` / ``model_at`` say where
@@ -60,7 +74,7 @@ def check_processor_fits(processor, config, *, processor_at: str, model_at: str)
                           "model's preprocessor_config.json there.")
     for ours, theirs in _GEOMETRY if vision is not None else ():
         got, want = getattr(ip, ours, None), getattr(vision, theirs, None)
-        if got is not None and want is not None and got != want:
+        if got is not None and want is not None and not _same_size(got, want):
             raise ConfigError(f"{processor_at}: preprocessor_config.json {ours}={got} but "
                               f"{model_file} vision_config.{theirs}={want}; the processor belongs "
                               "to another model.")

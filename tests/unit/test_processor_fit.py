@@ -169,3 +169,29 @@ def test_train_refuses_before_ray_and_plan_checks_paths(model_dir, tmp_path, cap
         assert main([command, str(run), *base, f"data.train={tmp_path}/trian.jsonl"]) == EXIT_CONFIG
         assert f"data.train: {tmp_path}/trian.jsonl does not exist" in capsys.readouterr().err
     assert main(["plan", str(run), *base]) == 0  # the model directory's own processor fits
+
+
+def test_internvl_processor_fits_its_model_through_the_public_config():
+    """InternVL's config keeps ``vision_config.patch_size`` as ``(14, 14)`` where its image
+    processor says ``14``: the matching pair must pass the driver's check (it was refused with
+    "the processor belongs to another model"), and a different patch still fails."""
+    import copy
+
+    import pytest
+
+    from ray_dhp import DHPConfig, ModuleParallel, demo
+    from ray_dhp.config.checks import ConfigError
+    from ray_dhp.data.compat import check_run_processor
+
+    model = demo.tiny_model_config(family="internvl")
+    assert tuple(model.vision_config.patch_size) == (14, 14)
+    proc = demo.tiny_processor(family="internvl")
+    cfg = DHPConfig(model=model, processor=proc, vision=ModuleParallel(sequence_parallel=2),
+                    text=ModuleParallel(tensor_parallel=2))
+    assert isinstance(check_run_processor(cfg), list)
+    other = copy.deepcopy(model)
+    other.vision_config.patch_size = (16, 16)
+    with pytest.raises(ConfigError, match="patch_size=14 but .*vision_config.patch_size=.16, 16."):
+        check_run_processor(DHPConfig(model=other, processor=proc,
+                                      vision=ModuleParallel(sequence_parallel=2),
+                                      text=ModuleParallel(tensor_parallel=2)))
