@@ -45,10 +45,11 @@ def settings_of(rf, attention: str) -> ActivationSettings:
                               attention=attention, checkpointing=rf.optim.activation_checkpointing)
 
 
-def samples_per_replica(rf, topology) -> int:
-    """Samples one replica processes per micro-batch (the largest of the module groups' shares)."""
+def samples_per_replica(rf, topology) -> dict:
+    """``{module: samples one of its replicas processes per micro-batch}``: each group splits the
+    micro-batch over its own data-parallel degree (vision DP1 beside text DP8: 8 and 1)."""
     mb = rf.optim.global_batch_size // rf.optim.micro_batches
-    return max(1, -(-mb // min(m.dp for m in topology.modules)))
+    return {m.name: max(1, -(-mb // m.dp)) for m in topology.modules}
 
 
 def _fits(total: float, device_gib) -> str:
@@ -148,7 +149,8 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
                       f"{_gib(st.device_total)}); " if st.host else "")
                    + f"host: checkpoint staging "
                    f"{_gib(st.staging) if rf.checkpoint.async_save else '0 (async_save off)'}")
-    out += ["", f"activation estimate: {samples} sample(s) per replica per micro-batch, "
+    shares = ", ".join(f"{name} {n}" for name, n in samples.items())
+    out += ["", f"activation estimate: sample(s) per replica per micro-batch: {shares}; "
                 f"{text_tokens} text tokens per sample, {settings.dtype_bytes}-byte activations, "
                 f"{attention} attention, activation checkpointing "
                 f"{'on' if settings.checkpointing else 'off'}, ZeRO stages "
@@ -170,7 +172,8 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
         for m in estimate_module_ranks(config, topo, counts, audio, audio_seconds=audio_seconds,
                                        audio_samples=_audio_samples(rf, topo),
                                        vision_tokens=vt, text_tokens=text_tokens,
-                                       samples=samples, settings=settings,
+                                       samples=samples["vision"],
+                                       text_samples=samples["text"], settings=settings,
                                        policy=policy, segment_tokens=seg):
             out.append(f"  rank {m.rank} memory: state {_gib(m.state_bytes)} + vision act "
                        f"{_gib(m.vision_act)} + "

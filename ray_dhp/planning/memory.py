@@ -249,8 +249,11 @@ class RankMemory:
 def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int, text_tokens: int,
                    samples: int, settings: ActivationSettings,
                    state_bytes: float = STATE_BYTES_PER_PARAM, policy=None,
-                   segment_tokens: Optional[int] = None) -> list:
-    """Per-rank `RankMemory` for micro-batches of ``samples`` samples per replica, each with
+                   segment_tokens: Optional[int] = None,
+                   text_samples: Optional[int] = None) -> list:
+    """Per-rank `RankMemory` for micro-batches of ``samples`` samples per vision replica and
+    ``text_samples`` (default ``samples``) per text replica (each group splits the micro-batch
+    over its own data-parallel degree), each with
     ``vision_tokens`` patch tokens and ``text_tokens`` text tokens. With a ``policy`` (a
     `PrecisionPolicy`) the state is `rank_state`'s exact bytes; without, ``state_bytes`` per
     parameter, and with vision ZeRO (stage >= 1) the ViT's AdamW moments (8 of the state bytes)
@@ -263,7 +266,7 @@ def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int,
     seq = text_tokens + vision_tokens // merge
     v_act = vision_activation_bytes(vc, samples * vision_tokens, sp, settings,
                                     segment_tokens or vision_tokens)
-    t_act = text_activation_bytes(tc, samples * seq, tp, settings, seq,
+    t_act = text_activation_bytes(tc, (text_samples or samples) * seq, tp, settings, seq,
                                   seq_parallel=getattr(topology, "text_sequence_parallel", False))
     moments = 8 * (1 - 1 / topology.vision.size) if topology.vision.zero_stage else 0
     out = []
