@@ -79,10 +79,11 @@ def sweep_staging(job_id: str, wait_s: float = 15.0, root: str | None = None) ->
     return removed
 
 
-def sweep_staging_on_all_nodes(job_id: str, timeout_s: float = 60.0) -> list:
+def sweep_staging_on_all_nodes(job_id: str, timeout_s: float = 30.0) -> list:
     """`sweep_staging` on every alive node of the connected cluster (a zero-CPU task pinned to
-    each); returns the folders removed, per node. Never raises: clean-up must not mask the
-    run's own result."""
+    each); returns the folders removed on the nodes that answered within ``timeout_s`` (a node
+    lost meanwhile is not waited for: its task is cancelled). Never raises: clean-up must not
+    mask the run's own result."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -90,7 +91,10 @@ def sweep_staging_on_all_nodes(job_id: str, timeout_s: float = 60.0) -> list:
         task = ray.remote(num_cpus=0, max_retries=0)(sweep_staging)
         refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
             n["NodeID"], soft=False)).remote(job_id) for n in ray.nodes() if n.get("Alive")]
-        return ray.get(refs, timeout=timeout_s)
+        done, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        for ref in late:
+            ray.cancel(ref, force=True)
+        return ray.get(done)
     except Exception:
         return []
 
