@@ -35,7 +35,9 @@ LOOP = dict(lr=1e-3, global_batch_size=4, num_steps=4, seed=0, log_every=1, chec
 
 def cluster_leftovers() -> dict:
     """What is still held in the connected cluster: placement groups not REMOVED and alive
-    actors (class names; detached ones listed apart), read from the GCS directly."""
+    actors (class names; Ray's named detached singletons listed apart, with their process ids:
+    the first run that needs one starts it, in that run's environment, and it serves the
+    cluster after the run), read from the GCS directly."""
     import ray
     import ray._private.state as gcs_state
 
@@ -44,7 +46,8 @@ def cluster_leftovers() -> dict:
     service = [a for a in alive if a["IsDetached"] and a["Name"]]  # Ray's named singletons
     return {"placement_groups": len(pgs),
             "actors": sorted(a["ActorClassName"] for a in alive if a not in service),
-            "ray_services": sorted(a["Name"] for a in service)}
+            "ray_services": sorted(a["Name"] for a in service),
+            "ray_service_pids": sorted(a["Pid"] for a in service if a.get("Pid"))}
 
 
 def make_trainer(data: str, storage: str, name: str, *, lr=None, pause=None, callbacks=()):
