@@ -51,11 +51,13 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def sweep_staging(job_id: str, wait_s: float = 15.0, root: str | None = None) -> list:
+def sweep_staging(job_id: str, wait_s: float = 15.0, root: str | None = None,
+                  wait_pids=None) -> list:
     """Remove staging folders under ``root`` (the temp dir) of any job whose process is
     gone, waiting up to ``wait_s`` for the processes of ``job_id`` (this run's workers, being
-    stopped) to exit; a live process's folder is never touched (Tune trials share a job). Returns the
-    folders removed."""
+    stopped) to exit — only those in ``wait_pids`` when given: Tune trials share a job, and a
+    trial that finished must not wait for the workers of one still training; a live process's
+    folder is never touched. Returns the folders removed."""
     root = root or tempfile.gettempdir()
     try:
         names = [n for n in os.listdir(root) if n.startswith(STAGING_PREFIX)]
@@ -69,7 +71,7 @@ def sweep_staging(job_id: str, wait_s: float = 15.0, root: str | None = None) ->
         if not pid_s.isdigit():
             continue
         pid = int(pid_s)
-        if job == job_id:  # this run's workers are exiting: give them a moment
+        if job == job_id and (wait_pids is None or pid in wait_pids):  # exiting: a moment
             while _pid_alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.2)
         if _pid_alive(pid):  # a live process (another run, a Tune trial of the same job)
@@ -79,18 +81,20 @@ def sweep_staging(job_id: str, wait_s: float = 15.0, root: str | None = None) ->
     return removed
 
 
-def sweep_staging_on_all_nodes(job_id: str, timeout_s: float = 30.0) -> list:
+def sweep_staging_on_all_nodes(job_id: str, timeout_s: float = 30.0, wait_pids=None) -> list:
     """`sweep_staging` on every alive node of the connected cluster (a zero-CPU task pinned to
-    each); returns the folders removed on the nodes that answered within ``timeout_s`` (a node
-    lost meanwhile is not waited for: its task is cancelled). Never raises: clean-up must not
-    mask the run's own result."""
+    each; ``wait_pids``: the run's worker processes, the only ones waited for); returns the
+    folders removed on the nodes that answered within ``timeout_s`` (a node lost meanwhile is
+    not waited for: its task is cancelled). Never raises: clean-up must not mask the run's own
+    result."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     try:
         task = ray.remote(num_cpus=0, max_retries=0)(sweep_staging)
         refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-            n["NodeID"], soft=False)).remote(job_id) for n in ray.nodes() if n.get("Alive")]
+            n["NodeID"], soft=False)).remote(job_id, wait_pids=wait_pids)
+            for n in ray.nodes() if n.get("Alive")]
         done, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         for ref in late:
             ray.cancel(ref, force=True)

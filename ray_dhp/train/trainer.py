@@ -213,7 +213,19 @@ def _leaving_nothing():
         left = [] if mine is None else wait_for_owned_actors(ignore=mine, timeout_s=30.0)
         if left:
             logger.warning("ray_dhp: actors of this run still alive 30 s after fit(): %s", left)
-        sweep_staging_on_all_nodes(ray.get_runtime_context().get_job_id())
+        sweep_staging_on_all_nodes(ray.get_runtime_context().get_job_id(),
+                                   wait_pids=None if mine is None else _run_pids(mine))
+
+
+def _run_pids(mine: set):
+    """Process ids of the actors this run started (its workers among them), or None (unknown:
+    wait for every process of the job). Tune trials share a job: a trial's sweep must not wait
+    for another trial's live workers."""
+    try:
+        return sorted({a["Pid"] for aid, a in owned_actors().items()
+                       if aid not in mine and a.get("Pid")})
+    except Exception:
+        return None
 
 
 def _check_training_datasets(cfg: TrainLoopConfig, names: set) -> None:

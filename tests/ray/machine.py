@@ -140,3 +140,55 @@ def kill_processes_with_tmpdir(tmpdir: str) -> None:
 def temp_leftovers(tmpdir: str) -> list:
     """Entries of a run's temp folder other than the by-design ones (`BY_DESIGN`)."""
     return sorted(n for n in os.listdir(tmpdir) if n not in BY_DESIGN)
+
+
+@contextlib.contextmanager
+def job_cluster(env: dict, num_cpus: int = 8, timeout_s: float = 240.0):
+    """A ``ray start --head`` cluster of the test's own with its dashboard (job submission) on
+    free ports (every agent port too: the defaults are taken when another Ray runs here), its
+    processes started with ``env`` (a test's ``TMPDIR``, ``PYTHONPATH``, ``RAY_AUTH_MODE``:
+    Ray 2.60 CLI clients default to token auth, the test's cluster has it off).
+    Yields ``(gcs address, dashboard url)`` once the dashboard answers; stopped by its process
+    group (never ``ray stop``), its ``--temp-dir`` removed."""
+    tmp = tempfile.mkdtemp(prefix="jc", dir="/tmp")  # short: Ray's socket paths have a limit
+    port, dash = free_port(), free_port()
+    cmd = [RAY, "start", "--head", "--block", f"--port={port}", f"--num-cpus={num_cpus}",
+           f"--temp-dir={tmp}", "--include-dashboard=true", f"--dashboard-port={dash}",
+           "--dashboard-host=127.0.0.1",
+           *(f"--{name}={free_port()}" for name in (
+               "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
+               "runtime-env-agent-port", "ray-client-server-port"))]
+    with open(os.path.join(tmp, "start.log"), "w") as log:
+        head = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not (_port_open(port) and dashboard_answers(dash)):
+            assert head.poll() is None, open(os.path.join(tmp, "start.log")).read()[-3000:]
+            assert time.monotonic() < deadline, "the test's cluster did not come up"
+            time.sleep(1)
+        yield f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}"
+    finally:
+        stop_private_head(head, tmp)
+
+
+def submit_job(url: str, entrypoint: list, env: dict, *, runtime_env: dict | None = None,
+               agent_wait_s: float = 180.0, timeout_s: float = 1200.0) -> tuple:
+    """``ray job submit`` (waits for the job's end); ``(returncode, output without colours)``.
+    Retried while the node's job agent has not registered with the dashboard yet ("No
+    available agent to submit job": the dashboard answers before it)."""
+    import json
+    import re
+
+    cmd = [RAY, "job", "submit", "--address", url]
+    if runtime_env:
+        cmd += ["--runtime-env-json", json.dumps(runtime_env)]
+    cmd += ["--", *entrypoint]
+    deadline = time.monotonic() + agent_wait_s
+    while True:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        out = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
+        if proc.returncode == 0 or "No available agent" not in out \
+                or time.monotonic() > deadline:
+            return proc.returncode, out
+        time.sleep(2)

@@ -32,6 +32,22 @@ def test_sweep_removes_dead_workers_folders_and_never_a_live_ones(tmp_path):
         "ray_dhp_ckpt_not_ours", "other"])
 
 
+def test_sweep_waits_only_for_the_runs_own_workers(tmp_path):
+    """Tune trials share a job: a finished trial's sweep waits for its own workers' exit, not
+    for the workers of a trial still training (it waited ``wait_s`` for them before)."""
+    import time
+
+    other_trial = os.getpid()  # a live worker of the same job, not this run's
+    (tmp_path / f"{STAGING_PREFIX}01000000_{other_trial}_x").mkdir()
+    t0 = time.monotonic()
+    assert sweep_staging("01000000", wait_s=5.0, root=str(tmp_path), wait_pids=[1234567]) == []
+    assert time.monotonic() - t0 < 2.0
+    t0 = time.monotonic()
+    assert sweep_staging("01000000", wait_s=1.0, root=str(tmp_path)) == []  # unknown: waits
+    assert time.monotonic() - t0 >= 1.0
+    assert os.listdir(tmp_path) == [f"{STAGING_PREFIX}01000000_{other_trial}_x"]
+
+
 def test_reaping_kills_only_ray_worker_processes():
     me = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
