@@ -2,6 +2,9 @@
 
 import pytest
 import ray
+import torch
+
+from tests.ray import shared_runs
 
 
 @pytest.fixture(scope="session")
@@ -22,18 +25,26 @@ def fast_reports(monkeypatch):
     monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 
 
-def stop_private_head(head, temp_dir: str) -> None:
-    """Stop a test's own `ray start --head --block` (started with ``start_new_session=True``) by
-    its process group, and remove its temp dir. Never `ray stop`: that stops every Ray on the
-    machine, the session's too."""
-    import os
-    import shutil
-    import signal
-    import subprocess
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory):
+    """The data and the run alone: the same layout by the engine on spawned ranks (fp64)."""
+    from ray_dhp.config.train_loop import TrainLoopConfig
+    from tests.distributed.parity import make_steps, run_engine
+    from tests.ray.private_run import LOOP  # private_run.py's own hyper-parameters
+    from tests.ray.shared_runs import FAMILY, LAYOUT
 
-    os.killpg(head.pid, signal.SIGTERM)
-    try:
-        head.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(head.pid, signal.SIGKILL)
-    shutil.rmtree(temp_dir, ignore_errors=True)
+    cfg = TrainLoopConfig(**LOOP)
+    tmp = tmp_path_factory.mktemp("alone")
+    steps = make_steps(tmp, FAMILY, cfg)
+    ref = run_engine(FAMILY, LAYOUT, cfg, steps, torch.float64)
+    return tmp / f"data_{FAMILY}" / "data.jsonl", [h["loss"] for h in ref["history"]]
+
+
+@pytest.fixture(autouse=True)
+def no_stray_runs():
+    """A failing test must not leave its runs (paused forever, or their private Rays) behind:
+    everything started with a temp folder of this test's (`tests.ray.shared_runs.env_for`) is
+    killed at teardown."""
+    before = shared_runs.started()
+    yield
+    shared_runs.kill_started(before)

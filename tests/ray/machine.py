@@ -17,7 +17,6 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from tests.ray.conftest import stop_private_head
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 DASHBOARD_PORT = 8265
@@ -192,3 +191,20 @@ def submit_job(url: str, entrypoint: list, env: dict, *, runtime_env: dict | Non
                 or time.monotonic() > deadline:
             return proc.returncode, out
         time.sleep(2)
+
+
+def stop_private_head(head, temp_dir: str) -> None:
+    """Stop a test's own `ray start --head --block` (started with ``start_new_session=True``) by
+    its process group, and remove its temp dir. Never `ray stop`: that stops every Ray on the
+    machine, the session's too."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+
+    os.killpg(head.pid, signal.SIGTERM)
+    try:
+        head.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(head.pid, signal.SIGKILL)
+    shutil.rmtree(temp_dir, ignore_errors=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ray_dhp.cli import main
-from tests.ray.conftest import stop_private_head
+from tests.ray.machine import stop_private_head
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "examples" / "tiny.yaml")

@@ -44,7 +44,7 @@ from ray_dhp.train.callbacks import MetricsHistory
 from ray_dhp.parallel.topology import Topology, crossing_groups
 from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import make_steps, rel_err, run_engine
-from tests.ray.conftest import stop_private_head
+from tests.ray.machine import stop_private_head
 
 ROOT = Path(__file__).resolve().parents[2]
 FAMILY = "qwen2_5_vl"

@@ -33,10 +33,9 @@ from tests.distributed.parity import run_engine
 from tests.ray.machine import (RAY, job_cluster, processes_with_tmpdir, short_tmp, submit_job,
                                temp_leftovers, wait_no_processes)
 from tests.ray.private_run import LOOP
-# the fp64 reference of the run alone, the background private run, and the teardown that kills
-# whatever a failing test started (autouse: imported, it applies to this module's tests too)
-from tests.ray.test_shared_machine import (FAMILY, LAYOUT, SCRIPT, PrivateRun, _env,  # noqa: F401
-                                           _no_stray_runs, alone)
+# the background private run (the fp64 reference ``alone`` and the teardown that kills whatever
+# a failing test started are tests/ray/conftest.py's)
+from tests.ray.shared_runs import FAMILY, LAYOUT, SCRIPT, PrivateRun, env_for
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not os.path.exists(RAY), reason="needs the ray CLI next to python")]
@@ -44,10 +43,10 @@ pytestmark = [pytest.mark.slow,
 LRS = (LOOP["lr"], 3e-3)  # the trials differ in the learning rate only
 
 
-def _cluster_env(tmpdir: Path) -> dict:
+def _clusterenv_for(tmpdir: Path) -> dict:
     """The test cluster's processes: a temp folder of their own, this checkout's code, no token
     auth (Ray 2.60 CLI clients default to tokens), fast Train polls."""
-    env = _env(tmpdir)
+    env = env_for(tmpdir)
     env.update(RAY_AUTH_MODE="disabled",
                PATH=f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}")
     return env
@@ -105,13 +104,13 @@ def test_a_tune_sweep_of_two_concurrent_trials_on_one_cluster(tmp_path, alone_pe
     cluster_tmp, driver_tmp = short_tmp(), short_tmp()
     out_path = tmp_path / "sweep.json"
     t0 = time.monotonic()
-    with job_cluster(_cluster_env(cluster_tmp)) as (gcs, _):
+    with job_cluster(_clusterenv_for(cluster_tmp)) as (gcs, _):
         with open(tmp_path / "sweep.log", "w") as log:
             proc = subprocess.Popen(
                 [sys.executable, str(SCRIPT), str(out_path), "--data", str(data),
                  "--storage", str(tmp_path / "runs"), "--name", "sweep", "--address", gcs,
                  "--lrs", ",".join(map(str, LRS))],
-                env=_env(driver_tmp), stdout=log, stderr=subprocess.STDOUT)
+                env=env_for(driver_tmp), stdout=log, stderr=subprocess.STDOUT)
             rc = proc.wait(timeout=1800)
         log_tail = (tmp_path / "sweep.log").read_text()[-4000:]
         assert rc == 0, log_tail
@@ -136,11 +135,11 @@ def test_a_tune_sweep_of_two_concurrent_trials_on_one_cluster(tmp_path, alone_pe
 def test_a_submitted_job_beside_a_private_local_run(tmp_path, alone):
     data, losses = alone
     cluster_tmp, job_tmp = short_tmp(), short_tmp()
-    _env(job_tmp)  # registered: a failing test's job processes are killed too
+    env_for(job_tmp)  # registered: a failing test's job processes are killed too
     job_out, job_pause = tmp_path / "job.json", tmp_path / "job_pause"
     job_pause.mkdir()
     t0 = time.monotonic()
-    with job_cluster(_cluster_env(cluster_tmp)) as (_, url):
+    with job_cluster(_clusterenv_for(cluster_tmp)) as (_, url):
         # the private run first, paused after step 2 (no dashboard of its own)
         local = PrivateRun(tmp_path, data, pause=True, name="local")
         entry = [sys.executable, str(SCRIPT), str(job_out), "--data", str(data),
@@ -148,7 +147,7 @@ def test_a_submitted_job_beside_a_private_local_run(tmp_path, alone):
                  "--pause-dir", str(job_pause)]
         submitted: dict = {}
         submit = threading.Thread(target=lambda: submitted.update(zip(
-            ("rc", "out"), submit_job(url, entry, _cluster_env(cluster_tmp),
+            ("rc", "out"), submit_job(url, entry, _clusterenv_for(cluster_tmp),
                                       runtime_env={"env_vars": {"TMPDIR": str(job_tmp)}}))))
         submit.start()
         try:

@@ -21,8 +21,6 @@ dashboard, a neighbour without one, two CLI runs with private Rays at once, SIGI
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
 import sys
@@ -30,87 +28,12 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-
-from ray_dhp.config.train_loop import TrainLoopConfig
 from ray_dhp.train.callbacks import read_history
-from tests.distributed.parity import make_steps, run_engine
-from tests.ray.machine import (kill_processes_with_tmpdir, neighbour_cluster,
-                               processes_with_tmpdir, short_tmp, temp_leftovers,
-                               wait_no_processes)
-from tests.ray.private_run import LOOP  # the script's own hyper-parameters
+from tests.ray.machine import (neighbour_cluster, processes_with_tmpdir, short_tmp,
+                               temp_leftovers, wait_no_processes)
+from tests.ray.shared_runs import ROOT, PrivateRun, env_for
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "tests" / "ray" / "private_run.py"
 TINY = ROOT / "examples" / "tiny.yaml"
-FAMILY = "qwen2_5_vl"
-LAYOUT = dict(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1, text_tp=2)
-
-
-@pytest.fixture(scope="module")
-def alone(tmp_path_factory):
-    """The data and the run alone: the same layout by the engine on spawned ranks (fp64)."""
-    cfg = TrainLoopConfig(**LOOP)
-    tmp = tmp_path_factory.mktemp("alone")
-    steps = make_steps(tmp, FAMILY, cfg)
-    ref = run_engine(FAMILY, LAYOUT, cfg, steps, torch.float64)
-    return tmp / f"data_{FAMILY}" / "data.jsonl", [h["loss"] for h in ref["history"]]
-
-
-@pytest.fixture(autouse=True)
-def _no_stray_runs():
-    """A failing test must not leave its runs (paused forever, or their private Rays) behind:
-    everything started with a temp folder of this test's is killed at teardown."""
-    before = set(_STARTED)
-    yield
-    for tmpdir in set(_STARTED) - before:
-        kill_processes_with_tmpdir(str(tmpdir))
-
-
-_STARTED: list = []
-
-
-def _env(tmpdir: Path) -> dict:
-    _STARTED.append(tmpdir)
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(TMPDIR=str(tmpdir), PYTHONPATH=str(ROOT), RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.25")
-    return env
-
-
-class PrivateRun:
-    """`private_run.py` in the background, pausing after step 2 when ``pause``."""
-
-    def __init__(self, tmp: Path, data: Path, *, dashboard=False, pause=False, name="private"):
-        self.tmp, self.out = short_tmp(), tmp / f"{name}.json"
-        self.pause = tmp / f"{name}_pause" if pause else None
-        cmd = [sys.executable, str(SCRIPT), str(self.out), "--data", str(data),
-               "--storage", str(tmp / "runs"), "--name", name]
-        cmd += ["--dashboard"] if dashboard else []
-        if self.pause:
-            self.pause.mkdir()
-            cmd += ["--pause-dir", str(self.pause)]
-        self.log = open(tmp / f"{name}.log", "w")
-        self.proc = subprocess.Popen(cmd, env=_env(self.tmp), stdout=self.log,
-                                     stderr=subprocess.STDOUT)
-
-    def wait_paused(self, timeout_s=600):
-        deadline = time.monotonic() + timeout_s
-        while not all((self.pause / f"paused.{r}").exists() for r in (0, 1)):
-            assert self.proc.poll() is None, self.tail()
-            assert time.monotonic() < deadline, self.tail()
-            time.sleep(0.5)
-
-    def go(self):
-        (self.pause / "go").touch()
-
-    def finish(self, timeout_s=600) -> dict:
-        assert self.proc.wait(timeout=timeout_s) == 0, self.tail()
-        self.log.close()
-        return json.loads(self.out.read_text())
-
-    def tail(self) -> str:
-        self.log.flush()
-        return Path(self.log.name).read_text()[-4000:]
 
 
 def _assert_alone_and_clean(run: PrivateRun, out: dict, alone_losses: list):
@@ -165,7 +88,7 @@ def _cli(tmp: Path, name: str, tmpdir: Path, *extra) -> subprocess.Popen:
            f"run.storage_path={tmp / 'runs'}", "run.ray_address=local", "optim.num_steps=8",
            "optim.log_every=1", "checkpoint.checkpoint_every=2", "data.demo_samples=16", *extra]
     log = open(tmp / f"{name}.log", "a")
-    return subprocess.Popen(cmd, env=_env(tmpdir), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    return subprocess.Popen(cmd, env=env_for(tmpdir), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 
 
 def _losses(run_dir: Path) -> dict:
