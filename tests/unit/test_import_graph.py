@@ -88,8 +88,8 @@ FLOORS = (
     ("planning", ("ray_dhp.planning",)),      # what a run costs before it starts
     ("checkpointing", ("ray_dhp.checkpointing",)),
     ("train", ("ray_dhp.train", "ray_dhp.layout")),  # Ray Train integration, DHPConfig
-    ("entry", ("ray_dhp.cli", "ray_dhp.run_file", "ray_dhp.tune", "ray_dhp.demo",
-               "ray_dhp.__main__", "ray_dhp")),  # what a user runs or names
+    ("entry", ("ray_dhp.cli", "ray_dhp.run_file", "ray_dhp.run_sections", "ray_dhp.tune",
+               "ray_dhp.demo", "ray_dhp.__main__", "ray_dhp")),  # what a user runs or names
 )
 
 
