@@ -63,7 +63,7 @@ PHASES = ("vision_fwd", "send_features", "text_fwd_bwd", "return_grads", "optimi
 
 def text_sample(index: int, config, tokens: int = TEXT_ONLY_TOKENS, seed: int = 0):
     """A text-only synthetic `Sample` of ``tokens`` tokens, the second half trained."""
-    from ray_dhp.data.processing import Sample
+    from ray_dhp.data.sample import Sample
 
     g = torch.Generator().manual_seed(seed * 100_003 + index + 7)
     ids = torch.randint(10, config.text_config.vocab_size, (tokens,), generator=g)

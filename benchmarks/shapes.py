@@ -84,7 +84,7 @@ def grid_for(num_patches: int, window_patches: int = 8) -> tuple[int, int]:
 
 def make_sample(index: int, num_patches: int, config, seed: int = 0):
     """One synthetic `Sample` with a single image of ``num_patches`` patches."""
-    from ray_dhp.data.processing import Sample
+    from ray_dhp.data.sample import Sample
 
     g = torch.Generator().manual_seed(seed * 100_003 + index)
     vc = config.vision_config

@@ -1,7 +1,7 @@
 """Long videos over vision sequence parallelism (issue #27): vision activations per rank at SP
 1 / 2 / 4 on one decoded video, and the longest 2 fps 448x448 video per 8 x 80 GB (planner).
 
-**Measured.** A moving-square clip is written as H.264 (`ray_dhp.demo_video.write_mp4`, PyAV),
+**Measured.** A moving-square clip is written as H.264 (`ray_dhp.demo.video.write_mp4`, PyAV),
 decoded and sampled as Qwen's ``qwen-vl-utils`` does (`ray_dhp.data.video.load_video`: 2 fps,
 frames resized to ``--size`` px) and turned into ``pixel_values_videos`` (`video_patches`). A
 Qwen2.5-VL vision tower at the real width (hidden 1280, 16 heads, MLP 3456, 112 px windows,
@@ -56,7 +56,7 @@ def decoded_video(seconds: float, size: int) -> dict:
     """Write, decode and sample a clip: ``pixel_values_videos`` and ``video_grid_thw``."""
     from ray_dhp import demo
     from ray_dhp.data.video import VideoSettings, load_video, video_patches
-    from ray_dhp.demo_video import moving_square, write_mp4
+    from ray_dhp.demo.video import moving_square, write_mp4
 
     fps = 4
     with tempfile.TemporaryDirectory() as d:

@@ -1,8 +1,9 @@
 """The run file of ``ray-dhp``: one typed configuration that maps 1:1 to YAML.
 
-Sections are thin dataclasses that build the library's own objects; fields that already exist
-there (`ModuleParallel`, `DHPConfig`, `TrainLoopConfig`) are borrowed, not repeated, so defaults
-and help strings have one source. ``ray-dhp config --print-defaults`` prints every key.
+Sections (`ray_dhp.run_sections`) are thin dataclasses that build the library's own objects;
+fields that already exist there (`ModuleParallel`, `DHPConfig`, `TrainLoopConfig`) are borrowed,
+not repeated, so defaults and help strings have one source. ``ray-dhp config --print-defaults``
+prints every key.
 
 Example:
     >>> from ray_dhp.run_file import load_run_file
@@ -18,196 +19,21 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass, fields, make_dataclass
+from dataclasses import asdict, dataclass
 from typing import Optional
 
-from ray_dhp.cli.schema import (ConfigError, apply_overrides, borrow, from_dict, option,
-                                section)
+from ray_dhp.cli.schema import ConfigError, apply_overrides, from_dict, section
 from ray_dhp.layout import FURTHER_ENCODERS, DHPConfig, ModuleParallel
 from ray_dhp.config.train_loop import TrainLoopConfig, check_dataset_weights
+from ray_dhp.run_sections import (_CHECKPOINT_KEYS, _DATA_KEYS, _PROCESSOR_KEYS,
+                                  _TRACKING_KEYS, AudioSection, CheckpointSection,
+                                  DataSection, ModelSection, OptimSection,
+                                  PlacementSection, ProcessorSection, RunSection,
+                                  ScalingSection, TextSection, TrackingSection,
+                                  VisionSection)
 
 __all__ = ["RunFile", "ConfigError", "load_run_file", "run_file_from_dict", "loop_key_in_file",
            "SHORTHANDS"]
-
-_DATA_KEYS = ("data_root", "max_tokens", "packing", "bad_data", "dataset_weights", "prefetch",
-              "data_workers", "max_text_chars", "max_image_pixels", "max_bad_fraction",
-              "eval_every", "eval_batch_size", "index_dir", "video_fps", "video_min_frames",
-              "video_max_frames", "video_min_pixels", "video_max_pixels", "video_total_pixels")
-_CHECKPOINT_KEYS = tuple(k for k in ("checkpoint_every", "async_save", "resume_from")
-                         if k in {f.name for f in fields(TrainLoopConfig)})
-_TRACKING_KEYS = ("tensorboard", "mlflow", "wandb", "ray_report_logs")
-_PROCESSOR_KEYS = ("system_prompt", "min_pixels", "max_pixels")
-_NOT_IN_FILE = ("dataset_paths",)  # filled in from data.train and data.datasets
-
-
-def _optim_keys() -> list:
-    """Every TrainLoopConfig field not claimed by another section (new fields land here)."""
-    taken = set(_DATA_KEYS + _CHECKPOINT_KEYS + _TRACKING_KEYS + _PROCESSOR_KEYS + _NOT_IN_FILE)
-    return [f.name for f in fields(TrainLoopConfig) if f.name not in taken]
-
-
-@dataclass
-class ModelSection:
-    """Which model to train: one of ``demo``, ``path``, ``family`` + ``preset``, or ``config``."""
-
-    demo: Optional[str] = option("qwen2_5_vl", "tiny random-init demo model of this family "
-                                 "(qwen2_5_vl, qwen2_vl, qwen3_vl, qwen3_vl_moe, qwen3_5, "
-                                 "qwen3_5_moe, internvl, qwen2_5_omni); used when "
-                                 "path, preset and config are unset")
-    path: Optional[str] = option(None, "local Hugging Face model directory, or a Hub model id "
-                                 "(org/name, e.g. Qwen/Qwen2.5-VL-7B-Instruct) found in the "
-                                 "Hugging Face cache (HF_HUB_CACHE), downloaded once if the Hub "
-                                 "is reachable")
-    family: Optional[str] = option(None, "model family of preset/config (e.g. qwen2_5_vl)")
-    preset: Optional[str] = option(None, "published dims of the family without weights (e.g. "
-                                   "32b); random init, or for `ray-dhp plan`")
-    config: Optional[dict] = option(None, "inline transformers config (vision_config, "
-                                    "text_config, ...); merged over the preset if both are given")
-
-
-@dataclass
-class _ProcessorOwn:
-    path: Optional[str] = option(None, "local processor directory or Hub model id (default: the "
-                                 "model directory, or the demo processor for a demo model)")
-
-
-ProcessorSection = make_dataclass(
-    "ProcessorSection", borrow(_ProcessorOwn, ["path"]) + borrow(TrainLoopConfig, _PROCESSOR_KEYS),
-    namespace={"__doc__": "The processor (tokenizer + image processor; the prompt is rendered "
-                          "with its chat template).", "__module__": __name__})
-
-
-@dataclass
-class _SequenceParallelOwn:
-    vision: int = option(1, "Ulysses degree: each image's patches are split over this many "
-                         "workers; the vision attention heads must divide by it", ge=1)
-    text: bool = option(False, "Megatron sequence parallelism over the tensor_parallel ranks: "
-                        "every text activation kept for backward (norms, residuals, projection "
-                        "inputs, checkpointed block inputs) holds 1/tensor_parallel of the "
-                        "sequence; turn it on for long images (no extra workers; needs "
-                        "tensor_parallel > 1)")
-
-
-VisionSection = make_dataclass(
-    "VisionSection", borrow(_SequenceParallelOwn, ["sequence_parallel"],
-                             rename={"sequence_parallel": "vision"})
-    + borrow(ModuleParallel, ["data_parallel", "zero_stage", "optimizer_offload"]),
-    namespace={"__doc__": "Degrees of the vision group (the vision encoder takes Ulysses sequence "
-                          "parallelism, not tensor parallelism).", "__module__": __name__})
-
-@dataclass
-class _AudioOwn:
-    sequence_parallel: int = option(1, "sequence parallelism of the audio encoder: 1 (the audio "
-                                    "encoder trains data parallel only for now)", ge=1)
-
-
-AudioSection = make_dataclass(
-    "AudioSection", borrow(_AudioOwn, ["sequence_parallel"])
-    + borrow(ModuleParallel, ["data_parallel", "zero_stage", "optimizer_offload"]),
-    namespace={"__doc__": "Degrees of the audio encoder's group, for a model with an audio "
-                          "encoder (Qwen2.5-Omni's thinker); absent: the model trains without an "
-                          "audio group (docs/multi_encoder.md).", "__module__": __name__})
-
-TextSection = make_dataclass(
-    "TextSection", borrow(ModuleParallel, ["tensor_parallel"])
-    + borrow(_SequenceParallelOwn, ["sequence_parallel"], rename={"sequence_parallel": "text"})
-    + borrow(ModuleParallel, ["data_parallel", "zero_stage", "optimizer_offload", "expert_parallel",
-                              "expert_tensor_parallel"]),
-    namespace={"__doc__": "Degrees of the text group (the language model takes tensor "
-                          "parallelism, optionally with Megatron sequence parallelism).",
-               "__module__": __name__})
-
-PlacementSection = make_dataclass(
-    "PlacementSection", borrow(DHPConfig, ["mode", "schedule", "timeout_s", "node_local"],
-                               rename={"mode": "placement"}),
-    namespace={"__doc__": "Where the module groups run (`placement: disjoint` is short for "
-                          "`placement: {mode: disjoint}`).", "__module__": __name__})
-
-
-@dataclass
-class _DataOwn:
-    train: Optional[str] = option(None, "training annotations (LLaVA JSON/JSONL): the dataset "
-                                  "named \"train\"")
-    datasets: Optional[dict] = option(None, "more named annotation files, {name: path}, mixed "
-                                      "with data.train by data.dataset_weights")
-    validation: Optional[str] = option(None, "validation annotations (LLaVA JSON/JSONL): the "
-                                       "dataset named \"validation\", evaluated (eval_loss over "
-                                       "all of it) every data.eval_every steps and at the end")
-    demo_samples: int = option(64, "when train is unset: generate the demo shapes set with this "
-                               "many samples into <storage_path>/<run name>/demo_data", ge=1)
-
-
-DataSection = make_dataclass(
-    "DataSection", borrow(_DataOwn, ["train", "validation", "datasets", "demo_samples"]) + borrow(TrainLoopConfig, _DATA_KEYS),
-    namespace={"__doc__": "Training data.", "__module__": __name__})
-
-OptimSection = make_dataclass(
-    "OptimSection", borrow(TrainLoopConfig, _optim_keys()),
-    namespace={"__doc__": "Optimizer and loop hyper-parameters (TrainLoopConfig).",
-               "__module__": __name__})
-
-
-@dataclass
-class _CheckpointOwn:
-    num_to_keep: Optional[int] = option(None, "keep this many checkpoints, the latest or, with "
-                                        "score_attribute, the best (null: all)", ge=1)
-    score_attribute: Optional[str] = option(None, "rank checkpoints by this reported metric, "
-                                            "e.g. eval_loss (needs data.validation; "
-                                            "checkpoint_every a multiple of data.eval_every); "
-                                            "null: by recency")
-    score_order: str = option("min", "min or max: which score is best", choices=("min", "max"))
-
-
-CheckpointSection = make_dataclass(
-    "CheckpointSection", borrow(TrainLoopConfig, _CHECKPOINT_KEYS) + borrow(_CheckpointOwn, ["num_to_keep", "score_attribute", "score_order"]),
-    namespace={"__doc__": "Checkpointing.", "__module__": __name__})
-
-
-TrackingSection = make_dataclass(
-    "TrackingSection", borrow(TrainLoopConfig, _TRACKING_KEYS),
-    namespace={"__doc__": "Experiment tracking (TensorBoard, MLflow, W&B) and console output.",
-               "__module__": __name__})
-
-
-@dataclass
-class ScalingSection:
-    """Ray Train workers (ray.train.ScalingConfig)."""
-
-    num_workers: Optional[int] = option(None, "Ray Train workers (null: derived from the layout; "
-                                        "anything else must equal it)", ge=1)
-    resources_per_worker: Optional[dict] = option(None, "e.g. {CPU: 1} (null: Ray's default, 1 "
-                                                  "CPU, plus 1 GPU with use_gpu)", ge=0)
-    use_gpu: bool = option(False, "one GPU per worker (NCCL); false: CPU and gloo")
-
-
-@dataclass
-class RunSection:
-    """The Ray Train run (ray.train.RunConfig) and the local Ray instance."""
-
-    name: Optional[str] = option(None, "run name, the folder under storage_path (null: "
-                                 "ray_dhp_<date>_<time>). Reusing the name of an unfinished run "
-                                 "resumes it; a finished run is refused (raise optim.num_steps "
-                                 "to continue it)")
-    storage_path: Optional[str] = option(None, "where results and checkpoints go (null: "
-                                         "~/ray_results); must be shared storage on multi-node "
-                                         "clusters")
-    max_failures: int = option(0, "worker-group restarts allowed over the run (-1: unlimited)",
-                               ge=-1)
-    placement_timeout_s: Optional[float] = option(600.0, "give up (a clear error) after waiting "
-                                                  "this long in total for room to place the "
-                                                  "workers, e.g. after losing a node that is not "
-                                                  "replaced (null: wait forever, Ray's default)")
-    num_cpus: Optional[int] = option(None, "logical CPUs of the local Ray that `ray-dhp train` "
-                                     "starts when there is no cluster to join (neither "
-                                     "RAY_ADDRESS nor one started with `ray start` on this "
-                                     "machine; null: enough for the workers); ignored when "
-                                     "joining a cluster", ge=1)
-    ray_address: Optional[str] = option(None, "which Ray `ray-dhp train` uses: null = join the "
-                                        "cluster of RAY_ADDRESS or of `ray start` on this "
-                                        "machine, else start a local one; \"local\" = always "
-                                        "a private local Ray (beside any cluster on the "
-                                        "machine); \"auto\" or host:port = join that cluster "
-                                        "(RAY_ADDRESS, when set, still wins, as in ray.init)")
 
 
 @dataclass

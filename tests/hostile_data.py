@@ -116,7 +116,7 @@ def write_audio_only(path) -> None:
 
 
 def _bad_videos(img: Path) -> None:
-    from ray_dhp.demo_video import moving_square, write_mp4
+    from ray_dhp.demo.video import moving_square, write_mp4
 
     (img / "junk.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 not really" * 20)
     (img / "empty.mp4").write_bytes(b"")

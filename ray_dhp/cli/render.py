@@ -119,7 +119,8 @@ def markdown_reference(root=None) -> str:
     for sec in fields(root):
         cls = sec.metadata["section"]
         doc = (cls.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ").replace("``", "`")
-        if not cls.__module__.startswith("ray_dhp.run_file"):  # a library class: its own words
+        own = cls.__module__ in ("ray_dhp.run_file", "ray_dhp.run_sections")
+        if not own:  # a library class: its own words
             doc = f"{sec.metadata['help'].capitalize()}."
         if sec.metadata.get("optional"):
             doc += (f" The section is optional: absent (or `{sec.name}: null`) it is off; any "

@@ -22,7 +22,7 @@ root) and its user turns hold one ``<audio>`` placeholder per clip, in order::
   `ray_dhp.models.qwen2_5_omni.audio_tokens`), placed between ``<|audio_bos|>`` and
   ``<|audio_eos|>``.
 
-Bad clips are bad samples (``AudioError`` -> `ray_dhp.data.processing.BadSample`, counted and
+Bad clips are bad samples (``AudioError`` -> `ray_dhp.data.sample.BadSample`, counted and
 skipped like bad images): a missing or unreadable file, no audio stream, an empty clip, a clip
 longer than ``AudioSettings.max_seconds`` (default: the extractor's window, which the stock
 processor would silently truncate to), or an ``<audio>`` count that differs from the clips'.

@@ -1,7 +1,7 @@
 """What the skip policy has skipped, and the summary a run fails with when too much is bad.
 
 A `BadDataLedger` counts bad samples by kind (the text of their reason before the first colon,
-see `ray_dhp.data.processing.reason_kind`), keeps the first few examples with their
+see `ray_dhp.data.sample.reason_kind`), keeps the first few examples with their
 ``file:line``, and turns them into one message: counts per reason, examples, and the most
 likely fix for the commonest reason (a wrong ``data_root`` shows as missing images).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ray_dhp.data.processing import reason_kind
+from ray_dhp.data.sample import reason_kind
 
 __all__ = ["BadDataLedger", "MIN_JUDGED"]
 

@@ -42,7 +42,7 @@ EOS = "<|im_end|>"
 
 class ChatTemplateError(ValueError):
     """The template renders this conversation in a way its replies cannot be located in (the
-    record is then bad data: `ray_dhp.data.processing.BadSample`)."""
+    record is then bad data: `ray_dhp.data.sample.BadSample`)."""
 
 
 def _with_system(messages: list, system_prompt) -> list:

@@ -1,4 +1,4 @@
-"""Collating :class:`~ray_dhp.data.processing.Sample` objects into a batch: right-padded (one
+"""Collating :class:`~ray_dhp.data.sample.Sample` objects into a batch: right-padded (one
 sample per row) or packed (several samples per row, each still seeing only itself)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from ray_dhp.data.processing import IGNORE_INDEX, Sample
+from ray_dhp.data.sample import IGNORE_INDEX, Sample
 from ray_dhp.models.qwen2_5_omni import audio_inputs
 
 __all__ = ["pad_text_batch", "pack_text_batch", "pack_rows", "row_modalities"]

@@ -32,7 +32,7 @@ GHOST_INDEX = -1
 
 def ghost_sample(pad_id: int = 0):
     """A one-token, text-only sample without targets (fills a partial batch; loss-neutral)."""
-    from ray_dhp.data.processing import Sample
+    from ray_dhp.data.sample import Sample
 
     one = torch.tensor([pad_id], dtype=torch.long)
     return Sample(index=GHOST_INDEX, input_ids=one, labels=torch.full_like(one, -100),

@@ -331,7 +331,7 @@ def decode_costs(sampler, candidates: list) -> list:
     unreadable image counts 0 (its owner reports it as bad data)."""
     from PIL import Image
 
-    from ray_dhp.data.processing import _image_paths
+    from ray_dhp.data.sample import _image_paths
 
     out = []
     for i in candidates:

@@ -91,7 +91,7 @@ class StepSampler:
     def process(self, i: int):
         """Record ``i`` as a `Sample`, or the `BadSample` exception saying why it cannot be one
         (no policy applied: see `note_bad`)."""
-        from ray_dhp.data.processing import BadSample
+        from ray_dhp.data.sample import BadSample
 
         try:
             sample = self.processor.process(

@@ -49,7 +49,7 @@ def audio_tokens(frames):
 
 
 def audio_inputs(samples) -> dict:
-    """The model's audio inputs of the samples (`ray_dhp.data.processing.Sample`), clips in
+    """The model's audio inputs of the samples (`ray_dhp.data.sample.Sample`), clips in
     batch order: ``input_features`` ``[clips, n_mels, frames]`` (each clip's columns
     left-aligned, zeros after them) and ``feature_attention_mask`` ``[clips, frames]`` (1 on a
     clip's columns), ``frames`` the longest clip's; neither key without audio (the VL models'

@@ -1,4 +1,4 @@
-"""Seconds of one collective on the cost model's links (`ray_dhp.planning.cost_model.Hardware`):
+"""Seconds of one collective on the cost model's links (`ray_dhp.planning.cost_types.Hardware`):
 ring all-reduce ``2 (n - 1) / n`` of the buffer, all-to-all ``(n - 1) / n``, plus a fixed latency;
 NVLink bandwidth when every group lies inside a node, the inter-node bandwidth otherwise.
 Shared by the cost model of every module (`ray_dhp.planning.cost_model`,

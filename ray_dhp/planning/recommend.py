@@ -22,9 +22,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ray_dhp.planning.cost_model import (Hardware, Layout, PhaseTimes, Workload, phase_times,
-                                         replica_share, schedule_time, step_time, text_flops,
-                                         vision_flops)
+from ray_dhp.planning.cost_types import Hardware, Layout, PhaseTimes, Workload
+from ray_dhp.planning.cost_model import (phase_times, replica_share, schedule_time, step_time,
+                                         text_flops, vision_flops)
 from ray_dhp.planning.memory import GIB, estimate_ranks
 
 __all__ = ["Hardware", "Workload", "Layout", "PhaseTimes", "Candidate", "recommend",

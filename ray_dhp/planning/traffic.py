@@ -8,7 +8,8 @@ the node boundary (`ray_dhp.cli.plan.nodes_text`). Plain data, no torch.distribu
 from __future__ import annotations
 
 from ray_dhp.models.sizes import vision_width
-from ray_dhp.planning.cost_model import Layout, Workload, _vision_spans, text_tokens_per_sample
+from ray_dhp.planning.cost_types import Layout, Workload
+from ray_dhp.planning.cost_model import _vision_spans, text_tokens_per_sample
 from ray_dhp.parallel.topology import Topology
 
 

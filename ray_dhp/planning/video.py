@@ -10,7 +10,7 @@ for a Qwen-VL vision tower of patch ``p``, merge ``m`` and temporal patch ``T`` 
 * attention within each temporal patch only (the towers' ``cu_seqlens`` have one segment per
   frame): the full-attention blocks cost ``ceil(F / T)`` segments of ``(H / p)(W / p)``, not one
   span of all the video's patches — `VideoShape.frame_tokens` is the segment
-  `ray_dhp.planning.cost_model.Workload.vision_segment` and the memory model take.
+  `ray_dhp.planning.cost_types.Workload.vision_segment` and the memory model take.
 
 ``H`` and ``W`` must be multiples of ``p · m`` (what Qwen's ``smart_resize`` produces; 448 = 16 x 28).
 """

@@ -26,7 +26,7 @@ import torch
 from ray_dhp import demo
 from ray_dhp.data.reading import read_annotations, resolve_data_root
 from ray_dhp.data.sampler import StepSampler
-from ray_dhp.demo_omni import make_omni_dataset
+from ray_dhp.demo.omni import make_omni_dataset
 from ray_dhp.parallel.topology import EncoderDegrees
 from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import assert_parity, run_engine, run_reference

@@ -16,7 +16,7 @@ from ray_dhp import demo
 from ray_dhp.data.reading import read_annotations, resolve_data_root
 from ray_dhp.data.sampler import StepSampler
 from ray_dhp.data.video import VideoSettings
-from ray_dhp.demo_video import make_video_dataset, moving_square, write_mp4
+from ray_dhp.demo.video import make_video_dataset, moving_square, write_mp4
 from ray_dhp.models.vision_qwen import plan_vision_shards
 from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import assert_parity, reference_fixture, run_engine, run_reference

@@ -11,7 +11,7 @@ call's buffer bytes; the plan charges a ring all-reduce ``2 (n-1)/n`` and a redu
 import pytest
 
 from ray_dhp import demo
-from ray_dhp.planning.cost_model import Layout, Workload
+from ray_dhp.planning.cost_types import Layout, Workload
 from ray_dhp.models.sizes import count_params
 from ray_dhp.planning.traffic import collective_bytes
 from ray_dhp.step.precision import policy_of

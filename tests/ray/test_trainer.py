@@ -106,7 +106,7 @@ def test_three_modules_audio_vision_text_train_end_to_end(ray_cluster, tmp_path)
     """A Qwen2.5-Omni thinker with an audio group (issue #33) through `DisaggregatedTrainer`:
     disjoint vision 1 + audio 2 + text 1 workers on a mixed set (images, clips, a record with
     both, text-only, videos); the loss falls and no sample is skipped."""
-    from ray_dhp.demo_omni import make_omni_dataset
+    from ray_dhp.demo.omni import make_omni_dataset
 
     data = make_omni_dataset(tmp_path / "data", images=12, clips=8, videos=2)
     dhp = DHPConfig(model=demo.tiny_model_config("qwen2_5_omni"),

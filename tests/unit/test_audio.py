@@ -14,9 +14,9 @@ from ray_dhp.data.audio import (AudioSettings, decode_audio, find_audio_record,
                                 refuse_audio)
 from ray_dhp.data.collate import pad_text_batch
 from ray_dhp.models.qwen2_5_omni import audio_inputs, audio_tokens
-from ray_dhp.data.processing import BadSample, _messages
+from ray_dhp.data.sample import BadSample, _messages
 from ray_dhp.data.reading import read_annotations, resolve_data_root
-from ray_dhp.demo_audio import make_audio_dataset, tone, write_wav
+from ray_dhp.demo.audio import make_audio_dataset, tone, write_wav
 
 
 @pytest.fixture(scope="module")

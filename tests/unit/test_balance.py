@@ -8,7 +8,7 @@ import torch
 
 from ray_dhp import demo
 from ray_dhp.data.budget import cut_micro_batches
-from ray_dhp.data.processing import Sample
+from ray_dhp.data.sample import Sample
 from ray_dhp.step.engine import layout_micro_batch
 from ray_dhp.parallel.balance import (Balancer, balanced_micro_batches, contiguous,
                                       decode_owners, imbalance, lpt, lpt_grouped, lpt_padded,

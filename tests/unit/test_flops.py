@@ -3,7 +3,7 @@
 import torch
 
 from ray_dhp import demo
-from ray_dhp.data.processing import Sample
+from ray_dhp.data.sample import Sample
 from ray_dhp.planning.flops import peak_flops, step_flops
 from ray_dhp.models.sizes import count_params
 from ray_dhp.planning.recommend import text_flops, vision_flops

@@ -14,7 +14,7 @@ import pytest
 
 from ray_dhp import demo
 from ray_dhp.data.loader import StepLoader
-from ray_dhp.data.processing import BadSample
+from ray_dhp.data.sample import BadSample
 from ray_dhp.data.reading import read_annotations, resolve_data_root
 from ray_dhp.data.sampler import StepSampler
 from ray_dhp.config.train_loop import TrainLoopConfig

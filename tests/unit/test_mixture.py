@@ -11,7 +11,7 @@ import pytest
 
 from ray_dhp import demo
 from ray_dhp.data.mixture import DataSource, mixture_permutation
-from ray_dhp.data.processing import BadSample
+from ray_dhp.data.sample import BadSample
 from ray_dhp.data.reading import Record, read_annotations, resolve_data_root
 from ray_dhp.data.sampler import OldSamplerState, StepSampler
 from ray_dhp.data.sources import load_sources

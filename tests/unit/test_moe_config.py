@@ -188,7 +188,7 @@ def test_recommend_picks_expert_parallelism_for_30b_a3b_on_8_gpus():
 def test_plan_traffic_has_the_expert_all_to_all_and_edp_gradients():
     """`ray-dhp plan --nodes`: EP adds the token all-to-all (`ray_dhp.planning.experts`), and the
     experts' gradients leave the text-DP reduction for the smaller EDP one."""
-    from ray_dhp.planning.cost_model import Layout, Workload
+    from ray_dhp.planning.cost_types import Layout, Workload
     from ray_dhp.planning.experts import gradient_split, sent_bytes
     from ray_dhp.models.sizes import count_params
     from ray_dhp.planning.traffic import collective_bytes, collective_groups

@@ -9,7 +9,8 @@ from ray_dhp import demo
 from ray_dhp.cli import main
 from ray_dhp.cli.models import config_from_dims
 from ray_dhp.cli.presets import preset_dims
-from ray_dhp.planning.cost_model import Workload, vision_flops
+from ray_dhp.planning.cost_types import Workload
+from ray_dhp.planning.cost_model import vision_flops
 from ray_dhp.planning.memory import ActivationSettings, estimate_zero3
 from ray_dhp.models.sizes import count_params
 from ray_dhp.planning.video import VideoShape, parse_videos

@@ -9,7 +9,8 @@ from ray_dhp.cli import main
 from ray_dhp.cli.models import config_from_dims
 from ray_dhp.cli.presets import preset_dims
 from ray_dhp.layout import DHPConfig, ModuleParallel
-from ray_dhp.planning.cost_model import Layout, PhaseTimes, schedule_time, step_time
+from ray_dhp.planning.cost_types import Layout, PhaseTimes
+from ray_dhp.planning.cost_model import schedule_time, step_time
 from ray_dhp.planning.memory import ActivationSettings
 from ray_dhp.models.sizes import count_params
 from ray_dhp.planning.memory_audio import count_audio, lm_audio_tokens

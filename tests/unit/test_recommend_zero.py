@@ -3,7 +3,7 @@ a layout that does not fit at its default stages is kept at the fastest stage pa
 predicted memory is the planner's at those stages, and the run-file fragment names them."""
 
 from ray_dhp import demo
-from ray_dhp.planning.cost_model import Layout
+from ray_dhp.planning.cost_types import Layout
 from ray_dhp.planning.memory import ActivationSettings
 from ray_dhp.models.sizes import count_params
 from ray_dhp.planning.recommend import Workload, evaluate, recommend, zero_options

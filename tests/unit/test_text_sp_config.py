@@ -67,7 +67,7 @@ def test_local_visual_rows_pick_the_shards_feature_rows():
 def test_packing_pads_to_a_multiple():
     from ray_dhp.data.collate import pack_text_batch
 
-    from ray_dhp.data.processing import Sample
+    from ray_dhp.data.sample import Sample
 
     samples = [Sample(index=i, input_ids=torch.arange(n), labels=torch.arange(n),
                       mm_token_type_ids=torch.zeros(n, dtype=torch.long)) for i, n in enumerate((5, 6))]

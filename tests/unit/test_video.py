@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ray_dhp.data.video import VideoError, VideoSettings, load_video, video_patches
-from ray_dhp.demo_video import moving_square, write_mp4
+from ray_dhp.demo.video import moving_square, write_mp4
 from tests.hostile_data import write_audio_only
 
 
@@ -276,7 +276,7 @@ def test_packed_video_samples_equal_padded_fp64(tmp_path, family):
     from ray_dhp.data.collate import pack_text_batch, pad_text_batch
     from ray_dhp.data.reading import read_annotations, resolve_data_root
     from ray_dhp.demo import tiny_model_config
-    from ray_dhp.demo_video import make_video_dataset
+    from ray_dhp.demo.video import make_video_dataset
     from ray_dhp.models import build_model
     from tests.unit.test_packing import assert_packed_logits_equal
 

@@ -1,4 +1,4 @@
-"""The main job: train the bundled tiny VLM end to end with DHP on CPU (``python -m ray_dhp.run_demo``).
+"""The main job: train the bundled tiny VLM end to end with DHP on CPU (``python -m ray_dhp.demo``).
 
 The job imports the demo's data and model helpers (`ray_dhp.demo`); they do not import it.
 """
@@ -11,7 +11,7 @@ import tempfile
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m ray_dhp.run_demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m ray_dhp.demo", description=__doc__.splitlines()[0])
     p.add_argument("--family", default="qwen2_5_vl", choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--placement", default="collocated", choices=["collocated", "disjoint"])
@@ -47,7 +47,7 @@ def main(argv=None) -> dict:
     out = os.path.abspath(args.out or tempfile.mkdtemp(prefix="ray_dhp_demo_"))
     video_keys, audio = {}, None
     if args.audio:
-        from ray_dhp.demo_omni import make_omni_dataset
+        from ray_dhp.demo.omni import make_omni_dataset
 
         args.family = "qwen2_5_omni"
         n = max(4, args.samples // 4)
@@ -55,7 +55,7 @@ def main(argv=None) -> dict:
         dp = args.audio_dp or (args.sp * args.vision_dp if args.placement == "collocated" else 1)
         audio = ModuleParallel(data_parallel=dp)
     elif args.video:
-        from ray_dhp.demo_video import make_video_dataset
+        from ray_dhp.demo.video import make_video_dataset
 
         data = make_video_dataset(os.path.join(out, "data"), num_samples=args.samples, seed=0)
         unit = 32 if args.family == "qwen3_vl" else 28  # frames of 2x2 merge units (4x4 patches)

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 from ray_dhp import demo
-from ray_dhp.demo_audio import make_audio_dataset
-from ray_dhp.demo_video import make_video_dataset
+from ray_dhp.demo.audio import make_audio_dataset
+from ray_dhp.demo.video import make_video_dataset
 
 __all__ = ["make_omni_dataset"]
 
@@ -19,7 +19,7 @@ def make_omni_dataset(path, *, images: int = 6, clips: int = 4, videos: int = 0,
     ``mixed.jsonl``. Records in this order: ``images`` shape images (every third text-only,
     `ray_dhp.demo.make_dataset`), ``clips`` generated clips (`make_audio_dataset`), one record
     with an image *and* a clip, then ``videos`` moving-square videos
-    (`ray_dhp.demo_video.make_video_dataset`). Paths are relative to ``path``."""
+    (`ray_dhp.demo.video.make_video_dataset`). Paths are relative to ``path``."""
     root = Path(path)
     parts = [("img", demo.make_dataset(root / "img", num_samples=images, seed=seed,
                                        text_only_every=3, image_sizes=((56, 56), (84, 56)))),

@@ -8,7 +8,7 @@
   three Omni audio tokens; the processor adds a Whisper log-mel feature extractor.
 * `write_wav` / `tone` / `make_audio_dataset`: 16-bit PCM wav clips synthesised with numpy
   (steady tones and rising / falling chirps), captioned with their label (mixed with images,
-  videos and text-only records: `ray_dhp.demo_omni`).
+  videos and text-only records: `ray_dhp.demo.omni`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,171 @@
+"""The language model's phase of `ray_dhp.step.engine.DHPEngine` (see `ray_dhp.step.schedule`):
+the text forward/backward of a micro-batch on the text ranks, with the encoders' feature rows
+in the text layout, and the feature gradients it hands back to the encoders (`EncoderPhases`,
+`ray_dhp.step.encoders`). The text batch is padded, or packed with ``cfg.packing``; `TextPhase`
+holds no state: it works on the engine's ``groups``, ``family``, ``text_model`` and micro-batch
+states."""
+
+from __future__ import annotations
+
+import torch
+
+from ray_dhp.models.contract import check_features_consumed
+from ray_dhp.step.gpu import to_device
+from ray_dhp.step.loss import LossInputs, backward_loss, sample_ids_of
+from ray_dhp.step.microbatch import _MicroBatch, shift_labels, upcast
+
+
+class TextPhase:
+    """The language model's phase and its helpers, for `DHPEngine`."""
+
+    def _text_fwd_bwd(self, mb: "_MicroBatch", n_targets: int) -> None:
+        g = self.groups
+        if g.is_text:
+            j = g.text_coord[0]
+            one = self.fsdp is not None or self._router_loss is not None
+            groups = mb.lay.text_groups[j] if mb.lay.text_groups and not one \
+                else [mb.lay.text_samples[j]]  # FSDP, MoE: the same number of forwards per replica
+            if self.fsdp is not None:  # reduce-scatter in the step's last backward only
+                self.fsdp.sync(mb is self._states[-1])
+            mb.loss_sum, mb.grad_feats = self._text_groups(mb, mb.lay.text_samples[j], groups, n_targets)
+        mb.text_feats = {}
+
+    def _text_groups(self, mb: "_MicroBatch", mine: list, groups: list, n_targets: int):
+        """The replica's samples ``mine`` run as ``groups`` (each padded to its own longest),
+        one forward/backward after the other; each group takes its rows of the replica's
+        features (per encoder), whose gradient accumulates over the groups. Loss sum and the
+        feature gradients ``{encoder: grad}``."""
+        last = mb is self._states[-1]
+        if len(groups) == 1:
+            self._arm_reduce("text", last)
+            return self._text_forward_backward([mb.samples[i] for i in mine], mb.text_feats, n_targets)
+        feats = {}
+        for name, f in mb.text_feats.items():
+            if f is not None and f.shape[0] > 0:
+                f = f.detach().requires_grad_(self.encoder_trains(name))
+            feats[name] = f
+        rows = {name: mb.lay.group_rows(mine, groups, name) for name in feats}
+        loss_sum = 0.0
+        for n, grp in enumerate(groups):
+            self._arm_reduce("text", last and n == len(groups) - 1)
+            sub = {name: None if f is None else f.index_select(0, rows[name][n].to(f.device))
+                   for name, f in feats.items()}
+            loss, _ = self._text_forward_backward([mb.samples[i] for i in grp], sub, n_targets)
+            loss_sum = loss_sum + loss
+        grads = {}
+        for name, f in feats.items():
+            if f is not None and f.shape[0] > 0:
+                check_features_consumed(f, passed=True)
+            grads[name] = None if f is None else f.grad
+        return loss_sum, grads
+
+    def _text_batch(self, samples) -> dict:
+        """Padded (one sample per row) or, with ``cfg.packing``, packed rows of at most
+        ``cfg.max_tokens`` tokens with per-sample positions, attention and targets. With text
+        sequence parallelism the length is padded to a multiple of the TP degree (`_pad_tail`:
+        pad tokens come last and have no target, so the loss and gradients are unchanged)."""
+        from ray_dhp.data.collate import pack_text_batch, pad_text_batch
+        from ray_dhp.parallel.text_sp import pad_multiple
+
+        pad_id = self.config.text_config.pad_token_id or 0
+        topo = self.groups.topology
+        multiple = pad_multiple(topo.text.inner, topo.text_sequence_parallel)
+        if not self.cfg.packing:
+            return _pad_tail(pad_text_batch(samples, pad_id), multiple, pad_id)
+        batch = pack_text_batch(samples, pad_id, self.cfg.max_tokens,
+                                rope_index=self.text_model.model.get_rope_index, pad_to_multiple_of=multiple)
+        impl = self.family.language_model(self.text_model).config._attn_implementation
+        if batch["input_ids"].shape[0] > 1 and impl not in _MASKED_ATTENTION:
+            raise ValueError(
+                f"packing into several rows needs a mask-based attention ({_MASKED_ATTENTION}); "
+                f"{impl!r} detects packed samples from positions only in a single row: set "
+                f"max_tokens=None (one row per micro-batch) or use attn_implementation='sdpa'."
+            )
+        return batch
+
+    def _text_logits(self, samples, feats: dict):
+        """The text forward of ``samples`` with ``feats`` (``{encoder: rows}``, their features
+        in the text layout): the batch, the features as handed in per encoder (those with
+        rows) and the (vocab-sharded) logits. Shared by training and `ray_dhp.step.evaluation`."""
+        dev = self.groups.device
+        batch = self._text_batch(samples)
+        handed, enc, extra = {}, None, {}
+        for name, f in feats.items():
+            if f is None or f.shape[0] == 0:
+                continue
+            if torch.is_grad_enabled() and self.encoder_trains(name) and not f.requires_grad:
+                f.requires_grad_(True)
+            handed[name] = f
+            if name == "vision":
+                from ray_dhp.data.collate import row_modalities
+
+                merge = self.family.merge_size(self.config)
+                enc = self.family.encoder_outputs(self.config, f, row_modalities(samples, merge))
+            else:  # through the stock forward's own seam (`EncoderSpec` operations)
+                ops = self.family.encoder_spec(name).operations()
+                ops.fill_slot(self.text_model, f)
+                extra.update(ops.text_inputs(samples, dev))
+        grid, mask, pos = batch["image_grid_thw"], batch["attention_mask"], batch.get("position_ids")
+        videos = {} if batch.get("video_grid_thw") is None else \
+            {"video_grid_thw": to_device(batch["video_grid_thw"], dev)}
+        seconds = self.family.video_seconds_key  # Qwen2.5-VL's absolute-time M-RoPE and Omni's
+        if batch.get("second_per_grid_ts") is not None and _accepts(self.text_model, seconds):
+            videos[seconds] = to_device(batch["second_per_grid_ts"], dev)
+        with self._autocast():
+            out = self.text_model(
+                input_ids=to_device(batch["input_ids"], dev),
+                attention_mask=None if mask is None else to_device(mask, dev),
+                position_ids=None if pos is None else to_device(pos, dev),
+                mm_token_type_ids=to_device(batch["mm_token_type_ids"], dev),
+                image_grid_thw=None if grid is None else to_device(grid, dev),
+                mm_encoder_outputs=enc, use_cache=False, **videos, **extra)
+        return batch, handed, out.logits
+
+    def _text_forward_backward(self, samples, feats: dict, n_targets: int):
+        dev, router = self.groups.device, self._router_loss
+        if router is not None:
+            router.record(True)
+        batch, handed, logits = self._text_logits(samples, feats)
+        targets = batch["targets"] if "targets" in batch else shift_labels(batch["labels"])
+        sample_ids = sample_ids_of(batch, samples).to(dev)
+        inputs = LossInputs(upcast(logits), targets.to(dev), sample_ids,
+                            list(samples), n_targets, self._num_samples)
+        extra = None if router is None else router.contribution(sample_ids >= 0, len(self._states))
+        value = backward_loss(self._loss_fn, inputs, self.groups.topology.text.inner > 1, extra)
+        grads = {}
+        for name, f in feats.items():
+            check_features_consumed(f, passed=name in handed)
+            grads[name] = f.grad if name in handed and f.is_leaf else None
+        return value, grads
+
+
+def _pad_tail(batch: dict, multiple: int, pad_id: int) -> dict:
+    """Right-pad a padded batch to a length that is a multiple of ``multiple`` (text sequence
+    parallelism). The tail is *attended* (mask 1): under causal attention no real token sees a
+    later one, and the tail has no targets, so the loss and gradients are unchanged — and a batch
+    without padding keeps an all-ones mask, so attention stays mask-free (``is_causal``) instead
+    of materialising an ``S x S`` mask."""
+    length = batch["input_ids"].shape[1]
+    extra = -length % multiple
+    if not extra:
+        return batch
+    fill = {"input_ids": pad_id, "attention_mask": 1, "labels": -100, "mm_token_type_ids": 0}
+    out = dict(batch)
+    for key, value in fill.items():
+        t = batch[key]
+        out[key] = torch.cat([t, t.new_full((t.shape[0], extra), value)], dim=1)
+    return out
+
+
+# Attention implementations whose mask transformers builds from packed position ids for any
+# number of rows (flash kernels infer packing from positions only when there is one row).
+_MASKED_ATTENTION = ("sdpa", "eager", "flex_attention")
+
+
+def _accepts(model, name: str) -> bool:
+    """Whether the model's forward takes ``name`` (the videos' seconds: Qwen2.5-VL and
+    Qwen2.5-Omni only); a PEFT wrapper is looked through."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return name in inspect.signature(base.forward).parameters
