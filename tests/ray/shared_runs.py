@@ -48,7 +48,7 @@ class PrivateRun:
     """`private_run.py` in the background, pausing after step 2 when ``pause``."""
 
     def __init__(self, tmp: Path, data: Path, *, dashboard=False, pause=False, name="private"):
-        self.tmp, self.out = short_tmp(), tmp / f"{name}.json"
+        self.tmp, self.out, self.dashboard = short_tmp(), tmp / f"{name}.json", dashboard
         self.pause = tmp / f"{name}_pause" if pause else None
         cmd = [sys.executable, str(SCRIPT), str(self.out), "--data", str(data),
                "--storage", str(tmp / "runs"), "--name", name]

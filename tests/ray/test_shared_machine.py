@@ -44,7 +44,14 @@ def _assert_alone_and_clean(run: PrivateRun, out: dict, alone_losses: list):
         assert abs(got - want) <= 1e-10 * abs(want), (losses, alone_losses)
     assert out["left"]["placement_groups"] == 0 and out["left"]["actors"] == [], out["left"]
     assert wait_no_processes(str(run.tmp)) == []
-    assert temp_leftovers(str(run.tmp)) == []
+    left = temp_leftovers(str(run.tmp))
+    if run.dashboard:
+        # The user's own ray.init(include_dashboard=True): Ray's dashboard keeps a
+        # multiprocessing folder (pymp-*) in TMPDIR that its shutdown does not remove (a Ray
+        # leak, docs/faq.md; `ray-dhp train` gives its private Ray a temp folder of its own and
+        # removes it). Nothing else may be left.
+        left = [n for n in left if not n.startswith("pymp-")]
+    assert left == []
 
 
 def test_a_neighbour_cluster_started_mid_run_does_not_kill_it(tmp_path, alone):
