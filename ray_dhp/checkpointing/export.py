@@ -42,9 +42,11 @@ def model_config_of(meta: dict):
 
     from ray_dhp.models import FAMILIES
 
-    family = FAMILIES[meta["family"]]
-    cls = getattr(transformers, family.model_class).config_class
-    return cls.from_dict(json.loads(meta["model_config"]))
+    stored = json.loads(meta["model_config"])
+    if meta["family"] not in FAMILIES:  # a generic family: transformers' own config class
+        return transformers.CONFIG_MAPPING[stored["model_type"]].from_dict(stored)
+    cls = getattr(transformers, FAMILIES[meta["family"]].model_class).config_class
+    return cls.from_dict(stored)
 
 
 def build_hf_model(config, tensors: dict, dtype: Optional[torch.dtype] = None):

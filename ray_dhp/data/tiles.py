@@ -37,7 +37,8 @@ class TileImageProcessor:
 
     Args:
         tiler: the processor; called with ``images=`` and ``return_tensors="pt"``, it returns
-            ``pixel_values [tiles, C, S, S]`` and ``num_patches`` (tiles per image).
+            ``pixel_values [tiles, C, S, S]`` and ``num_patches`` (tiles per image; without it,
+            one tile per image: a fixed-size processor such as SigLIP's).
         patch_size: the ViT's patch size ``P``.
         merge_size: patches per side of one feature row (``1 / downsample_ratio``).
     """
@@ -52,7 +53,9 @@ class TileImageProcessor:
         if tiles.shape[-2] != tiles.shape[-1] or side % self.merge_size:
             raise ValueError(f"tiles of {tuple(tiles.shape[-2:])} px do not fit patch "
                              f"{self.patch_size} x merge {self.merge_size}")
-        grid = torch.tensor([[int(n), side, side] for n in out["num_patches"]], dtype=torch.long)
+        counts = out.get("num_patches")  # a fixed-size processor: one tile per image
+        counts = [1] * tiles.shape[0] if counts is None else counts
+        grid = torch.tensor([[int(n), side, side] for n in counts], dtype=torch.long)
         return {"pixel_values": tile_rows(tiles, self.patch_size), "image_grid_thw": grid}
 
     def save_pretrained(self, directory) -> None:

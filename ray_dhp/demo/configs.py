@@ -54,10 +54,6 @@ def _qwen3_5_text(text: dict) -> dict:
             "linear_key_head_dim": 8, "linear_value_head_dim": 8}
 
 
-def _check_family(family: str) -> None:
-    if family not in FAMILIES + AUDIO_FAMILIES:
-        raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES + AUDIO_FAMILIES}")
-
 
 #: The tiny mixture-of-experts LM (``qwen3_vl_moe``): 8 experts of intermediate 32, top-2, in
 #: every layer; the load-balancing loss weighs 0.05 (transformers' default 0.001 would leave
@@ -123,7 +119,10 @@ def tiny_model_config(family: str = "qwen2_5_vl", *, tie_word_embeddings: bool =
 
     ``"qwen2_5_omni"``: the Qwen2.5-Omni *thinker* (`ray_dhp.demo.audio.omni_config`).
     """
-    _check_family(family)
+    if family not in FAMILIES + AUDIO_FAMILIES:  # any other seam model: generic rules
+        from ray_dhp.demo.generic import tiny_generic_config
+
+        return tiny_generic_config(family)
     if family == "internvl":
         return _tiny_internvl(tie_word_embeddings)
     if family in AUDIO_FAMILIES:

@@ -3,8 +3,7 @@ matching the tiny configs' patch geometry."""
 
 from __future__ import annotations
 
-from ray_dhp.demo.configs import (_TINY_INTERNVL_TILE, AUDIO_FAMILIES, _check_family,
-                                  _vision_geometry)
+from ray_dhp.demo.configs import _TINY_INTERNVL_TILE, AUDIO_FAMILIES, FAMILIES, _vision_geometry
 from ray_dhp.demo.tokenizer import CHAT_TEMPLATE, build_tokenizer
 
 __all__ = ["tiny_processor"]
@@ -26,7 +25,10 @@ def tiny_processor(family: str = "qwen2_5_vl", *, min_side: int = 56, max_side: 
 
     ``"qwen2_5_omni"``: with an audio feature extractor (`ray_dhp.demo.audio.omni_processor`).
     """
-    _check_family(family)
+    if family not in FAMILIES + AUDIO_FAMILIES:  # any other seam model: generic rules
+        from ray_dhp.demo.generic import tiny_generic_processor
+
+        return tiny_generic_processor(family)
     if family in AUDIO_FAMILIES:
         from ray_dhp.demo.audio import omni_processor, omni_tokenizer
 

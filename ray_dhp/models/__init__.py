@@ -42,12 +42,18 @@ def load_model_config(model):
 
 
 def family_of(config) -> FamilySpec:
+    """The family of ``config``: a hand-written one (`FAMILIES`) where there is one, else the
+    generic family read from the model's own metadata (`ray_dhp.models.generic`)."""
     mt = getattr(config, "model_type", None)
-    if mt not in _BY_MODEL_TYPE:
-        raise ValueError(
-            f"model_type {mt!r} is not supported; supported families: {sorted(_BY_MODEL_TYPE)}."
-        )
-    return _BY_MODEL_TYPE[mt]
+    if mt in _BY_MODEL_TYPE:
+        return _BY_MODEL_TYPE[mt]
+    from ray_dhp.models.generic import UnsupportedModel, generic_family
+
+    try:
+        return generic_family(config)
+    except UnsupportedModel as e:
+        raise ValueError(f"model_type {mt!r} is not supported: {e}. Families with their own "
+                         f"file: {sorted(_BY_MODEL_TYPE)}.") from None
 
 
 def fp64_experts(config, dtype) -> bool:

@@ -99,6 +99,9 @@ class FamilySpec:
     # ``[rows, width]`` tensor (models that ``masked_scatter`` it whole, e.g. InternVL).
     pooled_tuple: bool = True
     vision_zero3: bool = True  # False: `ray_dhp.models.fsdp_vision` cannot unit this tower
+    # full names (or prefixes) of parameters the stock forward never gives a gradient (a tower
+    # layer after the one whose features are taken): held frozen, as the stock AdamW skips them
+    unused: tuple = ()
 
     # -- model access (the seams of transformers' VLM classes) ---------------------------------
 
@@ -188,6 +191,11 @@ class FamilySpec:
     @staticmethod
     def language_model(model) -> torch.nn.Module:
         return model.model.language_model
+
+    def lm_inputs(self, config, kwargs: dict) -> dict:
+        """The text forward's keyword arguments as this family's stock forward takes them (the
+        hand-written families take them all; `ray_dhp.models.generic` filters and adds)."""
+        return kwargs
 
     def feature_dim(self, config) -> int:
         """Width of one merged vision row as it crosses the boundary (deepstack concatenated)."""

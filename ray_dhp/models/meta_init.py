@@ -38,13 +38,17 @@ from torch.utils._pytree import tree_leaves, tree_map
 RANDOM_OPS = frozenset({
     "uniform_", "normal_", "normal", "bernoulli_", "bernoulli", "random_", "exponential_",
     "geometric_", "cauchy_", "log_normal_", "rand", "randn", "randint", "randperm", "rand_like",
-    "randn_like", "randint_like", "multinomial", "native_dropout", "poisson",
+    "randn_like", "randint_like", "multinomial", "native_dropout", "poisson", "trunc_normal_",
 })
 # In-place ops whose result does not depend on the previous contents of their target.
 OVERWRITE_OPS = frozenset({
     "uniform_", "normal_", "bernoulli_", "random_", "exponential_", "geometric_", "cauchy_",
-    "log_normal_", "fill_", "zero_", "copy_",
+    "log_normal_", "fill_", "zero_", "copy_", "trunc_normal_",
 })
+# ``torch.nn.init`` functions recorded as whole calls: on a meta tensor they return at once
+# (``trunc_normal_``: rejection sampling, as many draws as the values need), so their aten ops
+# are never seen; replayed, the call on the real tensor draws exactly what the reference drew.
+WHOLE_CALLS = ("trunc_normal_",)
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,8 @@ class RecordedOp:
 
     @property
     def name(self) -> str:
-        return self.func.overloadpacket.__name__
+        packet = getattr(self.func, "overloadpacket", None)  # an aten op, or a whole init call
+        return packet.__name__ if packet is not None else self.func.__name__
 
     @property
     def is_random(self) -> bool:
@@ -89,6 +94,8 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.ops: list = []
         self.foreign_random: list = []  # out-of-place random ops on real tensors while constructing
+        # storage -> (op, tensor) of out-of-place draws not (yet) seen to become a parameter
+        self.foreign: dict = {}
         # Real (non-meta) tensors a random op wrote into while constructing (e.g. a draw in a
         # module's ``__init__`` whose value is overwritten later): kept alive so their storage key
         # stays theirs; their writes are recorded and replayed like those of a meta temporary.
@@ -121,6 +128,13 @@ class _Recorder(TorchDispatchMode):
             if written is not None and (name in RANDOM_OPS or storage_key(written) in self.temps):
                 self.temps[storage_key(written)] = written
                 self._record(func, args, kwargs, written)
+            elif name in RANDOM_OPS and isinstance(out, torch.Tensor):
+                # an out-of-place draw (``nn.Parameter(torch.randn(d))``, CLIP's class
+                # embedding): replayed as a generator advance; allowed only if its result
+                # becomes a parameter (moved to meta, fully written later by the init)
+                self.foreign[storage_key(out)] = (str(func), out)
+                # the dtype explicit: the draw was made under the construction's default dtype
+                self._record(func, args, {**kwargs, "dtype": out.dtype}, None)
             elif name in RANDOM_OPS:
                 self.foreign_random.append(str(func))
             return out
@@ -141,14 +155,17 @@ def _written_arg(func, args, kwargs, meta: bool) -> Optional[torch.Tensor]:
 
 
 @contextlib.contextmanager
-def parameters_on_meta():
-    """Register every new parameter on the meta device (buffers stay where they are made)."""
+def parameters_on_meta(on_real: Optional[Callable[[torch.Tensor], None]] = None):
+    """Register every new parameter on the meta device (buffers stay where they are made);
+    ``on_real(tensor)``: told of each real tensor a parameter was made of."""
     original = torch.nn.Module.register_parameter
 
     def register(module, name, param):
         original(module, name, param)
         p = module._parameters.get(name)
         if p is not None and not p.is_meta:
+            if on_real is not None:
+                on_real(p)
             module._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
 
     torch.nn.Module.register_parameter = register
@@ -263,14 +280,47 @@ def _run(op: RecordedOp, resolve) -> None:
     op.func(*tree_map(real, op.args), **tree_map(real, op.kwargs))
 
 
+@contextlib.contextmanager
+def _whole_calls_recorded(rec: "_Recorder"):
+    """Record `WHOLE_CALLS` on meta tensors as one op each (torch's and transformers' names)."""
+    import sys
+
+    init_fns = getattr(sys.modules.get("transformers.initialization"), "TORCH_INIT_FUNCTIONS", {})
+    saved = []
+    for name in WHOLE_CALLS:
+        original = getattr(torch.nn.init, name)
+
+        def recorded(tensor, *args, _original=original, **kwargs):
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                rec._record(_original, (tensor, *args), kwargs, tensor)
+                return tensor
+            return _original(tensor, *args, **kwargs)
+
+        saved.append((torch.nn.init, name, original))
+        setattr(torch.nn.init, name, recorded)
+        if name in init_fns:
+            saved.append((init_fns, name, init_fns[name]))
+            init_fns[name] = recorded
+    try:
+        yield
+    finally:
+        for holder, name, original in saved:
+            if isinstance(holder, dict):
+                holder[name] = original
+            else:
+                setattr(holder, name, original)
+
+
 def construct_recorded(build: Callable[[], torch.nn.Module]):
     """Run ``build()`` with parameters on meta and their init recorded; return (model, record)."""
     rec = _Recorder()
-    with torch.random.fork_rng(devices=[]), parameters_on_meta(), rec:
+    with torch.random.fork_rng(devices=[]), _whole_calls_recorded(rec), \
+            parameters_on_meta(lambda t: rec.foreign.pop(storage_key(t), None)), rec:
         model = build()
-    if rec.foreign_random:
+    stray = rec.foreign_random + [op for op, _ in rec.foreign.values()]
+    if stray:
         raise ValueError(
             f"random init: constructing {type(model).__name__} draws random numbers outside its "
-            f"parameters ({sorted(set(rec.foreign_random))}); sharded random init cannot reproduce "
+            f"parameters ({sorted(set(stray))}); sharded random init cannot reproduce "
             f"it. Load the model from a directory instead.")
     return model, InitRecord(model, rec.ops)

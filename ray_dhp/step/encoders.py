@@ -31,7 +31,7 @@ class EncoderPhases:
     def _vision_fwd(self, mb: "_MicroBatch", n_targets: int) -> None:
         """The encoders' forward (phase name kept: the vision side is the first encoder)."""
         g = self.groups
-        mb.lay = layout_micro_batch(mb.samples, g.topology, self.family.name,
+        mb.lay = layout_micro_batch(mb.samples, g.topology, self.family,
                                     self.config, self.balancer())
         self._note_inputs(mb)
         for m in g.topology.encoders:

@@ -94,7 +94,7 @@ class DHPEngine(EncoderPhases, TextPhase, UpdateMixin):
                              "(its tower is not split into FSDP units); use vision.zero_stage<=2.")
         shard_vision(self)  # ... and over the vision group (ray_dhp.models.fsdp_vision)
         unhosted = tuple(e.prefix for e in self.family.encoders if topo.encoder(e.name) is None) \
-            + tuple(e.prefix + u for e in self.family.encoders for u in e.unused)
+            + tuple(e.prefix + u for e in self.family.encoders for u in e.unused) + self.family.unused
         held = apply_tuning({**{(n, self.family.encoder_prefix(n)): m for n, m in self.shards.items()},
                              ("text", ""): self.text_model}, self.tuning, unhosted)
         self.params, self.frozen_params = held  # module name -> its trainable parameters

@@ -103,13 +103,14 @@ class MicroBatchLayout:
         return self.encoders[encoder].group_rows(mine, groups)
 
 
-def layout_micro_batch(samples, topology, family_name: str, config,
+def layout_micro_batch(samples, topology, family, config,
                        balancer: "Balancer" = COUNT) -> MicroBatchLayout:
     """The micro-batch's plan: per encoder (`Topology.encoders`) its samples per replica
     (``balancer``: by cost, or contiguous equal counts), feature-row offsets and each replica's
-    shard plan; the samples per text replica and their padded groups. ``config``: the model
-    config (the Qwen families also take their vision config: the merge size is there)."""
-    family = FAMILIES[family_name]
+    shard plan; the samples per text replica and their padded groups. ``family``: a
+    `FamilySpec` or the name of a hand-written one; ``config``: the model config (the Qwen
+    families also take their vision config: the merge size is there)."""
+    family = FAMILIES[family] if isinstance(family, str) else family
     n, t = len(samples), topology.text
     for m in topology.modules:
         if n < m.dp:

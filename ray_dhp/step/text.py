@@ -112,13 +112,13 @@ class TextPhase:
         if batch.get("second_per_grid_ts") is not None and _accepts(self.text_model, seconds):
             videos[seconds] = to_device(batch["second_per_grid_ts"], dev)
         with self._autocast():
-            out = self.text_model(
+            out = self.text_model(**self.family.lm_inputs(self.config, dict(
                 input_ids=to_device(batch["input_ids"], dev),
                 attention_mask=None if mask is None else to_device(mask, dev),
                 position_ids=None if pos is None else to_device(pos, dev),
                 mm_token_type_ids=to_device(batch["mm_token_type_ids"], dev),
                 image_grid_thw=None if grid is None else to_device(grid, dev),
-                mm_encoder_outputs=enc, use_cache=False, **videos, **extra)
+                mm_encoder_outputs=enc, use_cache=False, **videos, **extra)))
         return batch, handed, out.logits
 
     def _text_forward_backward(self, samples, feats: dict, n_targets: int):

@@ -274,8 +274,8 @@ def parity_failures(got: dict, ref: dict, *, loss_tol: float, param_tol=None, up
     """Everything out of tolerance, as ``(what, error, rank, name)``: the loss and grad-norm of
     every step (rank ``None``), then every rank's copy of every parameter and of its update and,
     with ``grad_tol``, of the clipped gradient of the first ``grad_steps`` steps (all if None).
-    A tolerance of None skips that check; ``skip``: name suffixes left out of the parameter
-    and update checks."""
+    A tolerance of None skips that check; ``skip``: name suffixes left out of the parameter,
+    update and gradient checks."""
     per_rank = got["per_rank"]
     hosted = set().union(*(o["params"] for o in per_rank))
     assert hosted == set(ref["params"]), hosted ^ set(ref["params"])
@@ -294,8 +294,8 @@ def parity_failures(got: dict, ref: dict, *, loss_tol: float, param_tol=None, up
     if grad_tol is not None:
         for k, ref_grads in enumerate(ref["grads"][:grad_steps]):
             step = [{"grads": o["grads"][k]} for o in per_rank]
-            bad += [(f"grad step {k + 1}", *e) for e in copy_errors(step, ref_grads, key="grads")
-                    if e[0] > grad_tol]
+            bad += [(f"grad step {k + 1}", *e)
+                    for e in copy_errors(step, ref_grads, key="grads", skip=skip) if e[0] > grad_tol]
     return bad
 
 

@@ -1,0 +1,246 @@
+"""Any transformers vision-language model with the ``mm_encoder_outputs`` seam, read from the
+model's own metadata: a `FamilySpec` built at run time, with nothing written for the family.
+
+What is read, and from where:
+
+* **The class**: the config's ``*ForConditionalGeneration`` in transformers' image-text-to-text
+  auto mapping; its ``forward`` must name ``mm_encoder_outputs`` (the seam the text shard takes
+  the features through, exactly as the stock forward takes them from ``get_image_features``).
+* **The vision side**: every child of ``model.model`` besides the language model (e.g.
+  ``vision_tower`` + ``multi_modal_projector``); a vision rank keeps a *shell* of the model's own
+  inner class that holds only those children, so ``get_image_features`` — the model's own code —
+  runs on it unchanged. The child whose module carries the vision config is the tower, the
+  others are the projector ("merger" in ``modules:``).
+* **Rows per image**: one ``get_image_features`` call on the meta device at the tower's
+  ``image_size`` (no memory, no compute) gives the feature rows of one image; they must tile the
+  ``image_size / patch_size`` patch grid as ``m x m`` squares (``m``: the merge size the data
+  mechanisms count rows with). A model whose rows do not is refused, with the counts.
+* **Text tensor parallelism**: the language model's ``base_model_tp_plan`` (``colwise`` /
+  ``rowwise`` as DTensor's ``ColwiseParallel`` / ``RowwiseParallel``; parameters marked
+  ``replicated_with_grad_allreduce`` — per-head norms that see only the local heads — get their
+  gradients summed over the TP group), plus ray_dhp's vocabulary-parallel embedding and
+  ``lm_head`` (logits stay vocabulary-sharded for the parallel loss). A plan with any other
+  style is refused for ``tensor_parallel > 1``, naming the style.
+* **The forward's inputs**: only keywords its ``forward`` names are passed; a forward that
+  takes ``token_type_ids`` (Gemma 3's bidirectional attention over an image's tokens) gets 1 on
+  image tokens, as the family's processor writes them.
+
+Covered today: towers on fixed-size images (one tile per image: ``image_size`` from the vision
+config), vision data parallelism (sequence parallelism needs a tower file, and is refused with
+the reason), text TP, ZeRO 1-3 for the text side. Refused in the driver, with the reason:
+packing, text sequence parallelism, vision ZeRO-3, expert parallelism.
+
+Example::
+
+    from transformers import AutoConfig
+    spec = family_of(AutoConfig.for_model("gemma3"))   # a GenericFamily, nothing written for it
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ray_dhp.models.base import FamilySpec
+from ray_dhp.models.contract import SEAM
+
+__all__ = ["GenericFamily", "generic_family", "seam_class", "UnsupportedModel"]
+
+#: language-model attributes of ``model.model`` (in the order they are looked for)
+_LM_ATTRS = ("language_model",)
+_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
+
+
+class UnsupportedModel(ValueError):
+    """The model cannot be trained generically; the message says why."""
+
+
+def seam_class(config):
+    """The transformers ``*ForConditionalGeneration`` class of ``config`` whose forward takes
+    ``mm_encoder_outputs``, or raise `UnsupportedModel` saying why not."""
+    from transformers import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    mt = getattr(config, "model_type", None)
+    try:
+        cls = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
+    except KeyError:
+        raise UnsupportedModel(f"model_type {mt!r}: transformers has no image-text-to-text model "
+                               "class for this config") from None
+    if SEAM not in inspect.signature(cls.forward).parameters:
+        raise UnsupportedModel(f"model_type {mt!r}: {cls.__name__}.forward takes no {SEAM!r} "
+                               "(the seam ray_dhp hands the encoder features through)")
+    return cls
+
+
+@dataclass(frozen=True)
+class GenericFamily(FamilySpec):
+    """A `FamilySpec` read from a transformers model (see the module docstring)."""
+
+    lm_attr: str = "language_model"
+    tower: str = "vision_tower"        # the child of ``model.model`` that is the vision tower
+    rows_per_image: int = 0            # feature rows of one image at ``image_size``
+    text_plan_refusal: str = ""        # why text TP > 1 is refused ("" when the plan translates)
+    forward_params: tuple = ()         # the keywords the stock forward names
+
+    # -- model access ---------------------------------------------------------------------------
+
+    def language_model(self, model) -> torch.nn.Module:  # noqa: D102 - FamilySpec's
+        return getattr(model.model, self.lm_attr)
+
+    def visual(self, model) -> torch.nn.Module:
+        """A shell of ``model.model``'s own class holding only the vision parts (same module
+        objects, names ``<part>.<name>``), so its ``get_image_features`` runs unchanged."""
+        inner = model.model
+        shell = type(inner).__new__(type(inner))
+        torch.nn.Module.__init__(shell)
+        shell.config = inner.config
+        for p in self.vision_parts:
+            shell.add_module(p, getattr(inner, p))
+        return shell
+
+    def lm_inputs(self, config, kwargs: dict) -> dict:
+        """The keywords the stock forward names (others dropped), plus ``token_type_ids``
+        (1 on image tokens) where the forward takes them."""
+        out = {k: v for k, v in kwargs.items() if k in self.forward_params}
+        if "token_type_ids" in self.forward_params and kwargs.get("mm_token_type_ids") is not None:
+            out["token_type_ids"] = (kwargs["mm_token_type_ids"] == 1).long()
+        return out
+
+    def stock_inputs(self, config, kwargs: dict) -> dict:
+        kwargs = super().stock_inputs(config, kwargs)
+        return self.lm_inputs(config, kwargs)
+
+    # -- validation -----------------------------------------------------------------------------
+
+    def validate_layout(self, config, *, sp: int, tp: int, text_sp: bool = False,
+                        packing: bool = False) -> None:
+        if sp > 1:
+            raise ValueError(
+                f"vision sequence_parallel={sp} is not covered for {self.model_type!r}: its tower "
+                "runs whole through the model's own get_image_features (generic family); use "
+                "vision data_parallel instead.")
+        if tp > 1 and self.text_plan_refusal:
+            raise ValueError(f"text tensor_parallel={tp} is not covered for {self.model_type!r}: "
+                             f"{self.text_plan_refusal}; use text data_parallel or ZeRO.")
+        super().validate_layout(config, sp=sp, tp=tp, text_sp=text_sp, packing=packing)
+
+
+def generic_family(config) -> GenericFamily:
+    """The `GenericFamily` of ``config`` (raises `UnsupportedModel` with the reason); one per
+    distinct config (cached)."""
+    cls = seam_class(config)
+    return _family(cls, config.to_json_string(use_diff=False))
+
+
+@functools.lru_cache(maxsize=None)
+def _family(cls, config_json: str) -> GenericFamily:
+    import json
+
+    config = cls.config_class.from_dict(json.loads(config_json))
+    model_type = config.model_type
+    vc = getattr(config, "vision_config", None)
+    if vc is None:
+        raise UnsupportedModel(f"model_type {model_type!r} has no vision_config")
+    size, patch = _image_geometry(vc)
+    pooled, inner, unused = _probe(config, cls)
+    is_sequence = isinstance(pooled, (list, tuple))
+    if is_sequence:
+        pooled = torch.cat([p.reshape(-1, p.shape[-1]) for p in pooled])
+    rows = int(pooled.reshape(-1, pooled.shape[-1]).shape[0])
+    side = size // patch
+    m = math.isqrt(side * side // rows) if rows and (side * side) % rows == 0 else 0
+    if not m or m * m * rows != side * side or side % m:
+        raise UnsupportedModel(
+            f"model_type {model_type!r}: {rows} feature rows per {size}-px image do not tile its "
+            f"{side}x{side} patch grid in squares (the generic family counts rows per patch square)")
+    parts, lm_attr, tower = _parts(inner, model_type)
+    plan = dict(getattr(config.get_text_config(), "base_model_tp_plan", None) or {})
+    refusal = next((f"its base_model_tp_plan uses {style!r} ({key})" for key, style in plan.items()
+                    if style not in _STYLES), "")
+    partial = tuple(f"{key.split('*.')[-1]}.weight" for key, style in plan.items()
+                    if style == "replicated_with_grad_allreduce")
+    prefix = f"model.{lm_attr}"
+    return GenericFamily(
+        name=model_type, model_type=model_type, model_class=cls.__name__,
+        text_tp_plan=lambda text_config: _translate(plan, prefix),
+        tp_partial_grad_suffixes=partial,
+        packing=False,
+        packing_reason="packed rows need per-sample positions, which the generic family does "
+                       "not build yet",
+        vision_module="ray_dhp.models.vision_generic",
+        vision_parts=parts,
+        merger_prefixes=tuple(f"model.{p}." for p in parts if p != tower),
+        merge_size=lambda config, _m=m: _m,
+        vision_heads=lambda vision_config: vision_config.num_attention_heads,
+        vision_depth=lambda vision_config: vision_config.num_hidden_layers,
+        projector_dim=lambda config: config.get_text_config().hidden_size,
+        pooled_tuple=is_sequence,
+        vision_zero3=False,
+        unused=unused,
+        lm_attr=lm_attr, tower=tower, rows_per_image=rows, text_plan_refusal=refusal,
+        forward_params=tuple(inspect.signature(cls.forward).parameters),
+    )
+
+
+def _image_geometry(vc) -> tuple:
+    size, patch = getattr(vc, "image_size", None), getattr(vc, "patch_size", None)
+    if not isinstance(size, int) or not isinstance(patch, int) or size % patch:
+        raise UnsupportedModel(f"vision config image_size={size!r}, patch_size={patch!r}: the "
+                               "generic family covers towers on fixed square images")
+    return size, patch
+
+
+def _translate(plan: dict, prefix: str) -> dict:
+    """``base_model_tp_plan`` (keys relative to the language model) -> ``{full path: style}``,
+    with the vocabulary-parallel embedding and ``lm_head`` (logits sharded over the vocabulary)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    out = {f"{prefix}.embed_tokens": RowwiseParallel(input_layouts=Replicate(),
+                                                     output_layouts=Replicate())}
+    for key, style in plan.items():
+        if style == "colwise":
+            out[f"{prefix}.{key}"] = ColwiseParallel()
+        elif style == "rowwise":
+            out[f"{prefix}.{key}"] = RowwiseParallel()
+    out["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    return out
+
+
+def _probe(config, cls):
+    """``(pooler_output, inner model, unused)`` of one image through the model's own
+    ``get_image_features``, built and run on the meta device (shapes only, no memory);
+    ``unused``: the vision parameters no gradient reaches (a meta backward), e.g. the last
+    tower layer of a model that takes the features of the one before (LLaVA's
+    ``vision_feature_layer=-2``): the stock model never steps them, so neither does the engine."""
+    size = config.vision_config.image_size
+    channels = getattr(config.vision_config, "num_channels", 3)
+    with torch.device("meta"):
+        model = cls._from_config(config)
+        out = model.model.get_image_features(
+            pixel_values=torch.zeros(1, channels, size, size), return_dict=True)
+        pooled = out.pooler_output
+        total = sum(p.sum() for p in pooled) if isinstance(pooled, (list, tuple)) else pooled.sum()
+        named = [(n, p) for n, p in model.model.named_parameters()
+                 if not n.startswith(_LM_ATTRS) and p.requires_grad]
+        grads = torch.autograd.grad(total, [p for _, p in named], allow_unused=True)
+    unused = tuple(f"model.{n}" for (n, _), g in zip(named, grads) if g is None)
+    return pooled, model.model, unused
+
+
+def _parts(inner, model_type: str) -> tuple:
+    """``(vision parts, language-model attribute, tower part)`` of ``model.model``."""
+    names = [n for n, _ in inner.named_children()]
+    lm = next((a for a in _LM_ATTRS if a in names), None)
+    if lm is None:
+        raise UnsupportedModel(f"model_type {model_type!r}: model.model has no language_model "
+                               f"(children: {names})")
+    parts = tuple(n for n in names if n != lm)
+    vc = inner.config.vision_config
+    tower = next((n for n in parts
+                  if isinstance(getattr(getattr(inner, n), "config", None), type(vc))), parts[0])
+    return parts, lm, tower
