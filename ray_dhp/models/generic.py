@@ -51,7 +51,7 @@ from ray_dhp.models.contract import SEAM
 __all__ = ["GenericFamily", "generic_family", "seam_class", "UnsupportedModel"]
 
 #: language-model attributes of ``model.model`` (in the order they are looked for)
-_LM_ATTRS = ("language_model",)
+_LM_ATTRS = ("language_model", "text_model")
 _STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
 
 
@@ -85,6 +85,8 @@ class GenericFamily(FamilySpec):
     rows_per_image: int = 0            # feature rows of one image at ``image_size``
     text_plan_refusal: str = ""        # why text TP > 1 is refused ("" when the plan translates)
     forward_params: tuple = ()         # the keywords the stock forward names
+    image_kwargs: tuple = ()           # further get_image_features keywords (`image_inputs`)
+    pixel_dims: int = 4                # 4: [n, C, H, W]; 5: [1, n, C, H, W]
 
     # -- model access ---------------------------------------------------------------------------
 
@@ -112,6 +114,8 @@ class GenericFamily(FamilySpec):
 
     def stock_inputs(self, config, kwargs: dict) -> dict:
         kwargs = super().stock_inputs(config, kwargs)
+        if kwargs.get("pixel_values") is not None:
+            kwargs.update(image_inputs(self.image_kwargs, self.pixel_dims, kwargs["pixel_values"]))
         return self.lm_inputs(config, kwargs)
 
     # -- validation -----------------------------------------------------------------------------
@@ -146,7 +150,7 @@ def _family(cls, config_json: str) -> GenericFamily:
     if vc is None:
         raise UnsupportedModel(f"model_type {model_type!r} has no vision_config")
     size, patch = _image_geometry(vc)
-    pooled, inner, unused = _probe(config, cls)
+    pooled, inner, unused, (image_kwargs, pixel_dims) = _probe(config, cls)
     is_sequence = isinstance(pooled, (list, tuple))
     if is_sequence:
         pooled = torch.cat([p.reshape(-1, p.shape[-1]) for p in pooled])
@@ -180,7 +184,7 @@ def _family(cls, config_json: str) -> GenericFamily:
         projector_dim=lambda config: config.get_text_config().hidden_size,
         pooled_tuple=is_sequence,
         vision_zero3=False,
-        unused=unused,
+        unused=unused, image_kwargs=image_kwargs, pixel_dims=pixel_dims,
         lm_attr=lm_attr, tower=tower, rows_per_image=rows, text_plan_refusal=refusal,
         forward_params=tuple(inspect.signature(cls.forward).parameters),
     )
@@ -211,25 +215,66 @@ def _translate(plan: dict, prefix: str) -> dict:
     return out
 
 
+def image_inputs(names: tuple, pixel_dims: int, images: torch.Tensor) -> dict:
+    """``get_image_features``'s keywords for ``images`` ``[n, C, H, W]``: ``pixel_values``
+    (with a leading batch axis where the model takes ``[1, n, C, H, W]``, Idefics3's) and,
+    where it names them, ``image_sizes`` (``[n, 2]`` heights and widths, Mistral 3's)."""
+    out = {"pixel_values": images if pixel_dims == 4 else images[None]}
+    if "image_sizes" in names:
+        out["image_sizes"] = torch.tensor([list(images.shape[-2:])] * images.shape[0],
+                                          device=images.device)
+    return out
+
+
+def _call_probe(model, names: tuple, images: torch.Tensor):
+    """``(pooled, pixel_dims)``: ``get_image_features`` on ``images`` as ``[n, C, H, W]``, or
+    as ``[1, n, C, H, W]`` where the model takes a batch of image lists (``images``: not all
+    zeros, which Idefics3 takes for padding)."""
+    errors = []
+    for dims in (4, 5):
+        try:
+            out = model.model.get_image_features(**image_inputs(names, dims, images), return_dict=True)
+            return out.pooler_output, dims
+        except (ValueError, TypeError, RuntimeError, IndexError, NotImplementedError) as e:
+            errors.append(f"as {dims}-D pixels: {type(e).__name__}: {e}")
+    raise UnsupportedModel(f"get_image_features fails on one {tuple(images.shape[-2:])} image "
+                           f"({images.device.type}); " + "; ".join(errors))
+
+
 def _probe(config, cls):
-    """``(pooler_output, inner model, unused)`` of one image through the model's own
+    """`_probe_on` the meta device; where ``get_image_features`` cannot run there (shapes that
+    depend on values), on CPU with a copy of the config of small widths (`shrink_config`: the
+    same depths and image geometry, so the same rows and the same unused parameters)."""
+    try:
+        return _probe_on(config, cls, "meta")
+    except UnsupportedModel as meta_error:
+        from ray_dhp.models.shrink import shrink_config
+
+        try:
+            return _probe_on(shrink_config(config), cls, "cpu")
+        except UnsupportedModel as e:
+            raise UnsupportedModel(f"{meta_error}; on CPU at small widths: {e}") from None
+
+
+def _probe_on(config, cls, device: str):
+    """``(pooler_output, inner model, unused, (image keywords, pixel dims))`` of one image through the model's own
     ``get_image_features``, built and run on the meta device (shapes only, no memory);
-    ``unused``: the vision parameters no gradient reaches (a meta backward), e.g. the last
+    the image keywords and pixel dims `image_inputs` takes; ``unused``: the vision parameters
+    no gradient reaches (a meta backward), e.g. the last
     tower layer of a model that takes the features of the one before (LLaVA's
     ``vision_feature_layer=-2``): the stock model never steps them, so neither does the engine."""
     size = config.vision_config.image_size
     channels = getattr(config.vision_config, "num_channels", 3)
-    with torch.device("meta"):
+    names = tuple(inspect.signature(cls.get_image_features).parameters)
+    with torch.device(device):
         model = cls._from_config(config)
-        out = model.model.get_image_features(
-            pixel_values=torch.zeros(1, channels, size, size), return_dict=True)
-        pooled = out.pooler_output
+        pooled, dims = _call_probe(model, names, torch.ones(1, channels, size, size))
         total = sum(p.sum() for p in pooled) if isinstance(pooled, (list, tuple)) else pooled.sum()
         named = [(n, p) for n, p in model.model.named_parameters()
                  if not n.startswith(_LM_ATTRS) and p.requires_grad]
         grads = torch.autograd.grad(total, [p for _, p in named], allow_unused=True)
     unused = tuple(f"model.{n}" for (n, _), g in zip(named, grads) if g is None)
-    return pooled, model.model, unused
+    return pooled, model.model, unused, (tuple(n for n in names if n == "image_sizes"), dims)
 
 
 def _parts(inner, model_type: str) -> tuple:

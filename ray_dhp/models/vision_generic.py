@@ -32,6 +32,7 @@ class ImagePlan(VisionShardPlan):
 
     patch: int = 14
     channels: int = 3
+    family: object = None  # the `GenericFamily` (how get_image_features takes the images)
 
 
 def plan_for(family: str, config, grid_thw: torch.LongTensor, sp: int) -> ImagePlan:
@@ -42,13 +43,14 @@ def plan_for(family: str, config, grid_thw: torch.LongTensor, sp: int) -> ImageP
     from ray_dhp.models import family_of
 
     grid = torch.as_tensor(grid_thw, dtype=torch.long).cpu()
-    merge = family_of(config).merge_size(config)
+    family = family_of(config)
+    merge = family.merge_size(config)
     rows = int((grid.prod(-1) // (merge * merge)).sum())
     patches = grid.prod(-1).to(torch.int32)
     vc = config.vision_config
     return ImagePlan(grid_thw=grid, order=torch.arange(rows), cuts=[0, rows], merge_unit=merge * merge,
                      cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.int32), patches.cumsum(0, dtype=torch.int32)]),
-                     patch=vc.patch_size, channels=getattr(vc, "num_channels", 3))
+                     patch=vc.patch_size, channels=getattr(vc, "num_channels", 3), family=family)
 
 
 def install_for(family: str, visual: torch.nn.Module, sp: int = 1) -> None:
@@ -74,8 +76,12 @@ def stock_pixels(config, pixel_values: torch.Tensor, grid_thw: torch.LongTensor)
 def vision_forward(family: str, visual: torch.nn.Module, pixel_values: torch.Tensor, plan: ImagePlan,
                    sp_rank: int, sp_group, comm: Optional[CommCounter] = None) -> torch.Tensor:
     """The replica's feature rows ``[rows, D]`` in image order (``visual``: the parts' shell)."""
+    from ray_dhp.models.generic import image_inputs
+
+    spec = plan.family
     images = _images(pixel_values, plan.grid_thw, plan.patch, plan.channels)
-    pooled = visual.get_image_features(pixel_values=images, return_dict=True).pooler_output
+    pooled = visual.get_image_features(**image_inputs(spec.image_kwargs, spec.pixel_dims, images),
+                                       return_dict=True).pooler_output
     if isinstance(pooled, (list, tuple)):
         return torch.cat([p.reshape(-1, p.shape[-1]) for p in pooled])
     return pooled.reshape(-1, pooled.shape[-1])

@@ -186,7 +186,7 @@ def _add_peft_lora(model, choice, seed: int) -> set:
     from peft import LoraConfig, get_peft_model
     from peft.tuners.lora import LoraLayer
 
-    language_model = model.model.language_model
+    language_model = family_of(model.config).language_model(model)
     prefix = next(n for n, m in model.named_modules() if m is language_model)
     names = "|".join(choice.target_modules)
     config = LoraConfig(r=choice.r, lora_alpha=choice.alpha, lora_dropout=0.0,

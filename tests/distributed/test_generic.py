@@ -36,7 +36,8 @@ TOLS = {"gemma3": GEMMA, "paligemma": GEMMA}
 # noise into O(lr) steps of either sign. These are left out of the comparisons, and their
 # gradients are checked to be noise (below 1e-12 of the step's gradient norm) in both runs.
 ZERO_GRAD = ("self_attn.k_proj.bias",)
-FAMILIES = ("gemma3", "llava", "paligemma", "aya_vision", "cohere2_vision")
+FAMILIES = ("gemma3", "llava", "paligemma", "aya_vision", "cohere2_vision", "mistral3", "idefics3",
+            "smolvlm")
 LAYOUTS = {
     "collocated-dp2-tp2": dense_layout("collocated", (1, 2), (2, 1)),
     "disjoint-1v-tp2": dense_layout("disjoint", (1, 1), (2, 1)),
