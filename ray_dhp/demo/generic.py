@@ -15,7 +15,8 @@ read nothing written for the family: transformers' default config of the model t
 
 `tiny_generic_processor` is the demo tokenizer with transformers' PIL SigLIP image processor
 (fixed 56-px images, normalised as SigLIP does) behind `ray_dhp.data.tiles.TileImageProcessor`
-(one tile per image).
+(one tile per image); a tower on patch rows (GLM-4V's) gets Qwen2-VL's PIL processor at its
+patch, merge and temporal sizes (56..112-px images).
 """
 
 from __future__ import annotations
@@ -28,7 +29,26 @@ IMAGE_SIDE, PATCH = 56, 14
 _TEXT = {"num_hidden_layers": 2, "max_position_embeddings": 4096}
 _VISION = {"num_hidden_layers": 2, "image_size": IMAGE_SIDE, "patch_size": PATCH}
 _IMAGE_TOKEN_COUNTS = ("mm_tokens_per_image", "image_seq_length", "num_image_tokens")
-_IMAGE_TOKEN_IDS = ("image_token_id", "image_token_index")
+_TOKEN_IDS = {  # config key -> the demo tokenizer's token (`_token_ids`)
+    "image_token_id": "image_token_id", "image_token_index": "image_token_id",
+    "video_token_id": "video_token_id", "image_start_token_id": "vision_start_token_id",
+    "vision_start_token_id": "vision_start_token_id", "image_end_token_id": "vision_end_token_id",
+    "vision_end_token_id": "vision_end_token_id"}
+
+
+def _mrope_sections(text) -> None:
+    """An M-RoPE language model whose config may leave ``mrope_section`` to the modeling code's
+    default (its config class lists the key among those its rope validation ignores, GLM-4V's):
+    sections for the tiny head, 1/4 : 3/8 : 3/8 of its rotary half (Qwen's 16:24:24 proportion)."""
+    rope = dict(getattr(text, "rope_parameters", None) or {})
+    if "mrope_section" in rope or "mrope_section" not in getattr(
+            type(text), "ignore_keys_at_rope_validation", ()):
+        return
+    factor = rope.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", 1.0)) or 1.0
+    half = int(text.head_dim * factor) // 2
+    first = half // 4
+    second = (half - first) // 2
+    text.rope_parameters = {**rope, "mrope_section": [first, second, half - first - second]}
 
 
 def tiny_generic_config(model_type: str):
@@ -46,9 +66,10 @@ def tiny_generic_config(model_type: str):
     # a pooling head the feature seam never reads (SigLIP's ``vision_use_head``) is off
     vision = {**_VISION, **{k: False for k in base.vision_config.to_dict() if k.endswith("use_head")}}
     top = {k: (IMAGE_SIDE // PATCH // 2) ** 2 for k in _IMAGE_TOKEN_COUNTS if hasattr(base, k)}
-    top.update({k: ids["image_token_id"] for k in _IMAGE_TOKEN_IDS if hasattr(base, k)})
+    top.update({k: ids[which] for k, which in _TOKEN_IDS.items() if hasattr(base, k)})
     top["tie_word_embeddings"] = False
     config = shrink_config(base, text=text, vision=vision, top=top)
+    _mrope_sections(config.get_text_config())
     config.pad_token_id, config.eos_token_id = ids["pad_token_id"], ids["eos_token_id"]
     for sub in (config, config.get_text_config(), config.vision_config):
         sub.dtype = "float32"
@@ -64,6 +85,16 @@ def tiny_generic_processor(model_type: str):
     from ray_dhp.data.tiles import TileImageProcessor
     from ray_dhp.models import family_of
 
-    merge = family_of(tiny_generic_config(model_type)).merge_size(None)
+    config = tiny_generic_config(model_type)
+    family = family_of(config)
+    if family.grid_input:  # a tower on patch rows: Qwen2-VL's PIL processor at its geometry
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        vc = config.vision_config
+        rows = Qwen2VLImageProcessorPil(min_pixels=IMAGE_SIDE ** 2, max_pixels=(2 * IMAGE_SIDE) ** 2,
+                                        patch_size=vc.patch_size, merge_size=vc.spatial_merge_size,
+                                        temporal_patch_size=vc.temporal_patch_size)
+        return VLProcessor(build_tokenizer(), rows)
     images = SiglipImageProcessorPil(size={"height": IMAGE_SIDE, "width": IMAGE_SIDE})
-    return VLProcessor(build_tokenizer(), TileImageProcessor(images, patch_size=PATCH, merge_size=merge))
+    return VLProcessor(build_tokenizer(),
+                       TileImageProcessor(images, patch_size=PATCH, merge_size=family.merge_size(None)))

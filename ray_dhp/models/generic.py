@@ -16,7 +16,10 @@ What is read, and from where:
   ``image_size / patch_size`` patch grid as ``m x m`` squares (``m``: the merge size the data
   mechanisms count rows with). A model whose rows do not is refused, with the counts.
 * **Text tensor parallelism**: the language model's ``base_model_tp_plan`` (``colwise`` /
-  ``rowwise`` as DTensor's ``ColwiseParallel`` / ``RowwiseParallel``; parameters marked
+  ``rowwise`` as DTensor's ``ColwiseParallel`` / ``RowwiseParallel``; ``colwise_gather_output``
+  / ``rowwise_split_input`` — GLM's fused ``gate_up_proj``, chunked whole by the forward — as
+  a column-parallel linear whose output is all-gathered and a row-parallel one that takes its
+  slice of a replicated input; parameters marked
   ``replicated_with_grad_allreduce`` — per-head norms that see only the local heads — get their
   gradients summed over the TP group), plus ray_dhp's vocabulary-parallel embedding and
   ``lm_head`` (logits stay vocabulary-sharded for the parallel loss). A plan with any other
@@ -52,7 +55,8 @@ __all__ = ["GenericFamily", "generic_family", "seam_class", "UnsupportedModel"]
 
 #: language-model attributes of ``model.model`` (in the order they are looked for)
 _LM_ATTRS = ("language_model", "text_model")
-_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
+_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input",
+           "replicated_with_grad_allreduce")
 
 
 class UnsupportedModel(ValueError):
@@ -87,6 +91,7 @@ class GenericFamily(FamilySpec):
     forward_params: tuple = ()         # the keywords the stock forward names
     image_kwargs: tuple = ()           # further get_image_features keywords (`image_inputs`)
     pixel_dims: int = 4                # 4: [n, C, H, W]; 5: [1, n, C, H, W]
+    grid_input: bool = False           # the tower takes patch rows + image_grid_thw (GLM-4V's)
 
     # -- model access ---------------------------------------------------------------------------
 
@@ -104,6 +109,11 @@ class GenericFamily(FamilySpec):
             shell.add_module(p, getattr(inner, p))
         return shell
 
+    @property
+    def vision_prefix(self) -> str:
+        """The shell names its parameters ``<part>.<name>``, as ``model.model`` does."""
+        return "model."
+
     def lm_inputs(self, config, kwargs: dict) -> dict:
         """The keywords the stock forward names (others dropped), plus ``token_type_ids``
         (1 on image tokens) where the forward takes them."""
@@ -114,7 +124,7 @@ class GenericFamily(FamilySpec):
 
     def stock_inputs(self, config, kwargs: dict) -> dict:
         kwargs = super().stock_inputs(config, kwargs)
-        if kwargs.get("pixel_values") is not None:
+        if kwargs.get("pixel_values") is not None and not self.grid_input:
             kwargs.update(image_inputs(self.image_kwargs, self.pixel_dims, kwargs["pixel_values"]))
         return self.lm_inputs(config, kwargs)
 
@@ -149,18 +159,26 @@ def _family(cls, config_json: str) -> GenericFamily:
     vc = getattr(config, "vision_config", None)
     if vc is None:
         raise UnsupportedModel(f"model_type {model_type!r} has no vision_config")
-    size, patch = _image_geometry(vc)
-    pooled, inner, unused, (image_kwargs, pixel_dims) = _probe(config, cls)
+    grid = _grid_input(cls, vc)
+    pooled, inner, unused, (image_kwargs, pixel_dims) = _probe(config, cls, grid)
     is_sequence = isinstance(pooled, (list, tuple))
     if is_sequence:
         pooled = torch.cat([p.reshape(-1, p.shape[-1]) for p in pooled])
     rows = int(pooled.reshape(-1, pooled.shape[-1]).shape[0])
-    side = size // patch
-    m = math.isqrt(side * side // rows) if rows and (side * side) % rows == 0 else 0
-    if not m or m * m * rows != side * side or side % m:
-        raise UnsupportedModel(
-            f"model_type {model_type!r}: {rows} feature rows per {size}-px image do not tile its "
-            f"{side}x{side} patch grid in squares (the generic family counts rows per patch square)")
+    if grid:  # patch rows with a (t, h, w) grid: rows per spatial_merge_size² patches
+        m = vc.spatial_merge_size
+        if rows != 4:
+            raise UnsupportedModel(f"model_type {model_type!r}: {rows} feature rows for a "
+                                   f"{2 * m}x{2 * m}-patch image, not 4 ({m}x{m} patches a row)")
+    else:
+        size, patch = _image_geometry(vc)
+        side = size // patch
+        m = math.isqrt(side * side // rows) if rows and (side * side) % rows == 0 else 0
+        if not m or m * m * rows != side * side or side % m:
+            raise UnsupportedModel(
+                f"model_type {model_type!r}: {rows} feature rows per {size}-px image do not tile "
+                f"its {side}x{side} patch grid in squares (the generic family counts rows per "
+                "patch square)")
     parts, lm_attr, tower = _parts(inner, model_type)
     plan = dict(getattr(config.get_text_config(), "base_model_tp_plan", None) or {})
     refusal = next((f"its base_model_tp_plan uses {style!r} ({key})" for key, style in plan.items()
@@ -184,7 +202,7 @@ def _family(cls, config_json: str) -> GenericFamily:
         projector_dim=lambda config: config.get_text_config().hidden_size,
         pooled_tuple=is_sequence,
         vision_zero3=False,
-        unused=unused, image_kwargs=image_kwargs, pixel_dims=pixel_dims,
+        unused=unused, image_kwargs=image_kwargs, pixel_dims=pixel_dims, grid_input=grid,
         lm_attr=lm_attr, tower=tower, rows_per_image=rows, text_plan_refusal=refusal,
         forward_params=tuple(inspect.signature(cls.forward).parameters),
     )
@@ -211,6 +229,10 @@ def _translate(plan: dict, prefix: str) -> dict:
             out[f"{prefix}.{key}"] = ColwiseParallel()
         elif style == "rowwise":
             out[f"{prefix}.{key}"] = RowwiseParallel()
+        elif style == "colwise_gather_output":  # a fused gate_up the forward chunks whole
+            out[f"{prefix}.{key}"] = ColwiseParallel(output_layouts=Replicate())
+        elif style == "rowwise_split_input":    # ... so the next linear takes its slice
+            out[f"{prefix}.{key}"] = RowwiseParallel(input_layouts=Replicate())
     out["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     return out
 
@@ -241,34 +263,55 @@ def _call_probe(model, names: tuple, images: torch.Tensor):
                            f"({images.device.type}); " + "; ".join(errors))
 
 
-def _probe(config, cls):
+def _grid_input(cls, vc) -> bool:
+    """Whether the tower takes Qwen-style patch rows with an ``image_grid_thw`` (GLM-4V's): its
+    ``get_image_features`` names ``image_grid_thw`` and its config has the patch geometry."""
+    names = inspect.signature(cls.get_image_features).parameters
+    return "image_grid_thw" in names and all(
+        isinstance(getattr(vc, k, None), int) for k in ("patch_size", "spatial_merge_size",
+                                                        "temporal_patch_size"))
+
+
+def _probe(config, cls, grid: bool = False):
     """`_probe_on` the meta device; where ``get_image_features`` cannot run there (shapes that
     depend on values), on CPU with a copy of the config of small widths (`shrink_config`: the
     same depths and image geometry, so the same rows and the same unused parameters)."""
     try:
-        return _probe_on(config, cls, "meta")
+        return _probe_on(config, cls, "meta", grid)
     except UnsupportedModel as meta_error:
         from ray_dhp.models.shrink import shrink_config
 
         try:
-            return _probe_on(shrink_config(config), cls, "cpu")
+            return _probe_on(shrink_config(config), cls, "cpu", grid)
         except UnsupportedModel as e:
             raise UnsupportedModel(f"{meta_error}; on CPU at small widths: {e}") from None
 
 
-def _probe_on(config, cls, device: str):
+def _probe_on(config, cls, device: str, grid: bool = False):
     """``(pooler_output, inner model, unused, (image keywords, pixel dims))`` of one image through the model's own
     ``get_image_features``, built and run on the meta device (shapes only, no memory);
     the image keywords and pixel dims `image_inputs` takes; ``unused``: the vision parameters
     no gradient reaches (a meta backward), e.g. the last
     tower layer of a model that takes the features of the one before (LLaVA's
     ``vision_feature_layer=-2``): the stock model never steps them, so neither does the engine."""
-    size = config.vision_config.image_size
-    channels = getattr(config.vision_config, "num_channels", 3)
+    vc = config.vision_config
+    channels = getattr(vc, "in_channels", None) or getattr(vc, "num_channels", 3)
     names = tuple(inspect.signature(cls.get_image_features).parameters)
     with torch.device(device):
         model = cls._from_config(config)
-        pooled, dims = _call_probe(model, names, torch.ones(1, channels, size, size))
+        if grid:  # one image of 2m x 2m patches, as patch rows
+            m, p, t = vc.spatial_merge_size, vc.patch_size, vc.temporal_patch_size
+            try:
+                pooled = model.model.get_image_features(
+                    pixel_values=torch.ones(4 * m * m, channels * t * p * p),
+                    image_grid_thw=torch.tensor([[1, 2 * m, 2 * m]]), return_dict=True).pooler_output
+            except (ValueError, TypeError, RuntimeError, IndexError, NotImplementedError) as e:
+                raise UnsupportedModel(f"get_image_features fails on one {2 * m}x{2 * m}-patch "
+                                       f"image ({device}): {type(e).__name__}: {e}") from None
+            dims = 2
+        else:
+            size = vc.image_size
+            pooled, dims = _call_probe(model, names, torch.ones(1, channels, size, size))
         total = sum(p.sum() for p in pooled) if isinstance(pooled, (list, tuple)) else pooled.sum()
         named = [(n, p) for n, p in model.model.named_parameters()
                  if not n.startswith(_LM_ATTRS) and p.requires_grad]

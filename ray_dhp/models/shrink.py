@@ -15,6 +15,8 @@ __all__ = ["shrink_config", "TEXT", "VISION"]
 TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
         "num_key_value_heads": 4, "head_dim": 16}
 VISION = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "head_dim": 8}
+# the same quantity under the names some configs use (Qwen-style vision configs)
+_ALIASES = {"num_attention_heads": ("num_heads",), "num_hidden_layers": ("depth",)}
 _DERIVED = ("layer_types", "model_type", "architectures", "transformers_version", "dtype",
             "torch_dtype")
 
@@ -26,10 +28,25 @@ def _shrunk(values: dict, sizes: dict, widths: dict) -> dict:
             out[k] = widths[v]
         if "dropout" in k and isinstance(v, (int, float)):
             out[k] = 0.0
-    out.update({k: v for k, v in sizes.items() if k in values or k == "head_dim"})
+    for k, v in sizes.items():
+        names = [n for n in (k, *_ALIASES.get(k, ())) if n in values]
+        for name in names or ([k] if k == "head_dim" else []):
+            out[name] = v
     if "head_dim" in values and values["head_dim"] is None:  # the config derives it
         out["head_dim"] = None
     return out
+
+
+def _scaled_rope(rope, ratio: float):
+    """``rope_parameters`` with an M-RoPE ``mrope_section`` scaled to the new head width (the
+    sections split the rotary half of a head: they shrink with it, their sum kept exact)."""
+    if not isinstance(rope, dict) or not rope.get("mrope_section"):
+        return rope
+    sections = list(rope["mrope_section"])
+    total = round(sum(sections) * ratio)
+    scaled = [max(1, round(x * ratio)) for x in sections]
+    scaled[-1] += total - sum(scaled)
+    return {**rope, "mrope_section": scaled}
 
 
 def shrink_config(config, *, text: dict = None, vision: dict = None, top: dict = None):
@@ -44,6 +61,9 @@ def shrink_config(config, *, text: dict = None, vision: dict = None, top: dict =
     head_dim = getattr(text0, "head_dim", None) or text0.hidden_size // text0.num_attention_heads
     widths.setdefault(head_dim, text["head_dim"])
     text_d = {**_shrunk(text0.to_dict(), text, widths), "model_type": text0.model_type}
+    rope = _scaled_rope(text0.to_dict().get("rope_parameters"), text["head_dim"] / head_dim)
+    if rope is not None:
+        text_d["rope_parameters"] = rope
     vision_d = {**_shrunk(vision0.to_dict(), vision, widths), "model_type": vision0.model_type}
     top_d = {**_shrunk(config.to_dict(), {}, widths), **(top or {})}
     out = AutoConfig.for_model(config.model_type, **{**top_d, "text_config": text_d,

@@ -53,6 +53,7 @@ def plan_for(family: str, config, grid_thw: torch.LongTensor, sp: int) -> ImageP
                      patch=vc.patch_size, channels=getattr(vc, "num_channels", 3), family=family)
 
 
+
 def install_for(family: str, visual: torch.nn.Module, sp: int = 1) -> None:
     """Nothing to install: the tower runs as it is (``sp`` must be 1)."""
     if sp != 1:
@@ -68,7 +69,12 @@ def _images(pixel_rows: torch.Tensor, grid: torch.LongTensor, patch: int, channe
 
 
 def stock_pixels(config, pixel_values: torch.Tensor, grid_thw: torch.LongTensor) -> torch.Tensor:
-    """Patch rows ``[n*h*w, C*P*P]`` -> the stock model's ``[n, C, h*P, w*P]`` images."""
+    """Patch rows ``[n*h*w, C*P*P]`` -> the stock model's ``[n, C, h*P, w*P]`` images (a tower
+    that takes patch rows gets them unchanged)."""
+    from ray_dhp.models import family_of
+
+    if family_of(config).grid_input:
+        return pixel_values
     vc = config.vision_config
     return _images(pixel_values, grid_thw, vc.patch_size, getattr(vc, "num_channels", 3))
 
@@ -79,9 +85,12 @@ def vision_forward(family: str, visual: torch.nn.Module, pixel_values: torch.Ten
     from ray_dhp.models.generic import image_inputs
 
     spec = plan.family
-    images = _images(pixel_values, plan.grid_thw, plan.patch, plan.channels)
-    pooled = visual.get_image_features(**image_inputs(spec.image_kwargs, spec.pixel_dims, images),
-                                       return_dict=True).pooler_output
+    if spec.grid_input:  # the tower takes the patch rows and their grid as they are
+        inputs = {"pixel_values": pixel_values, "image_grid_thw": plan.grid_thw.to(pixel_values.device)}
+    else:
+        images = _images(pixel_values, plan.grid_thw, plan.patch, plan.channels)
+        inputs = image_inputs(spec.image_kwargs, spec.pixel_dims, images)
+    pooled = visual.get_image_features(**inputs, return_dict=True).pooler_output
     if isinstance(pooled, (list, tuple)):
         return torch.cat([p.reshape(-1, p.shape[-1]) for p in pooled])
     return pooled.reshape(-1, pooled.shape[-1])

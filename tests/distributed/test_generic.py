@@ -35,13 +35,17 @@ TOL = dict(loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10, grad_tol=1e-10)
 GEMMA = dict(loss_tol=1e-7, param_tol=1e-5, update_tol=1e-5, grad_tol=1e-5)
 COHERE = dict(loss_tol=1e-7, param_tol=1e-4, update_tol=1e-4, grad_tol=1e-4)
 TOLS = {"gemma3": GEMMA, "paligemma": GEMMA, "aya_vision": COHERE, "cohere2_vision": COHERE}
-# A key projection's bias has an exact gradient of 0 (it adds ``q . b`` to every logit of a
-# query, which the softmax cancels): both runs' gradients are rounding noise, and AdamW turns
-# noise into O(lr) steps of either sign. These are left out of the comparisons, and their
-# gradients are checked to be noise (below 1e-12 of the step's gradient norm) in both runs.
-ZERO_GRAD = ("self_attn.k_proj.bias",)
+# A key projection's bias in a tower without rotary positions (CLIP's, SigLIP's) has an exact
+# gradient of 0 (it adds ``q . b`` to every logit of a query, which the softmax cancels): both
+# runs' gradients are rounding noise, and AdamW turns noise into O(lr) steps of either sign.
+# These are left out of the comparisons, and their gradients are checked to be noise (below
+# 1e-12 of the step's gradient norm) in both runs.
+ZERO_GRAD = ("vision_tower.encoder.layers.0.self_attn.k_proj.bias",
+             "vision_tower.encoder.layers.1.self_attn.k_proj.bias",
+             "vision_model.encoder.layers.0.self_attn.k_proj.bias",
+             "vision_model.encoder.layers.1.self_attn.k_proj.bias")
 FAMILIES = ("gemma3", "llava", "paligemma", "aya_vision", "cohere2_vision", "mistral3", "idefics3",
-            "smolvlm")
+            "smolvlm", "glm4v", "glm46v")
 LAYOUTS = {
     "collocated-dp2-tp2": dense_layout("collocated", (1, 2), (2, 1)),
     "disjoint-1v-tp2": dense_layout("disjoint", (1, 1), (2, 1)),

@@ -1,0 +1,97 @@
+"""Which transformers multimodal models ray_dhp trains, read from the installed transformers.
+
+A *seam model* is a model type whose image-text-to-text class's ``forward`` takes
+``mm_encoder_outputs`` (the seam the engine hands encoder features through). For each,
+`survey` says how ray_dhp takes it: ``hand-written`` (a family file in `ray_dhp.models`),
+``generic`` (`ray_dhp.models.generic` builds its family from the model's own metadata at the
+type's default dims), or ``refused`` with the reason the driver gives.
+
+    python -m ray_dhp.models.survey            # the markdown table (docs/supported_models.md)
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+__all__ = ["Status", "seam_model_types", "survey", "markdown"]
+
+
+@dataclass(frozen=True)
+class Status:
+    model_type: str
+    model_class: str
+    kind: str          # "hand-written" | "generic" | "refused"
+    detail: str        # the family's covered layouts, or the reason it is refused
+
+
+def seam_model_types() -> list[tuple[str, str]]:
+    """``(model_type, class name)`` of every seam model type, sorted."""
+    import inspect
+
+    from transformers import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    out = []
+    for model_type in sorted(CONFIG_MAPPING_NAMES):
+        try:
+            from transformers import AutoConfig
+
+            config_cls = type(AutoConfig.for_model(model_type))
+            cls = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[config_cls]
+        except Exception:  # noqa: BLE001 - not an image-text-to-text type, or not importable
+            continue
+        if "mm_encoder_outputs" in inspect.signature(cls.forward).parameters:
+            out.append((model_type, cls.__name__))
+    return out
+
+
+def _first_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= 240 else text[:237] + "..."
+
+
+def survey() -> list[Status]:
+    """The `Status` of every seam model type at its default dims (no weights, no memory)."""
+    from transformers import AutoConfig
+
+    from ray_dhp.models import _BY_MODEL_TYPE
+    from ray_dhp.models.generic import GenericFamily, UnsupportedModel, generic_family
+
+    out = []
+    for model_type, cls_name in seam_model_types():
+        if model_type in _BY_MODEL_TYPE:
+            out.append(Status(model_type, cls_name, "hand-written", _BY_MODEL_TYPE[model_type].name))
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                family: GenericFamily = generic_family(AutoConfig.for_model(model_type))
+        except (UnsupportedModel, ValueError, TypeError, RuntimeError, KeyError, AttributeError,
+                ImportError, IndexError, NotImplementedError) as e:
+            out.append(Status(model_type, cls_name, "refused", _first_line(e)))
+            continue
+        tp = ("text TP " + ("refused: " + family.text_plan_refusal if family.text_plan_refusal
+                            else "from base_model_tp_plan"))
+        out.append(Status(model_type, cls_name, "generic",
+                          f"vision DP ({family.rows_per_image} rows per image); {tp}; text ZeRO 1-3"))
+    return out
+
+
+def markdown(rows: list[Status], verified: dict) -> str:
+    """The table of ``rows``; ``verified``: model_type -> what the parity tests run for it."""
+    counts = {k: sum(r.kind == k for r in rows) for k in ("hand-written", "generic", "refused")}
+    lines = [f"{len(rows)} seam model types in the installed transformers: "
+             f"{counts['hand-written']} hand-written, {counts['generic']} generic, "
+             f"{counts['refused']} refused.", "",
+             "| `model_type` | class | ray_dhp | what is covered, or why refused | verified (fp64 vs the stock model) |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        detail = r.detail.replace("|", "\\|")
+        lines.append(f"| `{r.model_type}` | `{r.model_class}` | {r.kind} | {detail} | "
+                     f"{verified.get(r.model_type, '–')} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(survey(), {}), end="")
