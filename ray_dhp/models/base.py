@@ -28,28 +28,23 @@ class MoESpec:
 
 @dataclass(frozen=True)
 class EncoderSpec:
-    """An encoder module, as data: the vision side (`FamilySpec.vision_encoder`, built from the
-    family's vision fields) and any further one (Qwen2.5-Omni's audio tower, `FamilySpec.encoders`).
-    ``name``: the module's config section and ``modules:`` key; ``parts``: the attributes of
-    ``model.model`` that make it; ``ops``: the module (import path) of its operations, which
-    every encoder answers alike (``family``: the `FamilySpec`, ``config``: the model config):
+    """An encoder module, as data: the vision side (`FamilySpec.vision_encoder`, from the family's
+    vision fields) or a further one (Qwen2.5-Omni's audio tower, `FamilySpec.encoders`). ``name``:
+    the module's config section and ``modules:`` key; ``parts``: the attributes of ``model.model``
+    that make it; ``ops``: the module (import path) of its operations, the same for every encoder
+    (``family``: the `FamilySpec`, ``config``: the model config; `ray_dhp.models.vision_encoder`,
+    `ray_dhp.models.audio_omni`):
 
-    * ``has_input(sample)``, ``rows(family, config, sample)`` (feature rows the sample hands the
-      LM), ``cost(sample, model)`` (for balancing; ``model``: the run's
-      `ray_dhp.parallel.balance.CostModel`), ``dim(family, config)`` (width of a row);
-    * ``plan(family, config, samples, sp)``: a replica's shard plan of its ``samples`` over its
-      ``sp`` inner ranks (None: no input), ``local_rows(plan, sp_rank, rows)``: which of the
-      replica's ``rows`` an inner rank computes, in its local order;
-    * ``inputs(samples)`` (host tensors by name) and ``forward(family, module, inputs, plan, dtype,
-      sp_rank=, sp_group=, comm=, sharded=)``: the rows of ``samples`` in order (``sharded``: the
-      module's ZeRO-3 sharding, whose forward runs instead);
-    * ``install_slot(family, model)``: take the encoder out of a text shard;
-      ``text_inputs(family, config, model, samples, feats, device)``: the keyword arguments that
-      hand the rows ``feats`` to the text shard's forward (the stock forward's own seam);
-    * ``SEQUENCE_PARALLEL``: whether ``sp > 1`` is covered; ``zero3_refusal(family)``: why ZeRO-3
-      is not covered (None: ``shard(family, module, mesh, reduce_dtype, dtype, device)`` builds it).
-
-    Operations: `ray_dhp.models.vision_encoder`, `ray_dhp.models.audio_omni`."""
+    * ``has_input(sample)``, ``rows(family, config, sample)`` (rows it hands the LM),
+      ``cost(sample, model)`` (balancing; ``model``: the run's `CostModel`), ``dim(family, config)``;
+    * ``plan(family, config, samples, sp)``: a replica's shard plan over its ``sp`` inner ranks
+      (None: no input); ``local_rows(plan, sp_rank, rows)``: an inner rank's rows, in its order;
+    * ``inputs(samples)`` (host tensors by name), ``forward(family, module, inputs, plan, dtype,
+      sp_rank=, sp_group=, comm=, sharded=)`` (``sharded``: its ZeRO-3 sharding, run instead);
+    * ``install_slot(family, model)``: take it out of a text shard; ``text_inputs(family, config,
+      model, samples, feats, device)``: the forward arguments that hand the text shard the rows;
+    * ``SEQUENCE_PARALLEL``: ``sp > 1`` covered; ``zero3_refusal(family)``: why ZeRO-3 is not
+      (None: ``shard(family, module, mesh, reduce_dtype, dtype, device)`` builds it)."""
 
     name: str
     parts: tuple
