@@ -75,9 +75,8 @@ def _build(config, world, name, cfg):
     topo = Topology.build(**_layout(world), vision_zero=vz, text_zero=tz, vision_offload=off,
                           text_offload=off)
     engine = DHPEngine(config, build_groups(topo, torch.device("cpu")), cfg)
-    for fsdp in (engine.fsdp, engine.vision_fsdp):
-        if fsdp is not None:
-            fsdp.overlap(name not in PLAIN)
+    for fsdp in engine.sharding.values():  # each stage-3 module's FSDP2 sharding
+        fsdp.overlap(name not in PLAIN)
     return topo, engine
 
 

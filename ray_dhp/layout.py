@@ -16,7 +16,7 @@ SCHEDULES = ("sequential", "pipelined")
 NODE_LOCAL = ("warn", "strict")
 # Encoder modules beyond the vision tower, each a `DHPConfig` keyword (and a run-file section) of
 # its name, laid out after the vision encoder in this order; a family hosts encoder ``name`` when
-# its `FamilySpec` says so (``FamilySpec.audio``).
+# its `FamilySpec` has it (``FamilySpec.encoder_spec(name)``).
 FURTHER_ENCODERS = ("audio",)
 # What an encoder's group does not cover yet: {name: {what: reason}} (checked by `DHPConfig`).
 _NOT_COVERED = {
@@ -202,13 +202,17 @@ class DHPConfig(BackendConfig):
     def encoder_parallel(self) -> dict:
         """``{name: ModuleParallel}`` of every encoder module the model trains, in rank order:
         the vision tower, then each configured further encoder (`FURTHER_ENCODERS`)."""
-        further = {n: getattr(self, n) for n in FURTHER_ENCODERS if getattr(self, n) is not None}
-        return {"vision": self.vision, **further}
+        return {"vision": self.vision, **self._further_encoders()}
+
+    def _further_encoders(self) -> dict:
+        """``{name: ModuleParallel}`` of the configured encoders beyond the vision tower
+        (`FURTHER_ENCODERS`), in rank order."""
+        return {n: getattr(self, n) for n in FURTHER_ENCODERS if getattr(self, n) is not None}
 
     def topology(self) -> Topology:
         further = {n: EncoderDegrees(dp=m.data_parallel, sp=m.sequence_parallel, zero=m.zero_stage,
                                      offload=m.optimizer_offload)
-                   for n, m in self.encoder_parallel().items() if n != "vision"}
+                   for n, m in self._further_encoders().items()}
         return Topology.build(
             placement=self.placement,
             vision_dp=self.vision.data_parallel,
@@ -242,7 +246,7 @@ class DHPConfig(BackendConfig):
         family.validate_layout(self.model_config(), sp=self.vision.sequence_parallel,
                                tp=self.text.tensor_parallel, text_sp=self.text.sequence_parallel is True)
         for name in self.encoder_parallel():
-            if name != "vision" and getattr(family, name, False) is not True:
+            if family.encoder_spec(name) is None:
                 raise ValueError(f"{name}: the {family.name} family has no {name} encoder; remove "
                                  f"the {name} section (DHPConfig({name}=None)).")
         family.validate_expert_parallel(self.model_config(), self.text.expert_parallel)

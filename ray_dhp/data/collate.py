@@ -10,6 +10,7 @@ import torch
 
 from ray_dhp.data.sample import IGNORE_INDEX, Sample
 from ray_dhp.models.qwen2_5_omni import audio_inputs
+from ray_dhp.models.vision_encoder import item_kinds, row_modalities
 
 __all__ = ["pad_text_batch", "pack_text_batch", "pack_rows", "row_modalities"]
 
@@ -21,15 +22,10 @@ def _pad(rows: list[torch.Tensor], length: int, value: int) -> torch.Tensor:
     return out
 
 
-def _kinds(s: Sample) -> list:
-    n = 0 if s.image_grid_thw is None else s.image_grid_thw.shape[0]
-    return [1] * n if s.modalities is None else s.modalities.tolist()
-
-
 def _split(s: Sample) -> dict:
     """The sample's visual items split by modality: ``{1: (pixels, grids), 2: (pixels, grids)}``
     (pixels None when the sample carries none here)."""
-    kinds = _kinds(s)
+    kinds = item_kinds(s)
     sizes = s.image_grid_thw.prod(-1).tolist()
     parts = [None] * len(kinds) if s.pixel_values is None else s.pixel_values.split(sizes)
     out = {}
@@ -57,17 +53,6 @@ def _images(samples: Sequence[Sample]) -> dict:
     seconds = [s.second_per_grid_ts for s in samples if s.second_per_grid_ts is not None]
     out["second_per_grid_ts"] = torch.cat(seconds) if seconds else None
     return out
-
-
-def row_modalities(samples: Sequence[Sample], merge: int) -> torch.LongTensor:
-    """``[rows]``: 1 (image) or 2 (video) for every merged vision row of ``samples``, in the
-    order the boundary delivers them (sample by sample, items in placeholder order)."""
-    out = []
-    for s in samples:
-        if s.image_grid_thw is not None:
-            for k, n in zip(_kinds(s), (s.image_grid_thw.prod(-1) // (merge * merge)).tolist()):
-                out.append(torch.full((n,), k, dtype=torch.long))
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
 
 
 def pad_text_batch(samples: Sequence[Sample], pad_id: int, *, pad_to_multiple_of: int = 1) -> dict:

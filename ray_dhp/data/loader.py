@@ -271,11 +271,9 @@ class StepLoader:
         out = {}
         if m is None:
             return out
-        ops = None if encoder == "vision" else encoder_operations(encoder)
+        ops = encoder_operations(encoder)
         for mb in micro_batches:
-            parts = (self.balancer.vision_replicas(mb, m.dp) if encoder == "vision"
-                     else encoder_replicas(m.dp, mb, ops, self.balancer))
-            for i, idx in enumerate(parts):
+            for i, idx in enumerate(encoder_replicas(m.dp, mb, ops, self.balancer)):
                 for s in idx:
                     out[id(mb[s])] = [m.rank_at(i, k) for k in range(m.inner)]
         return out

@@ -48,6 +48,9 @@ from ray_dhp.data.video import VideoError, video_sources
 
 __all__ = ["VLProcessor", "as_vl_processor"]
 
+# the placeholder kinds (`placeholder_kinds`) whose items the vision side computes
+VISUAL_KINDS = ("image", "video")
+
 _SPECIAL = (
     ("im_start", "<|im_start|>"), ("im_end", "<|im_end|>"),
     ("vision_start", "<|vision_start|>"), ("vision_end", "<|vision_end|>"),
@@ -207,7 +210,7 @@ class VLProcessor:
         except ChatTemplateError as exc:
             raise BadSample(str(exc)) from exc
         text, spans = expand_pads(text, spans, image_pads, [c[3] for c in clips], audio_pads)
-        visual = self._in_placeholder_order([k for k in kinds if k != "audio"], pixel_values,
+        visual = self._in_placeholder_order([k for k in kinds if k in VISUAL_KINDS], pixel_values,
                                             grid, clips)
         input_ids, labels = self._tokenize(text, spans)
         if max_tokens is not None and len(input_ids) > max_tokens:

@@ -23,8 +23,9 @@ __all__ = ["FAMILIES", "FamilySpec", "family_of", "load_model_config", "build_mo
 
 def encoder_operations(name: str):
     """The `EncoderSpec` operations module of encoder ``name`` (the same for every family that
-    has such an encoder: "audio" is Qwen2.5-Omni's tower)."""
-    ops = {e.ops for s in FAMILIES.values() for e in s.encoders if e.name == name}
+    has such an encoder: "vision" is `ray_dhp.models.vision_encoder`, "audio" Qwen2.5-Omni's
+    tower)."""
+    ops = {e.ops for s in FAMILIES.values() for e in s.encoder_specs if e.name == name}
     if len(ops) != 1:
         raise KeyError(f"no single encoder module named {name!r}: {sorted(ops)}")
     import importlib

@@ -28,13 +28,23 @@ class MoESpec:
 
 @dataclass(frozen=True)
 class EncoderSpec:
-    """An encoder module besides the vision side (Qwen2.5-Omni's audio tower), as data: its
-    ``name`` (the module's config section and ``modules:`` key), the attributes of
-    ``model.model`` that make it (``parts``), and the module (import path) of its operations:
-    ``rows(sample)`` (feature rows the sample hands the LM), ``cost(sample)`` (for balancing),
-    ``forward(module, samples, dtype, device)`` (the rows of ``samples`` in order),
-    ``install_slot(model)`` / ``fill_slot(model, feats)`` / ``text_inputs(samples)`` (how the text
-    shard takes the rows: the stock forward's own seam, `ray_dhp.models.audio_omni`)."""
+    """An encoder module, as data: the vision side (`FamilySpec.vision_encoder`, from the family's
+    vision fields) or a further one (Qwen2.5-Omni's audio tower, `FamilySpec.encoders`). ``name``:
+    the module's config section and ``modules:`` key; ``parts``: the attributes of ``model.model``
+    that make it; ``ops``: the module (import path) of its operations, the same for every encoder
+    (``family``: the `FamilySpec`, ``config``: the model config; `ray_dhp.models.vision_encoder`,
+    `ray_dhp.models.audio_omni`):
+
+    * ``has_input(sample)``, ``rows(family, config, sample)`` (rows it hands the LM),
+      ``cost(sample, model)`` (balancing; ``model``: the run's `CostModel`), ``dim(family, config)``;
+    * ``plan(family, config, samples, sp)``: a replica's shard plan over its ``sp`` inner ranks
+      (None: no input); ``local_rows(plan, sp_rank, rows)``: an inner rank's rows, in its order;
+    * ``inputs(samples)`` (host tensors by name), ``forward(family, module, inputs, plan, dtype,
+      sp_rank=, sp_group=, comm=, sharded=)`` (``sharded``: its ZeRO-3 sharding, run instead);
+    * ``install_slot(family, model)``: take it out of a text shard; ``text_inputs(family, config,
+      model, samples, feats, device)``: the forward arguments that hand the text shard the rows;
+    * ``SEQUENCE_PARALLEL``: ``sp > 1`` covered; ``zero3_refusal(family)``: why ZeRO-3 is not
+      (None: ``shard(family, module, mesh, reduce_dtype, dtype, device)`` builds it)."""
 
     name: str
     parts: tuple
@@ -43,6 +53,8 @@ class EncoderSpec:
     # ``audio_bos_eos_token``): no gradient in the stock model, so AdamW never steps them;
     # the engine holds them frozen, which is the same
     unused: tuple = ()
+    # the ``modules:`` entries (`ray_dhp.config.tuning`) its parameters belong to (empty: its name)
+    tuned_as: tuple = ()
 
     def operations(self):
         import importlib
@@ -51,7 +63,24 @@ class EncoderSpec:
 
     @property
     def prefix(self) -> str:
-        return f"model.{self.parts[0]}."
+        """Full-model name prefix of `module`'s parameter names."""
+        return f"model.{self.parts[0]}." if len(self.parts) == 1 else "model."
+
+    @property
+    def tuning_modules(self) -> tuple:
+        return self.tuned_as or (self.name,)
+
+    def module(self, model) -> torch.nn.Module:
+        """The encoder in ``model``: ``model.model.<part>`` for one part; several parts are held
+        by one `EncoderParts` container (their parameter names ``<part>.<name>``)."""
+        parts = [getattr(model.model, p) for p in self.parts]
+        if len(parts) == 1:
+            return parts[0]
+        return EncoderParts(dict(zip(self.parts, parts)))
+
+    def part_modules(self, model) -> dict:
+        """``{full-model prefix: module}`` of each part (what the encoder's ranks keep)."""
+        return {f"model.{p}.": getattr(model.model, p) for p in self.parts}
 
 
 @dataclass(frozen=True)
@@ -99,73 +128,64 @@ class FamilySpec:
     # ``[rows, width]`` tensor (models that ``masked_scatter`` it whole, e.g. InternVL).
     pooled_tuple: bool = True
     vision_zero3: bool = True  # False: `ray_dhp.models.fsdp_vision` cannot unit this tower
-    # full names (or prefixes) of parameters the stock forward never gives a gradient (a tower
-    # layer after the one whose features are taken): held frozen, as the stock AdamW skips them
-    unused: tuple = ()
 
     # -- model access (the seams of transformers' VLM classes) ---------------------------------
 
     @property
     def audio(self) -> bool:
         """Whether the model has an audio encoder."""
-        return any(e.name == "audio" for e in self.encoders)
+        return self.encoder_spec("audio") is not None
+
+    @property
+    def vision_encoder(self) -> EncoderSpec:
+        """The vision side (tower + projector) as an encoder module, from the vision fields."""
+        return EncoderSpec("vision", self.vision_parts, "ray_dhp.models.vision_encoder",
+                           tuned_as=("vision", "merger"))
+
+    @property
+    def encoder_specs(self) -> tuple:
+        """Every encoder module of the family, in module order: the vision side first."""
+        return (self.vision_encoder, *self.encoders)
 
     def encoder_spec(self, name: str) -> Optional[EncoderSpec]:
-        return next((e for e in self.encoders if e.name == name), None)
+        return next((e for e in self.encoder_specs if e.name == name), None)
 
-    def encoder_module(self, name: str, model) -> torch.nn.Module:
-        """Encoder ``name``'s module in ``model`` (the vision side: `visual`)."""
-        if name == "vision":
-            return self.visual(model)
+    def _spec(self, name: str) -> EncoderSpec:
         spec = self.encoder_spec(name)
         if spec is None:
             raise KeyError(f"the {self.name} family has no {name!r} encoder")
-        return getattr(model.model, spec.parts[0])
+        return spec
+
+    def encoder_module(self, name: str, model) -> torch.nn.Module:
+        """Encoder ``name``'s module in ``model`` (`EncoderSpec.module`)."""
+        return self._spec(name).module(model)
 
     def encoder_prefix(self, name: str) -> str:
         """Full-model name prefix of encoder ``name``'s parameters."""
-        return self.vision_prefix if name == "vision" else self.encoder_spec(name).prefix
+        return self._spec(name).prefix
 
     def encoder_dim(self, name: str, config) -> int:
         """Width of one row of encoder ``name`` as it crosses the boundary."""
-        return self.feature_dim(config) if name == "vision" else \
-            self.encoder_spec(name).operations().dim(config)
+        return self._spec(name).operations().dim(self, config)
 
     def drop_encoder(self, name: str, model) -> None:
-        """Take encoder ``name`` out of ``model`` (a text shard): the vision parts are detached,
-        another encoder is replaced by its parameter-free slot (`EncoderSpec` operations)."""
-        if name == "vision":
-            self.drop_vision(model)
-        else:
-            self.encoder_spec(name).operations().install_slot(model)
+        """Take encoder ``name`` out of ``model`` (a text shard): its operations'
+        ``install_slot`` (the vision parts are detached, the audio tower replaced by its
+        parameter-free slot)."""
+        self._spec(name).operations().install_slot(self, model)
 
     def encoder_parts(self, name: str, model) -> dict:
         """``{full-model prefix: module}`` of encoder ``name`` (what its ranks keep)."""
-        if name == "vision":
-            return self.vision_modules(model)
-        return {f"model.{p}.": getattr(model.model, p) for p in self.encoder_spec(name).parts}
+        return self._spec(name).part_modules(model)
 
     def visual(self, model) -> torch.nn.Module:
-        """The vision side of ``model``: ``model.model.<part>`` for one part; several parts are
-        held by one `VisionParts` container (their parameter names ``<part>.<name>``)."""
-        parts = [getattr(model.model, p) for p in self.vision_parts]
-        if len(parts) == 1:
-            return parts[0]
-        return VisionParts(dict(zip(self.vision_parts, parts)))
+        """The vision side of ``model`` (`EncoderSpec.module` of `vision_encoder`)."""
+        return self.vision_encoder.module(model)
 
     @property
     def vision_prefix(self) -> str:
         """Full-model name prefix of the `visual` module's parameter names."""
-        return f"model.{self.vision_parts[0]}." if len(self.vision_parts) == 1 else "model."
-
-    def vision_modules(self, model) -> dict:
-        """``{full-model prefix: module}`` of each vision part (what a vision rank keeps)."""
-        return {f"model.{p}.": getattr(model.model, p) for p in self.vision_parts}
-
-    def drop_vision(self, model) -> None:
-        """Detach the vision parts from ``model`` (a text-only shard does not hold them)."""
-        for p in self.vision_parts:
-            setattr(model.model, p, None)
+        return self.vision_encoder.prefix
 
     def vision_ops(self):
         import importlib
@@ -286,8 +306,8 @@ class FamilySpec:
                              f"use one of {_divisors(n)}.")
 
 
-class VisionParts(torch.nn.Module):
-    """Several sub-modules of a model that together are its vision side (e.g. InternVL's
+class EncoderParts(torch.nn.Module):
+    """Several sub-modules of a model that together are one encoder (e.g. InternVL's vision side:
     ``vision_tower`` and ``multi_modal_projector``), registered under their own attribute names
     (the same module objects: the container owns no parameters of its own)."""
 

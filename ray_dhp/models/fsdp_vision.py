@@ -23,8 +23,9 @@ zero-filled merge unit (the smallest image, ``1 x merge x merge`` patches, witho
 all-to-all on its SP group, whose ranks are all idle alike) of which it keeps no row, like an SP
 rank with no rows; its backward adds exact zeros to every gradient. A micro-batch with no image
 anywhere runs the tower on no rank. With several micro-batches the gradients are reduce-scattered
-once per step, in the backward of its last micro-batch with images (`VisionStage3.sync_for`); the
-earlier ones accumulate unsharded gradients.
+once per step, in the backward of its last micro-batch with images (the engine's
+``sharding["vision"].sync``); the earlier ones accumulate unsharded gradients. The engine builds it
+through the vision side's operations (`ray_dhp.models.vision_encoder.shard`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Optional
 import torch
 
 from ray_dhp.models.vision_qwen import plan_vision_shards, vision_forward
-from ray_dhp.parallel.fsdp import FSDPShards, reduce_dtype_of
+from ray_dhp.parallel.fsdp import FSDPShards
 
 
 class VisionRoot(torch.nn.Module):
@@ -82,21 +83,3 @@ class VisionStage3(FSDPShards):
             self._idle = torch.zeros(m * m, width, dtype=self.dtype, device=self.device), plan
         pixels, plan = self._idle
         return self.forward(pixels, plan, 0, None)[:0]
-
-    def sync_for(self, states: list, mb) -> None:
-        """Before ``mb``'s vision backward: reduce-scatter in it if no later micro-batch of
-        ``states`` has images (the step's last vision backward), else accumulate."""
-        k = next(i for i, s in enumerate(states) if s is mb)
-        self.sync(not any(s.has_images for s in states[k + 1:]))
-
-
-def shard_vision(engine) -> None:
-    """Stage 3 of the engine's vision tower, if configured: `VisionStage3` in
-    ``engine.vision_fsdp`` (None otherwise). Called, like `ray_dhp.parallel.fsdp.shard_text`,
-    before the parameter lists are taken."""
-    g = engine.groups
-    engine.vision_fsdp = None
-    if engine.visual is None or g.topology.vision.zero_stage != 3:
-        return
-    engine.vision_fsdp = VisionStage3(engine.family.name, engine.visual, g.vision_mesh,
-                                      reduce_dtype_of(engine), engine.dtype, g.device)

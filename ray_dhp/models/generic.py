@@ -48,10 +48,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ray_dhp.models.base import FamilySpec
+from ray_dhp.models.base import EncoderSpec, FamilySpec
 from ray_dhp.models.contract import SEAM
 
-__all__ = ["GenericFamily", "generic_family", "seam_class", "UnsupportedModel"]
+__all__ = ["GenericFamily", "ShellEncoder", "generic_family", "seam_class", "UnsupportedModel"]
 
 #: language-model attributes of ``model.model`` (in the order they are looked for)
 _LM_ATTRS = ("language_model", "text_model")
@@ -81,6 +81,26 @@ def seam_class(config):
 
 
 @dataclass(frozen=True)
+class ShellEncoder(EncoderSpec):
+    """An encoder whose module is a *shell* of ``model.model``'s own class holding only the
+    encoder's parts (the same module objects, names ``<part>.<name>``), so the model's own
+    ``get_image_features`` runs on it unchanged."""
+
+    def module(self, model) -> torch.nn.Module:
+        inner = model.model
+        shell = type(inner).__new__(type(inner))
+        torch.nn.Module.__init__(shell)
+        shell.config = inner.config
+        for p in self.parts:
+            shell.add_module(p, getattr(inner, p))
+        return shell
+
+    @property
+    def prefix(self) -> str:
+        return "model."
+
+
+@dataclass(frozen=True)
 class GenericFamily(FamilySpec):
     """A `FamilySpec` read from a transformers model (see the module docstring)."""
 
@@ -92,27 +112,18 @@ class GenericFamily(FamilySpec):
     image_kwargs: tuple = ()           # further get_image_features keywords (`image_inputs`)
     pixel_dims: int = 4                # 4: [n, C, H, W]; 5: [1, n, C, H, W]
     grid_input: bool = False           # the tower takes patch rows + image_grid_thw (GLM-4V's)
+    vision_unused: tuple = ()          # vision parameters no gradient reaches (names under model.)
 
     # -- model access ---------------------------------------------------------------------------
 
     def language_model(self, model) -> torch.nn.Module:  # noqa: D102 - FamilySpec's
         return getattr(model.model, self.lm_attr)
 
-    def visual(self, model) -> torch.nn.Module:
-        """A shell of ``model.model``'s own class holding only the vision parts (same module
-        objects, names ``<part>.<name>``), so its ``get_image_features`` runs unchanged."""
-        inner = model.model
-        shell = type(inner).__new__(type(inner))
-        torch.nn.Module.__init__(shell)
-        shell.config = inner.config
-        for p in self.vision_parts:
-            shell.add_module(p, getattr(inner, p))
-        return shell
-
     @property
-    def vision_prefix(self) -> str:
-        """The shell names its parameters ``<part>.<name>``, as ``model.model`` does."""
-        return "model."
+    def vision_encoder(self) -> EncoderSpec:
+        """The vision side as a `ShellEncoder` (the parameters no gradient reaches held frozen)."""
+        return ShellEncoder("vision", self.vision_parts, "ray_dhp.models.vision_encoder",
+                            unused=self.vision_unused, tuned_as=("vision", "merger"))
 
     def lm_inputs(self, config, kwargs: dict) -> dict:
         """The keywords the stock forward names (others dropped), plus ``token_type_ids``
@@ -202,7 +213,7 @@ def _family(cls, config_json: str) -> GenericFamily:
         projector_dim=lambda config: config.get_text_config().hidden_size,
         pooled_tuple=is_sequence,
         vision_zero3=False,
-        unused=unused, image_kwargs=image_kwargs, pixel_dims=pixel_dims, grid_input=grid,
+        vision_unused=unused, image_kwargs=image_kwargs, pixel_dims=pixel_dims, grid_input=grid,
         lm_attr=lm_attr, tower=tower, rows_per_image=rows, text_plan_refusal=refusal,
         forward_params=tuple(inspect.signature(cls.forward).parameters),
     )
@@ -316,7 +327,7 @@ def _probe_on(config, cls, device: str, grid: bool = False):
         named = [(n, p) for n, p in model.model.named_parameters()
                  if not n.startswith(_LM_ATTRS) and p.requires_grad]
         grads = torch.autograd.grad(total, [p for _, p in named], allow_unused=True)
-    unused = tuple(f"model.{n}" for (n, _), g in zip(named, grads) if g is None)
+    unused = tuple(n for (n, _), g in zip(named, grads) if g is None)
     return pooled, model.model, unused, (tuple(n for n in names if n == "image_sizes"), dims)
 
 

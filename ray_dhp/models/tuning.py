@@ -81,12 +81,6 @@ def freeze(module, tuning: Tuning, prefix: str = "") -> None:
         p.requires_grad_(trains(tuning, prefix + name))
 
 
-def vision_trains(tuning: Tuning) -> bool:
-    """Does any vision-side parameter (tower or merger) train? If not, no feature gradient
-    crosses the boundary and the vision forward keeps no graph."""
-    return tuning.choice("vision").train or tuning.choice("merger").train
-
-
 def apply_tuning(modules: dict, tuning: Tuning, unhosted: tuple = ()) -> tuple:
     """Freeze what does not train in the engine's shards. ``modules``: ``{(module name, full-
     name prefix of its parameters): module or None}`` (the encoders this rank hosts, e.g.

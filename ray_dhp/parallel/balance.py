@@ -188,11 +188,11 @@ def decode_owners(costs: Sequence[int], world: int, start: int = 0) -> list[int]
 
 
 def encoder_replicas(dp: int, samples, ops, balancer) -> list:
-    """Sample indices per replica of an encoder other than vision (``ops``: its `EncoderSpec`
-    operations): by its cost, or contiguous equal counts; ascending within a replica. The
-    loader routes the encoder's inputs by the same rule."""
+    """Sample indices per replica of an encoder (``ops``: its `EncoderSpec` operations): by its
+    cost (``ops.cost(sample, balancer.model)``), or contiguous equal counts; ascending within a
+    replica. The loader routes the encoder's inputs by the same rule."""
     idx = (contiguous(len(samples), dp) if balancer.mode == "count"
-           else lpt([ops.cost(s) for s in samples], dp))
+           else lpt([ops.cost(s, balancer.model) for s in samples], dp))
     return [sorted(i) for i in idx]
 
 

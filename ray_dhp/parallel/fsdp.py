@@ -112,18 +112,15 @@ class FSDPShards:
         """Nothing to share: each rank's shard is the only copy."""
 
 
-def shard_text(engine) -> None:
-    """Stage 3 of the engine's language model, if configured: `FSDPShards` in ``engine.fsdp``
-    (None otherwise). Called after the TP plan and LoRA and before the parameter lists are
-    taken (``fully_shard`` replaces the parameters with their sharded DTensors)."""
-    g = engine.groups
-    engine.fsdp = None
-    if engine.text_model is None or g.topology.text.zero_stage != 3:
-        return
-    engine.fsdp = FSDPShards(_units(engine.text_model, engine.family), engine.text_model,
-                             g.text_mesh["dp"], reduce_dtype_of(engine), tp_first=g.text_coord[1] == 0)
+def shard_text(model, family, dp_mesh, reduce_dtype, tp_first: bool) -> FSDPShards:
+    """ZeRO stage 3 of a language model: `FSDPShards` over ``dp_mesh`` (the dp dimension of its
+    text mesh), one unit per decoder layer, the embedding and the head (``family``: its
+    `FamilySpec`). Call it after the TP plan and LoRA and before the parameter lists are taken
+    (``fully_shard`` replaces the parameters with their sharded DTensors)."""
+    return FSDPShards(_units(model, family), model, dp_mesh, reduce_dtype, tp_first=tp_first)
 
 
-def reduce_dtype_of(engine):
-    """FSDP's gradient reduce dtype: the policy's (fp32 for bf16 gradients); none in fp64."""
-    return engine.policy.reduce_dtype if engine.dtype != torch.float64 else None
+def reduce_dtype_of(policy, dtype):
+    """FSDP's gradient reduce dtype: the ``policy``'s (fp32 for bf16 gradients); none in fp64
+    (``dtype``: the weights')."""
+    return policy.reduce_dtype if dtype != torch.float64 else None

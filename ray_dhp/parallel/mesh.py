@@ -31,8 +31,7 @@ class EncoderGroups:
 class DHPGroups:
     """The groups one rank takes part in (None where the rank does not host that module).
 
-    ``encoders[name]``: the groups of each encoder module this rank hosts (vision, audio, ...);
-    ``vision_*`` read the vision encoder's."""
+    ``encoders[name]``: the groups of each encoder module this rank hosts (vision, audio, ...)."""
 
     topology: Topology
     rank: int
@@ -58,25 +57,6 @@ class DHPGroups:
         m = self.topology.text if name == "text" else self.topology.encoder(name)
         return None if m is None else m.coord(self.rank)
 
-    def _vision(self) -> EncoderGroups:
-        return self.encoders.get("vision", _NONE)
-
-    @property
-    def vision_sp(self):
-        return self._vision().sp
-
-    @property
-    def vision_dp(self):
-        return self._vision().dp
-
-    @property
-    def vision_all(self):
-        return self._vision().all
-
-    @property
-    def vision_mesh(self):
-        return self._vision().mesh
-
     @property
     def is_vision(self) -> bool:
         return self.hosts("vision")
@@ -95,8 +75,6 @@ class DHPGroups:
         """(dp replica, tp rank) of this rank in the text group."""
         return self.coord("text")
 
-
-_NONE = EncoderGroups()
 
 
 def _new_groups(rank_lists: list[list[int]], rank: int) -> Optional[dist.ProcessGroup]:

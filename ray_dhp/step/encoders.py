@@ -4,13 +4,14 @@ layout, and the feature gradients back with the encoder's backward.
 
 Every phase walks the encoders in module order (`Topology.encoders`), the same on every rank, so
 each encoder's exchange is one exchange in the same place everywhere (`ray_dhp.parallel.boundary`
-orders a pair's messages so that this holds under NCCL). The vision side is the first encoder; its
-SP plans and ZeRO-3 tower are its own, any other encoder (Qwen2.5-Omni's audio tower) is data
-parallel and reached through its `EncoderSpec` operations. `EncoderPhases` holds no state: it
-works on the engine's ``groups``, ``family``, ``shards`` and micro-batch states.
+orders a pair's messages so that this holds under NCCL). Every encoder — the vision side first,
+then e.g. Qwen2.5-Omni's audio tower — is reached through its `EncoderSpec` operations (its rows,
+shard plans, inputs and forward) and its ZeRO-3 sharding, if any (``sharding[name]``).
+`EncoderPhases` holds no state: it works on the engine's ``groups``, ``family``, ``shards``,
+``sharding`` and micro-batch states.
 
-`check_encoders`: which encoders a layout may give groups of their own (any the family has; an
-encoder other than vision data parallel at ZeRO stages 0-2).
+`check_encoders`: which encoders a layout may give groups of their own (any the family has, with
+the sequence parallelism and ZeRO stage its operations cover).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import torch
 from ray_dhp.parallel import boundary as bnd
 from ray_dhp.step.gpu import to_device
 from ray_dhp.step.microbatch import MicroBatchLayout, _MicroBatch, layout_micro_batch
-from ray_dhp.models.tuning import vision_trains
 
 
 class EncoderPhases:
@@ -68,9 +68,11 @@ class EncoderPhases:
                                             self.feature_dims[name], self.dtype, g.device,
                                             comm=self.comm, inflight=self._inflight)
             if feats is not None:  # also with 0 local rows: the SP all-to-alls run in backward
-                self._arm_reduce(name, mb is self._last_with(name))
-                if name == "vision" and self.vision_fsdp is not None:  # reduce-scatter in the
-                    self.vision_fsdp.sync_for(self._states, mb)        # last vision backward only
+                last = mb is self._last_with(name)
+                self._arm_reduce(name, last)
+                sharded = self.sharding.get(name)
+                if sharded is not None:  # stage 3: reduce-scatter in the module's last backward
+                    sharded.sync(last)   # only (the earlier ones accumulate)
                 with self._timer(f"{name}_bwd"):
                     feats.backward(g_local.to(feats.dtype))
         mb.feats, mb.grad_feats = {}, {}
@@ -79,66 +81,45 @@ class EncoderPhases:
         """Which encoders have input in ``mb`` (plain data: the same on every rank)."""
         for m in self.groups.topology.encoders:
             if m.name not in mb.inputs:
-                if m.name == "vision":
-                    mb.inputs[m.name] = mb.has_images
-                else:
-                    ops = self.family.encoder_spec(m.name).operations()
-                    mb.inputs[m.name] = any(ops.has_input(s) for s in mb.samples)
+                ops = self.family.encoder_spec(m.name).operations()
+                mb.inputs[m.name] = any(ops.has_input(s) for s in mb.samples)
 
     def _last_with(self, name: str):
-        """The step's last micro-batch state with input for encoder ``name`` (vision: the last
-        state, as the ZeRO-3 tower runs its collectives in every micro-batch)."""
-        if name == "vision":
-            return self._states[-1]
+        """The step's last micro-batch state with input for encoder ``name``: its last backward."""
         return next((s for s in reversed(self._states) if s.inputs.get(name)), None)
 
     def encoder_trains(self, name: str) -> bool:
-        """Does any parameter of encoder ``name`` train? If not, no feature gradient crosses
-        its boundary and its forward keeps no graph."""
-        return vision_trains(self.tuning) if name == "vision" else self.tuning.choice(name).train
+        """Does any parameter of encoder ``name`` train (any of its ``modules:`` entries)? If
+        not, no feature gradient crosses its boundary and its forward keeps no graph."""
+        spec = self.family.encoder_spec(name)
+        return any(self.tuning.choice(t).train for t in spec.tuning_modules)
 
     def _encoder_forward(self, name: str, samples, lay: MicroBatchLayout) -> Optional[torch.Tensor]:
-        if name == "vision":
-            return self._vision_forward(samples, lay)
-        i, _ = self.groups.coord(name)
+        """This rank's rows of encoder ``name`` (its operations' ``forward`` on its replica's
+        samples with input, its inner rank's share of the plan)."""
+        i, k = self.groups.coord(name)
         el = lay.encoders[name]
-        if el.plans[i] is None:
-            return None
+        sharded = self.sharding.get(name)
+        if el.plans[i] is None:  # no input here; at stage 3 the module's collectives still run
+            return None if sharded is None else sharded.idle()
         ops = self.family.encoder_spec(name).operations()
         mine = [samples[s] for s in el.samples[i] if ops.has_input(samples[s])]
-        return ops.forward(self.shards[name], mine, self.dtype, self.groups.device)
-
-    def _vision_forward(self, samples, lay: MicroBatchLayout) -> Optional[torch.Tensor]:
-        i, k = self.groups.vision_coord
-        plan = lay.vision_plans[i]
-        fsdp = self.vision_fsdp
-        if plan is None:  # no image here; at stage 3 the tower's collectives still run
-            return None if fsdp is None else fsdp.idle()
-        mine = [samples[s] for s in lay.vision_samples[i] if samples[s].image_grid_thw is not None]
-        if any(s.pixel_values is None for s in mine):
-            raise RuntimeError("a sample this vision replica computes has no pixels here: the "
-                               "loader routed them by another balance than the engine's (give "
-                               "StepLoader the engine's balancer)")
-        pv = to_device(torch.cat([s.pixel_values for s in mine]), self.groups.device).to(self.dtype)
-        if fsdp is not None:
-            return fsdp.forward(pv, plan, k, self.groups.vision_sp, comm=self.comm)
-        return self.family.vision_forward(self.visual, pv, plan, k, self.groups.vision_sp,
-                                          comm=self.comm)
+        inputs = {key: to_device(v, self.groups.device) for key, v in ops.inputs(mine).items()}
+        return ops.forward(self.family, self.shards[name], inputs, el.plans[i], self.dtype,
+                           sp_rank=k, sp_group=self.groups.encoders[name].sp, comm=self.comm,
+                           sharded=sharded)
 
     def _held_rows(self, m, lay) -> dict:
         """World rank -> the feature rows it computes of encoder ``m`` (`ModuleLayout`), in its
-        local order: the vision side's SP cuts, or a replica's rows whole."""
+        local order (its operations' ``local_rows``: the vision side's SP cuts, or a replica's
+        rows whole)."""
+        ops = self.family.encoder_spec(m.name).operations()
         held = {}
         for i, plan in enumerate(lay.plans):
             rows = lay.rows_of(lay.samples[i])  # the replica's local row -> global row
             for k in range(m.inner):
-                if plan is None:
-                    ids = torch.zeros(0, dtype=torch.long)
-                elif m.name == "vision":
-                    ids = rows[plan.order[plan.cuts[k]:plan.cuts[k + 1]]]
-                else:
-                    ids = rows
-                held[m.rank_at(i, k)] = ids
+                held[m.rank_at(i, k)] = (torch.zeros(0, dtype=torch.long) if plan is None
+                                         else ops.local_rows(plan, k, rows))
         return held
 
     def _needed_rows(self, lay: MicroBatchLayout, name: str) -> dict:
@@ -151,16 +132,16 @@ class EncoderPhases:
 def check_encoders(family, topology) -> None:
     """ValueError naming the run-file section for an encoder the layout cannot take."""
     for m in topology.encoders:
-        if m.name == "vision":
-            continue
-        if family.encoder_spec(m.name) is None:
+        spec = family.encoder_spec(m.name)
+        if spec is None:
             have = [e.name for e in family.encoders]
             raise ValueError(f"{m.name}: the {family.name} family has no {m.name} encoder "
                              f"(its encoders besides vision: {have or 'none'}); drop the "
                              f"'{m.name}:' section.")
-        if m.inner > 1:
+        ops = spec.operations()
+        if m.inner > 1 and not ops.SEQUENCE_PARALLEL:
             raise ValueError(f"{m.name}.sequence_parallel={m.inner}: the {m.name} encoder trains "
                              f"data parallel only; set {m.name}.sequence_parallel=1.")
-        if m.zero_stage == 3:
-            raise ValueError(f"{m.name}.zero_stage=3 is not covered for the {m.name} encoder; use "
-                             f"{m.name}.zero_stage 0-2.")
+        refusal = ops.zero3_refusal(family) if m.zero_stage == 3 else None
+        if refusal:
+            raise ValueError(refusal)

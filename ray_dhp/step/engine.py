@@ -42,8 +42,7 @@ from ray_dhp.parallel import boundary as bnd
 from ray_dhp.parallel import data_parallel as dp
 from ray_dhp.parallel.balance import Balancer
 from ray_dhp.parallel.comm import CommCounter
-from ray_dhp.parallel.fsdp import shard_text
-from ray_dhp.models.fsdp_vision import shard_vision
+from ray_dhp.parallel.fsdp import reduce_dtype_of, shard_text
 from ray_dhp.parallel.tensor import apply_tp_plan, partial_grad_params
 from ray_dhp.config.train_loop import TrainLoopConfig
 from ray_dhp.config.tuning import check_layout, tuning_of
@@ -88,13 +87,10 @@ class DHPEngine(EncoderPhases, TextPhase, UpdateMixin):
             tp = topo.text.inner > 1
             add_lora(self.text_model, self.tuning.lora, cfg.seed, groups.text_mesh["tp"] if tp else None,
                      self.family.text_tp_plan(self.config.text_config) if tp else None)
-        shard_text(self)  # ZeRO stage 3: FSDP2 over the text dp ranks (ray_dhp.parallel.fsdp)
-        if topo.vision.zero_stage == 3 and not self.family.vision_zero3:
-            raise ValueError(f"vision.zero_stage=3 is not covered for the {self.family.name} family "
-                             "(its tower is not split into FSDP units); use vision.zero_stage<=2.")
-        shard_vision(self)  # ... and over the vision group (ray_dhp.models.fsdp_vision)
-        unhosted = tuple(e.prefix for e in self.family.encoders if topo.encoder(e.name) is None) \
-            + tuple(e.prefix + u for e in self.family.encoders for u in e.unused) + self.family.unused
+        self.sharding = self._shard_stage3()  # module name -> its ZeRO-3 (FSDP2) sharding
+        specs = self.family.encoder_specs
+        unhosted = tuple(e.prefix for e in specs if topo.encoder(e.name) is None) \
+            + tuple(e.prefix + u for e in specs for u in e.unused)
         held = apply_tuning({**{(n, self.family.encoder_prefix(n)): m for n, m in self.shards.items()},
                              ("text", ""): self.text_model}, self.tuning, unhosted)
         self.params, self.frozen_params = held  # module name -> its trainable parameters
@@ -108,10 +104,9 @@ class DHPEngine(EncoderPhases, TextPhase, UpdateMixin):
             self._router_loss = RouterLoss(self.family.language_model(self.text_model), self.family.moe,
                                            self.config.text_config, groups.text_dp)
         # bf16 policies: micro-batch gradients sum in fp32 (FSDP2 does it itself at stage 3)
-        accumulate_in_fp32([p for n, ps in self.params.items() if self._fsdp_of(n) is None for p in ps],
+        accumulate_in_fp32([p for n, ps in self.params.items() if n not in self.sharding for p in ps],
                            self.policy)
         self.feature_dims = {m.name: self.family.encoder_dim(m.name, self.config) for m in topo.encoders}
-        self.feature_dim = self.feature_dims["vision"]
         self.step_count = 0
         self._timer = PhaseTimer(groups.device)
         self._loss_fn, self._num_samples = None, 0  # set by forward_backward for its phases
@@ -148,6 +143,24 @@ class DHPEngine(EncoderPhases, TextPhase, UpdateMixin):
 
                 shard_experts_tp(full, self.family.moe, g.text_mesh["tp"], self.comm)
         materialize(meta, parts, g.device, fill=fill)
+
+    def _shard_stage3(self) -> dict:
+        """ZeRO stage 3 of every module this rank hosts at that stage: the LM over its text dp
+        ranks (`ray_dhp.parallel.fsdp.shard_text`), an encoder over its whole group (its
+        operations' ``shard``, e.g. `ray_dhp.models.fsdp_vision`). After the TP plan and LoRA,
+        before the parameter lists are taken (``fully_shard`` replaces the parameters with their
+        sharded DTensors). ``{module name: sharding}``; a module at stages 0-2 has none."""
+        g, topo, out = self.groups, self.groups.topology, {}
+        reduce_dtype = reduce_dtype_of(self.policy, self.dtype)
+        if self.text_model is not None and topo.text.zero_stage == 3:
+            out["text"] = shard_text(self.text_model, self.family, g.text_mesh["dp"], reduce_dtype,
+                                     tp_first=g.text_coord[1] == 0)
+        for m in topo.encoders:
+            if m.name in self.shards and m.zero_stage == 3:
+                ops = self.family.encoder_spec(m.name).operations()
+                out[m.name] = ops.shard(self.family, self.shards[m.name], g.encoders[m.name].mesh,
+                                        reduce_dtype, self.dtype, g.device)
+        return out
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -243,9 +256,6 @@ class DHPEngine(EncoderPhases, TextPhase, UpdateMixin):
     def visual(self):
         """This rank's vision shard (None if it hosts none)."""
         return self.shards.get("vision")
-
-    def _fsdp_of(self, name: str):
-        return self.fsdp if name == "text" else self.vision_fsdp if name == "vision" else None
 
     def _autocast(self):
         import contextlib

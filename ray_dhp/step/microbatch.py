@@ -24,7 +24,7 @@ from ray_dhp.models import FAMILIES, family_of
 from ray_dhp.models.sizes import count_params, vision_width
 from ray_dhp.parallel.balance import COUNT, TEXT_CALL_TOKENS, Balancer, CostModel, encoder_replicas
 
-__all__ = ["shift_labels", "upcast", "count_targets", "image_rows", "EncoderLayout", "MicroBatchLayout",
+__all__ = ["shift_labels", "upcast", "count_targets", "EncoderLayout", "MicroBatchLayout",
            "layout_micro_batch", "PhaseTimer"]
 
 
@@ -42,18 +42,12 @@ def count_targets(samples) -> int:
     return int(sum((s.labels[1:] != -100).sum() for s in samples))
 
 
-def image_rows(sample, merge: int) -> int:
-    if sample.image_grid_thw is None:
-        return 0
-    return int(sample.image_grid_thw.prod(-1).sum()) // (merge * merge)
-
-
 @dataclass
 class EncoderLayout:
     """One encoder's part of a micro-batch: which of its replicas computes which samples, the
     feature-row offsets of the samples (rows into the LM, in sample order) and each replica's
-    shard plan (the vision side: its SP split, `FamilySpec.plan_vision`; an encoder without
-    sequence parallelism: True), None where a replica has no input."""
+    shard plan (its operations' ``plan``: the vision side's SP split, `FamilySpec.plan_vision`;
+    an encoder without sequence parallelism: True), None where a replica has no input."""
 
     samples: list   # per dp replica: ascending list of sample indices
     offsets: list   # per sample: first feature row (len = samples + 1)
@@ -124,25 +118,14 @@ def layout_micro_batch(samples, topology, family, config,
 
 
 def _encoder_layout(m, samples, family, config, balancer) -> EncoderLayout:
-    """One encoder's `EncoderLayout`: the vision side by its SP plans, any other encoder
-    (no sequence parallelism) by its `EncoderSpec` operations."""
-    if m.name == "vision":
-        merge = family.merge_size(config)
-        offsets = [0]
-        for s in samples:
-            offsets.append(offsets[-1] + image_rows(s, merge))
-        vs = balancer.vision_replicas(samples, m.dp)
-        plans = []
-        for idx in vs:
-            grids = [samples[i].image_grid_thw for i in idx if samples[i].image_grid_thw is not None]
-            plans.append(family.plan_vision(config, torch.cat(grids), m.inner) if grids else None)
-        return EncoderLayout(vs, offsets, plans)
+    """One encoder's `EncoderLayout`, by its `EncoderSpec` operations: its rows per sample, its
+    samples per replica (`encoder_replicas`) and each replica's shard plan."""
     ops = family.encoder_spec(m.name).operations()
     offsets = [0]
     for s in samples:
-        offsets.append(offsets[-1] + ops.rows(s))
+        offsets.append(offsets[-1] + ops.rows(family, config, s))
     idx = encoder_replicas(m.dp, samples, ops, balancer)
-    plans = [True if any(ops.has_input(samples[i]) for i in part) else None for part in idx]
+    plans = [ops.plan(family, config, [samples[i] for i in part], m.inner) for part in idx]
     return EncoderLayout(idx, offsets, plans)
 
 

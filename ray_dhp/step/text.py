@@ -21,12 +21,12 @@ class TextPhase:
     def _text_fwd_bwd(self, mb: "_MicroBatch", n_targets: int) -> None:
         g = self.groups
         if g.is_text:
-            j = g.text_coord[0]
-            one = self.fsdp is not None or self._router_loss is not None
+            j, fsdp = g.text_coord[0], self.sharding.get("text")
+            one = fsdp is not None or self._router_loss is not None
             groups = mb.lay.text_groups[j] if mb.lay.text_groups and not one \
                 else [mb.lay.text_samples[j]]  # FSDP, MoE: the same number of forwards per replica
-            if self.fsdp is not None:  # reduce-scatter in the step's last backward only
-                self.fsdp.sync(mb is self._states[-1])
+            if fsdp is not None:  # reduce-scatter in the step's last backward only
+                fsdp.sync(mb is self._states[-1])
             mb.loss_sum, mb.grad_feats = self._text_groups(mb, mb.lay.text_samples[j], groups, n_targets)
         mb.text_feats = {}
 
@@ -89,22 +89,15 @@ class TextPhase:
         rows) and the (vocab-sharded) logits. Shared by training and `ray_dhp.step.evaluation`."""
         dev = self.groups.device
         batch = self._text_batch(samples)
-        handed, enc, extra = {}, None, {}
+        handed, extra = {}, {"mm_encoder_outputs": None}
         for name, f in feats.items():
             if f is None or f.shape[0] == 0:
                 continue
             if torch.is_grad_enabled() and self.encoder_trains(name) and not f.requires_grad:
                 f.requires_grad_(True)
             handed[name] = f
-            if name == "vision":
-                from ray_dhp.data.collate import row_modalities
-
-                merge = self.family.merge_size(self.config)
-                enc = self.family.encoder_outputs(self.config, f, row_modalities(samples, merge))
-            else:  # through the stock forward's own seam (`EncoderSpec` operations)
-                ops = self.family.encoder_spec(name).operations()
-                ops.fill_slot(self.text_model, f)
-                extra.update(ops.text_inputs(samples, dev))
+            ops = self.family.encoder_spec(name).operations()  # the stock forward's own seam
+            extra.update(ops.text_inputs(self.family, self.config, self.text_model, samples, f, dev))
         grid, mask, pos = batch["image_grid_thw"], batch["attention_mask"], batch.get("position_ids")
         videos = {} if batch.get("video_grid_thw") is None else \
             {"video_grid_thw": to_device(batch["video_grid_thw"], dev)}
@@ -118,7 +111,7 @@ class TextPhase:
                 position_ids=None if pos is None else to_device(pos, dev),
                 mm_token_type_ids=to_device(batch["mm_token_type_ids"], dev),
                 image_grid_thw=None if grid is None else to_device(grid, dev),
-                mm_encoder_outputs=enc, use_cache=False, **videos, **extra)))
+                use_cache=False, **videos, **extra)))
         return batch, handed, out.logits
 
     def _text_forward_backward(self, samples, feats: dict, n_targets: int):

@@ -37,8 +37,9 @@ class UpdateMixin:
             if module is None:
                 continue
             named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-            if m.name == "vision" and self.vision_fsdp is not None:  # stage 3 (models/fsdp_vision.py)
-                z = self.zero[m.name] = self.vision_fsdp
+            sharded = self.sharding.get(m.name)
+            if sharded is not None:  # stage 3 (e.g. models/fsdp_vision.py)
+                z = self.zero[m.name] = sharded
                 z.params = [p for _, p in named]
             else:
                 self.zero[m.name] = z = ZeroPartition(
@@ -58,8 +59,9 @@ class UpdateMixin:
                 self.expert_params = [p for _, p in experts]
                 self.zero["experts"] = expert_partition(self.expert_params, g)
                 experts = self.zero["experts"].mine(experts)
-            if self.fsdp is not None:  # stage 3 (ray_dhp.parallel.fsdp)
-                z = self.zero["text"] = self.fsdp
+            sharded = self.sharding.get("text")
+            if sharded is not None:  # stage 3 (ray_dhp.parallel.fsdp)
+                z = self.zero["text"] = sharded
                 z.params = [p for _, p in named]
             else:
                 self.zero["text"] = z = ZeroPartition(
@@ -95,8 +97,9 @@ class UpdateMixin:
         """Does module ``name`` step this time? Not an encoder that had no input since the last
         optimizer step: the single-process model gives its parameters no gradient, so AdamW
         leaves them (and their moments) untouched, weight decay included. The LM always has
-        input; a ZeRO-3 vision tower runs its collectives in every step and steps always."""
-        if name == "text" or (name == "vision" and self.vision_fsdp is not None):
+        input; a module at ZeRO-3 (the vision tower) runs its collectives in every step and
+        steps always."""
+        if name == "text" or name in self.sharding:
             return True
         return self._had_input.get(name, False)
 
