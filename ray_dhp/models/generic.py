@@ -293,7 +293,8 @@ def _probe(config, cls, grid: bool = False):
         from ray_dhp.models.shrink import shrink_config
 
         try:
-            return _probe_on(shrink_config(config), cls, "cpu", grid)
+            # one text layer: get_image_features never reaches the language model
+            return _probe_on(shrink_config(config, text={"num_hidden_layers": 1}), cls, "cpu", grid)
         except UnsupportedModel as e:
             raise UnsupportedModel(f"{meta_error}; on CPU at small widths: {e}") from None
 

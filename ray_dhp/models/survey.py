@@ -58,8 +58,12 @@ def survey() -> list[Status]:
     from ray_dhp.models import _BY_MODEL_TYPE
     from ray_dhp.models.generic import GenericFamily, UnsupportedModel, generic_family
 
+    import sys
+
     out = []
-    for model_type, cls_name in seam_model_types():
+    types = seam_model_types()
+    for k, (model_type, cls_name) in enumerate(types):
+        print(f"[survey] {k + 1}/{len(types)} {model_type}", file=sys.stderr, flush=True)
         if model_type in _BY_MODEL_TYPE:
             out.append(Status(model_type, cls_name, "hand-written", _BY_MODEL_TYPE[model_type].name))
             continue
