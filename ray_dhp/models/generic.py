@@ -171,7 +171,7 @@ def _family(cls, config_json: str) -> GenericFamily:
     if vc is None:
         raise UnsupportedModel(f"model_type {model_type!r} has no vision_config")
     grid = _grid_input(cls, vc)
-    pooled, inner, unused, (image_kwargs, pixel_dims) = _probe(config, cls, grid)
+    pooled, inner, unused, (image_kwargs, pixel_dims), probed = _probe(config, cls, grid)
     is_sequence = isinstance(pooled, (list, tuple))
     if is_sequence:
         pooled = torch.cat([p.reshape(-1, p.shape[-1]) for p in pooled])
@@ -183,11 +183,11 @@ def _family(cls, config_json: str) -> GenericFamily:
                                    f"{2 * m}x{2 * m}-patch image, not 4 ({m}x{m} patches a row)")
     else:
         size, patch = _image_geometry(vc)
-        side = size // patch
+        side = probed // patch  # the probe's image: the tower's, or smaller on CPU
         m = math.isqrt(side * side // rows) if rows and (side * side) % rows == 0 else 0
         if not m or m * m * rows != side * side or side % m:
             raise UnsupportedModel(
-                f"model_type {model_type!r}: {rows} feature rows per {size}-px image do not tile "
+                f"model_type {model_type!r}: {rows} feature rows per {probed}-px image do not tile "
                 f"its {side}x{side} patch grid in squares (the generic family counts rows per "
                 "patch square)")
     parts, lm_attr, tower = _parts(inner, model_type)
@@ -294,13 +294,31 @@ def _probe(config, cls, grid: bool = False):
 
         try:
             # one text layer: get_image_features never reaches the language model
-            return _probe_on(shrink_config(config, text={"num_hidden_layers": 1}), cls, "cpu", grid)
-        except UnsupportedModel as e:
-            raise UnsupportedModel(f"{meta_error}; on CPU at small widths: {e}") from None
+            small = shrink_config(config, text={"num_hidden_layers": 1})
+        except Exception as e:  # noqa: BLE001 - the config class refused the small copy
+            raise UnsupportedModel(f"{meta_error}; no small copy of the config for a CPU probe "
+                                   f"({type(e).__name__}: {' '.join(str(e).split())})") from None
+        errors = []
+        for side in _cpu_sides(config.vision_config):  # a small image first: a real backward
+            try:
+                return _probe_on(small, cls, "cpu", grid, side)
+            except UnsupportedModel as e:
+                errors.append(str(e))
+        raise UnsupportedModel(f"{meta_error}; on CPU at small widths: {'; '.join(errors)}")
 
 
-def _probe_on(config, cls, device: str, grid: bool = False):
-    """``(pooler_output, inner model, unused, (image keywords, pixel dims))`` of one image through the model's own
+def _cpu_sides(vc) -> list:
+    """Image sides for a CPU probe: 16 patches a side (towers that take any size: Pixtral's
+    1540-px maximum would cost minutes), then the tower's own size."""
+    size, patch = getattr(vc, "image_size", None), getattr(vc, "patch_size", None)
+    if not isinstance(size, int) or not isinstance(patch, int):
+        return [size]
+    return [16 * patch, size] if size > 16 * patch else [size]
+
+
+def _probe_on(config, cls, device: str, grid: bool = False, side=None):
+    """``(pooler_output, inner model, unused, (image keywords, pixel dims), image side)`` of one
+    image (``side`` px a side, default the tower's ``image_size``) through the model's own
     ``get_image_features``, built and run on the meta device (shapes only, no memory);
     the image keywords and pixel dims `image_inputs` takes; ``unused``: the vision parameters
     no gradient reaches (a meta backward), e.g. the last
@@ -310,7 +328,11 @@ def _probe_on(config, cls, device: str, grid: bool = False):
     channels = getattr(vc, "in_channels", None) or getattr(vc, "num_channels", 3)
     names = tuple(inspect.signature(cls.get_image_features).parameters)
     with torch.device(device):
-        model = cls._from_config(config)
+        try:
+            model = cls._from_config(config)
+        except Exception as e:  # noqa: BLE001 - e.g. a tower that needs timm
+            raise UnsupportedModel(f"{cls.__name__} cannot be built ({device}): "
+                                   f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
         if grid:  # one image of 2m x 2m patches, as patch rows
             m, p, t = vc.spatial_merge_size, vc.patch_size, vc.temporal_patch_size
             try:
@@ -322,14 +344,15 @@ def _probe_on(config, cls, device: str, grid: bool = False):
                                        f"image ({device}): {type(e).__name__}: {e}") from None
             dims = 2
         else:
-            size = vc.image_size
+            size = side or vc.image_size
             pooled, dims = _call_probe(model, names, torch.ones(1, channels, size, size))
         total = sum(p.sum() for p in pooled) if isinstance(pooled, (list, tuple)) else pooled.sum()
         named = [(n, p) for n, p in model.model.named_parameters()
                  if not n.startswith(_LM_ATTRS) and p.requires_grad]
         grads = torch.autograd.grad(total, [p for _, p in named], allow_unused=True)
     unused = tuple(n for (n, _), g in zip(named, grads) if g is None)
-    return pooled, model.model, unused, (tuple(n for n in names if n == "image_sizes"), dims)
+    probed = None if grid else size
+    return pooled, model.model, unused, (tuple(n for n in names if n == "image_sizes"), dims), probed
 
 
 def _parts(inner, model_type: str) -> tuple:

@@ -1,7 +1,7 @@
 """A smaller copy of a transformers multimodal config, by rules that read nothing written for
 the family: the text and vision widths (and every other number equal to them: projector widths,
 Gemma's ``query_pre_attn_scalar``) replaced, dropouts 0, derived keys (``layer_types``)
-recomputed by the config class itself.
+recomputed by the config class itself (every ``*layer_types`` list).
 
 Used where a model must be run for real but its size does not matter: the generic family's probe
 of a model whose ``get_image_features`` cannot run on the meta device (data-dependent shapes,
@@ -22,7 +22,8 @@ _DERIVED = ("layer_types", "model_type", "architectures", "transformers_version"
 
 
 def _shrunk(values: dict, sizes: dict, widths: dict) -> dict:
-    out = {k: v for k, v in values.items() if k not in _DERIVED and not isinstance(v, dict)}
+    out = {k: v for k, v in values.items()
+           if k not in _DERIVED and not k.endswith("layer_types") and not isinstance(v, dict)}
     for k, v in out.items():
         if isinstance(v, int) and not isinstance(v, bool) and v in widths:
             out[k] = widths[v]

@@ -33,6 +33,13 @@ CFG = TrainLoopConfig(lr=1e-3, global_batch_size=8, micro_batches=2, num_steps=3
                       max_grad_norm=0.5, weight_decay=0.1, lr_schedule="cosine", warmup_steps=1)
 
 
+#: The generic families (`ray_dhp.models.generic`, nothing written for them) in the fp64 parity
+#: matrix (`tests/distributed/test_generic.py`) and the trainer test
+#: (`tests/ray/test_generic_trainer.py`); docs/supported_models.md lists them as verified.
+GENERIC_FAMILIES = ("gemma3", "llava", "paligemma", "aya_vision", "cohere2_vision", "mistral3",
+                    "idefics3", "smolvlm", "glm4v", "glm46v")
+
+
 def make_steps(tmp_path, family: str, cfg: TrainLoopConfig, *, num_samples=16, text_only_every=4,
                image_sizes=((56, 56), (84, 56), (112, 84))):
     path = demo.make_dataset(tmp_path / f"data_{family}", num_samples=num_samples, seed=cfg.seed,

@@ -18,7 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.parity import assert_parity, dense_layout, make_steps, run_engine, run_reference
+from tests.distributed.parity import (GENERIC_FAMILIES, assert_parity, dense_layout, make_steps,
+                                     run_engine, run_reference)
 from tests.distributed.test_parity import CFG
 
 TOL = dict(loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10, grad_tol=1e-10)
@@ -48,8 +49,7 @@ ZERO_GRAD = ("vision_tower.encoder.layers.0.self_attn.k_proj.bias",
              "vision_tower.encoder.layers.1.self_attn.k_proj.bias",
              "vision_model.encoder.layers.0.self_attn.k_proj.bias",
              "vision_model.encoder.layers.1.self_attn.k_proj.bias")
-FAMILIES = ("gemma3", "llava", "paligemma", "aya_vision", "cohere2_vision", "mistral3", "idefics3",
-            "smolvlm", "glm4v", "glm46v")
+FAMILIES = GENERIC_FAMILIES
 LAYOUTS = {
     "collocated-dp2-tp2": dense_layout("collocated", (1, 2), (2, 1)),
     "disjoint-1v-tp2": dense_layout("disjoint", (1, 1), (2, 1)),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.test_generic import FAMILIES
+from tests.distributed.parity import GENERIC_FAMILIES as FAMILIES
 
 DEFAULT = {"llava"}
 TOL = {"gemma3": 1e-7, "paligemma": 1e-7, "aya_vision": 1e-7, "cohere2_vision": 1e-7,
