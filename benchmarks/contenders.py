@@ -82,7 +82,7 @@ class UniformTP:
     def __init__(self, config, cfg, device):
         from torch.distributed.device_mesh import init_device_mesh
 
-        from ray_dhp.models.base import standard_text_plan
+        from ray_dhp.models.text_plans import standard_text_plan
         from ray_dhp.step.optim import build_optimizer
         from ray_dhp.parallel.tensor import apply_tp_plan
 

@@ -15,7 +15,8 @@ or Qwen3 (InternVL3.5) language model with 1-D RoPE.
   Qwen-VL ``get_rope_index`` this model does not have.
 """
 
-from ray_dhp.models.base import FamilySpec, sequence_parallel_text_plan, standard_text_plan
+from ray_dhp.models.base import FamilySpec
+from ray_dhp.models.text_plans import sequence_parallel_text_plan, standard_text_plan
 from ray_dhp.models.vision_internvl import merge_size
 
 SPEC = FamilySpec(

@@ -10,7 +10,8 @@ audio are refused before training (`ray_dhp.data.audio.refuse_audio`).
 
 import torch
 
-from ray_dhp.models.base import EncoderSpec, FamilySpec, sequence_parallel_text_plan, standard_text_plan
+from ray_dhp.models.base import EncoderSpec, FamilySpec
+from ray_dhp.models.text_plans import sequence_parallel_text_plan, standard_text_plan
 
 SPEC = FamilySpec(
     name="qwen2_5_omni",

@@ -1,6 +1,7 @@
 """Qwen2.5-VL: window-attention ViT (Ulysses only in `fullatt_block_indexes`), Qwen2 LM."""
 
-from ray_dhp.models.base import FamilySpec, sequence_parallel_text_plan, standard_text_plan
+from ray_dhp.models.base import FamilySpec
+from ray_dhp.models.text_plans import sequence_parallel_text_plan, standard_text_plan
 
 SPEC = FamilySpec(
     name="qwen2_5_vl",

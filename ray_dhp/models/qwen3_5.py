@@ -24,7 +24,8 @@ Packing is refused: the recurrence would carry state across the samples of a pac
 torch path of the model ignores the per-sample boundaries).
 """
 
-from ray_dhp.models.base import FamilySpec, sequence_parallel_text_plan, standard_text_plan
+from ray_dhp.models.base import FamilySpec
+from ray_dhp.models.text_plans import sequence_parallel_text_plan, standard_text_plan
 
 
 def _widths(tc) -> tuple:

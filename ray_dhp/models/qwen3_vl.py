@@ -5,7 +5,8 @@ only its heads, so their gradients are partial sums that must be all-reduced ove
 (the loss is right without it, the gradients are silently wrong).
 """
 
-from ray_dhp.models.base import FamilySpec, sequence_parallel_text_plan, standard_text_plan
+from ray_dhp.models.base import FamilySpec
+from ray_dhp.models.text_plans import sequence_parallel_text_plan, standard_text_plan
 
 SPEC = FamilySpec(
     name="qwen3_vl",

@@ -11,7 +11,8 @@ Experts can instead be partitioned over text data-parallel ranks (`ray_dhp.paral
 sharded over the TP ranks by their intermediate dim (`ray_dhp.parallel.expert_tp`).
 """
 
-from ray_dhp.models.base import FamilySpec, MoESpec, standard_text_plan
+from ray_dhp.models.base import FamilySpec, MoESpec
+from ray_dhp.models.text_plans import standard_text_plan
 
 _DENSE_MLP = (".mlp.gate_proj", ".mlp.up_proj", ".mlp.down_proj")
 

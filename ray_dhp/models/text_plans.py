@@ -1,0 +1,77 @@
+"""The Megatron-style tensor-parallel plans of the Qwen2/Qwen2.5/Qwen3 language models (and the
+language models that share their module names, InternVL's): plain, and with Megatron sequence
+parallelism. A family file picks one (`FamilySpec.text_tp_plan` / ``text_sp_plan``)."""
+
+from __future__ import annotations
+
+__all__ = ["standard_text_plan", "sequence_parallel_text_plan"]
+
+
+def standard_text_plan(prefix: str = "model.language_model") -> dict:
+    """Megatron-style plan shared by the Qwen2/Qwen2.5/Qwen3 language models.
+
+    Attention q/k/v and MLP gate/up are column-parallel, o/down row-parallel (one all-reduce per
+    block half), the embedding is vocab-parallel, and ``lm_head`` is column-parallel with its
+    logits left sharded over the vocabulary for ``loss_parallel`` (no full-logit gather).
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    layer = f"{prefix}.layers.*"
+    return {
+        f"{prefix}.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        f"{layer}.self_attn.q_proj": ColwiseParallel(),
+        f"{layer}.self_attn.k_proj": ColwiseParallel(),
+        f"{layer}.self_attn.v_proj": ColwiseParallel(),
+        f"{layer}.self_attn.o_proj": RowwiseParallel(),
+        f"{layer}.mlp.gate_proj": ColwiseParallel(),
+        f"{layer}.mlp.up_proj": ColwiseParallel(),
+        f"{layer}.mlp.down_proj": RowwiseParallel(),
+        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    }
+
+
+def sequence_parallel_text_plan(prefix: str = "model.language_model") -> dict:
+    """`standard_text_plan` plus Megatron sequence parallelism (Korthikanti et al. 2022): the plan
+    shape of torchtitan's Llama, with Megatron-LM's saved-activation economy.
+
+    Between the tensor-parallel regions the hidden states are sharded along the sequence over
+    the TP ranks: the norms run on the local tokens (DTensor ``SequenceParallel``), the attention
+    and MLP inputs are all-gathered along the sequence before the column-parallel projections,
+    and the row-parallel ``o_proj`` / ``down_proj`` reduce-scatter into the sequence shard
+    (``RowwiseParallel(output_layouts=Shard(1))``) instead of all-reducing. The column-parallel
+    projections (q/k/v, gate/up, ``lm_head``) are `GatheredColwise`: one all-gather per module,
+    and each linear saves only the sequence shard for its weight gradient, re-gathering it in
+    backward (DTensor's ``ColwiseParallel`` would save the gathered input, ``S`` tokens per rank).
+    The residual stream, every saved activation of a block and every checkpointed block input
+    is ``S / tp`` tokens per rank.
+
+    Sharding begins at the input of the first decoder layer (`ShardSequence`: a local slice,
+    copied so the whole embedding output is not kept; no communication): the Qwen-VL model
+    places the image features into the embeddings, builds the attention mask and the M-RoPE
+    cos/sin from the *full* sequence before the layers, and every layer then gets the full mask
+    and cos/sin as keyword arguments; they meet the hidden states only inside attention, after
+    the all-gather, so they stay whole and consistent. The final norm runs on the shard and
+    ``lm_head`` all-gathers the sequence (vocab-sharded ``Shard(-1)`` logits for
+    ``loss_parallel`` as before). The sequence length must be a multiple of tp (the engine
+    pads). Qwen3-VL's deepstack additions between layers act on the shard: see
+    ``ray_dhp.parallel.text_sp.install_deepstack_shard``.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
+
+    from ray_dhp.parallel.seq_gather import GatheredColwise, ShardSequence
+
+    layer = f"{prefix}.layers.*"
+    return {
+        f"{prefix}.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        f"{prefix}.layers.0": ShardSequence(),
+        f"{layer}.input_layernorm": SequenceParallel(),
+        f"{layer}.self_attn": GatheredColwise(("q_proj", "k_proj", "v_proj"), input_kwarg="hidden_states"),
+        f"{layer}.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+        f"{layer}.post_attention_layernorm": SequenceParallel(),
+        f"{layer}.mlp": GatheredColwise(("gate_proj", "up_proj")),
+        f"{layer}.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+        f"{prefix}.norm": SequenceParallel(use_local_output=True),
+        "lm_head": GatheredColwise(("",), output_placement=Shard(-1)),
+    }

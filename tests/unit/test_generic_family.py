@@ -1,0 +1,63 @@
+"""The generic family (`ray_dhp.models.generic`) reads what it needs from the model itself, and
+the sharded random init reproduces the models it admits bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ray_dhp import demo
+from ray_dhp.models import build_model, family_of
+from ray_dhp.models.generic import GenericFamily
+from ray_dhp.models.loading import build_meta_model
+
+
+def test_gemma3_is_read_from_its_own_metadata():
+    config = demo.tiny_model_config("gemma3")
+    family = family_of(config)
+    assert isinstance(family, GenericFamily) and family.model_class == "Gemma3ForConditionalGeneration"
+    assert family.vision_parts == ("vision_tower", "multi_modal_projector")
+    assert family.merger_prefixes == ("model.multi_modal_projector.",)
+    # 4x4 patches pooled to mm_tokens_per_image=4 rows: 2x2 patches a row
+    assert (family.rows_per_image, family.merge_size(config)) == (4, 2)
+    # base_model_tp_plan's replicated_with_grad_allreduce: the per-head norms' partial gradients
+    assert family.tp_partial_grad_suffixes == ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+    assert "token_type_ids" in family.lm_inputs(config, {"mm_token_type_ids": torch.tensor([[0, 1]]),
+                                                         "image_grid_thw": None})
+    assert "image_grid_thw" not in family.lm_inputs(config, {"image_grid_thw": None})
+
+
+def test_llava_holds_the_tower_layer_it_never_reads_frozen():
+    """LLaVA takes the features of the tower's second-to-last layer: the last layer gets no
+    gradient (a meta backward finds it), so the engine holds it frozen as AdamW skips it."""
+    family = family_of(demo.tiny_model_config("llava"))
+    unused = family.vision_encoder.unused
+    assert unused and all(n.startswith(("vision_tower.encoder.layers.1.",
+                                        "vision_tower.post_layernorm.")) for n in unused)
+
+
+def test_vision_sequence_parallel_is_refused_with_the_reason():
+    config = demo.tiny_model_config("llava")
+    with pytest.raises(ValueError, match="sequence_parallel=2 is not covered.*get_image_features"):
+        family_of(config).validate_layout(config, sp=2, tp=1)
+
+
+def test_an_unsupported_type_is_refused_naming_why():
+    from transformers import AutoConfig
+
+    with pytest.raises(ValueError, match="model_type 'bert' is not supported"):
+        family_of(AutoConfig.for_model("bert"))
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llava"])
+def test_sharded_random_init_replays_the_stock_init(family):
+    """SigLIP's trunc_normal_ init (rejection sampling: a no-op on meta) and CLIP's
+    ``nn.Parameter(torch.randn(d))`` class embedding are replayed: every parameter equals the
+    stock ``_from_config``'s, bit for bit."""
+    config = demo.tiny_model_config(family)
+    ref = dict(build_model(config, seed=3, dtype=torch.float64).named_parameters())
+    meta = build_meta_model(config, seed=3, dtype=torch.float64)
+    got = {}
+    meta.init.replay(3, set(meta.init.params), lambda names, t: got.update({n: t for n in names}))
+    assert set(got) == set(ref)
+    assert all(torch.equal(got[n], ref[n].detach()) for n in ref)
