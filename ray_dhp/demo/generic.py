@@ -22,13 +22,10 @@ patch, merge and temporal sizes (56..112-px images).
 from __future__ import annotations
 
 from ray_dhp.demo.tokenizer import _token_ids, build_tokenizer
+from ray_dhp.models.shrink import IMAGE_SIDE, PATCH
 
 __all__ = ["tiny_generic_config", "tiny_generic_processor", "IMAGE_SIDE", "PATCH"]
 
-IMAGE_SIDE, PATCH = 56, 14
-_TEXT = {"num_hidden_layers": 2, "max_position_embeddings": 4096}
-_VISION = {"num_hidden_layers": 2, "image_size": IMAGE_SIDE, "patch_size": PATCH}
-_IMAGE_TOKEN_COUNTS = ("mm_tokens_per_image", "image_seq_length", "num_image_tokens")
 _TOKEN_IDS = {  # config key -> the demo tokenizer's token (`_token_ids`)
     "image_token_id": "image_token_id", "image_token_index": "image_token_id",
     "video_token_id": "video_token_id", "image_start_token_id": "vision_start_token_id",
@@ -36,44 +33,21 @@ _TOKEN_IDS = {  # config key -> the demo tokenizer's token (`_token_ids`)
     "vision_end_token_id": "vision_end_token_id"}
 
 
-def _mrope_sections(text) -> None:
-    """An M-RoPE language model whose config may leave ``mrope_section`` to the modeling code's
-    default (its config class lists the key among those its rope validation ignores, GLM-4V's):
-    sections for the tiny head, 1/4 : 3/8 : 3/8 of its rotary half (Qwen's 16:24:24 proportion)."""
-    rope = dict(getattr(text, "rope_parameters", None) or {})
-    if "mrope_section" in rope or "mrope_section" not in getattr(
-            type(text), "ignore_keys_at_rope_validation", ()):
-        return
-    factor = rope.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", 1.0)) or 1.0
-    half = int(text.head_dim * factor) // 2
-    first = half // 4
-    second = (half - first) // 2
-    text.rope_parameters = {**rope, "mrope_section": [first, second, half - first - second]}
-
-
 def tiny_generic_config(model_type: str):
-    """A random-init sized config of ``model_type`` (see the module docstring)."""
+    """A random-init sized config of ``model_type`` (see the module docstring): `tiny_config`
+    with the demo tokenizer's vocabulary and special tokens."""
     from transformers import AutoConfig
 
-    from ray_dhp.models.shrink import shrink_config
+    from ray_dhp.models.shrink import tiny_config
 
     base = AutoConfig.for_model(model_type)
     ids = _token_ids()
     vocab = -(-len(build_tokenizer()) // 8) * 8
-    text = {**_TEXT, "vocab_size": vocab, "pad_token_id": ids["pad_token_id"],
-            "eos_token_id": ids["eos_token_id"], "bos_token_id": ids["pad_token_id"],
-            "tie_word_embeddings": False}
-    # a pooling head the feature seam never reads (SigLIP's ``vision_use_head``) is off
-    vision = {**_VISION, **{k: False for k in base.vision_config.to_dict() if k.endswith("use_head")}}
-    top = {k: (IMAGE_SIDE // PATCH // 2) ** 2 for k in _IMAGE_TOKEN_COUNTS if hasattr(base, k)}
-    top.update({k: ids[which] for k, which in _TOKEN_IDS.items() if hasattr(base, k)})
-    top["tie_word_embeddings"] = False
-    config = shrink_config(base, text=text, vision=vision, top=top)
-    _mrope_sections(config.get_text_config())
+    text = {"vocab_size": vocab, "pad_token_id": ids["pad_token_id"],
+            "eos_token_id": ids["eos_token_id"], "bos_token_id": ids["pad_token_id"]}
+    top = {k: ids[which] for k, which in _TOKEN_IDS.items() if hasattr(base, k)}
+    config = tiny_config(base, text=text, top=top)
     config.pad_token_id, config.eos_token_id = ids["pad_token_id"], ids["eos_token_id"]
-    for sub in (config, config.get_text_config(), config.vision_config):
-        sub.dtype = "float32"
-    config._attn_implementation = "sdpa"
     return config
 
 

@@ -31,7 +31,8 @@ What is read, and from where:
 Covered today: towers on fixed-size images (one tile per image: ``image_size`` from the vision
 config), vision data parallelism (sequence parallelism needs a tower file, and is refused with
 the reason), text TP, ZeRO 1-3 for the text side. Refused in the driver, with the reason:
-packing, text sequence parallelism, vision ZeRO-3, expert parallelism.
+packing, text sequence parallelism, vision ZeRO-3; and the whole model where it has an audio
+encoder or a mixture-of-experts language model (not covered yet).
 
 Example::
 
@@ -170,6 +171,7 @@ def _family(cls, config_json: str) -> GenericFamily:
     vc = getattr(config, "vision_config", None)
     if vc is None:
         raise UnsupportedModel(f"model_type {model_type!r} has no vision_config")
+    _check_covered(cls, config)
     grid = _grid_input(cls, vc)
     pooled, inner, unused, (image_kwargs, pixel_dims), probed = _probe(config, cls, grid)
     is_sequence = isinstance(pooled, (list, tuple))
@@ -217,6 +219,23 @@ def _family(cls, config_json: str) -> GenericFamily:
         lm_attr=lm_attr, tower=tower, rows_per_image=rows, text_plan_refusal=refusal,
         forward_params=tuple(inspect.signature(cls.forward).parameters),
     )
+
+
+def _check_covered(cls, config) -> None:
+    """Refuse what the generic family does not train exactly yet, saying why: an audio encoder
+    (its parts would be taken for the vision side) and a mixture-of-experts language model (the
+    router's load-balancing loss and expert parallelism need a family file, `FamilySpec.moe`)."""
+    mt = config.model_type
+    if hasattr(cls, "get_audio_features"):
+        raise UnsupportedModel(f"model_type {mt!r} has an audio encoder, which the generic family "
+                               "does not cover yet")
+    text = config.get_text_config()
+    experts = max((getattr(text, k, 0) or 0 for k in ("num_experts", "n_routed_experts",
+                                                      "num_local_experts")), default=0)
+    if getattr(text, "base_model_ep_plan", None) or experts > 1:
+        raise UnsupportedModel(f"model_type {mt!r} has a mixture-of-experts language model "
+                               f"({experts} experts): its router loss and expert parallelism "
+                               "need a family file")
 
 
 def _image_geometry(vc) -> tuple:

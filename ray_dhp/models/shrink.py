@@ -10,7 +10,10 @@ Idefics3's and Mistral 3's), and the demo's tiny configs (`ray_dhp.demo.generic`
 
 from __future__ import annotations
 
-__all__ = ["shrink_config", "TEXT", "VISION"]
+__all__ = ["shrink_config", "tiny_config", "TEXT", "VISION", "IMAGE_SIDE", "PATCH"]
+
+IMAGE_SIDE, PATCH = 56, 14  # tiny images: 4x4 patches
+_IMAGE_TOKEN_COUNTS = ("mm_tokens_per_image", "image_seq_length", "num_image_tokens")
 
 TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
         "num_key_value_heads": 4, "head_dim": 16}
@@ -71,3 +74,39 @@ def shrink_config(config, *, text: dict = None, vision: dict = None, top: dict =
                                                      "vision_config": vision_d})
     out._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
     return out
+
+
+def tiny_config(base, *, text: dict = None, top: dict = None):
+    """A random-init sized copy of ``base`` (transformers' default config of a model type): widths
+    as `shrink_config`, 2 text and 2 vision layers, 56-px images of 14-px patches, per-image token
+    counts 4 (2x2 squares of the 4x4 patch grid), a tower's optional pooling head off (SigLIP's
+    ``vision_use_head``: ``get_image_features`` never reads it), M-RoPE sections for the tiny
+    head where the config leaves them to the modeling code, no tied embeddings, fp32, ``sdpa``.
+    ``text`` / ``top``: further keys (the demo's vocabulary and special tokens)."""
+    vision = {"num_hidden_layers": 2, "image_size": IMAGE_SIDE, "patch_size": PATCH,
+              **{k: False for k in base.vision_config.to_dict() if k.endswith("use_head")}}
+    text = {"num_hidden_layers": 2, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+            **(text or {})}
+    top = {**{k: (IMAGE_SIDE // PATCH // 2) ** 2 for k in _IMAGE_TOKEN_COUNTS if hasattr(base, k)},
+           "tie_word_embeddings": False, **(top or {})}
+    config = shrink_config(base, text=text, vision=vision, top=top)
+    _mrope_sections(config.get_text_config())
+    for sub in (config, config.get_text_config(), config.vision_config):
+        sub.dtype = "float32"
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def _mrope_sections(text) -> None:
+    """An M-RoPE language model whose config may leave ``mrope_section`` to the modeling code's
+    default (its config class lists the key among those its rope validation ignores, GLM-4V's):
+    sections for the tiny head, 1/4 : 3/8 : 3/8 of its rotary half (Qwen's 16:24:24 proportion)."""
+    rope = dict(getattr(text, "rope_parameters", None) or {})
+    if "mrope_section" in rope or "mrope_section" not in getattr(
+            type(text), "ignore_keys_at_rope_validation", ()):
+        return
+    factor = rope.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", 1.0)) or 1.0
+    half = int(text.head_dim * factor) // 2
+    first = half // 4
+    second = (half - first) // 2
+    text.rope_parameters = {**rope, "mrope_section": [first, second, half - first - second]}

@@ -4,7 +4,9 @@ A *seam model* is a model type whose image-text-to-text class's ``forward`` take
 ``mm_encoder_outputs`` (the seam the engine hands encoder features through). For each,
 `survey` says how ray_dhp takes it: ``hand-written`` (a family file in `ray_dhp.models`),
 ``generic`` (`ray_dhp.models.generic` builds its family from the model's own metadata at the
-type's default dims), or ``refused`` with the reason the driver gives.
+type's default dims, or — where transformers' default config is not a consistent model — at
+the tiny dims of `ray_dhp.models.shrink.tiny_config`), or ``refused`` with the reason the driver
+gives (at the tiny dims).
 
     python -m ray_dhp.models.survey            # the markdown table (docs/supported_models.md)
 """
@@ -57,6 +59,7 @@ def survey() -> list[Status]:
 
     from ray_dhp.models import _BY_MODEL_TYPE
     from ray_dhp.models.generic import GenericFamily, generic_family
+    from ray_dhp.models.shrink import tiny_config
 
     import sys
 
@@ -71,13 +74,23 @@ def survey() -> list[Status]:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 family: GenericFamily = generic_family(AutoConfig.for_model(model_type))
+            where = ""
         except Exception as e:  # noqa: BLE001 - whatever the driver would raise is the reason
-            out.append(Status(model_type, cls_name, "refused", _first_line(e)))
-            continue
+            # transformers' default config is sometimes not a consistent model (Gemma 3's
+            # 224-px tower with 256 tokens per image): the same type at the tiny dims
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    family = generic_family(tiny_config(AutoConfig.for_model(model_type)))
+                where = f" (at tiny dims; transformers' default config: {_first_line(e)})"
+            except Exception as e2:  # noqa: BLE001
+                out.append(Status(model_type, cls_name, "refused", _first_line(e2)))
+                continue
         tp = ("text TP " + ("refused: " + family.text_plan_refusal if family.text_plan_refusal
                             else "from base_model_tp_plan"))
+        images = "patch rows + grid" if family.grid_input else f"{family.rows_per_image} rows per image"
         out.append(Status(model_type, cls_name, "generic",
-                          f"vision DP ({family.rows_per_image} rows per image); {tp}; text ZeRO 1-3"))
+                          f"vision DP ({images}); {tp}; text ZeRO 1-3{where}"))
     return out
 
 
