@@ -90,3 +90,36 @@ def test_internvl_directory_loads_sharded_and_exports(tmp_path):
     assert not torch.equal(got["params0"][name].float(), dict(seed0.named_parameters())[name])
     assert_export_round_trip(ckpt, str(tmp_path / "hf"), transformers.InternVLForConditionalGeneration,
                              got["params"])
+
+
+# -- InternVL3.5: the same family with a Qwen3 language model ------------------------------------
+
+def _internvl3_5_config():
+    """The tiny InternVL with a Qwen3 LM (per-head q/k RMSNorms, head_dim 16), as InternVL3.5."""
+    from transformers import InternVLConfig
+
+    from ray_dhp import demo
+
+    base = demo.tiny_model_config(FAMILY)
+    text = {**base.text_config.to_dict(), "model_type": "qwen3", "head_dim": 16}
+    for key in ("layer_types", "architectures", "transformers_version"):
+        text.pop(key, None)
+    config = InternVLConfig(**{**base.to_dict(), "text_config": text,
+                               "vision_config": base.vision_config.to_dict()})
+    config._attn_implementation = "sdpa"
+    return config
+
+
+@pytest.mark.parametrize("case", [pytest.param("collocated-sp2-tp2", id="collocated-sp2-tp2"),
+                                  pytest.param("disjoint-1v-2t", id="disjoint-1v-2t",
+                                               marks=pytest.mark.slow)])
+def test_internvl3_5_with_a_qwen3_lm_is_exact(case, tmp_path):
+    """The q/k norms see only the local heads under TP: their gradients are summed over the TP
+    group (`FamilySpec.tp_partial_grad_suffixes`); everything else as InternVL3."""
+    config = _internvl3_5_config()
+    assert config.text_config.model_type == "qwen3"
+    steps = make_steps(tmp_path, FAMILY, CFG)
+    ref = run_reference(FAMILY, CFG, steps, torch.float64, model=config)
+    got = run_engine(FAMILY, CASES[case][0], CFG, steps, torch.float64, grads=True, model=config)
+    assert any(n.endswith("self_attn.q_norm.weight") for n in ref["params"])
+    assert_parity(got, ref, **TOL)
