@@ -226,6 +226,10 @@ def _check_covered(cls, config) -> None:
     (its parts would be taken for the vision side) and a mixture-of-experts language model (the
     router's load-balancing loss and expert parallelism need a family file, `FamilySpec.moe`)."""
     mt = config.model_type
+    if "pixel_values" not in inspect.signature(cls.forward).parameters:
+        raise UnsupportedModel(f"model_type {mt!r}: {cls.__name__}.forward takes no pixel_values "
+                               "(its images go by another name): the stock model the engine is "
+                               "exact against could not be run")
     if hasattr(cls, "get_audio_features"):
         raise UnsupportedModel(f"model_type {mt!r} has an audio encoder, which the generic family "
                                "does not cover yet")

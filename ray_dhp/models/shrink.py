@@ -81,7 +81,8 @@ def tiny_config(base, *, text: dict = None, top: dict = None):
     as `shrink_config`, 2 text and 2 vision layers, 56-px images of 14-px patches, per-image token
     counts 4 (2x2 squares of the 4x4 patch grid), a tower's optional pooling head off (SigLIP's
     ``vision_use_head``: ``get_image_features`` never reads it), M-RoPE sections for the tiny
-    head where the config leaves them to the modeling code, no tied embeddings, fp32, ``sdpa``.
+    head where the config leaves them to the modeling code, no tied embeddings, fp32, ``sdpa``
+    (``eager`` for a class that has no ``sdpa`` path).
     ``text`` / ``top``: further keys (the demo's vocabulary and special tokens)."""
     vision = {"num_hidden_layers": 2, "image_size": IMAGE_SIDE, "patch_size": PATCH,
               **{k: False for k in base.vision_config.to_dict() if k.endswith("use_head")}}
@@ -93,8 +94,16 @@ def tiny_config(base, *, text: dict = None, top: dict = None):
     _mrope_sections(config.get_text_config())
     for sub in (config, config.get_text_config(), config.vision_config):
         sub.dtype = "float32"
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = "sdpa" if _supports_sdpa(config) else "eager"
     return config
+
+
+def _supports_sdpa(config) -> bool:
+    """Whether the config's image-text-to-text class runs with ``sdpa`` (GOT-OCR2's does not)."""
+    from transformers import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    cls = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.get(type(config), None)
+    return cls is None or getattr(cls, "_supports_sdpa", True) is not False
 
 
 def _mrope_sections(text) -> None:
