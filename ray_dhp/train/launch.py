@@ -52,15 +52,7 @@ def _worker(rank, world_size, port, backend, threads, fn, args, queue, env=None)
             torch.cuda.set_device(rank % torch.cuda.device_count())
         if backend == "nccl":  # CUDA tensors over NCCL, host tensors over gloo (see backend.py);
             backend = "cpu:gloo,cuda:nccl"  # "cuda:nccl" alone: NCCL only (CPU tensors refused)
-        timeout = timedelta(minutes=20)
-        store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timeout)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-        # No rank leaves before every rank has its group: gloo's connect handshake of a late
-        # rank fails ("Connection closed by peer") when a peer that already counts the pair as
-        # connected returns at once and tears its group down (a body without collectives;
-        # ~1 start in 200 when the ranks start together, as forked from the forkserver).
-        store.set(f"launch/up/{rank}", "1")
-        store.wait([f"launch/up/{r}" for r in range(world_size)])
+        _init_group(backend, rank, world_size, port)
         out = fn(rank, world_size, *args)
         buf = io.BytesIO()
         torch.save(out, buf)  # bytes, not tensors: shared-memory handles die with this process
@@ -70,6 +62,22 @@ def _worker(rank, world_size, port, backend, threads, fn, args, queue, env=None)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _init_group(backend: str, rank: int, world_size: int, port: int) -> None:
+    """The default group, then a wait until every rank has it: gloo's connect handshake of a late
+    rank fails ("Connection closed by peer") when a peer that already counts the pair as
+    connected returns at once and tears its group down (a body without collectives; ~1 start in
+    200 when the ranks start together, as forked from the forkserver). The store is the one
+    ``init_method="env://"`` would make (multi-tenant: a body that destroys the group may init
+    it again on the same port)."""
+    import torch.distributed as dist
+
+    timeout = timedelta(minutes=20)
+    store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timeout, multi_tenant=True)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    store.set(f"launch/up/{rank}", "1")
+    store.wait([f"launch/up/{r}" for r in range(world_size)])
 
 
 def spawn(fn, world_size: int, args: tuple = (), *, backend: str = "gloo", threads: int = 1,
