@@ -82,7 +82,8 @@ class TemplateRenderer:
         chat_template: the template text.
         end_of_turn: the token that closes a reply (trained; what follows it is not). Qwen's
             ``<|im_end|>`` whatever the tokenizer's eos token is (base Qwen2-VL checkpoints
-            name ``<|endoftext|>`` as eos).
+            name ``<|endoftext|>`` as eos); None: the reply is all the template writes for
+            the turn.
     """
 
     def __init__(self, tokenizer, chat_template: str, end_of_turn: str = EOS):
@@ -130,7 +131,7 @@ class TemplateRenderer:
                     "differently from the start of the whole conversation, so the reply's "
                     "tokens cannot be located")
             reply = upto[len(head):]
-            end = reply.find(self.eos)
+            end = reply.find(self.eos) if self.eos else -1
             spans.append((len(head), len(head) + (end + len(self.eos) if end >= 0 else len(reply))))
         return whole, spans
 
@@ -158,23 +159,27 @@ class QwenFormat:
 
 
 def expand_pads(text: str, spans: list, images: list, videos: list,
-                audios: tuple = ()) -> tuple[str, list]:
+                audios: tuple = (), pads: tuple = (IMAGE_PAD, VIDEO_PAD, AUDIO_PAD)) -> tuple[str, list]:
     """Replace the i-th ``<|image_pad|>`` of ``text`` by ``images[i]``, the i-th
     ``<|video_pad|>`` by ``videos[i]`` and the i-th ``<|AUDIO|>`` by ``audios[i]`` (the
-    replacement strings) and move ``spans`` along.
+    replacement strings) and move ``spans`` along. ``pads``: the image, video and audio
+    placeholders the template writes (None: that kind has none; a model's own processor's
+    ``image_token``, `ray_dhp.data.model_processor`).
 
     Raises:
         ValueError: the text holds another number of image or video pads than there are items.
     """
-    for pad, reps, what in ((IMAGE_PAD, images, "image"), (VIDEO_PAD, videos, "video"),
-                            (AUDIO_PAD, audios, "audio")):
+    for pad, reps, what in zip(pads, (images, videos, audios), ("image", "video", "audio")):
+        if pad is None:
+            if reps:
+                raise ValueError(f"the processor has no {what} placeholder for {len(reps)} {what}(s)")
+            continue
         if text.count(pad) != len(reps):
             raise ValueError(f"the chat template rendered {text.count(pad)} {pad} token(s) for "
                              f"{len(reps)} {what}(s); the template must write one {pad} per "
                              f"{what} item ({{'type': '{what}'}}) of a message")
-    pads = (IMAGE_PAD, VIDEO_PAD, AUDIO_PAD)
-    pieces = re.split("(" + "|".join(map(re.escape, pads)) + ")", text)
-    todo = {IMAGE_PAD: iter(images), VIDEO_PAD: iter(videos), AUDIO_PAD: iter(audios)}
+    todo = {pad: iter(reps) for pad, reps in zip(pads, (images, videos, audios)) if pad is not None}
+    pieces = re.split("(" + "|".join(map(re.escape, todo)) + ")", text)
     cuts, pos, out = [], 0, []  # cuts: (pad's position, characters added)
     for piece in pieces:
         if piece in todo:

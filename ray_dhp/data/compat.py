@@ -79,8 +79,12 @@ def check_processor_fits(processor, config, *, processor_at: str, model_at: str)
                               f"{model_file} vision_config.{theirs}={want}; the processor belongs "
                               "to another model.")
     tok = processor.tokenizer
+    if "image" in processor.ids:  # the model's own processor (`ray_dhp.data.model_processor`)
+        _check_model_processor(processor, config, processor_at, model_file)
     for key, token, field in _TOKENS:
         want, where = _config_value(config, field)
+        if key not in processor.ids:
+            continue
         got = processor.ids[key]
         if want is not None and got != want:
             raise ConfigError(f"{processor_at}: the tokenizer gives {token} the id {got} but "
@@ -123,7 +127,8 @@ def check_run_processor(dhp_config, *, processor_key: str = "DHPConfig(processor
     directory's; nothing to check for a model given as a config without a processor) and
     `check_processor_fits` it against the model; returns `processor_notes`. Each directory is
     loaded once per process (while its files are unchanged)."""
-    from ray_dhp.data.processing import VLProcessor, as_vl_processor
+    from ray_dhp.data.model_processor import run_processor
+    from ray_dhp.data.processing import VLProcessor
     from ray_dhp.data.processor_dir import ProcessorDirError
 
     spec = dhp_config.processor
@@ -136,7 +141,7 @@ def check_run_processor(dhp_config, *, processor_key: str = "DHPConfig(processor
                 else model_key)
     key = (spec, _fingerprint(spec)) if isinstance(spec, str) else None
     try:
-        processor = _CACHE[key] if key in _CACHE else as_vl_processor(spec)
+        processor = _CACHE[key] if key in _CACHE else run_processor(spec, dhp_config.model)
     except (ProcessorDirError, ValueError) as e:
         raise ConfigError(f"{at}: {e}") from None
     if key is not None:
@@ -145,3 +150,34 @@ def check_run_processor(dhp_config, *, processor_key: str = "DHPConfig(processor
         check_processor_fits(processor, dhp_config.model_config(), processor_at=at,
                              model_at=model_at)
     return processor_notes(processor, at)
+
+
+def _check_model_processor(processor, config, processor_at: str, model_file: str) -> None:
+    """The model's own processor: its image tokens hold the config's ``image_token_id``, and
+    one image's placeholder becomes as many of them as the tower makes feature rows."""
+    from PIL import Image
+
+    want, where = _config_value(config, "image_token_id")
+    if want is None:
+        want, where = _config_value(config, "image_token_index")
+    if want is not None and want not in processor.ids["image"]:
+        raise ConfigError(f"{processor_at}: the processor's image tokens have the ids "
+                          f"{list(processor.ids['image'])} but {model_file} {where}={want}; the "
+                          "processor belongs to another model.")
+    image = Image.new("RGB", (64, 48))
+    pixels, grid, reps = processor._encode_images([image])
+    tiled = processor.image_processor(images=[image], return_tensors="pt").get("image_grid_thw") is None
+    rows = int(grid.prod(-1)[0]) // processor.merge_size ** 2
+    size = getattr(getattr(config, "vision_config", None), "image_size", None)
+    side = int(grid[0, -1]) * processor.patch_size
+    if tiled and isinstance(size, int) and side != size:
+        raise ConfigError(f"{processor_at}: the image processor makes {side}-px images but "
+                          f"{model_file} vision_config.image_size={size}; the processor belongs "
+                          "to another model.")
+    ids = processor.tokenizer(reps[0], add_special_tokens=False)["input_ids"]
+    got = sum(1 for i in ids if i in processor.ids["image"])
+    if got != rows:
+        raise ConfigError(f"{processor_at}: one image becomes {got} image tokens in the prompt "
+                          f"but its {tuple(grid[0].tolist())} patch grid makes {rows} feature "
+                          f"rows for the model of {model_file}; the processor belongs to "
+                          "another model (or another image size).")

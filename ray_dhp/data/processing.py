@@ -39,8 +39,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ray_dhp.data.chat import (AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, ChatTemplateError, QwenFormat,
-                               TemplateRenderer, expand_pads, placeholder_kinds)
+from ray_dhp.data.chat import (AUDIO_PAD, AUDIO_PLACEHOLDER, IMAGE_PAD, IMAGE_PLACEHOLDER, VIDEO_PAD,
+                               VIDEO_PLACEHOLDER, ChatTemplateError, QwenFormat, TemplateRenderer,
+                               expand_pads, placeholder_kinds)
 from ray_dhp.data.images import ImageError, load_image
 from ray_dhp.data.reading import Record
 from ray_dhp.data.sample import IGNORE_INDEX, BadSample, Sample, _image_paths, _messages
@@ -97,14 +98,23 @@ class VLProcessor:
         template = chat_template or getattr(tokenizer, "chat_template", None)
         if isinstance(template, dict):  # several named templates: the default one
             template = template.get("default")
-        self.renderer = TemplateRenderer(tokenizer, template) if template else QwenFormat()
-        self.ids = {}
-        for name, token in _SPECIAL:
-            tid = tokenizer.convert_tokens_to_ids(token)
+        self.renderer = self._renderer(tokenizer, template)
+        self.ids = self._token_ids(tokenizer)
+        self.merge_size = getattr(image_processor, "merge_size", 2)
+
+    #: the strings a rendered prompt holds once per image / video / audio item (`expand_pads`)
+    pads = (IMAGE_PAD, VIDEO_PAD, AUDIO_PAD)
+
+    def _renderer(self, tokenizer, template):
+        return TemplateRenderer(tokenizer, template) if template else QwenFormat()
+
+    @staticmethod
+    def _token_ids(tokenizer) -> dict:
+        ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in _SPECIAL}
+        for (name, token), tid in zip(_SPECIAL, ids.values()):
             if tid is None or tid == tokenizer.unk_token_id:
                 raise ValueError(f"tokenizer has no {token} token; a Qwen-VL tokenizer is required")
-            self.ids[name] = tid
-        self.merge_size = getattr(image_processor, "merge_size", 2)
+        return ids
 
     @property
     def uses_chat_template(self) -> bool:
@@ -200,16 +210,15 @@ class VLProcessor:
             images = [load_image(p, max_pixels) for p in paths]
         except ImageError as exc:
             raise BadSample(str(exc)) from exc
-        pixel_values, grid = self._encode_images(images)
+        pixel_values, grid, image_pads = self._encode_images(images)
         clips = [self._encode_video(v, max_pixels) for v in videos]
         audio, audio_lengths, audio_pads = self._encode_audio(record.data, data_root, kinds)
-        image_pads = [] if grid is None else ["<|image_pad|>" * (n // self.merge_size**2)
-                                              for n in grid.prod(-1).tolist()]
         try:
             text, spans = self.renderer.render(messages, self.system_prompt)
         except ChatTemplateError as exc:
             raise BadSample(str(exc)) from exc
-        text, spans = expand_pads(text, spans, image_pads, [c[3] for c in clips], audio_pads)
+        text, spans = expand_pads(text, spans, image_pads, [c[3] for c in clips], audio_pads,
+                                  pads=self.pads)
         visual = self._in_placeholder_order([k for k in kinds if k in VISUAL_KINDS], pixel_values,
                                             grid, clips)
         input_ids, labels = self._tokenize(text, spans)
@@ -217,18 +226,25 @@ class VLProcessor:
             raise BadSample(f"too long: {len(input_ids)} tokens > max_tokens={max_tokens}")
         if not (labels != IGNORE_INDEX).any():
             raise BadSample("no trainable tokens: the conversation has no assistant turn")
-        mm = torch.zeros_like(input_ids)
-        mm[input_ids == self.ids["image_pad"]] = 1
-        mm[input_ids == self.ids["video_pad"]] = 2
+        mm = self._token_types(input_ids)
         if audio_lengths is not None:
             self._mark_audio(input_ids, mm, audio_pads)
         rows = [int(g.prod()) // self.merge_size**2 for g in visual[1]] if visual[1] is not None else []
         for kind, name in ((1, "image"), (2, "video")):
             want = sum(n for n, k in zip(rows, visual[2].tolist()) if k == kind) if rows else 0
             if int((mm == kind).sum()) != want:
-                raise ValueError(f"{name}-pad tokens were merged or split by the tokenizer; "
-                                 f"<|{name}_pad|> must be a special token")
+                raise ValueError(f"{name} tokens were merged or split by the tokenizer: "
+                                 f"{int((mm == kind).sum())} for {want} feature rows; the "
+                                 f"{name} placeholder must be a special token")
         return Sample(record.index, input_ids, labels, mm, *visual, audio, audio_lengths)
+
+    def _token_types(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``mm_token_type_ids``: 1 on the image rows' tokens, 2 on the video rows' (audio: 3,
+        `_mark_audio`)."""
+        mm = torch.zeros_like(input_ids)
+        mm[input_ids == self.ids["image_pad"]] = 1
+        mm[input_ids == self.ids["video_pad"]] = 2
+        return mm
 
     def _mark_audio(self, input_ids, mm, audio_pads) -> None:
         """``mm_token_type_ids`` 3 at the audio pads (transformers' convention); their count
@@ -279,9 +295,12 @@ class VLProcessor:
         seconds = torch.tensor([c[2] for c in clips], dtype=torch.float64) if clips else None
         return torch.cat(pv), torch.cat(grids), mods, seconds
 
+    def _reserved(self) -> list:  # strings no turn may contain (the prompt's control tokens)
+        return [tok for _, tok in _SPECIAL] + [self.tokenizer.pad_token or "<|endoftext|>",
+                                               "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]
+
     def _validate(self, messages: list[tuple[str, str]]) -> list[tuple[str, str]]:
-        specials = [tok for _, tok in _SPECIAL] + [self.tokenizer.pad_token or "<|endoftext|>",
-                                                   "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]
+        specials = self._reserved()
         for role, text in messages:
             hit = next((s for s in specials if s in text), None)
             if hit is not None:
@@ -292,8 +311,10 @@ class VLProcessor:
         return messages
 
     def _encode_images(self, images: list):
+        """``(pixel rows, grids, pad strings)`` of a record's images (Nones and ``[]``
+        without): each image's pad repeated once per feature row, as Qwen-VL's processors do."""
         if not images:
-            return None, None
+            return None, None, []
         if self.image_processor is None:
             raise BadSample("no image processor: the record has images but the processor has no "
                             "image processor")
@@ -302,7 +323,9 @@ class VLProcessor:
         except Exception as exc:  # e.g. ValueError: aspect ratio over 200 (Qwen's smart_resize)
             raise BadSample(f"image processor refused the image(s): {type(exc).__name__}: "
                             f"{exc}") from exc
-        return out["pixel_values"].to(torch.float32), out["image_grid_thw"].to(torch.long)
+        grid = out["image_grid_thw"].to(torch.long)
+        pads = [IMAGE_PAD * (n // self.merge_size**2) for n in grid.prod(-1).tolist()]
+        return out["pixel_values"].to(torch.float32), grid, pads
 
     def _tokenize(self, text: str, spans: list[tuple[int, int]]):
         try:

@@ -128,6 +128,8 @@ class FamilySpec:
     # ``[rows, width]`` tensor (models that ``masked_scatter`` it whole, e.g. InternVL).
     pooled_tuple: bool = True
     vision_zero3: bool = True  # False: `ray_dhp.models.fsdp_vision` cannot unit this tower
+    model_processor: bool = False  # True: the model's own transformers processor makes samples
+    #                                (`ray_dhp.data.model_processor`); False: Qwen-VL's prompts
 
     # -- model access (the seams of transformers' VLM classes) ---------------------------------
 

@@ -215,6 +215,7 @@ def _family(cls, config_json: str) -> GenericFamily:
         projector_dim=lambda config: config.get_text_config().hidden_size,
         pooled_tuple=is_sequence,
         vision_zero3=False,
+        model_processor=True,
         vision_unused=unused, image_kwargs=image_kwargs, pixel_dims=pixel_dims, grid_input=grid,
         lm_attr=lm_attr, tower=tower, rows_per_image=rows, text_plan_refusal=refusal,
         forward_params=tuple(inspect.signature(cls.forward).parameters),

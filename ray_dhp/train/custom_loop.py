@@ -64,12 +64,12 @@ def build_processor(ctx=None, config: Union[TrainLoopConfig, dict, None] = None)
     """The run's `VLProcessor`: ``dhp_config.processor``, else the model directory's; with
     ``config``, its ``system_prompt``, ``min_pixels``/``max_pixels`` and ``video_*`` keys applied (the driver says
     when the processor has no chat template: `ray_dhp.data.compat.processor_notes`)."""
-    from ray_dhp.data.processing import as_vl_processor
+    from ray_dhp.data.model_processor import run_processor
     from ray_dhp.data.video import VideoSettings
 
     ctx = _ctx(ctx)
     dhp = ctx.dhp_config
-    processor = as_vl_processor(dhp.processor if dhp.processor is not None else dhp.model)
+    processor = run_processor(dhp.processor if dhp.processor is not None else dhp.model, dhp.model)
     if config is None:
         return processor
     cfg = _cfg(config)

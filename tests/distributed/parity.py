@@ -42,11 +42,13 @@ GENERIC_FAMILIES = ("gemma3", "llava", "paligemma", "aya_vision", "cohere2_visio
 
 
 def make_steps(tmp_path, family: str, cfg: TrainLoopConfig, *, num_samples=16, text_only_every=4,
-               image_sizes=((56, 56), (84, 56), (112, 84))):
+               image_sizes=((56, 56), (84, 56), (112, 84)), processor=None):
+    """The first ``cfg.num_steps`` steps over the demo set (``processor``: default the family's
+    demo processor)."""
     path = demo.make_dataset(tmp_path / f"data_{family}", num_samples=num_samples, seed=cfg.seed,
                              text_only_every=text_only_every, image_sizes=image_sizes)
-    sampler = StepSampler(read_annotations(path), demo.tiny_processor(family),
-                          resolve_data_root(path), cfg)
+    processor = demo.tiny_processor(family) if processor is None else processor
+    sampler = StepSampler(read_annotations(path), processor, resolve_data_root(path), cfg)
     return [sampler.next_step() for _ in range(cfg.num_steps)]
 
 

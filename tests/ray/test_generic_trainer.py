@@ -4,7 +4,13 @@ every step's loss equal to the single-process stock model's on the same samples 
 1e-7 for the Gemma and Cohere rows, whose norm gradients are ill-conditioned in fp64: see
 ``tests/distributed/test_generic.py``). The driver's checks (the model, the processor, the
 layout) run on the generic family as on a hand-written one. One family by default, the others
-with ``-m slow``."""
+with ``-m slow``.
+
+`test_trainer_trains_a_model_directory_with_its_own_processor`: what a user does with a downloaded
+checkpoint — ``DHPConfig(model=<directory>)`` and nothing else: the weights, and the samples made
+by the model's own transformers processor in that directory (`ray_dhp.data.model_processor`:
+Gemma 3's turn format, begin/end-of-image tokens and bidirectional image attention), train
+exactly as the stock model from the same directory on the same processor's samples."""
 
 from __future__ import annotations
 
@@ -13,12 +19,12 @@ import torch
 
 from tests.distributed.parity import GENERIC_FAMILIES as FAMILIES
 
-DEFAULT = {"llava"}
+DEFAULT: set = set()  # the default case is the model-directory one below (the same trainer path)
 TOL = {"gemma3": 1e-7, "paligemma": 1e-7, "aya_vision": 1e-7, "cohere2_vision": 1e-7,
        "glm4v": 1e-7, "glm46v": 1e-7, "glmga": 1e-7}
 
 
-def _trainer(family: str, data: str, storage: str):
+def _trainer(family: str, data: str, storage: str, model_dir: str = None):
     import ray.train
 
     from ray_dhp import DHPConfig, DisaggregatedTrainer, ModuleParallel, demo
@@ -26,8 +32,10 @@ def _trainer(family: str, data: str, storage: str):
     from tests.ray.loops import fp64_loop
     from tests.ray.private_run import LOOP
 
-    dhp = DHPConfig(model=demo.tiny_model_config(family), processor=demo.tiny_processor(family),
-                    vision=ModuleParallel(data_parallel=2), text=ModuleParallel(tensor_parallel=2))
+    model = dict(model=model_dir) if model_dir else dict(model=demo.tiny_model_config(family),
+                                                         processor=demo.tiny_processor(family))
+    dhp = DHPConfig(**model, vision=ModuleParallel(data_parallel=2),
+                    text=ModuleParallel(tensor_parallel=2))
     return DisaggregatedTrainer(
         fp64_loop(), train_loop_config=dict(LOOP), dhp_config=dhp,
         scaling_config=ray.train.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
@@ -54,3 +62,36 @@ def test_trainer_trains_a_generic_family_exactly(family, tmp_path, ray_start):
     assert len(got) == len(ref) == LOOP["num_steps"]
     errs = [abs(g - r) / abs(r) for g, r in zip(got, ref)]
     assert max(errs) < TOL.get(family, 1e-10), (got, ref, errs)
+
+
+@pytest.mark.parametrize("family", [pytest.param("gemma3"), pytest.param("llava", marks=pytest.mark.slow)])
+def test_trainer_trains_a_model_directory_with_its_own_processor(family, tmp_path, ray_start):
+    from ray_dhp.config.train_loop import TrainLoopConfig
+    from ray_dhp.data.model_processor import ModelProcessor, run_processor
+    from ray_dhp.demo.model_dirs import model_dir
+    from ray_dhp.train.callbacks import read_history
+    from tests.distributed.parity import make_steps, run_reference
+    from tests.ray.private_run import LOOP
+
+    path = str(tmp_path / "model")
+    config = model_dir(family, path, weights=True, seed=3)
+    processor = run_processor(path, path)
+    assert isinstance(processor, ModelProcessor)
+    steps = make_steps(tmp_path, family, TrainLoopConfig(**LOOP), processor=processor)
+    assert any(int((s.mm_token_type_ids == 1).sum()) for mb in steps[0] for s in mb)
+    ref = [h["loss"] for h in run_reference(family, TrainLoopConfig(**LOOP), steps, torch.float64,
+                                            model=path)["history"]]
+    data = tmp_path / f"data_{family}" / "data.jsonl"
+    history = read_history(_trainer(family, str(data), str(tmp_path / "runs"), path).fit())
+    got = [h["loss"] for h in sorted(history, key=lambda h: h["step"])]
+    assert len(got) == len(ref) == LOOP["num_steps"]
+    errs = [abs(g - r) / abs(r) for g, r in zip(got, ref)]
+    assert max(errs) < TOL.get(family, 1e-10), (got, ref, errs)
+    assert config.image_token_id != demo_image_token_id()
+
+
+def demo_image_token_id() -> int:
+    """The demo tokenizer's ``<|image_pad|>`` (the directory's image token is another)."""
+    from ray_dhp.demo import build_tokenizer
+
+    return build_tokenizer().convert_tokens_to_ids("<|image_pad|>")

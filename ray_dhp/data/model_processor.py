@@ -1,0 +1,214 @@
+"""A model's own transformers processor as a `VLProcessor`: the prompt, the image tokens and the
+pixels exactly as transformers' processor of the model makes them, for any model whose
+processor follows ``ProcessorMixin``'s multimodal protocol (the generic families,
+`ray_dhp.models.generic`; `ray_dhp.data.processing.as_vl_processor` picks it for them).
+
+What is read from the processor (nothing is written per model):
+
+* ``chat_template`` (else the tokenizer's) renders the conversation; the template writes each
+  image item as the processor's ``image_token`` (Gemma 3: ``<start_of_image>``; LLaVA:
+  ``<image>``);
+* ``image_processor`` makes the pixels and ``replace_image_token(pixels, i)`` the text the i-th
+  image's placeholder becomes (Gemma 3: begin/end-of-image around ``mm_tokens_per_image`` soft
+  tokens; LLaVA: one ``<image>`` per feature row), as ``ProcessorMixin.__call__`` expands it;
+* ``image_token_ids``: the tokens that hold an image's feature rows (``mm_token_type_ids`` 1
+  there, as ``ProcessorMixin.create_mm_token_type_ids`` marks them);
+* the end of a reply (`reply_end`): the first special token the template writes after an
+  assistant turn's content (Gemma's ``<end_of_turn>``, Llama/Mistral's eos), trained with the
+  reply, as ray_dhp trains Qwen's ``<|im_end|>``; a template that writes none trains the
+  content and what it writes up to the next turn.
+
+Pixels: fixed-size images ``[n, C, S, S]`` become patch rows with the grid ``(1, S/P, S/P)``
+(`ray_dhp.data.tiles.tile_rows`; the tower's shell turns them back into images), the layout
+every data mechanism counts feature rows in; a processor that gives patch rows with an
+``image_grid_thw`` (GLM-4V's) is taken as it is. Records with videos or audio are bad samples
+here (the reason is named): this path covers images.
+
+`run_processor` is how a run gets its processor: for a family whose samples its own processor
+makes (``FamilySpec.model_processor``: the generic families), a model directory or a
+transformers processor becomes a `ModelProcessor`; anything else goes through
+`ray_dhp.data.processing.as_vl_processor` as before (a `VLProcessor` given is used as it is).
+
+Example::
+
+    from transformers import AutoProcessor
+    proc = ModelProcessor(AutoProcessor.from_pretrained(local_dir), patch_size=14, merge_size=4)
+    sample = proc.process(record, data_root)      # input_ids, labels, mm_token_type_ids, pixels
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ray_dhp.data.chat import (AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER,
+                               TemplateRenderer)
+from ray_dhp.data.processing import VLProcessor, as_vl_processor
+from ray_dhp.data.sample import BadSample
+from ray_dhp.data.tiles import tile_rows
+
+__all__ = ["ModelProcessor", "reply_end", "run_processor"]
+
+_SENTINEL = "ray_dhp_reply_sentinel"
+
+
+def reply_end(tokenizer, chat_template: str):
+    """The special token the template writes right after an assistant turn's content (only
+    whitespace between), or None: it ends the reply, and is trained with it."""
+    renderer = TemplateRenderer(tokenizer, chat_template, end_of_turn=None)
+    text = renderer.text([("user", "x"), ("assistant", _SENTINEL)])
+    after = text[text.rfind(_SENTINEL) + len(_SENTINEL):].lstrip(" ")
+    specials = sorted({str(t) for t in tokenizer.all_special_tokens} |
+                      {a.content for a in getattr(tokenizer, "added_tokens_decoder", {}).values()
+                       if getattr(a, "special", False)}, key=len, reverse=True)
+    return next((s for s in specials if s and after.startswith(s)), None)
+
+
+class ModelProcessor(VLProcessor):
+    """A transformers multimodal processor (``AutoProcessor`` of the model's directory) behind
+    the `VLProcessor` interface (see the module docstring).
+
+    Args:
+        processor: the model's processor: ``tokenizer``, ``image_processor``, ``image_token``,
+            ``replace_image_token`` and a chat template (its own or the tokenizer's).
+        patch_size: the tower's patch side ``P`` (fixed-size images become ``(S/P)**2`` rows).
+        merge_size: patches per side of one feature row (the family's ``merge_size``).
+        system_prompt, chat_template: as `VLProcessor`'s.
+    """
+
+    def __init__(self, processor, *, patch_size: int, merge_size: int, system_prompt=None,
+                 chat_template=None):
+        missing = [a for a in ("tokenizer", "image_processor", "image_token", "replace_image_token")
+                   if getattr(processor, a, None) is None]
+        if missing:
+            raise ValueError(f"{type(processor).__name__} lacks {', '.join(missing)}: not a "
+                             "transformers multimodal processor")
+        self.processor, self.patch_size = processor, patch_size
+        template = chat_template or getattr(processor, "chat_template", None)
+        if isinstance(template, dict):
+            template = template.get("default")
+        if not template and not getattr(processor.tokenizer, "chat_template", None):
+            raise ValueError(f"{type(processor).__name__} has no chat template (the model's own "
+                             "prompt format is what this processor renders)")
+        self.pads = (processor.image_token, None, None)
+        super().__init__(processor.tokenizer, processor.image_processor,
+                         system_prompt=system_prompt, chat_template=template)
+        self.merge_size = merge_size
+
+    # -- the hooks of VLProcessor -------------------------------------------------------------
+
+    def _renderer(self, tokenizer, template):
+        return TemplateRenderer(tokenizer, template, end_of_turn=reply_end(tokenizer, template))
+
+    def _token_ids(self, tokenizer) -> dict:
+        image = [i for i in self.processor.image_token_ids if i is not None]
+        if not image:
+            raise ValueError(f"{type(self.processor).__name__} names no image token ids")
+        return {"image": tuple(image)}
+
+    def _token_types(self, input_ids: torch.Tensor) -> torch.Tensor:
+        mm = torch.zeros_like(input_ids)
+        mm[torch.isin(input_ids, torch.tensor(self.ids["image"]))] = 1
+        return mm
+
+    def _reserved(self) -> list:
+        ours = {IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, AUDIO_PLACEHOLDER}
+        words = set(map(str, self.tokenizer.all_special_tokens)) | set(
+            self.processor.all_special_multimodal_tokens)
+        return sorted(w for w in words if w and w not in ours)
+
+    def _encode_images(self, images: list):
+        if not images:
+            return None, None, []
+        try:
+            out = self.image_processor(images=images, return_tensors="pt")
+            reps = [self.processor.replace_image_token(out, image_idx=i) for i in range(len(images))]
+        except Exception as exc:  # noqa: BLE001 - the processor refuses the image
+            raise BadSample(f"image processor refused the image(s): {type(exc).__name__}: "
+                            f"{exc}") from exc
+        pixels = out["pixel_values"].to(torch.float32)
+        if pixels.shape[0] != len(images) and out.get("image_grid_thw") is None:
+            raise ValueError(f"{type(self.image_processor).__name__} makes {pixels.shape[0]} "
+                             f"pixel tensors of {len(images)} image(s) (crops of an image: e.g. "
+                             "Gemma 3's do_pan_and_scan); the model processor path takes one "
+                             "fixed-size image per image")
+        if out.get("image_grid_thw") is not None:  # patch rows already (GLM-4V's)
+            return pixels, out["image_grid_thw"].to(torch.long), reps
+        side, p = pixels.shape[-1], self.patch_size
+        if pixels.dim() != 4 or pixels.shape[-2] != side or side % (p * self.merge_size):
+            raise ValueError(f"{type(self.image_processor).__name__} gives pixels of shape "
+                             f"{tuple(pixels.shape)}: the model processor path takes fixed "
+                             f"square images of a multiple of {p * self.merge_size} px")
+        grid = torch.tensor([[1, side // p, side // p]] * pixels.shape[0], dtype=torch.long)
+        return tile_rows(pixels, p), grid, reps
+
+    def _encode_video(self, source, max_pixels):
+        raise BadSample("a video: the model's own processor path covers images only")
+
+    # -- the rest of the interface ------------------------------------------------------------
+
+    def configured(self, *, system_prompt=None, min_pixels=None, max_pixels=None,
+                   video=None) -> "ModelProcessor":
+        """A copy with this system prompt (pixel limits and video settings belong to the Qwen-VL
+        resizing processors; set here they are refused)."""
+        if min_pixels is not None or max_pixels is not None:
+            raise ValueError("min_pixels/max_pixels resize Qwen-VL style images; this model's "
+                             "processor makes images of its own fixed size")
+        out = ModelProcessor(self.processor, patch_size=self.patch_size, merge_size=self.merge_size,
+                             system_prompt=system_prompt, chat_template=self.renderer.chat_template)
+        out.chat_source = self.chat_source
+        return out
+
+    def save_pretrained(self, directory) -> None:
+        """Write the whole transformers processor (``AutoProcessor`` reads it back)."""
+        self.processor.save_pretrained(directory)
+
+
+def run_processor(spec, model) -> VLProcessor:
+    """The run's processor from ``spec`` (a `VLProcessor`, a directory, a transformers processor
+    or a tokenizer) for ``model`` (its transformers config or directory; None: unknown), see
+    the module docstring.
+
+    A directory whose processor does not load as a multimodal transformers processor is read
+    as `ray_dhp.data.processing.load_processor` reads it (Qwen-VL's prompt format; the driver's
+    `ray_dhp.data.compat.check_processor_fits` then checks its tokens against the model).
+
+    Raises:
+        ProcessorDirError: a directory that loads neither way (both reasons named).
+    """
+    import os
+
+    from ray_dhp.data.processor_dir import ProcessorDirError
+    from ray_dhp.models import family_of, load_model_config
+
+    if isinstance(spec, VLProcessor) or model is None:
+        return as_vl_processor(spec)
+    config = load_model_config(model)
+    try:
+        family = family_of(config)
+    except ValueError:  # a model ray_dhp refuses (the driver says why)
+        return as_vl_processor(spec)
+    if not family.model_processor:
+        return as_vl_processor(spec)
+    geometry = dict(patch_size=config.vision_config.patch_size, merge_size=family.merge_size(config))
+    if not isinstance(spec, (str, os.PathLike)):
+        return ModelProcessor(spec, **geometry) if hasattr(spec, "replace_image_token") \
+            else as_vl_processor(spec)
+    path = os.fspath(spec)
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+        out = ModelProcessor(processor, **geometry)
+    except Exception as e:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError...
+        own = (f"the model's own processor ({config.model_type}) does not load as a multimodal "
+               f"transformers processor: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
+        try:  # a directory in Qwen-VL's prompt format (what ray_dhp's demo writes)
+            return as_vl_processor(path)
+        except ProcessorDirError as qwen:
+            raise ProcessorDirError(f"processor directory {path}: {own}; nor as a Qwen-VL "
+                                    f"format processor: {qwen}") from e
+    from ray_dhp.data.processor_dir import find_chat_template
+
+    source = find_chat_template(path)[1]
+    out.chat_source = os.path.join(path, source) if source else None
+    return out
