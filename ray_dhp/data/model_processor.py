@@ -6,22 +6,22 @@ processor follows ``ProcessorMixin``'s multimodal protocol (the generic families
 What is read from the processor (nothing is written per model):
 
 * ``chat_template`` (else the tokenizer's) renders the conversation; the template writes each
-  image item as the processor's ``image_token`` (Gemma 3: ``<start_of_image>``; LLaVA:
-  ``<image>``);
+  image item as the processor's ``image_token`` (a begin-of-image token, or the row token
+  itself);
 * ``image_processor`` makes the pixels and ``replace_image_token(pixels, i)`` the text the i-th
-  image's placeholder becomes (Gemma 3: begin/end-of-image around ``mm_tokens_per_image`` soft
-  tokens; LLaVA: one ``<image>`` per feature row), as ``ProcessorMixin.__call__`` expands it;
+  image's placeholder becomes (begin/end-of-image tokens around one soft token per feature
+  row, or the row token repeated), as ``ProcessorMixin.__call__`` expands it;
 * ``image_token_ids``: the tokens that hold an image's feature rows (``mm_token_type_ids`` 1
   there, as ``ProcessorMixin.create_mm_token_type_ids`` marks them);
 * the end of a reply (`reply_end`): the first special token the template writes after an
-  assistant turn's content (Gemma's ``<end_of_turn>``, Llama/Mistral's eos), trained with the
-  reply, as ray_dhp trains Qwen's ``<|im_end|>``; a template that writes none trains the
+  assistant turn's content (an end-of-turn token, or the eos), trained with the reply, as
+  the default prompt format trains its ``<|im_end|>``; a template that writes none trains the
   content and what it writes up to the next turn.
 
 Pixels: fixed-size images ``[n, C, S, S]`` become patch rows with the grid ``(1, S/P, S/P)``
 (`ray_dhp.data.tiles.tile_rows`; the tower's shell turns them back into images), the layout
 every data mechanism counts feature rows in; a processor that gives patch rows with an
-``image_grid_thw`` (GLM-4V's) is taken as it is. Records with videos or audio are bad samples
+``image_grid_thw`` is taken as it is. Records with videos or audio are bad samples
 here (the reason is named): this path covers images.
 
 `run_processor` is how a run gets its processor: for a family whose samples its own processor
@@ -129,7 +129,7 @@ class ModelProcessor(VLProcessor):
         if pixels.shape[0] != len(images) and out.get("image_grid_thw") is None:
             raise ValueError(f"{type(self.image_processor).__name__} makes {pixels.shape[0]} "
                              f"pixel tensors of {len(images)} image(s) (crops of an image: e.g. "
-                             "Gemma 3's do_pan_and_scan); the model processor path takes one "
+                             "pan-and-scan); the model processor path takes one "
                              "fixed-size image per image")
         if out.get("image_grid_thw") is not None:  # patch rows already (GLM-4V's)
             return pixels, out["image_grid_thw"].to(torch.long), reps
@@ -148,10 +148,10 @@ class ModelProcessor(VLProcessor):
 
     def configured(self, *, system_prompt=None, min_pixels=None, max_pixels=None,
                    video=None) -> "ModelProcessor":
-        """A copy with this system prompt (pixel limits and video settings belong to the Qwen-VL
-        resizing processors; set here they are refused)."""
+        """A copy with this system prompt (pixel limits and video settings belong to the
+        resizing processors of the default format; set here they are refused)."""
         if min_pixels is not None or max_pixels is not None:
-            raise ValueError("min_pixels/max_pixels resize Qwen-VL style images; this model's "
+            raise ValueError("min_pixels/max_pixels resize images by pixel count; this model's "
                              "processor makes images of its own fixed size")
         out = ModelProcessor(self.processor, patch_size=self.patch_size, merge_size=self.merge_size,
                              system_prompt=system_prompt, chat_template=self.renderer.chat_template)
@@ -169,7 +169,7 @@ def run_processor(spec, model) -> VLProcessor:
     the module docstring.
 
     A directory whose processor does not load as a multimodal transformers processor is read
-    as `ray_dhp.data.processing.load_processor` reads it (Qwen-VL's prompt format; the driver's
+    as `ray_dhp.data.processing.load_processor` reads it (the default prompt format; the driver's
     `ray_dhp.data.compat.check_processor_fits` then checks its tokens against the model).
 
     Raises:
@@ -202,11 +202,11 @@ def run_processor(spec, model) -> VLProcessor:
     except Exception as e:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError...
         own = (f"the model's own processor ({config.model_type}) does not load as a multimodal "
                f"transformers processor: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
-        try:  # a directory in Qwen-VL's prompt format (what ray_dhp's demo writes)
+        try:  # a directory in the default prompt format (what ray_dhp's demo writes)
             return as_vl_processor(path)
-        except ProcessorDirError as qwen:
-            raise ProcessorDirError(f"processor directory {path}: {own}; nor as a Qwen-VL "
-                                    f"format processor: {qwen}") from e
+        except ProcessorDirError as default:
+            raise ProcessorDirError(f"processor directory {path}: {own}; nor in the default "
+                                    f"prompt format: {default}") from e
     from ray_dhp.data.processor_dir import find_chat_template
 
     source = find_chat_template(path)[1]
