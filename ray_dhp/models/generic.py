@@ -19,9 +19,9 @@ What is read, and from where:
   ``rowwise`` as DTensor's ``ColwiseParallel`` / ``RowwiseParallel``; ``colwise_gather_output``
   / ``rowwise_split_input`` — GLM's fused ``gate_up_proj``, chunked whole by the forward — as
   a column-parallel linear whose output is all-gathered and a row-parallel one that takes its
-  slice of a replicated input; parameters marked
-  ``replicated_with_grad_allreduce`` — per-head norms that see only the local heads — get their
-  gradients summed over the TP group), plus ray_dhp's vocabulary-parallel embedding and
+  slice of a replicated input; ``embedding_rowwise``: a vocabulary-parallel embedding;
+  parameters marked ``replicated_with_grad_allreduce`` — per-head norms that see only the
+  local heads — get their gradients summed over the TP group), plus ray_dhp's vocabulary-parallel embedding and
   ``lm_head`` (logits stay vocabulary-sharded for the parallel loss). A plan with any other
   style is refused for ``tensor_parallel > 1``, naming the style.
 * **The forward's inputs**: only keywords its ``forward`` names are passed; a forward that
@@ -57,7 +57,7 @@ __all__ = ["GenericFamily", "ShellEncoder", "generic_family", "seam_class", "Uns
 #: language-model attributes of ``model.model`` (in the order they are looked for)
 _LM_ATTRS = ("language_model", "text_model")
 _STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input",
-           "replicated_with_grad_allreduce")
+           "replicated_with_grad_allreduce", "embedding_rowwise")
 
 
 class UnsupportedModel(ValueError):
@@ -268,6 +268,9 @@ def _translate(plan: dict, prefix: str) -> dict:
             out[f"{prefix}.{key}"] = ColwiseParallel(output_layouts=Replicate())
         elif style == "rowwise_split_input":    # ... so the next linear takes its slice
             out[f"{prefix}.{key}"] = RowwiseParallel(input_layouts=Replicate())
+        elif style == "embedding_rowwise":      # a vocabulary-parallel embedding
+            out[f"{prefix}.{key}"] = RowwiseParallel(input_layouts=Replicate(),
+                                                     output_layouts=Replicate())
     out["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     return out
 

@@ -38,7 +38,8 @@ CFG = TrainLoopConfig(lr=1e-3, global_batch_size=8, micro_batches=2, num_steps=3
 #: (`tests/ray/test_generic_trainer.py`); docs/supported_models.md lists them as verified.
 GENERIC_FAMILIES = ("gemma3", "llava", "paligemma", "aya_vision", "cohere2_vision", "mistral3",
                     "idefics3", "smolvlm", "glm4v", "glm46v", "lighton_ocr", "glmga",
-                    "hyperclovax_vision_v2", "got_ocr2")
+                    "hyperclovax_vision_v2", "got_ocr2", "pp_chart2table", "shieldgemma2",
+                    "lfm3_vl")
 
 
 def make_steps(tmp_path, family: str, cfg: TrainLoopConfig, *, num_samples=16, text_only_every=4,

@@ -20,7 +20,7 @@ import torch
 from tests.distributed.parity import GENERIC_FAMILIES as FAMILIES
 
 DEFAULT: set = set()  # the default case is the model-directory one below (the same trainer path)
-TOL = {"gemma3": 1e-7, "paligemma": 1e-7, "aya_vision": 1e-7, "cohere2_vision": 1e-7,
+TOL = {"gemma3": 1e-7, "paligemma": 1e-7, "shieldgemma2": 1e-7, "aya_vision": 1e-7, "cohere2_vision": 1e-7,
        "glm4v": 1e-7, "glm46v": 1e-7, "glmga": 1e-7}
 
 
