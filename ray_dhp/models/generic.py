@@ -51,13 +51,12 @@ import torch
 
 from ray_dhp.models.base import EncoderSpec, FamilySpec
 from ray_dhp.models.contract import SEAM
+from ray_dhp.models.text_plans import HF_STYLES, hf_text_plan
 
 __all__ = ["GenericFamily", "ShellEncoder", "generic_family", "seam_class", "UnsupportedModel"]
 
 #: language-model attributes of ``model.model`` (in the order they are looked for)
 _LM_ATTRS = ("language_model", "text_model")
-_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input",
-           "replicated_with_grad_allreduce", "embedding_rowwise")
 
 
 class UnsupportedModel(ValueError):
@@ -91,7 +90,9 @@ class ShellEncoder(EncoderSpec):
         inner = model.model
         shell = type(inner).__new__(type(inner))
         torch.nn.Module.__init__(shell)
-        shell.config = inner.config
+        shell.__dict__.update({k: v for k, v in vars(inner).items()  # plain attributes the
+                               if not k.startswith("_") and not isinstance(v, torch.nn.Module)})
+        shell.config = inner.config  # code reads (Ovis2's visual_vocab_size), no modules
         for p in self.parts:
             shell.add_module(p, getattr(inner, p))
         return shell
@@ -195,13 +196,13 @@ def _family(cls, config_json: str) -> GenericFamily:
     parts, lm_attr, tower = _parts(inner, model_type)
     plan = dict(getattr(config.get_text_config(), "base_model_tp_plan", None) or {})
     refusal = next((f"its base_model_tp_plan uses {style!r} ({key})" for key, style in plan.items()
-                    if style not in _STYLES), "")
+                    if style not in HF_STYLES), "")
     partial = tuple(f"{key.split('*.')[-1]}.weight" for key, style in plan.items()
                     if style == "replicated_with_grad_allreduce")
     prefix = f"model.{lm_attr}"
     return GenericFamily(
         name=model_type, model_type=model_type, model_class=cls.__name__,
-        text_tp_plan=lambda text_config: _translate(plan, prefix),
+        text_tp_plan=lambda text_config: hf_text_plan(plan, prefix),
         tp_partial_grad_suffixes=partial,
         packing=False,
         packing_reason="packed rows need per-sample positions, which the generic family does "
@@ -251,30 +252,6 @@ def _image_geometry(vc) -> tuple:
     return size, patch
 
 
-def _translate(plan: dict, prefix: str) -> dict:
-    """``base_model_tp_plan`` (keys relative to the language model) -> ``{full path: style}``,
-    with the vocabulary-parallel embedding and ``lm_head`` (logits sharded over the vocabulary)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    out = {f"{prefix}.embed_tokens": RowwiseParallel(input_layouts=Replicate(),
-                                                     output_layouts=Replicate())}
-    for key, style in plan.items():
-        if style == "colwise":
-            out[f"{prefix}.{key}"] = ColwiseParallel()
-        elif style == "rowwise":
-            out[f"{prefix}.{key}"] = RowwiseParallel()
-        elif style == "colwise_gather_output":  # a fused gate_up the forward chunks whole
-            out[f"{prefix}.{key}"] = ColwiseParallel(output_layouts=Replicate())
-        elif style == "rowwise_split_input":    # ... so the next linear takes its slice
-            out[f"{prefix}.{key}"] = RowwiseParallel(input_layouts=Replicate())
-        elif style == "embedding_rowwise":      # a vocabulary-parallel embedding
-            out[f"{prefix}.{key}"] = RowwiseParallel(input_layouts=Replicate(),
-                                                     output_layouts=Replicate())
-    out["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
-    return out
-
-
 def image_inputs(names: tuple, pixel_dims: int, images: torch.Tensor) -> dict:
     """``get_image_features``'s keywords for ``images`` ``[n, C, H, W]``: ``pixel_values``
     (with a leading batch axis where the model takes ``[1, n, C, H, W]``, Idefics3's) and,
@@ -294,11 +271,26 @@ def _call_probe(model, names: tuple, images: torch.Tensor):
     for dims in (4, 5):
         try:
             out = model.model.get_image_features(**image_inputs(names, dims, images), return_dict=True)
+            _check_no_deepstack(out)
             return out.pooler_output, dims
         except (ValueError, TypeError, RuntimeError, IndexError, NotImplementedError) as e:
             errors.append(f"as {dims}-D pixels: {type(e).__name__}: {e}")
     raise UnsupportedModel(f"get_image_features fails on one {tuple(images.shape[-2:])} image "
                            f"({images.device.type}); " + "; ".join(errors))
+
+
+def _check_no_deepstack(out) -> None:
+    """Refuse towers whose features come with more than the pooled rows (``deepstack_features``
+    for several LM layers, Ovis2's ``visual_indicator_features``): the stock forward reads them
+    from ``mm_encoder_outputs``, and the generic family hands only the rows through yet."""
+    extra = sorted(k for k, v in out.items() if v is not None and k not in _PLAIN_OUTPUTS)
+    if extra:
+        raise UnsupportedModel(f"its get_image_features returns {', '.join(extra)} besides the "
+                               "feature rows, which the generic family does not hand to the "
+                               "language model yet")
+
+
+_PLAIN_OUTPUTS = ("pooler_output", "last_hidden_state", "hidden_states", "attentions")
 
 
 def _grid_input(cls, vc) -> bool:
@@ -363,9 +355,11 @@ def _probe_on(config, cls, device: str, grid: bool = False, side=None):
         if grid:  # one image of 2m x 2m patches, as patch rows
             m, p, t = vc.spatial_merge_size, vc.patch_size, vc.temporal_patch_size
             try:
-                pooled = model.model.get_image_features(
+                out = model.model.get_image_features(
                     pixel_values=torch.ones(4 * m * m, channels * t * p * p),
-                    image_grid_thw=torch.tensor([[1, 2 * m, 2 * m]]), return_dict=True).pooler_output
+                    image_grid_thw=torch.tensor([[1, 2 * m, 2 * m]]), return_dict=True)
+                _check_no_deepstack(out)
+                pooled = out.pooler_output
             except (ValueError, TypeError, RuntimeError, IndexError, NotImplementedError) as e:
                 raise UnsupportedModel(f"get_image_features fails on one {2 * m}x{2 * m}-patch "
                                        f"image ({device}): {type(e).__name__}: {e}") from None

@@ -56,7 +56,9 @@ def _scaled_rope(rope, ratio: float):
 def shrink_config(config, *, text: dict = None, vision: dict = None, top: dict = None):
     """A copy of ``config`` with ``text`` / ``vision`` / ``top`` keys set (defaults `TEXT` /
     `VISION`: widths only, depths and image geometry kept) and every other number equal to a
-    replaced width replaced alike. The config class recomputes what it derives."""
+    replaced width replaced alike; a tower's ``out_hidden_size`` and a top-level ``hidden_size``
+    (what feeds the language model) become the text width. The config class recomputes what it
+    derives."""
     from transformers import AutoConfig
 
     text, vision = {**TEXT, **(text or {})}, {**VISION, **(vision or {})}
@@ -70,6 +72,11 @@ def shrink_config(config, *, text: dict = None, vision: dict = None, top: dict =
         text_d["rope_parameters"] = rope
     vision_d = {**_shrunk(vision0.to_dict(), vision, widths), "model_type": vision0.model_type}
     top_d = {**_shrunk(config.to_dict(), {}, widths), **(top or {})}
+    # the widths that feed the language model are its width, whatever the (inconsistent)
+    # defaults of the sub-configs say: a tower's ``out_hidden_size``, a top-level ``hidden_size``
+    for d, key in ((vision_d, "out_hidden_size"), (top_d, "hidden_size")):
+        if isinstance(d.get(key), int):
+            d[key] = text_d["hidden_size"]
     out = AutoConfig.for_model(config.model_type, **{**top_d, "text_config": text_d,
                                                      "vision_config": vision_d})
     out._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"

@@ -1,10 +1,12 @@
 """The Megatron-style tensor-parallel plans of the Qwen2/Qwen2.5/Qwen3 language models (and the
 language models that share their module names, InternVL's): plain, and with Megatron sequence
-parallelism. A family file picks one (`FamilySpec.text_tp_plan` / ``text_sp_plan``)."""
+parallelism. A family file picks one (`FamilySpec.text_tp_plan` / ``text_sp_plan``). And
+`hf_text_plan`: a language model's own ``base_model_tp_plan`` (transformers' styles) as such a
+plan (the generic family's, `ray_dhp.models.generic`)."""
 
 from __future__ import annotations
 
-__all__ = ["standard_text_plan", "sequence_parallel_text_plan"]
+__all__ = ["standard_text_plan", "sequence_parallel_text_plan", "hf_text_plan", "HF_STYLES"]
 
 
 def standard_text_plan(prefix: str = "model.language_model") -> dict:
@@ -75,3 +77,32 @@ def sequence_parallel_text_plan(prefix: str = "model.language_model") -> dict:
         f"{prefix}.norm": SequenceParallel(use_local_output=True),
         "lm_head": GatheredColwise(("",), output_placement=Shard(-1)),
     }
+
+
+#: the ``base_model_tp_plan`` styles `hf_text_plan` translates
+HF_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input",
+             "replicated_with_grad_allreduce", "embedding_rowwise")
+
+
+def hf_text_plan(plan: dict, prefix: str) -> dict:
+    """``base_model_tp_plan`` (keys relative to the language model) -> ``{full path: style}``,
+    with the vocabulary-parallel embedding and ``lm_head`` (logits sharded over the vocabulary)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    out = {f"{prefix}.embed_tokens": RowwiseParallel(input_layouts=Replicate(),
+                                                     output_layouts=Replicate())}
+    for key, style in plan.items():
+        if style == "colwise":
+            out[f"{prefix}.{key}"] = ColwiseParallel()
+        elif style == "rowwise":
+            out[f"{prefix}.{key}"] = RowwiseParallel()
+        elif style == "colwise_gather_output":  # a fused gate_up the forward chunks whole
+            out[f"{prefix}.{key}"] = ColwiseParallel(output_layouts=Replicate())
+        elif style == "rowwise_split_input":    # ... so the next linear takes its slice
+            out[f"{prefix}.{key}"] = RowwiseParallel(input_layouts=Replicate())
+        elif style == "embedding_rowwise":      # a vocabulary-parallel embedding
+            out[f"{prefix}.{key}"] = RowwiseParallel(input_layouts=Replicate(),
+                                                     output_layouts=Replicate())
+    out["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    return out
