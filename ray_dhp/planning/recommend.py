@@ -116,14 +116,14 @@ def memory_gib(config, counts, layout: Layout, w: Workload) -> dict:
                            lm_tokens_included=True)
     else:
         estimate = estimate_ranks
-    by_v = estimate(config, topo, counts, samples=-(-mb // topo.vision.dp), **kw)
-    by_t = estimate(config, topo, counts, samples=-(-mb // topo.text.dp), **kw)
+    rows = estimate(config, topo, counts, samples=-(-mb // topo.vision.dp),
+                    text_samples=-(-mb // topo.text.dp), **kw)  # each module its own share
     alive = 2 if layout.placement == "disjoint" and layout.schedule == "pipelined" \
         and w.micro_batches > 1 else 1  # the pipelined order keeps two encoder graphs
     out: dict = {}
-    for a, b in zip(by_v, by_t):
+    for a in rows:
         role = "+".join(a.roles)
-        total = (a.state_bytes + alive * (a.vision_act + a.audio_act) + b.text_act) / GIB
+        total = (a.state_bytes + alive * (a.vision_act + a.audio_act) + a.text_act) / GIB
         out[role] = max(out.get(role, 0.0), total)
     return out
 
