@@ -79,3 +79,19 @@ def rank_step_peak(state, policy, counts, topology, rank: int, text_config,
     emb = text_config.vocab_size * text_config.hidden_size
     replicated = emb - emb // tp if "text" in roles and tp > 1 else 0
     return step_peak(state, policy, counts.largest, reduced, replicated)
+
+
+def rank_floor(counts, audio, topology, rank: int, policy, text_config) -> int:
+    """The larger of ``rank``'s step peak (`rank_step_peak`) and start-up peak: what the rank
+    reaches with no activations alive, the floor of its planned peak. ``counts``: the whole
+    model's `ray_dhp.models.sizes.ParamCounts` (its audio tower, if any, leaves the text ranks
+    when the topology has an audio group); ``audio``: the tower's `AudioCounts` or None."""
+    from ray_dhp.planning.memory_audio import module_rank_state, without_audio
+
+    st = module_rank_state(counts, audio, topology, rank, policy)
+    ag = topology.encoder("audio")
+    hosts = audio is not None and ag is not None and "audio" in topology.roles(rank)
+    reduced = audio.params if hosts and ag.size > 1 else 0
+    base = without_audio(counts) if audio is not None and ag is not None else counts
+    return max(rank_step_peak(st, policy, base, topology, rank, text_config, reduced),
+               st.startup_peak)
