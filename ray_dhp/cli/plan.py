@@ -8,7 +8,7 @@ from ray_dhp.models.sizes import count_params
 from ray_dhp.planning.memory_audio import (audio_activation_bytes, clip_shape, count_audio,
                                            estimate_module_ranks, lm_audio_tokens,
                                            module_rank_state, without_audio)
-from ray_dhp.planning.step_peak import rank_step_peak
+from ray_dhp.planning.step_peak import audio_updated, rank_step_peak
 
 
 def _gib(b: float) -> str:
@@ -198,7 +198,8 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
         t = st.params - v - a
         ag = topo.encoder("audio")
         a_reduced = a if a and ag.size > 1 else 0
-        step = rank_step_peak(st, policy, base, topo, r, config.text_config, a_reduced)
+        a_up = audio_updated(audio, topo, r, policy) if a else 0
+        step = rank_step_peak(st, policy, base, topo, r, config.text_config, a_reduced, a_up)
         floor[r] = max(step, st.startup_peak)
         out.append(f"  rank {r} [{'+'.join(roles)}]: vision {_num(v)} + "
                    + (f"audio {_num(a)} + " if audio is not None else "")
