@@ -18,3 +18,10 @@ def test_every_gpu_example_keeps_its_headroom(rows):
     low = [(r["example"], r["headroom"]) for r in gpu if r["headroom"] < 100 * MIN_HEADROOM]
     assert not low, f"examples below {MIN_HEADROOM:.0%} headroom after the margin: {low}"
 
+
+def test_the_tables_in_docs_are_the_scripts_output(rows):
+    from benchmarks.plan_headroom import committed_tables, device_table, table
+
+    devices, headroom = committed_tables()
+    assert devices == device_table(), "run `python -m benchmarks.plan_headroom --write`"
+    assert headroom == table(rows), "run `python -m benchmarks.plan_headroom --write`"
