@@ -77,13 +77,15 @@ def budget_of_run(rf, device=None, device_gib=None, margin_gib=None, gpu=None):
     ``device`` (``--device``) or ``scaling.accelerator`` (default `DEFAULT_GPU`), its memory
     replaced by ``device_gib`` (``--device-gib``), its margin by ``margin_gib``
     (``--device-margin-gib``) or ``scaling.device_margin_gib``. None (no limit checked) for a
-    CPU run that names no device (``gpu``: plan for a GPU anyway, as ``--recommend`` does).
+    CPU run that names no device nor margin (``gpu``: plan for a GPU anyway, as ``--recommend``
+    does).
     ConfigError naming the flag or key at fault."""
     from ray_dhp.cli.schema import ConfigError
     from ray_dhp.planning.devices import budget_of
 
     sc = rf.scaling
-    if not (gpu or sc.use_gpu or device or sc.accelerator or device_gib is not None):
+    if not (gpu or sc.use_gpu or device or sc.accelerator or device_gib is not None
+            or margin_gib is not None):
         return None
     name_key = "--device" if device else "scaling.accelerator"
     if margin_gib is not None:
