@@ -5,7 +5,8 @@ the substring of ``torch.cuda.get_device_name()`` that recognises it (`ray_dhp.p
 takes its dense bf16 peak from here), its memory and its default **device margin**: the bytes a
 training process holds beyond the tensors the plan counts. ``memory_gib`` is the total CUDA
 reports (``torch.cuda.get_device_properties(i).total_memory``, a little below the marketed
-size: the driver reserves some; the lent H200 machine is described as "about 139 GiB").
+size: the driver reserves some), to 0.1 GiB; not measured here (no GPU): ``--device-gib``
+replaces it.
 
 The margin is the sum of three parts (``margin_gib``), none of them measured on this machine (it
 has no GPU); the figures and their sources:
