@@ -161,11 +161,28 @@ class RunFile:
         check_layout(parse_tuning(raw.get("modules"), key=loop_key_in_file("modules")),
                      dhp.text.sequence_parallel is True, key=loop_key_in_file("modules"))
         self.data_paths()
+        self.check_device()
         from ray_dhp.data.compat import check_run_processor
 
         dhp.processor = self.processor_spec()  # processor.path must exist; fits the model
         check_run_processor(dhp, processor_key="processor.path", model_key="model.path")
         return self
+
+    def check_device(self) -> None:
+        """``scaling.accelerator`` only with ``use_gpu``; ``scaling.device_margin_gib`` below the
+        device's memory (ConfigError naming the key)."""
+        sc = self.scaling
+        if sc.accelerator is not None and not sc.use_gpu:
+            raise ConfigError(f"scaling.accelerator={sc.accelerator} plans for a GPU but "
+                              "scaling.use_gpu is false; set use_gpu: true or drop accelerator.")
+        if sc.device_margin_gib is not None:
+            from ray_dhp.planning.devices import budget_of
+
+            try:
+                budget_of(sc.accelerator, margin_gib=sc.device_margin_gib,
+                          margin_key="scaling.device_margin_gib")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
     def data_paths(self) -> dict:
         """``{dataset name: path}`` of data.train / data.datasets / data.validation, each

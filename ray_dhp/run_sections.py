@@ -11,6 +11,7 @@ from typing import Optional
 from ray_dhp.cli.schema import borrow, option
 from ray_dhp.layout import DHPConfig, ModuleParallel
 from ray_dhp.config.train_loop import TrainLoopConfig
+from ray_dhp.planning.devices import ACCELERATORS
 
 __all__ = ["ModelSection", "ProcessorSection", "VisionSection", "AudioSection", "TextSection",
            "PlacementSection", "DataSection", "OptimSection", "CheckpointSection",
@@ -165,6 +166,15 @@ class ScalingSection:
     resources_per_worker: Optional[dict] = option(None, "e.g. {CPU: 1} (null: Ray's default, 1 "
                                                   "CPU, plus 1 GPU with use_gpu)", ge=0)
     use_gpu: bool = option(False, "one GPU per worker (NCCL); false: CPU and gloo")
+    accelerator: Optional[str] = option(None, "the GPU kind `ray-dhp plan` checks memory "
+                                        "against (its memory per device and default margin: "
+                                        "ray_dhp/planning/devices.py); null: h100 with "
+                                        "use_gpu. Planning only: Ray's placement is not "
+                                        "constrained by it", choices=tuple(ACCELERATORS))
+    device_margin_gib: Optional[float] = option(None, "GiB per device a plan keeps free for the "
+                                                "CUDA context, communicator buffers and "
+                                                "allocator fragmentation (null: the "
+                                                "accelerator's default)", ge=0)
 
 
 @dataclass

@@ -54,8 +54,14 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--attention", choices=["flash", "eager"], default=None, help="attention "
                     "kernel of the activation estimate (default: flash with scaling.use_gpu, "
                     "else eager)")
-    pl.add_argument("--device-gib", type=float, default=None, help="accelerator memory (default: "
-                    "80 with scaling.use_gpu, else no limit is checked)")
+    pl.add_argument("--device", default=None, help="the accelerator to plan for (h100, h200, "
+                    "a100-80gb, ...: ray_dhp/planning/devices.py; default: scaling.accelerator, "
+                    "else h100 with scaling.use_gpu; on CPU no limit is checked)")
+    pl.add_argument("--device-gib", type=float, default=None, help="accelerator memory in GiB "
+                    "(default: the accelerator's)")
+    pl.add_argument("--device-margin-gib", type=float, default=None, help="GiB per device kept "
+                    "free for the CUDA context, communicator buffers and allocator "
+                    "fragmentation (default: scaling.device_margin_gib, else the accelerator's)")
     pl.add_argument("--nodes", type=int, default=None, help="nodes of the cluster: show which "
                     "ranks share a node and which collectives cross the node boundary (bytes "
                     "per step); with --recommend, GPUs = nodes x --gpus-per-node")
@@ -136,7 +142,8 @@ def _cmd_plan(args) -> int:
         raise ConfigError("--gpus and --micro-batches are options of --recommend; add --recommend.")
     print(plan_text(rf, vision_tokens=tokens, text_tokens=args.text_tokens,
                     attention=args.attention, device_gib=args.device_gib, videos=args.videos,
-                    audio_seconds=_audio_seconds(args.audio_seconds)))
+                    audio_seconds=_audio_seconds(args.audio_seconds), device=args.device,
+                    margin_gib=args.device_margin_gib))
     if args.nodes is not None:
         from ray_dhp.cli.plan import nodes_text
 
@@ -172,7 +179,10 @@ def _recommend(args, rf, tokens) -> int:
     from ray_dhp.cli.recommend import recommend_text
     from ray_dhp.planning.recommend import Hardware
 
-    args.attention, args.device_gib = args.attention or "flash", args.device_gib or 80.0
+    from ray_dhp.cli.plan import budget_of_run
+
+    args.attention = args.attention or "flash"
+    budget = budget_of_run(rf, args.device, args.device_gib, args.device_margin_gib, gpu=True)
     hw = Hardware(peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None,
                   efficiency=args.efficiency, link_bw=args.link_gbs * 1e9,
                   internode_bw=args.internode_gbs * 1e9, gpus_per_node=args.gpus_per_node)
@@ -181,7 +191,7 @@ def _recommend(args, rf, tokens) -> int:
         gpus = args.nodes * args.gpus_per_node
     text, ok = recommend_text(rf, gpus=gpus, micro_batches=args.micro_batches,
                               vision_tokens=tokens, text_tokens=args.text_tokens,
-                              attention=args.attention, device_gib=args.device_gib,
+                              attention=args.attention, budget=budget,
                               hardware=hw, top=args.top,
                               vision_mix=getattr(args, "vision_mix", None),
                               videos=getattr(args, "videos", None),

@@ -8,7 +8,7 @@ from ray_dhp.models.sizes import count_params
 from ray_dhp.planning.memory_audio import (audio_activation_bytes, clip_shape, count_audio,
                                            estimate_module_ranks, lm_audio_tokens,
                                            module_rank_state, without_audio)
-from ray_dhp.planning.step_peak import rank_step_peak
+from ray_dhp.planning.step_peak import audio_updated, rank_step_peak
 
 
 def _gib(b: float) -> str:
@@ -47,15 +47,71 @@ def settings_of(rf, attention: str) -> ActivationSettings:
 
 def samples_per_replica(rf, topology) -> dict:
     """``{module: samples one of its replicas processes per micro-batch}``: each group splits the
-    micro-batch over its own data-parallel degree (vision DP1 beside text DP8: 8 and 1)."""
-    mb = rf.optim.global_batch_size // rf.optim.micro_batches
-    return {m.name: max(1, -(-mb // m.dp)) for m in topology.modules}
+    micro-batch over its own data-parallel degree (vision DP1 beside text DP8: 8 and 1). A
+    micro-batch smaller than a module's degree is refused, as the engine refuses it at its
+    first step (`ray_dhp.step.microbatch.layout_micro_batch`)."""
+    from ray_dhp.cli.schema import ConfigError
+
+    o = rf.optim
+    mb = o.global_batch_size // o.micro_batches
+    for m in topology.modules:
+        if mb < m.dp:
+            raise ConfigError(f"optim.global_batch_size: a micro-batch of {mb} sample(s) "
+                              f"(global_batch_size {o.global_batch_size} / micro_batches "
+                              f"{o.micro_batches}) cannot feed the {m.dp} {m.name} replicas "
+                              f"({m.name}.data_parallel); raise optim.global_batch_size or lower "
+                              "optim.micro_batches.")
+    return {m.name: -(-mb // m.dp) for m in topology.modules}
 
 
-def _fits(total: float, device_gib) -> str:
-    if device_gib is None:
+def _fits(total: float, budget) -> str:
+    """The verdict on a rank's planned peak: ``[fits]`` only below the device's memory less its
+    margin (`ray_dhp.planning.devices.DeviceBudget`); nothing without a device."""
+    if budget is None:
         return ""
-    return "  [fits]" if total <= device_gib * GIB else "  [EXCEEDS device]"
+    return "  [fits]" if budget.fits(total) else "  [EXCEEDS device less margin]"
+
+
+def budget_of_run(rf, device=None, device_gib=None, margin_gib=None, gpu=None):
+    """The `ray_dhp.planning.devices.DeviceBudget` a plan of ``rf`` checks: the accelerator
+    ``device`` (``--device``) or ``scaling.accelerator`` (default `DEFAULT_GPU`), its memory
+    replaced by ``device_gib`` (``--device-gib``), its margin by ``margin_gib``
+    (``--device-margin-gib``) or ``scaling.device_margin_gib``. None (no limit checked) for a
+    CPU run that names no device nor margin (``gpu``: plan for a GPU anyway, as ``--recommend``
+    does).
+    ConfigError naming the flag or key at fault."""
+    from ray_dhp.cli.schema import ConfigError
+    from ray_dhp.planning.devices import budget_of
+
+    sc = rf.scaling
+    if not (gpu or sc.use_gpu or device or sc.accelerator or device_gib is not None
+            or margin_gib is not None):
+        return None
+    name_key = "--device" if device else "scaling.accelerator"
+    if margin_gib is not None:
+        margin_key = "--device-margin-gib"
+    elif sc.device_margin_gib is not None:
+        margin_key, margin_gib = "scaling.device_margin_gib", sc.device_margin_gib
+    else:  # the kind's default margin: only a too small --device-gib leaves no room for it
+        margin_key = "--device-gib" if device_gib is not None else name_key
+    try:
+        return budget_of(device or sc.accelerator, device_gib, margin_gib, margin_key=margin_key)
+    except ValueError as e:
+        raise ConfigError(str(e).replace("scaling.accelerator", name_key, 1)) from None
+
+
+def headroom_line(budget, peaks: dict) -> str:
+    """The most loaded rank's peak against ``budget``: what stays free after the margin, as a
+    fraction of the device's memory (``HEADROOM_RE`` reads it back)."""
+    r = max(peaks, key=peaks.get)
+    free, pct = budget.usable_gib * GIB - peaks[r], budget.headroom(peaks[r])
+    return (f"  headroom: rank {r} peaks at {peaks[r] / GIB:.2f} GiB: " +
+            (f"{free / GIB:.2f} GiB ({pct:.1%} of the device) free after the margin" if free >= 0
+             else f"{-free / GIB:.2f} GiB over the device less its margin ({pct:.1%})"))
+
+
+#: Reads `headroom_line` back: rank, peak GiB, headroom percent.
+HEADROOM_RE = r"headroom: rank (\d+) peaks at ([\d.]+) GiB: .*?\((-?[\d.]+)%"
 
 
 def _too_long(rf, vision_tokens: int, text_tokens: int, merge: int = 4):
@@ -86,17 +142,22 @@ def vision_cases(config, vision_tokens: list, videos=None) -> list:
 
 
 def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
-              device_gib=None, videos=None, audio_seconds: float = 30.0) -> str:
-    """The full `ray-dhp plan` report for the run file ``rf``. ``attention`` and
-    ``device_gib`` default to flash and 80 GiB with ``scaling.use_gpu``; on CPU to eager (scores
-    counted in full) and no device limit. ``videos`` (`ray_dhp.planning.video.VideoShape`, from
-    ``--video``) replace ``vision_tokens``: one estimate per video. ``audio_seconds``: with an
-    audio group (``audio:``), each sample also carries one clip this long."""
+              device_gib=None, videos=None, audio_seconds: float = 30.0, device=None,
+              margin_gib=None) -> str:
+    """The full `ray-dhp plan` report for the run file ``rf``. ``attention`` defaults to flash
+    with ``scaling.use_gpu``, on CPU to eager (scores counted in full). The device checked
+    (`budget_of_run`): ``device`` / ``device_gib`` / ``margin_gib`` (``--device``,
+    ``--device-gib``, ``--device-margin-gib``) over ``scaling.accelerator`` /
+    ``scaling.device_margin_gib``; on CPU, naming none, no device limit. A rank's planned peak
+    is the largest of its state plus activations, its step peak and its start-up peak; it
+    ``[fits]`` only below the device's memory less the margin. ``videos``
+    (`ray_dhp.planning.video.VideoShape`, from ``--video``) replace ``vision_tokens``: one
+    estimate per video. ``audio_seconds``: with an audio group (``audio:``), each sample also
+    carries one clip this long."""
     gpu = rf.scaling.use_gpu
     attention = attention or ("flash" if gpu else "eager")
-    if device_gib is None and gpu:
-        device_gib = 80.0
-    device = f"device {device_gib:g} GiB" if device_gib is not None else "CPU: no device limit"
+    budget = budget_of_run(rf, device, device_gib, margin_gib)
+    device = budget.describe() if budget is not None else "CPU: no device limit"
     dhp = rf.dhp_config(with_processor=False)
     topo, config = dhp.topology(), dhp.model_config()
     num_workers = rf.num_workers(dhp)
@@ -129,6 +190,7 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
         "checkpoint staging = host memory for one copy of the checkpoint state "
         "(checkpoint.async_save):",
     ]
+    floor = {}  # rank: its step and start-up peaks (with activations gone / not yet there)
     for r in range(topo.world_size):
         roles = topo.roles(r)
         vg = topo.vision  # a module's FSDP shard at stage 3
@@ -138,13 +200,16 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
         t = st.params - v - a
         ag = topo.encoder("audio")
         a_reduced = a if a and ag.size > 1 else 0
+        a_up = audio_updated(audio, topo, r, policy) if a else 0
+        step = rank_step_peak(st, policy, base, topo, r, config.text_config, a_reduced, a_up)
+        floor[r] = max(step, st.startup_peak)
         out.append(f"  rank {r} [{'+'.join(roles)}]: vision {_num(v)} + "
                    + (f"audio {_num(a)} + " if audio is not None else "")
                    + f"text {_num(t)} params; "
                    f"weights {_gib(st.weights)}, grads {_gib(st.grads)}, masters "
                    f"{_gib(st.masters)}, AdamW {_gib(st.optimizer)} = state {_gib(st.total)}; "
                    f"start-up peak {_gib(st.startup_peak)}; step peak "
-                   f"{_gib(rank_step_peak(st, policy, base, topo, r, config.text_config, a_reduced))}; "
+                   f"{_gib(step)}; "
                    + (f"offloaded to the host: {_gib(st.host)} (device state "
                       f"{_gib(st.device_total)}); " if st.host else "")
                    + f"host: checkpoint staging "
@@ -169,17 +234,23 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
             out.append(f"  samples of {too_long} tokens ({vt} // 4 + {text_tokens + lm_audio}) exceed "
                        f"data.max_tokens={rf.data.max_tokens}: skipped as bad data")
             continue
+        peaks = {}
         for m in estimate_module_ranks(config, topo, counts, audio, audio_seconds=audio_seconds,
                                        audio_samples=_audio_samples(rf, topo),
                                        vision_tokens=vt, text_tokens=text_tokens,
                                        samples=samples["vision"],
                                        text_samples=samples["text"], settings=settings,
                                        policy=policy, segment_tokens=seg):
+            peaks[m.rank] = max(m.total, floor[m.rank])
             out.append(f"  rank {m.rank} memory: state {_gib(m.state_bytes)} + vision act "
                        f"{_gib(m.vision_act)} + "
                        + (f"audio act {_gib(m.audio_act)} + " if audio is not None else "")
                        + f"text act {_gib(m.text_act)} = {_gib(m.total)}"
-                       f"{_fits(m.total, device_gib)}")
+                       + (f" (peak: step or start-up {_gib(floor[m.rank])})"
+                          if floor[m.rank] > m.total else "")
+                       + _fits(peaks[m.rank], budget))
+        if budget is not None:
+            out.append(headroom_line(budget, peaks))
         z = estimate_zero3(config, counts, topo.world_size, vision_tokens=vt,
                            text_tokens=text_tokens + lm_audio, settings=settings,
                            state_bytes=policy.state_bytes(), segment_tokens=seg)
@@ -187,7 +258,7 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
             z += audio_activation_bytes(config.audio_config, 1, audio_seconds, settings)
         unit = "GPU" if gpu else "rank"
         out.append(f"  (reference: ZeRO-3 over {topo.world_size} {unit}s, one sample per {unit}, "
-                   f"no SP/TP: {_gib(z)} per {unit}{_fits(z, device_gib)})")
+                   f"no SP/TP: {_gib(z)} per {unit}{_fits(z, budget)})")
     return "\n".join(out)
 
 

@@ -89,20 +89,24 @@ def _zero(lay) -> str:
 
 
 def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens: int,
-                   attention: str = "flash", device_gib: float = 80.0, hardware=None,
+                   attention: str = "flash", budget=None, hardware=None,
                    top: int = 8, vision_mix=None, videos=None, audio_seconds: float = 30.0) -> tuple:
     """(report, ok): the ranked layouts for the run file ``rf`` on ``gpus`` workers (None: the
     run file's count) and the fragment of the best one; ``ok`` is False when none fits.
     ``vision_mix``: a resolution mix ``((tokens, fraction), ...)`` (`parse_vision_tokens`);
     ``videos`` (``--video``): plan for the longest of them instead (its tokens, per-frame
     attention). With an ``audio:`` section every layout has an audio group and each sample one
-    clip of ``audio_seconds``."""
+    clip of ``audio_seconds``. ``budget``: the `ray_dhp.planning.devices.DeviceBudget` every
+    layout must fit (its memory less its margin; default: `DEFAULT_GPU`'s)."""
     from ray_dhp.cli.plan import _num
     from ray_dhp.models.sizes import count_params
     from ray_dhp.models import load_model_config
     from ray_dhp.planning.recommend import Hardware, Workload, recommend
 
+    from ray_dhp.planning.devices import budget_of
+
     hw = hardware or Hardware()
+    budget = budget or budget_of(None)
     n = gpus if gpus is not None else default_workers(rf)
     if n < 1:
         raise ConfigError(f"--gpus {n}: need at least one GPU.")
@@ -129,7 +133,7 @@ def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens:
         audio = dict(audio_seconds=audio_seconds, audio_params=count_audio(config))
     w = Workload(vision_tokens=vt, text_tokens=text_tokens + lm_audio, global_batch_size=gb,
                  micro_batches=m, settings=settings, state_bytes=state_bytes, policy=policy,
-                 device_gib=device_gib,
+                 device_gib=budget.memory_gib, margin_gib=budget.margin_gib,
                  vision_mix=vision_mix, vision_segment=segment, **audio)
     cands = recommend(config, n, w, hw, counts=counts)
     ok = [c for c in cands if c.feasible]
@@ -143,7 +147,7 @@ def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens:
         + f"; global batch {gb} = {m} micro-batch(es) of {w.micro_batch_size}; "
         f"{settings.dtype_bytes}-byte activations, {attention} attention, checkpointing "
         f"{'on' if settings.checkpointing else 'off'}, ZeRO stages: the defaults (1 with "
-        f"more than one replica) or, where they do not fit, the fastest pair that does, {policy.name} state ({state_bytes:g} B/param); {device_gib:g} GiB "
+        f"more than one replica) or, where they do not fit, the fastest pair that does, {policy.name} state ({state_bytes:g} B/param); {budget.describe()} "
         "per GPU",
         f"cost model (ray_dhp/planning/cost_model.py): {hw.flops(settings.dtype_bytes) / 1e12:.0f} TFLOP/s "
         f"achieved per GPU ({hw.efficiency:.2f} of peak), links {hw.link_bw / 1e9:.0f} GB/s in a "

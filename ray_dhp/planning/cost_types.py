@@ -54,6 +54,9 @@ class Workload:
     settings: ActivationSettings = field(default_factory=ActivationSettings)
     state_bytes: float = 16.0      # model-state bytes per parameter (see ray_dhp.planning.memory)
     device_gib: float = 80.0
+    #: GiB of ``device_gib`` a layout must leave free (CUDA context, communicators,
+    #: fragmentation: `ray_dhp.planning.devices`); 0: the whole device
+    margin_gib: float = 0.0
     #: A resolution mix ``((patch tokens, fraction), ...)`` (fractions sum to 1) instead of one
     #: size; ``vision_tokens`` is then its largest (what memory plans for). See `replica_share`.
     vision_mix: Optional[tuple] = None

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-# Dense bf16 peak per device (FLOP/s), by a substring of torch.cuda.get_device_name().
-PEAK_BF16 = (("H200", 989e12), ("H100", 989e12), ("H800", 989e12), ("H20", 148e12),
-             ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("B200", 2250e12))
+from ray_dhp.planning.devices import ACCELERATORS
+
+# Dense bf16 peak per device (FLOP/s), by a substring of torch.cuda.get_device_name(): the
+# device table's (`ray_dhp.planning.devices`), in its matching order.
+PEAK_BF16 = tuple((a.match, a.peak_bf16) for a in ACCELERATORS.values())
 
 
 def step_flops(config, counts, micro_batches) -> float:

@@ -101,7 +101,8 @@ def _layouts(num_workers: int, micro_batches: int) -> list:
 
 def memory_gib(config, counts, layout: Layout, w: Workload) -> dict:
     """Largest per-rank estimate (GiB) of each group, from `ray_dhp.planning.memory.estimate_ranks`
-    (with an audio group `ray_dhp.planning.memory_audio.estimate_module_ranks`)."""
+    (with an audio group `ray_dhp.planning.memory_audio.estimate_module_ranks`); with a
+    precision policy at least the rank's step and start-up peaks (`ray_dhp.planning.step_peak`)."""
     topo = layout.topology()
     kw = dict(vision_tokens=w.vision_tokens, text_tokens=w.text_tokens, settings=w.settings,
               state_bytes=w.state_bytes, policy=w.policy, segment_tokens=w.vision_segment)
@@ -116,15 +117,20 @@ def memory_gib(config, counts, layout: Layout, w: Workload) -> dict:
                            lm_tokens_included=True)
     else:
         estimate = estimate_ranks
-    by_v = estimate(config, topo, counts, samples=-(-mb // topo.vision.dp), **kw)
-    by_t = estimate(config, topo, counts, samples=-(-mb // topo.text.dp), **kw)
+    rows = estimate(config, topo, counts, samples=-(-mb // topo.vision.dp),
+                    text_samples=-(-mb // topo.text.dp), **kw)  # each module its own share
     alive = 2 if layout.placement == "disjoint" and layout.schedule == "pipelined" \
         and w.micro_batches > 1 else 1  # the pipelined order keeps two encoder graphs
     out: dict = {}
-    for a, b in zip(by_v, by_t):
+    for a in rows:
         role = "+".join(a.roles)
-        total = (a.state_bytes + alive * (a.vision_act + a.audio_act) + b.text_act) / GIB
-        out[role] = max(out.get(role, 0.0), total)
+        total = a.state_bytes + alive * (a.vision_act + a.audio_act) + a.text_act
+        if w.policy is not None:  # the step and start-up peaks, as `ray-dhp plan` counts them
+            from ray_dhp.planning.step_peak import rank_floor
+
+            total = max(total, rank_floor(counts, w.audio_params if layout.audio_dp else None,
+                                          topo, a.rank, w.policy, config.text_config))
+        out[role] = max(out.get(role, 0.0), total / GIB)
     return out
 
 
@@ -145,9 +151,12 @@ def evaluate(config, counts, layout: Layout, w: Workload, hw: Hardware = Hardwar
     p = phase_times(config, counts, layout, w, hw)
     step, idle = step_time(layout, p, w.micro_batches)
     mem = memory_gib(config, counts, layout, w)
-    over = {r: g for r, g in mem.items() if g > w.device_gib}
+    limit = w.device_gib - w.margin_gib  # never a layout above the device less its margin
+    over = {r: g for r, g in mem.items() if g > limit}
+    within = (f" ({w.device_gib:g} GiB less a {w.margin_gib:g} GiB margin)"
+              if w.margin_gib else "")
     reason = ("memory: " + ", ".join(f"{r} ranks need {g:.1f} GiB" for r, g in over.items())
-              + f" > {w.device_gib:g} GiB") if over else ""
+              + f" > {limit:.4g} GiB{within}") if over else ""
     return Candidate(layout, step, p, idle, mem, reason)
 
 

@@ -12,8 +12,20 @@ During the step a rank holds its `RankState` (weights, gradients, masters, AdamW
 * ``bf16``: one parameter's gradient rounded to bf16 at a time (+2 B per element of the largest
   tensor, its fp32 sum freed right after);
 * AdamW's temporaries: none for the fused CUDA kernel (``fused=True``, the engine's choice on
-  CUDA); the single-tensor loop (CPU) makes two moment-sized temporaries of one parameter
-  (``sqrt(exp_avg_sq)`` and its quotient) at a time.
+  CUDA for a module of plain tensors, `ray_dhp.step.optim.adamw_impl`); the single-tensor loop
+  (CPU) makes two moment-sized temporaries of one parameter (``sqrt(exp_avg_sq)`` and its
+  quotient) at a time; the **foreach** kernels (CUDA, a module with DTensor parameters: text
+  TP or EP, any module at ZeRO stage 3) make one moment-sized temporary (``_foreach_sqrt`` of
+  the second moments, then divided and shifted in place) for *every* tensor of the parameter
+  group they step at once. Without masters that is the module's whole decayed group on the
+  rank (counted as all it updates, an upper bound by its norms and biases); with masters
+  (``bf16_mixed``) `MasterWeights.step` hands AdamW one chunk at a time, so at most
+  ``max(CHUNK_BYTES / 4, largest)`` elements; a module offloaded to the host steps there
+  (none on the device). Modules step one after another: the largest of them counts.
+  Measured on CPU with ``foreach=True`` (``tests/unit/test_foreach_temporaries.py``: the live
+  bytes of the step over the state equal this); CPU cannot show CUDA's caching allocator
+  rounding the temporaries' blocks, nor DTensor's dispatch (the local tensors' kernels are the
+  same).
 """
 
 from __future__ import annotations
@@ -23,14 +35,15 @@ from typing import Optional
 
 def step_peak(state, policy, largest: int, reduced: int = 0, replicated: int = 0,
               chunk_bytes: Optional[int] = None, bucket_bytes: Optional[int] = None,
-              fused_adamw: bool = True) -> int:
+              fused_adamw: bool = True, foreach: int = 0) -> int:
     """Peak bytes of a rank's optimizer step: its ``state`` (a `ray_dhp.planning.memory.RankState`)
     plus the larger transient of its two phases: the gradient all-reduce (`MAX_IN_FLIGHT` flat
     buckets in the reduce dtype; ``reduced``: elements this rank all-reduces over replicas), while the
     gradients DTensor hands back whole for a TP-sharded weight (the vocab-parallel embedding's,
     ``replicated``: the elements beyond this rank's shard; sliced by
     `ray_dhp.parallel.data_parallel.ensure_grads`) are still held, and the update (above). ``largest``:
-    element count of the largest tensor the rank updates."""
+    element count of the largest tensor the rank updates; ``foreach``: elements the foreach
+    AdamW steps at once on the device (`foreach_elements`), one moment-sized temporary each."""
     from ray_dhp.parallel.data_parallel import _BUCKET_BYTES
     from ray_dhp.step.precision import CHUNK_BYTES
 
@@ -39,7 +52,7 @@ def step_peak(state, policy, largest: int, reduced: int = 0, replicated: int = 0
     per_bucket = (_BUCKET_BYTES if bucket_bytes is None else bucket_bytes) // policy.grad_bytes()
     bucket = min(reduced, MAX_IN_FLIGHT * per_bucket)  # the buckets reducing at once
     reduce_peak = state.device_total + bucket * _size(policy.reduce_dtype) + replicated * policy.grad_bytes()
-    return max(reduce_peak, _update_peak(state, policy, largest, chunk_bytes, fused_adamw))
+    return max(reduce_peak, _update_peak(state, policy, largest, chunk_bytes, fused_adamw, foreach))
 
 
 def _size(dtype) -> int:
@@ -48,13 +61,13 @@ def _size(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _update_peak(state, policy, largest, chunk_bytes, fused_adamw) -> int:
+def _update_peak(state, policy, largest, chunk_bytes, fused_adamw, foreach=0) -> int:
     if not state.updated:
         return state.device_total
     from ray_dhp.step.precision import CHUNK_BYTES
 
     moment = 4 if policy.master else policy.optimizer_bytes() // 2
-    temps = 0 if fused_adamw else 2 * moment * largest
+    temps = max(0 if fused_adamw else 2 * moment * largest, moment * foreach)
     if not policy.master:
         rounded = policy.weight_bytes() * largest if policy.grad_dtype != policy.param_dtype else 0
         return state.device_total + temps + rounded
@@ -62,9 +75,59 @@ def _update_peak(state, policy, largest, chunk_bytes, fused_adamw) -> int:
     return state.device_total + (4 - policy.weight_bytes()) * chunk + temps
 
 
+def foreach_elements(policy, counts, topology, rank: int, text_updated: int,
+                     chunk_bytes: Optional[int] = None) -> int:
+    """Elements CUDA's foreach AdamW steps at once on ``rank`` (module docstring): per module
+    whose parameters are DTensors (text under TP or EP, any module at ZeRO stage 3) and whose
+    optimizer runs on the device, what it updates (``text_updated`` for the text module), in
+    chunks under masters; the largest module's."""
+    from ray_dhp.step.precision import CHUNK_BYTES
+
+    roles, out = topology.roles(rank), 0
+    chunk = (CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // 4
+    for m in topology.modules:
+        if m.name not in roles or m.offload:
+            continue
+        text = m is topology.text
+        dtensors = m.zero_stage == 3 or (text and (m.inner > 1 or topology.text_expert_parallel > 1))
+        if not dtensors:
+            continue
+        if text:
+            n = text_updated
+        elif m is topology.vision:
+            n = counts.vision_updated_by(rank - m.offset, m.size, m.zero_stage)
+        else:
+            continue  # further encoders: ZeRO 0-2, plain tensors (fused)
+        out = max(out, min(n, max(chunk, largest_local(counts, topology, text))) if policy.master
+                  else n)
+    return out
+
+
+def largest_local(counts, topology, text: bool) -> int:
+    """Elements of the largest local tensor of the text module (``text``) or the ViT on a rank:
+    its TP shard, 1/ep of an experts tensor, its FSDP2 share at ZeRO stage 3."""
+    if not text:
+        v = topology.vision
+        if v.zero_stage == 3 and counts.vision_params:
+            return max(q.fsdp_share(0, v.size, 1) for q in counts.vision_params)
+        return max((q.numel for q in counts.vision_params), default=counts.largest)
+    t, ep = topology.text, topology.text_expert_parallel
+    sizes = []
+    for q in counts.text_sizes:
+        if q.expert and ep > 1:
+            sizes.append(q.local(t.inner) // ep)
+        elif t.zero_stage == 3:
+            sizes.append(q.fsdp_share(0, t.dp, t.inner))
+        else:
+            sizes.append(q.local(t.inner))
+    return max(sizes, default=counts.largest)
+
+
 def rank_step_peak(state, policy, counts, topology, rank: int, text_config,
-                   extra_reduced: int = 0) -> int:
-    """`step_peak` of ``rank`` as `ray-dhp plan` prints it (GPU: fused AdamW): the ViT is
+                   extra_reduced: int = 0, extra_updated: int = 0) -> int:
+    """`step_peak` of ``rank`` as `ray-dhp plan` prints it (GPU: fused or foreach AdamW,
+    `foreach_elements`; ``extra_updated``: elements a further module on the rank updates,
+    an audio tower's, left out of the text module's): the ViT is
     all-reduced over the vision group, the text model over its DP replicas; under TP the
     vocab-parallel embedding's gradient comes back whole. ``largest`` is the largest parameter
     unsharded (an upper bound where TP splits it). ``extra_reduced``: elements of a further
@@ -78,4 +141,32 @@ def rank_step_peak(state, policy, counts, topology, rank: int, text_config,
         reduced += counts.text_per_rank(tp)
     emb = text_config.vocab_size * text_config.hidden_size
     replicated = emb - emb // tp if "text" in roles and tp > 1 else 0
-    return step_peak(state, policy, counts.largest, reduced, replicated)
+    v_up = (counts.vision_updated_by(rank - v.offset, v.size, v.zero_stage)
+            if "vision" in roles else 0)
+    t_up = state.updated - v_up - extra_updated if "text" in roles else 0
+    return step_peak(state, policy, counts.largest, reduced, replicated,
+                     foreach=foreach_elements(policy, counts, topology, rank, t_up))
+
+
+def rank_floor(counts, audio, topology, rank: int, policy, text_config) -> int:
+    """The larger of ``rank``'s step peak (`rank_step_peak`) and start-up peak: what the rank
+    reaches with no activations alive, the floor of its planned peak. ``counts``: the whole
+    model's `ray_dhp.models.sizes.ParamCounts` (its audio tower, if any, leaves the text ranks
+    when the topology has an audio group); ``audio``: the tower's `AudioCounts` or None."""
+    from ray_dhp.planning.memory_audio import module_rank_state, without_audio
+
+    st = module_rank_state(counts, audio, topology, rank, policy)
+    ag = topology.encoder("audio")
+    hosts = audio is not None and ag is not None and "audio" in topology.roles(rank)
+    reduced = audio.params if hosts and ag.size > 1 else 0
+    base = without_audio(counts) if audio is not None and ag is not None else counts
+    a_up = audio_updated(audio, topology, rank, policy) if hosts else 0
+    return max(rank_step_peak(st, policy, base, topology, rank, text_config, reduced, a_up),
+               st.startup_peak)
+
+
+def audio_updated(audio, topology, rank: int, policy) -> int:
+    """Elements of the audio tower ``rank`` updates (its ZeRO partition)."""
+    from ray_dhp.planning.memory_audio import audio_rank_state
+
+    return audio_rank_state(audio, topology.encoder("audio"), rank, policy).updated

@@ -137,15 +137,16 @@ def _plan_memory_lines(example: str) -> list:
     return [line for line in out.splitlines() if " memory: state" in line]
 
 
-def test_30b_a3b_example_fits_on_80gb_gpus():
-    """`ray-dhp plan` of the example run file (30B-A3B, 8 GPUs, text EP8): every rank fits."""
+def test_30b_a3b_example_fits_on_the_gpus_it_names():
+    """`ray-dhp plan` of the example run file (30B-A3B, 8 H200s, text EP8): every rank fits
+    below the device less its margin (docs/plan_accuracy.md)."""
     memory = _plan_memory_lines("qwen3_vl_30b_a3b_8gpu.yaml")
     assert len(memory) == 8 and all(line.endswith("[fits]") for line in memory), memory
 
 
 @pytest.mark.slow
-def test_235b_a22b_example_fits_on_128_gpus_of_80gb():
-    """The 235B-A22B example (128 GPUs: text TP2 x DP64, EP64, experts' optimizer state split
+def test_235b_a22b_example_fits_on_the_128_gpus_it_names():
+    """The 235B-A22B example (128 H200s: text TP2 x DP64, EP64, experts' optimizer state split
     over their 2 TP ranks) fits every rank (smaller counts: docs/placement.md)."""
     memory = _plan_memory_lines("qwen3_vl_235b_a22b_128gpu.yaml")
     assert len(memory) == 128 and all(line.endswith("[fits]") for line in memory), memory[:3]

@@ -32,3 +32,33 @@ def test_each_module_takes_its_own_share_of_the_micro_batch():
     # the text group is the same (DP8, one sample per replica) in both layouts: same activations
     assert {t for _, t in sp8} == {t for _, t in dp8}
     assert "sample(s) per replica per micro-batch: vision 8, text 1" in plan_text(rf, **kw)
+
+
+def test_per_module_figures_are_pinned():
+    """The 30B-A3B case of issue #42 in figures: vision SP8 (one replica) takes all 8 samples of
+    the micro-batch, 4096 / 8 patch tokens per rank each; text DP8 / EP8 takes one sample per
+    replica. The printed activations are the memory model's bytes for exactly those shares
+    (text 2.13 GiB for one sample, not 17.06 for eight), and the recommender's peak for the
+    same layout is the plan's largest rank total."""
+    from ray_dhp.planning.memory import GIB, text_activation_bytes, vision_activation_bytes
+    from ray_dhp.cli.plan import settings_of
+    from ray_dhp.planning.recommend import Layout, Workload, memory_gib
+    from ray_dhp.models.sizes import count_params
+    from ray_dhp.cli.plan import policy_of_run
+
+    rf = load_run_file(EXAMPLE, ["vision.sequence_parallel=8", "vision.data_parallel=1",
+                                 "optim.global_batch_size=8", "optim.micro_batches=1"])
+    dhp = rf.dhp_config(with_processor=False)
+    config, s = dhp.model_config(), settings_of(rf, "flash")
+    seq = 512 + 4096 // 4
+    want_v = vision_activation_bytes(config.vision_config, 8 * 4096, 8, s, 4096)
+    want_t = text_activation_bytes(config.text_config, 1 * seq, 1, s, seq)
+    assert round(want_t / GIB, 2) == 2.13 and round(8 * want_t / GIB, 2) == 17.06
+    text = plan_text(rf, vision_tokens=[4096], text_tokens=512)
+    assert set(_acts(text)) == {(round(want_v / GIB, 2), round(want_t / GIB, 2))}
+    totals = [float(x) for x in re.findall(r"= +([\d.]+) GiB +\[", text)]
+    w = Workload(4096, 512, 8, 1, settings=s, policy=policy_of_run(rf),
+                 state_bytes=float(policy_of_run(rf).state_bytes()))
+    lay = Layout("collocated", "sequential", 8, 1, 1, 8, text_ep=8)
+    mem = memory_gib(config, count_params(config), lay, w)
+    assert abs(mem["vision+text"] - max(totals)) < 0.01
