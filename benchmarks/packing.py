@@ -1,0 +1,215 @@
+"""Packing, measured (issue #43): tokens/s, padding and per-replica balance of one SFT-like length
+mix trained three ways, side by side in one run on the same ranks, model and samples.
+
+The mix, in the shape of LLaVA-style instruction data (`make_mix`): 1-3 turns, 20-1,000 text
+tokens a sample (log-uniform), 0-2 images of mixed resolution (56..168 px), a quarter
+text-only. The contenders, each the DHP engine collocated on ``--ranks`` ranks (vision DP =
+text DP = ranks), fp32, the same steps of ``--batch`` samples:
+
+* ``padding``: ``balance: count``: each text replica pads its contiguous share of a
+  micro-batch to its longest sample, one row per sample;
+* ``padded-groups``: ``balance: cost`` (the default): replicas balanced by the cost model,
+  each replica's samples padded in groups of similar length;
+* ``packed``: ``packing: true``: each replica's samples packed into rows of ``--max-tokens``.
+
+Per contender: median step time over the timed steps, real tokens per second (tokens of the
+samples, image placeholders included), the padding fraction (1 - real / tokens the text
+forward ran, rows x row length summed over replicas) and the per-replica text cost max/mean
+(`ray_dhp.parallel.balance.CostModel.text` of the samples each replica ran, the worst step's
+and the mean). Nothing here asserts.
+
+Run: ``python -m benchmarks.packing [--ranks 2] [--family qwen2_5_vl] [--steps 4]``; writes
+``benchmarks/results/packing-<family>-<hw>-<date>.json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import random
+import statistics
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+REPO = os.path.dirname(HERE)
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+MODES = ("padding", "padded-groups", "packed")
+_WORDS = ("red", "green", "blue", "yellow", "circle", "square", "triangle", "one", "two", "three",
+          "shape", "image", "the", "a", "of", "and", "is", "in", "picture", "colour")
+_SIZES = ((56, 56), (84, 56), (112, 84), (168, 112), (56, 112))
+
+
+def _text(rng, n: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(max(1, n)))
+
+
+def make_mix(path: str, num: int, seed: int = 0) -> str:
+    """Write ``num`` LLaVA-format records of the SFT-like mix (see the module docstring) with
+    their images under ``path``; returns the ``data.jsonl`` path."""
+    from PIL import Image
+
+    rng = random.Random(seed)
+    os.makedirs(os.path.join(path, "images"), exist_ok=True)
+    lines = []
+    for i in range(num):
+        total = int(math.exp(rng.uniform(math.log(20), math.log(1000))))  # text tokens (~words)
+        turns = rng.randint(1, 3)
+        n_images = 0 if rng.random() < 0.25 else rng.randint(1, 2)
+        images = []
+        for k in range(n_images):
+            w, h = rng.choice(_SIZES)
+            name = f"images/{i:05d}_{k}.png"
+            Image.new("RGB", (w, h), tuple(rng.randrange(256) for _ in range(3))).save(
+                os.path.join(path, name))
+            images.append(name)
+        per_turn = max(2, total // turns)
+        conv = []
+        for t in range(turns):
+            ask = _text(rng, per_turn // 3)
+            if t == 0 and images:
+                ask = "<image>\n" * len(images) + ask
+            conv += [{"from": "human", "value": ask}, {"from": "gpt", "value": _text(rng, per_turn - per_turn // 3)}]
+        record = {"id": i, "conversations": conv}
+        if images:
+            record["image"] = images if len(images) > 1 else images[0]
+        lines.append(json.dumps(record))
+    out = os.path.join(path, "data.jsonl")
+    with open(out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return out
+
+
+def _config(mode: str, batch: int, max_tokens: int):
+    from ray_dhp.config.train_loop import TrainLoopConfig
+
+    return TrainLoopConfig(lr=1e-4, global_batch_size=batch, num_steps=10_000, max_grad_norm=1.0,
+                           seed=0, balance="count" if mode == "padding" else "cost",
+                           packing=mode == "packed", max_tokens=max_tokens)
+
+
+def _body(rank, world, family, mode, data, batch, max_tokens, steps, warmup):
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ray_dhp import demo
+    from ray_dhp.data import read_annotations, resolve_data_root
+    from ray_dhp.data.sampler import StepSampler
+    from ray_dhp.parallel.mesh import build_groups
+    from ray_dhp.parallel.topology import Topology
+    from ray_dhp.step.engine import DHPEngine
+    from ray_dhp.step.microbatch import cost_model_of
+
+    cfg = _config(mode, batch, max_tokens)
+    groups = build_groups(Topology.build(placement="collocated", vision_dp=world, vision_sp=1,
+                                         text_dp=world, text_tp=1), torch.device("cpu"))
+    config = demo.tiny_model_config(family)
+    engine = DHPEngine(config, groups, cfg)
+    sampler = StepSampler(read_annotations(data), demo.tiny_processor(family), resolve_data_root(data), cfg)
+    cost = cost_model_of(config)
+    ran = {"tokens": 0, "cost": 0}
+    inner = engine._text_batch
+
+    def counted(samples):
+        out = inner(samples)
+        ran["tokens"] += int(out["input_ids"].numel())
+        ran["cost"] += sum(cost.text(len(s.input_ids)) for s in samples)
+        return out
+
+    engine._text_batch = counted
+    times, real, padded, imbalance = [], [], [], []
+    for k in range(warmup + steps):
+        step = sampler.next_step()
+        ran.update(tokens=0, cost=0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        engine.step(step)
+        dist.barrier()
+        elapsed = time.perf_counter() - t0
+        per = torch.tensor([ran["tokens"], ran["cost"]], dtype=torch.float64)
+        every = [torch.zeros_like(per) for _ in range(world)]
+        dist.all_gather(every, per)
+        if k < warmup:
+            continue
+        times.append(elapsed)
+        real.append(sum(len(s.input_ids) for mb in step for s in mb))
+        padded.append(sum(float(e[0]) for e in every))
+        costs = [float(e[1]) for e in every]
+        imbalance.append(max(costs) / statistics.mean(costs))
+    return {"times": times, "real": real, "padded": padded, "imbalance": imbalance}
+
+
+def run(family: str, ranks: int, batch: int, max_tokens: int, steps: int, warmup: int,
+        num: int, workdir: str) -> dict:
+    from ray_dhp.train.launch import spawn
+
+    data = make_mix(os.path.join(workdir, "mix"), num)
+    out = {"family": family, "ranks": ranks, "batch": batch, "max_tokens": max_tokens,
+           "steps": steps, "samples": num, "modes": {}}
+    for mode in MODES:
+        r = spawn(_body, ranks, (family, mode, data, batch, max_tokens, steps, warmup))[0]
+        t = statistics.median(r["times"])
+        real = statistics.mean(r["real"])
+        out["modes"][mode] = {
+            "step_s": t, "tokens_per_s": real / t,
+            "padding_fraction": 1 - sum(r["real"]) / sum(r["padded"]),
+            "cost_max_over_mean": max(r["imbalance"]), "cost_max_over_mean_avg": statistics.mean(r["imbalance"]),
+            "raw": r}
+        print(f"[packing] {mode:14s} step {t:.3f}s  {real / t:8.0f} tok/s  padding "
+              f"{out['modes'][mode]['padding_fraction']:.1%}  cost max/mean {max(r['imbalance']):.3f}",
+              flush=True)
+    base = out["modes"]["padded-groups"]["tokens_per_s"]
+    out["packed_over_padded_groups"] = out["modes"]["packed"]["tokens_per_s"] / base
+    return out
+
+
+def plot(res: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
+    modes = list(res["modes"])
+    a.bar(modes, [res["modes"][m]["tokens_per_s"] for m in modes], color=["#999", "#69c", "#c63"])
+    a.set_ylabel("real tokens / s")
+    b.bar(modes, [100 * res["modes"][m]["padding_fraction"] for m in modes], color=["#999", "#69c", "#c63"])
+    b.set_ylabel("padding (% of tokens run)")
+    fig.suptitle(f"packing, {res['family']} tiny, {res['ranks']} ranks, batch {res['batch']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
+    import tempfile
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", default="qwen2_5_vl")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--samples", type=int, default=200)
+    p.add_argument("--hw", default="cpu2")
+    a = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as d:
+        res = run(a.family, a.ranks, a.batch, a.max_tokens, a.steps, a.warmup, a.samples, d)
+    res["date"] = datetime.date.today().isoformat()
+    os.makedirs(RESULTS, exist_ok=True)
+    stem = os.path.join(RESULTS, f"packing-{a.family}-{a.hw}-{res['date']}")
+    with open(stem + ".json", "w") as f:
+        json.dump(res, f, indent=1)
+    plot(res, stem + ".png")
+    print(f"[packing] packed / padded groups: {res['packed_over_padded_groups']:.2f}x; wrote {stem}.json/.png")
+
+
+if __name__ == "__main__":
+    main()
