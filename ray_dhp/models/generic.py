@@ -115,6 +115,7 @@ class GenericFamily(FamilySpec):
     pixel_dims: int = 4                # 4: [n, C, H, W]; 5: [1, n, C, H, W]
     grid_input: bool = False           # the tower takes patch rows + image_grid_thw (GLM-4V's)
     vision_unused: tuple = ()          # vision parameters no gradient reaches (names under model.)
+    pooled_dims: int = 2               # a pooled tensor's dims: 3 = [images, rows, d] (VideoLLaVA)
 
     # -- model access ---------------------------------------------------------------------------
 
@@ -126,6 +127,11 @@ class GenericFamily(FamilySpec):
         """The vision side as a `ShellEncoder` (the parameters no gradient reaches held frozen)."""
         return ShellEncoder("vision", self.vision_parts, "ray_dhp.models.vision_encoder",
                             unused=self.vision_unused, tuned_as=("vision", "merger"))
+
+    def _wrap(self, config, feats: torch.Tensor):
+        if self.pooled_dims == 3:  # the stock forward takes the rows image by image
+            feats = feats.reshape(-1, self.rows_per_image, feats.shape[-1])
+        return super()._wrap(config, feats)
 
     def lm_inputs(self, config, kwargs: dict) -> dict:
         """The keywords the stock forward names (others dropped), plus ``token_type_ids``
@@ -176,6 +182,7 @@ def _family(cls, config_json: str) -> GenericFamily:
     grid = _grid_input(cls, vc)
     pooled, inner, unused, (image_kwargs, pixel_dims), probed = _probe(config, cls, grid)
     is_sequence = isinstance(pooled, (list, tuple))
+    pooled_dims = 2 if is_sequence else pooled.dim()
     if is_sequence:
         pooled = torch.cat([p.reshape(-1, p.shape[-1]) for p in pooled])
     rows = int(pooled.reshape(-1, pooled.shape[-1]).shape[0])
@@ -214,7 +221,7 @@ def _family(cls, config_json: str) -> GenericFamily:
         vision_heads=lambda vision_config: vision_config.num_attention_heads,
         vision_depth=lambda vision_config: vision_config.num_hidden_layers,
         projector_dim=lambda config: config.get_text_config().hidden_size,
-        pooled_tuple=is_sequence,
+        pooled_tuple=is_sequence, pooled_dims=pooled_dims,
         vision_zero3=False,
         model_processor=True,
         vision_unused=unused, image_kwargs=image_kwargs, pixel_dims=pixel_dims, grid_input=grid,

@@ -52,7 +52,9 @@ TOLS = {"gemma3": GEMMA, "paligemma": GEMMA, "shieldgemma2": GEMMA, "aya_vision"
 ZERO_GRAD = ("vision_tower.encoder.layers.0.self_attn.k_proj.bias",
              "vision_tower.encoder.layers.1.self_attn.k_proj.bias",
              "vision_model.encoder.layers.0.self_attn.k_proj.bias",
-             "vision_model.encoder.layers.1.self_attn.k_proj.bias")
+             "vision_model.encoder.layers.1.self_attn.k_proj.bias",
+             "image_tower.encoder.layers.0.self_attn.k_proj.bias",  # VideoLLaVA's CLIP
+             "image_tower.encoder.layers.1.self_attn.k_proj.bias")
 FAMILIES = GENERIC_FAMILIES
 LAYOUTS = {
     "collocated-dp2-tp2": dense_layout("collocated", (1, 2), (2, 1)),
