@@ -153,7 +153,10 @@ def pack_text_batch(samples: Sequence[Sample], pad_id: int, max_tokens: Optional
         (temporal, height, width) positions of each sample computed alone (padding: 0, 1, ...,
         a segment of its own); ``targets`` ``[R, L]``: next-token targets within each sample
         (-100 at its last token and on padding); ``sample_ids`` ``[R, L]``: index of the
-        token's sample in ``samples``, -1 on padding.
+        token's sample in ``samples``, -1 on padding; ``cu_seqlens`` ``[S + 1]`` long: the
+        segment boundaries over the row-major flattened ``[R * L]`` tokens (varlen attention's
+        convention), each sample and each row's padded tail a segment of its own (what a
+        recurrent mixer resets at, `ray_dhp.models.segments`).
     """
     if not samples:
         raise ValueError("pack_text_batch needs at least one sample")
@@ -162,6 +165,7 @@ def pack_text_batch(samples: Sequence[Sample], pad_id: int, max_tokens: Optional
     length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
     cols: dict = {k: [] for k in ("input_ids", "labels", "mm_token_type_ids", "targets",
                                   "sample_ids", "position_ids")}
+    lengths = []
     for r in rows:
         parts: dict = {k: [] for k in cols}
         for i in r:
@@ -175,7 +179,9 @@ def pack_text_batch(samples: Sequence[Sample], pad_id: int, max_tokens: Optional
             parts["targets"].append(targets)
             parts["sample_ids"].append(torch.full((n,), i, dtype=torch.long))
             parts["position_ids"].append(torch.cat([torch.arange(n)[None], _positions(s, rope_index)]))
+            lengths.append(n)
         used = sum(samples[i].num_tokens for i in r)
+        lengths += [length - used] if length > used else []
         parts["position_ids"].append(torch.arange(length - used).expand(4, -1))
         for k, v in parts.items():
             cols[k].append(torch.cat(v, dim=-1))
@@ -184,5 +190,6 @@ def pack_text_batch(samples: Sequence[Sample], pad_id: int, max_tokens: Optional
     batch = {k: _pad(cols[k], length, v) for k, v in fill.items()}
     batch["attention_mask"] = None
     batch["position_ids"] = torch.stack(cols["position_ids"], dim=1)
+    batch["cu_seqlens"] = torch.cumsum(torch.tensor([0] + lengths), 0)
     batch.update(_images(samples))
     return batch

@@ -99,8 +99,12 @@ class FamilySpec:
     # (text_config) -> extra ((what, size), ...) the text TP degree must divide (e.g. the heads of
     # a second kind of mixer); the attention heads, KV heads, MLP width and vocabulary always.
     tp_divisors: Callable = lambda text_config: ()
-    packing: bool = True  # False: samples cannot share a row (a recurrent mixer carries state)
+    packing: bool = True  # False: samples cannot share a row (see packing_reason)
     packing_reason: str = "its recurrent layers would carry state across packed samples"
+    # Token mixers of the LM that carry state along the sequence (a causal conv, a recurrence),
+    # as ((module-name suffix, child projecting its output per token), ...): in packed rows each
+    # runs on one row per sample, from a zero state (`ray_dhp.models.segments`).
+    stateful_mixers: tuple = ()
     # Encoder modules besides the vision side (`EncoderSpec`), e.g. Qwen2.5-Omni's audio tower;
     # each trains as a module of its own when the layout gives it a group (``audio:``).
     encoders: tuple = ()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ray_dhp.models.contract import check_features_consumed
+from ray_dhp.models.segments import SEGMENTS_KWARG
 from ray_dhp.step.gpu import to_device
 from ray_dhp.step.loss import LossInputs, backward_loss, sample_ids_of
 from ray_dhp.step.microbatch import _MicroBatch, shift_labels, upcast
@@ -104,6 +105,8 @@ class TextPhase:
         seconds = self.family.video_seconds_key  # Qwen2.5-VL's absolute-time M-RoPE and Omni's
         if batch.get("second_per_grid_ts") is not None and _accepts(self.text_model, seconds):
             videos[seconds] = to_device(batch["second_per_grid_ts"], dev)
+        if batch.get("cu_seqlens") is not None and self.family.stateful_mixers:
+            extra[SEGMENTS_KWARG] = batch["cu_seqlens"]  # the mixers' segments (host: index building)
         with self._autocast():
             out = self.text_model(**self.family.lm_inputs(self.config, dict(
                 input_ids=to_device(batch["input_ids"], dev),
