@@ -73,8 +73,9 @@ class TextPhase:
         multiple = pad_multiple(topo.text.inner, topo.text_sequence_parallel)
         if not self.cfg.packing:
             return _pad_tail(pad_text_batch(samples, pad_id), multiple, pad_id)
-        batch = pack_text_batch(samples, pad_id, self.cfg.max_tokens,
-                                rope_index=self.text_model.model.get_rope_index, pad_to_multiple_of=multiple)
+        rope = self.family.rope_index(self.text_model)  # the family's position rule
+        batch = pack_text_batch(samples, pad_id, self.cfg.max_tokens, rope_index=rope,
+                                one_dimensional=rope is None, pad_to_multiple_of=multiple)
         impl = self.family.language_model(self.text_model).config._attn_implementation
         if batch["input_ids"].shape[0] > 1 and impl not in _MASKED_ATTENTION:
             raise ValueError(

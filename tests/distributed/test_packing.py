@@ -5,7 +5,8 @@ reference (`ray_dhp.step.reference`, the stock transformers forward), on the par
 batches: 3 steps, 2 micro-batches of 4 samples mixing image sizes and a text-only sample,
 clipping active. With ``max_tokens=80`` (samples are 30-43 tokens, the template's system turn
 included) a replica's 4 samples pack into 2-3 rows, so rows hold several samples and short rows
-are padded. A family is a row of `CASES`; Qwen3.5 and Qwen3.5-MoE (hybrid LMs whose Gated
+are padded. A family is a row of `CASES`; InternVL packs with 1-D positions restarting at each
+sample (`FamilySpec.packed_positions`, no ``get_rope_index``); Qwen3.5 and Qwen3.5-MoE (hybrid LMs whose Gated
 DeltaNet layers run one row per packed sample, `ray_dhp.models.segments`) also cover text TP,
 text sequence parallelism, ZeRO-3 and the disjoint placement.
 
@@ -61,6 +62,9 @@ CASES = [
     ("qwen3_vl", "single", SINGLE, 80, False),
     ("qwen3_vl", "sp2-tp2", TP2, 80, False),
     ("qwen2_vl", "disjoint-1v-tp2dp2", _layout("disjoint", (1, 1), (2, 2)), 80, False),
+    ("internvl", "sp2-tp2", TP2, 80, True),  # 1-D RoPE positions (`packed_positions`)
+    ("internvl", "disjoint-1v-tp2", DISJOINT_TP2, 80, False),
+    ("internvl", "sp2-tp2-text-sp", TEXT_SP, 80, False),
     ("qwen3_5", "sp2-tp2", TP2, 80, True),
     ("qwen3_5", "disjoint-1v-tp2", DISJOINT_TP2, 80, False),
     ("qwen3_5", "sp2-tp2-text-sp", TEXT_SP, 80, False),

@@ -196,3 +196,22 @@ def test_recurrent_packed_forward_equals_padded_fp64(family, dataset):
         t == "linear_attention" for t in model.config.text_config.layer_types)
     assert_packed_logits_equal(model, samples, padded, packed, common,
                                {SEGMENTS_KWARG: packed["cu_seqlens"]})
+
+
+def test_one_dimensional_packed_forward_equals_padded_fp64(dataset):
+    """InternVL's LM (1-D RoPE, `FamilySpec.packed_positions` "1d"): packed ``position_ids`` are
+    the text positions ``[R, L]``, restarting at each sample, with no ``get_rope_index``; each
+    sample's logits equal its padded row's within 1e-12 (measured ~5e-16)."""
+    from ray_dhp.models import FAMILIES
+
+    family, config = FAMILIES["internvl"], tiny_model_config("internvl")
+    samples = _samples("internvl", dataset)
+    model = build_model(config, seed=0, dtype=torch.float64).eval()
+    assert family.rope_index(model) is None
+    padded = pad_text_batch(samples, 0)
+    packed = pack_text_batch(samples, 0, MAX_TOKENS, one_dimensional=True)
+    assert packed["position_ids"].shape == packed["input_ids"].shape
+    assert len(pack_rows([s.num_tokens for s in samples], MAX_TOKENS)) < len(samples)
+    common = family.stock_inputs(config, dict(pixel_values=padded["pixel_values"].double(),
+                                              image_grid_thw=padded["image_grid_thw"], use_cache=False))
+    assert_packed_logits_equal(model, samples, padded, packed, common)
