@@ -126,6 +126,17 @@ def assert_packed_parity(family, got, ref):
     assert errs and max(errs)[0] < fp32_tol, max(errs)
 
 
+@pytest.mark.slow
+def test_qwen3_5_packed_with_activation_checkpointing(padded_reference):
+    """Non-reentrant activation checkpointing recomputes every decoder layer in backward: the
+    segments travel with the layer's keyword arguments, so the recomputed Gated DeltaNet layers
+    run one row per sample again (disjoint 1+2, the Qwen3.5 tolerances)."""
+    _, steps, ref = padded_reference("qwen3_5")
+    cfg = replace(CFG, packing=True, activation_checkpointing=True)
+    got = run_engine("qwen3_5", DISJOINT_TP2, cfg, steps, torch.float64, grads=True)
+    assert_packed_parity("qwen3_5", got, ref)
+
+
 def _without_state_reset():
     """Rank side of the negative control: Qwen3.5 packs with its Gated DeltaNet layers NOT run
     per sample (the family's `stateful_mixers` emptied): conv window and recurrent state then run
