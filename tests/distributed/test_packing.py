@@ -137,6 +137,19 @@ def test_qwen3_5_packed_with_activation_checkpointing(padded_reference):
     assert_packed_parity("qwen3_5", got, ref)
 
 
+@pytest.mark.slow
+def test_qwen3_5_packed_with_lora(padded_reference):
+    """PEFT LoRA (default targets: the gated attention's q/k/v/o and every MLP) on packed rows at
+    collocated SP2/TP2 against the padded single-process PEFT model; the frozen base keeps the
+    Gated DeltaNet layers (still run one row per sample) and the fp32-summed norm weights."""
+    lora = {"llm": {"lora": {"r": 4, "alpha": 8}}}
+    _, steps, ref = padded_reference("qwen3_5", modules=lora)
+    got = run_engine("qwen3_5", TP2, replace(CFG, packing=True, modules=lora), steps, torch.float64,
+                     grads=True)
+    assert_packed_parity("qwen3_5", got, ref)
+    assert any(".lora_B." in n for n in ref["grads"][0])
+
+
 def _without_state_reset():
     """Rank side of the negative control: Qwen3.5 packs with its Gated DeltaNet layers NOT run
     per sample (the family's `stateful_mixers` emptied): conv window and recurrent state then run
