@@ -8,7 +8,8 @@ included) a replica's 4 samples pack into 2-3 rows, so rows hold several samples
 are padded. A family is a row of `CASES`; InternVL packs with 1-D positions restarting at each
 sample (`FamilySpec.packed_positions`, no ``get_rope_index``); Qwen3.5 and Qwen3.5-MoE (hybrid LMs whose Gated
 DeltaNet layers run one row per packed sample, `ray_dhp.models.segments`) also cover text TP,
-text sequence parallelism, ZeRO-3 and the disjoint placement.
+text sequence parallelism, ZeRO-3, the disjoint placement, expert parallelism (MoE), activation
+checkpointing and LoRA.
 
 Tolerance (fp64): 1e-10 relative on loss, grad-norm, every parameter, every update and (Qwen3.5
 rows) every clipped gradient. Packing changes only summation orders: inside attention (a longer,
@@ -73,6 +74,7 @@ CASES = [
     ("qwen3_5_moe", "disjoint-1v-tp2", DISJOINT_TP2, 80, False),
     ("qwen3_5_moe", "sp2-tp2-text-sp", TEXT_SP, 80, False),
     ("qwen3_5_moe", "dp2-zero3", ZERO3, 80, False),
+    ("qwen3_5_moe", "dp2-ep2", dict(_layout("collocated", (1, 2), (1, 2)), text_ep=2), 80, False),
 ]
 _QWEN3_5_FP32 = ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "input_layernorm.weight",
                  "post_attention_layernorm.weight", "language_model.norm.weight", "linear_attn.A_log")
