@@ -129,13 +129,15 @@ def assert_packed_parity(family, got, ref):
 
 
 @pytest.mark.slow
-def test_qwen3_5_packed_with_activation_checkpointing(padded_reference):
+def test_qwen3_5_packed_with_activation_checkpointing_pipelined(padded_reference):
     """Non-reentrant activation checkpointing recomputes every decoder layer in backward: the
     segments travel with the layer's keyword arguments, so the recomputed Gated DeltaNet layers
-    run one row per sample again (disjoint 1+2, the Qwen3.5 tolerances)."""
+    run one row per sample again; with the pipelined disjoint schedule (vision of micro-batch
+    k+1 while text runs k; disjoint 1+2, the Qwen3.5 tolerances)."""
     _, steps, ref = padded_reference("qwen3_5")
     cfg = replace(CFG, packing=True, activation_checkpointing=True)
-    got = run_engine("qwen3_5", DISJOINT_TP2, cfg, steps, torch.float64, grads=True)
+    got = run_engine("qwen3_5", DISJOINT_TP2, cfg, steps, torch.float64, schedule="pipelined",
+                     grads=True)
     assert_packed_parity("qwen3_5", got, ref)
 
 
