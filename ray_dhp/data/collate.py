@@ -159,8 +159,8 @@ def pack_text_batch(samples: Sequence[Sample], pad_id: int, max_tokens: Optional
         (temporal, height, width) positions of each sample computed alone (padding: 0, 1, ...,
         a segment of its own; ``one_dimensional``: row 0 alone, ``[R, L]``); ``targets``
         ``[R, L]``: next-token targets within each sample (-100 at its last token and on
-        padding); ``sample_ids`` ``[R, L]``: index of the
-        token's sample in ``samples``, -1 on padding; ``cu_seqlens`` ``[S + 1]`` long: the
+        padding); ``sample_ids`` ``[R, L]``: index of the token's sample in ``samples``, -1 on
+        padding; ``cu_seqlens`` ``[S + 1]`` long: the
         segment boundaries over the row-major flattened ``[R * L]`` tokens (varlen attention's
         convention), each sample and each row's padded tail a segment of its own (what a
         recurrent mixer resets at, `ray_dhp.models.segments`).

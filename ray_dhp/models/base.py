@@ -100,7 +100,7 @@ class FamilySpec:
     # a second kind of mixer); the attention heads, KV heads, MLP width and vocabulary always.
     tp_divisors: Callable = lambda text_config: ()
     packing: bool = True  # False: samples cannot share a row (see packing_reason)
-    packing_reason: str = "its recurrent layers would carry state across packed samples"
+    packing_reason: str = "packed rows are not covered for it"
     # Token mixers of the LM that carry state along the sequence (a causal conv, a recurrence),
     # as ((module-name suffix, child projecting its output per token), ...): in packed rows each
     # runs on one row per sample, from a zero state (`ray_dhp.models.segments`).

@@ -58,9 +58,12 @@ def segment_rows_index(cu_seqlens: torch.Tensor) -> tuple:
 
 class SegmentRows:
     """Hooks that run ``mixer`` on one row per segment of a packed batch (module docstring);
-    ``output``: its child that projects the mixed channels per token (e.g. ``out_proj``)."""
+    ``output``: its child that projects the mixed channels per token (e.g. ``out_proj``).
+    ``required``: every call must bring the segments (a model that only ever sees packed rows),
+    so a forward that stopped handing them down raises instead of mixing samples silently."""
 
-    def __init__(self, mixer: nn.Module, output: nn.Module):
+    def __init__(self, mixer: nn.Module, output: nn.Module, required: bool = False):
+        self.required = required
         self._packed_shape: Optional[tuple] = None
         self._to_packed: Optional[torch.Tensor] = None
         mixer.register_forward_pre_hook(self._before_mixer, with_kwargs=True)
@@ -71,6 +74,10 @@ class SegmentRows:
 
     def _before_mixer(self, module, args, kwargs):
         cu = kwargs.pop(SEGMENTS_KWARG, None)
+        if cu is None and self.required:
+            raise RuntimeError(f"{type(module).__name__} was called without {SEGMENTS_KWARG!r}: the "
+                               "model's forward no longer hands its keyword arguments down to "
+                               "this layer, so packed samples would share its state")
         if cu is None:
             return args, kwargs
         if kwargs.get("attention_mask") is not None:
@@ -102,14 +109,15 @@ class SegmentRows:
         self._packed_shape, self._to_packed = None, None
 
 
-def install_segment_rows(model: nn.Module, mixers: tuple) -> int:
+def install_segment_rows(model: nn.Module, mixers: tuple, required: bool = False) -> int:
     """`SegmentRows` on every module of ``model`` whose name ends with a ``(suffix, output)`` of
-    ``mixers`` (``output``: the child path under it). Call it once, after the tensor-parallel
-    plan and LoRA (the output child must be the module the forward calls). Returns how many."""
+    ``mixers`` (``output``: the child path under it; ``required``: see `SegmentRows`). Call it
+    once, after the tensor-parallel plan and LoRA (the output child must be the module the
+    forward calls). Returns how many."""
     count = 0
     for name, module in model.named_modules():
         for suffix, output in mixers:
             if name == suffix or name.endswith("." + suffix):
-                SegmentRows(module, module.get_submodule(output))
+                SegmentRows(module, module.get_submodule(output), required)
                 count += 1
     return count

@@ -215,3 +215,27 @@ def test_one_dimensional_packed_forward_equals_padded_fp64(dataset):
     common = family.stock_inputs(config, dict(pixel_values=padded["pixel_values"].double(),
                                               image_grid_thw=padded["image_grid_thw"], use_cache=False))
     assert_packed_logits_equal(model, samples, padded, packed, common)
+
+
+def test_required_segments_refuse_a_forward_without_them():
+    """Installed by a packing engine (``required=True``), a mixer called without the segments
+    raises: a transformers forward that stopped handing its keyword arguments down would
+    otherwise let packed samples share the recurrent state silently."""
+    from ray_dhp.models.segments import SEGMENTS_KWARG, install_segment_rows
+
+    class Mixer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.out_proj = torch.nn.Linear(2, 2)
+
+        def forward(self, hidden_states):
+            return self.out_proj(hidden_states.cumsum(1))  # state along the sequence
+
+    model = torch.nn.Sequential(Mixer())
+    assert install_segment_rows(model, (("0", "out_proj"),), required=True) == 1
+    x = torch.randn(1, 5, 2)
+    got = model[0](hidden_states=x, **{SEGMENTS_KWARG: torch.tensor([0, 2, 5])})
+    want = torch.cat([model[0].out_proj(x[:, :2].cumsum(1)), model[0].out_proj(x[:, 2:].cumsum(1))], 1)
+    assert torch.allclose(got, want)
+    with pytest.raises(RuntimeError, match="packed samples would share its state"):
+        model[0](hidden_states=x)
