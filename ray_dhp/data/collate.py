@@ -106,9 +106,12 @@ def pack_rows(lengths: Sequence[int], max_tokens: Optional[int]) -> list[range]:
 RopeIndex = Callable[..., tuple]
 
 
-def _positions(sample: Sample, rope_index: Optional[RopeIndex]) -> torch.Tensor:
-    """``[3, n]`` M-RoPE positions of ``sample`` alone, as the model computes them."""
+def _positions(sample: Sample, rope_index: Optional[RopeIndex], one_dimensional: bool) -> torch.Tensor:
+    """``[3, n]`` M-RoPE positions of ``sample`` alone, as the model computes them (``[0, n]``
+    for a 1-D RoPE model: its text positions are all)."""
     n = sample.num_tokens
+    if one_dimensional:
+        return torch.zeros(0, n, dtype=torch.long)
     if sample.image_grid_thw is None:  # the model's own fallback: 1-D positions on all 3 axes
         return torch.arange(n).expand(3, n)
     if rope_index is None:
@@ -123,7 +126,8 @@ def _positions(sample: Sample, rope_index: Optional[RopeIndex]) -> torch.Tensor:
 
 
 def pack_text_batch(samples: Sequence[Sample], pad_id: int, max_tokens: Optional[int] = None, *,
-                    rope_index: Optional[RopeIndex] = None, pad_to_multiple_of: int = 1) -> dict:
+                    rope_index: Optional[RopeIndex] = None, one_dimensional: bool = False,
+                    pad_to_multiple_of: int = 1) -> dict:
     """Pack samples, in order, into rows of at most ``max_tokens`` tokens (`pack_rows`).
 
     Every sample keeps its own attention, positions and targets, so the loss and gradients equal
@@ -142,6 +146,8 @@ def pack_text_batch(samples: Sequence[Sample], pad_id: int, max_tokens: Optional
         max_tokens: row length budget; a longer sample raises ValueError. None: one row.
         rope_index: the model's ``get_rope_index`` (``model.model.get_rope_index``); needed for
             samples with images, whose M-RoPE positions depend on the image grids.
+        one_dimensional: the model's positions are 1-D (``FamilySpec.packed_positions``, e.g.
+            InternVL's LM): ``position_ids`` is the text-position row alone, ``[R, L]``.
         pad_to_multiple_of: round the row length up to a multiple of this (the text
             sequence-parallel degree); the extra tail is padding like a short row's.
 
@@ -151,9 +157,13 @@ def pack_text_batch(samples: Sequence[Sample], pad_id: int, max_tokens: Optional
         in sample order) plus:
         ``position_ids`` ``[4, R, L]`` long: row 0 the text positions, rows 1-3 the M-RoPE
         (temporal, height, width) positions of each sample computed alone (padding: 0, 1, ...,
-        a segment of its own); ``targets`` ``[R, L]``: next-token targets within each sample
-        (-100 at its last token and on padding); ``sample_ids`` ``[R, L]``: index of the
-        token's sample in ``samples``, -1 on padding.
+        a segment of its own; ``one_dimensional``: row 0 alone, ``[R, L]``); ``targets``
+        ``[R, L]``: next-token targets within each sample (-100 at its last token and on
+        padding); ``sample_ids`` ``[R, L]``: index of the token's sample in ``samples``, -1 on
+        padding; ``cu_seqlens`` ``[S + 1]`` long: the
+        segment boundaries over the row-major flattened ``[R * L]`` tokens (varlen attention's
+        convention), each sample and each row's padded tail a segment of its own (what a
+        recurrent mixer resets at, `ray_dhp.models.segments`).
     """
     if not samples:
         raise ValueError("pack_text_batch needs at least one sample")
@@ -162,6 +172,7 @@ def pack_text_batch(samples: Sequence[Sample], pad_id: int, max_tokens: Optional
     length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
     cols: dict = {k: [] for k in ("input_ids", "labels", "mm_token_type_ids", "targets",
                                   "sample_ids", "position_ids")}
+    lengths = []
     for r in rows:
         parts: dict = {k: [] for k in cols}
         for i in r:
@@ -174,9 +185,12 @@ def pack_text_batch(samples: Sequence[Sample], pad_id: int, max_tokens: Optional
             parts["mm_token_type_ids"].append(s.mm_token_type_ids)
             parts["targets"].append(targets)
             parts["sample_ids"].append(torch.full((n,), i, dtype=torch.long))
-            parts["position_ids"].append(torch.cat([torch.arange(n)[None], _positions(s, rope_index)]))
+            parts["position_ids"].append(torch.cat([torch.arange(n)[None],
+                                                    _positions(s, rope_index, one_dimensional)]))
+            lengths.append(n)
         used = sum(samples[i].num_tokens for i in r)
-        parts["position_ids"].append(torch.arange(length - used).expand(4, -1))
+        lengths += [length - used] if length > used else []
+        parts["position_ids"].append(torch.arange(length - used).expand(1 if one_dimensional else 4, -1))
         for k, v in parts.items():
             cols[k].append(torch.cat(v, dim=-1))
     fill = {"input_ids": pad_id, "labels": IGNORE_INDEX, "mm_token_type_ids": 0,
@@ -184,5 +198,8 @@ def pack_text_batch(samples: Sequence[Sample], pad_id: int, max_tokens: Optional
     batch = {k: _pad(cols[k], length, v) for k, v in fill.items()}
     batch["attention_mask"] = None
     batch["position_ids"] = torch.stack(cols["position_ids"], dim=1)
+    if one_dimensional:
+        batch["position_ids"] = batch["position_ids"][0]
+    batch["cu_seqlens"] = torch.cumsum(torch.tensor([0] + lengths), 0)
     batch.update(_images(samples))
     return batch

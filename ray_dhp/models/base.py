@@ -99,8 +99,15 @@ class FamilySpec:
     # (text_config) -> extra ((what, size), ...) the text TP degree must divide (e.g. the heads of
     # a second kind of mixer); the attention heads, KV heads, MLP width and vocabulary always.
     tp_divisors: Callable = lambda text_config: ()
-    packing: bool = True  # False: samples cannot share a row (a recurrent mixer carries state)
-    packing_reason: str = "its recurrent layers would carry state across packed samples"
+    packing: bool = True  # False: samples cannot share a row (see packing_reason)
+    packing_reason: str = "packed rows are not covered for it"
+    # Token mixers of the LM that carry state along the sequence (a causal conv, a recurrence),
+    # as ((module-name suffix, child projecting its output per token), ...): in packed rows each
+    # runs on one row per sample, from a zero state (`ray_dhp.models.segments`).
+    stateful_mixers: tuple = ()
+    # The positions of a packed sample: "mrope" (the model's ``model.model.get_rope_index`` of
+    # the sample alone, Qwen-VL's 3-axis M-RoPE) or "1d" (0..n-1 per sample, a 1-D RoPE LM)
+    packed_positions: str = "mrope"
     # Encoder modules besides the vision side (`EncoderSpec`), e.g. Qwen2.5-Omni's audio tower;
     # each trains as a module of its own when the layout gives it a group (``audio:``).
     encoders: tuple = ()
@@ -213,6 +220,13 @@ class FamilySpec:
     @staticmethod
     def language_model(model) -> torch.nn.Module:
         return model.model.language_model
+
+    def rope_index(self, model):
+        """What `ray_dhp.data.collate.pack_text_batch` takes as ``rope_index`` for ``model``:
+        its ``get_rope_index`` for M-RoPE families, None for 1-D positions (`packed_positions`)."""
+        if self.packed_positions == "1d":
+            return None
+        return model.model.get_rope_index
 
     def lm_inputs(self, config, kwargs: dict) -> dict:
         """The text forward's keyword arguments as this family's stock forward takes them (the

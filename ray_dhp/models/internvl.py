@@ -11,8 +11,9 @@ or Qwen3 (InternVL3.5) language model with 1-D RoPE.
   from a Qwen2 LM: the suffixes then match nothing). Text SP: `sequence_parallel_text_plan`
   (1-D RoPE cos/sin and the mask are built on the full sequence before the layers, as M-RoPE's).
 * LoRA: the default targets (``q/k/v/o_proj``, ``gate/up/down_proj`` of the LM's layers).
-* Packing is refused: packed rows need per-sample positions, which the packer takes from a
-  Qwen-VL ``get_rope_index`` this model does not have.
+* Packing: the LM's positions are 1-D RoPE, restarting at 0 in every packed sample
+  (``packed_positions="1d"``: ``position_ids`` ``[R, L]``, no ``get_rope_index``), from which
+  transformers builds the block-diagonal causal mask as for the Qwen-VL families.
 """
 
 from ray_dhp.models.base import FamilySpec
@@ -26,9 +27,7 @@ SPEC = FamilySpec(
     text_tp_plan=lambda text_config: standard_text_plan(),
     text_sp_plan=lambda text_config: sequence_parallel_text_plan(),
     tp_partial_grad_suffixes=("self_attn.q_norm.weight", "self_attn.k_norm.weight"),
-    packing=False,
-    packing_reason="packed rows take each sample's positions from a Qwen-VL get_rope_index, "
-                   "which this model does not have",
+    packed_positions="1d",
     vision_module="ray_dhp.models.vision_internvl",
     vision_parts=("vision_tower", "multi_modal_projector"),
     merger_prefixes=("model.multi_modal_projector.",),

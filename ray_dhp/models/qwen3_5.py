@@ -20,8 +20,14 @@ Tensor parallelism shards both mixers by heads:
   ``out_proj`` is row-parallel. The convolution and the recurrence therefore see exactly the
   rank's channels and heads.
 
-Packing is refused: the recurrence would carry state across the samples of a packed row (the
-torch path of the model ignores the per-sample boundaries).
+Packing: the gated attention layers keep packed samples apart through the mask transformers
+builds from the packed position ids (as Qwen-VL's); the Gated DeltaNet layers carry state along
+the sequence (the causal ``conv1d`` window and the delta rule's recurrent state), and the torch
+path of transformers' layer takes no sequence boundaries, so each runs on one row per packed
+sample (`STATEFUL_MIXERS`, `ray_dhp.models.segments`): every sample starts from a zero conv
+window and a zero state, and ``out_proj`` sees the packed rows. Under TP the layer's input is
+replicated (whole sequence, the rank's heads); under text SP it is gathered along the sequence
+before the layer (``text_sp_plan``), so the segments always index the whole row.
 """
 
 from ray_dhp.models.base import FamilySpec
@@ -45,6 +51,10 @@ def _linear_attention(tc):
 
 
 _COLUMN_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+# The Gated DeltaNet layers (``layers.*.linear_attn``) carry state; ``out_proj`` maps their
+# channels back to the residual stream per token.
+STATEFUL_MIXERS = (("linear_attn", "out_proj"),)
 
 
 def text_tp_plan(tc, prefix: str = "model.language_model") -> dict:
@@ -94,5 +104,5 @@ SPEC = FamilySpec(
                               "linear_attn.norm.weight", "linear_attn.conv1d.weight",
                               "linear_attn.dt_bias", "linear_attn.A_log"),
     tp_divisors=text_tp_divisors,
-    packing=False,
+    stateful_mixers=STATEFUL_MIXERS,
 )

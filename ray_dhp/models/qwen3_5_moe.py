@@ -26,8 +26,10 @@ Under text tensor parallelism:
   gradient is whole there (no partial sum), like the router's.
 
 The TP degree must divide the shared expert's width (``shared_expert_intermediate_size``) and
-the linear-attention heads. Packing is refused as for Qwen3.5 (the recurrence would carry state
-across packed samples).
+the linear-attention heads. Packing works as for Qwen3.5 (its Gated DeltaNet layers run one row
+per packed sample); routing is per token, and the load-balancing loss counts the real tokens of
+the packed rows (padding excluded, as the reference's attention mask does), so packed and
+padded micro-batches give the same statistics.
 
 Under text sequence parallelism (`text_sp_plan`) the attention and linear-attention layers are
 Qwen3.5's; the sparse block's input is all-gathered along the sequence (DTensor
@@ -100,6 +102,6 @@ SPEC = FamilySpec(
     text_sp_plan=text_sp_plan,
     tp_partial_grad_suffixes=qwen3_5.SPEC.tp_partial_grad_suffixes,
     tp_divisors=text_tp_divisors,
-    packing=False,
+    stateful_mixers=qwen3_5.STATEFUL_MIXERS,
     moe=MoESpec(router_suffix="mlp.gate", experts_suffix="mlp.experts", sparse_layers=sparse_layers),
 )

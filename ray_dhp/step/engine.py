@@ -87,6 +87,11 @@ class DHPEngine(EncoderPhases, TextPhase, UpdateMixin):
             tp = topo.text.inner > 1
             add_lora(self.text_model, self.tuning.lora, cfg.seed, groups.text_mesh["tp"] if tp else None,
                      self.family.text_tp_plan(self.config.text_config) if tp else None)
+        if cfg.packing and self.family.stateful_mixers and self.text_model is not None:
+            from ray_dhp.models.segments import install_segment_rows  # after TP and LoRA
+
+            install_segment_rows(self.family.language_model(self.text_model), self.family.stateful_mixers,
+                                 required=True)  # this engine's text forwards are all packed
         self.sharding = self._shard_stage3()  # module name -> its ZeRO-3 (FSDP2) sharding
         specs = self.family.encoder_specs
         unhosted = tuple(e.prefix for e in specs if topo.encoder(e.name) is None) \

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ray_dhp.models.contract import check_features_consumed
+from ray_dhp.models.segments import SEGMENTS_KWARG
 from ray_dhp.step.gpu import to_device
 from ray_dhp.step.loss import LossInputs, backward_loss, sample_ids_of
 from ray_dhp.step.microbatch import _MicroBatch, shift_labels, upcast
@@ -72,8 +73,9 @@ class TextPhase:
         multiple = pad_multiple(topo.text.inner, topo.text_sequence_parallel)
         if not self.cfg.packing:
             return _pad_tail(pad_text_batch(samples, pad_id), multiple, pad_id)
-        batch = pack_text_batch(samples, pad_id, self.cfg.max_tokens,
-                                rope_index=self.text_model.model.get_rope_index, pad_to_multiple_of=multiple)
+        rope = self.family.rope_index(self.text_model)  # the family's position rule
+        batch = pack_text_batch(samples, pad_id, self.cfg.max_tokens, rope_index=rope,
+                                one_dimensional=rope is None, pad_to_multiple_of=multiple)
         impl = self.family.language_model(self.text_model).config._attn_implementation
         if batch["input_ids"].shape[0] > 1 and impl not in _MASKED_ATTENTION:
             raise ValueError(
@@ -104,6 +106,8 @@ class TextPhase:
         seconds = self.family.video_seconds_key  # Qwen2.5-VL's absolute-time M-RoPE and Omni's
         if batch.get("second_per_grid_ts") is not None and _accepts(self.text_model, seconds):
             videos[seconds] = to_device(batch["second_per_grid_ts"], dev)
+        if batch.get("cu_seqlens") is not None and self.family.stateful_mixers:
+            extra[SEGMENTS_KWARG] = batch["cu_seqlens"]  # the mixers' segments (host: index building)
         with self._autocast():
             out = self.text_model(**self.family.lm_inputs(self.config, dict(
                 input_ids=to_device(batch["input_ids"], dev),

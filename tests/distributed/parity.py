@@ -101,11 +101,14 @@ def perturb_local(engine, name: str, eps: float) -> None:
             (p.to_local() if hasattr(p, "to_local") else p).view(-1)[0] += eps
 
 
-def _engine_body(rank, world, family, layout, cfg, steps, dtype, schedule, grads, drift, model=None):
+def _engine_body(rank, world, family, layout, cfg, steps, dtype, schedule, grads, drift, model=None,
+                 prepare=None):
     from ray_dhp.step.engine import DHPEngine
     from ray_dhp.parallel.mesh import build_groups
     from ray_dhp.parallel.comm import CommCounter
 
+    if prepare is not None:
+        prepare()
     topo = Topology.build(**layout)
     groups = build_groups(topo, torch.device("cpu"))
     comm = CommCounter()
@@ -150,13 +153,16 @@ def moe_layout(placement: str, vision: tuple, text: tuple, ep: int = 1) -> dict:
 
 
 def run_engine(family: str, layout: dict, cfg: TrainLoopConfig, steps, dtype=None,
-               schedule: str = "sequential", *, grads: bool = False, drift=(), model=None) -> dict:
+               schedule: str = "sequential", *, grads: bool = False, drift=(), model=None,
+               prepare=None) -> dict:
     """Run the DHP engine on spawned ranks; ``grads``: also record the clipped gradients of every
     step; ``drift``: ``(rank, name, eps)`` perturbations applied after training (harness tests);
-    ``model``: a model directory or config (default: the family's tiny config)."""
+    ``model``: a model directory or config (default: the family's tiny config); ``prepare``: a
+    module-level function every rank calls before building its engine (a negative control's
+    injected bug)."""
     world = Topology.build(**layout).world_size
     outs = run_on_ranks(_engine_body, world, args=(family, layout, cfg, steps, dtype, schedule,
-                                                   grads, tuple(drift), model))
+                                                   grads, tuple(drift), model, prepare))
     return merge_ranks(outs)
 
 

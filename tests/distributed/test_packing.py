@@ -5,14 +5,29 @@ reference (`ray_dhp.step.reference`, the stock transformers forward), on the par
 batches: 3 steps, 2 micro-batches of 4 samples mixing image sizes and a text-only sample,
 clipping active. With ``max_tokens=80`` (samples are 30-43 tokens, the template's system turn
 included) a replica's 4 samples pack into 2-3 rows, so rows hold several samples and short rows
-are padded.
+are padded. A family is a row of `CASES`; InternVL packs with 1-D positions restarting at each
+sample (`FamilySpec.packed_positions`, no ``get_rope_index``); Qwen3.5 and Qwen3.5-MoE (hybrid LMs whose Gated
+DeltaNet layers run one row per packed sample, `ray_dhp.models.segments`) also cover text TP,
+text sequence parallelism, ZeRO-3, the disjoint placement, expert parallelism (MoE), activation
+checkpointing and LoRA.
 
-Tolerance (fp64): 1e-10 relative on loss, grad-norm, every parameter and every update. Packing
-changes only the summation order inside attention (a longer, masked row) and of the token-sum
-loss; measured: loss <= 2e-16, parameters and updates <= 1e-13 (the worst are the key biases:
-some of their entries have a gradient that nearly cancels across positions, see test_parity).
-Every rank's copy of every tensor is compared. Any leak across a sample boundary (attention,
-positions or targets) changes the loss at O(1e-2) or more.
+Tolerance (fp64): 1e-10 relative on loss, grad-norm, every parameter, every update and (Qwen3.5
+rows) every clipped gradient. Packing changes only summation orders: inside attention (a longer,
+masked row) and of the token-sum loss; measured: loss <= 2e-16, parameters and updates <= 1e-13
+(the worst are the key biases: some of their entries have a gradient that nearly cancels across
+positions, see test_parity). Every rank's copy of every tensor is compared. Any leak across a
+sample boundary (attention, positions or targets) changes the loss at O(1e-2) or more; a
+recurrent state carried into the next sample (the negative control) at ~5e-5.
+
+`FP32_SUMS` (Qwen3.5 families): their RMSNorm weights compute in fp32 even in an fp64 model
+(``x.float()``, ``weight.float()``; the Gated DeltaNet's ``A_log`` through ``A_log.float()``),
+so those gradients are fp32 sums over the micro-batch's tokens, and packed rows sum them in
+another grouping than one sample per row: two orders of an N-term fp32 sum differ by
+~sqrt(N) u (u = 6e-8), N ~ 300 tokens: ~1e-6; AdamW passes an entry's relative gradient error
+into its update at most unchanged. Those weights take 1e-5 (measured ~3e-7; what the same
+reordering takes under TP and text SP in test_qwen3_5.py). The MoE loss takes 1e-8: its aux term
+sums routing probabilities in fp32 (~1e-7 of a term weighing ~1e-2 of the loss,
+test_qwen3_5_moe.py).
 """
 
 from dataclasses import replace
@@ -22,7 +37,8 @@ import torch
 
 from ray_dhp.data.collate import pack_rows
 from ray_dhp.config.train_loop import TrainLoopConfig
-from tests.distributed.parity import assert_parity, make_steps, reference_fixture, run_engine, run_reference
+from tests.distributed.parity import (assert_parity, copy_errors, make_steps, reference_fixture,
+                                      run_engine, run_reference)
 
 CFG = TrainLoopConfig(lr=1e-3, global_batch_size=8, micro_batches=2, num_steps=3,
                       max_grad_norm=0.5, weight_decay=0.1, lr_schedule="cosine", warmup_steps=1,
@@ -36,6 +52,9 @@ def _layout(placement, vision, text):
 
 SINGLE = _layout("collocated", (1, 1), (1, 1))
 TP2 = _layout("collocated", (2, 1), (2, 1))
+DISJOINT_TP2 = _layout("disjoint", (1, 1), (2, 1))
+TEXT_SP = dict(TP2, text_sequence_parallel=True)
+ZERO3 = dict(_layout("collocated", (1, 2), (1, 2)), text_zero=3)
 CASES = [
     # (family, layout name, layout, max_tokens, default run?)
     ("qwen2_5_vl", "single", SINGLE, 80, True),
@@ -44,7 +63,31 @@ CASES = [
     ("qwen3_vl", "single", SINGLE, 80, False),
     ("qwen3_vl", "sp2-tp2", TP2, 80, False),
     ("qwen2_vl", "disjoint-1v-tp2dp2", _layout("disjoint", (1, 1), (2, 2)), 80, False),
+    ("internvl", "sp2-tp2", TP2, 80, True),  # 1-D RoPE positions (`packed_positions`)
+    ("internvl", "disjoint-1v-tp2", DISJOINT_TP2, 80, False),
+    ("internvl", "sp2-tp2-text-sp", TEXT_SP, 80, False),
+    ("qwen3_5", "sp2-tp2", TP2, 80, True),
+    ("qwen3_5", "disjoint-1v-tp2", DISJOINT_TP2, 80, False),
+    ("qwen3_5", "sp2-tp2-text-sp", TEXT_SP, 80, False),
+    ("qwen3_5", "dp2-zero3", ZERO3, 80, False),
+    ("qwen3_5_moe", "sp2-tp2", TP2, 80, False),
+    ("qwen3_5_moe", "disjoint-1v-tp2", DISJOINT_TP2, 80, False),
+    ("qwen3_5_moe", "sp2-tp2-text-sp", TEXT_SP, 80, False),
+    ("qwen3_5_moe", "dp2-zero3", ZERO3, 80, False),
+    ("qwen3_5_moe", "dp2-ep2", dict(_layout("collocated", (1, 2), (1, 2)), text_ep=2), 80, False),
 ]
+_QWEN3_5_FP32 = ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "input_layernorm.weight",
+                 "post_attention_layernorm.weight", "language_model.norm.weight", "linear_attn.A_log")
+# family: (name suffixes of the fp32-summed weights, their tolerance, the loss tolerance)
+FP32_SUMS = {"qwen3_5": (_QWEN3_5_FP32, 1e-5, 1e-10), "qwen3_5_moe": (_QWEN3_5_FP32, 1e-5, 1e-8)}
+# Rows that run 2 steps, not 3. With text SP the fp32-summed norm weights also run on sequence
+# shards of the packed rows; after step 2 (AdamW's first update is lr * sign(g), blind to their
+# ~1e-7 gradient error, its second is not) they stand ~1e-9 apart, and from step 3 every fp64
+# gradient follows (measured at step 3: gradients up to 1.4e-5 relative on the near-cancelling
+# ``dt_bias``, updates 6e-7), the drift test_qwen3_5_moe.py's SP_TOL describes. Steps 1-2 match
+# everything at 1e-10 (every clipped gradient of every rank included), which is what packing
+# changes.
+TWO_STEPS = {("qwen3_5", "sp2-tp2-text-sp"), ("qwen3_5_moe", "sp2-tp2-text-sp")}
 
 
 def _packable_steps(tmp_path, fam, cfg):
@@ -63,10 +106,75 @@ padded_reference = reference_fixture(cfg=CFG, make=_packable_steps, name="padded
     [pytest.param(f, n, lay, mt, marks=() if default else (pytest.mark.slow,), id=f"{f}-{n}")
      for f, n, lay, mt, default in CASES])
 def test_packed_equals_padded_fp64(family, name, layout, max_tokens, padded_reference):
-    _, steps, ref = padded_reference(family)
-    cfg = replace(CFG, packing=True, max_tokens=max_tokens)
-    got = run_engine(family, layout, cfg, steps, torch.float64)
-    assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10)
+    _, steps, ref = padded_reference(family, **({"num_steps": 2} if (family, name) in TWO_STEPS else {}))
+    cfg = replace(CFG, packing=True, max_tokens=max_tokens, num_steps=len(steps))
+    fp32 = family in FP32_SUMS
+    got = run_engine(family, layout, cfg, steps, torch.float64, grads=fp32)
+    assert_packed_parity(family, got, ref)
+
+
+def assert_packed_parity(family, got, ref):
+    """The module docstring's tolerances: 1e-10, and `FP32_SUMS` for the fp32-summed weights."""
+    if family not in FP32_SUMS:
+        assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10)
+        return
+    fp32, fp32_tol, loss_tol = FP32_SUMS[family]
+    assert_parity(got, ref, loss_tol=loss_tol, param_tol=1e-10, update_tol=1e-10, grad_tol=1e-10,
+                  skip=fp32)
+    only = [{k: {n: t for n, t in o[k].items() if n.endswith(fp32)} for k in ("params", "params0")}
+            for o in got["per_rank"]]
+    errs = (copy_errors(only, ref["params"])
+            + copy_errors(only, ref["params"], base="params0", ref_base=ref["params0"]))
+    assert errs and max(errs)[0] < fp32_tol, max(errs)
+
+
+@pytest.mark.slow
+def test_qwen3_5_packed_with_activation_checkpointing_pipelined(padded_reference):
+    """Non-reentrant activation checkpointing recomputes every decoder layer in backward: the
+    segments travel with the layer's keyword arguments, so the recomputed Gated DeltaNet layers
+    run one row per sample again; with the pipelined disjoint schedule (vision of micro-batch
+    k+1 while text runs k; disjoint 1+2, the Qwen3.5 tolerances)."""
+    _, steps, ref = padded_reference("qwen3_5")
+    cfg = replace(CFG, packing=True, activation_checkpointing=True)
+    got = run_engine("qwen3_5", DISJOINT_TP2, cfg, steps, torch.float64, schedule="pipelined",
+                     grads=True)
+    assert_packed_parity("qwen3_5", got, ref)
+
+
+@pytest.mark.slow
+def test_qwen3_5_packed_with_lora(padded_reference):
+    """PEFT LoRA (default targets: the gated attention's q/k/v/o and every MLP) on packed rows at
+    collocated SP2/TP2 against the padded single-process PEFT model; the frozen base keeps the
+    Gated DeltaNet layers (still run one row per sample) and the fp32-summed norm weights."""
+    lora = {"llm": {"lora": {"r": 4, "alpha": 8}}}
+    _, steps, ref = padded_reference("qwen3_5", modules=lora)
+    got = run_engine("qwen3_5", TP2, replace(CFG, packing=True, modules=lora), steps, torch.float64,
+                     grads=True)
+    assert_packed_parity("qwen3_5", got, ref)
+    assert any(".lora_B." in n for n in ref["grads"][0])
+
+
+def _without_state_reset():
+    """Rank side of the negative control: Qwen3.5 packs with its Gated DeltaNet layers NOT run
+    per sample (the family's `stateful_mixers` emptied): conv window and recurrent state then run
+    on across the samples of a row."""
+    import ray_dhp.models as models
+
+    models._BY_MODEL_TYPE["qwen3_5"] = replace(models.FAMILIES["qwen3_5"], stateful_mixers=())
+
+
+def test_qwen3_5_packed_without_state_reset_fails_parity(padded_reference):
+    """The negative control of the Qwen3.5 rows: the same case (SP2/TP2) without the reset is
+    far out of tolerance — the loss itself, not only some weights (measured 5e-5..7e-5 relative
+    per step: the tiny random model's decaying state carries little across a boundary; the
+    bound 1e-6 is 10^4 times the case's tolerance)."""
+    _, steps, ref = padded_reference("qwen3_5")
+    got = run_engine("qwen3_5", TP2, replace(CFG, packing=True), steps, torch.float64,
+                     grads=True, prepare=_without_state_reset)
+    loss_errs = [abs(g["loss"] - r["loss"]) / r["loss"] for g, r in zip(got["history"], ref["history"])]
+    assert min(loss_errs) > 1e-6, loss_errs
+    with pytest.raises(AssertionError, match="out of tolerance"):
+        assert_packed_parity("qwen3_5", got, ref)
 
 
 @pytest.mark.slow

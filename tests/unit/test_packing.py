@@ -115,14 +115,15 @@ def test_packed_forward_equals_padded_fp64(family, dataset, model64):
     assert_packed_logits_equal(model, samples, padded, packed, common)
 
 
-def assert_packed_logits_equal(model, samples, padded, packed, common: dict) -> None:
+def assert_packed_logits_equal(model, samples, padded, packed, common: dict, packed_only=None) -> None:
     """Each sample's per-token logits from the packed rows equal its padded row's within 1e-12
-    of the row's largest logit (fp64; ``common``: the vision inputs, passed to both forwards)."""
+    of the row's largest logit (fp64; ``common``: the vision inputs, passed to both forwards;
+    ``packed_only``: further arguments of the packed forward)."""
     with torch.no_grad():
         ref = model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"],
                     mm_token_type_ids=padded["mm_token_type_ids"], **common).logits
         got = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"],
-                    mm_token_type_ids=packed["mm_token_type_ids"], **common).logits
+                    mm_token_type_ids=packed["mm_token_type_ids"], **common, **(packed_only or {})).logits
     ids = packed["sample_ids"]
     for i, s in enumerate(samples):
         diff = (got[ids == i] - ref[i, :s.num_tokens]).abs().max()
@@ -143,3 +144,98 @@ def test_grids_without_pixels(dataset, model64):
     with pytest.raises(ValueError, match="rope_index"):
         pack_text_batch(samples, 0)
 
+
+
+def test_cu_seqlens_are_the_samples_and_the_padded_tails(dataset, model64):
+    samples = _samples("qwen2_5_vl", dataset)
+    packed = pack_text_batch(samples, 0, MAX_TOKENS, rope_index=model64.model.get_rope_index,
+                             pad_to_multiple_of=7)
+    ids = packed["sample_ids"].reshape(-1)
+    R, L = packed["input_ids"].shape
+    cu = packed["cu_seqlens"]
+    assert cu[0] == 0 and cu[-1] == R * L
+    starts = cu[:-1]
+    # a segment starts at every row start and wherever the sample id changes along a row
+    flat_pos = torch.arange(R * L)
+    change = (flat_pos % L == 0) | torch.cat([torch.tensor([True]), ids[1:] != ids[:-1]])
+    assert torch.equal(starts, flat_pos[change])
+    assert torch.equal(packed["position_ids"][0].reshape(-1)[starts], torch.zeros_like(starts))
+
+
+def test_segment_rows_index_round_trips():
+    from ray_dhp.models.segments import segment_rows_index
+
+    cu = torch.tensor([0, 3, 4, 8, 10])
+    to_rows, to_packed = segment_rows_index(cu)
+    assert to_rows.tolist() == [[0, 1, 2, 10], [3, 10, 10, 10], [4, 5, 6, 7], [8, 9, 10, 10]]
+    assert torch.equal(to_rows.reshape(-1)[to_packed], torch.arange(10))
+    with pytest.raises(ValueError, match="rise strictly"):
+        segment_rows_index(torch.tensor([0, 3, 3]))
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", pytest.param("qwen3_5_moe", marks=pytest.mark.slow)])
+def test_recurrent_packed_forward_equals_padded_fp64(family, dataset):
+    """Qwen3.5's Gated DeltaNet layers in packed rows: with `install_segment_rows` (the family's
+    `stateful_mixers`) and the batch's ``cu_seqlens`` each sample's logits equal its padded
+    row's within 1e-12 (fp64; the delta rule runs in fp32 on the same per-sample values as
+    padded: measured ~1e-16); without the segments, the conv window and the recurrent state
+    run on into the next sample of a row and the logits differ by far more."""
+    from ray_dhp.models import FAMILIES
+    from ray_dhp.models.segments import SEGMENTS_KWARG, install_segment_rows
+
+    samples = _samples(family, dataset)
+    model = build_model(tiny_model_config(family), seed=0, dtype=torch.float64).eval()
+    padded = pad_text_batch(samples, 0)
+    packed = pack_text_batch(samples, 0, MAX_TOKENS, rope_index=model.model.get_rope_index)
+    common = dict(pixel_values=padded["pixel_values"].double(), image_grid_thw=padded["image_grid_thw"],
+                  use_cache=False)
+    with pytest.raises(AssertionError):  # the negative control: no reset at sample boundaries
+        assert_packed_logits_equal(model, samples, padded, packed, common)
+    mixers = FAMILIES[family].stateful_mixers
+    assert install_segment_rows(model.model.language_model, mixers) == sum(
+        t == "linear_attention" for t in model.config.text_config.layer_types)
+    assert_packed_logits_equal(model, samples, padded, packed, common,
+                               {SEGMENTS_KWARG: packed["cu_seqlens"]})
+
+
+def test_one_dimensional_packed_forward_equals_padded_fp64(dataset):
+    """InternVL's LM (1-D RoPE, `FamilySpec.packed_positions` "1d"): packed ``position_ids`` are
+    the text positions ``[R, L]``, restarting at each sample, with no ``get_rope_index``; each
+    sample's logits equal its padded row's within 1e-12 (measured ~5e-16)."""
+    from ray_dhp.models import FAMILIES
+
+    family, config = FAMILIES["internvl"], tiny_model_config("internvl")
+    samples = _samples("internvl", dataset)
+    model = build_model(config, seed=0, dtype=torch.float64).eval()
+    assert family.rope_index(model) is None
+    padded = pad_text_batch(samples, 0)
+    packed = pack_text_batch(samples, 0, MAX_TOKENS, one_dimensional=True)
+    assert packed["position_ids"].shape == packed["input_ids"].shape
+    assert len(pack_rows([s.num_tokens for s in samples], MAX_TOKENS)) < len(samples)
+    common = family.stock_inputs(config, dict(pixel_values=padded["pixel_values"].double(),
+                                              image_grid_thw=padded["image_grid_thw"], use_cache=False))
+    assert_packed_logits_equal(model, samples, padded, packed, common)
+
+
+def test_required_segments_refuse_a_forward_without_them():
+    """Installed by a packing engine (``required=True``), a mixer called without the segments
+    raises: a transformers forward that stopped handing its keyword arguments down would
+    otherwise let packed samples share the recurrent state silently."""
+    from ray_dhp.models.segments import SEGMENTS_KWARG, install_segment_rows
+
+    class Mixer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.out_proj = torch.nn.Linear(2, 2)
+
+        def forward(self, hidden_states):
+            return self.out_proj(hidden_states.cumsum(1))  # state along the sequence
+
+    model = torch.nn.Sequential(Mixer())
+    assert install_segment_rows(model, (("0", "out_proj"),), required=True) == 1
+    x = torch.randn(1, 5, 2)
+    got = model[0](hidden_states=x, **{SEGMENTS_KWARG: torch.tensor([0, 2, 5])})
+    want = torch.cat([model[0].out_proj(x[:, :2].cumsum(1)), model[0].out_proj(x[:, 2:].cumsum(1))], 1)
+    assert torch.allclose(got, want)
+    with pytest.raises(RuntimeError, match="packed samples would share its state"):
+        model[0](hidden_states=x)

@@ -1,6 +1,7 @@
 """Qwen3.5-MoE without a process group: the tiny config, the TP plan (shared expert sharded like
 an MLP, router / routed experts / shared-expert gate replicated), the layout checks, the presets'
-published sizes, and the driver refusing packing for the recurrent families by the key's name
+published sizes, and the driver taking packing for the recurrent families (refusing it, by the
+key's name, for a family that cannot pack)
 (the distributed exactness: tests/distributed/test_qwen3_5_moe.py)."""
 
 from __future__ import annotations
@@ -83,20 +84,22 @@ def test_presets_have_the_published_sizes(preset, total):
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", FAMILY])
-def test_driver_refuses_packing_naming_the_key(family):
-    """A run file (``data.packing``) or the Python API (``train_loop_config.packing``) with
-    packing on and a recurrent family fails in the driver, before any worker starts."""
+def test_driver_takes_packing_and_refuses_it_for_the_omni_thinker(family):
+    """The recurrent families pack (their Gated DeltaNet layers run one row per packed sample,
+    tests/distributed/test_packing.py); a family that cannot pack (the Qwen2.5-Omni thinker)
+    fails in the driver naming the key, from a run file (``data.packing``) or the Python API
+    (``train_loop_config.packing``), before any worker starts."""
     import ray.train
 
     from ray_dhp import DHPConfig
     from ray_dhp.run_file import load_run_file
     from ray_dhp.train.trainer import DisaggregatedTrainer
 
-    with pytest.raises(ValueError, match=rf"data.packing=true is not covered for the {family} "):
-        load_run_file(None, [f"model.demo={family}", "data.packing=true"]).validate()
-    load_run_file(None, [f"model.demo={family}"]).validate()
-    load_run_file(None, ["model.demo=qwen3_vl_moe", "data.packing=true"]).validate()
-    dhp = DHPConfig(model=demo.tiny_model_config(family), processor=demo.tiny_processor(family))
+    load_run_file(None, [f"model.demo={family}", "data.packing=true"]).validate()
+    with pytest.raises(ValueError, match=r"data.packing=true is not covered for the qwen2_5_omni "):
+        load_run_file(None, ["model.demo=qwen2_5_omni", "data.packing=true"]).validate()
+    omni = "qwen2_5_omni"
+    dhp = DHPConfig(model=demo.tiny_model_config(omni), processor=demo.tiny_processor(omni))
     with pytest.raises(ValueError, match=r"set train_loop_config.packing=false"):
         DisaggregatedTrainer(dhp_config=dhp, train_loop_config={"packing": True},
                              scaling_config=ray.train.ScalingConfig(num_workers=1))
