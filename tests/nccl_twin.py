@@ -16,7 +16,7 @@ Inside `NcclTwin`, on every group except those made with ``new_group(..., backen
   peer that never posts its k-th operation fails after ``timeout_s``, naming what is pending.
   (Two facing sends are taken as a deadlock: NCCL completes them only while they fit its buffers.)
 * every collective is logged per group where torch dispatches it (`tests.twin_collectives`: a
-  ``TorchDispatchMode`` on the ``c10d`` and functional-collective ops), so ours (``dist.*``),
+  kernel of ours on the ``c10d`` and functional-collective ops), so ours (``dist.*``),
   DTensor's (TP/SP redistributes, ``loss_parallel``, ``full_tensor``) and FSDP2's all-gathers
   and reduce-scatters alike: the NCCL operation, dtypes, the shapes where NCCL needs them equal
   and the root, plus (for the messages) the op as dispatched, the torch.distributed frame that
@@ -28,7 +28,7 @@ Inside `NcclTwin`, on every group except those made with ``new_group(..., backen
   reached a position, e.g. one collective issued by one rank only at the end, fails there) and
   fails at the first difference, naming both collectives and printing both ranks' lists around
   it. When a body fails, what the peers published is compared once, so a mismatch gloo took
-  is named. Only the body's thread is seen (a mode is per thread); host groups are not logged.
+  is named. Host groups are not logged.
 * ``batch_isend_irecv`` is refused: the project does not use it and its group semantics are not
   modelled here.
 
@@ -85,7 +85,7 @@ class NcclTwin:
         self.checked: dict = {}   # (group name, peer) -> how many of them are checked
         self.log: dict = {}       # group name -> [(descriptor, op as dispatched, via, site)]
         self.members: dict = {}   # group name -> its global ranks
-        self._mode = CollectiveLog(self._record)
+        self._collectives = CollectiveLog(self._record)
         self.host_groups: set = set()
         self._saved: list = []
 
@@ -157,7 +157,7 @@ class NcclTwin:
         group = args[spec.group]
         pg = c10d._resolve_process_group(str(group)) if spec.by_name else dist.ProcessGroup.unbox(group)
         name = pg.group_name
-        if name in self.host_groups:
+        if name in self.host_groups or dist.get_backend(pg) == "fake":  # fake: nothing is sent
             return
         if name not in self.members:
             self.members[name] = tuple(dist.get_process_group_ranks(pg))
@@ -288,7 +288,7 @@ class NcclTwin:
             self._patch(module, "irecv", twin_irecv)
         self._patch(dist, "new_group", twin_new_group)
         self._patch(dist, "batch_isend_irecv", refuse)
-        self._mode.__enter__()
+        self._collectives.__enter__()
         global _ACTIVE
         _ACTIVE = self
         return self
@@ -296,7 +296,7 @@ class NcclTwin:
     def __exit__(self, exc_type, exc, tb):
         global _ACTIVE
         _ACTIVE = None
-        self._mode.__exit__(None, None, None)
+        self._collectives.__exit__(None, None, None)
         for module, name, fn in reversed(self._saved):
             setattr(module, name, fn)
         self._saved.clear()
