@@ -10,7 +10,8 @@ The twin sees every collective where torch dispatches it (tests/twin_collectives
 (TP/SP redistributes, ``loss_parallel``) and FSDP2's as well as ours. A collocated and a disjoint
 layout with text TP + SP and ZeRO-3 pass it with fp64 parity, their logs holding DTensor's and
 FSDP2's collectives; an all-reduce that rank 0 alone issues inside the TP forward fails it,
-naming the op and where it was issued, with both ranks' lists.
+naming the op and where it was issued, with both ranks' lists (before gloo runs it), and so
+does one that rank 0 alone issues last (gloo waits forever there: rank 1's exit check says why).
 """
 
 import dataclasses
@@ -117,6 +118,18 @@ def _mismatched_collective(rank, world):
 def test_collectives_of_different_shapes_fail():
     with pytest.raises(AssertionError, match=r"collective #0 on group .* differs"):
         run_on_ranks(_mismatched_collective, 2)
+
+
+def _one_more_all_reduce_at_the_end(rank, world):
+    dist.all_reduce(torch.ones(2))
+    if rank == 0:  # gloo waits for rank 1 forever: the twin of rank 1 must say why, at its exit
+        dist.all_reduce(torch.ones(3))
+
+
+def test_a_collective_only_one_rank_issues_last_fails_at_the_other_ranks_exit():
+    with pytest.raises(AssertionError, match=r"collective #1 on group .* differs: rank 1 issued nothing; "
+                                             r"rank 0 issued all_reduce float32 \(\(3,\),\)"):
+        run_on_ranks(_one_more_all_reduce_at_the_end, 2, timeout_s=120)
 
 
 def _creation_cycle(rank, world):
