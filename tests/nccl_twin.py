@@ -155,7 +155,10 @@ class NcclTwin:
         different collectives, the later one sees the earlier one's and fails before gloo can
         take (or crash on) the mismatch; a member that never gets there is compared at exit."""
         group = args[spec.group]
-        pg = c10d._resolve_process_group(str(group)) if spec.by_name else dist.ProcessGroup.unbox(group)
+        if isinstance(group, str):  # functional collectives name it
+            pg = c10d._resolve_process_group(group)
+        else:
+            pg = group if isinstance(group, dist.ProcessGroup) else dist.ProcessGroup.unbox(group)
         name = pg.group_name
         if name in self.host_groups or dist.get_backend(pg) == "fake":  # fake: nothing is sent
             return

@@ -54,7 +54,6 @@ _VARIABLE = ("all_to_all_single", "all_to_all")  # splits may differ between ran
 class Spec(NamedTuple):
     name: str             # the NCCL operation
     group: int            # argument index of the process group (a ScriptObject) or its name
-    by_name: bool         # the group is given by name (functional collectives)
     payload: int | None   # argument index of the tensors to compare
     root: int | None      # argument index of the root rank (rooted ops)
 
@@ -73,21 +72,21 @@ def _spec(op) -> Spec | None:
     payload = next((i for i, a in enumerate(args) if a == wanted or (wanted is None and a in _PAYLOAD_ARGS)),
                    None)
     root = next((i for i, a in enumerate(args) if a in _ROOT_ARGS), None)
-    return Spec(name, group, args[group] == "group_name", None if name in _VARIABLE else payload, root)
+    return Spec(name, group, None if name in _VARIABLE else payload, root)
 
 
 def _collectives() -> dict:
     out = {}
-    for ns in ("c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor"):
-        for qualified in torch._C._dispatch_get_all_op_names():
-            if not qualified.startswith(ns + "::"):
-                continue
-            packet = getattr(getattr(torch.ops, ns), qualified.split("::")[1].split(".")[0])
-            for overload in packet.overloads():
-                op = getattr(packet, overload)
-                spec = _spec(op)
-                if spec is not None:
-                    out[op] = spec
+    for qualified in torch._C._dispatch_get_all_op_names():
+        ns, _, name = qualified.partition("::")
+        if ns not in ("c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor"):
+            continue
+        packet = getattr(getattr(torch.ops, ns), name.split(".")[0])
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            spec = _spec(op)
+            if spec is not None:
+                out[op] = spec
     return out
 
 
