@@ -218,8 +218,8 @@ def test_dtensor_and_fsdp2_collectives_pass_the_twin_with_text_sp_and_zero3(plac
     assert_parity(merge_ranks(outs), ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10)
     for rank in topo.text.ranks:
         seen = outs[rank]["twin"]
-        dtensor = {src for (src, via), n in seen.items() if via.startswith("torch/distributed/tensor/")}
-        fsdp = {src for (src, via), n in seen.items() if via.startswith("torch/distributed/fsdp/")}
+        dtensor = {src for src, via in seen if via.startswith("torch/distributed/tensor/")}
+        fsdp = {src for src, via in seen if via.startswith("torch/distributed/fsdp/")}
         assert {"_c10d_functional.all_gather_into_tensor", "_c10d_functional.reduce_scatter_tensor",
                 "_c10d_functional.all_reduce"} <= dtensor, (rank, seen)
         assert fsdp == {"c10d._allgather_base_", "c10d._reduce_scatter_base_"}, (rank, seen)
