@@ -15,10 +15,20 @@ Inside `NcclTwin`, on every group except those made with ``new_group(..., backen
   one: two receives, or two sends, facing each other fail at once as a deadlock naming both; a
   peer that never posts its k-th operation fails after ``timeout_s``, naming what is pending.
   (Two facing sends are taken as a deadlock: NCCL completes them only while they fit its buffers.)
-* the collectives called through ``torch.distributed`` are logged per group (op, dtype, and the
-  shapes where NCCL needs them equal); at exit each rank compares its log with every other
-  member's and fails at the first difference. DTensor's own collectives (functional
-  collectives) are not seen.
+* every collective is logged per group where torch dispatches it (`tests.twin_collectives`: a
+  kernel of ours on the ``c10d`` and functional-collective ops), so ours (``dist.*``),
+  DTensor's (TP/SP redistributes, ``loss_parallel``, ``full_tensor``) and FSDP2's all-gathers
+  and reduce-scatters alike: the NCCL operation, dtypes, the shapes where NCCL needs them equal
+  and the root, plus (for the messages) the op as dispatched, the torch.distributed frame that
+  issued it and the frame above it. Each collective is published in the store and compared,
+  before it runs, with what the members that got to the same position on its group issued
+  there (each member appends to that position's record, then reads it back, so of two members
+  issuing different collectives the later one fails, before gloo takes the mismatch or crashes
+  on it). At exit each rank compares its whole log with every member's (a member that never
+  reached a position, e.g. one collective issued by one rank only at the end, fails there) and
+  fails at the first difference, naming both collectives and printing both ranks' lists around
+  it. When a body fails, what the peers published is compared once, so a mismatch gloo took
+  is named. Host groups are not logged.
 * ``batch_isend_irecv`` is refused: the project does not use it and its group semantics are not
   modelled here.
 
@@ -30,27 +40,24 @@ from __future__ import annotations
 
 import os
 import pickle
+import struct
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from tests.twin_collectives import CollectiveLog, call_site, describe
+
 TIMEOUT_ENV = "RAY_DHP_NCCL_TWIN_TIMEOUT_S"
-_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
-                "reduce_scatter_tensor", "all_to_all_single", "all_to_all", "barrier")
-_VARIABLE_SHAPES = ("all_to_all_single", "all_to_all")  # splits may differ between ranks
 
 
-def _tensors(obj):
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _tensors(o)]
-    return [obj] if hasattr(obj, "shape") and hasattr(obj, "dtype") else []
-
-
-def _desc(op, args) -> tuple:
-    ts = _tensors(args)
-    shapes = None if op in _VARIABLE_SHAPES else tuple(tuple(t.shape) for t in ts)
-    return (op, tuple(sorted({str(t.dtype) for t in ts})), shapes)
+def _entry(entry) -> str:
+    """A logged collective for the messages: op, dtypes, shapes, root; then how it was issued."""
+    (op, dtypes, shapes, root), source, via, site = entry
+    what = f"{op} {'/'.join(d.removeprefix('torch.') for d in dtypes)} {shapes}"
+    what += f" root {root}" if root is not None else ""
+    return what + f" [{source}" + (f" via {via}" if via else "") + f" at {site}]"
 
 
 class _Work:
@@ -76,7 +83,9 @@ class NcclTwin:
         self.store = c10d.PrefixStore("nccl_twin/", c10d._get_default_store())
         self.posted: dict = {}    # (group name, peer) -> [(kind, shape, dtype)] in posting order
         self.checked: dict = {}   # (group name, peer) -> how many of them are checked
-        self.log: list = []       # (group name, members, collective descriptor)
+        self.log: dict = {}       # group name -> [(descriptor, op as dispatched, via, site)]
+        self.members: dict = {}   # group name -> its global ranks
+        self._collectives = CollectiveLog(self._record)
         self.host_groups: set = set()
         self._saved: list = []
 
@@ -139,32 +148,119 @@ class NcclTwin:
 
     # -- collectives ------------------------------------------------------------------------------
 
-    def _collective(self, op, fn):
-        def wrapped(*args, **kwargs):
-            pg = kwargs.get("group") or next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
-            pg = pg if pg is not None else c10d._get_default_group()
-            if pg.group_name not in self.host_groups:
-                self.log.append((pg.group_name, tuple(dist.get_process_group_ranks(pg)), _desc(op, args)))
-            return fn(*args, **kwargs)
-        return wrapped
+    def _record(self, spec, op, args) -> None:
+        """`CollectiveLog`'s callback, before the collective runs: log it, publish it, and compare
+        it with what the members that reached the same position on the group issued there.
+        Each member appends to the position's record, then reads it: of two members that issue
+        different collectives, the later one sees the earlier one's and fails before gloo can
+        take (or crash on) the mismatch; a member that never gets there is compared at exit."""
+        group = args[spec.group]
+        if isinstance(group, str):  # functional collectives name it
+            pg = c10d._resolve_process_group(group)
+        else:
+            pg = group if isinstance(group, dist.ProcessGroup) else dist.ProcessGroup.unbox(group)
+        name = pg.group_name
+        if name in self.host_groups or dist.get_backend(pg) == "fake":  # fake: nothing is sent
+            return
+        if name not in self.members:
+            self.members[name] = tuple(dist.get_process_group_ranks(pg))
+        seq = self.log.setdefault(name, [])
+        k, entry = len(seq), (describe(spec, args), str(op).removesuffix(".default"), *call_site())
+        self.store.set(f"c/{name}/{self.rank}/{k}", pickle.dumps(entry))
+        seq.append(entry)
+        if len(self.members[name]) == 1:
+            return
+        mine = pickle.dumps((self.rank, entry[0]))
+        self.store.append(f"at/{name}/{k}", struct.pack("<I", len(mine)) + mine)
+        arrived, pos = self.store.get(f"at/{name}/{k}"), 0
+        while pos < len(arrived):
+            (size,) = struct.unpack_from("<I", arrived, pos)
+            peer, desc = pickle.loads(arrived[pos + 4:pos + 4 + size])
+            pos += 4 + size
+            if desc != entry[0]:
+                raise AssertionError(self._diagnosis(name, self.members[name], k, peer, seq,
+                                                     self._published(name, peer, 0), False))
 
-    def _compare_collectives(self) -> None:
-        self.store.set(f"coll/{self.rank}", pickle.dumps(self.log))
-        mine: dict = {}
-        for group, members, desc in self.log:
-            mine.setdefault((group, members), []).append(desc)
-        for (group, members), seq in mine.items():
-            for other in members:
-                if other == self.rank:
+    def _my_groups(self) -> dict:
+        """Every group this rank is a member of (logged or not), but the host groups: name -> ranks."""
+        out = dict(self.members)
+        for pg, name in list(c10d._world.pg_names.items()):
+            if name not in out and name not in self.host_groups and self.rank in c10d._world.pg_group_ranks.get(pg, {}):
+                out[name] = tuple(dist.get_process_group_ranks(pg))
+        return out
+
+    def _published(self, group, peer, start) -> list:
+        """The entries ``peer`` has published on ``group`` from #``start`` on (it may still run)."""
+        out = []
+        while self.store.check([f"c/{group}/{peer}/{start + len(out)}"]):
+            out.append(pickle.loads(self.store.get(f"c/{group}/{peer}/{start + len(out)}")))
+        return out
+
+    def _compare_collectives(self, failed: bool) -> None:
+        """Every member of every group must have issued the same collectives there: against a
+        peer's whole log once it has finished; before that, against what it has published so
+        far (a difference there, or an operation beyond this rank's last, fails already). A
+        rank that failed is compared up to its last collective only, and, when this rank
+        failed, in one pass without waiting."""
+        groups = self._my_groups()
+        peers = sorted({m for ranks in groups.values() for m in ranks if m != self.rank})
+        start = time.monotonic()
+        deadline = start + self.timeout.total_seconds()
+        seen = {}  # (group, peer) -> the peer's published entries read so far
+        while peers:
+            for peer in list(peers):
+                shared = [g for g, ranks in groups.items() if peer in ranks]
+                if self.store.check([f"coll/{peer}"]):
+                    peer_failed, theirs = pickle.loads(self.store.get(f"coll/{peer}"))
+                    for g in shared:
+                        self._diff(g, groups[g], peer, theirs.get(g, []), "prefix" if failed or peer_failed
+                                   else "whole")
+                    peers.remove(peer)
                     continue
-                log = pickle.loads(self._wait_key(f"coll/{other}", f"rank {other}'s collective log"))
-                theirs = [d for g, _, d in log if g == group]
-                for i, (a, b) in enumerate(zip(seq + [None] * len(theirs), theirs + [None] * len(seq))):
-                    if a != b:
-                        raise AssertionError(
-                            f"NCCL twin: collective #{i} on group {group} {members} differs: rank "
-                            f"{self.rank} called {a}, rank {other} called {b} (NCCL needs the same "
-                            f"collectives in the same order, same shapes, on every member)")
+                if not failed and time.monotonic() < start + 2:  # most peers finish meanwhile
+                    continue
+                for g in shared:
+                    got = seen.setdefault((g, peer), [])
+                    got += self._published(g, peer, len(got))
+                    self._diff(g, groups[g], peer, got, "prefix" if failed else "published")
+            if failed or not peers:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"NCCL twin: rank {self.rank} waited {self.timeout.seconds} s for the collective "
+                    f"logs of rank(s) {peers} (still running: a hang, or a collective they never "
+                    f"issued?); this rank's collectives: {self._counts()}")
+            time.sleep(0.05)
+
+    def _counts(self) -> str:
+        return ", ".join(f"{len(seq)} on group {g}" for g, seq in self.log.items()) or "none"
+
+    def _diff(self, group, members, peer, theirs, scope) -> None:
+        """``scope``: "whole" (both logs complete), "published" (mine complete, theirs so far),
+        "prefix" (as far as both go: one of us failed)."""
+        mine = self.log.get(group, [])
+        n = {"whole": max(len(mine), len(theirs)), "published": len(theirs),
+             "prefix": min(len(mine), len(theirs))}[scope]
+        for i in range(n):
+            a = mine[i][0] if i < len(mine) else None
+            b = theirs[i][0] if i < len(theirs) else None
+            if a != b:
+                raise AssertionError(self._diagnosis(group, members, i, peer, mine, theirs, scope == "whole"))
+
+    def _diagnosis(self, group, members, i, peer, mine, theirs, complete) -> str:
+        def at(seq, j):
+            return _entry(seq[j]) if j < len(seq) else "nothing"
+
+        lines = [f"NCCL twin: collective #{i} on group {group} {list(members)} differs: rank "
+                 f"{self.rank} issued {at(mine, i)}; rank {peer} issued {at(theirs, i)}. NCCL needs "
+                 f"the same collectives in the same order, same shapes and dtypes, on every member "
+                 f"(it hangs or mixes data otherwise)."]
+        for who, seq, whole in ((self.rank, mine, True), (peer, theirs, complete)):
+            lo, hi = max(0, i - 6), min(len(seq), i + 4)
+            lines.append(f"rank {who}'s collectives on group {group} (#{lo}-#{hi - 1} of {len(seq)}"
+                         f"{'' if whole else ' published so far'}):")
+            lines += [f"  #{j} {_entry(seq[j])}" for j in range(lo, hi)]
+        return "\n".join(lines)
 
     # -- the context ------------------------------------------------------------------------------
 
@@ -195,19 +291,48 @@ class NcclTwin:
             self._patch(module, "irecv", twin_irecv)
         self._patch(dist, "new_group", twin_new_group)
         self._patch(dist, "batch_isend_irecv", refuse)
-        for op in _COLLECTIVES:
-            self._patch(dist, op, self._collective(op, getattr(dist, op)))
+        self._collectives.__enter__()
+        global _ACTIVE
+        _ACTIVE = self
         return self
 
-    def __exit__(self, exc_type, *exc):
+    def __exit__(self, exc_type, exc, tb):
+        global _ACTIVE
+        _ACTIVE = None
+        self._collectives.__exit__(None, None, None)
         for module, name, fn in reversed(self._saved):
             setattr(module, name, fn)
         self._saved.clear()
-        if exc_type is None:
-            for key, ops in self.posted.items():
-                self.check(key, len(ops) - 1)  # also the sends nobody waited for
-            self._compare_collectives()
+        if exc_type is not None:  # the body's own error stands, unless the logs name a mismatch
+            if issubclass(exc_type, Exception) and not str(exc).startswith("NCCL twin:"):
+                try:  # a collective gloo took although it differed (a rank failed after): say which
+                    self.store.set(f"coll/{self.rank}", pickle.dumps((True, self.log)))
+                    self._compare_collectives(failed=True)
+                    self.store.set(f"done/{self.rank}", b"1")
+                except AssertionError as diagnosis:
+                    raise diagnosis from exc
+                except Exception:  # noqa: BLE001 - e.g. the store is gone with a failed rank 0
+                    pass
+            return False
+        self.store.set(f"coll/{self.rank}", pickle.dumps((False, self.log)))
+        for key, ops in self.posted.items():
+            self.check(key, len(ops) - 1)  # also the sends nobody waited for
+        self._compare_collectives(failed=False)
+        self.store.set(f"done/{self.rank}", b"1")
+        if self.rank == 0:  # the store lives in rank 0's process: keep it until every rank has
+            try:  # read what it needs from it
+                self.store.wait([f"done/{r}" for r in range(dist.get_world_size())], self.timeout)
+            except Exception:  # noqa: BLE001 - a rank that hangs or died is reported by its own error
+                pass
         return False
+
+
+_ACTIVE: NcclTwin | None = None
+
+
+def active() -> NcclTwin | None:
+    """The twin this rank runs under (None with ``RAY_DHP_NCCL_TWIN=0``): tests read its log."""
+    return _ACTIVE
 
 
 def run_under_twin(rank, world_size, fn, args, timeout_s=None):

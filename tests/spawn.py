@@ -1,8 +1,8 @@
 """The one spawn helper: run a test body on N gloo ranks (CPU), collecting per-rank results.
 
-Every body runs under the NCCL twin (`tests.nccl_twin`): point-to-point and collectives must
-follow NCCL's ordering rules, or the test fails naming the operations. ``RAY_DHP_NCCL_TWIN=0``
-turns it off.
+Every body runs under the NCCL twin (`tests.nccl_twin`): point-to-point and collectives (ours,
+DTensor's and FSDP2's) must follow NCCL's ordering rules, or the test fails naming the
+operations. ``RAY_DHP_NCCL_TWIN=0`` turns it off.
 
 Usage::
 
@@ -70,6 +70,7 @@ PRELOAD = (
     "ray_dhp.data.sampler",
     "ray_dhp.data.reading",
     "ray_dhp.demo",
+    "tests.twin_collectives",
     "tests.nccl_twin",
     "tests.distributed.parity",
 )

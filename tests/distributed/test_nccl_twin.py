@@ -5,6 +5,13 @@ Negative control: `_old_exchange` is the boundary exchange before the rule (ever
 then every send). gloo runs it; under NCCL a collocated pair posts "recv, send" on both sides and
 both receives wait for sends queued behind them. The twin must report that deadlock, naming the
 operations, for the demo layout here and (slow) for every collocated layout of the parity matrix.
+
+The twin sees every collective where torch dispatches it (tests/twin_collectives.py): DTensor's
+(TP/SP redistributes, ``loss_parallel``) and FSDP2's as well as ours. A collocated and a disjoint
+layout with text TP + SP and ZeRO-3 pass it with fp64 parity, their logs holding DTensor's and
+FSDP2's collectives; an all-reduce that rank 0 alone issues inside the TP forward fails it,
+naming the op and where it was issued, with both ranks' lists (before gloo runs it), and so
+does one that rank 0 alone issues last (gloo waits forever there: rank 1's exit check says why).
 """
 
 import dataclasses
@@ -15,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ray_dhp.parallel.comm import record
+from tests.distributed.parity import make_steps
 from tests.distributed.test_parity import CFG, DEFAULT, _layout
 from tests.spawn import run_on_ranks
 
@@ -112,6 +120,18 @@ def test_collectives_of_different_shapes_fail():
         run_on_ranks(_mismatched_collective, 2)
 
 
+def _one_more_all_reduce_at_the_end(rank, world):
+    dist.all_reduce(torch.ones(2))
+    if rank == 0:  # gloo waits for rank 1 forever: the twin of rank 1 must say why, at its exit
+        dist.all_reduce(torch.ones(3))
+
+
+def test_a_collective_only_one_rank_issues_last_fails_at_the_other_ranks_exit():
+    with pytest.raises(AssertionError, match=r"collective #1 on group .* differs: rank 1 issued nothing; "
+                                             r"rank 0 issued all_reduce float32 \(\(3,\),\)"):
+        run_on_ranks(_one_more_all_reduce_at_the_end, 2, timeout_s=120)
+
+
 def _creation_cycle(rank, world):
     """Rank r sends to r+1 first, then receives from r-1: gloo completes it, NCCL's lazily
     created pair communicators wait in a cycle (r waits for r+1, which waits for r+2, ...)."""
@@ -155,3 +175,92 @@ def test_old_exchange_under_the_twin_on_the_parity_layouts(case, tmp_path):
         return
     with pytest.raises(AssertionError, match=r"NCCL twin: deadlock .* is recv .* is recv"):
         run_on_ranks(_old_engine_body, world, args)
+
+
+# -- DTensor and FSDP2 collectives ------------------------------------------------------------------
+
+TWIN_CFG = dataclasses.replace(CFG, num_steps=1)
+TEXT_SP_ZERO3 = {  # text TP2 x DP2 with sequence parallelism and FSDP2 (ZeRO-3) on the dp dim
+    "collocated": dict(placement="collocated", vision_dp=2, vision_sp=2, vision_zero=1),
+    "disjoint": dict(placement="disjoint", vision_dp=1, vision_sp=1),
+}
+
+
+def _logged_engine_body(rank, world, *args):
+    """`parity._engine_body`, plus what the twin logged: (op as dispatched, issuing torch module)."""
+    from collections import Counter
+
+    from tests.distributed.parity import _engine_body
+    from tests.nccl_twin import active
+
+    out = _engine_body(rank, world, *args)
+    out["twin"] = Counter((src, (via or "").split(":")[0]) for seq in active().log.values()
+                          for _, src, via, _ in seq)
+    return out
+
+
+@pytest.mark.parametrize("placement", sorted(TEXT_SP_ZERO3))
+def test_dtensor_and_fsdp2_collectives_pass_the_twin_with_text_sp_and_zero3(placement, tmp_path):
+    """fp64 parity (tolerance 1e-10, as tests/distributed/test_parity.py) of one step at text
+    TP2 x DP2 + SP, text ZeRO-3 (FSDP2), under the twin, and every text rank's log
+    holds DTensor's functional collectives and FSDP2's all-gathers and reduce-scatters: the
+    twin compared them across ranks."""
+    from tests.distributed.parity import assert_parity, merge_ranks, run_reference
+    from ray_dhp.parallel.topology import Topology
+
+    layout = dict(TEXT_SP_ZERO3[placement], text_dp=2, text_tp=2, text_sequence_parallel=True,
+                  text_zero=3)
+    steps = make_steps(tmp_path, "qwen2_5_vl", TWIN_CFG)
+    ref = run_reference("qwen2_5_vl", TWIN_CFG, steps, torch.float64)
+    topo = Topology.build(**layout)
+    outs = run_on_ranks(_logged_engine_body, topo.world_size,
+                        ("qwen2_5_vl", layout, TWIN_CFG, steps, torch.float64, "sequential", False, ()))
+    assert_parity(merge_ranks(outs), ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10)
+    for rank in topo.text.ranks:
+        seen = outs[rank]["twin"]
+        dtensor = {src for src, via in seen if via.startswith("torch/distributed/tensor/")}
+        fsdp = {src for src, via in seen if via.startswith("torch/distributed/fsdp/")}
+        assert {"_c10d_functional.all_gather_into_tensor", "_c10d_functional.reduce_scatter_tensor",
+                "_c10d_functional.all_reduce"} <= dtensor, (rank, seen)
+        assert fsdp == {"c10d._allgather_base_", "c10d._reduce_scatter_base_"}, (rank, seen)
+
+
+def _extra_all_reduce_body(rank, world, *args):
+    """The engine, with rank 0 alone issuing an all-reduce (a DTensor Partial -> Replicate
+    redistribute over the TP mesh) in the forward of the first TP-sharded module it runs."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+    from tests.distributed.parity import _engine_body
+
+    fired = []
+
+    def inject(module, inputs, output):
+        weight = getattr(module, "weight", None)
+        if rank != 0 or fired or not isinstance(weight, DTensor):
+            return
+        mesh = weight.device_mesh
+        if "tp" not in (mesh.mesh_dim_names or ()):
+            return
+        mesh = mesh["tp"] if mesh.ndim > 1 else mesh
+        fired.append(module)
+        DTensor.from_local(torch.ones(5, 3, dtype=torch.float64), mesh, [Partial()]).redistribute(
+            mesh, [Replicate()])
+
+    torch.nn.modules.module.register_module_forward_hook(inject)
+    return _engine_body(rank, world, *args)
+
+
+def test_an_extra_all_reduce_in_the_tp_forward_fails_naming_the_op(tmp_path):
+    """Negative control: text TP2 (collocated with vision SP2), rank 0 issues one more
+    all-reduce than rank 1 inside the TP forward. The twin fails naming the op, its shape, the
+    DTensor code that issued it and the hook that called it, with both ranks' lists."""
+    layout = dict(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1, text_tp=2)
+    steps = make_steps(tmp_path, "qwen2_5_vl", TWIN_CFG)
+    with pytest.raises(AssertionError) as err:
+        run_on_ranks(_extra_all_reduce_body, 2,
+                     ("qwen2_5_vl", layout, TWIN_CFG, steps, torch.float64, "sequential", False, ()),
+                     timeout_s=300, twin_timeout_s=60)
+    msg = str(err.value)
+    assert "NCCL twin: collective #" in msg and "differs" in msg, msg
+    assert "all_reduce float64 ((5, 3),) [_c10d_functional.all_reduce via torch/distributed/tensor/" in msg, msg
+    assert "test_nccl_twin.py" in msg and "inject]" in msg, msg  # where it was issued
+    assert "rank 0's collectives on group" in msg and "rank 1's collectives on group" in msg, msg
