@@ -45,7 +45,7 @@ def _body(rank, world, data, root):
     from ray_dhp.step.engine import DHPEngine
     from ray_dhp.parallel.mesh import build_groups
     from ray_dhp.parallel.topology import Topology
-    from tests.distributed.test_checkpoint import _sampler
+    from tests.distributed.checkpoint_cases import _sampler
 
     groups = build_groups(Topology.build(**LAYOUT), torch.device("cpu"))
     engine = DHPEngine(demo.tiny_model_config(FAMILY), groups, CFG)

@@ -18,9 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.parity import (GENERIC_FAMILIES, assert_parity, dense_layout, make_steps,
+from tests.distributed.parity import (CFG, GENERIC_FAMILIES, assert_parity, dense_layout, make_steps,
                                      run_engine, run_reference)
-from tests.distributed.test_parity import CFG
 
 TOL = dict(loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10, grad_tol=1e-10)
 # Some language models' norm weights get a gradient that is the small remainder of large

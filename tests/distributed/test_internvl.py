@@ -22,8 +22,7 @@ import pytest
 import torch
 
 from tests.distributed.parity import dense_layout as _layout
-from tests.distributed.parity import assert_parity, make_steps, run_engine, run_reference
-from tests.distributed.test_parity import CFG
+from tests.distributed.parity import CFG, assert_parity, make_steps, run_engine, run_reference
 
 FAMILY = "internvl"
 TOL = dict(loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10, grad_tol=1e-10)

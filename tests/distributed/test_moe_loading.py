@@ -16,9 +16,7 @@ tests/distributed/test_moe.py). Reads: every rank's bytes read equal its bytes h
 fp32 parameters): its experts' slices, not the other ranks'.
 """
 
-import json
 import os
-import shutil
 
 import pytest
 import torch
@@ -26,6 +24,7 @@ import torch
 from ray_dhp import demo
 from ray_dhp.models import build_model
 from ray_dhp.config.train_loop import TrainLoopConfig
+from tests.distributed.moe_forms import INTER, _rewrite, hub_fused, per_expert
 from tests.distributed.parity import assert_parity, make_steps, run_engine, run_reference
 from tests.spawn import run_on_ranks
 
@@ -34,46 +33,6 @@ CFG = TrainLoopConfig(lr=1e-3, global_batch_size=4, micro_batches=2, num_steps=1
                       max_grad_norm=0.5, weight_decay=0.1)
 EP2 = dict(placement="collocated", vision_dp=2, vision_sp=1, text_dp=2, text_tp=1, text_ep=2)
 EP2_TP2 = dict(placement="disjoint", vision_dp=1, vision_sp=1, text_dp=2, text_tp=2, text_ep=2)
-INTER = 16
-
-
-def _rewrite(src: str, dst: str, convert) -> str:
-    """A copy of the sharded directory ``src`` with every tensor ``(k, v)`` replaced by
-    ``convert(k, v)`` (a list of ``(key, tensor)``), in the same shard file."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    index = os.path.join(dst, "model.safetensors.index.json")
-    with open(index) as f:
-        idx = json.load(f)
-    weight_map = {}
-    for name in sorted(set(idx["weight_map"].values())):
-        out = {}
-        for k, v in load_file(os.path.join(dst, name)).items():
-            for k2, v2 in convert(k, v):
-                out[k2] = v2.contiguous()
-                weight_map[k2] = name
-        save_file(out, os.path.join(dst, name), metadata={"format": "pt"})
-    idx["weight_map"] = weight_map
-    with open(index, "w") as f:
-        json.dump(idx, f)
-    return dst
-
-
-def hub_fused(k, v):
-    """The Hub's Qwen3-VL-MoE layout: the fused experts' last two dims swapped."""
-    return [(k, v.transpose(1, 2) if ".mlp.experts." in k else v)]
-
-
-def per_expert(k, v):
-    """One tensor per expert and projection (``mlp.experts.{i}.gate_proj.weight`` ...)."""
-    base = k.rsplit(".", 1)[0] + "."
-    if k.endswith("mlp.experts.gate_up_proj"):
-        return [(f"{base}{e}.{p}.weight", v[e, s]) for p, s in
-                (("gate_proj", slice(0, INTER)), ("up_proj", slice(INTER, None))) for e in range(len(v))]
-    if k.endswith("mlp.experts.down_proj"):
-        return [(f"{base}{e}.down_proj.weight", v[e]) for e in range(len(v))]
-    return [(k, v)]
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +66,7 @@ def test_sharded_moe_directory_first_step_parity_fp64(form, layout, moe_dirs, mo
 
 
 def _reads_body(rank, world, layout, model):
-    from tests.distributed.test_sharded_loading import _holdings_body
+    from tests.distributed.shard_reads import _holdings_body
 
     return _holdings_body(rank, world, layout, model)
 

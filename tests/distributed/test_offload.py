@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.distributed.parity import assert_parity, make_steps, run_engine, run_reference
-from tests.distributed.test_zero import CFG, COLLOCATED, FAMILY, TOL
+from tests.distributed.zero_cases import CFG, COLLOCATED, FAMILY, TOL
 
 LAYOUT = dict(placement="collocated", vision_dp=2, vision_sp=1, text_dp=2, text_tp=1)
 
@@ -119,6 +119,6 @@ ON_DEVICE = dict(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1, te
 def test_resume_between_offload_and_device_is_exact(before, after, tmp_path, tmp_path_factory):
     """3 steps + save + load at the other layout + 3 steps == 6 reference steps (fp64, torch's
     AdamW on the host: its state is keyed and typed like the device optimizer's)."""
-    from tests.distributed.test_zero import test_resume_across_stages_is_exact
+    from tests.distributed.checkpoint_cases import assert_resume_is_exact
 
-    test_resume_across_stages_is_exact(before, after, tmp_path, tmp_path_factory)
+    assert_resume_is_exact(before, after, tmp_path, tmp_path_factory)

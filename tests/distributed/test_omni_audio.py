@@ -29,22 +29,16 @@ from ray_dhp.data.sampler import StepSampler
 from ray_dhp.demo.omni import make_omni_dataset
 from ray_dhp.parallel.topology import EncoderDegrees
 from ray_dhp.config.train_loop import TrainLoopConfig
+from tests.distributed.omni_cases import BOTH, STEPS, VID
 from tests.distributed.parity import assert_parity, run_engine, run_reference
 
 CFG = TrainLoopConfig(lr=1e-3, global_batch_size=8, micro_batches=2, num_steps=3,
                       max_grad_norm=0.5, weight_decay=0.1, seed=0)
-# record indices of `omni_records`: images, text-only, audio clips, image + audio, videos
-IMG, TXT, AUD, BOTH, VID = (0, 1, 3, 4), (2, 5), (6, 7, 8, 9), 10, (11, 12)
-STEPS = (
-    ((IMG[0], AUD[0], BOTH, TXT[0]), (IMG[1], AUD[1], VID[0], AUD[2])),  # every modality
-    ((IMG[3], TXT[0], VID[1], TXT[1]), (IMG[1], TXT[1], IMG[2], TXT[0])),  # no audio
-    ((AUD[0], TXT[0], AUD[3], TXT[1]), (AUD[1], AUD[2], TXT[0], AUD[3])),  # no image
-)
 
 
 def omni_records(root) -> list:
     """The processed `Sample` of every record of `make_omni_dataset` under ``root`` (images with
-    text-only records, clips, one record with both, two videos: the indices above)."""
+    text-only records, clips, one record with both, two videos: the indices of `omni_cases`)."""
     path = make_omni_dataset(root, videos=2)
     sampler = StepSampler(read_annotations(path), demo.tiny_processor("qwen2_5_omni"),
                           resolve_data_root(path), CFG)

@@ -27,7 +27,7 @@ from ray_dhp.demo.omni import make_omni_dataset
 from ray_dhp.step.reference import ReferenceTrainer
 from ray_dhp.parallel.topology import EncoderDegrees, Topology
 from ray_dhp.config.train_loop import TrainLoopConfig
-from tests.distributed.test_omni_audio import STEPS
+from tests.distributed.omni_cases import STEPS
 from tests.spawn import run_on_ranks
 
 FAMILY = "qwen2_5_omni"

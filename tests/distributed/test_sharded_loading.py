@@ -20,6 +20,7 @@ from ray_dhp import demo
 from ray_dhp.models import build_model
 from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import assert_parity, make_steps, run_engine, run_reference
+from tests.distributed.shard_reads import _holdings_body
 from tests.spawn import run_on_ranks
 
 FAMILY = "qwen2_5_vl"
@@ -43,70 +44,6 @@ def test_sharded_directory_first_step_parity_fp64(layout, sharded_dir, tmp_path)
     ref = run_reference(FAMILY, CFG, steps, torch.float64, model=sharded_dir)
     got = run_engine(FAMILY, layout, CFG, steps, torch.float64, model=sharded_dir)
     assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10)
-
-
-def _probe_reads() -> list:
-    """Instrument ``safetensors.safe_open`` in this process: every tensor read from a handle
-    (``get_tensor``, or ``get_slice(...)[...]``) is recorded as ``(key, how, bytes read)``."""
-    import safetensors
-
-    reads, stock = [], safetensors.safe_open
-
-    class Slice:
-        def __init__(self, inner, key):
-            self.inner, self.key = inner, key
-
-        def __getattr__(self, attr):  # get_shape, get_dtype: header only
-            return getattr(self.inner, attr)
-
-        def __getitem__(self, index):
-            t = self.inner[index]
-            reads.append((self.key, "get_slice", t.numel() * t.element_size()))
-            return t
-
-    class Handle:
-        def __init__(self, *a, **k):
-            self.inner = stock(*a, **k)
-
-        def __enter__(self):
-            self.inner.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.inner.__exit__(*exc)
-
-        def __getattr__(self, attr):
-            return getattr(self.inner, attr)
-
-        def get_tensor(self, key):
-            t = self.inner.get_tensor(key)
-            reads.append((key, "get_tensor", t.numel() * t.element_size()))
-            return t
-
-        def get_slice(self, key):
-            return Slice(self.inner.get_slice(key), key)
-
-    safetensors.safe_open = Handle
-    return reads
-
-
-def _holdings_body(rank, world, layout, model):
-    from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.parallel.mesh import build_groups
-    from ray_dhp.models.loading import local_parameter_bytes
-    from ray_dhp.parallel.tensor import local
-    from ray_dhp.parallel.topology import Topology
-
-    reads = _probe_reads()
-    groups = build_groups(Topology.build(**layout), torch.device("cpu"))
-    engine = DHPEngine(model, groups, TrainLoopConfig(global_batch_size=2, seed=5))
-    held = {}
-    for prefix, mod in (("model.visual.", engine.visual), ("", engine.text_model)):
-        for n, p in (mod.named_parameters() if mod is not None else []):
-            placements = [pl.dim if pl.is_shard() else None for pl in getattr(p, "placements", ())]
-            held[prefix + n] = (local(p).detach().clone(), tuple(p.shape), placements, p.is_meta)
-    return {"held": held, "bytes": local_parameter_bytes(engine.visual, engine.text_model), "reads": reads,
-            "is_vision": groups.is_vision, "is_text": groups.is_text, "tp": groups.text_coord}
 
 
 def _slice_of(full: torch.Tensor, shape_local: tuple, shard_dims: list, tp_rank: int) -> torch.Tensor:

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from ray_dhp.config.train_loop import TrainLoopConfig
-from tests.distributed.parity import assert_parity, make_steps, reference_fixture, run_engine, run_reference
+from tests.distributed.parity import (FP32_TOL, assert_parity, make_steps, reference_fixture, run_engine,
+                                      run_reference)
 
 VARIANTS = {"plain": {}, "packing": {"packing": True},
             "checkpointing": {"activation_checkpointing": True}}
@@ -65,12 +66,10 @@ def test_text_sequence_parallel_is_exact_fp64(family, placement, vision, text, v
 def test_text_sequence_parallel_fp32_within_parity_tolerance(tmp_path):
     """fp32 (the production dtype), the fp32 case of ``test_parity.py`` with text sequence
     parallelism on (vision SP 2, text TP 2 + SP, collocated): loss and grad-norm of all 5 steps
-    and every rank's clipped step-1 gradient within ``FP32_TOL``. Its derivation there covers
+    and every rank's clipped step-1 gradient within ``FP32_TOL``. Its derivation (parity.py) covers
     this layout: the extra work is exact data movement (all-gather, slice, the shard re-gathered
     bit-identically in backward) and reduce-scatters of the input gradients over 2 ranks, which
     only reorder a 2-term sum; the weight gradients are the same ``tokens x width`` sums."""
-    from tests.distributed.test_parity import FP32_TOL
-
     cfg = TrainLoopConfig(lr=1e-3, global_batch_size=4, num_steps=5, max_grad_norm=1.0, seed=0)
     steps = make_steps(tmp_path, "qwen2_5_vl", cfg)
     ref = run_reference("qwen2_5_vl", cfg, steps)

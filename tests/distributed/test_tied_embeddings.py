@@ -167,8 +167,8 @@ def test_tied_directory_resume_at_another_layout_and_export(tmp_path):
     from ray_dhp import export_hf
     from ray_dhp.models import build_model
     from ray_dhp.step.reference import ReferenceTrainer
-    from tests.distributed.test_checkpoint import CFG as CKPT_CFG
-    from tests.distributed.test_checkpoint import DTYPE, _sampler, assert_matches, run
+    from tests.distributed.checkpoint_cases import CFG as CKPT_CFG
+    from tests.distributed.checkpoint_cases import DTYPE, _sampler, assert_matches, run
 
     model_dir = str(tmp_path / "tied")
     build_model(_tied(), seed=7).save_pretrained(model_dir)

@@ -101,7 +101,7 @@ def _resume_data_and_reference(tmp_path, cfg):
     """The resume tests' dataset (path), the reference's history + final parameters over
     ``cfg.num_steps``, and the reference trainer itself."""
     from ray_dhp.step.reference import ReferenceTrainer
-    from tests.distributed.test_checkpoint import DTYPE, _sampler
+    from tests.distributed.checkpoint_cases import DTYPE, _sampler
 
     data = str(demo.make_dataset(tmp_path / "data", num_samples=16, seed=0, text_only_every=4,
                                  image_sizes=((56, 56), (84, 56), (112, 84))))
@@ -122,8 +122,8 @@ def test_resume_with_frozen_modules_is_exact(choice, tmp_path):
     """3 steps at collocated SP2/TP2 + save + resume at disjoint 1+2 + 3 steps == 6 steps of the
     reference (losses, every rank's copy of every parameter, fp64 1e-10): the optimizer and
     scheduler states of the trained parts, and the frozen weights, survive the round trip."""
-    from tests.distributed.test_checkpoint import (CFG, COLLOCATED_SP2_TP2, DISJOINT_1V_2T,
-                                                   assert_matches, run)
+    from tests.distributed.checkpoint_cases import (CFG, COLLOCATED_SP2_TP2, DISJOINT_1V_2T,
+                                                    assert_matches, run)
 
     cfg = replace(CFG, modules=RESUME[choice])
     data, ref, _ = _resume_data_and_reference(tmp_path, cfg)
@@ -176,8 +176,8 @@ def test_lora_resume_and_export_merged_or_adapter(tmp_path):
 
     from ray_dhp import export_hf
     from ray_dhp.models import build_model
-    from tests.distributed.test_checkpoint import (CFG, COLLOCATED_SP2_TP2, DISJOINT_1V_2T, DTYPE,
-                                                   assert_matches, run)
+    from tests.distributed.checkpoint_cases import (CFG, COLLOCATED_SP2_TP2, DISJOINT_1V_2T, DTYPE,
+                                                    assert_matches, run)
 
     cfg = replace(CFG, modules=LORA_ONLY)
     data, ref, trainer = _resume_data_and_reference(tmp_path, cfg)

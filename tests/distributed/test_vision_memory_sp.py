@@ -16,7 +16,7 @@ CASE = ("qwen2_5_vl", 2, {"fullatt_block_indexes": [1]}, (2, 16, 16), torch.floa
 def _body(rank, world):
     import torch.distributed as dist
 
-    from tests.unit.test_vision_memory import measured
+    from tests.unit.memory_cases import measured
 
     torch.set_num_threads(1)
     vc, tokens, saved = measured(*CASE, sp=world, rank=rank, group=dist.group.WORLD)

@@ -12,15 +12,8 @@ stepped twice or never, a gradient counted twice in the norm, a stale replica) i
 import pytest
 import torch
 
-from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import assert_parity, make_steps, run_engine, run_reference
-
-CFG = TrainLoopConfig(lr=1e-3, global_batch_size=8, micro_batches=2, num_steps=2,
-                      max_grad_norm=0.5, weight_decay=0.1, lr_schedule="cosine", warmup_steps=1)
-FAMILY = "qwen2_5_vl"
-TOL = dict(loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10, grad_tol=1e-10)
-
-COLLOCATED = dict(placement="collocated", vision_dp=2, vision_sp=2, text_dp=2, text_tp=2)
+from tests.distributed.zero_cases import CFG, COLLOCATED, FAMILY, TOL
 
 
 @pytest.fixture(scope="module")
@@ -227,20 +220,9 @@ def test_resume_across_stages_is_exact(before, after, tmp_path, tmp_path_factory
     """3 steps at one stage + save + load at another + 3 steps == 6 uninterrupted reference
     steps (losses, every rank's copy of every parameter; tests/distributed/test_checkpoint.py's
     invariant and tolerance); AdamW moments, schedule and data position all travel."""
-    from tests.distributed import test_checkpoint as ck
+    from tests.distributed.checkpoint_cases import assert_resume_is_exact
 
-    data = str(ck.demo.make_dataset(tmp_path_factory.mktemp("data"), num_samples=16, seed=0,
-                                    text_only_every=4, image_sizes=((56, 56), (84, 56), (112, 84))))
-    from ray_dhp.step.reference import ReferenceTrainer
-
-    sampler = ck._sampler(data, ck.CFG)
-    trainer = ReferenceTrainer(ck.demo.tiny_model_config(ck.FAMILY), ck.CFG, dtype=ck.DTYPE)
-    ref = {"history": [trainer.step(sampler.next_step()) for _ in range(ck.CFG.num_steps)],
-           "params": trainer.named_parameters()}
-    first = ck.run(before, data, stop=3, save_at=(3,), ckpt_root=str(tmp_path))
-    second = ck.run(after, data, resume_from=str(tmp_path))
-    assert second["first"] == 3
-    ck.assert_matches(first["history"] + second["history"], second, ref)
+    assert_resume_is_exact(before, after, tmp_path, tmp_path_factory)
 
 
 @pytest.mark.slow
@@ -251,11 +233,11 @@ def test_export_of_a_stage3_checkpoint_is_the_trained_model(tmp_path, tmp_path_f
 
     import transformers
 
-    from ray_dhp import export_hf
-    from tests.distributed import test_checkpoint as ck
+    from ray_dhp import demo, export_hf
+    from tests.distributed import checkpoint_cases as ck
 
-    data = str(ck.demo.make_dataset(tmp_path_factory.mktemp("data"), num_samples=16, seed=0,
-                                    text_only_every=4, image_sizes=((56, 56), (84, 56), (112, 84))))
+    data = str(demo.make_dataset(tmp_path_factory.mktemp("data"), num_samples=16, seed=0,
+                                 text_only_every=4, image_sizes=((56, 56), (84, 56), (112, 84))))
     got = ck.run(TP2_DP2_S3, data, stop=2, save_at=(2,), ckpt_root=str(tmp_path / "ck"))
     out = export_hf(os.path.join(tmp_path, "ck", "checkpoint_000002"), tmp_path / "hf")
     exported = dict(transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(out).named_parameters())

@@ -1,9 +1,7 @@
 """Experiment tracking end to end: TensorBoard event files (default) and MLflow (local file store),
 both read back and compared with the metrics history; and a quiet worker console."""
 
-import glob
 import os
-import struct
 
 import pytest
 import ray.train
@@ -11,26 +9,7 @@ import ray.train
 from ray_dhp import DHPConfig, DisaggregatedTrainer, ModuleParallel, demo
 from ray_dhp.train.callbacks import read_history
 from ray_dhp.train.tracking import TENSORBOARD_DIR
-
-
-def read_scalars(logdir: str) -> dict:
-    """``{tag: {step: value}}`` from tensorboardX event files (TFRecord framing: u64 length,
-    u32 crc, payload, u32 crc), parsed with tensorboardX's own Event proto."""
-    from tensorboardX.proto.event_pb2 import Event
-
-    out: dict = {}
-    for path in glob.glob(os.path.join(logdir, "events.out.tfevents.*")):
-        with open(path, "rb") as f:
-            data = f.read()
-        pos = 0
-        while pos < len(data):
-            (n,) = struct.unpack("<Q", data[pos:pos + 8])
-            ev = Event.FromString(data[pos + 12:pos + 12 + n])
-            pos += 12 + n + 4
-            for v in ev.summary.value:
-                if v.HasField("simple_value"):
-                    out.setdefault(v.tag, {})[ev.step] = v.simple_value
-    return out
+from tests.ray.tensorboard_events import read_scalars
 
 
 def test_tensorboard_and_mlflow_get_every_reported_metric(ray_start, fast_reports, tmp_path):

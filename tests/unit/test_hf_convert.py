@@ -10,7 +10,7 @@ from ray_dhp import demo
 from ray_dhp.models import build_model
 from ray_dhp.models.hf_dir import CheckpointError
 from ray_dhp.models.loading import build_meta_model
-from tests.distributed.test_moe_loading import INTER, _rewrite, hub_fused, per_expert
+from tests.distributed.moe_forms import INTER, _rewrite, hub_fused, per_expert
 
 
 @pytest.fixture(scope="module")

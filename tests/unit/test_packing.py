@@ -10,6 +10,7 @@ from ray_dhp.data import IGNORE_INDEX, pack_text_batch, pad_text_batch, read_ann
 from ray_dhp.data.collate import pack_rows
 from ray_dhp.demo import make_dataset, tiny_model_config, tiny_processor
 from ray_dhp.models import build_model
+from tests.unit.packed_logits import assert_packed_logits_equal
 
 MAX_TOKENS = 80  # samples here are 30-43 tokens (system turn included): rows of 2 samples
 
@@ -113,21 +114,6 @@ def test_packed_forward_equals_padded_fp64(family, dataset, model64):
     common = dict(pixel_values=padded["pixel_values"].double(), image_grid_thw=padded["image_grid_thw"],
                   use_cache=False)
     assert_packed_logits_equal(model, samples, padded, packed, common)
-
-
-def assert_packed_logits_equal(model, samples, padded, packed, common: dict, packed_only=None) -> None:
-    """Each sample's per-token logits from the packed rows equal its padded row's within 1e-12
-    of the row's largest logit (fp64; ``common``: the vision inputs, passed to both forwards;
-    ``packed_only``: further arguments of the packed forward)."""
-    with torch.no_grad():
-        ref = model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"],
-                    mm_token_type_ids=padded["mm_token_type_ids"], **common).logits
-        got = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"],
-                    mm_token_type_ids=packed["mm_token_type_ids"], **common, **(packed_only or {})).logits
-    ids = packed["sample_ids"]
-    for i, s in enumerate(samples):
-        diff = (got[ids == i] - ref[i, :s.num_tokens]).abs().max()
-        assert diff <= 1e-12 * ref[i].abs().max(), (i, float(diff))
 
 
 def test_grids_without_pixels(dataset, model64):

@@ -22,7 +22,7 @@ def test_flatten_config_dotted_strings():
 
 
 def test_tensorboard_logger_writes_each_report_at_its_step(tmp_path):
-    from tests.ray.test_tracking import read_scalars
+    from tests.ray.tensorboard_events import read_scalars
 
     ctx = SimpleNamespace(run_config=SimpleNamespace(storage_path=str(tmp_path), name="r"))
     cb = TensorBoardLogger({"lr": 1e-3})

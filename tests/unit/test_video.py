@@ -278,7 +278,7 @@ def test_packed_video_samples_equal_padded_fp64(tmp_path, family):
     from ray_dhp.demo import tiny_model_config
     from ray_dhp.demo.video import make_video_dataset
     from ray_dhp.models import build_model
-    from tests.unit.test_packing import assert_packed_logits_equal
+    from tests.unit.packed_logits import assert_packed_logits_equal
 
     path = make_video_dataset(tmp_path / "d", num_samples=4)
     proc, recs = _processor(family), read_annotations(path)

@@ -16,17 +16,9 @@ Qwen2.5-VL tower (no fp32 norm copies, qkv output, rotary tables, patch input, m
 import pytest
 import torch
 
-from benchmarks.measure import ActivationCounter
-from ray_dhp import demo
-from ray_dhp.models import build_model
-from ray_dhp.models.vision_qwen import plan_vision_shards, vision_forward
 from ray_dhp.planning.memory import ActivationSettings, vision_activation_bytes
+from tests.unit.memory_cases import measured
 
-WIDTHS = {  # the published ViT widths (ray_dhp.cli.presets); depth and block kinds per case
-    "qwen2_vl": dict(embed_dim=1280, num_heads=16, mlp_ratio=4),
-    "qwen2_5_vl": dict(hidden_size=1280, num_heads=16, intermediate_size=3456, window_size=112),
-    "qwen3_vl": dict(hidden_size=1152, num_heads=16, intermediate_size=4304),
-}
 CASES = [  # family, depth, extra vision settings, grid (t, h, w), dtype; one family in the default run
     pytest.param("qwen2_5_vl", 2, {"fullatt_block_indexes": [1]}, (2, 16, 16), torch.float32,
                  id="qwen2_5_vl-512-fp32"),
@@ -37,28 +29,6 @@ CASES = [  # family, depth, extra vision settings, grid (t, h, w), dtype; one fa
     pytest.param("qwen3_vl", 2, {"deepstack_visual_indexes": [0]}, (1, 16, 32), torch.float32,
                  marks=pytest.mark.slow, id="qwen3_vl-512-fp32"),
 ]
-
-
-def measured(family, depth, extra, grid, dtype, sp=1, rank=0, group=None):
-    """(vision config, patch tokens, vision bytes saved on SP rank ``rank`` of ``sp``)."""
-    config = demo.tiny_model_config(family)
-    vc = config.vision_config
-    for k, v in dict(WIDTHS[family], depth=depth, **extra).items():
-        setattr(vc, k, v)
-    vc._attn_implementation = "sdpa"
-    tower = build_model(config, seed=0, dtype=dtype).model.visual
-    grid_thw = torch.tensor([grid])
-    pixels = torch.randn(int(grid_thw.prod()), vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2,
-                         generator=torch.Generator().manual_seed(0)).to(dtype)
-    plan = plan_vision_shards(family, vc, grid_thw, sp)
-    counter = ActivationCounter()
-    handles = counter.watch_vision(tower)
-    with counter.count():
-        out = vision_forward(family, tower, pixels, plan, rank, group)
-    out.float().square().mean().backward()
-    for h in handles:
-        h.remove()
-    return vc, int(grid_thw.prod()), counter.as_dict()["vision"]
 
 
 @pytest.mark.parametrize("family, depth, extra, grid, dtype", CASES)

@@ -7,7 +7,7 @@ import torch
 from transformers.vision_utils import get_vision_cu_seqlens, get_vision_window_index
 
 from ray_dhp.models.vision_qwen import plan_vision_shards
-from tests.distributed.test_ulysses import FAMILIES, tiny_vision_config
+from tests.distributed.tiny_towers import FAMILIES, tiny_vision_config
 
 UNIT = 4  # merge 2 x 2
 GRIDS = [
