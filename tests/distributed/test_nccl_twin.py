@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ray_dhp.parallel.comm import record
 from tests.distributed.parity import make_steps
-from tests.distributed.test_parity import CFG, DEFAULT, _layout
+from tests.distributed.parity import CFG, PARITY_DEFAULT as DEFAULT, dense_layout
 from tests.spawn import run_on_ranks
 
 
@@ -167,7 +167,7 @@ def test_old_exchange_under_the_twin_on_the_parity_layouts(case, tmp_path):
     fam, placement, v, t = case
     cfg = dataclasses.replace(CFG, num_steps=1)
     steps = make_steps(tmp_path, fam, cfg)[:1]
-    layout = _layout(placement, v, t)
+    layout = dense_layout(placement, v, t)
     world = Topology.build(**layout).world_size
     args = (fam, layout, cfg, steps, torch.float64, "sequential", False, (), None)
     if placement == "disjoint":

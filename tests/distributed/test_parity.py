@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from ray_dhp.config.train_loop import TrainLoopConfig
-from tests.distributed.parity import (CFG, FP32_TOL, assert_parity, parity_failures, reference_fixture,
+from tests.distributed.parity import (CFG, FP32_TOL, PARITY_DEFAULT, assert_parity, parity_failures, reference_fixture,
                                       rel_err, run_engine)
 
 
@@ -51,13 +51,7 @@ def _matrix():
 
 # Representative subset in the default run: every family, both placements, SP, TP and DP in
 # each module, asymmetric disjoint groups, Qwen3's partial q/k-norm gradients.
-DEFAULT = {
-    ("qwen2_5_vl", "collocated", (2, 1), (2, 1)),
-    ("qwen2_5_vl", "disjoint", (2, 2), (2, 1)),
-    ("qwen2_vl", "collocated", (2, 2), (2, 2)),
-    ("qwen3_vl", "collocated", (2, 1), (2, 1)),
-    ("qwen3_vl", "disjoint", (1, 1), (2, 2)),
-}
+DEFAULT = PARITY_DEFAULT  # the default cases of the layout matrix (tests/distributed/parity.py)
 
 def _params():
     for case in _matrix():

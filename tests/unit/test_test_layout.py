@@ -13,11 +13,9 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
 
-# Files other work was editing when the rule came in (issue #40, item 7): their import stays until
-# that work lands; then the import moves to the helper module and the entry goes.
-ALLOWED = {
-    ("distributed/test_nccl_twin.py", "tests.distributed.test_parity"),  # CFG, DEFAULT, _layout
-}
+# (file, module) pairs let through: none (test_nccl_twin.py's import of test_parity, left while
+# the twin work was open, now comes from parity.py)
+ALLOWED: set = set()
 
 
 def _is_test(dotted: str) -> bool:
