@@ -147,7 +147,7 @@ def pack_text_batch(samples: Sequence[Sample], pad_id: int, max_tokens: Optional
         rope_index: the model's ``get_rope_index`` (``model.model.get_rope_index``); needed for
             samples with images, whose M-RoPE positions depend on the image grids.
         one_dimensional: the model's positions are 1-D (``FamilySpec.packed_positions``, e.g.
-            InternVL's LM): ``position_ids`` is the text-position row alone, ``[R, L]``.
+            a plain RoPE language model): ``position_ids`` is the text-position row alone, ``[R, L]``.
         pad_to_multiple_of: round the row length up to a multiple of this (the text
             sequence-parallel degree); the extra tail is padding like a short row's.
 

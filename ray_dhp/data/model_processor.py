@@ -131,7 +131,7 @@ class ModelProcessor(VLProcessor):
                              f"pixel tensors of {len(images)} image(s) (crops of an image: e.g. "
                              "pan-and-scan); the model processor path takes one "
                              "fixed-size image per image")
-        if out.get("image_grid_thw") is not None:  # patch rows already (GLM-4V's)
+        if out.get("image_grid_thw") is not None:  # patch rows with their grid already
             return pixels, out["image_grid_thw"].to(torch.long), reps
         side, p = pixels.shape[-1], self.patch_size
         if pixels.dim() != 4 or pixels.shape[-2] != side or side % (p * self.merge_size):

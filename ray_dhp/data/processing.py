@@ -312,7 +312,7 @@ class VLProcessor:
 
     def _encode_images(self, images: list):
         """``(pixel rows, grids, pad strings)`` of a record's images (Nones and ``[]``
-        without): each image's pad repeated once per feature row, as Qwen-VL's processors do."""
+        without): each image's pad repeated once per feature row."""
         if not images:
             return None, None, []
         if self.image_processor is None:
