@@ -39,10 +39,10 @@ def packing_rule(inner, lm, text_config, forward_params: tuple) -> dict:
     model whose ``model.model`` is ``inner``, whose language model is ``lm`` and whose stock
     forward names ``forward_params`` (module docstring)."""
     refusal = _refusal(inner, lm, text_config, forward_params)
+    positions = "mrope" if hasattr(type(inner), "get_rope_index") else "1d"
     if refusal:
-        return dict(packing=False, packing_reason=refusal)
-    mrope = hasattr(type(inner), "get_rope_index")
-    return dict(packing=True, packed_positions="mrope" if mrope else "1d")
+        return dict(packing=False, packing_reason=refusal, packed_positions=positions)
+    return dict(packing=True, packed_positions=positions)
 
 
 def _refusal(inner, lm, text_config, forward_params: tuple) -> str:
