@@ -30,8 +30,9 @@ What is read, and from where:
 
 Covered today: towers on fixed-size images (one tile per image: ``image_size`` from the vision
 config), vision data parallelism (sequence parallelism needs a tower file, and is refused with
-the reason), text TP, ZeRO 1-3 for the text side. Refused in the driver, with the reason:
-packing, text sequence parallelism, vision ZeRO-3; and the whole model where it has an audio
+the reason), text TP, ZeRO 1-3 for the text side. Packing where it is exact
+(`ray_dhp.models.generic_packing`). Refused in the driver, with the reason:
+text sequence parallelism, vision ZeRO-3; and the whole model where it has an audio
 encoder or a mixture-of-experts language model (not covered yet).
 
 Example::
@@ -51,6 +52,7 @@ import torch
 
 from ray_dhp.models.base import EncoderSpec, FamilySpec
 from ray_dhp.models.contract import SEAM
+from ray_dhp.models.generic_packing import packing_rule
 from ray_dhp.models.text_plans import HF_STYLES, hf_text_plan
 
 __all__ = ["GenericFamily", "ShellEncoder", "generic_family", "seam_class", "UnsupportedModel"]
@@ -134,9 +136,10 @@ class GenericFamily(FamilySpec):
         return super()._wrap(config, feats)
 
     def lm_inputs(self, config, kwargs: dict) -> dict:
-        """The keywords the stock forward names (others dropped), plus ``token_type_ids``
-        (1 on image tokens) where the forward takes them."""
-        out = {k: v for k, v in kwargs.items() if k in self.forward_params}
+        """The keywords the stock forward names (others dropped) and ``use_cache`` (its
+        ``**kwargs`` reach the LM: without it a cache is built, and the mask code then ignores
+        packed positions), plus ``token_type_ids`` (1 on image tokens) where the forward takes them."""
+        out = {k: v for k, v in kwargs.items() if k in self.forward_params or k == "use_cache"}
         if "token_type_ids" in self.forward_params and kwargs.get("mm_token_type_ids") is not None:
             out["token_type_ids"] = (kwargs["mm_token_type_ids"] == 1).long()
         return out
@@ -206,14 +209,12 @@ def _family(cls, config_json: str) -> GenericFamily:
                     if style not in HF_STYLES), "")
     partial = tuple(f"{key.split('*.')[-1]}.weight" for key, style in plan.items()
                     if style == "replicated_with_grad_allreduce")
-    prefix = f"model.{lm_attr}"
+    prefix, params = f"model.{lm_attr}", tuple(inspect.signature(cls.forward).parameters)
     return GenericFamily(
         name=model_type, model_type=model_type, model_class=cls.__name__,
         text_tp_plan=lambda text_config: hf_text_plan(plan, prefix),
         tp_partial_grad_suffixes=partial,
-        packing=False,
-        packing_reason="packed rows need per-sample positions, which the generic family does "
-                       "not build yet",
+        **packing_rule(inner, getattr(inner, lm_attr), config.get_text_config(), params),
         vision_module="ray_dhp.models.vision_generic",
         vision_parts=parts,
         merger_prefixes=tuple(f"model.{p}." for p in parts if p != tower),
@@ -226,7 +227,7 @@ def _family(cls, config_json: str) -> GenericFamily:
         model_processor=True,
         vision_unused=unused, image_kwargs=image_kwargs, pixel_dims=pixel_dims, grid_input=grid,
         lm_attr=lm_attr, tower=tower, rows_per_image=rows, text_plan_refusal=refusal,
-        forward_params=tuple(inspect.signature(cls.forward).parameters),
+        forward_params=params,
     )
 
 
