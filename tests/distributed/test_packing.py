@@ -50,7 +50,7 @@ from ray_dhp.data.collate import pack_rows
 from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import (GENERIC_FAMILIES, assert_parity, copy_errors, make_steps,
                                       reference_fixture, run_engine, run_reference)
-from tests.distributed.test_generic import TOL, TOLS, ZERO_GRAD
+from tests.distributed.generic_cases import TOL, TOLS, ZERO_GRAD
 
 CFG = TrainLoopConfig(lr=1e-3, global_batch_size=8, micro_batches=2, num_steps=3,
                       max_grad_norm=0.5, weight_decay=0.1, lr_schedule="cosine", warmup_steps=1,
