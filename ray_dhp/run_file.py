@@ -76,7 +76,7 @@ class RunFile:
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         m = self.model
-        if not (m.path or m.preset or m.config) and m.demo:
+        if not (m.path or m.preset or m.config is not None) and m.demo:
             from ray_dhp import demo
 
             return demo.tiny_processor(m.demo)

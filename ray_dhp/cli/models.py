@@ -40,7 +40,7 @@ def build_model_spec(section):
     Precedence: ``path``, then ``preset`` and/or ``config``, then ``demo``.
     """
     if section.path:
-        if section.preset or section.config:
+        if section.preset or section.config is not None:
             raise ConfigError("model: give either path (a local model directory) or "
                               "preset/config (dims without weights), not both.")
         from ray_dhp.models.hub import resolve_model_path
@@ -49,7 +49,7 @@ def build_model_spec(section):
             return resolve_model_path(section.path, "model.path")
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    if section.preset or section.config:
+    if section.preset or section.config is not None:  # ``config: {}`` = the family's defaults
         dims = {}
         if section.preset:
             from ray_dhp.cli.presets import preset_dims

@@ -202,3 +202,14 @@ def test_run_file_mixes_named_datasets(tmp_path, monkeypatch, forbid_ray_init):
         with pytest.raises(ConfigError, match=match):
             prepare_data(load_run_file(str(path), overrides))
     assert not forbid_ray_init
+
+
+def test_an_empty_inline_config_means_the_familys_defaults_not_the_demo():
+    """``model: {family: llava, config: {}}`` is LLaVA at transformers' default dims, never the
+    demo model an unset section falls back to (an empty mapping is a given config)."""
+    from ray_dhp.run_file import run_file_from_dict
+
+    spec = run_file_from_dict({"model": {"family": "llava", "config": {}}}).model_spec()
+    assert spec.model_type == "llava"
+    assert spec.get_text_config().hidden_size == 4096  # LlavaConfig's default Llama text config
+    assert run_file_from_dict({}).model_spec().model_type == "qwen2_5_vl"  # the demo, unchanged
