@@ -63,8 +63,10 @@ def fp64_experts(config, dtype) -> bool:
     runs (a directory's config.json does not store the choice; `demo.tiny_model_config` sets it)."""
     import torch
 
+    from ray_dhp.models.generic_moe import expert_count
+
     text = getattr(config, "text_config", config)
-    return (dtype == torch.float64 and getattr(text, "num_experts", 0) > 0
+    return (dtype == torch.float64 and expert_count(text) > 0
             and getattr(config, "_experts_implementation", None) in (None, "grouped_mm"))
 
 

@@ -20,10 +20,17 @@ class MoESpec:
     layer) of the router, whose forward returns ``(router_logits, scores, indices)``, and of the
     fused experts (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``); ``sparse_layers``:
     (text_config) -> indices of the layers with a sparse MLP. Config keys are transformers'
-    (``num_experts``, ``num_experts_per_tok``, ``router_aux_loss_coef``)."""
+    (``num_experts`` — or ``experts_key`` —, ``num_experts_per_tok``, ``router_aux_loss_coef``).
+    ``router_output``: the index of the logits in the router's output; ``aux_loss``: the stock
+    forward adds the load-balancing loss; ``ep_refusal``: why expert parallelism (and experts
+    sharded over TP) is not covered ("": covered; `ray_dhp.models.generic_moe`)."""
     router_suffix: str
     experts_suffix: str
     sparse_layers: Callable
+    router_output: int = 0
+    experts_key: str = "num_experts"
+    aux_loss: bool = True
+    ep_refusal: str = ""
 
 
 @dataclass(frozen=True)
@@ -316,7 +323,10 @@ class FamilySpec:
         if self.moe is None:
             raise ValueError(f"text.expert_parallel={ep}: the {self.name} family is a dense model "
                              "(no experts); set text.expert_parallel=1.")
-        n = config.text_config.num_experts
+        if self.moe.ep_refusal:
+            raise ValueError(f"text.expert_parallel={ep} is not covered for {self.name!r}: "
+                             f"{self.moe.ep_refusal}; set text.expert_parallel=1.")
+        n = getattr(config.text_config, self.moe.experts_key)
         if n % ep:
             raise ValueError(f"text.expert_parallel={ep} must divide the number of experts ({n}); "
                              f"use one of {_divisors(n)}.")

@@ -31,9 +31,10 @@ What is read, and from where:
 Covered today: towers on fixed-size images (one tile per image: ``image_size`` from the vision
 config), vision data parallelism (sequence parallelism needs a tower file, and is refused with
 the reason), text TP, ZeRO 1-3 for the text side. Packing where it is exact
-(`ray_dhp.models.generic_packing`). Refused in the driver, with the reason:
-text sequence parallelism, vision ZeRO-3; and the whole model where it has an audio
-encoder or a mixture-of-experts language model (not covered yet).
+(`ray_dhp.models.generic_packing`). A mixture-of-experts language model: its router loss and
+expert parallelism read from its own metadata (`ray_dhp.models.generic_moe`). Refused in the
+driver, with the reason: text sequence parallelism, vision ZeRO-3; and the whole model where it
+has an audio encoder (not covered yet).
 
 Example::
 
@@ -52,6 +53,7 @@ import torch
 
 from ray_dhp.models.base import EncoderSpec, FamilySpec
 from ray_dhp.models.contract import SEAM
+from ray_dhp.models.generic_moe import dense_plan, moe_spec
 from ray_dhp.models.generic_packing import packing_rule
 from ray_dhp.models.text_plans import HF_STYLES, hf_text_plan
 
@@ -204,7 +206,11 @@ def _family(cls, config_json: str) -> GenericFamily:
                 f"its {side}x{side} patch grid in squares (the generic family counts rows per "
                 "patch square)")
     parts, lm_attr, tower = _parts(inner, model_type)
-    plan = dict(getattr(config.get_text_config(), "base_model_tp_plan", None) or {})
+    try:
+        moe, experts = moe_spec(cls, config, type(getattr(inner, lm_attr)))
+    except ValueError as e:
+        raise UnsupportedModel(f"model_type {model_type!r}: {e}") from None
+    plan = dense_plan(dict(getattr(config.get_text_config(), "base_model_tp_plan", None) or {}), experts)
     refusal = next((f"its base_model_tp_plan uses {style!r} ({key})" for key, style in plan.items()
                     if style not in HF_STYLES), "")
     partial = tuple(f"{key.split('*.')[-1]}.weight" for key, style in plan.items()
@@ -227,14 +233,13 @@ def _family(cls, config_json: str) -> GenericFamily:
         model_processor=True,
         vision_unused=unused, image_kwargs=image_kwargs, pixel_dims=pixel_dims, grid_input=grid,
         lm_attr=lm_attr, tower=tower, rows_per_image=rows, text_plan_refusal=refusal,
-        forward_params=params,
+        forward_params=params, moe=moe,
     )
 
 
 def _check_covered(cls, config) -> None:
     """Refuse what the generic family does not train exactly yet, saying why: an audio encoder
-    (its parts would be taken for the vision side) and a mixture-of-experts language model (the
-    router's load-balancing loss and expert parallelism need a family file, `FamilySpec.moe`)."""
+    (its parts would be taken for the vision side)."""
     mt = config.model_type
     if "pixel_values" not in inspect.signature(cls.forward).parameters:
         raise UnsupportedModel(f"model_type {mt!r}: {cls.__name__}.forward takes no pixel_values "
@@ -243,13 +248,6 @@ def _check_covered(cls, config) -> None:
     if hasattr(cls, "get_audio_features"):
         raise UnsupportedModel(f"model_type {mt!r} has an audio encoder, which the generic family "
                                "does not cover yet")
-    text = config.get_text_config()
-    experts = max((getattr(text, k, 0) or 0 for k in ("num_experts", "n_routed_experts",
-                                                      "num_local_experts")), default=0)
-    if getattr(text, "base_model_ep_plan", None) or experts > 1:
-        raise UnsupportedModel(f"model_type {mt!r} has a mixture-of-experts language model "
-                               f"({experts} experts): its router loss and expert parallelism "
-                               "need a family file")
 
 
 def _image_geometry(vc) -> tuple:

@@ -37,19 +37,19 @@ __all__ = ["RouterTap", "aux_contribution"]
 
 class RouterTap:
     """Forward hooks on every router of ``model`` (modules named ``*.<spec.router_suffix>``):
-    while ``recording``, each call's router logits ``[tokens, E]`` are appended to ``logits``
-    (layer order: the order of the forward)."""
+    while ``recording``, each call's router logits ``[tokens, E]`` (its output
+    ``spec.router_output``) are appended to ``logits`` (layer order: the order of the forward)."""
 
     def __init__(self, model: torch.nn.Module, spec):
         self.logits: list = []
-        self.recording = False
+        self.recording, self.index = False, spec.router_output
         self.routers = [m for n, m in model.named_modules() if n.endswith("." + spec.router_suffix)]
         for m in self.routers:
             m.register_forward_hook(self._hook)
 
     def _hook(self, module, args, output):
         if self.recording:
-            self.logits.append(output[0])
+            self.logits.append(output[self.index])
 
     def take(self) -> list:
         out, self.logits = self.logits, []
@@ -92,7 +92,8 @@ class RouterLoss:
     def __init__(self, language_model: torch.nn.Module, spec, text_config,
                  group: Optional[dist.ProcessGroup]):
         self.tap = RouterTap(language_model, spec)
-        self.num_experts, self.top_k = text_config.num_experts, text_config.num_experts_per_tok
+        self.num_experts = getattr(text_config, spec.experts_key)
+        self.top_k = text_config.num_experts_per_tok
         self.coef, self.group = float(text_config.router_aux_loss_coef), group
         self.reset()
 

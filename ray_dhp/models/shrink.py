@@ -24,9 +24,22 @@ _DERIVED = ("layer_types", "model_type", "architectures", "transformers_version"
             "torch_dtype")
 
 
+#: a mixture-of-experts LM's keys (transformers' names, read where a config has them): 4 experts,
+#: top-2 (one group, so group-limited routing keeps all), experts of width 32, the first layer
+#: dense where the config makes leading layers dense (so a 2-layer copy keeps a sparse one),
+#: a separate dense-MLP width (Llama 4's ``intermediate_size_mlp``) at the tiny MLP width
+EXPERTS = {"num_experts": 4, "n_routed_experts": 4, "num_local_experts": 4, "moe_num_experts": 4,
+           "num_experts_per_tok": 2, "moe_k": 2, "moe_intermediate_size": 32, "n_group": 1,
+           "topk_group": 1, "first_k_dense_replace": 1, "intermediate_size_mlp": 128}
+
+
 def _shrunk(values: dict, sizes: dict, widths: dict) -> dict:
     out = {k: v for k, v in values.items()
            if k not in _DERIVED and not k.endswith("layer_types") and not isinstance(v, dict)}
+    depth0, depth = values.get("num_hidden_layers"), sizes.get("num_hidden_layers")
+    for k, v in out.items():  # per-layer lists (Llama 4's ``no_rope_layers``, ``moe_layers``)
+        if isinstance(v, list) and depth and isinstance(depth0, int) and len(v) == depth0 > depth:
+            out[k] = v[:depth]
     for k, v in out.items():
         if isinstance(v, int) and not isinstance(v, bool) and v in widths:
             out[k] = widths[v]
@@ -61,8 +74,9 @@ def shrink_config(config, *, text: dict = None, vision: dict = None, top: dict =
     derives."""
     from transformers import AutoConfig
 
-    text, vision = {**TEXT, **(text or {})}, {**VISION, **(vision or {})}
     text0, vision0 = config.get_text_config(), config.vision_config
+    experts = {k: _fit(text0, k, v) for k, v in EXPERTS.items() if getattr(text0, k, None) is not None}
+    text, vision = {**TEXT, **experts, **(text or {})}, {**VISION, **(vision or {})}
     widths = {text0.hidden_size: text["hidden_size"], vision0.hidden_size: vision["hidden_size"]}
     head_dim = getattr(text0, "head_dim", None) or text0.hidden_size // text0.num_attention_heads
     widths.setdefault(head_dim, text["head_dim"])
@@ -81,6 +95,16 @@ def shrink_config(config, *, text: dict = None, vision: dict = None, top: dict =
                                                      "vision_config": vision_d})
     out._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
     return out
+
+
+def _fit(text0, key: str, value):
+    """`EXPERTS`'s ``value`` for ``key`` in the shape ``text0`` has it (a list of widths: one per
+    kind of expert, ERNIE-4.5-VL's), never above a count the config already has."""
+    old = getattr(text0, key)
+    if isinstance(old, (list, tuple)):
+        return [value] * len(old)
+    return min(old, value) if key in ("num_experts_per_tok", "moe_k", "first_k_dense_replace") \
+        else value
 
 
 def tiny_config(base, *, text: dict = None, top: dict = None):
@@ -102,6 +126,8 @@ def tiny_config(base, *, text: dict = None, top: dict = None):
     for sub in (config, config.get_text_config(), config.vision_config):
         sub.dtype = "float32"
     config._attn_implementation = "sdpa" if _supports_sdpa(config) else "eager"
+    if any(getattr(config.get_text_config(), k, None) for k in EXPERTS if "experts" in k):
+        config._experts_implementation = "eager"  # the per-expert loop: grouped_mm has no fp64
     return config
 
 

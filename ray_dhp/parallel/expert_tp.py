@@ -49,6 +49,9 @@ def validate(family, config, tp: int) -> None:
     if family.moe is None:
         raise ValueError(f"text.expert_tensor_parallel=true: the {family.name} family is a dense "
                          "model (no experts); set it false.")
+    if family.moe.ep_refusal:
+        raise ValueError(f"text.expert_tensor_parallel=true is not covered for {family.name!r}: "
+                         f"{family.moe.ep_refusal}; set it false.")
     i = config.text_config.moe_intermediate_size
     if i % tp:
         raise ValueError(f"text.expert_tensor_parallel=true: the experts' intermediate size ({i}) "

@@ -117,7 +117,25 @@ def shard_text(model, family, dp_mesh, reduce_dtype, tp_first: bool) -> FSDPShar
     text mesh), one unit per decoder layer, the embedding and the head (``family``: its
     `FamilySpec`). Call it after the TP plan and LoRA and before the parameter lists are taken
     (``fully_shard`` replaces the parameters with their sharded DTensors)."""
-    return FSDPShards(_units(model, family), model, dp_mesh, reduce_dtype, tp_first=tp_first)
+    units = _units(model, family)
+    return FSDPShards(_odd_dtype(units) + units, model, dp_mesh, reduce_dtype, tp_first=tp_first,
+                      chain=units)
+
+
+def _odd_dtype(units: list) -> list:
+    """The sub-modules of ``units`` whose own parameters have another dtype than the rest of
+    their unit (a router kept in fp32 in a model of another dtype): each is a unit of its own
+    (FSDP2 gathers one dtype per unit), sharded before its parent and gathered by its own
+    pre-forward (outside the prefetch chain)."""
+    out = []
+    for unit in units:
+        counts: dict = {}
+        for p in unit.parameters():
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+        main = max(counts, key=counts.get, default=None)
+        out += [m for m in unit.modules() if m is not unit and m._parameters
+                and all(p is None or p.dtype != main for p in m._parameters.values())]
+    return out
 
 
 def reduce_dtype_of(policy, dtype):

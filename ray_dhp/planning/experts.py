@@ -37,8 +37,10 @@ def inactive_expert_params(config) -> int:
     layers = sparse_layer_count(config)
     if not layers:
         return 0
+    from ray_dhp.models.generic_moe import expert_count
+
     tc = config.text_config
-    return layers * (tc.num_experts - tc.num_experts_per_tok) * 3 * tc.moe_intermediate_size * tc.hidden_size
+    return layers * (expert_count(tc) - tc.num_experts_per_tok) * 3 * tc.moe_intermediate_size * tc.hidden_size
 
 
 def buffer_bytes(config, tokens: float, micro_batches: int, checkpointing: bool,
@@ -70,6 +72,11 @@ def gradient_split(counts, tp: int, ep: int) -> tuple:
 
 def expert_degrees(config, text_dp: int) -> list:
     """The EP degrees > 1 a layout with ``text_dp`` replicas admits for ``config``: dividing both
-    the replicas and the experts ([] for a dense model)."""
-    n = getattr(config.text_config, "num_experts", 0) or 0
+    the replicas and the experts ([] for a dense model, or one whose experts EP refuses,
+    `ray_dhp.models.base.MoESpec.ep_refusal`)."""
+    from ray_dhp.models import family_of
+    from ray_dhp.models.generic_moe import expert_count
+
+    moe = family_of(config).moe
+    n = expert_count(config.text_config) if moe is not None and not moe.ep_refusal else 0
     return [e for e in range(2, text_dp + 1) if text_dp % e == 0 and n % e == 0] if n else []

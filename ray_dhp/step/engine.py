@@ -103,7 +103,7 @@ class DHPEngine(EncoderPhases, TextPhase, UpdateMixin):
                          if self.text_model is not None and topo.text.inner > 1 else [])
         self._build_optimizers()  # over each module's ZeRO partition (step/updates.py)
         self._router_loss = None  # mixture-of-experts LM: the load-balancing loss (models/moe.py)
-        if self.family.moe is not None and self.text_model is not None:
+        if self.family.moe is not None and self.family.moe.aux_loss and self.text_model is not None:
             from ray_dhp.models.moe import RouterLoss
 
             self._router_loss = RouterLoss(self.family.language_model(self.text_model), self.family.moe,

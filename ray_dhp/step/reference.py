@@ -87,7 +87,8 @@ class ReferenceTrainer:
         n_samples = sum(len(mb) for mb in micro_batches)
         # A mixture-of-experts LM: the stock model's own load-balancing loss of each micro-batch
         # (its forward with the batch's attention_mask), weighed as in ray_dhp.models.moe.
-        aux_coef = getattr(self.config.text_config, "router_aux_loss_coef", None)
+        spec = family_of(self.config).moe
+        aux_coef = self.config.text_config.router_aux_loss_coef if spec and spec.aux_loss else None
         moe = {} if aux_coef is None else {"output_router_logits": True}
         total, sums = 0.0, None
         for mb in micro_batches:

@@ -23,7 +23,7 @@ class TextPhase:
         g = self.groups
         if g.is_text:
             j, fsdp = g.text_coord[0], self.sharding.get("text")
-            one = fsdp is not None or self._router_loss is not None
+            one = fsdp is not None or self.family.moe is not None
             groups = mb.lay.text_groups[j] if mb.lay.text_groups and not one \
                 else [mb.lay.text_samples[j]]  # FSDP, MoE: the same number of forwards per replica
             if fsdp is not None:  # reduce-scatter in the step's last backward only

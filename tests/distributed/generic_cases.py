@@ -21,7 +21,7 @@ GLM = dict(loss_tol=1e-7, param_tol=1e-6, update_tol=1e-6, grad_tol=1e-6)
 # by 1.9e-9 with vision DP2 (the updates stay within 5.2e-14, the loss 1.6e-16): its gradients
 # are held to 1e-8. ShieldGemma 2 is a Gemma 3 (its norms as above).
 TOLS = {"gemma3": GEMMA, "paligemma": GEMMA, "shieldgemma2": GEMMA, "aya_vision": COHERE,
-        "cohere2_vision": COHERE, "glm4v": GLM, "glm46v": GLM, "glmga": GLM,
+        "cohere2_vision": COHERE, "glm4v": GLM, "glm46v": GLM, "glmga": GLM, "glm4v_moe": GLM,
         "got_ocr2": dict(TOL, grad_tol=1e-8), "pp_chart2table": dict(TOL, grad_tol=1e-8)}
 # A key projection's bias in a tower without rotary positions (CLIP's, SigLIP's) has an exact
 # gradient of 0 (it adds ``q . b`` to every logit of a query, which the softmax cancels): both
