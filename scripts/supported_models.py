@@ -17,14 +17,17 @@ BEGIN, END = "<!-- survey:begin -->", "<!-- survey:end -->"
 VERIFIED = ("fp64 exact: collocated vision DP2 + text TP2, disjoint 1 + TP2, text ZeRO-3 DP2 "
             "(`tests/distributed/test_generic.py`); `DisaggregatedTrainer` "
             "(`tests/ray/test_generic_trainer.py`)")
+EXPERTS = ("; expert parallelism EP2 collocated DP2 and disjoint 1 + DP2, the router loss incl. "
+           "(`tests/distributed/test_generic_moe.py`)")
 
 
 def generated() -> str:
     sys.path.insert(0, str(ROOT))
     from ray_dhp.models.survey import markdown, survey
-    from tests.distributed.parity import GENERIC_FAMILIES
+    from tests.distributed.parity import GENERIC_FAMILIES, GENERIC_MOE_FAMILIES
 
-    return markdown(survey(), {f: VERIFIED for f in GENERIC_FAMILIES})
+    return markdown(survey(), {f: VERIFIED + (EXPERTS if f in GENERIC_MOE_FAMILIES else "")
+                               for f in GENERIC_FAMILIES})
 
 
 def updated(text: str, block: str) -> str:

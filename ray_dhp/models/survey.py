@@ -90,8 +90,18 @@ def survey() -> list[Status]:
                             else "from base_model_tp_plan"))
         images = "patch rows + grid" if family.grid_input else f"{family.rows_per_image} rows per image"
         out.append(Status(model_type, cls_name, "generic",
-                          f"vision DP ({images}); {tp}; text ZeRO 1-3{where}"))
+                          f"vision DP ({images}); {tp}; text ZeRO 1-3{_moe(family)}{where}"))
     return out
+
+
+def _moe(family) -> str:
+    """A mixture-of-experts LM's part of the row (`ray_dhp.models.generic_moe`)."""
+    moe = family.moe
+    if moe is None:
+        return ""
+    loss = "router loss as the stock forward's" if moe.aux_loss else "no router loss (none in the stock forward)"
+    ep = f"EP refused: {moe.ep_refusal}" if moe.ep_refusal else "expert parallelism"
+    return f"; mixture of experts: {loss}, {ep}"
 
 
 def markdown(rows: list[Status], verified: dict) -> str:

@@ -1,21 +1,19 @@
 """Generic families whose language model is a mixture of experts (`ray_dhp.models.generic_moe`,
-nothing written for the family): the DHP step equals the stock single-process model, its own
-load-balancing loss included (the stock forward's ``output_router_logits=True`` loss in the
-reference), under text TP (experts replicated over TP ranks, the shared experts TP-sharded),
-disjoint placement, text ZeRO-3 and expert parallelism over text DP replicas.
+nothing written for the family) under expert parallelism: the DHP step equals the stock
+single-process model, its own load-balancing loss included (the stock forward's
+``output_router_logits=True`` loss in the reference). The same families' rows of
+``test_generic.py`` (they are in `GENERIC_FAMILIES`) cover text TP2 (experts replicated over the
+TP ranks, the shared experts TP-sharded), disjoint 1+2 and text ZeRO-3 DP2.
 
 Each case: 3 steps of 2 micro-batches, clipping active; loss, grad-norm, every clipped gradient
 of every step (the routers ``mlp.gate.weight`` and the fused experts among them), every rank's
 copy of every parameter and update (fp64, the tiny configs of `ray_dhp.demo.generic`: 4
 experts, top-2, one dense and one sparse layer).
 
-Tolerances: GLM-4V's tower is held to `generic_cases.GLM` wherever its images are split over
-two vision replicas (its interpolated position table sums many images' gradients in another
-order, measured 1.1e-7 of the updates; `tests/distributed/generic_cases.py`). Elsewhere the
-updates and gradients are held to 1e-10 as the dense fp64 matrix; the loss to 1e-8 as in
-``test_moe.py``: the stock aux loss sums the routing probabilities in fp32 even in an fp64
-model, and a DP split sums them in another order (~1e-7 of the aux term, which weighs
-``coef * aux / loss`` ~ 1e-4 of the loss).
+Tolerances: `tests/distributed/generic_cases.py` (``TOLS``: GLM-4.5V's router computes its
+logits in fp32, so its gradient is an fp32 sum that text DP2 splits; measured there). The loss
+1e-7 covers the stock aux loss's fp32 sums of the routing probabilities, which a DP split takes
+in another order (~1e-7 of the aux term, which weighs ``coef * aux / loss`` ~ 4e-5 of the loss).
 """
 
 from __future__ import annotations
@@ -24,18 +22,18 @@ import pytest
 import torch
 
 from tests.distributed.generic_cases import TOLS
-from tests.distributed.parity import (CFG, assert_parity, make_steps, moe_layout, run_engine,
-                                      run_reference)
+from tests.distributed.parity import (CFG, GENERIC_MOE_FAMILIES, assert_parity, make_steps,
+                                      moe_layout, run_engine, run_reference)
 
 LAYOUTS = {
-    "collocated-dp2-tp2": moe_layout("collocated", (1, 2), (2, 1)),
-    "disjoint-1v-tp2": moe_layout("disjoint", (1, 1), (2, 1)),
-    "collocated-text-zero3-dp2": dict(moe_layout("collocated", (1, 2), (1, 2)), text_zero=3),
     "collocated-dp2-ep2": moe_layout("collocated", (1, 2), (1, 2), ep=2),
+    "disjoint-1v-dp2-ep2": moe_layout("disjoint", (1, 1), (1, 2), ep=2),
+    # the experts' intermediate dim over the TP ranks instead (`ray_dhp.parallel.expert_tp`)
+    "collocated-dp2-tp2-experts-tp": dict(moe_layout("collocated", (1, 2), (2, 1)),
+                                          text_expert_tp=True),
 }
-FAMILIES = ("glm4v_moe",)
+FAMILIES = GENERIC_MOE_FAMILIES
 DEFAULT = {("glm4v_moe", "collocated-dp2-ep2")}
-LOSS_TOL = 1e-8
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +61,30 @@ def test_generic_moe_family_is_exact(family, layout, references):
     grads = ref["grads"][0]
     assert any(n.endswith("mlp.gate.weight") for n in grads)
     assert any(n.endswith("mlp.experts.gate_up_proj") for n in grads)
-    tols = dict(TOLS.get(family, dict(param_tol=1e-10, update_tol=1e-10, grad_tol=1e-10)))
-    if lay["vision_dp"] == 1:  # the tower whole on one rank: only the text side's orders differ
-        tols.update(param_tol=1e-10, update_tol=1e-10, grad_tol=1e-10)
-    tols["loss_tol"] = max(tols.get("loss_tol", 0.0), LOSS_TOL)
-    assert_parity(got, ref, **tols)
-    if lay.get("text_ep", 1) > 1:  # EP really on: every text rank dispatched every sparse layer
-        calls = {o["comm"].get("all_to_all/text.experts", {}).get("calls", 0) for o in got["per_rank"]}
-        assert min(calls) > 0, calls
+    assert_parity(got, ref, **TOLS[family])
+    # EP (experts TP) really on: every text rank dispatched (all-reduced) every sparse layer
+    key = "all_reduce/text.experts_tp" if lay.get("text_expert_tp") else "all_to_all/text.experts"
+    calls = [o["comm"].get(key, {}).get("calls", 0) for o in got["per_rank"]
+             if any("language_model" in n for n in o["params"])]
+    assert calls and min(calls) > 0, calls
+
+
+def _drop_router_loss():
+    """The negative control's bug: the engine leaves the router's load-balancing loss out."""
+    from ray_dhp.models import moe
+
+    contribution = moe.RouterLoss.contribution
+    moe.RouterLoss.contribution = lambda self, mask, n: contribution(self, mask, n) * 0.0
+
+
+@pytest.mark.slow
+def test_generic_moe_without_its_router_loss_is_caught(references):
+    """Negative control: the same run without the load-balancing loss fails the comparison (the
+    stock forward's loss has it)."""
+    from tests.distributed.parity import parity_failures
+
+    steps, ref = references("glm4v_moe")
+    got = run_engine("glm4v_moe", LAYOUTS["collocated-dp2-ep2"], CFG, steps, torch.float64,
+                     grads=True, prepare=_drop_router_loss)
+    bad = {what.split()[0] for what, *_ in parity_failures(got, ref, **TOLS["glm4v_moe"])}
+    assert {"loss", "grad"} <= bad, bad
