@@ -83,6 +83,9 @@ def moe_spec(cls, config, lm_cls):
     if not patterns:
         raise ValueError(f"its language model has {n} experts but its base_model_ep_plan / "
                          "base_model_tp_plan names no experts module")
+    if n < 1:
+        raise ValueError(f"its base_model_ep_plan / base_model_tp_plan names experts modules "
+                         f"{patterns} but its config gives no number of experts ({COUNT_KEYS})")
     key = next(k for k in COUNT_KEYS if getattr(text, k, None) == n)
     lm = _meta_lm(lm_cls, text.to_json_string(use_diff=False))
     experts = _matching(lm, patterns)
@@ -148,7 +151,8 @@ def _ep_refusal(lm, experts: list) -> str:
     if names != _EP_INTERFACE or set(params) != {"gate_up_proj", "down_proj"}:
         return f"{why} takes {names} and holds {sorted(params)}"
     (e, i2, h), (e2, h2, i) = params["gate_up_proj"], params["down_proj"]
-    if e != e2 or h != h2 or i2 != 2 * i or getattr(type(m), "_apply_gate", None) is not _default_apply_gate:
-        return f"{why} has gate_up_proj {params['gate_up_proj']}, down_proj {params['down_proj']} " \
-               "or its own gate activation"
+    if e != e2 or h != h2 or i2 != 2 * i:
+        return f"{why} has gate_up_proj {params['gate_up_proj']}, down_proj {params['down_proj']}"
+    if getattr(type(m), "_apply_gate", None) is not _default_apply_gate:
+        return f"{why} has its own gate activation (_apply_gate), not act(gate) * up"
     return ""

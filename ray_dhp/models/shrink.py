@@ -1,7 +1,8 @@
 """A smaller copy of a transformers multimodal config, by rules that read nothing written for
 the family: the text and vision widths (and every other number equal to them: projector widths,
 Gemma's ``query_pre_attn_scalar``) replaced, dropouts 0, derived keys (``layer_types``)
-recomputed by the config class itself (every ``*layer_types`` list).
+recomputed by the config class itself (every ``*layer_types`` list), other per-layer lists cut
+to the new depth, a mixture-of-experts LM's experts shrunk (`EXPERTS`).
 
 Used where a model must be run for real but its size does not matter: the generic family's probe
 of a model whose ``get_image_features`` cannot run on the meta device (data-dependent shapes,
