@@ -13,7 +13,9 @@ checkpointing and LoRA.
 Generic families (`ray_dhp.models.generic_packing`) pack at vision DP2 + text TP2 (their towers
 take no vision SP): LLaVA (default run; also disjoint), Mistral 3, Idefics3 (1-D positions),
 GLM-4V (M-RoPE from its get_rope_index), PaliGemma (bidirectional image prefix), Aya Vision
-(sliding-window layers); Gemma 3 and LFM-VL are refused with the reason (the last test).
+(sliding-window layers), GLM-4.5V (a mixture-of-experts LM, at text DP2 with EP2: the router
+loss counts the packed rows' real tokens); Gemma 3 and LFM-VL are refused with the reason (the
+last test).
 
 Tolerance (fp64): 1e-10 relative on loss, grad-norm, every parameter, every update and (Qwen3.5
 rows) every clipped gradient. Packing changes only summation orders: inside attention (a longer,
@@ -94,6 +96,7 @@ CASES = [
     ("mistral3", "dp2v-tp2", GENERIC_TP2, 80, False),
     ("idefics3", "dp2v-tp2", GENERIC_TP2, 80, False),
     ("glm4v", "dp2v-tp2", GENERIC_TP2, 80, False),  # M-RoPE from its get_rope_index
+    ("glm4v_moe", "dp2v-dp2-ep2", dict(_layout("collocated", (1, 2), (1, 2)), text_ep=2), 80, False),
     ("paligemma", "dp2v-tp2", GENERIC_TP2, 80, False),  # bidirectional image prefix blocks
     ("aya_vision", "dp2v-tp2", GENERIC_TP2, 80, False),  # sliding-window layers
 ]
