@@ -282,12 +282,12 @@ def nodes_text(rf, *, nodes: int, gpus_per_node: int, vision_tokens: int, text_t
                attention: str = "flash",
                internode_bw: float = 45e9, audio_seconds: float = 30.0) -> str:
     """The node view of `ray-dhp plan --nodes N --gpus-per-node G`: which DHP ranks share a node
-    (as the backend orders them, `ray_dhp.parallel.topology.node_local_order`) and, per collective, the
+    (as the backend orders them, `ray_dhp.parallel.nodes.node_local_order`) and, per collective, the
     bytes one rank sends per optimizer step and whether its groups cross the node boundary."""
     from ray_dhp.cli.schema import ConfigError
     from ray_dhp.models.sizes import count_params
     from ray_dhp.planning.recommend import Layout, Workload
-    from ray_dhp.parallel.topology import node_local_order, nodes_by_rank
+    from ray_dhp.parallel.nodes import node_local_order, nodes_by_rank
     from ray_dhp.planning.traffic import collective_bytes, collective_groups
 
     dhp = rf.dhp_config()

@@ -2,8 +2,9 @@
 
 Ray Train V2 runs `Backend` hooks in the controller actor. A plain exception in ``on_start`` is a
 non-retryable controller error that leaks the worker group (Ray 2.60), so ``on_start`` only does
-cheap, bounded work: it reads which node every worker landed on, orders the DHP ranks so that the
-sp/tp groups stay inside a node (`ray_dhp.parallel.topology.node_local_order`), warns about any group the
+cheap, bounded work: it reads which node every worker landed on (and, with node labels per
+placement group, which placement-group bundle it was placed for), orders the DHP ranks so that the
+sp/tp groups stay inside a node (`ray_dhp.parallel.nodes.node_local_order`), warns about any group the
 placement forces across nodes, picks the rendezvous address (the worker of DHP rank 0, wherever
 it is) and exports rank and address to the workers.
 Everything that can fail — ``init_process_group``, ``new_group``, the meshes — happens in
@@ -94,12 +95,20 @@ class DisaggregatedBackend(Backend):
         import ray
         from ray.train._internal.utils import get_address_and_port
 
-        from ray_dhp.parallel.topology import crossing_groups, node_local_order, nodes_by_rank
+        from ray_dhp.parallel.nodes import crossing_groups, node_local_order, nodes_by_rank
 
         backend_config.validate_workers(len(worker_group))
         topo = backend_config.topology()
-        nodes = [node_label(w.metadata) for w in worker_group.get_workers()]  # by world rank
-        order = node_local_order(topo, nodes)
+        workers = worker_group.get_workers()  # by world rank
+        nodes = [node_label(w.metadata) for w in workers]
+        # With labels, bundle r was placed on a node fit for DHP rank r's placement group, and Ray
+        # Train numbered the workers by node, not by bundle: keep each in its bundle's group.
+        bundles = [getattr(w, "placement_group_bundle_index", None) for w in workers]
+        pinned = bool(backend_config.labels) and None not in bundles
+        if backend_config.labels and not pinned:
+            logger.warning("ray_dhp: the workers' placement-group bundles are unknown; DHP ranks "
+                           "follow Ray's world ranks, which may not match the labels' groups.")
+        order = node_local_order(topo, nodes, bundles if pinned else None)
         node_of = nodes_by_rank(order, nodes)
         logger.info("ray_dhp: DHP ranks by node: %s", {
             n: [r for r in range(len(node_of)) if node_of[r] == n] for n in dict.fromkeys(nodes)})
