@@ -170,6 +170,12 @@ def test_a_reordered_worker_goes_back_to_its_group():
     nodes, bundles = ["big1", "big1", "small", "small"], [2, 3, 0, 1]
     assert node_local_order(t, nodes, bundles) == [2, 3, 0, 1]
     assert node_local_order(t, nodes) == [0, 1, 2, 3]  # without labels: Ray's order is fine
+    # tests/ray/test_labels.py's cluster: vision DP2 on the small node (2 workers), text TP2 on
+    # two big nodes (1 each). Unpinned, packing would put the text TP group on the small node.
+    t = Topology.build(placement="disjoint", vision_dp=2, vision_sp=1, text_dp=1, text_tp=2)
+    nodes = ["small", "small", "big1", "big2"]
+    assert node_local_order(t, nodes) == [2, 3, 0, 1]  # text on small: against the labels
+    assert node_local_order(t, nodes, [0, 1, 2, 3]) == [0, 1, 2, 3]
 
 
 # -- the driver's refusal of a cluster without the labelled nodes -------------------------------
