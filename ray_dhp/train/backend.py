@@ -68,8 +68,9 @@ def node_label(metadata) -> str:
     return f"{metadata.node_ip}/{metadata.node_id[:8]}"
 
 
-def crossing_warning(crossing: list, node_sizes: dict) -> str:
-    """The driver-facing text for sp/tp groups that span nodes (empty when there are none)."""
+def crossing_warning(crossing: list, node_sizes: dict, labelled: bool = False) -> str:
+    """The driver-facing text for sp/tp groups that span nodes (empty when there are none);
+    ``labelled``: each placement group was kept on the nodes its labels selected."""
     if not crossing:
         return ""
     groups = "; ".join(f"{label} (ranks {ranks}) spans nodes {', '.join(map(str, nodes))}"
@@ -78,7 +79,9 @@ def crossing_warning(crossing: list, node_sizes: dict) -> str:
     return (f"ray_dhp: {len(crossing)} sequence/tensor-parallel group(s) cross a node boundary, "
             f"so their per-block all-to-all / all-reduce goes over the network: {groups}. Why: "
             f"the placement put workers on nodes as {{{sizes}}}, and no node-local assignment of "
-            f"whole groups exists for these sizes. Make every node hold a multiple of the group "
+            f"whole groups exists for these sizes"
+            + (" within each placement group's labelled nodes" if labelled else "")
+            + f". Make every node hold a multiple of the group "
             f"size (resources per worker, GPUs per node) or change the degrees; "
             f"placement.node_local=strict turns this into an error.")
 
@@ -113,7 +116,7 @@ class DisaggregatedBackend(Backend):
         logger.info("ray_dhp: DHP ranks by node: %s", {
             n: [r for r in range(len(node_of)) if node_of[r] == n] for n in dict.fromkeys(nodes)})
         text = crossing_warning(crossing_groups(topo, node_of),
-                                {n: nodes.count(n) for n in dict.fromkeys(nodes)})
+                                {n: nodes.count(n) for n in dict.fromkeys(nodes)}, pinned)
         refuse = text if text and getattr(backend_config, "node_local", "warn") == "strict" else ""
         if text and not refuse:
             logger.warning(text)
