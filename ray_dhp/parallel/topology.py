@@ -259,22 +259,7 @@ class Topology:
         groups = placement_groups(placement, (*wanted, "text"))
         sizes = {**{n: (f"{d.dp}x{d.sp}", d.dp * d.sp) for n, d in wanted.items()},
                  "text": (f"{text_dp}x{text_tp}", nt)}
-        offsets, offset = {}, 0
-        for g in groups:
-            ref = g[-1]  # the LM when it is in the group
-            bad = [n for n in g if sizes[n][1] != sizes[ref][1]]
-            if bad:
-                which = ("collocated placement" if len(g) == len(sizes)
-                         else f"the placement group {list(g)}")
-                raise ValueError(
-                    f"{which} needs every module group to span the same workers, but {bad[0]} "
-                    f"uses {sizes[bad[0]][0]}={sizes[bad[0]][1]} and {ref} "
-                    f"{sizes[ref][0]}={sizes[ref][1]} workers; change the degrees so the products "
-                    f"match, or give these modules placement groups of their own "
-                    f"(placement='disjoint').")
-            offsets.update({n: offset for n in g})
-            offset += sizes[g[0]][1]
-        world = offset
+        offsets, world = _group_offsets(groups, sizes)
         layouts = []
         for name, deg in wanted.items():
             zero = resolve_stage(deg.zero, deg.dp * deg.sp, name)
@@ -323,6 +308,28 @@ class Topology:
                      for m in self.modules if (c := m.coord(r)) is not None]
             lines.append(f"  rank {r}: " + " + ".join(parts))
         return "\n".join(lines)
+
+
+def _group_offsets(groups: tuple, sizes: dict) -> tuple:
+    """``({module: first world rank}, world size)``: each placement group takes the next block of
+    ranks; ``sizes[name] = (degrees text, workers)``. ValueError when the modules of a group
+    span different numbers of workers."""
+    offsets, offset = {}, 0
+    for g in groups:
+        ref = g[-1]  # the LM when it is in the group
+        bad = [n for n in g if sizes[n][1] != sizes[ref][1]]
+        if bad:
+            which = ("collocated placement" if len(g) == len(sizes)
+                     else f"the placement group {list(g)}")
+            raise ValueError(
+                f"{which} needs every module group to span the same workers, but {bad[0]} "
+                f"uses {sizes[bad[0]][0]}={sizes[bad[0]][1]} and {ref} "
+                f"{sizes[ref][0]}={sizes[ref][1]} workers; change the degrees so the products "
+                f"match, or give these modules placement groups of their own "
+                f"(placement='disjoint').")
+        offsets.update({n: offset for n in g})
+        offset += sizes[g[0]][1]
+    return offsets, offset
 
 
 def check_expert_tp(on, tp: int, ep: int, zero: int) -> None:

@@ -1,6 +1,7 @@
 """Each module on the nodes its labels select (issue #45), on a local Ray cluster of 3 labelled
-raylets (`ray.cluster_utils.Cluster`): the head ``accel=small`` with 2 CPUs, two ``accel=big``
-nodes with 1 CPU each.
+raylets (`ray.cluster_utils.Cluster`): one ``accel=small`` node with 2 CPUs, two ``accel=big``
+nodes with 1 CPU each, beside an unlabelled head with 1 CPU where the driver and Ray Train's
+controller live (no worker can land there: every worker has a label selector).
 
 * vision (DP2) on ``small``, text (TP2) on ``big``: every worker records its DHP rank and node
   id, vision ranks ran only on the small node and text ranks only on big nodes. Without the
@@ -12,8 +13,12 @@ nodes with 1 CPU each.
   module or a wrong boundary is O(1e-3) off).
 * a label no node carries is refused by ``fit()`` in the driver, naming label and counts, in
   well under 30 s (nothing waits for resources).
+* the small node is lost after the step-2 checkpoint; a new ``accel=small`` node joins; Ray Train
+  restarts the worker group with the same per-worker selectors, the vision ranks land on the new
+  small node, and the run finishes with every step's loss equal to the uninterrupted
+  single-process run's.
 
-Both slow (a cluster start-up and a 4-worker run, ~1-2 min on 2 cores); the default suite's
+All slow (a cluster start-up and 4-worker runs, ~5-8 min on 2 loaded cores); the default suite's
 refusal case is `tests/unit/test_placement_groups.py` (the same driver check on Ray's node
 table, without a cluster).
 """
@@ -25,6 +30,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 
 import pytest
@@ -43,6 +49,7 @@ FAMILY = "qwen2_5_vl"
 LOOP = dict(lr=1e-3, global_batch_size=4, num_steps=4, seed=0, log_every=1,
             lr_schedule="cosine", warmup_steps=1, max_grad_norm=1.0)
 LABELS = {"vision": {"accel": "small"}, "text": {"accel": "big"}}
+SMALL = dict(num_cpus=2, labels={"accel": "small"})
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +63,13 @@ def labelled():
     os.environ["RAY_TMPDIR"] = short  # other Ray users of the machine never see this cluster
     c = None
     try:
-        c = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 2, "labels": {"accel": "small"}, "include_dashboard": False})
-        small = c.head_node
+        c = Cluster(initialize_head=True,  # no dashboard: its port may be taken by others
+                    head_node_args={"num_cpus": 1, "include_dashboard": False})
+        small = c.add_node(**SMALL)
         big = [c.add_node(num_cpus=1, labels={"accel": "big"}) for _ in range(2)]
         ray.init(address=c.address)
         c.wait_for_nodes()
-        yield {small.node_id}, {n.node_id for n in big}
+        yield c, small, big
     finally:
         ray.shutdown()
         if c is not None:
@@ -76,23 +83,70 @@ def labelled():
             ray.init(address="local", num_cpus=8)
 
 
-def _recording(folder: str):
-    """`fp64_loop`, every rank first writing its DHP rank, roles and node id to ``folder``."""
+def _recording(folder: str, pause=None):
+    """`fp64_loop` (with its ``pause``), every rank first writing its DHP rank, roles, node id
+    and pid to ``folder``."""
     from tests.ray.loops import fp64_loop
 
-    inner = fp64_loop()
+    inner = fp64_loop(pause=pause)
 
     def loop(config):
         from ray_dhp.train.backend import get_context
 
         ctx = get_context()
         rec = {"rank": ctx.rank, "roles": list(ctx.roles),
-               "node": ray.get_runtime_context().get_node_id()}
-        with open(os.path.join(folder, f"rank{ctx.rank}.json"), "w") as f:
+               "node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+        with open(os.path.join(folder, f"rank{ctx.rank}_{os.getpid()}.json"), "w") as f:
             json.dump(rec, f)
         return inner(config)
 
     return loop
+
+
+def _placed(folder) -> list:
+    return [json.load(open(p)) for p in sorted(glob.glob(os.path.join(folder, "rank*.json")))]
+
+
+def _check_nodes(placed: list, small: set, big: set) -> None:
+    """Vision ranks only on ``small`` nodes, text ranks only on ``big`` ones, both big used."""
+    assert sorted(r["rank"] for r in placed) == [0, 1, 2, 3], placed
+    for r in placed:
+        want = small if r["roles"] == ["vision"] else big
+        assert r["roles"] in (["vision"], ["text"]) and r["node"] in want, placed
+    assert len({r["node"] for r in placed if r["roles"] == ["text"]}) == 2  # both big nodes
+
+
+def _trainer(loop, data, storage: str, name: str, **changes):
+    loop_cfg = {**LOOP, **changes.pop("loop", {})}
+    return DisaggregatedTrainer(
+        loop, train_loop_config=loop_cfg, dhp_config=_dhp(),
+        scaling_config=ray.train.ScalingConfig(num_workers=4, resources_per_worker={"CPU": 1}),
+        run_config=ray.train.RunConfig(name=name, storage_path=storage,
+                                       callbacks=[MetricsHistory(loop_cfg["num_steps"])],
+                                       **changes),
+        datasets={"train": str(data)})
+
+
+def _assert_exact(history: list, ref: list) -> float:
+    """Every step's loss and grad norm (the last report of a step repeated after a restart)
+    against the single-process run: rel 1e-10 (fp64; only summation orders differ)."""
+    last = {h["step"]: h for h in history}
+    assert sorted(last) == list(range(1, len(ref) + 1)), sorted(last)
+    worst = 0.0
+    for key in ("loss", "grad_norm"):
+        errs = [abs(last[k + 1][key] - r[key]) / abs(r[key]) for k, r in enumerate(ref)]
+        assert max(errs) < 1e-10, (key, last, ref)
+        worst = max(worst, *errs)
+    return worst
+
+
+@pytest.fixture(scope="module")
+def data_and_ref(tmp_path_factory):
+    """The data and the single-process fp64 run of it (the stock model, `run_reference`)."""
+    tmp = tmp_path_factory.mktemp("labels")
+    steps = make_steps(tmp, FAMILY, TrainLoopConfig(**LOOP))
+    ref = run_reference(FAMILY, TrainLoopConfig(**LOOP), steps, torch.float64)["history"]
+    return tmp / f"data_{FAMILY}" / "data.jsonl", ref
 
 
 def _dhp(labels=LABELS):
@@ -103,39 +157,22 @@ def _dhp(labels=LABELS):
 
 
 @pytest.mark.slow
-def test_vision_on_small_text_on_big_nodes_exact_against_one_process(labelled, fast_reports,
-                                                                      tmp_path):
-    small, big = labelled
-    steps = make_steps(tmp_path, FAMILY, TrainLoopConfig(**LOOP))
-    ref = run_reference(FAMILY, TrainLoopConfig(**LOOP), steps, torch.float64)["history"]
+def test_vision_on_small_text_on_big_nodes_exact_against_one_process(labelled, data_and_ref,
+                                                                      fast_reports, tmp_path):
+    c, small, big = labelled
+    data, ref = data_and_ref
     folder = tmp_path / "placed"
     folder.mkdir()
-    dhp = _dhp()
-    assert dhp.label_selectors() == [LABELS["vision"]] * 2 + [LABELS["text"]] * 2
-    trainer = DisaggregatedTrainer(
-        _recording(str(folder)), train_loop_config=dict(LOOP), dhp_config=dhp,
-        scaling_config=ray.train.ScalingConfig(num_workers=4, resources_per_worker={"CPU": 1}),
-        run_config=ray.train.RunConfig(name="labels", storage_path=str(tmp_path / "runs"),
-                                       callbacks=[MetricsHistory(LOOP["num_steps"])]),
-        datasets={"train": str(tmp_path / f"data_{FAMILY}" / "data.jsonl")})
-    history = sorted(read_history(trainer.fit()), key=lambda h: h["step"])
-    placed = [json.load(open(p)) for p in sorted(glob.glob(str(folder / "rank*.json")))]
-    assert sorted(r["rank"] for r in placed) == [0, 1, 2, 3]
-    for r in placed:
-        want = small if r["roles"] == ["vision"] else big
-        assert r["roles"] in (["vision"], ["text"]) and r["node"] in want, placed
-    assert len({r["node"] for r in placed if r["roles"] == ["text"]}) == 2  # both big nodes
-    assert len(history) == len(ref) == LOOP["num_steps"]
-    for key in ("loss", "grad_norm"):
-        errs = [abs(h[key] - r[key]) / abs(r[key]) for h, r in zip(history, ref)]
-        assert max(errs) < 1e-10, (key, history, ref)
-    print(f"labels: vision on small, text on big; worst loss rel err "
-          f"{max(abs(h['loss'] - r['loss']) / r['loss'] for h, r in zip(history, ref)):.2e}")
+    assert _dhp().label_selectors() == [LABELS["vision"]] * 2 + [LABELS["text"]] * 2
+    result = _trainer(_recording(str(folder)), data, str(tmp_path / "runs"), "labels").fit()
+    _check_nodes(_placed(folder), {small.node_id}, {n.node_id for n in big})
+    worst = _assert_exact(read_history(result), ref)
+    print(f"labels: vision on small, text on big; worst loss/grad-norm rel err {worst:.2e}")
 
 
 @pytest.mark.slow
 def test_a_label_no_node_has_is_refused_fast_naming_label_and_counts(labelled, tmp_path):
-    dhp = _dhp({"vision": {"accel": "tiny"}, "text": {"accel": "big"}})
+    dhp = _dhp({"vision": {"accel": "tiny"}, "text": {"accel": "big"}})  # no node is "tiny"
     trainer = DisaggregatedTrainer(
         train_loop_config=dict(LOOP), dhp_config=dhp,
         scaling_config=ray.train.ScalingConfig(num_workers=4, resources_per_worker={"CPU": 1}),
@@ -150,3 +187,57 @@ def test_a_label_no_node_has_is_refused_fast_naming_label_and_counts(labelled, t
             "the cluster has 0 alive node(s) with that label") in str(e.value)
     assert "['accel=big', 'accel=small']" in str(e.value)
     print(f"refused in {took:.2f} s: {e.value}")
+
+
+def _fit_in_thread(trainer) -> dict:
+    """``trainer.fit()`` in a thread (`Cluster.add_node`/`remove_node` need the main thread)."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["result"] = trainer.fit()
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            out["error"] = e
+
+    out["thread"] = threading.Thread(target=run, daemon=True)
+    out["thread"].start()
+    return out
+
+
+def _wait_for(pred, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while not pred():
+        if time.time() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_small_node_lost_and_replaced_by_a_small_node_finishes_exactly(
+        labelled, data_and_ref, fast_reports, tmp_path):
+    """Last in the module: it replaces the cluster's small node."""
+    c, small, big = labelled
+    data, ref = data_and_ref
+    folder, pause = tmp_path / "placed", {"step": 3, "paused": str(tmp_path / "paused"),
+                                          "go": str(tmp_path / "go")}
+    folder.mkdir()
+    # synchronous saves: the step-2 checkpoint is registered before the ranks pause at step 3
+    run = _fit_in_thread(_trainer(_recording(str(folder), pause), data, str(tmp_path / "runs"),
+                                  "lost", failure_config=ray.train.FailureConfig(max_failures=1),
+                                  loop={"checkpoint_every": 2, "async_save": False}))
+    _wait_for(lambda: len(glob.glob(pause["paused"] + ".*")) == 4 or "error" in run, 600,
+              "the ranks did not reach step 3")
+    assert "error" not in run, run["error"]
+    first = _placed(folder)
+    _check_nodes(first, {small.node_id}, {n.node_id for n in big})
+    c.remove_node(small)
+    open(pause["go"], "w").close()  # the survivors fail on the lost ranks; restarts do not pause
+    replacement = c.add_node(**SMALL)
+    run["thread"].join(timeout=900)
+    assert not run["thread"].is_alive(), "fit() did not return"
+    assert "error" not in run, run.get("error")
+    again = [r for r in _placed(folder) if r["pid"] not in {x["pid"] for x in first}]
+    _check_nodes(again, {replacement.node_id}, {n.node_id for n in big})
+    assert run["result"].return_value == {"resumed_from_step": 2, "final_step": 4}
+    worst = _assert_exact(read_history(run["result"]), ref)
+    print(f"labels: small node lost and replaced; worst loss/grad-norm rel err {worst:.2e}")
