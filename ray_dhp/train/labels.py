@@ -19,12 +19,15 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ray_dhp.config.checks import ConfigError
+
 __all__ = ["check_labels", "group_labels", "worker_label_selectors", "selector_matches",
            "check_labelled_nodes", "worker_room", "LabelRefusal"]
 
 
-class LabelRefusal(ValueError):
-    """The cluster lacks the nodes (or the room) that a placement group's labels select."""
+class LabelRefusal(ConfigError):
+    """The cluster lacks the nodes (or the room) that a placement group's labels select (a
+    ValueError; ``ray-dhp train`` prints it as a configuration error, without a traceback)."""
 
 
 def check_labels(labels, modules: tuple, key: str = "labels") -> dict:
