@@ -116,14 +116,14 @@ def _check_nodes(placed: list, small: set, big: set) -> None:
     assert len({r["node"] for r in placed if r["roles"] == ["text"]}) == 2  # both big nodes
 
 
-def _trainer(loop, data, storage: str, name: str, **changes):
-    loop_cfg = {**LOOP, **changes.pop("loop", {})}
+def _trainer(loop, data, storage: str, name: str, loop_changes=None, **run):
+    loop_cfg = {**LOOP, **(loop_changes or {})}
     return DisaggregatedTrainer(
         loop, train_loop_config=loop_cfg, dhp_config=_dhp(),
         scaling_config=ray.train.ScalingConfig(num_workers=4, resources_per_worker={"CPU": 1}),
         run_config=ray.train.RunConfig(name=name, storage_path=storage,
                                        callbacks=[MetricsHistory(loop_cfg["num_steps"])],
-                                       **changes),
+                                       **run),
         datasets={"train": str(data)})
 
 
@@ -224,7 +224,7 @@ def test_small_node_lost_and_replaced_by_a_small_node_finishes_exactly(
     # synchronous saves: the step-2 checkpoint is registered before the ranks pause at step 3
     run = _fit_in_thread(_trainer(_recording(str(folder), pause), data, str(tmp_path / "runs"),
                                   "lost", failure_config=ray.train.FailureConfig(max_failures=1),
-                                  loop={"checkpoint_every": 2, "async_save": False}))
+                                  loop_changes={"checkpoint_every": 2, "async_save": False}))
     _wait_for(lambda: len(glob.glob(pause["paused"] + ".*")) == 4 or "error" in run, 600,
               "the ranks did not reach step 3")
     assert "error" not in run, run["error"]
