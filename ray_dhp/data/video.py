@@ -280,23 +280,22 @@ def video_sources(data: dict, data_root: Path, n_placeholders: int) -> list:
             for v in video]
 
 
-def encode_video(source, image_processor, settings: VideoSettings, timestamps: bool,
-                 max_pixels: Optional[int] = None) -> tuple:
+def encode_video(source, image_processor, settings: VideoSettings, timed,
+                 max_pixels: Optional[int] = None, *, pad: str) -> tuple:
     """One video of a record as the model sees it: ``(pixel_values_videos rows, grid [1, 3],
-    seconds per temporal patch, the text replacing its ``<|video_pad|>``)``. The pads are
-    repeated once per merged patch; with ``timestamps`` (Qwen3-VL's processor) each temporal
-    patch is written ``<{t:.1f} seconds><|vision_start|>`` + its pads + ``<|vision_end|>``, ``t``
+    seconds per temporal patch, the text replacing its video pad ``pad``)``. The pads are
+    repeated once per merged patch; with ``timed`` (the `PromptFormat` of a processor that
+    writes timestamps; None: none) each temporal patch is written as its ``timed_frame``, ``t``
     the mean time of its first and last frame."""
     ip = image_processor
     clip = load_video(source, settings, ip.patch_size * ip.merge_size, max_pixels)
     patches, grid = video_patches(clip.frames, ip)
     per_frame = int(grid[0, 1] * grid[0, 2]) // ip.merge_size**2
     tps = ip.temporal_patch_size
-    if not timestamps:
-        pads = "<|video_pad|>" * (per_frame * int(grid[0, 0]))
+    if timed is None:
+        pads = pad * (per_frame * int(grid[0, 0]))
     else:
         idx = list(clip.indices) + [clip.indices[-1]] * (-len(clip.indices) % tps)
         times = [(idx[i] + idx[i + tps - 1]) / 2 / clip.video_fps for i in range(0, len(idx), tps)]
-        pads = "".join(f"<{t:.1f} seconds><|vision_start|>{'<|video_pad|>' * per_frame}"
-                       "<|vision_end|>" for t in times)
+        pads = timed.timed_frames(times, pad * per_frame)
     return patches, grid, tps / clip.sample_fps, pads

@@ -49,8 +49,8 @@ class VideoShape:
         for side, name in ((self.height, "height"), (self.width, "width")):
             if side % (p * m):
                 raise ValueError(f"video {self.describe()}: frame {name} {side} is not a multiple of "
-                                 f"patch_size x spatial_merge_size = {p * m} (the frame sizes Qwen's "
-                                 f"smart_resize makes); use e.g. {max(1, round(side / (p * m))) * p * m}")
+                                 f"patch_size x spatial_merge_size = {p * m} (the frame sizes the image "
+                                 f"processor's resize rule makes); use e.g. {max(1, round(side / (p * m))) * p * m}")
         return -(-self.frames // tps), self.height // p, self.width // p
 
     def tokens(self, vision_config) -> int:
