@@ -32,6 +32,7 @@ Conventions (HF, unshifted labels):
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -93,7 +94,8 @@ class VLProcessor:
         #: the strings a rendered prompt holds once per image / video / audio item (`expand_pads`)
         self.pads = self.format.pads
         self.tokenizer, self.image_processor, self.system_prompt = tokenizer, image_processor, system_prompt
-        self.video = video if video is not None else VideoSettings()
+        self.video = replace(video if video is not None else VideoSettings(),
+                             rules=self.format.video)
         self.video_timestamps = video_timestamps
         self.feature_extractor = feature_extractor
         self.audio = audio if audio is not None else AudioSettings()

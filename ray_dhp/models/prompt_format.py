@@ -16,12 +16,40 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-__all__ = ["PromptFormat", "QWEN_VL", "DEFAULT_PROMPT_FORMAT"]
+__all__ = ["PromptFormat", "VideoRules", "QWEN_VL", "DEFAULT_PROMPT_FORMAT"]
 
 
 def _attr(path: str):
     module, _, name = path.partition(":")
     return getattr(importlib.import_module(module), name)
+
+
+@dataclass(frozen=True)
+class VideoRules:
+    """How a family's reference preprocessing samples and sizes a video's frames
+    (`ray_dhp.data.video`), in ``unit = patch * merge`` pixels per side where it says units.
+
+    Args:
+        frame_factor: sampled frame counts are multiples of it (the temporal patch).
+        min_tokens / max_tokens: default per-frame area bounds, in ``unit**2`` areas.
+        seq_len, budget: the default whole-video area, ``seq_len * budget`` ``unit**2`` areas.
+        min_growth: the per-frame cap never goes below ``min_growth`` x the lower bound.
+        max_ratio: the largest aspect ratio a frame may have.
+        image_factor: a list of frame images is resized as images, to multiples of
+            ``image_factor * unit``, with areas in ``[image_min, image_max]``
+            ``(image_factor * unit)**2`` areas by default.
+    """
+
+    frame_factor: int
+    min_tokens: int
+    max_tokens: int
+    seq_len: int
+    budget: float
+    min_growth: float
+    max_ratio: float
+    image_factor: int
+    image_min: int
+    image_max: int
 
 
 @dataclass(frozen=True)
@@ -48,6 +76,7 @@ class PromptFormat:
             ``AutoImageProcessor`` does not (it needs no torchvision).
         resize_rule: ``module:function`` of the image processor's resize rule,
             ``(height, width, factor=, min_pixels=, max_pixels=) -> (height, width)``.
+        video: how videos are sampled and sized (`VideoRules`).
     """
 
     tokenizer_kind: str
@@ -64,6 +93,7 @@ class PromptFormat:
     timestamp_processors: tuple
     image_processor_fallback: str
     resize_rule: str
+    video: VideoRules
 
     def token(self, name: str) -> str:
         """The special token called ``name`` (`special`)."""
@@ -115,6 +145,11 @@ QWEN_VL = PromptFormat(
     image_processor_fallback=("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl:"
                               "Qwen2VLImageProcessorPil"),
     resize_rule="transformers.models.qwen2_vl.image_processing_pil_qwen2_vl:smart_resize",
+    # qwen-vl-utils' fetch_video (0.0.14): FRAME_FACTOR, VIDEO_MIN/MAX_TOKEN_NUM, MODEL_SEQ_LEN
+    # (total_pixels = 0.9 of it), max_pixels >= 1.05 min_pixels, MAX_RATIO; frame lists resized
+    # as images with IMAGE_FACTOR 2 x unit and their MIN/MAX_TOKEN_NUM 4 / 16384
+    video=VideoRules(frame_factor=2, min_tokens=128, max_tokens=768, seq_len=128000, budget=0.9,
+                     min_growth=1.05, max_ratio=200, image_factor=2, image_min=4, image_max=16384),
 )
 
 #: the format of every hand-written family (`FamilySpec.prompt_format`'s default)
