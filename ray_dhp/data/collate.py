@@ -135,7 +135,7 @@ def pack_text_batch(samples: Sequence[Sample], pad_id: int, max_tokens: Optional
     sample boundary, and the last token of a sample has no target.
 
     The block-diagonal causal attention comes from transformers' packed-sequence detection:
-    pass ``position_ids`` and **no** 2-D ``attention_mask`` to the Qwen-VL model; its first row
+    pass ``position_ids`` and **no** 2-D ``attention_mask`` to an M-RoPE model; its first row
     (text positions, 0..n-1 per sample) restarts at each sample, from which
     ``masking_utils.create_causal_mask`` builds the mask for sdpa, eager and flex attention.
     (Flash-attention kernels detect packing from positions only for a single row.)

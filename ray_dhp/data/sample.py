@@ -58,7 +58,7 @@ class Sample:
         image_grid_thw: ``[num_items, 3]`` grids of those items, or None.
         modalities: ``[num_items]`` 1 (image) or 2 (video) per item; None: all images.
         second_per_grid_ts: ``[num_videos]`` seconds per temporal patch of each video
-            (``temporal_patch_size / sample_fps``, Qwen2.5-VL's absolute-time M-RoPE), or None.
+            (``temporal_patch_size / sample_fps``, for an absolute-time M-RoPE), or None.
         audio_features: ``[n_mels, frames]`` float32 log-mel features of the record's audio
             clips concatenated along time, in placeholder order (`ray_dhp.data.audio`), or None.
         audio_lengths: ``[num_clips]`` frames of each clip, or None.

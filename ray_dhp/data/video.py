@@ -2,7 +2,7 @@
 preprocessing does (its numbers: `ray_dhp.models.prompt_format.VideoRules`, ``VideoSettings.rules``).
 
 Frames are decoded with PyAV (``av`` on PyPI: FFmpeg ships inside its wheels, so no system
-FFmpeg is needed, and it is what ``torchvision.io.read_video`` — qwen-vl-utils' fallback reader —
+FFmpeg is needed, and it is what ``torchvision.io.read_video`` — the reference's fallback reader —
 decodes with; torchcodec needs a matching torch build and decord has no maintained wheels).
 Sampling and resizing follow the reference's ``fetch_video`` number for number (``r``: the rules):
 
