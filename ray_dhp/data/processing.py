@@ -52,6 +52,7 @@ __all__ = ["VLProcessor", "as_vl_processor", "pick_template"]
 # the placeholder kinds (`placeholder_kinds`) whose items the vision side computes
 VISUAL_KINDS = ("image", "video")
 
+
 def pick_template(chat_template, owner):
     """The chat template to render with: ``chat_template``, else ``owner``'s (a processor's or a
     tokenizer's ``chat_template``); of several named templates, the default one."""
