@@ -1,0 +1,63 @@
+"""Context parallelism of the language model (``text.context_parallel``, Ulysses all-to-all around
+attention, `ray_dhp.parallel.context`) is exact: loss, grad-norm, every clipped gradient of every
+step, every parameter and every update on every rank's copy equal the single-process reference
+in fp64.
+
+Tolerance 1e-10 (as ``test_parity.py``): a CP rank computes the same terms as the reference —
+attention over the whole sequence for its heads, the rest on its slice — so only summation
+orders differ (the gradient sum over the CP ranks, the loss sum over slices), ~1e-13 in fp64.
+
+The parity batches (mixed image sizes, a text-only sample, 2 micro-batches, clipping active)
+have lengths that are mostly not multiples of 2 x CP, so the pad-to-CP path and slices that cut
+an image's rows between ranks run in the default case.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.parity import assert_parity, reference_fixture, run_engine
+
+
+def _layout(placement, vision, text, cp, text_sp=False, zero=None):
+    (sp, vdp), (tp, tdp) = vision, text
+    out = dict(placement=placement, vision_dp=vdp, vision_sp=sp, text_dp=tdp, text_tp=tp,
+               text_cp=cp, text_sequence_parallel=text_sp)
+    if zero is not None:
+        out["text_zero"] = zero
+    return out
+
+
+CASES = [  # (id, family, placement, vision (sp, dp), text (tp, dp), cp, text sp, text zero)
+    ("cp2-collocated", "qwen2_5_vl", "collocated", (2, 1), (1, 1), 2, False, None),
+    ("cp2-tp2", "qwen2_5_vl", "collocated", (4, 1), (2, 1), 2, False, None),
+    ("cp4", "qwen2_vl", "collocated", (2, 2), (1, 1), 4, False, None),
+    ("cp2-tp2-textsp", "qwen2_5_vl", "collocated", (2, 2), (2, 1), 2, True, None),
+    ("cp2-disjoint", "qwen2_5_vl", "disjoint", (1, 1), (1, 1), 2, False, None),
+    ("cp2-dp2", "qwen2_vl", "collocated", (2, 2), (1, 2), 2, False, None),
+    ("cp2-zero2", "qwen2_5_vl", "collocated", (2, 1), (1, 1), 2, False, 2),
+    ("cp2-zero3", "qwen2_5_vl", "collocated", (2, 1), (1, 1), 2, False, 3),
+]
+
+
+def _params():
+    for i, case in enumerate(CASES):
+        yield pytest.param(*case[1:], marks=() if i == 0 else (pytest.mark.slow,), id=case[0])
+
+
+reference = reference_fixture()
+
+
+@pytest.mark.parametrize("family, placement, vision, text, cp, text_sp, zero", list(_params()))
+def test_context_parallel_is_exact_fp64(family, placement, vision, text, cp, text_sp, zero, reference):
+    cfg, steps, ref = reference(family)
+    got = run_engine(family, _layout(placement, vision, text, cp, text_sp, zero), cfg, steps,
+                     torch.float64, grads=zero != 3)
+    worst = assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10,
+                          grad_tol=None if zero == 3 else 1e-10)
+    assert worst[0] < 1e-10
+    lengths = {max(int(s.num_tokens) for s in mb) for st in steps for mb in st}
+    assert any(n % (2 * cp) for n in lengths)  # a length not divisible by 2 x CP was padded
+    comm = got["per_rank"][0]["comm"]
+    assert any(k.endswith("/text.cp") for k in comm), comm  # the all-to-alls ran
