@@ -72,14 +72,15 @@ def refusal(family, config, cp: int, tp: int, packing: bool = False,
                 f"beyond the heads is not covered); use text.context_parallel in {ok}.")
     why = []
     if family.moe is not None:
-        why.append("a mixture-of-experts LM (its expert routing per sequence slice)")
+        why.append("a mixture-of-experts LM (its load-balancing loss counts tokens per replica, "
+                   "not yet over the CP slices)")
     if family.stateful_mixers:
-        why.append(f"linear-attention layers ({', '.join(family.stateful_mixers)}: their state "
-                   "runs along the whole sequence)")
+        why.append("linear-attention layers (their recurrent state runs along the whole "
+                   "sequence: it would have to pass from slice to slice)")
     if family.num_deepstack(config):
         why.append("deepstack features added between decoder layers")
     if getattr(tc, "use_sliding_window", False) or any(
-            t != "full_attention" for t in (getattr(tc, "layer_types", None) or ())):
+            "sliding" in t for t in (getattr(tc, "layer_types", None) or ())):
         why.append("sliding-window attention layers")
     if packing:
         why.append("packing (several samples per row)")

@@ -59,5 +59,57 @@ def test_context_parallel_is_exact_fp64(family, placement, vision, text, cp, tex
     assert worst[0] < 1e-10
     lengths = {max(int(s.num_tokens) for s in mb) for st in steps for mb in st}
     assert any(n % (2 * cp) for n in lengths)  # a length not divisible by 2 x CP was padded
-    comm = got["per_rank"][0]["comm"]
+    comm = got["per_rank"][-1]["comm"]  # the last rank hosts the LM in both placements
     assert any(k.endswith("/text.cp") for k in comm), comm  # the all-to-alls ran
+
+
+def _gqa_model(kv_heads: int):
+    from ray_dhp import demo
+
+    config = demo.tiny_model_config("qwen2_5_vl")
+    config.text_config.num_key_value_heads = kv_heads
+    return config
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, cp", [(1, 2), (2, 2)], ids=["kv2-cp2", "kv2-tp2-cp2-repeat"])
+def test_grouped_query_attention_is_exact_fp64(tmp_path, tp, cp):
+    """2 KV heads for 4 query heads: at TP1 x CP2 each CP rank gets one KV head by the all-to-all;
+    at TP2 x CP2 a rank's single KV head does not split over CP and is repeated to the query
+    heads first (`cp_attention`). Tolerance as above."""
+    from tests.distributed.parity import CFG, make_steps, run_reference
+
+    model = _gqa_model(2)
+    steps = make_steps(tmp_path, "qwen2_5_vl", CFG)
+    ref = run_reference("qwen2_5_vl", CFG, steps, torch.float64, model=model)
+    got = run_engine("qwen2_5_vl", _layout("collocated", (2 * tp, 1), (tp, 1), cp), CFG, steps,
+                     torch.float64, grads=True, model=model)
+    assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10, grad_tol=1e-10)
+
+
+def _attention_within_slices():
+    """Rank side of the negative control: CP attention without the all-to-all (each rank attends
+    only within its own slice), registered in place of `cp_attention`."""
+    import torch.nn.functional as F
+
+    import ray_dhp.parallel.context as context
+
+    def local_only(module, query, key, value, attention_mask=None, dropout=0.0, scaling=None, **kw):
+        rep = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    context.cp_attention = local_only
+
+
+@pytest.mark.slow
+def test_attention_within_slices_fails_parity(reference):
+    """Negative control: without the all-to-all the second slice never sees the first, and the
+    harness reports it (the loss itself is off, far beyond 1e-10)."""
+    cfg, steps, ref = reference("qwen2_5_vl")
+    got = run_engine("qwen2_5_vl", _layout("collocated", (2, 1), (1, 1), 2), cfg, steps,
+                     torch.float64, prepare=_attention_within_slices)
+    assert abs(got["history"][0]["loss"] - ref["history"][0]["loss"]) > 1e-6 * ref["history"][0]["loss"]
+    with pytest.raises(AssertionError, match="out of tolerance"):
+        assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10)
