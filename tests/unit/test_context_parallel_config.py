@@ -83,3 +83,54 @@ def test_slices_and_their_feature_rows():
     masks = [torch.tensor([0, 1, 1, 0, 1, 0], dtype=torch.bool), torch.tensor([1, 0, 0, 1], dtype=torch.bool)]
     assert local_rows(masks, 6, 2, 0).tolist() == [0, 1, 3]  # tokens 0-2
     assert local_rows(masks, 6, 2, 1).tolist() == [2, 4]     # tokens 3-5
+
+
+def test_planner_divides_lm_activations_by_cp():
+    """`text_activation_bytes` at CP: the rank's slice (``tokens / cp``) plus one layer's
+    all-to-all buffers (q, k, v, output; send and receive), so ~1/(tp x cp) of the tokens' bytes;
+    `ray-dhp plan` prints the CP degree and its groups, and the text state is partitioned over
+    the dp x cp gradient replicas (ZeRO-1 here: each CP rank updates half)."""
+    import re
+
+    from ray_dhp.cli.plan import plan_text
+    from ray_dhp.planning.memory import ActivationSettings, text_activation_bytes
+    from ray_dhp.run_file import load_run_file
+
+    tc = demo.tiny_model_config().text_config  # h 64, 4 heads (4 KV), head_dim 16
+    s = ActivationSettings(dtype_bytes=2, attention="flash", checkpointing=False)
+    full = text_activation_bytes(tc, 65536, 2, s)
+    for cp in (2, 4):
+        got = text_activation_bytes(tc, 65536, 2, s, cp=cp)
+        buffers = 2 * (65536 / cp) * (2 * 64 + 2 * 4 * 16) / 2 * 2  # qkvo / tp, x2 (send, recv)
+        assert got == text_activation_bytes(tc, 65536 / cp, 2, s) + buffers
+        assert full / cp < got < full / cp * 1.2  # the tiny model's 2 layers: buffers ~12% on top
+    gqa = tc.__class__(**{**tc.to_dict(), "num_key_value_heads": 2})  # 1 KV head per TP rank,
+    # repeated to the query heads before the all-to-all: the buffers of 4 KV heads
+    def buffers_of(c):
+        return text_activation_bytes(c, 1024, 2, s, cp=2) - text_activation_bytes(c, 512, 2, s)
+    assert buffers_of(gqa) == buffers_of(tc)
+
+    example = "examples/qwen2_5_vl_32b_8gpu.yaml"
+    text = {cp: plan_text(load_run_file(example, ["text.tensor_parallel=4", f"text.context_parallel={cp}",
+                                                  f"vision.sequence_parallel={4 * cp}"]),
+                          vision_tokens=[4096], text_tokens=65536) for cp in (1, 2)}
+    assert "context parallel 2 (text.context_parallel" in text[2]
+    assert "cp groups [[0, 4], [1, 5], [2, 6], [3, 7]]" in text[2]
+    act = {cp: float(re.search(r"rank 0 memory: .*text act +([\d.]+) GiB", t).group(1))
+           for cp, t in text.items()}
+    assert 0.5 < act[2] / act[1] < 0.55, act  # ~1/2 plus the all-to-all buffers
+
+
+def test_plan_partitions_text_state_over_dp_x_cp():
+    from ray_dhp.models.sizes import count_params
+    from ray_dhp.planning.memory import rank_state
+    from ray_dhp.step.precision import POLICIES
+
+    counts = count_params(demo.tiny_model_config())
+    pol = POLICIES["fp32"]
+    one = Topology.build(placement="collocated", vision_dp=1, vision_sp=2, text_dp=2, text_tp=1)
+    cp2 = Topology.build(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1, text_tp=1,
+                         text_cp=2)
+    # CP ranks partition the LM's optimizer state like data-parallel replicas (ZeRO-1)
+    assert [rank_state(counts, cp2, r, pol) for r in (0, 1)] == \
+        [rank_state(counts, one, r, pol) for r in (0, 1)]
