@@ -284,11 +284,15 @@ def inner_groups(topology: Topology) -> list:
     """``[(label, ranks)]`` of every sp (encoder) and tp (text) group: the chatty collectives."""
     out = []
     for m in topology.modules:
-        if m.inner * m.cp > 1:  # with CP: each replica's cp x tp block (all-to-alls + TP)
-            blocks = [sum(m.mesh()[d * m.cp:(d + 1) * m.cp], []) for d in range(m.dp)]
+        if m.inner * m.cp > 1:
             label = m.inner_dim if m.cp == 1 else f"cp x {m.inner_dim}"
-            out += [(f"{m.name} {label} group {k}", g) for k, g in enumerate(blocks)]
+            out += [(f"{m.name} {label} group {k}", g) for k, g in enumerate(_blocks(m))]
     return out
+
+
+def _blocks(m: ModuleLayout) -> list:
+    """Each replica's ranks: its sp/tp group, or with CP its cp x tp block (all-to-alls + TP)."""
+    return [sum(m.mesh()[d * m.cp:(d + 1) * m.cp], []) for d in range(m.dp)]
 
 
 def crossing_groups(topology: Topology, node_of: Sequence) -> list:
@@ -309,7 +313,7 @@ def _units(topology: Topology) -> list:
         for m in topology.modules:
             u = _lcm(u, m.inner * m.cp)
         return [list(range(k, k + u)) for k in range(0, topology.world_size, u)]
-    return [g for _, g in inner_groups(topology)]
+    return [g for m in topology.modules for g in _blocks(m)]
 
 
 def _permuted(topology: Topology, nodes: Sequence) -> list:
