@@ -10,7 +10,7 @@ from ray.train.backend import BackendConfig
 
 from ray_dhp.config.checks import check_fields, checked
 from ray_dhp.parallel.zero import ZERO_STAGES
-from ray_dhp.parallel.topology import PLACEMENTS, EncoderDegrees, Topology
+from ray_dhp.parallel.topology import EncoderDegrees, Topology, placement_groups
 
 SCHEDULES = ("sequential", "pipelined")
 NODE_LOCAL = ("warn", "strict")
@@ -133,12 +133,23 @@ class DHPConfig(BackendConfig):
             ``optimizer_offload``) for a model with an audio encoder (Qwen2.5-Omni's thinker);
             None (the default): the model trains without an audio group. Every further encoder
             (`FURTHER_ENCODERS`) is a keyword of its name like this one (docs/multi_encoder.md).
-        placement: ``"collocated"`` (every worker hosts a shard of every module; all groups
-            span all workers) or ``"disjoint"`` (each module on workers of its own: vision
-            workers first, then audio, then text).
+        placement: how the modules are grouped onto workers: ``"collocated"`` (every worker
+            hosts a shard of every module), ``"disjoint"`` (each module on workers of its own:
+            vision workers first, then audio, then text), or a list of placement groups, each a
+            list of module names, every module in exactly one (``[["vision", "text"],
+            ["audio"]]``: vision and text share workers, audio has its own); the modules of a
+            group span all of its workers, so their degrees' products must be equal. Groups
+            take consecutive ranks in the order of their first module.
+        labels: node labels per module, ``{module: {label: value}}`` (e.g. ``{"vision":
+            {"accel": "small"}, "text": {"accel": "big"}}``; Ray's selector syntax, ``"!spot"``,
+            ``"in(a, b)"``): the workers of the placement group holding the module run only on
+            nodes with these labels (Ray Train's per-worker ``label_selector``; modules of one
+            group share theirs). A cluster without enough such nodes is refused before
+            training, naming the label and the counts (docs/placement.md).
         schedule: ``"sequential"`` or ``"pipelined"`` micro-batch schedule between the groups
-            (`ray_dhp.step.schedule`); None picks "pipelined" for disjoint, "sequential" for
-            collocated. Results do not depend on it, only timing does.
+            (`ray_dhp.step.schedule`); None picks "pipelined" when there is more than one
+            placement group, "sequential" for collocated. Results do not depend on it, only
+            timing does.
         timeout_s: timeout of collective operations, in seconds.
         node_local: ``"warn"`` or ``"strict"``: what to do when the workers' nodes force a
             sequence/tensor-parallel group across a node boundary (the ranks are otherwise ordered
@@ -160,7 +171,8 @@ class DHPConfig(BackendConfig):
     vision: ModuleParallel = field(default_factory=ModuleParallel)
     text: ModuleParallel = field(default_factory=ModuleParallel)
     audio: Optional[ModuleParallel] = None
-    placement: str = checked("collocated", choices=PLACEMENTS)
+    placement: Union[str, list] = "collocated"  # a shorthand or a grouping: see __post_init__
+    labels: Optional[dict] = None
     schedule: Optional[str] = checked(None, choices=(None,) + SCHEDULES)
     timeout_s: int = checked(1800, gt=0)
     node_local: str = checked("warn", choices=NODE_LOCAL)
@@ -193,16 +205,25 @@ class DHPConfig(BackendConfig):
                 f"DHPConfig.text.sequence_parallel={self.text.sequence_parallel!r}: for the text group it is "
                 "true/false (Megatron sequence parallelism over the text tensor_parallel ranks), not a degree."
             )
-        if self.placement not in PLACEMENTS:
-            raise ValueError(f"DHPConfig(placement={self.placement!r}): use one of {PLACEMENTS}.")
+        names = (*self.encoder_parallel(), "text")
+        groups = placement_groups(self.placement, names)
+        if not isinstance(self.placement, str):  # a grouping: the shorthand when it is one
+            short = {"collocated": placement_groups("collocated", names),
+                     "disjoint": placement_groups("disjoint", names)}
+            self.placement = next((k for k, v in short.items() if v == groups),
+                                  [list(g) for g in groups])
+        from ray_dhp.train.labels import check_labels
+
+        self.labels = check_labels(self.labels, names) or None
         if self.schedule is None:  # overlap the groups when they live on different workers
-            self.schedule = "pipelined" if self.placement == "disjoint" else "sequential"
+            self.schedule = "pipelined" if len(groups) > 1 else "sequential"
         if self.schedule not in SCHEDULES:
             raise ValueError(f"DHPConfig(schedule={self.schedule!r}): use one of {SCHEDULES}.")
         if self.node_local not in NODE_LOCAL:
             raise ValueError(f"DHPConfig(node_local={self.node_local!r}): use one of {NODE_LOCAL}.")
         check_fields(self, lambda k: f"DHPConfig.{k}")  # e.g. timeout_s > 0
         self.topology()  # validates the group sizes
+        self.label_selectors()  # the modules of a group ask for the same labels
         self.validate_model()
 
     # -- derived -------------------------------------------------------------------------------
@@ -235,6 +256,13 @@ class DHPConfig(BackendConfig):
             encoders=further,
             text_cp=self.text.context_parallel,
         )
+
+    def label_selectors(self) -> Optional[list]:
+        """Ray Train's per-worker ``label_selector`` (one per DHP rank) from ``labels``; None
+        without labels (`ray_dhp.train.labels`)."""
+        from ray_dhp.train.labels import worker_label_selectors
+
+        return worker_label_selectors(self.topology(), self.labels or {})
 
     @property
     def num_workers(self) -> int:
@@ -279,11 +307,11 @@ class DHPConfig(BackendConfig):
         need = self.num_workers
         if num_workers != need:
             t = self.topology()
-            how = (" = ".join(f"{m.name} {m.dp}x{m.inner}" for m in t.modules)
-                   if self.placement == "collocated"
-                   else " + ".join(f"{m.name} {m.size}" for m in t.modules))
+            how = " + ".join(" = ".join(f"{m.name} {m.dp}x{m.inner}" for m in g.modules)
+                             if len(g.modules) > 1 else f"{g.names[0]} {g.size}"
+                             for g in t.placement_groups())
             raise ValueError(
-                f"ScalingConfig(num_workers={num_workers}) does not match the {self.placement} "
+                f"ScalingConfig(num_workers={num_workers}) does not match the {t.placement} "
                 f"layout, which needs {need} workers ({how}); set num_workers={need} or change "
                 f"the {'/'.join(m.name for m in t.modules)} degrees."
             )
@@ -318,6 +346,7 @@ class DHPConfig(BackendConfig):
             **{name: vars(m) for name, m in self.encoder_parallel().items()},
             "text": vars(self.text),
             "placement": self.placement,
+            **({"labels": self.labels} if self.labels else {}),
             "schedule": self.schedule,
             "model": self.model if isinstance(self.model, str) else type(self.model).__name__,
         }

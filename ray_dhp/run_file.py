@@ -18,6 +18,7 @@ current directory when the file is loaded (Ray workers change directory).
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import asdict, dataclass
 from typing import Optional
@@ -91,13 +92,14 @@ class RunFile:
                              text=ModuleParallel(**asdict(self.text)),
                              **{name: ModuleParallel(**asdict(getattr(self, name)))
                                 for name in FURTHER_ENCODERS if getattr(self, name) is not None},
-                             placement=self.placement.mode, schedule=self.placement.schedule,
+                             placement=self.placement.mode, labels=self.placement.labels,
+                             schedule=self.placement.schedule,
                              timeout_s=self.placement.timeout_s,
                              node_local=self.placement.node_local)
         except ConfigError:
             raise
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        except ValueError as e:  # DHPConfig's ``labels`` key is placement.labels here
+            raise ConfigError(re.sub(r"(?<![\w.])labels\.", "placement.labels.", str(e))) from None
 
     def train_loop_config(self) -> dict:
         """``train_loop_config`` of the built-in loop (validated as a TrainLoopConfig; errors

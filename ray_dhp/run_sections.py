@@ -106,7 +106,7 @@ TextSection = make_dataclass(
                "__module__": __name__})
 
 PlacementSection = make_dataclass(
-    "PlacementSection", borrow(DHPConfig, ["mode", "schedule", "timeout_s", "node_local"],
+    "PlacementSection", borrow(DHPConfig, ["mode", "labels", "schedule", "timeout_s", "node_local"],
                                rename={"mode": "placement"}),
     namespace={"__doc__": "Where the module groups run (`placement: disjoint` is short for "
                           "`placement: {mode: disjoint}`).", "__module__": __name__})

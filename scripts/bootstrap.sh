@@ -15,8 +15,21 @@ _ray_dhp_install() (
   fi
   stamp="$venv/.ray_dhp_installed${extras:+_$extras}"
   if [ ! -f "$stamp" ] || [ "$root/setup.cfg" -nt "$stamp" ]; then
-    # torch first, pinned to the CPU wheel (a bare `torch` requirement would pull a CUDA build);
-    # setup.cfg's range admits 2.13, so the next step keeps it.
+    # torch pinned to 2.13.0 (where pip's find-links hold its CPU wheel, that wheel: a bare `torch`
+    # requirement would pull a CUDA build); setup.cfg's range admits 2.13, so it is kept.
+    # uv when it can be had (the same versions as pip, about 4x faster: ~45 s instead of ~150 s
+    # on 2 cores); it does not read pip's configuration, so pip's find-links are handed to it.
+    # pip otherwise, or if uv fails.
+    if "$venv/bin/pip" install -q --disable-pip-version-check "uv>=0.5,<1" >/dev/null 2>&1 \
+        && [ -x "$venv/bin/uv" ]; then
+      links=()
+      for d in ${PIP_FIND_LINKS:-} $("$venv/bin/pip" config get global.find-links 2>/dev/null); do
+        links+=(--find-links "$d")
+      done
+      "$venv/bin/uv" pip install -q --python "$venv/bin/python" "${links[@]}" "torch==2.13.0" \
+        -e "$root${extras:+[$extras]}" && { touch "$stamp"; exit 0; }
+      echo "scripts/bootstrap.sh: uv could not install; using pip" >&2
+    fi
     "$venv/bin/pip" install -q --disable-pip-version-check "torch==2.13.0" || exit 1
     "$venv/bin/pip" install -q --disable-pip-version-check -e "$root${extras:+[$extras]}" || exit 1
     touch "$stamp" || exit 1

@@ -5,8 +5,13 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/bootstrap.sh" "test"
 cd "$ROOT"
+# RAY_DHP_TEST_WORKERS pytest processes (pytest-xdist, default 2: one per core of the 2-core CI
+# machine; 1 runs in one process); the Ray end-to-end cases keep to one of them (tests/conftest.py)
+workers="${RAY_DHP_TEST_WORKERS:-2}"
+xdist=()
+if [ "$workers" -gt 1 ]; then xdist=(-n "$workers" --dist loadgroup); fi
 set +e
-python -m pytest -q -p no:cacheprovider "$@"
+python -m pytest -q -p no:cacheprovider "${xdist[@]}" "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

@@ -12,6 +12,9 @@ if os.environ.get(THREADS_ENV):
     torch.set_num_threads(rank_threads())
 
 
+RAY_GROUP_DIRS = ("tests/ray/",)
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark the cases of `tests.default_suite.DEMOTED` slow (see there why each may leave the
     default run). When the whole suite is collected, every entry must name a collected test."""
@@ -23,6 +26,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in DEMOTED:
             item.add_marker(pytest.mark.slow)
+        if item.nodeid.startswith(RAY_GROUP_DIRS):
+            # under pytest-xdist (`--dist loadgroup`, scripts/test.sh) the Ray end-to-end cases
+            # share one worker: one session Ray, started once, and never two Ray-started runs
+            # of ours at a time on a 2-core machine
+            item.add_marker(pytest.mark.xdist_group("ray"))
     whole = [str(a) for a in config.args] in ([], ["tests"]) or config.args == [str(config.rootpath / "tests")]
     missing = sorted(set(DEMOTED) - ids)
     if whole and missing:

@@ -57,7 +57,7 @@ logger = logging.getLogger(__name__)
 
 def model_state(engine) -> dict:
     """This rank's parameters by Hugging Face name (each encoder under its family's prefix,
-    e.g. ``model.visual.``, InternVL's ``model.`` over its two parts, ``model.audio_tower.``);
+    e.g. ``model.visual.``, ``model.`` for a vision side of two parts, ``model.audio_tower.``);
     DTensors stay sharded. Detached views: DCP loads into them in place. Under a policy with
     fp32 masters (bf16_mixed) these are the masters the rank updates, so a resume is exact."""
     out = {}

@@ -182,7 +182,7 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
         *([f"frozen (optim.modules): vision {_num(counts.vision_frozen)}, text "
            f"{_num(counts.text_frozen)}"] if counts.vision_frozen or counts.text_frozen else []),
         f"workers: {num_workers} (scaling.use_gpu={rf.scaling.use_gpu})",
-        "layout:", topo.describe(), "meshes:", *_meshes(topo),
+        "layout:", topo.describe(), *_labels_lines(rf, topo), "meshes:", *_meshes(topo),
         "",
         f"precision (optim.precision): {policy.describe()}",
         "per-rank model state (held by the rank; masters and AdamW moments only for what it "
@@ -282,16 +282,28 @@ def _ranks_text(ranks: list) -> str:
     return ", ".join(map(str, ranks)) if len(ranks) <= 8 else f"{ranks[0]}-{ranks[-1]}"
 
 
+def _labels_lines(rf, topo) -> list:
+    """Which nodes each placement group's workers run on (placement.labels), or nothing."""
+    from ray_dhp.train.labels import group_labels
+
+    if not rf.placement.labels:
+        return []
+    return ["node labels (placement.labels; Ray Train's per-worker label_selector):"] + [
+        f"  ranks {g.ranks[0]}-{g.ranks[-1]} [{'+'.join(g.names)}]: "
+        + (", ".join(f"{k}={v}" for k, v in sel.items()) or "any node")
+        for g, sel in group_labels(topo, rf.placement.labels)]
+
+
 def nodes_text(rf, *, nodes: int, gpus_per_node: int, vision_tokens: int, text_tokens: int,
                attention: str = "flash",
                internode_bw: float = 45e9, audio_seconds: float = 30.0) -> str:
     """The node view of `ray-dhp plan --nodes N --gpus-per-node G`: which DHP ranks share a node
-    (as the backend orders them, `ray_dhp.parallel.topology.node_local_order`) and, per collective, the
+    (as the backend orders them, `ray_dhp.parallel.nodes.node_local_order`) and, per collective, the
     bytes one rank sends per optimizer step and whether its groups cross the node boundary."""
     from ray_dhp.cli.schema import ConfigError
     from ray_dhp.models.sizes import count_params
     from ray_dhp.planning.recommend import Layout, Workload
-    from ray_dhp.parallel.topology import node_local_order, nodes_by_rank
+    from ray_dhp.parallel.nodes import node_local_order, nodes_by_rank
     from ray_dhp.planning.traffic import collective_bytes, collective_groups
 
     dhp = rf.dhp_config()
@@ -301,6 +313,10 @@ def nodes_text(rf, *, nodes: int, gpus_per_node: int, vision_tokens: int, text_t
     if topo.world_size > nodes * gpus_per_node:
         raise ConfigError(f"the layout needs {topo.world_size} workers but {nodes} node(s) x "
                           f"{gpus_per_node} GPU(s) hold {nodes * gpus_per_node}.")
+    if topo.placement not in ("collocated", "disjoint"):
+        raise ConfigError(f"--nodes: the cost model plans the collocated and disjoint placements "
+                          f"only; placement.mode={dhp.placement!r} (a grouping) has no traffic "
+                          "model yet. Plan it without --nodes (ranks, meshes, memory).")
     slots = [k for k in range(nodes) for _ in range(gpus_per_node)][:topo.world_size]
     node_of = nodes_by_rank(node_local_order(topo, slots), slots)
     a = topo.encoder("audio")

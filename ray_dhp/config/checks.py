@@ -77,12 +77,19 @@ def coerce(value: Any, type_, dotted: str) -> Any:
     """``value`` converted to the annotated type, or ConfigError naming ``dotted``."""
     name = type_ if isinstance(type_, str) else getattr(type_, "__name__", str(type_))
     if name.startswith("Union["):  # Union[int, bool]: a bool stays a bool, else the first type
+        # that takes the value
         members = [m.strip() for m in name[len("Union["):-1].split(",")]
         if isinstance(value, bool) and "bool" in members:
             return value
         if value is None:
             raise ConfigError(f"{dotted}: null is not allowed here; give a {' or '.join(members)}.")
-        return coerce(value, members[0], dotted)
+        first = None
+        for m in members:  # the first type that takes the value (Union[str, list]: a grouping)
+            try:
+                return coerce(value, m, dotted)
+            except ConfigError as e:
+                first = first or e
+        raise first
     base, optional = _parse_type(type_)
     if base is str and isinstance(value, os.PathLike):
         value = os.fspath(value)

@@ -1,4 +1,4 @@
-"""Audio items of LLaVA-style records: reading, decoding and log-mel features (Qwen2.5-Omni).
+"""Audio items of LLaVA-style records: reading, decoding and log-mel features.
 
 A record names its clips under ``"audio"`` (a path, or a list of paths, relative to the data
 root) and its user turns hold one ``<audio>`` placeholder per clip, in order::
@@ -10,17 +10,16 @@ root) and its user turns hold one ``<audio>`` placeholder per clip, in order::
 * Decoding: PyAV (FFmpeg inside its wheel: wav, flac, mp3, ogg, m4a, ...), the first audio
   stream, down-mixed to mono and resampled by FFmpeg's ``swresample`` to the feature extractor's
   ``sampling_rate``, as float32 in [-1, 1].
-* Features: the processor's own feature extractor (Whisper's log-mel: ``n_fft``, ``hop_length``,
-  ``feature_size`` mel bins; numpy only, no librosa), called as ``Qwen2_5OmniProcessor`` calls it
+* Features: the processor's own feature extractor (a log-mel one: ``n_fft``, ``hop_length``,
+  ``feature_size`` mel bins; numpy only, no librosa), called as the model's processor calls it
   (``padding="max_length"``, attention mask on). The clip is padded with zeros to a hop multiple
   at least ``n_fft`` samples past its end instead of to the extractor's 30 s / 300 s window: the
   frames under the mask see the same samples and the same clamp (``max - 8`` of the whole
   spectrogram, which padding frames never raise), so they are the stock values bit for bit
   (``tests/unit/test_audio.py``) at a fraction of the work.
-* One clip becomes ``frames = ceil(samples / hop_length)`` feature columns and
-  ``audio_tokens(frames)`` ``<|AUDIO|>`` pads (the Omni encoder's two stride-2 stages,
-  `ray_dhp.models.qwen2_5_omni.audio_tokens`), placed between ``<|audio_bos|>`` and
-  ``<|audio_eos|>``.
+* One clip becomes ``frames = ceil(samples / hop_length)`` feature columns and one audio pad
+  (`PromptFormat.pads`) per row the audio encoder makes of them (its operations' ``clip_rows``,
+  `ray_dhp.models.encoder_operations`), inside the format's audio item.
 
 Bad clips are bad samples (``AudioError`` -> `ray_dhp.data.sample.BadSample`, counted and
 skipped like bad images): a missing or unreadable file, no audio stream, an empty clip, a clip
@@ -37,14 +36,12 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ray_dhp.models.qwen2_5_omni import audio_tokens
 
-__all__ = ["AUDIO_PLACEHOLDER", "AUDIO_PAD", "AudioError", "AudioSettings", "audio_paths",
+__all__ = ["AUDIO_PLACEHOLDER", "AudioError", "AudioSettings", "audio_paths",
            "decode_audio", "audio_features", "encode_audio", "find_audio_record",
            "record_audio", "refusal", "refuse_audio"]
 
 AUDIO_PLACEHOLDER = "<audio>"
-AUDIO_PAD = "<|AUDIO|>"
 
 
 class AudioError(Exception):
@@ -161,10 +158,10 @@ def find_audio_record(path, chunk: int = 64 << 20) -> Optional[int]:
 
 
 def record_audio(data: dict, data_root, n_placeholders: int, feature_extractor,
-                 settings: AudioSettings):
+                 settings: AudioSettings, pad: str):
     """A record's clips, checked against its ``<audio>`` count: ``(features [n_mels, frames
-    summed over the clips], frames per clip [n_clips], one pad string per clip)``, or
-    ``(None, None, [])`` for a record without audio."""
+    summed over the clips], frames per clip [n_clips], one pad string per clip: ``pad`` once per
+    row the audio encoder makes of it)``, or ``(None, None, [])`` for a record without audio."""
     paths = audio_paths(data, data_root)
     if n_placeholders != len(paths):
         raise AudioError(f"audio count mismatch: {n_placeholders} <audio> placeholder(s) but "
@@ -173,10 +170,14 @@ def record_audio(data: dict, data_root, n_placeholders: int, feature_extractor,
         return None, None, []
     if feature_extractor is None:
         raise AudioError("no feature extractor: the record has audio but the processor has no "
-                         "audio feature extractor (a Qwen2.5-Omni processor has one)")
+                         "audio feature extractor (the processor of a model with an audio "
+                         "encoder has one)")
     feats = [encode_audio(p, feature_extractor, settings) for p in paths]
     lengths = torch.tensor([f.shape[1] for f in feats], dtype=torch.long)
-    pads = [AUDIO_PAD * int(audio_tokens(n)) for n in lengths.tolist()]
+    from ray_dhp.models import encoder_operations
+
+    clip_rows = encoder_operations("audio").clip_rows
+    pads = [pad * int(clip_rows(n)) for n in lengths.tolist()]
     return torch.cat(feats, dim=1), lengths, pads
 
 

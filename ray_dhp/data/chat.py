@@ -3,23 +3,22 @@
 Both renderers share one contract: ``render(messages, system_prompt) -> (text, spans)``.
 ``messages`` are ``(role, text)`` turns (roles system/user/assistant) whose user and system texts
 hold ``<image>`` placeholders; ``text`` is the rendered conversation with one image-pad token
-(``<|image_pad|>``) per image, which the caller expands to the image's pad count
-(`expand_pads`, as transformers' Qwen-VL processors do); ``spans`` are the ``[start, end)``
-character ranges of each assistant reply: its content and the end-of-turn token ``<|im_end|>``,
-not what the template writes after it (a newline).
+per image, which the caller expands to the image's pad count (`expand_pads`, as transformers'
+processors do); ``spans`` are the ``[start, end)`` character ranges of each assistant reply: its
+content and the end-of-turn token, not what the template writes after it (a newline). The
+tokens are the family's (`ray_dhp.models.prompt_format.PromptFormat`).
 
 * `TemplateRenderer`: the model's own chat template (the processor's or the tokenizer's
   ``chat_template``, rendered by ``tokenizer.apply_chat_template``), so the prompt is what the
-  model was tuned on, e.g. the default system prompt of the Qwen2/2.5-VL-Instruct templates. A
+  model was tuned on, e.g. the default system prompt of an instruct model's template. A
   reply is located by rendering the conversation up to it (ending with the generation prompt)
   and up to its end: both must be prefixes of the whole rendering, and the reply is what lies
-  between them, up to and including the first ``<|im_end|>``.
-* `QwenFormat`: ray_dhp's own Qwen chat format (no default system prompt), used only when the
-  processor has no chat template.
+  between them, up to and including the first end-of-turn token.
+* `OwnFormat`: ray_dhp's own rendering in the family's turn markup (no default system prompt),
+  used only when the processor has no chat template.
 
 ``system_prompt``: None = the template's default (our format: none); ``""`` = no system message
-where the template allows it (a template that always writes one, like Qwen2-VL's, gets an empty
-one); any other text = that system message. A conversation with its own system turn keeps it.
+where the template allows it (a template that always writes one gets an empty one); any other text = that system message. A conversation with its own system turn keeps it.
 """
 
 from __future__ import annotations
@@ -27,17 +26,12 @@ from __future__ import annotations
 import re
 
 __all__ = ["IMAGE_PLACEHOLDER", "VIDEO_PLACEHOLDER", "AUDIO_PLACEHOLDER", "ChatTemplateError", "TemplateRenderer",
-           "QwenFormat", "expand_pads", "placeholder_kinds"]
+           "OwnFormat", "expand_pads", "placeholder_kinds"]
 
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
-AUDIO_PLACEHOLDER = "<audio>"  # Qwen2.5-Omni: `ray_dhp.data.audio`
-IMAGE_PAD = "<|image_pad|>"
-VIDEO_PAD = "<|video_pad|>"
-AUDIO_PAD = "<|AUDIO|>"
-AUDIO_ITEM = "<|audio_bos|><|AUDIO|><|audio_eos|>"  # how Qwen2.5-Omni's template writes a clip
+AUDIO_PLACEHOLDER = "<audio>"  # a model with an audio encoder: `ray_dhp.data.audio`
 _PLACEHOLDER = re.compile("(<image>|<video>|<audio>)")
-EOS = "<|im_end|>"
 
 
 class ChatTemplateError(ValueError):
@@ -80,13 +74,12 @@ class TemplateRenderer:
     Args:
         tokenizer: the tokenizer that renders the template.
         chat_template: the template text.
-        end_of_turn: the token that closes a reply (trained; what follows it is not). Qwen's
-            ``<|im_end|>`` whatever the tokenizer's eos token is (base Qwen2-VL checkpoints
-            name ``<|endoftext|>`` as eos); None: the reply is all the template writes for
-            the turn.
+        end_of_turn: the token that closes a reply (trained; what follows it is not): the
+            family's (`PromptFormat.end_of_turn`) whatever the tokenizer's eos token is; None:
+            the reply is all the template writes for the turn.
     """
 
-    def __init__(self, tokenizer, chat_template: str, end_of_turn: str = EOS):
+    def __init__(self, tokenizer, chat_template: str, end_of_turn):
         self.tokenizer, self.chat_template, self.eos = tokenizer, chat_template, end_of_turn
         self._omits_system = None
 
@@ -136,34 +129,37 @@ class TemplateRenderer:
         return whole, spans
 
 
-class QwenFormat:
-    """ray_dhp's own Qwen chat format: ``<|im_start|>{role}\\n{text}<|im_end|>\\n`` per turn, no
-    default system prompt, each ``<image>`` replaced in place by
-    ``<|vision_start|><|image_pad|><|vision_end|>``."""
+class OwnFormat:
+    """ray_dhp's own rendering in a family's turn markup (``fmt``: its `PromptFormat`):
+    ``turn_head`` + text + ``end_of_turn`` + ``turn_tail`` per turn, no default system prompt,
+    each ``<image>`` / ``<video>`` / ``<audio>`` replaced in place by the format's item."""
 
     chat_template = None
 
+    def __init__(self, fmt):
+        self.fmt = fmt
+
     def render(self, messages: list, system_prompt=None) -> tuple[str, list]:
         parts, spans, pos = [], [], 0
+        fmt = self.fmt
         for role, text in _with_system(messages, system_prompt or None):
             if role != "assistant":
-                text = text.replace(IMAGE_PLACEHOLDER, f"<|vision_start|>{IMAGE_PAD}<|vision_end|>")
-                text = text.replace(VIDEO_PLACEHOLDER, f"<|vision_start|>{VIDEO_PAD}<|vision_end|>")
-                text = text.replace(AUDIO_PLACEHOLDER, AUDIO_ITEM)
-            head, body = f"<|im_start|>{role}\n", f"{text}{EOS}"
+                for ph in (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, AUDIO_PLACEHOLDER):
+                    text = text.replace(ph, fmt.item(ph[1:-1]))
+            head, body = fmt.turn_head.format(role=role), f"{text}{fmt.end_of_turn}"
             if role == "assistant":
                 spans.append((pos + len(head), pos + len(head) + len(body)))
-            parts.append(f"{head}{body}\n")
+            parts.append(f"{head}{body}{fmt.turn_tail}")
             pos += len(parts[-1])
         return "".join(parts), spans
 
 
-def expand_pads(text: str, spans: list, images: list, videos: list,
-                audios: tuple = (), pads: tuple = (IMAGE_PAD, VIDEO_PAD, AUDIO_PAD)) -> tuple[str, list]:
-    """Replace the i-th ``<|image_pad|>`` of ``text`` by ``images[i]``, the i-th
-    ``<|video_pad|>`` by ``videos[i]`` and the i-th ``<|AUDIO|>`` by ``audios[i]`` (the
-    replacement strings) and move ``spans`` along. ``pads``: the image, video and audio
-    placeholders the template writes (None: that kind has none; a model's own processor's
+def expand_pads(text: str, spans: list, images: list, videos: list, audios: tuple,
+                pads: tuple) -> tuple[str, list]:
+    """Replace the i-th image pad of ``text`` by ``images[i]``, the i-th video pad by
+    ``videos[i]`` and the i-th audio pad by ``audios[i]`` (the replacement strings) and move
+    ``spans`` along. ``pads``: the image, video and audio placeholders the template writes
+    (None: that kind has none; `PromptFormat.pads`, or a model's own processor's
     ``image_token``, `ray_dhp.data.model_processor`).
 
     Raises:

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from ray_dhp.data.sample import IGNORE_INDEX, Sample
-from ray_dhp.models.qwen2_5_omni import audio_inputs
+from ray_dhp.models import encoder_operations
 from ray_dhp.models.vision_encoder import item_kinds, row_modalities
 
 __all__ = ["pad_text_batch", "pack_text_batch", "pack_rows", "row_modalities", "sample_positions"]
@@ -70,7 +70,7 @@ def pad_text_batch(samples: Sequence[Sample], pad_id: int, *, pad_to_multiple_of
         of `_images`: ``image_grid_thw`` / ``pixel_values`` (the images' grids and patches in
         batch order; pixels None if one of them comes without pixels), ``video_grid_thw`` /
         ``pixel_values_videos`` / ``second_per_grid_ts`` for the videos, and the audio inputs
-        of `ray_dhp.models.qwen2_5_omni.audio_inputs` (``input_features`` / ``feature_attention_mask``).
+        of the audio encoder's ``collate`` (``input_features`` / ``feature_attention_mask``).
     """
     if not samples:
         raise ValueError("pad_text_batch needs at least one sample")
@@ -83,7 +83,7 @@ def pad_text_batch(samples: Sequence[Sample], pad_id: int, *, pad_to_multiple_of
         "mm_token_type_ids": _pad([s.mm_token_type_ids for s in samples], length, 0),
     }
     batch.update(_images(samples))
-    batch.update(audio_inputs(samples))
+    batch.update(encoder_operations("audio").collate(samples))
     return batch
 
 
@@ -141,7 +141,7 @@ def pack_text_batch(samples: Sequence[Sample], pad_id: int, max_tokens: Optional
     sample boundary, and the last token of a sample has no target.
 
     The block-diagonal causal attention comes from transformers' packed-sequence detection:
-    pass ``position_ids`` and **no** 2-D ``attention_mask`` to the Qwen-VL model; its first row
+    pass ``position_ids`` and **no** 2-D ``attention_mask`` to an M-RoPE model; its first row
     (text positions, 0..n-1 per sample) restarts at each sample, from which
     ``masking_utils.create_causal_mask`` builds the mask for sdpa, eager and flex attention.
     (Flash-attention kernels detect packing from positions only for a single row.)

@@ -7,15 +7,15 @@ file and field of each side:
 * the image processor is there (``preprocessor_config.json``) when the model has a vision tower,
   and its ``patch_size``, ``temporal_patch_size`` and ``merge_size`` equal the vision config's
   ``patch_size``, ``temporal_patch_size`` and ``spatial_merge_size``;
-* the tokenizer's ids of ``<|image_pad|>``, ``<|video_pad|>``, ``<|vision_start|>`` and
-  ``<|vision_end|>`` equal the config's ``image_token_id``, ``video_token_id``,
-  ``vision_start_token_id``, ``vision_end_token_id``;
+* the tokenizer's ids of the format's image/video pads and vision start/end tokens equal the
+  config's ``image_token_id``, ``video_token_id``, ``vision_start_token_id``,
+  ``vision_end_token_id`` (`PromptFormat.config_ids`);
 * every token id the tokenizer can produce is a row of the embedding (``vocab_size``);
 * the special tokens the chat template writes (``<|...|>``) are tokens of the tokenizer.
 
 `check_run_processor` is what ``ray-dhp plan``/``config``/``train`` and `DisaggregatedTrainer`
 call (one load per directory and process); it returns the notes the driver prints before
-training (no chat template: ray_dhp's own Qwen format renders the prompts).
+training (no chat template: ray_dhp's own format renders the prompts).
 """
 
 from __future__ import annotations
@@ -30,10 +30,6 @@ __all__ = ["check_processor_fits", "check_run_processor", "processor_notes"]
 
 _GEOMETRY = (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
              ("merge_size", "spatial_merge_size"))
-_TOKENS = (("image_pad", "<|image_pad|>", "image_token_id"),
-           ("video_pad", "<|video_pad|>", "video_token_id"),
-           ("vision_start", "<|vision_start|>", "vision_start_token_id"),
-           ("vision_end", "<|vision_end|>", "vision_end_token_id"))
 _CACHE: dict = {}
 
 
@@ -81,11 +77,11 @@ def check_processor_fits(processor, config, *, processor_at: str, model_at: str)
     tok = processor.tokenizer
     if "image" in processor.ids:  # the model's own processor (`ray_dhp.data.model_processor`)
         _check_model_processor(processor, config, processor_at, model_file)
-    for key, token, field in _TOKENS:
+    for key, field in processor.format.config_ids:  # the family's (`PromptFormat.config_ids`)
         want, where = _config_value(config, field)
         if key not in processor.ids:
             continue
-        got = processor.ids[key]
+        got, token = processor.ids[key], processor.format.token(key)
         if want is not None and got != want:
             raise ConfigError(f"{processor_at}: the tokenizer gives {token} the id {got} but "
                               f"{model_file} {where}={want}; the tokenizer belongs to another "
@@ -110,7 +106,8 @@ def processor_notes(processor, processor_at: str) -> list:
         return []
     return [f"ray_dhp: {processor_at} has no chat template (none of chat_template.jinja, "
             "chat_template.json, processor_config.json or tokenizer_config.json holds one); the "
-            "prompts are rendered in ray_dhp's own Qwen format, without a default system prompt."]
+            "prompts are rendered in ray_dhp's own format of the family's turn markup, without a "
+            "default system prompt."]
 
 
 def _fingerprint(path: str) -> tuple:
@@ -165,7 +162,7 @@ def _check_model_processor(processor, config, processor_at: str, model_file: str
                           f"{list(processor.ids['image'])} but {model_file} {where}={want}; the "
                           "processor belongs to another model.")
     image = Image.new("RGB", (64, 48))
-    pixels, grid, reps = processor._encode_images([image])
+    pixels, grid, reps = processor.encode_images([image])
     tiled = processor.image_processor(images=[image], return_tensors="pt").get("image_grid_thw") is None
     rows = int(grid.prod(-1)[0]) // processor.merge_size ** 2
     size = getattr(getattr(config, "vision_config", None), "image_size", None)

@@ -1,4 +1,4 @@
-"""Decoding one image file the way transformers loads images for a Qwen-VL model.
+"""Decoding one image file the way transformers loads images for a VLM.
 
 `load_image` returns what the image processor should see: the decoded image turned upright by
 its EXIF orientation tag (``PIL.ImageOps.exif_transpose``, as ``transformers.image_utils.

@@ -42,7 +42,7 @@ import torch
 
 from ray_dhp.data.chat import (AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER,
                                TemplateRenderer)
-from ray_dhp.data.processing import VLProcessor, as_vl_processor
+from ray_dhp.data.processing import VLProcessor, as_vl_processor, pick_template
 from ray_dhp.data.sample import BadSample
 from ray_dhp.data.tiles import tile_rows
 
@@ -83,15 +83,13 @@ class ModelProcessor(VLProcessor):
             raise ValueError(f"{type(processor).__name__} lacks {', '.join(missing)}: not a "
                              "transformers multimodal processor")
         self.processor, self.patch_size = processor, patch_size
-        template = chat_template or getattr(processor, "chat_template", None)
-        if isinstance(template, dict):
-            template = template.get("default")
+        template = pick_template(chat_template, processor)
         if not template and not getattr(processor.tokenizer, "chat_template", None):
             raise ValueError(f"{type(processor).__name__} has no chat template (the model's own "
                              "prompt format is what this processor renders)")
-        self.pads = (processor.image_token, None, None)
         super().__init__(processor.tokenizer, processor.image_processor,
                          system_prompt=system_prompt, chat_template=template)
+        self.pads = (processor.image_token, None, None)
         self.merge_size = merge_size
 
     # -- the hooks of VLProcessor -------------------------------------------------------------
@@ -116,7 +114,7 @@ class ModelProcessor(VLProcessor):
             self.processor.all_special_multimodal_tokens)
         return sorted(w for w in words if w and w not in ours)
 
-    def _encode_images(self, images: list):
+    def encode_images(self, images: list):
         if not images:
             return None, None, []
         try:
@@ -188,7 +186,7 @@ def run_processor(spec, model) -> VLProcessor:
     except ValueError:  # a model ray_dhp refuses (the driver says why)
         return as_vl_processor(spec)
     if not family.model_processor:
-        return as_vl_processor(spec)
+        return as_vl_processor(spec, family.prompt_format)
     geometry = dict(patch_size=config.vision_config.patch_size, merge_size=family.merge_size(config))
     if not isinstance(spec, (str, os.PathLike)):
         return ModelProcessor(spec, **geometry) if hasattr(spec, "replace_image_token") \

@@ -1,7 +1,7 @@
-"""``min_pixels`` / ``max_pixels``: the area the Qwen-VL image processors resize each image into.
+"""``min_pixels`` / ``max_pixels``: the area a resizing image processor resizes each image into.
 
-The processor (transformers' ``smart_resize``) rounds each side to a multiple of
-``patch_size * merge_size`` (28 px for Qwen2/2.5-VL, 32 px for Qwen3-VL) and scales the image so
+The processor (its resize rule, `PromptFormat.resize`) rounds each side to a multiple of
+``patch_size * merge_size`` (e.g. 28 or 32 px) and scales the image so
 its area lies within ``[min_pixels, max_pixels]`` (``size = {"shortest_edge": min_pixels,
 "longest_edge": max_pixels}``). The values need not be multiples of anything, but an image never
 gets smaller than one merged patch unit, so ``max_pixels`` below ``(patch * merge)**2`` cannot be
@@ -56,7 +56,7 @@ def check_pixel_limits(min_pixels, max_pixels, *, unit: Optional[int] = None,
 
 
 def with_pixel_limits(image_processor, min_pixels=None, max_pixels=None):
-    """A copy of the Qwen-VL ``image_processor`` that resizes into ``[min_pixels, max_pixels]``
+    """A copy of the resizing ``image_processor`` that resizes into ``[min_pixels, max_pixels]``
     (None keeps the processor's own limit); the processor itself when both are None."""
     if min_pixels is None and max_pixels is None:
         return image_processor

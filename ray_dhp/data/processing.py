@@ -1,30 +1,28 @@
-"""Turning one LLaVA record into model inputs for the Qwen-VL families.
+"""Turning one LLaVA-format record into model inputs for the families whose samples ray_dhp
+makes itself; the family's tokens and turn markup are its `ray_dhp.models.prompt_format.PromptFormat`.
 
 The processor renders the conversation with the model's own chat template when the processor (or
-its tokenizer) has one, else in ray_dhp's own Qwen chat format (`ray_dhp.data.chat`); it knows
-exactly which characters belong to assistant replies, tokenizes the whole text once with
-offsets, and labels the tokens inside those spans.
+its tokenizer) has one, else in ray_dhp's own rendering of the family's turn markup
+(`ray_dhp.data.chat`); it knows exactly which characters belong to assistant replies, tokenizes
+the whole text once with offsets, and labels the tokens inside those spans.
 
 Conventions (HF, unshifted labels):
 
 * ``labels`` are -100 everywhere except the assistant turns' content tokens and their closing
-  ``<|im_end|>``. The newline the template writes after ``<|im_end|>`` is *not* trained (the
-  model should stop at ``<|im_end|>``, the eos token); nor are ``<|im_start|>assistant\\n``
-  headers, system/user turns, or image tokens. A token straddling the edge of an assistant
-  span (possible only if the content starts with whitespace that merges with the header's
-  newline) is left untrained.
+  end-of-turn token. The newline the template writes after it is *not* trained (the model
+  should stop at the end-of-turn token); nor are turn headers, system/user turns, or image
+  tokens. A token straddling the edge of an assistant span (possible only if the content starts
+  with whitespace that merges with the header's newline) is left untrained.
 * ``mm_token_type_ids`` follows transformers' ``ProcessorMixin.create_mm_token_type_ids``:
-  1 at ``<|image_pad|>``, 2 at ``<|video_pad|>``, 0 elsewhere (``<|vision_start|>`` and
-  ``<|vision_end|>`` are text, 0). The Qwen-VL models need it to build M-RoPE positions.
-* Each ``<image>`` placeholder becomes an image item of its message, which the Qwen templates
-  render as ``<|vision_start|><|image_pad|><|vision_end|>``; the pad is then repeated
-  ``grid_t*grid_h*grid_w / merge**2`` times, as transformers' Qwen-VL processors do.
-* Each ``<video>`` placeholder becomes a video item (``<|vision_start|><|video_pad|>
-  <|vision_end|>``), decoded and sampled as qwen-vl-utils does (`ray_dhp.data.video`); its pad
-  is repeated ``t*h*w / merge**2`` times, or, for processors that render frame timestamps
-  (Qwen3-VL: ``video_timestamps``), replaced as Qwen3-VL's processor does by
-  ``<{t:.1f} seconds><|vision_start|>`` + one frame group's pads + ``<|vision_end|>`` per
-  temporal patch, ``t`` the mean time of its frames.
+  1 at the image pad, 2 at the video pad, 0 elsewhere (the vision start/end tokens are text,
+  0). M-RoPE models need it to build their positions.
+* Each ``<image>`` placeholder becomes an image item of its message, which the template renders
+  with one image pad; the pad is then repeated ``grid_t*grid_h*grid_w / merge**2`` times, as
+  transformers' processors do.
+* Each ``<video>`` placeholder becomes a video item, decoded and sampled by `ray_dhp.data.video`;
+  its pad is repeated ``t*h*w / merge**2`` times, or, for processors that render frame
+  timestamps (``video_timestamps``), replaced by one timed frame group per temporal patch
+  (`PromptFormat.timed_frame`), ``t`` the mean time of its frames.
 * A record's visual items (images and videos) are kept in placeholder order: ``pixel_values``
   and ``image_grid_thw`` of a `Sample` hold all of them (the vision tower computes a video like
   a series of images), ``modalities`` says which is which; `ray_dhp.data.collate` splits them
@@ -34,91 +32,96 @@ Conventions (HF, unshifted labels):
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ray_dhp.data.chat import (AUDIO_PAD, AUDIO_PLACEHOLDER, IMAGE_PAD, IMAGE_PLACEHOLDER, VIDEO_PAD,
-                               VIDEO_PLACEHOLDER, ChatTemplateError, QwenFormat, TemplateRenderer,
-                               expand_pads, placeholder_kinds)
+from ray_dhp.data.chat import (AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER,
+                               ChatTemplateError, OwnFormat, TemplateRenderer, expand_pads,
+                               placeholder_kinds)
 from ray_dhp.data.images import ImageError, load_image
 from ray_dhp.data.reading import Record
 from ray_dhp.data.sample import IGNORE_INDEX, BadSample, Sample, _image_paths, _messages
 from ray_dhp.data.video import VideoError, video_sources
+from ray_dhp.models.prompt_format import DEFAULT_PROMPT_FORMAT
 
-__all__ = ["VLProcessor", "as_vl_processor"]
+__all__ = ["VLProcessor", "as_vl_processor", "pick_template"]
 
 # the placeholder kinds (`placeholder_kinds`) whose items the vision side computes
 VISUAL_KINDS = ("image", "video")
 
-_SPECIAL = (
-    ("im_start", "<|im_start|>"), ("im_end", "<|im_end|>"),
-    ("vision_start", "<|vision_start|>"), ("vision_end", "<|vision_end|>"),
-    ("image_pad", "<|image_pad|>"), ("video_pad", "<|video_pad|>"),
-)
+
+def pick_template(chat_template, owner):
+    """The chat template to render with: ``chat_template``, else ``owner``'s (a processor's or a
+    tokenizer's ``chat_template``); of several named templates, the default one."""
+    template = chat_template or getattr(owner, "chat_template", None)
+    if isinstance(template, dict):  # several named templates: the default one
+        template = template.get("default")
+    return template
 
 
 class VLProcessor:
-    """Tokenizer + image processor for Qwen-VL training samples (see module docstring).
+    """Tokenizer + image processor for training samples (see module docstring).
 
     Args:
-        tokenizer: a fast tokenizer with the Qwen special tokens (``<|im_start|>``,
-            ``<|im_end|>``, ``<|vision_start|>``, ``<|vision_end|>``, ``<|image_pad|>``).
-        image_processor: a Qwen2-VL style image processor (``patch_size``, ``merge_size``), or
+        tokenizer: a fast tokenizer with the format's special tokens (`PromptFormat.special`).
+        image_processor: a resizing image processor (``patch_size``, ``merge_size``), or
             None for text-only data.
         system_prompt: system message of conversations that have none: None = the chat
-            template's default (Qwen2/2.5-VL-Instruct: "You are a helpful assistant."; our own
-            format: none), "" = none where the template allows it (else an empty one), text =
-            that message.
+            template's default (e.g. "You are a helpful assistant."; our own format: none),
+            "" = none where the template allows it (else an empty one), text = that message.
         chat_template: the Jinja chat template to render with (default: the tokenizer's); with
-            neither, ray_dhp's own Qwen format is used (`uses_chat_template` is then False).
-        video: the frame sampling of videos (`ray_dhp.data.video.VideoSettings`; default
-            qwen-vl-utils' defaults).
-        video_timestamps: render each video's frame groups with their timestamps, as
-            Qwen3-VL's processor does (`load_processor` sets it for Qwen3-VL processors).
-        feature_extractor: the audio feature extractor (Qwen2.5-Omni's Whisper log-mel), or
-            None: records with ``"audio"`` are then bad samples.
+            neither, ray_dhp's own rendering is used (`uses_chat_template` is then False).
+        video: the frame sampling of videos (`ray_dhp.data.video.VideoSettings`).
+        video_timestamps: render each video's frame groups with their timestamps
+            (`load_processor` sets it for the processors that do, `PromptFormat`).
+        feature_extractor: the audio feature extractor (a log-mel extractor), or None: records
+            with ``"audio"`` are then bad samples.
         audio: how clips are read (`ray_dhp.data.audio.AudioSettings`).
+        prompt_format: the family's `PromptFormat` (default: the hand-written families').
     """
 
     chat_source = None  # the file the chat template came from (`load_processor`), if known
 
     def __init__(self, tokenizer, image_processor=None, *, system_prompt: str | None = None,
                  chat_template: str | None = None, video=None, video_timestamps: bool = False,
-                 feature_extractor=None, audio=None):
+                 feature_extractor=None, audio=None, prompt_format=None):
         from ray_dhp.data.audio import AudioSettings
         from ray_dhp.data.video import VideoSettings
 
+        self.format = prompt_format if prompt_format is not None else DEFAULT_PROMPT_FORMAT
+        #: the strings a rendered prompt holds once per image / video / audio item (`expand_pads`)
+        self.pads = self.format.pads
         self.tokenizer, self.image_processor, self.system_prompt = tokenizer, image_processor, system_prompt
-        self.video = video if video is not None else VideoSettings()
+        self.video = replace(video if video is not None else VideoSettings(),
+                             rules=self.format.video)
         self.video_timestamps = video_timestamps
         self.feature_extractor = feature_extractor
         self.audio = audio if audio is not None else AudioSettings()
-        template = chat_template or getattr(tokenizer, "chat_template", None)
-        if isinstance(template, dict):  # several named templates: the default one
-            template = template.get("default")
+        template = pick_template(chat_template, tokenizer)
         self.renderer = self._renderer(tokenizer, template)
         self.ids = self._token_ids(tokenizer)
         self.merge_size = getattr(image_processor, "merge_size", 2)
 
-    #: the strings a rendered prompt holds once per image / video / audio item (`expand_pads`)
-    pads = (IMAGE_PAD, VIDEO_PAD, AUDIO_PAD)
-
     def _renderer(self, tokenizer, template):
-        return TemplateRenderer(tokenizer, template) if template else QwenFormat()
+        if template:
+            return TemplateRenderer(tokenizer, template, self.format.end_of_turn)
+        return OwnFormat(self.format)
 
-    @staticmethod
-    def _token_ids(tokenizer) -> dict:
-        ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in _SPECIAL}
-        for (name, token), tid in zip(_SPECIAL, ids.values()):
+    def _token_ids(self, tokenizer) -> dict:
+        special = self.format.special
+        ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in special}
+        for (name, token), tid in zip(special, ids.values()):
             if tid is None or tid == tokenizer.unk_token_id:
-                raise ValueError(f"tokenizer has no {token} token; a Qwen-VL tokenizer is required")
+                raise ValueError(f"tokenizer has no {token} token; {self.format.tokenizer_kind} "
+                                 "is required")
         return ids
 
     @property
     def uses_chat_template(self) -> bool:
-        """Whether prompts are rendered with a chat template (False: our own Qwen format)."""
+        """Whether prompts are rendered with a chat template (False: our own rendering)."""
         return self.renderer.chat_template is not None
 
     def configured(self, *, system_prompt=None, min_pixels=None, max_pixels=None,
@@ -132,7 +135,8 @@ class VLProcessor:
                           system_prompt=system_prompt, chat_template=self.renderer.chat_template,
                           video=video if video is not None else self.video,
                           video_timestamps=self.video_timestamps,
-                          feature_extractor=self.feature_extractor, audio=self.audio)
+                          feature_extractor=self.feature_extractor, audio=self.audio,
+                          prompt_format=self.format)
         out.chat_source = self.chat_source
         return out
 
@@ -161,7 +165,7 @@ class VLProcessor:
         """Build the :class:`Sample` of one record.
 
         Args:
-            record: a :class:`~ray_dhp.data.reading.Record` (or a raw LLaVA dict, index 0).
+            record: a :class:`~ray_dhp.data.reading.Record` (or a raw record dict, index 0).
             data_root: folder that relative image and video paths are resolved against.
             max_tokens: reject samples longer than this (no truncation: it would cut images).
             max_chars: reject records whose turns hold more characters than this, before
@@ -210,7 +214,7 @@ class VLProcessor:
             images = [load_image(p, max_pixels) for p in paths]
         except ImageError as exc:
             raise BadSample(str(exc)) from exc
-        pixel_values, grid, image_pads = self._encode_images(images)
+        pixel_values, grid, image_pads = self.encode_images(images)
         clips = [self._encode_video(v, max_pixels) for v in videos]
         audio, audio_lengths, audio_pads = self._encode_audio(record.data, data_root, kinds)
         try:
@@ -249,12 +253,11 @@ class VLProcessor:
     def _mark_audio(self, input_ids, mm, audio_pads) -> None:
         """``mm_token_type_ids`` 3 at the audio pads (transformers' convention); their count
         must be the clips' token count."""
-        from ray_dhp.data.audio import AUDIO_PAD
-
-        hit = input_ids == self.tokenizer.convert_tokens_to_ids(AUDIO_PAD)
+        pad = self.pads[2]
+        hit = input_ids == self.tokenizer.convert_tokens_to_ids(pad)
         mm[hit] = 3
-        if int(hit.sum()) != sum(p.count(AUDIO_PAD) for p in audio_pads):
-            raise ValueError(f"audio-pad tokens were merged or split by the tokenizer; {AUDIO_PAD} "
+        if int(hit.sum()) != sum(p.count(pad) for p in audio_pads):
+            raise ValueError(f"audio-pad tokens were merged or split by the tokenizer; {pad} "
                              "must be a special token")
 
     def _encode_audio(self, data, data_root, kinds):
@@ -262,7 +265,7 @@ class VLProcessor:
 
         try:
             return record_audio(data, data_root, kinds.count("audio"), self.feature_extractor,
-                                self.audio)
+                                self.audio, self.pads[2])
         except AudioError as exc:
             raise BadSample(str(exc)) from exc
 
@@ -273,8 +276,9 @@ class VLProcessor:
             raise BadSample("no image processor: the record has videos but the processor has no "
                             "image processor")
         try:
-            return encode_video(source, self.image_processor, self.video, self.video_timestamps,
-                                max_pixels)
+            return encode_video(source, self.image_processor, self.video,
+                                self.format if self.video_timestamps else None, max_pixels,
+                                pad=self.pads[1])
         except VideoError as exc:
             raise BadSample(str(exc)) from exc
 
@@ -296,8 +300,9 @@ class VLProcessor:
         return torch.cat(pv), torch.cat(grids), mods, seconds
 
     def _reserved(self) -> list:  # strings no turn may contain (the prompt's control tokens)
-        return [tok for _, tok in _SPECIAL] + [self.tokenizer.pad_token or "<|endoftext|>",
-                                               "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]
+        fmt = self.format
+        return ([tok for _, tok in fmt.special] + [self.tokenizer.pad_token or fmt.text_end]
+                + list(fmt.reserved))
 
     def _validate(self, messages: list[tuple[str, str]]) -> list[tuple[str, str]]:
         specials = self._reserved()
@@ -310,7 +315,7 @@ class VLProcessor:
                     raise BadSample(f"malformed record: {ph} in an assistant turn")
         return messages
 
-    def _encode_images(self, images: list):
+    def encode_images(self, images: list):
         """``(pixel rows, grids, pad strings)`` of a record's images (Nones and ``[]``
         without): each image's pad repeated once per feature row."""
         if not images:
@@ -320,11 +325,11 @@ class VLProcessor:
                             "image processor")
         try:
             out = self.image_processor(images=images, return_tensors="pt")
-        except Exception as exc:  # e.g. ValueError: aspect ratio over 200 (Qwen's smart_resize)
+        except Exception as exc:  # e.g. ValueError: aspect ratio over 200 (the resize rule)
             raise BadSample(f"image processor refused the image(s): {type(exc).__name__}: "
                             f"{exc}") from exc
         grid = out["image_grid_thw"].to(torch.long)
-        pads = [IMAGE_PAD * (n // self.merge_size**2) for n in grid.prod(-1).tolist()]
+        pads = [self.pads[0] * (n // self.merge_size**2) for n in grid.prod(-1).tolist()]
         return out["pixel_values"].to(torch.float32), grid, pads
 
     def _tokenize(self, text: str, spans: list[tuple[int, int]]):
@@ -342,8 +347,9 @@ class VLProcessor:
         return ids, labels
 
 
-def as_vl_processor(obj) -> VLProcessor:
-    """Accept a :class:`VLProcessor`, a full transformers processor or a bare tokenizer.
+def as_vl_processor(obj, prompt_format=None) -> VLProcessor:
+    """Accept a :class:`VLProcessor`, a full transformers processor or a bare tokenizer (the
+    new processor in ``prompt_format``: the family's `PromptFormat`, None: the default).
 
     A transformers processor (e.g. ``AutoProcessor.from_pretrained(local_dir)``) is recognised
     by its ``.tokenizer`` and ``.image_processor``; a bare tokenizer gives a text-only processor.
@@ -351,49 +357,35 @@ def as_vl_processor(obj) -> VLProcessor:
     if isinstance(obj, VLProcessor):
         return obj
     if isinstance(obj, (str, os.PathLike)):
-        return load_processor(os.fspath(obj))
+        return load_processor(os.fspath(obj), prompt_format)
     if hasattr(obj, "tokenizer") and hasattr(obj, "image_processor"):
         return VLProcessor(obj.tokenizer, obj.image_processor,
-                           chat_template=getattr(obj, "chat_template", None))
+                           chat_template=getattr(obj, "chat_template", None),
+                           prompt_format=prompt_format)
     if hasattr(obj, "convert_tokens_to_ids") and callable(obj):
-        return VLProcessor(obj, None)
+        return VLProcessor(obj, None, prompt_format=prompt_format)
     raise TypeError(f"cannot use {type(obj).__name__} as a processor: pass a ray_dhp VLProcessor, "
                     "a transformers processor (with .tokenizer and .image_processor) or a tokenizer")
 
 
-def _renders_timestamps(path: str) -> bool:
-    """Whether the directory's processor is Qwen3-VL's (it writes frame timestamps into the
-    prompt): its ``processor_class`` in processor_config.json / (video_)preprocessor_config.json."""
-    import json
-
-    for name in ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json"):
-        try:
-            with open(os.path.join(path, name), encoding="utf-8") as f:
-                cls = str(json.load(f).get("processor_class", ""))
-        except (OSError, ValueError, AttributeError):
-            continue
-        if cls.startswith(("Qwen3VL", "Qwen3_5")):
-            return True
-    return False
-
-
-def load_processor(path: str) -> VLProcessor:
+def load_processor(path: str, prompt_format=None) -> VLProcessor:
     """The processor of a local model directory: its tokenizer, image processor (None without
     ``preprocessor_config.json``) and the chat template found wherever transformers finds one,
     with or without torchvision (`ray_dhp.data.processor_dir`); ``chat_source`` names the
-    template's file.
+    template's file. ``prompt_format``: the family's `PromptFormat` (None: the default).
 
     Raises:
         ProcessorDirError: not a directory, no tokenizer files, a tokenizer or image processor
-            that does not load, or a tokenizer without the Qwen-VL special tokens.
+            that does not load, or a tokenizer without the format's special tokens.
     """
-    from ray_dhp.data.processor_dir import ProcessorDirError, read_processor_dir
+    from ray_dhp.data.processor_dir import ProcessorDirError, read_processor_dir, renders_timestamps
 
-    tokenizer, image_processor, template, source = read_processor_dir(path)
+    fmt = prompt_format if prompt_format is not None else DEFAULT_PROMPT_FORMAT
+    tokenizer, image_processor, template, source = read_processor_dir(path, fmt)
     try:
         processor = VLProcessor(tokenizer, image_processor, chat_template=template,
-                                video_timestamps=_renders_timestamps(path))
-    except ValueError as e:  # no <|im_start|>... token
+                                video_timestamps=renders_timestamps(path, fmt), prompt_format=fmt)
+    except ValueError as e:  # a special token missing
         raise ProcessorDirError(f"processor directory {path}: {e}") from e
     processor.chat_source = source
     return processor

@@ -16,7 +16,8 @@ import json
 import os
 from typing import Optional
 
-__all__ = ["ProcessorDirError", "find_chat_template", "read_processor_dir", "TEMPLATE_FILES"]
+__all__ = ["ProcessorDirError", "find_chat_template", "read_processor_dir", "renders_timestamps",
+           "TEMPLATE_FILES"]
 
 #: where a chat template is looked for, in transformers' order of precedence
 TEMPLATE_FILES = ("processor_config.json", "chat_template.jinja", "chat_template.json",
@@ -78,10 +79,10 @@ def _tokenizer(path: str):
                                 f"({type(e).__name__}: {str(e)[:300]})") from e
 
 
-def _image_processor(path: str):
-    """The directory's Qwen-VL image processor: ``AutoImageProcessor``'s when it loads (a full
-    install), else transformers' PIL-only Qwen2-VL one (no torchvision); None without
-    ``preprocessor_config.json``."""
+def _image_processor(path: str, fmt):
+    """The directory's image processor: ``AutoImageProcessor``'s when it loads (a full
+    install), else the format's PIL-only one (`PromptFormat.fallback_image_processor`: no
+    torchvision); None without ``preprocessor_config.json``."""
     if not os.path.isfile(os.path.join(path, "preprocessor_config.json")):
         return None
     try:
@@ -90,19 +91,32 @@ def _image_processor(path: str):
         return AutoImageProcessor.from_pretrained(path, local_files_only=True)
     except (ImportError, ValueError, OSError, TypeError, AttributeError):
         pass
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
     try:
-        return Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True)
+        return fmt.fallback_image_processor().from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001
         raise ProcessorDirError(f"{os.path.join(path, 'preprocessor_config.json')}: the image "
                                 f"processor does not load ({type(e).__name__}: {e})") from e
 
 
-def read_processor_dir(path: str) -> tuple:
+def renders_timestamps(path: str, fmt) -> bool:
+    """Whether the directory's processor writes frame timestamps into the prompt
+    (`PromptFormat.renders_timestamps` of its ``processor_class`` in processor_config.json /
+    (video_)preprocessor_config.json)."""
+    for name in ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json"):
+        try:
+            with open(os.path.join(path, name), encoding="utf-8") as f:
+                cls = str(json.load(f).get("processor_class", ""))
+        except (OSError, ValueError, AttributeError):
+            continue
+        if fmt.renders_timestamps(cls):
+            return True
+    return False
+
+
+def read_processor_dir(path: str, fmt) -> tuple:
     """``(tokenizer, image processor or None, chat template or None, the template's file or
-    None)`` of a local model directory (`ray_dhp.data.processing.load_processor` makes them a
-    `VLProcessor`).
+    None)`` of a local model directory in the family's `PromptFormat` ``fmt``
+    (`ray_dhp.data.processing.load_processor` makes them a `VLProcessor`).
 
     Raises:
         ProcessorDirError: not a directory, no tokenizer files, or a tokenizer or image
@@ -111,5 +125,5 @@ def read_processor_dir(path: str) -> tuple:
     if not os.path.isdir(path):
         raise ProcessorDirError(f"processor path {path!r} is not a local directory")
     template, source = find_chat_template(path)
-    return (_tokenizer(path), _image_processor(path), template,
+    return (_tokenizer(path), _image_processor(path, fmt), template,
             os.path.join(path, source) if source else None)

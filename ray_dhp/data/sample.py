@@ -58,7 +58,7 @@ class Sample:
         image_grid_thw: ``[num_items, 3]`` grids of those items, or None.
         modalities: ``[num_items]`` 1 (image) or 2 (video) per item; None: all images.
         second_per_grid_ts: ``[num_videos]`` seconds per temporal patch of each video
-            (``temporal_patch_size / sample_fps``, Qwen2.5-VL's absolute-time M-RoPE), or None.
+            (``temporal_patch_size / sample_fps``, for an absolute-time M-RoPE), or None.
         audio_features: ``[n_mels, frames]`` float32 log-mel features of the record's audio
             clips concatenated along time, in placeholder order (`ray_dhp.data.audio`), or None.
         audio_lengths: ``[num_clips]`` frames of each clip, or None.
@@ -81,14 +81,18 @@ class Sample:
         return int(self.input_ids.numel())
 
 
-def image_grid(path_or_pil, image_processor) -> tuple[int, int, int]:
+def image_grid(path_or_pil, image_processor, prompt_format=None) -> tuple[int, int, int]:
     """Cheap ``(t, h, w)`` patch grid of one image, from its size only (no pixel decoding; a
     path's EXIF orientation is applied as `ray_dhp.data.images.load_image` does).
 
-    Uses the image processor's ``smart_resize`` rule (patch and merge sizes, min/max pixels).
+    Uses the image processor's resize rule (patch and merge sizes, min/max pixels), as the
+    family's `PromptFormat.resize` (None: the default format's) says.
     """
     from PIL import Image
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    from ray_dhp.models.prompt_format import DEFAULT_PROMPT_FORMAT
+
+    fmt = prompt_format if prompt_format is not None else DEFAULT_PROMPT_FORMAT
 
     if isinstance(path_or_pil, (str, Path)):
         with Image.open(path_or_pil) as img:
@@ -97,8 +101,8 @@ def image_grid(path_or_pil, image_processor) -> tuple[int, int, int]:
         width, height = path_or_pil.size
     patch, merge = image_processor.patch_size, image_processor.merge_size
     size = image_processor.size
-    h, w = smart_resize(height, width, factor=patch * merge,
-                        min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"])
+    h, w = fmt.resize(height, width, factor=patch * merge,
+                      min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"])
     return 1, h // patch, w // patch
 
 

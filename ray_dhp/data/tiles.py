@@ -1,11 +1,12 @@
-"""Images as fixed tiles (InternVL): a tiling image processor's tiles as patch rows and a grid.
+"""Images as fixed tiles: a tiling image processor's tiles as patch rows and a grid.
 
 Every data mechanism (the processor, the loader's pixel routing, collation, the balancer, the
 boundary's row counts) handles a sample's pixels as rows of patches with one ``(t, h, w)`` grid
 per image. `TileImageProcessor` gives a tiling processor's output that shape: an image cut into
 ``n`` tiles of ``S x S`` pixels becomes ``n * (S/P)**2`` rows of ``C*P*P`` values (each tile's
-patches in raster order) and the grid ``(n, S/P, S/P)`` — tiles in the place of Qwen's frames.
-``ray_dhp.models.vision_internvl.stock_pixels`` turns the rows back into the tiles.
+patches in raster order) and the grid ``(n, S/P, S/P)`` — tiles in the place of temporal
+patches. The family's ``stock_pixels`` (`FamilySpec.stock_inputs`) turns the rows back into the
+tiles.
 
 Example::
 
@@ -32,13 +33,13 @@ def tile_rows(tiles: torch.Tensor, patch: int) -> torch.Tensor:
 
 
 class TileImageProcessor:
-    """Wrap a tiling image processor (transformers' ``GotOcr2ImageProcessor(Pil)``, InternVL's)
+    """Wrap a tiling image processor (e.g. transformers' ``GotOcr2ImageProcessor(Pil)``)
     so that it returns ``pixel_values`` as patch rows and ``image_grid_thw`` as ``(tiles, h, w)``.
 
     Args:
         tiler: the processor; called with ``images=`` and ``return_tensors="pt"``, it returns
             ``pixel_values [tiles, C, S, S]`` and ``num_patches`` (tiles per image; without it,
-            one tile per image: a fixed-size processor such as SigLIP's).
+            one tile per image: a fixed-size processor).
         patch_size: the ViT's patch size ``P``.
         merge_size: patches per side of one feature row (``1 / downsample_ratio``).
     """

@@ -1,28 +1,29 @@
-"""Decoding one video (a file, or a list of frame images) the way Qwen's ``qwen-vl-utils`` does.
+"""Decoding one video (a file, or a list of frame images) the way the family's reference
+preprocessing does (its numbers: `ray_dhp.models.prompt_format.VideoRules`, ``VideoSettings.rules``).
 
 Frames are decoded with PyAV (``av`` on PyPI: FFmpeg ships inside its wheels, so no system
-FFmpeg is needed, and it is what ``torchvision.io.read_video`` — qwen-vl-utils' fallback reader —
+FFmpeg is needed, and it is what ``torchvision.io.read_video`` — the reference's fallback reader —
 decodes with; torchcodec needs a matching torch build and decord has no maintained wheels).
-Sampling and resizing follow ``qwen_vl_utils.vision_process.fetch_video`` (version 0.0.14)
-number for number:
+Sampling and resizing follow the reference's ``fetch_video`` number for number (``r``: the rules):
 
 * frame count: ``n = total_frames / video_fps * fps`` clamped to ``[min_frames, max_frames]``
-  (each rounded to a multiple of the temporal patch size) and to ``total_frames``, then floored
-  to that multiple; frames ``linspace(0, total - 1, n).round()``;
-* frame size: ``smart_resize`` to multiples of ``patch * merge`` with the per-frame area in
+  (each rounded to a multiple of ``r.frame_factor``, the temporal patch) and to
+  ``total_frames``, then floored to that multiple; frames ``linspace(0, total - 1, n).round()``;
+* frame size: resized to multiples of ``unit = patch * merge`` with the per-frame area in
   ``[min_pixels, max_pixels]``, where ``max_pixels`` is capped by
-  ``max(min(768 * unit**2, total_pixels / n * 2), 1.05 * min_pixels)`` (``unit = patch * merge``);
-  bicubic, antialiased (torchvision's tensor resize: ``torch.nn.functional.interpolate``);
-* a list of frame images: each resized as an image (with qwen-vl-utils' factor of
-  ``2 * patch * merge``), padded to a multiple of 2 frames by repeating the last, taken at
-  ``fps`` frames per second.
+  ``max(min(r.max_tokens * unit**2, total_pixels / n * r.frame_factor), r.min_growth *
+  min_pixels)``; bicubic, antialiased (torchvision's tensor resize:
+  ``torch.nn.functional.interpolate``);
+* a list of frame images: each resized as an image (to multiples of ``r.image_factor * unit``),
+  padded to a multiple of ``r.frame_factor`` frames by repeating the last, taken at ``fps``
+  frames per second.
 
-A file is decoded twice: a first pass counts the decodable frames (the count qwen-vl-utils
+A file is decoded twice: a first pass counts the decodable frames (the count the reference
 samples from is the decoded one, not the container's claim), a second converts only the sampled
 frames, so memory holds ``n`` frames, never the whole video.
 
 `video_patches` then turns the frames into the model's ``pixel_values_videos`` rows and grid as
-transformers' ``Qwen2VLVideoProcessor`` does (rescale, normalise with the image processor's
+transformers' video processors do (rescale, normalise with the image processor's
 mean/std, ``temporal_patch_size`` frames per patch).
 """
 
@@ -35,13 +36,11 @@ from typing import Optional
 
 import torch
 
+from ray_dhp.models.prompt_format import DEFAULT_PROMPT_FORMAT, VideoRules
+
 __all__ = ["VideoError", "VideoSettings", "DecodedVideo", "smart_nframes", "video_frame_size",
            "load_video", "video_patches", "video_sources", "encode_video"]
 
-_FRAME_FACTOR = 2  # qwen-vl-utils' FRAME_FACTOR
-_MIN_TOKENS, _MAX_TOKENS = 128, 768  # VIDEO_MIN_TOKEN_NUM, VIDEO_MAX_TOKEN_NUM
-_MODEL_SEQ_LEN = 128000  # qwen-vl-utils' MODEL_SEQ_LEN default (total_pixels budget)
-_MAX_RATIO = 200
 
 
 class VideoError(ValueError):
@@ -50,13 +49,16 @@ class VideoError(ValueError):
 
 @dataclass(frozen=True)
 class VideoSettings:
-    """qwen-vl-utils' video keys (None: its default for the model's patch unit).
+    """The reference preprocessing's video keys (None: its default for the model's patch unit).
 
     Attributes:
         fps: frames sampled per second of video (default 2).
         min_frames / max_frames: bounds of the sampled frame count (4 / 768).
-        min_pixels / max_pixels: per-frame area bounds (128 / 768 merged patches).
-        total_pixels: the whole video's area budget (128000 * 0.9 merged patches).
+        min_pixels / max_pixels: per-frame area bounds (``rules.min_tokens`` /
+            ``rules.max_tokens`` merged patches).
+        total_pixels: the whole video's area budget (``rules.seq_len * rules.budget`` merged
+            patches).
+        rules: the family's `VideoRules` (`PromptFormat.video`; `VLProcessor` sets its own).
     """
 
     fps: float = 2.0
@@ -65,6 +67,7 @@ class VideoSettings:
     min_pixels: Optional[int] = None
     max_pixels: Optional[int] = None
     total_pixels: Optional[int] = None
+    rules: VideoRules = DEFAULT_PROMPT_FORMAT.video
 
     @classmethod
     def of(cls, cfg) -> "VideoSettings":
@@ -97,11 +100,11 @@ def _floor(x, f):
     return math.floor(x / f) * f
 
 
-def _smart_resize(height, width, factor, min_pixels, max_pixels) -> tuple[int, int]:
-    """qwen-vl-utils' ``smart_resize`` (its image defaults are never used here)."""
-    if max(height, width) / min(height, width) > _MAX_RATIO:
+def _smart_resize(height, width, factor, min_pixels, max_pixels, max_ratio) -> tuple[int, int]:
+    """The reference's ``smart_resize`` (its image defaults are never used here)."""
+    if max(height, width) / min(height, width) > max_ratio:
         raise VideoError(f"video frames of aspect ratio {max(height, width) / min(height, width):.0f} "
-                         f"> {_MAX_RATIO}")
+                         f"> {max_ratio}")
     h, w = max(factor, _round(height, factor)), max(factor, _round(width, factor))
     if h * w > max_pixels:
         beta = math.sqrt(height * width / max_pixels)
@@ -114,23 +117,26 @@ def _smart_resize(height, width, factor, min_pixels, max_pixels) -> tuple[int, i
 
 def smart_nframes(total_frames: int, video_fps: float, s: VideoSettings) -> int:
     """Frames to sample from a video of ``total_frames`` at ``video_fps`` (see module doc)."""
-    lo = _ceil(s.min_frames, _FRAME_FACTOR)
-    hi = _floor(min(s.max_frames, total_frames), _FRAME_FACTOR)
+    factor = s.rules.frame_factor
+    lo = _ceil(s.min_frames, factor)
+    hi = _floor(min(s.max_frames, total_frames), factor)
     n = min(min(max(total_frames / video_fps * s.fps, lo), hi), total_frames)
-    n = _floor(n, _FRAME_FACTOR)
-    if not _FRAME_FACTOR <= n <= total_frames:
+    n = _floor(n, factor)
+    if not factor <= n <= total_frames:
         raise VideoError(f"too few frames: {total_frames} frame(s) give {n} sampled frames "
-                         f"(at least {_FRAME_FACTOR} needed)")
+                         f"(at least {factor} needed)")
     return n
 
 
 def video_frame_size(height: int, width: int, nframes: int, unit: int, s: VideoSettings) -> tuple[int, int]:
     """Resized ``(height, width)`` of every frame of an ``nframes``-frame video."""
-    min_pixels = s.min_pixels if s.min_pixels is not None else _MIN_TOKENS * unit * unit
-    total = s.total_pixels if s.total_pixels is not None else _MODEL_SEQ_LEN * unit * unit * 0.9
-    cap = max(min(_MAX_TOKENS * unit * unit, total / nframes * _FRAME_FACTOR), int(min_pixels * 1.05))
+    r = s.rules
+    min_pixels = s.min_pixels if s.min_pixels is not None else r.min_tokens * unit * unit
+    total = s.total_pixels if s.total_pixels is not None else r.seq_len * unit * unit * r.budget
+    cap = max(min(r.max_tokens * unit * unit, total / nframes * r.frame_factor),
+              int(min_pixels * r.min_growth))
     max_pixels = min(s.max_pixels, cap) if s.max_pixels is not None else cap
-    return _smart_resize(height, width, unit, min_pixels, max_pixels)
+    return _smart_resize(height, width, unit, min_pixels, max_pixels, r.max_ratio)
 
 
 def _resize(frames: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
@@ -180,8 +186,10 @@ def _decode_file(path: Path, s: VideoSettings, max_pixels: Optional[int]):
 def _decode_frames(paths: list, s: VideoSettings, unit: int, max_pixels: Optional[int]):
     from ray_dhp.data.images import ImageError, load_image
 
-    min_pixels = s.min_pixels if s.min_pixels is not None else 4 * (2 * unit) ** 2
-    frame_max = s.max_pixels if s.max_pixels is not None else 16384 * (2 * unit) ** 2
+    r = s.rules
+    side = r.image_factor * unit
+    min_pixels = s.min_pixels if s.min_pixels is not None else r.image_min * side ** 2
+    frame_max = s.max_pixels if s.max_pixels is not None else r.image_max * side ** 2
     frames = []
     for p in paths:
         try:
@@ -189,14 +197,14 @@ def _decode_frames(paths: list, s: VideoSettings, unit: int, max_pixels: Optiona
         except ImageError as exc:
             raise VideoError(str(exc).replace("image", "video frame", 1)) from exc
         img = img.convert("RGB") if img.mode != "RGBA" else _on_white(img)
-        h, w = _smart_resize(img.height, img.width, 2 * unit, min_pixels, frame_max)
+        h, w = _smart_resize(img.height, img.width, side, min_pixels, frame_max, r.max_ratio)
         img = img.resize((w, h))
         frames.append(torch.from_numpy(__import__("numpy").asarray(img).copy()).permute(2, 0, 1))
     if not frames:
         raise VideoError("empty video: the frame list is empty")
     if len({tuple(f.shape) for f in frames}) > 1:
         raise VideoError("corrupt video: the frames of the list have different sizes")
-    n = _ceil(len(frames), _FRAME_FACTOR)
+    n = _ceil(len(frames), r.frame_factor)
     frames += [frames[-1]] * (n - len(frames))
     return torch.stack(frames), s.fps, list(range(n)), s.fps
 
@@ -213,7 +221,7 @@ def load_video(source, s: VideoSettings, unit: int, max_pixels: Optional[int] = 
     """Decode, sample and resize one video: a file path, or a list of frame image paths.
 
     Args:
-        unit: ``patch_size * merge_size`` of the model (28 for Qwen2/2.5-VL, 32 for Qwen3-VL).
+        unit: ``patch_size * merge_size`` of the model (e.g. 28 or 32).
         max_pixels: refuse source frames over this many pixels before decoding them.
 
     Raises:
@@ -236,7 +244,7 @@ def load_video(source, s: VideoSettings, unit: int, max_pixels: Optional[int] = 
 
 def video_patches(frames: torch.Tensor, image_processor) -> tuple[torch.Tensor, torch.LongTensor]:
     """``(pixel_values_videos [t*h*w, C*T*P*P] float32, grid [1, 3])`` of ``frames`` ``[T, C, H,
-    W]`` (0..255) as transformers' Qwen2-VL video processor makes them."""
+    W]`` (0..255) as transformers' video processors make them."""
     ip = image_processor
     patch, merge, tps = ip.patch_size, ip.merge_size, ip.temporal_patch_size
     mean = torch.tensor(ip.image_mean, dtype=torch.float32)[:, None, None]
@@ -280,23 +288,22 @@ def video_sources(data: dict, data_root: Path, n_placeholders: int) -> list:
             for v in video]
 
 
-def encode_video(source, image_processor, settings: VideoSettings, timestamps: bool,
-                 max_pixels: Optional[int] = None) -> tuple:
+def encode_video(source, image_processor, settings: VideoSettings, timed,
+                 max_pixels: Optional[int] = None, *, pad: str) -> tuple:
     """One video of a record as the model sees it: ``(pixel_values_videos rows, grid [1, 3],
-    seconds per temporal patch, the text replacing its ``<|video_pad|>``)``. The pads are
-    repeated once per merged patch; with ``timestamps`` (Qwen3-VL's processor) each temporal
-    patch is written ``<{t:.1f} seconds><|vision_start|>`` + its pads + ``<|vision_end|>``, ``t``
+    seconds per temporal patch, the text replacing its video pad ``pad``)``. The pads are
+    repeated once per merged patch; with ``timed`` (the `PromptFormat` of a processor that
+    writes timestamps; None: none) each temporal patch is written as its ``timed_frame``, ``t``
     the mean time of its first and last frame."""
     ip = image_processor
     clip = load_video(source, settings, ip.patch_size * ip.merge_size, max_pixels)
     patches, grid = video_patches(clip.frames, ip)
     per_frame = int(grid[0, 1] * grid[0, 2]) // ip.merge_size**2
     tps = ip.temporal_patch_size
-    if not timestamps:
-        pads = "<|video_pad|>" * (per_frame * int(grid[0, 0]))
+    if timed is None:
+        pads = pad * (per_frame * int(grid[0, 0]))
     else:
         idx = list(clip.indices) + [clip.indices[-1]] * (-len(clip.indices) % tps)
         times = [(idx[i] + idx[i + tps - 1]) / 2 / clip.video_fps for i in range(0, len(idx), tps)]
-        pads = "".join(f"<{t:.1f} seconds><|vision_start|>{'<|video_pad|>' * per_frame}"
-                       "<|vision_end|>" for t in times)
+        pads = timed.timed_frames(times, pad * per_frame)
     return patches, grid, tps / clip.sample_fps, pads

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 from ray_dhp.models.base import FamilySpec
@@ -31,6 +32,23 @@ def encoder_operations(name: str):
     import importlib
 
     return importlib.import_module(ops.pop())
+
+
+@functools.lru_cache(maxsize=None)
+def _vision_model_types() -> dict:
+    """``{vision config model_type: family}`` of the hand-written families (their default
+    configs, built offline)."""
+    from transformers import AutoConfig
+
+    return {getattr(AutoConfig.for_model(s.model_type), "vision_config").model_type: s
+            for s in FAMILIES.values()}
+
+
+def vision_norm(vision_config) -> str:
+    """The norm kind of the tower of ``vision_config`` (`FamilySpec.vision_norm` of the family
+    whose vision config it is; "layer_norm" for any other tower)."""
+    family = _vision_model_types().get(getattr(vision_config, "model_type", None))
+    return family.vision_norm if family is not None else "layer_norm"
 
 
 def load_model_config(model):

@@ -17,8 +17,9 @@ import torch
 
 from ray_dhp.models.qwen2_5_omni import audio_forward, audio_inputs, audio_tokens
 
-__all__ = ["SEQUENCE_PARALLEL", "dim", "rows", "cost", "has_input", "plan", "local_rows", "inputs",
-           "forward", "AudioSlot", "install_slot", "text_inputs", "zero3_refusal"]
+__all__ = ["SEQUENCE_PARALLEL", "dim", "rows", "empty_tower", "clip_rows", "collate", "cost", "has_input", "plan",
+           "local_rows", "inputs", "forward", "AudioSlot", "install_slot", "text_inputs",
+           "zero3_refusal"]
 
 SEQUENCE_PARALLEL = False  # data parallel only (its chunked attention is not split over ranks)
 
@@ -37,6 +38,29 @@ def rows(family, config, sample) -> int:
     if sample.audio_lengths is None:
         return 0
     return int(audio_tokens(sample.audio_lengths).sum())
+
+
+def empty_tower(audio_config):
+    """The tower of ``audio_config`` on the meta device (its parameters' shapes only: what
+    `ray-dhp plan` counts)."""
+    from accelerate import init_empty_weights
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniAudioEncoder
+
+    with init_empty_weights():
+        return Qwen2_5OmniAudioEncoder._from_config(audio_config, dtype=torch.float32)
+
+
+def clip_rows(frames):
+    """Rows (audio pads) the tower makes of a clip of ``frames`` feature columns (int or
+    tensor; `ray_dhp.models.qwen2_5_omni.audio_tokens`): what the data side pads a clip with."""
+    return audio_tokens(frames)
+
+
+def collate(samples) -> dict:
+    """The model's audio inputs of a batch (`ray_dhp.models.qwen2_5_omni.audio_inputs`: the
+    clips and their mask, only the mask where the features stay on the audio ranks, nothing
+    without audio): what `ray_dhp.data.collate` adds to a batch."""
+    return audio_inputs(samples)
 
 
 def cost(sample, model=None) -> int:

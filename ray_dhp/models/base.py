@@ -13,6 +13,8 @@ from typing import Callable, Optional
 
 import torch
 
+from ray_dhp.models.prompt_format import DEFAULT_PROMPT_FORMAT, PromptFormat
+
 
 @dataclass(frozen=True)
 class MoESpec:
@@ -130,13 +132,18 @@ class FamilySpec:
     merge_size: Callable = lambda config: getattr(config, "vision_config", config).spatial_merge_size
     vision_heads: Callable = lambda vision_config: vision_config.num_heads
     vision_depth: Callable = lambda vision_config: vision_config.depth
+    # the tower's norm kind, for the activation estimate of `ray-dhp plan`: "layer_norm" or
+    # "rms_norm" (fp32 compute: keeps an fp32 copy of its input; `ray_dhp.planning.memory_vision`)
+    vision_norm: str = "layer_norm"
     projector_dim: Optional[Callable] = None  # (config) -> width of a feature row, if not the tower's
     # The seam's ``pooler_output``: a tuple of row blocks (the Qwen-VL models) or one
     # ``[rows, width]`` tensor (models that ``masked_scatter`` it whole, e.g. InternVL).
     pooled_tuple: bool = True
     vision_zero3: bool = True  # False: `ray_dhp.models.fsdp_vision` cannot unit this tower
     model_processor: bool = False  # True: the model's own transformers processor makes samples
-    #                                (`ray_dhp.data.model_processor`); False: Qwen-VL's prompts
+    #                                (`ray_dhp.data.model_processor`); False: `prompt_format`'s
+    # the prompts ray_dhp writes for it when its samples are ours (`ray_dhp.models.prompt_format`)
+    prompt_format: PromptFormat = DEFAULT_PROMPT_FORMAT
 
     # -- model access (the seams of transformers' VLM classes) ---------------------------------
 

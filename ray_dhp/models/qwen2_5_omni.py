@@ -23,6 +23,7 @@ SPEC = FamilySpec(
     packing_reason="its get_rope_index takes other arguments than the Qwen-VL ones that packing "
                    "computes each sample's positions with",
     video_seconds_key="video_second_per_grid",
+    vision_norm="rms_norm",  # Qwen2.5-VL's tower
     encoders=(EncoderSpec("audio", parts=("audio_tower",), ops="ray_dhp.models.audio_omni",
                           unused=("audio_bos_eos_token.",)),),
 )

@@ -9,4 +9,5 @@ SPEC = FamilySpec(
     model_class="Qwen2_5_VLForConditionalGeneration",
     text_tp_plan=lambda text_config: standard_text_plan(),
     text_sp_plan=lambda text_config: sequence_parallel_text_plan(),
+    vision_norm="rms_norm",  # its tower's RMSNorm upcasts to fp32
 )

@@ -10,9 +10,13 @@ Rank layout (innermost dimension fastest, like ``init_device_mesh``):
 * text group, mesh ``("dp", "tp")``:    group-local rank ``t = (dp * cp_size + cp) * tp_size + tp``
   (context parallelism, ``cp``, sits between dp and tp: a replica's CP x TP ranks are one block,
   node-local like a TP group; the mesh's "dp" rows are the dp x cp gradient replicas)
-* ``collocated``: every group spans all workers (world rank = group-local rank).
-* ``disjoint``: the encoders take consecutive blocks of world ranks in module order (vision
-  ``[0, Nv)``, then e.g. audio ``[Nv, Nv + Na)``), the LM the last block.
+* modules are grouped into *placement groups*: the modules of one group share its workers
+  (collocated: each spans all of them, world rank = offset + group-local rank), and every group
+  has workers of its own, blocks of consecutive world ranks in the order of each group's first
+  module (vision, then further encoders such as audio, then text).
+* ``collocated`` is one group of every module, ``disjoint`` one group per module (vision
+  ``[0, Nv)``, then e.g. audio ``[Nv, Nv + Na)``, the LM the last block); a grouping such as
+  ``[["vision", "text"], ["audio"]]`` lies between them (`placement_groups`).
 """
 
 from __future__ import annotations
@@ -20,7 +24,73 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-PLACEMENTS = ("collocated", "disjoint")
+PLACEMENTS = ("collocated", "disjoint")  # the two shorthands of a grouping
+
+
+def placement_groups(placement, names: Sequence[str], key: str = "placement") -> tuple:
+    """The placement groups of ``placement`` over the modules ``names`` (in rank order), as a
+    tuple of name tuples in rank order: ``"collocated"`` (one group), ``"disjoint"`` (one group
+    per module) or a grouping, a list of lists of module names (``[["vision", "text"],
+    ["audio"]]``) giving every module exactly once. Groups and their members are put in module
+    order, so equal groupings give equal layouts. ValueError naming ``key`` otherwise.
+
+    Example:
+        >>> placement_groups([["text", "vision"], ["audio"]], ("vision", "audio", "text"))
+        (('vision', 'text'), ('audio',))
+    """
+    names = tuple(names)
+    if placement == "collocated":
+        return (names,)
+    if placement == "disjoint":
+        return tuple((n,) for n in names)
+    how = (f"use 'collocated', 'disjoint' or a list of groups of module names such as "
+           f"{[list(names[:-1]), [names[-1]]]} giving each of {list(names)} once")
+    if isinstance(placement, str) or not isinstance(placement, (list, tuple)) or not placement:
+        raise ValueError(f"{key}={placement!r} is not known; {how}.")
+    seen: dict = {}
+    for k, group in enumerate(placement):
+        if isinstance(group, str) or not isinstance(group, (list, tuple)) or not group:
+            raise ValueError(f"{key}[{k}]={group!r}: each group is a non-empty list of module "
+                             f"names; {how}.")
+        for n in group:
+            if n not in names:
+                raise ValueError(f"{key}[{k}]: unknown module {n!r}; this model trains "
+                                 f"{list(names)} ({how}).")
+            if n in seen:
+                raise ValueError(f"{key}: module {n!r} is in group {seen[n]} and group {k}; "
+                                 f"give each module once ({how}).")
+            seen[n] = k
+    missing = [n for n in names if n not in seen]
+    if missing:
+        raise ValueError(f"{key}: module(s) {missing} are in no group; {how}.")
+    groups = [tuple(n for n in names if n in g) for g in placement]
+    return tuple(sorted(groups, key=lambda g: names.index(g[0])))
+
+
+def placement_name(groups: tuple) -> str:
+    """``"collocated"`` / ``"disjoint"`` when ``groups`` is one of the shorthands, else
+    ``"grouped"``."""
+    if len(groups) == 1:
+        return "collocated"
+    return "disjoint" if all(len(g) == 1 for g in groups) else "grouped"
+
+
+@dataclass(frozen=True)
+class PlacementGroup:
+    """One placement group: its modules' layouts (they share the group's workers), its first
+    world rank and its number of workers."""
+
+    modules: tuple
+    offset: int
+    size: int
+
+    @property
+    def names(self) -> tuple:
+        return tuple(m.name for m in self.modules)
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(range(self.offset, self.offset + self.size))
 
 
 @dataclass(frozen=True)
@@ -107,9 +177,11 @@ class EncoderDegrees:
 class Topology:
     """The whole layout: world size, placement, the encoder groups and the LM's group.
 
-    ``encoders`` holds every encoder module (vision first, then e.g. audio) in rank order: under
-    the disjoint placement each takes the next block of world ranks, then the LM; collocated,
-    every module spans all workers. Everything that is per module iterates over `modules`."""
+    ``encoders`` holds every encoder module (vision first, then e.g. audio) in rank order. Each
+    placement group (``groups``: module names per group, in rank order) takes the next block of
+    world ranks and its modules span all of that block; ``placement`` names the grouping
+    (``collocated``, ``disjoint`` or ``grouped``). Everything that is per module iterates over
+    `modules`, everything per group over `placement_groups`."""
 
     world_size: int
     placement: str
@@ -124,6 +196,23 @@ class Topology:
     # ... or every expert's intermediate dim sharded over the text TP ranks like a dense MLP
     # (`ray_dhp.parallel.expert_tp`).
     text_expert_tp: bool = False
+    # the placement groups' module names, in rank order (empty: one group per distinct offset)
+    groups: tuple = ()
+
+    def placement_groups(self) -> list:
+        """Every `PlacementGroup` in rank order."""
+        groups = self.groups or tuple(
+            tuple(m.name for m in self.modules if m.offset == off)
+            for off in dict.fromkeys(m.offset for m in self.modules))
+        out = []
+        for g in groups:
+            mods = tuple(self.module(n) for n in g)
+            out.append(PlacementGroup(mods, mods[0].offset, mods[0].size))
+        return out
+
+    def group_of(self, name: str) -> "PlacementGroup":
+        """The placement group holding module ``name``."""
+        return next(g for g in self.placement_groups() if name in g.names)
 
     @property
     def text_context_parallel(self) -> int:
@@ -163,16 +252,13 @@ class Topology:
         text_ep: int = 1, text_expert_tp: bool = False, encoders: Optional[dict] = None,
         text_cp: int = 1,
     ) -> "Topology":
-        """``vision_zero`` / ``text_zero``: the modules' ZeRO stages; None is the default (1 with
-        more than one replica, `ray_dhp.parallel.zero.resolve_stage`). ``encoders``: further
-        encoder modules, ``{name: EncoderDegrees}`` (e.g. ``{"audio": EncoderDegrees(dp=2)}``),
-        laid out after the vision encoder."""
+        """``placement``: ``"collocated"``, ``"disjoint"`` or a grouping of the module names
+        (`placement_groups`). ``vision_zero`` / ``text_zero``: the modules' ZeRO stages; None is
+        the default (1 with more than one replica, `ray_dhp.parallel.zero.resolve_stage`).
+        ``encoders``: further encoder modules, ``{name: EncoderDegrees}`` (e.g. ``{"audio":
+        EncoderDegrees(dp=2)}``), laid out after the vision encoder."""
         from ray_dhp.parallel.zero import resolve_stage
 
-        if placement not in PLACEMENTS:
-            raise ValueError(
-                f"placement={placement!r} is not known; use one of {PLACEMENTS}."
-            )
         wanted = {"vision": EncoderDegrees(vision_dp, vision_sp, vision_zero, vision_offload)}
         for name, deg in (encoders or {}).items():
             if name in wanted or name == "text" or not isinstance(deg, EncoderDegrees):
@@ -200,28 +286,22 @@ class Topology:
                 "and needs text tensor_parallel > 1; set text.tensor_parallel >= 2 or "
                 "text.sequence_parallel=false."
             )
-        from ray_dhp.parallel.context import check_context_parallel  # noqa: PLC0415
+        from ray_dhp.parallel.context import check_context_parallel
         from ray_dhp.parallel.expert_tp import check_expert_tp
 
         check_context_parallel(text_cp, text_ep, text_expert_tp)
         nt = text_dp * text_cp * text_tp
-        if placement == "collocated":
-            for name, deg in wanted.items():
-                if deg.dp * deg.sp != nt:
-                    raise ValueError(
-                        f"collocated placement needs every module group to span the same workers, "
-                        f"but {name} uses {deg.dp}x{deg.sp}={deg.dp * deg.sp} and text "
-                        f"{text_dp}x{text_cp}x{text_tp}={nt} workers (dp x cp x tp); change the degrees so the products "
-                        f"match, or use placement='disjoint'."
-                    )
-        layouts, offset = [], 0
+        groups = placement_groups(placement, (*wanted, "text"))
+        sizes = {**{n: (f"{d.dp}x{d.sp}", d.dp * d.sp) for n, d in wanted.items()},
+                 "text": (f"{text_dp}x{text_tp}" if text_cp == 1
+                          else f"{text_dp}x{text_cp}x{text_tp} (dp x cp x tp)", nt)}
+        offsets, world = _group_offsets(groups, sizes)
+        layouts = []
         for name, deg in wanted.items():
             zero = resolve_stage(deg.zero, deg.dp * deg.sp, name)
             check_offload(name, deg.offload, zero, 1)
-            layouts.append(ModuleLayout(name, "sp", deg.dp, deg.sp, offset, zero, deg.offload))
-            if placement == "disjoint":
-                offset += deg.dp * deg.sp
-        world = nt + offset
+            layouts.append(ModuleLayout(name, "sp", deg.dp, deg.sp, offsets[name], zero,
+                                        deg.offload))
         text_zero = resolve_stage(text_zero, text_dp * text_cp, "text")  # CP ranks: replicas too
         check_offload("text", text_offload, text_zero, text_tp)
         if text_ep > 1 and text_zero == 3:
@@ -233,13 +313,14 @@ class Topology:
         check_expert_tp(text_expert_tp, text_tp, text_ep, text_zero)
         return cls(
             world_size=world,
-            placement=placement,
+            placement=placement_name(groups),
             encoders=tuple(layouts),
-            text=ModuleLayout("text", "tp", text_dp, text_tp, offset, text_zero, text_offload,
-                              cp=text_cp),
+            text=ModuleLayout("text", "tp", text_dp, text_tp, offsets["text"], text_zero,
+                              text_offload, cp=text_cp),
             text_sequence_parallel=text_sequence_parallel,
             text_expert_parallel=text_ep,
             text_expert_tp=text_expert_tp,
+            groups=groups,
         )
 
     def roles(self, world_rank: int) -> tuple[str, ...]:
@@ -251,7 +332,9 @@ class Topology:
 
     def describe(self) -> str:
         """Human-readable table of which rank runs what (for logs and `ray-dhp plan`)."""
-        lines = [f"placement={self.placement} world_size={self.world_size}"
+        how = self.placement if self.placement != "grouped" else " | ".join(
+            "+".join(g) for g in self.groups)
+        lines = [f"placement={how} world_size={self.world_size}"
                  + (" text_sequence_parallel=true" if self.text_sequence_parallel else "")
                  + (f" text_expert_parallel={self.text_expert_parallel}"
                     if self.text_expert_parallel > 1 else "")
@@ -265,123 +348,26 @@ class Topology:
         return "\n".join(lines)
 
 
-# -- nodes --------------------------------------------------------------------------------------
-#
-# Ray Train gives world ranks grouped by node (workers sorted by node, then GPU id), so the
-# contiguous layout above keeps every sp/tp group inside one node whenever each node holds whole
-# groups. When it does not (nodes of different sizes, a disjoint split whose groups differ in
-# size), `node_local_order` permutes the ranks: the DHP rank of a worker may then differ from its
-# Ray Train world rank. Plain data in, plain data out: unit-tested without Ray.
-
-
-def _lcm(a: int, b: int) -> int:
-    from math import gcd
-
-    return a * b // gcd(a, b)
-
-
-def inner_groups(topology: Topology) -> list:
-    """``[(label, ranks)]`` of every sp (encoder) and tp (text) group: the chatty collectives."""
-    out = []
-    for m in topology.modules:
-        if m.inner * m.cp > 1:
-            label = m.inner_dim if m.cp == 1 else f"cp x {m.inner_dim}"
-            out += [(f"{m.name} {label} group {k}", g) for k, g in enumerate(_blocks(m))]
-    return out
-
-
-def _blocks(m: ModuleLayout) -> list:
-    """Each replica's ranks: its sp/tp group, or with CP its cp x tp block (all-to-alls + TP)."""
-    return [sum(m.mesh()[d * m.cp:(d + 1) * m.cp], []) for d in range(m.dp)]
-
-
-def crossing_groups(topology: Topology, node_of: Sequence) -> list:
-    """``[(label, ranks, nodes)]`` of the sp/tp groups whose DHP ranks span more than one node;
-    ``node_of[r]`` is the node of DHP rank ``r``."""
-    out = []
-    for label, ranks in inner_groups(topology):
-        nodes = list(dict.fromkeys(node_of[r] for r in ranks))
-        if len(nodes) > 1:
-            out.append((label, ranks, nodes))
-    return out
-
-
-def _units(topology: Topology) -> list:
-    """Logical rank blocks that must share a node for every sp/tp group to be node-local."""
-    if topology.placement == "collocated":
-        u = 1
-        for m in topology.modules:
-            u = _lcm(u, m.inner * m.cp)
-        return [list(range(k, k + u)) for k in range(0, topology.world_size, u)]
-    return [g for m in topology.modules for g in _blocks(m)]
-
-
-def _permuted(topology: Topology, nodes: Sequence) -> list:
-    """World rank -> DHP rank that packs whole units into nodes: best fit, largest units first;
-    the units no node can hold take the fullest nodes' remaining workers (fewest nodes spanned)."""
-    free: dict = {}
-    for w, n in enumerate(nodes):
-        free.setdefault(n, []).append(w)
-    units = _units(topology)
-    world_of, spill = {}, []
-    for unit in sorted(units, key=len, reverse=True):  # stable: logical order among equals
-        fits = [n for n in free if len(free[n]) >= len(unit)]
-        if not fits:
-            spill.append(unit)
-            continue
-        n = min(fits, key=lambda n: len(free[n]))
-        for r in unit:
-            world_of[r] = free[n].pop(0)
-    for unit in spill:  # a whole node at a time, fullest first
-        rest = list(unit)
-        while rest:
-            n = max(free, key=lambda n: len(free[n]))
-            take, rest = rest[:len(free[n])], rest[len(free[n]):]
-            for r in take:
-                world_of[r] = free[n].pop(0)
-    order = [0] * len(nodes)
-    for r, w in world_of.items():
-        order[w] = r
-    return order
-
-
-def node_local_order(topology: Topology, nodes: Sequence) -> list:
-    """The DHP rank of every Ray Train worker: ``order[w]`` for world rank ``w`` on node
-    ``nodes[w]``.
-
-    The identity (Ray's node-grouped order) when it already keeps every sp/tp group on one node;
-    otherwise the permutation that packs whole groups into nodes (best fit, largest first), if it
-    leaves fewer groups across nodes. Groups no node can hold are spread over the fewest nodes.
-
-    Example:
-        >>> t = Topology.build(placement="disjoint", vision_dp=1, vision_sp=2, text_dp=1, text_tp=4)
-        >>> node_local_order(t, ["a", "a", "a", "a", "b", "b"])  # text on a, vision on b
-        [2, 3, 4, 5, 0, 1]
-    """
-    if len(nodes) != topology.world_size:
-        raise ValueError(f"{len(nodes)} workers for a layout of {topology.world_size}.")
-    identity = list(range(topology.world_size))
-    base = len(crossing_groups(topology, list(nodes)))
-    if base == 0:
-        return identity
-    order = _permuted(topology, nodes)
-    better = len(crossing_groups(topology, nodes_by_rank(order, nodes))) < base
-    return order if better else identity
-
-
-def nodes_by_rank(order: Sequence, nodes: Sequence) -> list:
-    """``node_of[r]`` for DHP rank ``r`` from ``order`` (world rank -> DHP rank) and ``nodes``."""
-    node_of = [None] * len(order)
-    for w, r in enumerate(order):
-        node_of[r] = nodes[w]
-    return node_of
-
-
-def fill_nodes(topology: Topology, gpus_per_node: int) -> list:
-    """The node index of every DHP rank when ``gpus_per_node`` workers fill each node in order
-    (Ray Train's PACK placement on idle nodes) and the backend orders the ranks node-locally."""
-    slots = [r // gpus_per_node for r in range(topology.world_size)]
-    return nodes_by_rank(node_local_order(topology, slots), slots)
+def _group_offsets(groups: tuple, sizes: dict) -> tuple:
+    """``({module: first world rank}, world size)``: each placement group takes the next block of
+    ranks; ``sizes[name] = (degrees text, workers)``. ValueError when the modules of a group
+    span different numbers of workers."""
+    offsets, offset = {}, 0
+    for g in groups:
+        ref = g[-1]  # the LM when it is in the group
+        bad = [n for n in g if sizes[n][1] != sizes[ref][1]]
+        if bad:
+            which = ("collocated placement" if len(g) == len(sizes)
+                     else f"the placement group {list(g)}")
+            raise ValueError(
+                f"{which} needs every module group to span the same workers, but {bad[0]} "
+                f"uses {sizes[bad[0]][0]}={sizes[bad[0]][1]} and {ref} "
+                f"{sizes[ref][0]}={sizes[ref][1]} workers; change the degrees so the products "
+                f"match, or give these modules placement groups of their own "
+                f"(placement='disjoint').")
+        offsets.update({n: offset for n in g})
+        offset += sizes[g[0]][1]
+    return offsets, offset
 
 
 def check_offload(module: str, offload, stage: int, tp: int) -> None:

@@ -239,7 +239,8 @@ def _segment_attention(attn, q, k, v, cu_seqlens: torch.Tensor, batched: bool = 
 def ulysses_attention_forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
                               position_embeddings=None, max_seqlen=None,
                               ulysses: Optional[UlyssesContext] = None, **kwargs) -> torch.Tensor:
-    """Forward of a Qwen vision attention module with optional Ulysses sequence parallelism.
+    """Forward of a vision attention module (qkv, rotary, ``cu_seqlens`` segments, ``proj``)
+    with optional Ulysses sequence parallelism.
 
     local qkv -> rotary with the local cos/sin -> (all-to-all to ``[S_total, 3, H/sp, hd]``) ->
     attention per segment of ``cu_seqlens`` -> (all-to-all back) -> local ``proj``.
@@ -260,8 +261,8 @@ def ulysses_attention_forward(self, hidden_states: torch.Tensor, cu_seqlens: tor
 
 
 def _project_qkv(attn, hidden_states: torch.Tensor, s: int, heads: int, hd: int):
-    """``q, k, v`` (each ``[s, heads, hd]``) from a fused ``qkv`` linear (Qwen-VL towers) or from
-    separate ``q`` / ``k`` / ``v`` linears (Qwen2.5-Omni's tower), as the module's own forward
+    """``q, k, v`` (each ``[s, heads, hd]``) from a fused ``qkv`` linear or from separate
+    ``q`` / ``k`` / ``v`` linears (the towers differ), as the module's own forward
     computes them."""
     if hasattr(attn, "qkv"):
         return attn.qkv(hidden_states).reshape(s, 3, heads, hd).unbind(1)

@@ -73,7 +73,7 @@ from ray_dhp.planning.links import link_bw as _bw
 from ray_dhp.planning.links import zero_extra_s as _zero_extra
 from ray_dhp.planning.memory import ActivationSettings, merged, vision_depth
 from ray_dhp.models.sizes import vision_width
-from ray_dhp.parallel.topology import fill_nodes
+from ray_dhp.parallel.nodes import fill_nodes
 
 __all__ = ["phase_times", "step_time", "schedule_time", "vision_flops", "text_flops",
            "text_tokens_per_sample", "replica_share"]

@@ -54,16 +54,12 @@ class AudioCounts:
 def count_audio(config, tuning=None) -> Optional[AudioCounts]:
     """The audio tower's parameters (meta device), or None for a model without one. ``tuning``
     (`ray_dhp.config.tuning.Tuning`): the module ``audio`` frozen or trained (default trained)."""
-    import torch
-    from accelerate import init_empty_weights
+    from ray_dhp.models import encoder_operations
 
     ac = getattr(config, "audio_config", None)
     if ac is None:
         return None
-    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniAudioEncoder
-
-    with init_empty_weights():
-        tower = Qwen2_5OmniAudioEncoder._from_config(ac, dtype=torch.float32)
+    tower = encoder_operations("audio").empty_tower(ac)
     trains = True if tuning is None else tuning.choice("audio").train
     sizes = tuple(p.numel() for p in tower.parameters())
     return AudioCounts(params=sum(sizes), frozen=0 if trains else sum(sizes),

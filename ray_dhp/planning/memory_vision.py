@@ -53,8 +53,11 @@ def _heads(vc) -> int:
 
 
 def _rms_norm(vc) -> bool:
-    """Qwen2.5-VL's tower uses RMSNorm (fp32 compute); Qwen2-VL's and Qwen3-VL's use LayerNorm."""
-    return getattr(vc, "model_type", "").startswith("qwen2_5")
+    """Whether the tower's norms are RMSNorms computing in fp32 (the family's
+    `FamilySpec.vision_norm`); else LayerNorms."""
+    from ray_dhp.models import vision_norm
+
+    return vision_norm(vc) == "rms_norm"
 
 
 def _norm_bytes(vc, h: int, d: int) -> int:

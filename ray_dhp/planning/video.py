@@ -2,7 +2,7 @@
 attention segments, and a search for the longest video that fits (`longest_frames`).
 
 A video of ``F`` sampled frames (``data.video.fps``, default 2 per second) of ``H x W`` pixels is,
-for a Qwen-VL vision tower of patch ``p``, merge ``m`` and temporal patch ``T`` (2):
+for a vision tower of patch ``p``, merge ``m`` and temporal patch ``T`` (2):
 
 * ``ceil(F / T)`` temporal patches (the processor repeats the last frame to fill the last one),
   each ``(H / p) x (W / p)`` patches: ``tokens = ceil(F / T) · (H / p) · (W / p)`` patch tokens,
@@ -12,7 +12,7 @@ for a Qwen-VL vision tower of patch ``p``, merge ``m`` and temporal patch ``T`` 
   span of all the video's patches — `VideoShape.frame_tokens` is the segment
   `ray_dhp.planning.cost_types.Workload.vision_segment` and the memory model take.
 
-``H`` and ``W`` must be multiples of ``p · m`` (what Qwen's ``smart_resize`` produces; 448 = 16 x 28).
+``H`` and ``W`` must be multiples of ``p · m`` (what the image processor's resize rule produces; 448 = 16 x 28).
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ class VideoShape:
         for side, name in ((self.height, "height"), (self.width, "width")):
             if side % (p * m):
                 raise ValueError(f"video {self.describe()}: frame {name} {side} is not a multiple of "
-                                 f"patch_size x spatial_merge_size = {p * m} (the frame sizes Qwen's "
-                                 f"smart_resize makes); use e.g. {max(1, round(side / (p * m))) * p * m}")
+                                 f"patch_size x spatial_merge_size = {p * m} (the frame sizes the image "
+                                 f"processor's resize rule makes); use e.g. {max(1, round(side / (p * m))) * p * m}")
         return -(-self.frames // tps), self.height // p, self.width // p
 
     def tokens(self, vision_config) -> int:

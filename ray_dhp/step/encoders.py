@@ -5,7 +5,7 @@ layout, and the feature gradients back with the encoder's backward.
 Every phase walks the encoders in module order (`Topology.encoders`), the same on every rank, so
 each encoder's exchange is one exchange in the same place everywhere (`ray_dhp.parallel.boundary`
 orders a pair's messages so that this holds under NCCL). Every encoder — the vision side first,
-then e.g. Qwen2.5-Omni's audio tower — is reached through its `EncoderSpec` operations (its rows,
+then e.g. an audio tower — is reached through its `EncoderSpec` operations (its rows,
 shard plans, inputs and forward) and its ZeRO-3 sharding, if any (``sharding[name]``).
 `EncoderPhases` holds no state: it works on the engine's ``groups``, ``family``, ``shards``,
 ``sharding`` and micro-batch states.

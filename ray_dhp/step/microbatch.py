@@ -102,8 +102,8 @@ def layout_micro_batch(samples, topology, family, config,
     """The micro-batch's plan: per encoder (`Topology.encoders`) its samples per replica
     (``balancer``: by cost, or contiguous equal counts), feature-row offsets and each replica's
     shard plan; the samples per text replica and their padded groups. ``family``: a
-    `FamilySpec` or the name of a hand-written one; ``config``: the model config (the Qwen
-    families also take their vision config: the merge size is there)."""
+    `FamilySpec` or the name of a hand-written one; ``config``: the model config (families
+    whose merge size is in the vision config also take that)."""
     family = FAMILIES[family] if isinstance(family, str) else family
     n, t = len(samples), topology.text
     for m in topology.modules:

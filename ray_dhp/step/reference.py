@@ -94,7 +94,7 @@ class ReferenceTrainer:
             batch = pad_text_batch(mb, self.config.text_config.pad_token_id or 0)
             kwargs = {k: v.to(self.device) for k, v in batch.items() if v is not None and k != "labels"}
             seconds = kwargs.pop("second_per_grid_ts", None)  # the videos' seconds per patch:
-            key = family_of(self.config).video_seconds_key  # Qwen2.5-VL / -Omni's M-RoPE only
+            key = family_of(self.config).video_seconds_key  # absolute-time M-RoPE models only
             if seconds is not None and key in inspect.signature(self.model.forward).parameters:
                 kwargs[key] = seconds
             kwargs = family_of(self.config).stock_inputs(self.config, kwargs)
@@ -163,9 +163,8 @@ class ReferenceTrainer:
 
 def _named_by_module(model) -> list:
     """``(name, parameter, module)`` for every parameter, ``module`` one of "vision" (the
-    vision tower), "merger" (its projector: Qwen's ``merger`` and Qwen3-VL's
-    ``deepstack_merger_list``, InternVL's ``multi_modal_projector``), another encoder's name
-    (Qwen2.5-Omni's "audio" tower) or "llm" (everything else), told apart by the family's
+    vision tower), "merger" (its projector: `FamilySpec.merger_prefixes`), another encoder's
+    name (e.g. "audio") or "llm" (everything else), told apart by the family's
     vision parts (`FamilySpec.visual`), projector prefixes and encoder modules."""
     family = family_of(model.config)
     visual = family.visual(model)

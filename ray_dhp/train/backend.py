@@ -2,8 +2,9 @@
 
 Ray Train V2 runs `Backend` hooks in the controller actor. A plain exception in ``on_start`` is a
 non-retryable controller error that leaks the worker group (Ray 2.60), so ``on_start`` only does
-cheap, bounded work: it reads which node every worker landed on, orders the DHP ranks so that the
-sp/tp groups stay inside a node (`ray_dhp.parallel.topology.node_local_order`), warns about any group the
+cheap, bounded work: it reads which node every worker landed on (and, with node labels per
+placement group, which placement-group bundle it was placed for), orders the DHP ranks so that the
+sp/tp groups stay inside a node (`ray_dhp.parallel.nodes.node_local_order`), warns about any group the
 placement forces across nodes, picks the rendezvous address (the worker of DHP rank 0, wherever
 it is) and exports rank and address to the workers.
 Everything that can fail — ``init_process_group``, ``new_group``, the meshes — happens in
@@ -67,8 +68,9 @@ def node_label(metadata) -> str:
     return f"{metadata.node_ip}/{metadata.node_id[:8]}"
 
 
-def crossing_warning(crossing: list, node_sizes: dict) -> str:
-    """The driver-facing text for sp/tp groups that span nodes (empty when there are none)."""
+def crossing_warning(crossing: list, node_sizes: dict, labelled: bool = False) -> str:
+    """The driver-facing text for sp/tp groups that span nodes (empty when there are none);
+    ``labelled``: each placement group was kept on the nodes its labels selected."""
     if not crossing:
         return ""
     groups = "; ".join(f"{label} (ranks {ranks}) spans nodes {', '.join(map(str, nodes))}"
@@ -77,7 +79,9 @@ def crossing_warning(crossing: list, node_sizes: dict) -> str:
     return (f"ray_dhp: {len(crossing)} sequence/tensor-parallel group(s) cross a node boundary, "
             f"so their per-block all-to-all / all-reduce goes over the network: {groups}. Why: "
             f"the placement put workers on nodes as {{{sizes}}}, and no node-local assignment of "
-            f"whole groups exists for these sizes. Make every node hold a multiple of the group "
+            f"whole groups exists for these sizes"
+            + (" within each placement group's labelled nodes" if labelled else "")
+            + f". Make every node hold a multiple of the group "
             f"size (resources per worker, GPUs per node) or change the degrees; "
             f"placement.node_local=strict turns this into an error.")
 
@@ -94,17 +98,25 @@ class DisaggregatedBackend(Backend):
         import ray
         from ray.train._internal.utils import get_address_and_port
 
-        from ray_dhp.parallel.topology import crossing_groups, node_local_order, nodes_by_rank
+        from ray_dhp.parallel.nodes import crossing_groups, node_local_order, nodes_by_rank
 
         backend_config.validate_workers(len(worker_group))
         topo = backend_config.topology()
-        nodes = [node_label(w.metadata) for w in worker_group.get_workers()]  # by world rank
-        order = node_local_order(topo, nodes)
+        workers = worker_group.get_workers()  # by world rank
+        nodes = [node_label(w.metadata) for w in workers]
+        # With labels, bundle r was placed on a node fit for DHP rank r's placement group, and Ray
+        # Train numbered the workers by node, not by bundle: keep each in its bundle's group.
+        bundles = [getattr(w, "placement_group_bundle_index", None) for w in workers]
+        pinned = bool(backend_config.labels) and None not in bundles
+        if backend_config.labels and not pinned:
+            logger.warning("ray_dhp: the workers' placement-group bundles are unknown; DHP ranks "
+                           "follow Ray's world ranks, which may not match the labels' groups.")
+        order = node_local_order(topo, nodes, bundles if pinned else None)
         node_of = nodes_by_rank(order, nodes)
         logger.info("ray_dhp: DHP ranks by node: %s", {
             n: [r for r in range(len(node_of)) if node_of[r] == n] for n in dict.fromkeys(nodes)})
         text = crossing_warning(crossing_groups(topo, node_of),
-                                {n: nodes.count(n) for n in dict.fromkeys(nodes)})
+                                {n: nodes.count(n) for n in dict.fromkeys(nodes)}, pinned)
         refuse = text if text and getattr(backend_config, "node_local", "warn") == "strict" else ""
         if text and not refuse:
             logger.warning(text)

@@ -5,6 +5,8 @@ starts: it reads the alive nodes (``ray.nodes()``) and says, once, what will go 
 
 * checkpoint storage that is a local directory while the cluster has more than one node (Ray
   does not sync local directories between nodes: each node would hold some ranks' shards);
+* node labels per placement group (``DHPConfig(labels=...)``) that fewer alive nodes carry than
+  the group needs: a `ray_dhp.train.labels.LabelRefusal` naming the label and the counts;
 * a placement strategy that scatters workers (``SPREAD``), which puts sp/tp groups across nodes;
 * a layout whose sp/tp groups cannot be node-local on these nodes (no node has room for a whole
   group, or the nodes' sizes cannot be cut into whole groups): a warning, or with
@@ -22,6 +24,8 @@ import math
 import os
 from dataclasses import replace
 from typing import Optional
+
+from ray_dhp.train.labels import worker_room
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +92,7 @@ def node_capacities(nodes: list, per_worker: dict) -> dict:
     """``{node label: workers of `per_worker` it can hold}`` from ``ray.nodes()`` totals."""
     out = {}
     for n in nodes:
-        res = n.get("Resources", {})
-        cap = min((int(res.get(k, 0) // v) for k, v in per_worker.items() if v > 0), default=0)
+        cap = worker_room(n.get("Resources", {}), per_worker)
         if cap > 0:
             out[f"{n.get('NodeManagerAddress')}/{n.get('NodeID', '')[:8]}"] = cap
     return out
@@ -109,7 +112,7 @@ def _storage_warning(storage_path: Optional[str], num_nodes: int) -> Optional[st
 def _layout_forced_apart(topology, caps: dict) -> list:
     """The sp/tp groups that cross nodes in the best assignment on nodes of sizes ``caps``
     (filled largest first, as PACK does on an idle cluster); empty when all can be local."""
-    from ray_dhp.parallel.topology import crossing_groups, node_local_order, nodes_by_rank
+    from ray_dhp.parallel.nodes import crossing_groups, node_local_order, nodes_by_rank
 
     slots = [n for n, c in sorted(caps.items(), key=lambda kv: -kv[1]) for _ in range(c)]
     if len(slots) < topology.world_size:
@@ -127,11 +130,16 @@ def preflight(dhp_config, scaling_config, run_config) -> list:
     if not ray.is_initialized():
         ray.init()  # what fit() would do anyway
     nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if dhp_config.labels:  # fewer labelled nodes than a group needs: refused, not waited for
+        from ray_dhp.train.labels import check_labelled_nodes
+
+        check_labelled_nodes(dhp_config.topology(), dhp_config.labels, nodes,
+                             scaling_config._resources_per_worker_not_none)
     messages = []
     if (m := _storage_warning(run_config.storage_path, len(nodes))) is not None:
         messages.append(m)
     topo, strict = dhp_config.topology(), dhp_config.node_local == "strict"
-    chatty = max(topo.vision.inner, topo.text.inner) > 1
+    chatty = max(m.inner for m in topo.modules) > 1
     strategy = scaling_config.placement_strategy
     if chatty and len(nodes) > 1 and strategy in ("SPREAD", "STRICT_SPREAD"):
         m = (f"ray_dhp: ScalingConfig(placement_strategy={strategy!r}) spreads the workers over "
@@ -141,7 +149,9 @@ def preflight(dhp_config, scaling_config, run_config) -> list:
             raise ValueError(m + " (placement.node_local=strict)")
         messages.append(m)
     caps = node_capacities(nodes, scaling_config._resources_per_worker_not_none)
-    forced = _layout_forced_apart(topo, caps) if chatty and len(caps) > 1 else []
+    # with labels, each group has its own nodes: the backend checks the groups it got
+    forced = (_layout_forced_apart(topo, caps) if chatty and len(caps) > 1
+              and not dhp_config.labels else [])
     if forced:
         groups = "; ".join(f"{label} needs {len(ranks)} workers on one node"
                            for label, ranks, _ in forced)

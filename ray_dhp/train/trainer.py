@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import threading
+from dataclasses import replace
 from typing import Any, Callable, Optional
 
 import ray
@@ -88,6 +89,7 @@ class DisaggregatedTrainer(DataParallelTrainer):
                 raise ValueError("local mode (num_workers=0) runs one process; use all degrees 1.")
         else:
             dhp_config.validate_workers(scaling_config.num_workers)
+            scaling_config = _with_label_selectors(scaling_config, dhp_config)
         ray_datasets, paths = _split_datasets(datasets or {})
         config = dict(train_loop_config or {})
         if resume_from is not None:
@@ -278,6 +280,20 @@ def _check_sampler_state(path: str) -> None:
         check_state(integrity.read_meta(found).get("sampler"))
     except OldSamplerState as e:
         raise ValueError(f"resume_from={found!r}: {e}") from None
+
+
+def _with_label_selectors(scaling_config, dhp_config):
+    """``scaling_config`` with one ``label_selector`` per worker from ``DHPConfig(labels=...)``
+    (in DHP-rank order: bundle r is placed for rank r, `ray_dhp.train.labels`)."""
+    selectors = dhp_config.label_selectors()
+    if selectors is None:
+        return scaling_config
+    if scaling_config.label_selector not in (None, selectors):
+        raise ValueError(
+            f"ScalingConfig(label_selector={scaling_config.label_selector!r}) and "
+            f"DHPConfig(labels={dhp_config.labels!r}) both choose the workers' nodes; set the "
+            "labels in DHPConfig only (per module; it builds the per-worker selectors).")
+    return replace(scaling_config, label_selector=selectors)
 
 
 def _with_callback(run_config, callback):

@@ -89,6 +89,38 @@ def test_omni_three_modules_disjoint(omni, schedule):
     print(f"omni disjoint 2+1+2 {schedule}: worst update {worst[0]:.2e}")
 
 
+def test_omni_mixed_grouping_audio_on_its_own_workers(omni):
+    """Placement groups (issue #45): vision SP2 and text TP2 collocated on ranks 0-1, the audio
+    encoder on a worker of its own (rank 2): features of two encoders, one of them across
+    workers, one inside each process, reach the LM at their placeholders."""
+    steps, ref = omni
+    layout = dict(placement=[["vision", "text"], ["audio"]], vision_dp=1, vision_sp=2,
+                  text_dp=1, text_tp=2, encoders={"audio": EncoderDegrees(dp=1)})
+    got = run_engine("qwen2_5_omni", layout, CFG, steps, torch.float64, "pipelined", grads=True)
+    worst = _check(got, ref)
+    print(f"omni vision+text | audio (2 + 1), pipelined: worst update {worst[0]:.2e}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("placement, degrees, schedule", [
+    # the mixed grouping, sequential schedule
+    ([["vision", "text"], ["audio"]], (2, 1, 2, 1), "sequential"),
+    # audio and text collocated (2 ranks), vision alone (2 ranks)
+    ([["audio", "text"], ["vision"]], (2, 2, 2, 1), "pipelined"),
+    # every module alone, unequal sizes: vision 1, audio 2, text 2 (the grouping spelt out)
+    ([["vision"], ["audio"], ["text"]], (1, 2, 2, 1), "pipelined"),
+])
+def test_omni_placement_groups(omni, placement, degrees, schedule):
+    """More groupings of the three modules; ``degrees`` = (vision sp, audio dp, text tp, text dp)."""
+    steps, ref = omni
+    sp, adp, tp, tdp = degrees
+    layout = dict(placement=placement, vision_dp=1, vision_sp=sp, text_dp=tdp, text_tp=tp,
+                  encoders={"audio": EncoderDegrees(dp=adp)})
+    got = run_engine("qwen2_5_omni", layout, CFG, steps, torch.float64, schedule, grads=True)
+    worst = _check(got, ref)
+    print(f"omni {placement} {degrees} {schedule}: worst update {worst[0]:.2e}")
+
+
 @pytest.mark.slow
 def test_omni_frozen_audio_encoder(omni):
     """``modules: {audio: {train: false}}``: the audio rows still reach the LM, no gradient goes
@@ -133,17 +165,37 @@ def test_omni_resume_at_another_layout(omni, tmp_path):
     audio 2, text 1), 2 more steps == 3 uninterrupted reference steps: every loss and every
     rank's copy of every parameter (the audio tower's AdamW moments and step counts included,
     which the no-audio second step must leave as they were)."""
-    from tests.distributed.parity import copy_errors
-    from tests.spawn import run_on_ranks
-
-    steps, ref = omni
-    ckpt = str(tmp_path / "ckpt")
     a = dict(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1, text_tp=2,
              encoders={"audio": EncoderDegrees(dp=2)})
     b = dict(placement="disjoint", vision_dp=1, vision_sp=1, text_dp=1, text_tp=1,
              encoders={"audio": EncoderDegrees(dp=2)})
-    first = run_on_ranks(_resume_body, 2, args=(a, CFG, steps[:1], ckpt, 0))
-    rest = run_on_ranks(_resume_body, 4, args=(b, CFG, steps, ckpt, 1))
+    _resume_between(omni, str(tmp_path / "ckpt"), a, b)
+
+
+@pytest.mark.slow
+def test_omni_resume_at_another_grouping(omni, tmp_path):
+    """Placement groups (issue #45): 1 step at vision+text | audio (vision SP2 + text TP2 on
+    ranks 0-1, audio on rank 2), save, load at vision | audio+text (vision on rank 0, audio DP2
+    + text TP2 on ranks 1-2), 2 more steps == 3 uninterrupted reference steps."""
+    a = dict(placement=[["vision", "text"], ["audio"]], vision_dp=1, vision_sp=2, text_dp=1,
+             text_tp=2, encoders={"audio": EncoderDegrees(dp=1)})
+    b = dict(placement=[["vision"], ["audio", "text"]], vision_dp=1, vision_sp=1, text_dp=1,
+             text_tp=2, encoders={"audio": EncoderDegrees(dp=2)})
+    _resume_between(omni, str(tmp_path / "ckpt"), a, b)
+
+
+def _resume_between(omni, ckpt: str, a: dict, b: dict) -> None:
+    """Step 1 at layout ``a``, saved to ``ckpt``; steps 2-3 at layout ``b`` from it: every loss
+    and every rank's copy of every parameter against the reference (rel 1e-10)."""
+    from ray_dhp.parallel.topology import Topology
+    from tests.distributed.parity import copy_errors
+    from tests.spawn import run_on_ranks
+
+    steps, ref = omni
+    first = run_on_ranks(_resume_body, Topology.build(**a).world_size,
+                         args=(a, CFG, steps[:1], ckpt, 0))
+    rest = run_on_ranks(_resume_body, Topology.build(**b).world_size,
+                        args=(b, CFG, steps, ckpt, 1))
     losses = first[0]["losses"] + rest[0]["losses"]
     want = [h["loss"] for h in ref["history"]]
     assert len(losses) == len(want) == 3

@@ -41,7 +41,8 @@ from ray.cluster_utils import Cluster
 
 from ray_dhp import DHPConfig, DisaggregatedTrainer, ModuleParallel, demo
 from ray_dhp.train.callbacks import MetricsHistory
-from ray_dhp.parallel.topology import Topology, crossing_groups
+from ray_dhp.parallel.nodes import crossing_groups
+from ray_dhp.parallel.topology import Topology
 from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import make_steps, rel_err, run_engine
 from tests.ray.machine import stop_private_head

@@ -92,7 +92,7 @@ def test_neighbour_mid_run_other_dashboards(tmp_path, alone, own_dashboard, thei
 
 def _cli(tmp: Path, name: str, tmpdir: Path, *extra) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "ray_dhp", "train", str(TINY), f"run.name={name}",
-           f"run.storage_path={tmp / 'runs'}", "run.ray_address=local", "optim.num_steps=24",
+           f"run.storage_path={tmp / 'runs'}", "run.ray_address=local", "optim.num_steps=12",
            "optim.log_every=1", "checkpoint.checkpoint_every=2", "data.demo_samples=16", *extra]
     log = open(tmp / f"{name}.log", "a")
     return subprocess.Popen(cmd, env=env_for(tmpdir), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -125,7 +125,7 @@ def test_an_interrupted_cli_run_stops_cleanly_and_resumes_exactly(tmp_path, cli_
     run_dir, tmpdir = tmp_path / "runs" / "intr", short_tmp()
     proc = _cli(tmp_path, "intr", tmpdir)
     deadline = time.monotonic() + 900
-    while not (run_dir / "checkpoint_000002").exists():  # early: 22 steps left to interrupt
+    while not (run_dir / "checkpoint_000002").exists():  # early: 10 steps left to interrupt
         assert proc.poll() is None, (tmp_path / "intr.log").read_text()[-4000:]
         assert time.monotonic() < deadline
         time.sleep(0.2)
@@ -140,7 +140,7 @@ def test_an_interrupted_cli_run_stops_cleanly_and_resumes_exactly(tmp_path, cli_
     assert temp_leftovers(str(tmpdir)) == []
     kept = sorted(p.name for p in run_dir.glob("checkpoint_0*"))
     assert kept and kept[-1] >= "checkpoint_000002", kept
-    assert kept[-1] < "checkpoint_000024", "the run finished before the signal took effect"
+    assert kept[-1] < "checkpoint_000012", "the run finished before the signal took effect"
     resumed_at = int(kept[-1].rpartition("_")[2])
 
     proc = _cli(tmp_path, "intr", tmpdir)  # the same command again

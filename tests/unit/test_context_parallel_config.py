@@ -10,7 +10,8 @@ import torch
 from ray_dhp import demo
 from ray_dhp.layout import DHPConfig, ModuleParallel
 from ray_dhp.parallel.context import local_rows, slice_sequence
-from ray_dhp.parallel.topology import Topology, fill_nodes
+from ray_dhp.parallel.nodes import fill_nodes
+from ray_dhp.parallel.topology import Topology
 
 
 def test_topology_puts_cp_between_dp_and_tp():

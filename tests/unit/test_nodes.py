@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from ray_dhp.train import cluster
-from ray_dhp.parallel.topology import Topology, crossing_groups, node_local_order, nodes_by_rank
+from ray_dhp.parallel.nodes import crossing_groups, node_local_order, nodes_by_rank
+from ray_dhp.parallel.topology import Topology
 
 ROOT = Path(__file__).resolve().parents[2]
 
