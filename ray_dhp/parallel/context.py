@@ -77,8 +77,6 @@ def refusal(family, config, cp: int, tp: int, packing: bool = False,
     if family.stateful_mixers:
         why.append("linear-attention layers (their recurrent state runs along the whole "
                    "sequence: it would have to pass from slice to slice)")
-    if family.num_deepstack(config):
-        why.append("deepstack features added between decoder layers")
     if getattr(tc, "use_sliding_window", False) or any(
             "sliding" in t for t in (getattr(tc, "layer_types", None) or ())):
         why.append("sliding-window attention layers")

@@ -38,6 +38,8 @@ CASES = [  # (id, family, placement, vision (sp, dp), text (tp, dp), cp, text sp
     ("cp2-dp2", "qwen2_vl", "collocated", (2, 2), (1, 2), 2, False, None),
     ("cp2-zero2", "qwen2_5_vl", "collocated", (2, 1), (1, 1), 2, False, 2),
     ("cp2-zero3", "qwen2_5_vl", "collocated", (2, 1), (1, 1), 2, False, 3),
+    ("qwen3_vl-cp2", "qwen3_vl", "collocated", (2, 1), (1, 1), 2, False, None),
+    ("qwen3_vl-cp2-tp2-textsp", "qwen3_vl", "collocated", (4, 1), (2, 1), 2, True, None),
 ]
 
 
