@@ -71,9 +71,6 @@ def refusal(family, config, cp: int, tp: int, packing: bool = False,
                 f"the {heads} attention heads (heads are split over TP x CP; ring attention "
                 f"beyond the heads is not covered); use text.context_parallel in {ok}.")
     why = []
-    if family.moe is not None:
-        why.append("a mixture-of-experts LM (its load-balancing loss counts tokens per replica, "
-                   "not yet over the CP slices)")
     if family.stateful_mixers:
         why.append("linear-attention layers (their recurrent state runs along the whole "
                    "sequence: it would have to pass from slice to slice)")

@@ -40,6 +40,8 @@ CASES = [  # (id, family, placement, vision (sp, dp), text (tp, dp), cp, text sp
     ("cp2-zero3", "qwen2_5_vl", "collocated", (2, 1), (1, 1), 2, False, 3),
     ("qwen3_vl-cp2", "qwen3_vl", "collocated", (2, 1), (1, 1), 2, False, None),
     ("qwen3_vl-cp2-tp2-textsp", "qwen3_vl", "collocated", (4, 1), (2, 1), 2, True, None),
+    ("qwen3_vl_moe-cp2", "qwen3_vl_moe", "collocated", (2, 1), (1, 1), 2, False, None),
+    ("qwen3_vl_moe-cp2-dp2", "qwen3_vl_moe", "collocated", (2, 2), (1, 2), 2, False, None),
 ]
 
 
@@ -56,8 +58,10 @@ def test_context_parallel_is_exact_fp64(family, placement, vision, text, cp, tex
     cfg, steps, ref = reference(family)
     got = run_engine(family, _layout(placement, vision, text, cp, text_sp, zero), cfg, steps,
                      torch.float64, grads=zero != 3)
-    worst = assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10,
-                          grad_tol=None if zero == 3 else 1e-10)
+    # MoE: the stock aux loss sums routing probabilities in fp32, so the loss (only) is looser,
+    # as derived in tests/distributed/test_moe.py (~1e-9 relative; the same bound as there)
+    worst = assert_parity(got, ref, loss_tol=1e-8 if "moe" in family else 1e-10, param_tol=1e-10,
+                          update_tol=1e-10, grad_tol=None if zero == 3 else 1e-10)
     assert worst[0] < 1e-10
     print(f"worst relative update error {worst[0]:.1e} ({worst[2]}), its parameter {worst[1]:.1e}")
     lengths = {max(int(s.num_tokens) for s in mb) for st in steps for mb in st}
