@@ -41,6 +41,12 @@ class ModuleParallel:
         tensor_parallel: Megatron-style degree (language model only): attention heads, KV
             heads, MLP width and vocabulary are split over this many workers.
         data_parallel: replicas of the (sharded) module; each sees different samples.
+        context_parallel: text only: each replica's sequence is split into this many
+            contiguous slices, one per block of tensor_parallel workers (workers: tensor_parallel
+            x context_parallel x data_parallel); around attention an all-to-all gives each
+            worker the whole sequence for its share of the heads (Ulysses; tensor_parallel x
+            context_parallel must divide the attention heads). For sequences one TP group cannot
+            hold (`ray_dhp.parallel.context`; docs/placement.md, "Context parallelism").
         zero_stage: how the module's state is split over the ranks that replicate it (text: its
             data_parallel ranks; an encoder (vision, audio): its whole group, whose SP ranks hold
             the tower too), as in DeepSpeed: 0 replicated; 1 fp32 masters and AdamW moments partitioned;
@@ -75,13 +81,15 @@ class ModuleParallel:
     sequence_parallel: Union[int, bool] = 1  # an int >= 1 (vision) or a bool (text): see __post_init__
     tensor_parallel: int = checked(1, ge=1)
     data_parallel: int = checked(1, ge=1)
+    context_parallel: int = checked(1, ge=1)
     zero_stage: Optional[int] = checked(None, choices=(None,) + ZERO_STAGES)
     optimizer_offload: bool = False
     expert_parallel: int = checked(1, ge=1)
     expert_tensor_parallel: bool = False
 
     def __post_init__(self):
-        for name in ("sequence_parallel", "tensor_parallel", "data_parallel", "expert_parallel"):
+        for name in ("sequence_parallel", "tensor_parallel", "data_parallel", "expert_parallel",
+                     "context_parallel"):
             v = getattr(self, name)
             if name == "sequence_parallel" and isinstance(v, bool):
                 continue  # the text group's on/off switch (checked by DHPConfig)
@@ -104,7 +112,7 @@ class ModuleParallel:
 
     @property
     def size(self) -> int:
-        return self.sp_degree * self.tensor_parallel * self.data_parallel
+        return self.sp_degree * self.tensor_parallel * self.context_parallel * self.data_parallel
 
 
 @dataclass
@@ -246,6 +254,7 @@ class DHPConfig(BackendConfig):
             text_ep=self.text.expert_parallel,
             text_expert_tp=self.text.expert_tensor_parallel,
             encoders=further,
+            text_cp=self.text.context_parallel,
         )
 
     def label_selectors(self) -> Optional[list]:
@@ -278,6 +287,13 @@ class DHPConfig(BackendConfig):
                 raise ValueError(f"{name}: the {family.name} family has no {name} encoder; remove "
                                  f"the {name} section (DHPConfig({name}=None)).")
         family.validate_expert_parallel(self.model_config(), self.text.expert_parallel)
+        from ray_dhp.parallel.context import refusal
+
+        why = refusal(family, self.model_config(), self.text.context_parallel,
+                      self.text.tensor_parallel, encoder_ops=tuple(
+                          family.encoder_spec(n).operations() for n in self.encoder_parallel()))
+        if why:
+            raise ValueError(why)
         if self.text.expert_tensor_parallel:
             from ray_dhp.parallel.expert_tp import validate
 
@@ -350,6 +366,9 @@ def _check_encoder(name: str, m: ModuleParallel) -> None:
                          f"got {m.sequence_parallel!r}.")
     if m.expert_parallel != 1:
         raise ValueError(f"{name}.expert_parallel: the {name} encoder has no experts; leave it at 1.")
+    if m.context_parallel != 1:
+        raise ValueError(f"{name}.context_parallel: context parallelism splits the language "
+                         f"model's sequence; the {name} encoder uses sequence_parallel. Leave it at 1.")
     if m.expert_tensor_parallel:
         raise ValueError(f"{name}.expert_tensor_parallel: the {name} encoder has no experts; "
                          "leave it false.")

@@ -99,8 +99,8 @@ AudioSection = make_dataclass(
 TextSection = make_dataclass(
     "TextSection", borrow(ModuleParallel, ["tensor_parallel"])
     + borrow(_SequenceParallelOwn, ["sequence_parallel"], rename={"sequence_parallel": "text"})
-    + borrow(ModuleParallel, ["data_parallel", "zero_stage", "optimizer_offload", "expert_parallel",
-                              "expert_tensor_parallel"]),
+    + borrow(ModuleParallel, ["data_parallel", "context_parallel", "zero_stage", "optimizer_offload",
+                              "expert_parallel", "expert_tensor_parallel"]),
     namespace={"__doc__": "Degrees of the text group (the language model takes tensor "
                           "parallelism, optionally with Megatron sequence parallelism).",
                "__module__": __name__})

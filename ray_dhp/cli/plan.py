@@ -24,6 +24,10 @@ def _meshes(topology) -> list:
     for m in topology.modules:
         lines.append(f"  {m.name} mesh (\"dp\", \"{m.inner_dim}\") = {m.mesh()}")
         lines.append(f"    {m.inner_dim} groups {m.inner_groups()}, dp groups {m.dp_groups()}")
+        if m.cp > 1:  # mesh rows are the dp x cp gradient replicas
+            lines.append(f"    context parallel {m.cp} (text.context_parallel; each replica's "
+                         f"sequence in {m.cp} slices, LM activations ~1/(tp x cp)): cp groups "
+                         f"{m.cp_groups()}; dp groups above = dp x cp ranks (gradients, ZeRO)")
     return lines
 
 

@@ -12,7 +12,7 @@ from ray_dhp.data.sample import IGNORE_INDEX, Sample
 from ray_dhp.models import encoder_operations
 from ray_dhp.models.vision_encoder import item_kinds, row_modalities
 
-__all__ = ["pad_text_batch", "pack_text_batch", "pack_rows", "row_modalities"]
+__all__ = ["pad_text_batch", "pack_text_batch", "pack_rows", "row_modalities", "sample_positions"]
 
 
 def _pad(rows: list[torch.Tensor], length: int, value: int) -> torch.Tensor:
@@ -123,6 +123,12 @@ def _positions(sample: Sample, rope_index: Optional[RopeIndex], one_dimensional:
                         image_grid_thw=vis["image_grid_thw"], video_grid_thw=vis["video_grid_thw"],
                         **extra)
     return pos[:, 0].to(torch.long)
+
+
+def sample_positions(sample: Sample, rope_index: Optional[RopeIndex], one_dimensional: bool) -> torch.Tensor:
+    """``[3, n]`` M-RoPE positions of ``sample`` alone, as the model computes them (the LM's
+    context parallelism slices them, `ray_dhp.step.text`)."""
+    return _positions(sample, rope_index, one_dimensional)
 
 
 def pack_text_batch(samples: Sequence[Sample], pad_id: int, max_tokens: Optional[int] = None, *,

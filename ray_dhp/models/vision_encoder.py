@@ -16,11 +16,18 @@ from typing import Optional
 
 import torch
 
-__all__ = ["SEQUENCE_PARALLEL", "dim", "has_input", "rows", "cost", "plan", "local_rows", "inputs",
+__all__ = ["SEQUENCE_PARALLEL", "CONTEXT_PARALLEL", "row_tokens", "dim", "has_input", "rows", "cost", "plan", "local_rows", "inputs",
            "forward", "install_slot", "text_inputs", "zero3_refusal", "shard", "item_kinds",
            "row_modalities"]
 
 SEQUENCE_PARALLEL = True  # Ulysses over the tower's attention heads
+CONTEXT_PARALLEL = True  # its rows follow their placeholder tokens (`row_tokens`): sliceable
+
+
+def row_tokens(sample) -> torch.Tensor:
+    """``[L]`` bool: the tokens of ``sample`` that take one of its rows (image and video pads,
+    in the rows' order), for the LM's context parallelism (`ray_dhp.parallel.context.local_rows`)."""
+    return (sample.mm_token_type_ids == 1) | (sample.mm_token_type_ids == 2)
 
 
 def dim(family, config) -> int:
@@ -83,9 +90,13 @@ def install_slot(family, model) -> None:
         setattr(model.model, p, None)
 
 
-def text_inputs(family, config, model, samples, feats: torch.Tensor, device) -> dict:
-    """``mm_encoder_outputs`` of the rows ``feats`` of ``samples`` (images and videos apart)."""
+def text_inputs(family, config, model, samples, feats: torch.Tensor, device,
+                rows: Optional[torch.Tensor] = None) -> dict:
+    """``mm_encoder_outputs`` of the rows ``feats`` of ``samples`` (images and videos apart);
+    ``rows``: which of the samples' rows ``feats`` holds (a CP rank's slice), None: all."""
     modalities = row_modalities(samples, family.merge_size(config))
+    if rows is not None:
+        modalities = modalities[rows]
     return {"mm_encoder_outputs": family.encoder_outputs(config, feats, modalities)}
 
 

@@ -121,3 +121,21 @@ def _tp_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
     out = torch.zeros_like(hidden_states)
     out = out.index_add(0, token, (y * w.reshape(-1)[order][:, None]).to(out.dtype))
     return _ReduceOut.apply(out, group, comm)
+
+
+def check_expert_tp(on, tp: int, ep: int, zero: int) -> None:
+    """``text.expert_tensor_parallel``: a bool, with text TP > 1, without EP or ZeRO-3."""
+    if not isinstance(on, bool):
+        raise ValueError(f"text.expert_tensor_parallel must be true or false, got {on!r}.")
+    if not on:
+        return
+    if tp == 1:
+        raise ValueError("text.expert_tensor_parallel=true shards the experts over the text "
+                         "tensor-parallel ranks and needs text.tensor_parallel > 1.")
+    if ep > 1:
+        raise ValueError("text.expert_tensor_parallel=true and text.expert_parallel > 1 are "
+                         "exclusive (experts either partitioned over replicas or sharded over TP); "
+                         "set one of them off.")
+    if zero == 3:
+        raise ValueError("text.expert_tensor_parallel=true is not covered with text.zero_stage=3; "
+                         "use text.zero_stage 0-2.")

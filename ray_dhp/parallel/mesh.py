@@ -42,7 +42,8 @@ class DHPGroups:
     text_edp: Optional[dist.ProcessGroup] = None  # expert data parallel: same experts
     text_erep: Optional[dist.ProcessGroup] = None  # every rank holding my experts (EDP x TP)
     text_ep_mesh: Optional[object] = None         # 1-D DeviceMesh over text_ep
-    text_dp: Optional[dist.ProcessGroup] = None
+    text_dp: Optional[dist.ProcessGroup] = None   # same TP shard: dp x cp ranks (gradients)
+    text_cp: Optional[dist.ProcessGroup] = None   # my replica's CP ranks (ray_dhp.parallel.context)
     text_all: Optional[dist.ProcessGroup] = None
     text_mesh: Optional[object] = None              # DeviceMesh ("dp", "tp") on text ranks
     data: Optional[dist.ProcessGroup] = None        # all ranks, gloo: the data loader's exchange
@@ -74,6 +75,11 @@ class DHPGroups:
     def text_coord(self) -> Optional[tuple[int, int]]:
         """(dp replica, tp rank) of this rank in the text group."""
         return self.coord("text")
+
+    @property
+    def text_cp_rank(self) -> int:
+        """This rank's context-parallel index inside its text replica (0 without CP)."""
+        return self.topology.text.cp_coord(self.rank) if self.is_text else 0
 
 
 
@@ -107,6 +113,8 @@ def build_groups(topology: Topology, device: torch.device) -> DHPGroups:
     groups.text_tp = _new_groups(t.inner_groups(), rank)
     groups.text_dp = _new_groups(t.dp_groups(), rank)
     groups.text_all = _new_groups([t.ranks], rank)
+    if t.cp > 1:  # created only with context parallelism (same topology, same order everywhere)
+        groups.text_cp = _new_groups(t.cp_groups(), rank)
     ep = topology.text_expert_parallel
     if ep > 1:  # created only with expert parallelism (every rank: same topology, same order)
         from ray_dhp.parallel.expert import edp_groups, ep_groups, replica_groups

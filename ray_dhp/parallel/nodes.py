@@ -30,10 +30,16 @@ def inner_groups(topology) -> list:
     """``[(label, ranks)]`` of every sp (encoder) and tp (text) group: the chatty collectives."""
     out = []
     for m in topology.modules:
-        if m.inner > 1:
-            out += [(f"{m.name} {m.inner_dim} group {k}", g)
-                    for k, g in enumerate(m.inner_groups())]
+        if m.inner * m.cp > 1:
+            label = m.inner_dim if m.cp == 1 else f"cp x {m.inner_dim}"
+            out += [(f"{m.name} {label} group {k}", g) for k, g in enumerate(_blocks(m))]
     return out
+
+
+def _blocks(m) -> list:
+    """Each replica's ranks: its sp/tp group, or with context parallelism its cp x tp block
+    (the CP all-to-alls beside TP, `ray_dhp.parallel.context`)."""
+    return [sum(m.mesh()[d * m.cp:(d + 1) * m.cp], []) for d in range(m.dp)]
 
 
 def crossing_groups(topology, node_of: Sequence) -> list:
@@ -54,7 +60,7 @@ def _units(topology) -> list:
     for g in topology.placement_groups():
         u = 1
         for m in g.modules:
-            u = _lcm(u, m.inner)
+            u = _lcm(u, m.inner * m.cp)
         out += [list(range(k, k + u)) for k in range(g.offset, g.offset + g.size, u)]
     return out
 

@@ -7,7 +7,9 @@ Rank layout (innermost dimension fastest, like ``init_device_mesh``):
 
 * an encoder group (vision, audio, ...), mesh ``("dp", "sp")``: group-local rank
   ``v = dp * sp_size + sp``
-* text group, mesh ``("dp", "tp")``:    group-local rank ``t = dp * tp_size + tp``
+* text group, mesh ``("dp", "tp")``:    group-local rank ``t = (dp * cp_size + cp) * tp_size + tp``
+  (context parallelism, ``cp``, sits between dp and tp: a replica's CP x TP ranks are one block,
+  node-local like a TP group; the mesh's "dp" rows are the dp x cp gradient replicas)
 * modules are grouped into *placement groups*: the modules of one group share its workers
   (collocated: each spans all of them, world rank = offset + group-local rank), and every group
   has workers of its own, blocks of consecutive world ranks in the order of each group's first
@@ -104,36 +106,58 @@ class ModuleLayout:
     zero_stage: int = 0
     # masters and AdamW moments in host memory, updated there (`ray_dhp.step.offload`)
     offload: bool = False
+    # context parallelism (text only): each replica's sequence split over ``cp`` blocks of
+    # ``inner`` ranks (`ray_dhp.parallel.context`)
+    cp: int = 1
 
     @property
     def size(self) -> int:
-        return self.dp * self.inner
+        return self.dp * self.cp * self.inner
 
     @property
     def ranks(self) -> list[int]:
         return list(range(self.offset, self.offset + self.size))
 
     def coord(self, world_rank: int) -> Optional[tuple[int, int]]:
-        """(dp index, inner index) of ``world_rank``, or None if it is not in this group."""
+        """(dp index, inner index) of ``world_rank``, or None if it is not in this group (the
+        CP rank is `cp_coord`'s)."""
         local = world_rank - self.offset
         if not 0 <= local < self.size:
             return None
-        return divmod(local, self.inner)
+        row, inner = divmod(local, self.inner)
+        return row // self.cp, inner
 
-    def rank_at(self, dp: int, inner: int) -> int:
-        return self.offset + dp * self.inner + inner
+    def cp_coord(self, world_rank: int) -> int:
+        """The context-parallel rank of ``world_rank`` inside its replica (0 without CP)."""
+        return ((world_rank - self.offset) // self.inner) % self.cp
+
+    def grad_index(self, world_rank: int) -> int:
+        """Index of ``world_rank`` in its `dp_groups` list (its gradient replica: dp x cp)."""
+        return (world_rank - self.offset) // self.inner
+
+    def rank_at(self, dp: int, inner: int, cp: int = 0) -> int:
+        return self.offset + (dp * self.cp + cp) * self.inner + inner
 
     def mesh(self) -> list[list[int]]:
-        """World ranks as a ``[dp][inner]`` grid (the DeviceMesh layout)."""
-        return [[self.rank_at(d, i) for i in range(self.inner)] for d in range(self.dp)]
+        """World ranks as a ``[dp x cp][inner]`` grid (the DeviceMesh layout: rows are the
+        gradient replicas, CP ranks replicate the parameters like data-parallel ones)."""
+        return [[self.rank_at(d, i, c) for i in range(self.inner)]
+                for d in range(self.dp) for c in range(self.cp)]
 
     def inner_groups(self) -> list[list[int]]:
-        """One rank list per replica: the sp (encoder) or tp (text) groups."""
+        """One rank list per replica (and CP rank): the sp (encoder) or tp (text) groups."""
         return self.mesh()
 
     def dp_groups(self) -> list[list[int]]:
-        """One rank list per inner index: the groups that hold the same shard."""
-        return [[self.rank_at(d, i) for d in range(self.dp)] for i in range(self.inner)]
+        """One rank list per inner index: the groups that hold the same shard (with CP, the
+        dp x cp ranks: gradients are summed and ZeRO partitions over them)."""
+        return [[self.rank_at(d, i, c) for d in range(self.dp) for c in range(self.cp)]
+                for i in range(self.inner)]
+
+    def cp_groups(self) -> list[list[int]]:
+        """One rank list per (replica, inner index): the ranks splitting one sequence."""
+        return [[self.rank_at(d, i, c) for c in range(self.cp)]
+                for d in range(self.dp) for i in range(self.inner)]
 
 
 @dataclass(frozen=True)
@@ -191,6 +215,11 @@ class Topology:
         return next(g for g in self.placement_groups() if name in g.names)
 
     @property
+    def text_context_parallel(self) -> int:
+        """The LM's context-parallel degree (`ray_dhp.parallel.context`)."""
+        return self.text.cp
+
+    @property
     def modules(self) -> tuple:
         """Every module's layout: the encoders in rank order, then the LM."""
         return (*self.encoders, self.text)
@@ -221,6 +250,7 @@ class Topology:
         text_sequence_parallel: bool = False, vision_zero: Optional[int] = None,
         text_zero: Optional[int] = None, vision_offload: bool = False, text_offload: bool = False,
         text_ep: int = 1, text_expert_tp: bool = False, encoders: Optional[dict] = None,
+        text_cp: int = 1,
     ) -> "Topology":
         """``placement``: ``"collocated"``, ``"disjoint"`` or a grouping of the module names
         (`placement_groups`). ``vision_zero`` / ``text_zero``: the modules' ZeRO stages; None is
@@ -239,7 +269,8 @@ class Topology:
             for what, v in (("data_parallel", deg.dp), ("sequence_parallel", deg.sp)):
                 if not isinstance(v, int) or v < 1:
                     raise ValueError(f"{name} {what} must be a positive integer, got {v!r}.")
-        for what, v in (("text data_parallel", text_dp), ("text tensor_parallel", text_tp)):
+        for what, v in (("text data_parallel", text_dp), ("text tensor_parallel", text_tp),
+                        ("text context_parallel", text_cp)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{what} must be a positive integer, got {v!r}.")
         if not isinstance(text_ep, int) or text_ep < 1 or text_dp % text_ep:
@@ -255,10 +286,15 @@ class Topology:
                 "and needs text tensor_parallel > 1; set text.tensor_parallel >= 2 or "
                 "text.sequence_parallel=false."
             )
-        nt = text_dp * text_tp
+        from ray_dhp.parallel.context import check_context_parallel
+        from ray_dhp.parallel.expert_tp import check_expert_tp
+
+        check_context_parallel(text_cp, text_ep, text_expert_tp)
+        nt = text_dp * text_cp * text_tp
         groups = placement_groups(placement, (*wanted, "text"))
         sizes = {**{n: (f"{d.dp}x{d.sp}", d.dp * d.sp) for n, d in wanted.items()},
-                 "text": (f"{text_dp}x{text_tp}", nt)}
+                 "text": (f"{text_dp}x{text_tp}" if text_cp == 1
+                          else f"{text_dp}x{text_cp}x{text_tp} (dp x cp x tp)", nt)}
         offsets, world = _group_offsets(groups, sizes)
         layouts = []
         for name, deg in wanted.items():
@@ -266,7 +302,7 @@ class Topology:
             check_offload(name, deg.offload, zero, 1)
             layouts.append(ModuleLayout(name, "sp", deg.dp, deg.sp, offsets[name], zero,
                                         deg.offload))
-        text_zero = resolve_stage(text_zero, text_dp, "text")
+        text_zero = resolve_stage(text_zero, text_dp * text_cp, "text")  # CP ranks: replicas too
         check_offload("text", text_offload, text_zero, text_tp)
         if text_ep > 1 and text_zero == 3:
             raise ValueError("text.expert_parallel > 1 is not covered with text.zero_stage=3 "
@@ -280,7 +316,7 @@ class Topology:
             placement=placement_name(groups),
             encoders=tuple(layouts),
             text=ModuleLayout("text", "tp", text_dp, text_tp, offsets["text"], text_zero,
-                              text_offload),
+                              text_offload, cp=text_cp),
             text_sequence_parallel=text_sequence_parallel,
             text_expert_parallel=text_ep,
             text_expert_tp=text_expert_tp,
@@ -302,9 +338,11 @@ class Topology:
                  + (" text_sequence_parallel=true" if self.text_sequence_parallel else "")
                  + (f" text_expert_parallel={self.text_expert_parallel}"
                     if self.text_expert_parallel > 1 else "")
-                 + (" text_expert_tensor_parallel=true" if self.text_expert_tp else "")]
+                 + (" text_expert_tensor_parallel=true" if self.text_expert_tp else "")
+                 + (f" text_context_parallel={self.text.cp}" if self.text.cp > 1 else "")]
         for r in range(self.world_size):
-            parts = [f"{m.name}(dp={c[0]}, {m.inner_dim}={c[1]})"
+            parts = [f"{m.name}(dp={c[0]}, " + (f"cp={m.cp_coord(r)}, " if m.cp > 1 else "")
+                     + f"{m.inner_dim}={c[1]})"
                      for m in self.modules if (c := m.coord(r)) is not None]
             lines.append(f"  rank {r}: " + " + ".join(parts))
         return "\n".join(lines)
@@ -330,24 +368,6 @@ def _group_offsets(groups: tuple, sizes: dict) -> tuple:
         offsets.update({n: offset for n in g})
         offset += sizes[g[0]][1]
     return offsets, offset
-
-
-def check_expert_tp(on, tp: int, ep: int, zero: int) -> None:
-    """``text.expert_tensor_parallel``: a bool, with text TP > 1, without EP or ZeRO-3."""
-    if not isinstance(on, bool):
-        raise ValueError(f"text.expert_tensor_parallel must be true or false, got {on!r}.")
-    if not on:
-        return
-    if tp == 1:
-        raise ValueError("text.expert_tensor_parallel=true shards the experts over the text "
-                         "tensor-parallel ranks and needs text.tensor_parallel > 1.")
-    if ep > 1:
-        raise ValueError("text.expert_tensor_parallel=true and text.expert_parallel > 1 are "
-                         "exclusive (experts either partitioned over replicas or sharded over TP); "
-                         "set one of them off.")
-    if zero == 3:
-        raise ValueError("text.expert_tensor_parallel=true is not covered with text.zero_stage=3; "
-                         "use text.zero_stage 0-2.")
 
 
 def check_offload(module: str, offload, stage: int, tp: int) -> None:

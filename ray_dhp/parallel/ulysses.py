@@ -43,13 +43,15 @@ class UlyssesContext:
         group: the SP process group.
         seq_lens: tokens held by each SP rank (group-rank order = processing order).
         rank: this process's rank inside ``group``.
-        comm: optional counter; every all-to-all is recorded as ``("all_to_all", "vision.sp")``.
+        comm: optional counter; every all-to-all is recorded as ``("all_to_all", tag)``.
+        tag: the counter's label (``"vision.sp"``; the LM's context parallelism: ``"text.cp"``).
     """
 
     group: dist.ProcessGroup
     seq_lens: list[int]
     rank: int
     comm: Optional[CommCounter] = None
+    tag: str = _COMM_TAG
 
     @property
     def sp(self) -> int:
@@ -60,11 +62,11 @@ class UlyssesContext:
         return self.seq_lens[self.rank]
 
 
-def _a2a(x: torch.Tensor, send: list[int], recv: list[int], group, comm) -> torch.Tensor:
+def _a2a(x: torch.Tensor, send: list[int], recv: list[int], group, comm, tag=_COMM_TAG) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((sum(recv), *x.shape[1:]))
     dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group)
-    record(comm, "all_to_all", _COMM_TAG, x)
+    record(comm, "all_to_all", tag, x)
     return out
 
 
@@ -77,18 +79,19 @@ class _AllToAllRows(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, send, recv, group, comm):
-        ctx.send, ctx.recv, ctx.group, ctx.comm = send, recv, group, comm
-        return _a2a(x, send, recv, group, comm)
+    def forward(ctx, x, send, recv, group, comm, tag):
+        ctx.send, ctx.recv, ctx.group, ctx.comm, ctx.tag = send, recv, group, comm, tag
+        return _a2a(x, send, recv, group, comm, tag)
 
     @staticmethod
     def backward(ctx, grad):
-        return _a2a(grad, ctx.recv, ctx.send, ctx.group, ctx.comm), None, None, None, None
+        return _a2a(grad, ctx.recv, ctx.send, ctx.group, ctx.comm, ctx.tag), None, None, None, None, None
 
 
-def all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int], group, comm=None) -> torch.Tensor:
+def all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int], group, comm=None,
+                    tag: str = _COMM_TAG) -> torch.Tensor:
     """Autograd-aware variable-split all-to-all along dim 0 (see ``_AllToAllRows``)."""
-    return _AllToAllRows.apply(x, list(send), list(recv), group, comm)
+    return _AllToAllRows.apply(x, list(send), list(recv), group, comm, tag)
 
 
 def seq_to_heads(x: torch.Tensor, ctx: UlyssesContext) -> torch.Tensor:
@@ -101,7 +104,7 @@ def seq_to_heads(x: torch.Tensor, ctx: UlyssesContext) -> torch.Tensor:
     *mid, heads, hd = x.shape[1:]
     x = x.reshape(s, *mid, sp, heads // sp, hd).movedim(-3, 0)  # [sp, S_local, *mid, H/sp, hd]
     x = x.reshape(sp * s, *mid, heads // sp, hd)
-    return all_to_all_rows(x, [s] * sp, ctx.seq_lens, ctx.group, ctx.comm)
+    return all_to_all_rows(x, [s] * sp, ctx.seq_lens, ctx.group, ctx.comm, ctx.tag)
 
 
 def heads_to_seq(y: torch.Tensor, ctx: UlyssesContext) -> torch.Tensor:
@@ -112,7 +115,7 @@ def heads_to_seq(y: torch.Tensor, ctx: UlyssesContext) -> torch.Tensor:
     """
     s, sp = ctx.local_len, ctx.sp
     *mid, h, hd = y.shape[1:]
-    y = all_to_all_rows(y, ctx.seq_lens, [s] * sp, ctx.group, ctx.comm)  # [sp * S_local, ...]
+    y = all_to_all_rows(y, ctx.seq_lens, [s] * sp, ctx.group, ctx.comm, ctx.tag)  # [sp * S_local, ...]
     y = y.reshape(sp, s, *mid, h, hd).movedim(0, -3)  # [S_local, *mid, sp, h, hd]
     return y.reshape(s, *mid, sp * h, hd)
 

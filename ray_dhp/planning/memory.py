@@ -87,15 +87,17 @@ def rank_state(counts: ParamCounts, topology, rank: int, policy) -> RankState:
     tp = topology.text.inner
     tg, vg = topology.text, topology.vision
     v = counts.vision_held_by(rank - vg.offset, vg.size, vg.zero_stage) if "vision" in roles else 0
-    t = counts.text_held_by(tg.coord(rank)[0], tg.dp, tp, tg.zero_stage) if "text" in roles else 0
+    # the text state is partitioned over the gradient replicas: dp x cp (CP ranks replicate it)
+    j, reps = (tg.grad_index(rank), tg.dp * tg.cp) if "text" in roles else (0, 1)
+    t = counts.text_held_by(j, reps, tp, tg.zero_stage) if "text" in roles else 0
     vu = tu = 0
     if v:
         vu = counts.vision_updated_by(rank - vg.offset, vg.size, vg.zero_stage)
     if t:
-        tu = counts.text_updated_by(tg.coord(rank)[0], tg.dp, tp, tg.zero_stage)
+        tu = counts.text_updated_by(j, reps, tp, tg.zero_stage)
     held, updated = v + t, vu + tu
     v_trained = (vu if vg.zero_stage == 3 else v - counts.vision_frozen) if v else 0
-    t_trained = ((counts.text_updated_by(tg.coord(rank)[0], tg.dp, tp, 0) if tg.zero_stage != 3
+    t_trained = ((counts.text_updated_by(j, reps, tp, 0) if tg.zero_stage != 3
                   else tu) if t else 0)
     # gradients accumulate in the policy's grad dtype (fp32 for bf16 weights), except FSDP2's
     # shards of a module at stage 3, which keep the weights' dtype (FSDP2 sums in fp32 itself)
@@ -207,13 +209,29 @@ def _mlp_widths(tc) -> tuple:
 
 
 def text_activation_bytes(tc, tokens: int, tp: int, s: ActivationSettings,
-                          sample_tokens: Optional[int] = None, seq_parallel: bool = False) -> float:
+                          sample_tokens: Optional[int] = None, seq_parallel: bool = False,
+                          cp: int = 1) -> float:
     """Activation bytes of one text TP rank for ``tokens`` tokens of its replica (incl. logits).
 
     ``seq_parallel`` (``text.sequence_parallel``): every per-token activation is ``1/tp`` — norms
     and residuals run on the local tokens, the column-parallel projections keep only the sequence
     shard of their all-gathered input (re-gathered in backward), and every checkpointed block
-    input is ``h/tp``. Measured by ``benchmarks/text_sp.py``."""
+    input is ``h/tp``. Measured by ``benchmarks/text_sp.py``.
+
+    ``cp`` (``text.context_parallel``, `ray_dhp.parallel.context`): the rank keeps ``1/cp`` of the
+    tokens for everything (attention keeps the whole sequence for ``1/(tp cp)`` of the heads: the
+    same bytes as its slice for all of its ``1/tp``), so ~``1/(tp cp)`` overall, plus one layer's
+    working set: the all-to-all buffers of q, k, v and the output (send and receive)."""
+    if cp > 1:
+        seq = sample_tokens or tokens
+        local = text_activation_bytes(tc, tokens / cp, tp, _sdpa(s), seq / cp, seq_parallel)
+        hd = tc.hidden_size // tc.num_attention_heads
+        kv = tc.num_key_value_heads  # repeated to the query heads where they do not split over cp
+        kv = tc.num_attention_heads if (kv // tp) % cp else kv
+        qkvo = tokens / cp * (2 * tc.hidden_size + 2 * kv * hd) / tp
+        eager = (2 * tc.num_attention_heads / (tp * cp) * tokens * seq * s.dtype_bytes
+                 * (1 if s.checkpointing else tc.num_hidden_layers)) if s.attention == "eager" else 0
+        return local + 2 * qkvo * s.dtype_bytes + eager
     h, layers = tc.hidden_size, tc.num_hidden_layers
     i, routed = _mlp_widths(tc)
     kv = 2 * tc.num_key_value_heads * (h // tc.num_attention_heads)
@@ -227,6 +245,11 @@ def text_activation_bytes(tc, tokens: int, tp: int, s: ActivationSettings,
         heads = tc.num_attention_heads / tp
         total += 2 * heads * tokens * seq * s.dtype_bytes * (1 if s.checkpointing else layers)
     return total + 2 * tokens * (tc.vocab_size / tp) * 4
+
+
+def _sdpa(s: ActivationSettings) -> ActivationSettings:
+    """``s`` with a fused attention kernel (CP's own scores are counted apart)."""
+    return dataclasses.replace(s, attention="flash") if s.attention == "eager" else s
 
 
 @dataclass(frozen=True)
@@ -267,7 +290,8 @@ def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int,
     v_act = vision_activation_bytes(vc, samples * vision_tokens, sp, settings,
                                     segment_tokens or vision_tokens)
     t_act = text_activation_bytes(tc, (text_samples or samples) * seq, tp, settings, seq,
-                                  seq_parallel=getattr(topology, "text_sequence_parallel", False))
+                                  seq_parallel=getattr(topology, "text_sequence_parallel", False),
+                                  cp=topology.text.cp)
     moments = 8 * (1 - 1 / topology.vision.size) if topology.vision.zero_stage else 0
     out = []
     for r in range(topology.world_size):

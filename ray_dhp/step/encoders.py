@@ -46,7 +46,7 @@ class EncoderPhases:
                 continue
             lay = mb.lay.encoders[m.name]
             plan = mb.plan[m.name] = bnd.plan_boundary(g.topology, g.rank, self._held_rows(m, lay),
-                                                       self._needed_rows(mb.lay, m.name))
+                                                       self._needed_rows(mb.lay, m.name, mb.samples))
             feats = mb.feats.get(m.name)
             local = None if feats is None else feats.detach().to(self.dtype)
             mb.text_feats[m.name] = bnd.features_forward(
@@ -122,11 +122,26 @@ class EncoderPhases:
                                          else ops.local_rows(plan, k, rows))
         return held
 
-    def _needed_rows(self, lay: MicroBatchLayout, name: str) -> dict:
-        """Text world rank -> the rows of encoder ``name`` its replica's samples consume."""
+    def _needed_rows(self, lay: MicroBatchLayout, name: str, samples: list) -> dict:
+        """Text world rank -> the rows of encoder ``name`` its replica's samples consume; with
+        context parallelism only those whose tokens fall in the rank's slice of the replica's
+        padded batch (`ray_dhp.parallel.context.local_rows`)."""
         t = self.groups.topology.text
-        return {t.rank_at(j, k): lay.rows_of(idx, name)
-                for j, idx in enumerate(lay.text_samples) for k in range(t.inner)}
+        if t.cp == 1:
+            return {t.rank_at(j, k): lay.rows_of(idx, name)
+                    for j, idx in enumerate(lay.text_samples) for k in range(t.inner)}
+        from ray_dhp.parallel.boundary import _ids
+        from ray_dhp.parallel.context import local_rows
+
+        ops, out = self.family.encoder_spec(name).operations(), {}
+        for j, idx in enumerate(lay.text_samples):
+            mine_s = [samples[i] for i in idx]
+            length = self._padded_length(mine_s)  # as `_text_batch` pads (`ray_dhp.step.text`)
+            rows = _ids(lay.rows_of(idx, name))
+            for c in range(t.cp):
+                mine = rows[local_rows([ops.row_tokens(s) for s in mine_s], length, t.cp, c)]
+                out.update({t.rank_at(j, k, c): mine for k in range(t.inner)})
+        return out
 
 
 def check_encoders(family, topology) -> None:

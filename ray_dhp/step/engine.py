@@ -74,11 +74,22 @@ class DHPEngine(EncoderPhases, TextPhase, UpdateMixin):
                                     text_sp=topo.text_sequence_parallel, packing=cfg.packing)
         self.family.validate_expert_parallel(self.config, topo.text_expert_parallel)
         check_encoders(self.family, topo)
+        from ray_dhp.parallel.context import refusal
+
+        why = refusal(self.family, self.config, topo.text.cp, topo.text.inner, cfg.packing,
+                      tuple(self.family.encoder_spec(m.name).operations() for m in topo.encoders))
+        if why:
+            raise ValueError(why)
         if topo.text_expert_tp:
             from ray_dhp.parallel.expert_tp import validate
 
             validate(self.family, self.config, topo.text.inner)
         self._build_shards(model, dtype, fill=init == "source")
+        if topo.text.cp > 1 and self.text_model is not None:  # Ulysses CP around the LM's attention
+            from ray_dhp.parallel.context import install_context_parallel
+
+            install_context_parallel(self.family.language_model(self.text_model), groups.text_cp,
+                                     topo.text.cp, groups.text_cp_rank, self.comm)
         self.tuning = tuning_of(cfg)  # per-module choices: frozen parameters are left out below
         if self.tuning.lora is not None and self.text_model is not None:  # PEFT LoRA, TP-exact
             from ray_dhp.models.lora import add_lora

@@ -5,7 +5,9 @@ micro-batch on every text rank, with a `LossInputs` describing the rows this tex
 computed, and back-propagates the scalar it returns. The contract (docs/custom_loop.md):
 
 * the return value is this replica's **contribution** to the step's loss: the step's loss is the
-  sum of the contributions of every micro-batch and every text data-parallel replica. So the
+  sum of the contributions of every micro-batch and every text data-parallel replica (and, with
+  ``text.context_parallel``, of every CP rank: each gets its slice of the positions,
+  `ray_dhp.parallel.context`). So the
   loss must be a sum of per-sample terms; normalise by the step's global counts
   (``inputs.num_targets``, ``inputs.num_samples``), never by a count of this replica's rows
   (which depends on the layout);

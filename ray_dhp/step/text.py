@@ -23,9 +23,10 @@ class TextPhase:
         g = self.groups
         if g.is_text:
             j, fsdp = g.text_coord[0], self.sharding.get("text")
-            one = fsdp is not None or self.family.moe is not None
+            one = fsdp is not None or self.family.moe is not None or g.topology.text.cp > 1
             groups = mb.lay.text_groups[j] if mb.lay.text_groups and not one \
                 else [mb.lay.text_samples[j]]  # FSDP, MoE: the same number of forwards per replica
+            # (CP: one padded batch, whose slices the boundary planned the rows of)
             if fsdp is not None:  # reduce-scatter in the step's last backward only
                 fsdp.sync(mb is self._states[-1])
             mb.loss_sum, mb.grad_feats = self._text_groups(mb, mb.lay.text_samples[j], groups, n_targets)
@@ -70,7 +71,7 @@ class TextPhase:
 
         pad_id = self.config.text_config.pad_token_id or 0
         topo = self.groups.topology
-        multiple = pad_multiple(topo.text.inner, topo.text_sequence_parallel)
+        multiple = pad_multiple(topo.text.inner, topo.text_sequence_parallel) * topo.text.cp
         if not self.cfg.packing:
             return _pad_tail(pad_text_batch(samples, pad_id), multiple, pad_id)
         rope = self.family.rope_index(self.text_model)  # the family's position rule
@@ -89,8 +90,10 @@ class TextPhase:
         """The text forward of ``samples`` with ``feats`` (``{encoder: rows}``, their features
         in the text layout): the batch, the features as handed in per encoder (those with
         rows) and the (vocab-sharded) logits. Shared by training and `ray_dhp.step.evaluation`."""
-        dev = self.groups.device
+        dev, cp = self.groups.device, self.groups.topology.text.cp
         batch = self._text_batch(samples)
+        if cp > 1:  # this rank's slice of the sequence (`_context_slice`)
+            batch = self._context_slice(batch, samples)
         handed, extra = {}, {"mm_encoder_outputs": None}
         for name, f in feats.items():
             if f is None or f.shape[0] == 0:
@@ -99,7 +102,9 @@ class TextPhase:
                 f.requires_grad_(True)
             handed[name] = f
             ops = self.family.encoder_spec(name).operations()  # the stock forward's own seam
-            extra.update(ops.text_inputs(self.family, self.config, self.text_model, samples, f, dev))
+            rows = {} if cp == 1 else {"rows": self._context_rows(ops, samples, batch["full_length"])}
+            extra.update(ops.text_inputs(self.family, self.config, self.text_model, samples, f, dev,
+                                         **rows))
         grid, mask, pos = batch["image_grid_thw"], batch["attention_mask"], batch.get("position_ids")
         videos = {} if batch.get("video_grid_thw") is None else \
             {"video_grid_thw": to_device(batch["video_grid_thw"], dev)}
@@ -134,6 +139,52 @@ class TextPhase:
             check_features_consumed(f, passed=name in handed)
             grads[name] = f.grad if name in handed and f.is_leaf else None
         return value, grads
+
+
+    # -- the LM's context parallelism (`ray_dhp.parallel.context`): this CP rank's slice of a
+    # padded batch, positions computed on the whole sequence
+
+    def _context_slice(self, batch: dict, samples) -> dict:
+        """The rank's contiguous ``1/cp`` of every per-token tensor of the padded ``batch``:
+        tokens, token types, next-token targets (shifted on the whole sequence), sample ids and
+        positions (each sample's own, by the family's rope rule, then sliced); no attention mask
+        (causal over the whole sequence, `cp_attention`), no grids (positions are given)."""
+        from ray_dhp.data.collate import sample_positions
+        from ray_dhp.parallel.context import slice_sequence
+
+        cp, c = self.groups.topology.text.cp, self.groups.text_cp_rank
+        rows, length = batch["input_ids"].shape
+        if length != self._padded_length(samples):  # the boundary planned the rows for it
+            raise RuntimeError(f"text batch of length {length}, planned {self._padded_length(samples)}")
+        rope = self.family.rope_index(self.text_model)
+        if rope is None:  # 1-D positions
+            pos = torch.arange(length).expand(rows, length)
+        else:
+            pos = torch.zeros(3, rows, length, dtype=torch.long)
+            for i, s in enumerate(samples):
+                pos[:, i, :s.num_tokens] = sample_positions(s, rope, False)
+        cut = lambda t: slice_sequence(t, cp, c)  # noqa: E731
+        return {"input_ids": cut(batch["input_ids"]), "mm_token_type_ids": cut(batch["mm_token_type_ids"]),
+                "targets": cut(shift_labels(batch["labels"])),
+                "sample_ids": cut(sample_ids_of(batch, samples)), "position_ids": cut(pos),
+                "attention_mask": None, "image_grid_thw": None, "full_length": length}
+
+    def _padded_length(self, samples) -> int:
+        """The length `_text_batch` pads ``samples`` to (one row each): the longest, rounded up
+        to the sequence-parallel x context-parallel multiple."""
+        from ray_dhp.parallel.text_sp import pad_multiple
+
+        topo = self.groups.topology
+        multiple = pad_multiple(topo.text.inner, topo.text_sequence_parallel) * topo.text.cp
+        return -(-max(s.num_tokens for s in samples) // multiple) * multiple
+
+    def _context_rows(self, ops, samples, length: int) -> torch.Tensor:
+        """Which of ``samples``' feature rows of an encoder (``ops``) fall in this CP rank's
+        slice of a padded batch of ``length`` (the rows the boundary delivered here)."""
+        from ray_dhp.parallel.context import local_rows
+
+        return local_rows([ops.row_tokens(s) for s in samples], length,
+                          self.groups.topology.text.cp, self.groups.text_cp_rank)
 
 
 def _pad_tail(batch: dict, multiple: int, pad_id: int) -> dict:

@@ -66,7 +66,7 @@ class UpdateMixin:
             else:
                 self.zero["text"] = z = ZeroPartition(
                     [p for _, p in named], t.zero_stage, g.text_dp,
-                    [t.rank_at(d, k) for d in range(t.dp)], j, leader=g.rank == t.offset,
+                    t.dp_groups()[k], t.grad_index(g.rank), leader=g.rank == t.offset,
                     tp_group=g.text_tp, tp_first=k == 0, late=self._partial)
             self.opts["text"] = build_optimizer_for(
                 z.mine(named) + (experts if self.expert_params else []), self.cfg, self.policy,

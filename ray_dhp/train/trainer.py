@@ -105,6 +105,9 @@ class DisaggregatedTrainer(DataParallelTrainer):
 
             family = family_of(dhp_config.model_config())
             family.check_packing(loop_cfg.packing, loop_key("packing"))
+            from ray_dhp.parallel.context import check_packing
+
+            check_packing(dhp_config.text.context_parallel, loop_cfg.packing, loop_key("packing"))
             from ray_dhp.data.audio import refuse_audio
 
             if getattr(dhp_config, "audio", None) is None:  # no audio group: audio cannot train

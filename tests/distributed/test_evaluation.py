@@ -128,8 +128,11 @@ LAYOUTS = {
     # on a replica without images too (`ray_dhp.models.fsdp_vision`)
     "collocated-dp2-stage3": dict(placement="collocated", vision_dp=2, vision_sp=1, text_dp=2,
                                   text_tp=1, vision_zero=3, text_zero=3),
+    # the LM's context parallelism: each CP rank sums its slice's targets (`ray_dhp.parallel.context`)
+    "collocated-sp2-cp2": dict(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1,
+                               text_tp=1, text_cp=2),
 }
-SLOW = ("budget", "stage3")
+SLOW = ("budget", "stage3", "cp2")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=(pytest.mark.slow,) if n.endswith(SLOW) else ())

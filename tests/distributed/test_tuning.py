@@ -27,7 +27,10 @@ BASE = TrainLoopConfig(lr=1e-3, global_batch_size=8, micro_batches=2, num_steps=
                        max_grad_norm=0.5, weight_decay=0.1, lr_schedule="cosine", warmup_steps=1)
 SP2_TP2 = dict(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1, text_tp=2)
 DISJOINT_1_2 = dict(placement="disjoint", vision_dp=1, vision_sp=1, text_dp=1, text_tp=2)
-LAYOUTS = {"sp2-tp2": SP2_TP2, "disjoint-1v-2t": DISJOINT_1_2}
+LAYOUTS = {"sp2-tp2": SP2_TP2, "disjoint-1v-2t": DISJOINT_1_2,
+           # the LM's context parallelism (`ray_dhp.parallel.context`): adapters replicated over CP
+           "sp2-cp2": dict(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1, text_tp=1,
+                           text_cp=2)}
 
 CHOICES = {
     "frozen-vision": {"vision": {"train": False}},               # the tower; the merger trains
@@ -137,7 +140,8 @@ def test_resume_with_frozen_modules_is_exact(choice, tmp_path):
 LORA = {"llm": {"lora": {"r": 4, "alpha": 8}}}
 
 
-@pytest.mark.parametrize("layout", ["sp2-tp2", pytest.param("disjoint-1v-2t", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layout", ["sp2-tp2", pytest.param("disjoint-1v-2t", marks=pytest.mark.slow),
+                                    pytest.param("sp2-cp2", marks=pytest.mark.slow)])
 def test_lora_parity_fp64(layout, steps):
     """PEFT LoRA on every attention and MLP linear of the language model, TP-sharded by the
     derived plan (`ray_dhp.models.lora`), against the single-process PEFT model: loss, every

@@ -1,0 +1,184 @@
+"""Context parallelism (CP) for the language model: Ulysses-style, over ``text.context_parallel``.
+
+Each CP rank of a text replica holds a contiguous ``1/cp`` slice of the (padded) sequence for
+everything outside attention: embeddings, norms, MLP, residual stream, ``lm_head`` and the loss
+(`slice_sequence`). Around attention an all-to-all turns the sequence sharding into a head
+sharding (`ray_dhp.parallel.ulysses.seq_to_heads`: every CP rank then holds the *whole* sequence
+for ``H / (tp x cp)`` heads), causal attention runs over the whole sequence for those heads, and
+the reverse all-to-all (`heads_to_seq`) turns the output back into the rank's slice. The backward
+of each all-to-all is the other one (its adjoint). DeepSpeed-Ulysses (Jacobs et al. 2023).
+
+* Load balance: every CP rank runs attention over the whole sequence for an equal share of the
+  heads, so the causal triangle is split evenly without zigzag chunking. Ring attention (beyond
+  the heads) is not part of this slice: ``tp x cp`` must divide the attention heads.
+* KV heads: where the rank's KV heads do not divide by ``cp`` (grouped-query attention with few
+  KV heads) they are repeated to the query heads before the all-to-all (exact: each query head
+  meets the KV head it always used; the repeat's backward sums the copies' gradients).
+* Masks: the slice is right-padded (pads have no target) and attention is causal, so no real
+  token sees a pad: the rank's attention is ``is_causal`` over the whole sequence, no mask.
+* The function is registered in transformers' attention registry (``AttentionInterface``) as
+  ``"ray_dhp_cp"`` and selected by the language model's ``config._attn_implementation``; the CP
+  group travels on each attention module (``module._ray_dhp_cp``), never in a global.
+* Gradients: parameters are replicated over the CP ranks, each of which back-propagates its
+  slice's share of the step's loss, so CP ranks join the data-parallel ranks in the gradient sum
+  and the ZeRO partition (`ray_dhp.parallel.topology.ModuleLayout.dp_groups`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ray_dhp.parallel.ulysses import UlyssesContext, heads_to_seq, seq_to_heads
+
+__all__ = ["ATTN_NAME", "check_context_parallel", "check_packing", "install_context_parallel", "local_rows",
+           "refusal", "slice_sequence"]
+
+ATTN_NAME = "ray_dhp_cp"
+_TAG = "text.cp"
+
+
+def check_context_parallel(cp: int, ep: int, expert_tp: bool) -> None:
+    """``text.context_parallel`` against the topology's other text degrees (driver check)."""
+    if cp > 1 and (ep > 1 or expert_tp):
+        raise ValueError("text.context_parallel > 1 is not covered with text.expert_parallel > 1 "
+                         "or text.expert_tensor_parallel yet; set text.context_parallel=1.")
+
+
+def check_packing(cp: int, packing: bool, key: str) -> None:
+    """Packing is not covered with CP yet: refused in the driver, naming ``key``."""
+    if cp > 1 and packing:
+        raise ValueError(f"{key}=true is not covered with text.context_parallel={cp} yet (a "
+                         "packed row's samples would need per-slice positions and masks); set "
+                         f"{key}=false or text.context_parallel=1.")
+
+
+def refusal(family, config, cp: int, tp: int, packing: bool = False,
+            encoder_ops: tuple = ()) -> Optional[str]:
+    """Why ``text.context_parallel=cp`` cannot be exact for this model and layout (None: it
+    can). Read from the family's facts (no family is named here)."""
+    if cp == 1:
+        return None
+    key = f"text.context_parallel={cp}"
+    tc = config.text_config
+    heads = tc.num_attention_heads
+    if heads % (tp * cp):
+        ok = [c for c in range(1, heads // tp + 1) if heads % (tp * c) == 0]
+        return (f"{key}: text.tensor_parallel x text.context_parallel = {tp * cp} does not divide "
+                f"the {heads} attention heads (heads are split over TP x CP; ring attention "
+                f"beyond the heads is not covered); use text.context_parallel in {ok}.")
+    why = []
+    if family.stateful_mixers:
+        why.append("linear-attention layers (their recurrent state runs along the whole "
+                   "sequence: it would have to pass from slice to slice)")
+    if getattr(tc, "use_sliding_window", False) or any(
+            "sliding" in t for t in (getattr(tc, "layer_types", None) or ())):
+        why.append("sliding-window attention layers")
+    if packing:
+        why.append("packing (several samples per row)")
+    if any(not getattr(ops, "CONTEXT_PARALLEL", False) for ops in encoder_ops):
+        why.append("an encoder whose feature rows cannot be sliced by sequence position")
+    if why:
+        return (f"{key} is not exact yet for the {family.name} family with " + "; ".join(why)
+                + ": set text.context_parallel=1 (use text.sequence_parallel / "
+                "tensor_parallel for long sequences instead).")
+    return None
+
+
+# -- the sequence slice -----------------------------------------------------------------------
+
+def bounds(length: int, cp: int, rank: int) -> tuple[int, int]:
+    """``[lo, hi)`` of CP rank ``rank``'s slice of a sequence of ``length`` (a multiple of cp)."""
+    if length % cp:
+        raise ValueError(f"sequence length {length} is not a multiple of the CP degree {cp}")
+    s = length // cp
+    return rank * s, (rank + 1) * s
+
+
+def slice_sequence(t: Optional[torch.Tensor], cp: int, rank: int) -> Optional[torch.Tensor]:
+    """The rank's slice of ``t`` along its last dimension (the sequence): ``[..., S / cp]``."""
+    if t is None:
+        return None
+    lo, hi = bounds(t.shape[-1], cp, rank)
+    return t[..., lo:hi]
+
+
+def local_rows(token_masks: list, length: int, cp: int, rank: int) -> torch.Tensor:
+    """Indices, among a replica's feature rows, of those whose tokens fall in CP rank ``rank``'s
+    slice. ``token_masks``: per sample (one padded row each, in order), a bool ``[n]`` of the
+    tokens that take a feature row; the rows are ordered sample by sample, token by token."""
+    lo, hi = bounds(length, cp, rank)
+    out, seen = [], 0
+    for m in token_masks:
+        idx = m.nonzero().flatten()
+        out.append(seen + ((idx >= lo) & (idx < hi)).nonzero().flatten())
+        seen += idx.numel()
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
+
+# -- attention -----------------------------------------------------------------------------------
+
+@dataclass
+class CPContext:
+    """What the attention function needs on one rank: the CP group, its size, this rank's
+    index in it, and the communication counter."""
+
+    group: object
+    cp: int
+    rank: int
+    comm: object = None
+
+
+def cp_attention(module, query, key, value, attention_mask=None, dropout: float = 0.0,
+                 scaling: Optional[float] = None, sliding_window=None, **kwargs):
+    """transformers attention function (``[B, H, S_local, hd]`` in, ``[B, S_local, H, hd]`` out):
+    all-to-all to head shards, causal attention over the whole sequence, all-to-all back."""
+    ctx: CPContext = getattr(module, "_ray_dhp_cp", None)
+    if ctx is None:
+        raise RuntimeError(f"{type(module).__name__} has no context-parallel group; the "
+                           f"'{ATTN_NAME}' attention needs install_context_parallel()")
+    if sliding_window is not None:
+        raise ValueError("context parallelism does not cover sliding-window attention")
+    s = query.shape[2]
+    uc = UlyssesContext(group=ctx.group, seq_lens=[s] * ctx.cp, rank=ctx.rank, comm=ctx.comm, tag=_TAG)
+    if key.shape[1] % ctx.cp:  # too few KV heads: repeat them to the query heads (GQA-exact)
+        rep = query.shape[1] // key.shape[1]
+        key, value = (x.repeat_interleave(rep, dim=1) for x in (key, value))
+
+    def to_heads(x):  # [B, H, S_l, hd] -> [B, H / cp, S, hd]
+        return seq_to_heads(x.permute(2, 0, 1, 3), uc).permute(1, 2, 0, 3)
+
+    q, k, v = to_heads(query), to_heads(key), to_heads(value)
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
+                                         dropout_p=dropout if module.training else 0.0)
+    out = heads_to_seq(out.permute(2, 0, 1, 3), uc)  # [S_l, B, H, hd]
+    return out.transpose(0, 1).contiguous(), None
+
+
+def _register() -> None:
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if ATTN_NAME not in ALL_ATTENTION_FUNCTIONS:
+        ALL_ATTENTION_FUNCTIONS.register(ATTN_NAME, cp_attention)
+    if ATTN_NAME not in ALL_MASK_ATTENTION_FUNCTIONS:  # the model builds a mask; it goes unused
+        ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, sdpa_mask)
+
+
+def install_context_parallel(language_model: torch.nn.Module, group, cp: int, rank: int,
+                             comm=None) -> None:
+    """Select the CP attention for ``language_model`` (its config only) and give every module
+    that reads that config (its attention layers) the CP group."""
+    _register()
+    config = language_model.config
+    ctx = CPContext(group, cp, rank, comm)
+    for m in language_model.modules():
+        if getattr(m, "config", None) is config:
+            m._ray_dhp_cp = ctx
+    config._attn_implementation = ATTN_NAME

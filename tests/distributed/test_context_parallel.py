@@ -1,0 +1,176 @@
+"""Context parallelism of the language model (``text.context_parallel``, Ulysses all-to-all around
+attention, `ray_dhp.parallel.context`) is exact: loss, grad-norm, every clipped gradient of every
+step, every parameter and every update on every rank's copy equal the single-process reference
+in fp64.
+
+Tolerance 1e-10 (as ``test_parity.py``): a CP rank computes the same terms as the reference —
+attention over the whole sequence for its heads, the rest on its slice — so only summation
+orders differ (the gradient sum over the CP ranks, the loss sum over slices), ~1e-13 in fp64.
+
+The parity batches (mixed image sizes, a text-only sample, 2 micro-batches, clipping active)
+have lengths that are mostly not multiples of 2 x CP, so the pad-to-CP path and slices that cut
+an image's rows between ranks run in the default case.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.parity import assert_parity, reference_fixture, run_engine
+
+
+def _layout(placement, vision, text, cp, text_sp=False, zero=None):
+    (sp, vdp), (tp, tdp) = vision, text
+    out = dict(placement=placement, vision_dp=vdp, vision_sp=sp, text_dp=tdp, text_tp=tp,
+               text_cp=cp, text_sequence_parallel=text_sp)
+    if zero is not None:
+        out["text_zero"] = zero
+    return out
+
+
+CASES = [  # (id, family, placement, vision (sp, dp), text (tp, dp), cp, text sp, text zero)
+    ("cp2-collocated", "qwen2_5_vl", "collocated", (2, 1), (1, 1), 2, False, None),
+    ("cp2-tp2", "qwen2_5_vl", "collocated", (4, 1), (2, 1), 2, False, None),
+    ("cp4", "qwen2_vl", "collocated", (2, 2), (1, 1), 4, False, None),
+    ("cp2-tp2-textsp", "qwen2_5_vl", "collocated", (2, 2), (2, 1), 2, True, None),
+    ("cp2-disjoint", "qwen2_5_vl", "disjoint", (1, 1), (1, 1), 2, False, None),
+    ("cp2-dp2", "qwen2_vl", "collocated", (2, 2), (1, 2), 2, False, None),
+    ("cp2-zero2", "qwen2_5_vl", "collocated", (2, 1), (1, 1), 2, False, 2),
+    ("cp2-zero3", "qwen2_5_vl", "collocated", (2, 1), (1, 1), 2, False, 3),
+    ("qwen3_vl-cp2", "qwen3_vl", "collocated", (2, 1), (1, 1), 2, False, None),
+    ("qwen3_vl-cp2-tp2-textsp", "qwen3_vl", "collocated", (4, 1), (2, 1), 2, True, None),
+    ("qwen3_vl_moe-cp2", "qwen3_vl_moe", "collocated", (2, 1), (1, 1), 2, False, None),
+    ("qwen3_vl_moe-cp2-dp2", "qwen3_vl_moe", "collocated", (2, 2), (1, 2), 2, False, None),
+]
+
+
+def _params():
+    for i, case in enumerate(CASES):
+        yield pytest.param(*case[1:], marks=() if i == 0 else (pytest.mark.slow,), id=case[0])
+
+
+reference = reference_fixture()
+
+
+@pytest.mark.parametrize("family, placement, vision, text, cp, text_sp, zero", list(_params()))
+def test_context_parallel_is_exact_fp64(family, placement, vision, text, cp, text_sp, zero, reference):
+    cfg, steps, ref = reference(family)
+    got = run_engine(family, _layout(placement, vision, text, cp, text_sp, zero), cfg, steps,
+                     torch.float64, grads=zero != 3)
+    # MoE: the stock aux loss sums routing probabilities in fp32, so the loss (only) is looser,
+    # as derived in tests/distributed/test_moe.py (~1e-9 relative; the same bound as there)
+    worst = assert_parity(got, ref, loss_tol=1e-8 if "moe" in family else 1e-10, param_tol=1e-10,
+                          update_tol=1e-10, grad_tol=None if zero == 3 else 1e-10)
+    assert worst[0] < 1e-10
+    print(f"worst relative update error {worst[0]:.1e} ({worst[2]}), its parameter {worst[1]:.1e}")
+    lengths = {max(int(s.num_tokens) for s in mb) for st in steps for mb in st}
+    assert any(n % (2 * cp) for n in lengths)  # a length not divisible by 2 x CP was padded
+    comm = got["per_rank"][-1]["comm"]  # the last rank hosts the LM in both placements
+    assert any(k.endswith("/text.cp") for k in comm), comm  # the all-to-alls ran
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_with_cp_is_exact_fp64(reference):
+    """CP2 x TP2 with every block recomputed in backward (the all-to-alls run again in the
+    recomputation, in the same order on every CP rank). Tolerance as above."""
+    cfg, steps, ref = reference("qwen2_5_vl", activation_checkpointing=True)
+    got = run_engine("qwen2_5_vl", _layout("collocated", (4, 1), (2, 1), 2), cfg, steps,
+                     torch.float64, grads=True)
+    assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10, grad_tol=1e-10)
+
+
+def _gqa_model(kv_heads: int):
+    from ray_dhp import demo
+
+    config = demo.tiny_model_config("qwen2_5_vl")
+    config.text_config.num_key_value_heads = kv_heads
+    return config
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, cp", [(1, 2), (2, 2)], ids=["kv2-cp2", "kv2-tp2-cp2-repeat"])
+def test_grouped_query_attention_is_exact_fp64(tmp_path, tp, cp):
+    """2 KV heads for 4 query heads: at TP1 x CP2 each CP rank gets one KV head by the all-to-all;
+    at TP2 x CP2 a rank's single KV head does not split over CP and is repeated to the query
+    heads first (`cp_attention`). Tolerance as above."""
+    from tests.distributed.parity import CFG, make_steps, run_reference
+
+    model = _gqa_model(2)
+    steps = make_steps(tmp_path, "qwen2_5_vl", CFG)
+    ref = run_reference("qwen2_5_vl", CFG, steps, torch.float64, model=model)
+    got = run_engine("qwen2_5_vl", _layout("collocated", (2 * tp, 1), (tp, 1), cp), CFG, steps,
+                     torch.float64, grads=True, model=model)
+    assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10, grad_tol=1e-10)
+
+
+def _attention_within_slices():
+    """Rank side of the negative control: CP attention without the all-to-all (each rank attends
+    only within its own slice), registered in place of `cp_attention`."""
+    import torch.nn.functional as F
+
+    import ray_dhp.parallel.context as context
+
+    def local_only(module, query, key, value, attention_mask=None, dropout=0.0, scaling=None, **kw):
+        rep = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    context.cp_attention = local_only
+
+
+@pytest.mark.slow
+def test_attention_within_slices_fails_parity(reference):
+    """Negative control: without the all-to-all the second slice never sees the first, and the
+    harness reports it (the loss itself is off, far beyond 1e-10)."""
+    cfg, steps, ref = reference("qwen2_5_vl")
+    got = run_engine("qwen2_5_vl", _layout("collocated", (2, 1), (1, 1), 2), cfg, steps,
+                     torch.float64, prepare=_attention_within_slices)
+    assert abs(got["history"][0]["loss"] - ref["history"][0]["loss"]) > 1e-6 * ref["history"][0]["loss"]
+    with pytest.raises(AssertionError, match="out of tolerance"):
+        assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10)
+
+
+def _activation_body(rank, world, steps):
+    """LM saved-for-backward bytes of this rank in one step (`benchmarks.measure`), CP = world."""
+    from benchmarks.measure import ActivationCounter
+    from ray_dhp import demo
+    from ray_dhp.parallel.mesh import build_groups
+    from ray_dhp.parallel.topology import Topology
+    from ray_dhp.step.engine import DHPEngine
+    from tests.distributed.parity import CFG
+
+    topo = Topology.build(placement="collocated", vision_dp=1, vision_sp=world, text_dp=1,
+                          text_tp=1, text_cp=world)
+    engine = DHPEngine(demo.tiny_model_config("qwen2_5_vl"), build_groups(topo, torch.device("cpu")), CFG)
+    counter, seen, inner = ActivationCounter(), [], engine._text_forward_backward
+
+    def counted(samples, feats, n_targets):
+        with counter.count():
+            out = inner(samples, feats, n_targets)
+        seen.append(counter.as_dict()["text"])
+        return out
+
+    engine._text_forward_backward = counted
+    engine.step(steps[0])
+    return seen
+
+
+@pytest.mark.slow
+def test_lm_activation_bytes_per_rank_fall_as_one_over_cp(tmp_path):
+    """Measured (saved-for-backward bytes of the LM per rank, `benchmarks.measure`), the same
+    micro-batches at CP 1, 2, 4: each CP rank keeps ~1/CP of CP1's. Measured (2026-12-03):
+    CP1 2,068,992 B; CP2 0.519x; CP4 0.260x. The planner (`text_activation_bytes`, fp32, same
+    shapes): CP1 2,014,464 B (-2.6%); CP2 and CP4 +12.7% over the measurement, because it also
+    counts one layer's all-to-all send/receive buffers, which are transient (peak), not saved."""
+    from tests.distributed.parity import CFG, make_steps
+    from tests.spawn import run_on_ranks
+
+    steps = make_steps(tmp_path, "qwen2_5_vl", CFG)
+    got = {cp: run_on_ranks(_activation_body, cp, args=(steps,)) for cp in (1, 2, 4)}
+    base = max(got[1][0])
+    for cp in (2, 4):
+        worst = max(max(per_rank) for per_rank in got[cp])
+        print(f"CP{cp}: LM saved bytes per rank {worst} = {worst / base:.3f} x CP1's {base}")
+        assert worst < 1.15 * base / cp, (cp, worst / base, got)

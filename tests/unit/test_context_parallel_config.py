@@ -1,0 +1,144 @@
+"""Context parallelism of the LM (``text.context_parallel``): the key in the Python API and the
+run file, the topology's cp axis, the driver's refusals naming the key, and the slice helpers
+(the exactness itself: tests/distributed/test_context_parallel.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ray_dhp import demo
+from ray_dhp.layout import DHPConfig, ModuleParallel
+from ray_dhp.parallel.context import local_rows, slice_sequence
+from ray_dhp.parallel.nodes import fill_nodes
+from ray_dhp.parallel.topology import Topology
+
+
+def test_topology_puts_cp_between_dp_and_tp():
+    t = Topology.build(placement="collocated", vision_dp=1, vision_sp=8, text_dp=2, text_tp=2,
+                       text_cp=2)
+    text = t.text
+    assert t.world_size == 8 and text.size == 8 and t.text_context_parallel == 2
+    assert text.inner_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]  # TP groups
+    assert text.cp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert text.dp_groups() == [[0, 2, 4, 6], [1, 3, 5, 7]]  # gradients: dp x cp ranks
+    assert [text.coord(r) for r in (2, 5)] == [(0, 0), (1, 1)]  # (data replica, tp rank)
+    assert [text.cp_coord(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert "text(dp=1, cp=1, tp=0)" in t.describe()
+    assert t.text.zero_stage == 1  # default: more than one gradient replica
+    # node-local: a replica's cp x tp block stays on one 4-GPU node
+    assert fill_nodes(t, 4) == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_config_and_run_file_take_the_key(tmp_path):
+    from ray_dhp.run_file import load_run_file
+
+    cfg = DHPConfig(model=demo.tiny_model_config(), vision=ModuleParallel(sequence_parallel=4),
+                    text=ModuleParallel(tensor_parallel=2, context_parallel=2))
+    assert cfg.num_workers == 4 and cfg.topology().text.cp == 2
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {demo: qwen2_5_vl}\nvision: {sequence_parallel: 2}\n"
+                    "text: {context_parallel: 2}\n")
+    assert load_run_file(str(path), []).dhp_config().topology().text.cp == 2
+
+
+@pytest.mark.parametrize("family, kw, match", [
+    ("qwen2_5_vl", dict(vision=ModuleParallel(sequence_parallel=4),
+                        text=ModuleParallel(tensor_parallel=2, context_parallel=4), placement="disjoint"),
+     r"text.context_parallel=4: text.tensor_parallel x text.context_parallel = 8 does not divide"),
+    ("qwen2_5_vl", dict(vision=ModuleParallel(context_parallel=2), text=ModuleParallel(data_parallel=2)),
+     "vision.context_parallel"),
+    ("qwen3_5", dict(vision=ModuleParallel(sequence_parallel=2), text=ModuleParallel(context_parallel=2)),
+     "linear-attention"),
+    ("qwen3_vl_moe", dict(vision=ModuleParallel(sequence_parallel=4),
+                          text=ModuleParallel(context_parallel=2, data_parallel=2, expert_parallel=2)),
+     "text.context_parallel > 1 is not covered with text.expert_parallel"),
+])
+def test_driver_refuses_naming_the_key(family, kw, match):
+    with pytest.raises(ValueError, match=match):
+        DHPConfig(model=demo.tiny_model_config(family), **kw)
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe"])
+def test_deepstack_and_moe_families_are_accepted(family):
+    """Qwen3-VL's deepstack rows cross the boundary with the merged rows (each CP rank gets its
+    slice's) and are added on the local slice; a MoE LM routes per token and its load-balancing
+    statistics are reduced over the dp x cp ranks: exact (tests/distributed/test_context_parallel.py;
+    expert parallelism stays refused, above)."""
+    cfg = DHPConfig(model=demo.tiny_model_config(family), vision=ModuleParallel(sequence_parallel=2),
+                    text=ModuleParallel(context_parallel=2))
+    assert cfg.topology().text.cp == 2
+
+
+def test_packing_with_cp_is_refused_in_the_driver(tmp_path):
+    from ray_dhp.cli.schema import ConfigError
+    from ray_dhp.run_file import load_run_file
+
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {demo: qwen2_5_vl}\nvision: {sequence_parallel: 2}\n"
+                    "text: {context_parallel: 2}\ndata: {packing: true}\n")
+    with pytest.raises((ConfigError, ValueError), match="data.packing=true is not covered with "
+                                                        "text.context_parallel=2"):
+        load_run_file(str(path), []).validate()
+
+
+def test_slices_and_their_feature_rows():
+    t = torch.arange(12).view(2, 6)
+    assert slice_sequence(t, 2, 1).tolist() == [[3, 4, 5], [9, 10, 11]]
+    with pytest.raises(ValueError, match="not a multiple"):
+        slice_sequence(torch.zeros(1, 5), 2, 0)
+    # sample 0: rows at tokens 1, 2, 4; sample 1 (shorter, padded to 6): rows at 0, 3
+    masks = [torch.tensor([0, 1, 1, 0, 1, 0], dtype=torch.bool), torch.tensor([1, 0, 0, 1], dtype=torch.bool)]
+    assert local_rows(masks, 6, 2, 0).tolist() == [0, 1, 3]  # tokens 0-2
+    assert local_rows(masks, 6, 2, 1).tolist() == [2, 4]     # tokens 3-5
+
+
+def test_planner_divides_lm_activations_by_cp():
+    """`text_activation_bytes` at CP: the rank's slice (``tokens / cp``) plus one layer's
+    all-to-all buffers (q, k, v, output; send and receive), so ~1/(tp x cp) of the tokens' bytes;
+    `ray-dhp plan` prints the CP degree and its groups, and the text state is partitioned over
+    the dp x cp gradient replicas (ZeRO-1 here: each CP rank updates half)."""
+    import re
+
+    from ray_dhp.cli.plan import plan_text
+    from ray_dhp.planning.memory import ActivationSettings, text_activation_bytes
+    from ray_dhp.run_file import load_run_file
+
+    tc = demo.tiny_model_config().text_config  # h 64, 4 heads (4 KV), head_dim 16
+    s = ActivationSettings(dtype_bytes=2, attention="flash", checkpointing=False)
+    full = text_activation_bytes(tc, 65536, 2, s)
+    for cp in (2, 4):
+        got = text_activation_bytes(tc, 65536, 2, s, cp=cp)
+        buffers = 2 * (65536 / cp) * (2 * 64 + 2 * 4 * 16) / 2 * 2  # qkvo / tp, x2 (send, recv)
+        assert got == text_activation_bytes(tc, 65536 / cp, 2, s) + buffers
+        assert full / cp < got < full / cp * 1.2  # the tiny model's 2 layers: buffers ~12% on top
+    gqa = tc.__class__(**{**tc.to_dict(), "num_key_value_heads": 2})  # 1 KV head per TP rank,
+    # repeated to the query heads before the all-to-all: the buffers of 4 KV heads
+    def buffers_of(c):
+        return text_activation_bytes(c, 1024, 2, s, cp=2) - text_activation_bytes(c, 512, 2, s)
+    assert buffers_of(gqa) == buffers_of(tc)
+
+    example = "examples/qwen2_5_vl_32b_8gpu.yaml"
+    text = {cp: plan_text(load_run_file(example, ["text.tensor_parallel=4", f"text.context_parallel={cp}",
+                                                  f"vision.sequence_parallel={4 * cp}"]),
+                          vision_tokens=[4096], text_tokens=65536) for cp in (1, 2)}
+    assert "context parallel 2 (text.context_parallel" in text[2]
+    assert "cp groups [[0, 4], [1, 5], [2, 6], [3, 7]]" in text[2]
+    act = {cp: float(re.search(r"rank 0 memory: .*text act +([\d.]+) GiB", t).group(1))
+           for cp, t in text.items()}
+    assert 0.5 < act[2] / act[1] < 0.55, act  # ~1/2 plus the all-to-all buffers
+
+
+def test_plan_partitions_text_state_over_dp_x_cp():
+    from ray_dhp.models.sizes import count_params
+    from ray_dhp.planning.memory import rank_state
+    from ray_dhp.step.precision import POLICIES
+
+    counts = count_params(demo.tiny_model_config())
+    pol = POLICIES["fp32"]
+    one = Topology.build(placement="collocated", vision_dp=1, vision_sp=2, text_dp=2, text_tp=1)
+    cp2 = Topology.build(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1, text_tp=1,
+                         text_cp=2)
+    # CP ranks partition the LM's optimizer state like data-parallel replicas (ZeRO-1)
+    assert [rank_state(counts, cp2, r, pol) for r in (0, 1)] == \
+        [rank_state(counts, one, r, pol) for r in (0, 1)]
