@@ -5,9 +5,10 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/bootstrap.sh" "test"
 cd "$ROOT"
-# RAY_DHP_TEST_WORKERS pytest processes (pytest-xdist, default 2: one per core of the 2-core CI
-# machine; 1 runs in one process); the Ray end-to-end cases keep to one of them (tests/conftest.py)
-workers="${RAY_DHP_TEST_WORKERS:-2}"
+# RAY_DHP_TEST_WORKERS=N: N pytest processes (pytest-xdist --dist loadgroup; the Ray end-to-end
+# cases keep to one of them, tests/conftest.py). Default 1: on the 2-core CI machine two processes
+# ran the unit cases 1.6x faster but the whole suite slower (Ray started by both, ranks oversubscribed).
+workers="${RAY_DHP_TEST_WORKERS:-1}"
 xdist=()
 if [ "$workers" -gt 1 ]; then xdist=(-n "$workers" --dist loadgroup); fi
 set +e
