@@ -6,8 +6,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/bootstrap.sh" "test"
 cd "$ROOT"
 # RAY_DHP_TEST_WORKERS=N: N pytest processes (pytest-xdist --dist loadgroup; the Ray end-to-end
-# cases keep to one of them, tests/conftest.py). Default 1: on the 2-core CI machine two processes
-# ran the unit cases 1.6x faster but the whole suite slower (Ray started by both, ranks oversubscribed).
+# cases keep to one of them, tests/conftest.py). Default 1: on 2 cores two processes ran the unit
+# cases 1.6x faster; the whole suite with two is not yet measured on a bytecode-compiled venv.
 workers="${RAY_DHP_TEST_WORKERS:-1}"
 xdist=()
 if [ "$workers" -gt 1 ]; then xdist=(-n "$workers" --dist loadgroup); fi
