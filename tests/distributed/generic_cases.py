@@ -42,3 +42,30 @@ ZERO_GRAD = ("vision_tower.encoder.layers.0.self_attn.k_proj.bias",
              "vision_model.encoder.layers.1.self_attn.k_proj.bias",
              "image_tower.encoder.layers.0.self_attn.k_proj.bias",  # VideoLLaVA's CLIP
              "image_tower.encoder.layers.1.self_attn.k_proj.bias")
+
+
+def reference_getter(tmp_path_factory):
+    """``get(family)`` -> (steps, fp64 single-process reference), each family made once (the
+    generic matrices' module-scoped ``references`` fixtures)."""
+    import torch
+
+    from tests.distributed.parity import CFG, make_steps, run_reference
+
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            steps = make_steps(tmp_path_factory.mktemp(family), family, CFG)
+            cache[family] = steps, run_reference(family, CFG, steps, torch.float64)
+        return cache[family]
+    return get
+
+
+def matrix_cases(families, layouts, default) -> list:
+    """family x layout parameters; the ``default`` (family, layout) pairs run by default, the rest
+    with ``-m slow``."""
+    import pytest
+
+    return [pytest.param(f, lay, id=f"{f}-{lay}",
+                         marks=() if (f, lay) in default else (pytest.mark.slow,))
+            for f in families for lay in layouts]

@@ -18,9 +18,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.generic_cases import TOL, TOLS, ZERO_GRAD
-from tests.distributed.parity import (CFG, GENERIC_FAMILIES, assert_parity, dense_layout, make_steps,
-                                     run_engine, run_reference)
+from tests.distributed.generic_cases import TOL, TOLS, ZERO_GRAD, matrix_cases, reference_getter
+from tests.distributed.parity import (CFG, GENERIC_FAMILIES, assert_parity, dense_layout,
+                                     run_engine)
 
 FAMILIES = GENERIC_FAMILIES
 LAYOUTS = {
@@ -34,19 +34,10 @@ DEFAULT = {("gemma3", "collocated-dp2-tp2"), ("llava", "disjoint-1v-tp2"),
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            steps = make_steps(tmp_path_factory.mktemp(family), family, CFG)
-            cache[family] = steps, run_reference(family, CFG, steps, torch.float64)
-        return cache[family]
-    return get
+    return reference_getter(tmp_path_factory)
 
 
-CASES = [pytest.param(f, lay, id=f"{f}-{lay}",
-                      marks=() if (f, lay) in DEFAULT else (pytest.mark.slow,))
-         for f in FAMILIES for lay in LAYOUTS]
+CASES = matrix_cases(FAMILIES, LAYOUTS, DEFAULT)
 
 
 @pytest.mark.parametrize("family,layout", CASES)

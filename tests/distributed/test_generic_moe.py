@@ -21,9 +21,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.generic_cases import TOLS
-from tests.distributed.parity import (CFG, GENERIC_MOE_FAMILIES, assert_parity, make_steps,
-                                      moe_layout, run_engine, run_reference)
+from tests.distributed.generic_cases import TOLS, matrix_cases, reference_getter
+from tests.distributed.parity import (CFG, GENERIC_MOE_FAMILIES, assert_parity,
+                                      moe_layout, run_engine)
 
 LAYOUTS = {
     "collocated-dp2-ep2": moe_layout("collocated", (1, 2), (1, 2), ep=2),
@@ -38,19 +38,10 @@ DEFAULT = {("glm4v_moe", "collocated-dp2-ep2")}
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            steps = make_steps(tmp_path_factory.mktemp(family), family, CFG)
-            cache[family] = steps, run_reference(family, CFG, steps, torch.float64)
-        return cache[family]
-    return get
+    return reference_getter(tmp_path_factory)
 
 
-CASES = [pytest.param(f, lay, id=f"{f}-{lay}",
-                      marks=() if (f, lay) in DEFAULT else (pytest.mark.slow,))
-         for f in FAMILIES for lay in LAYOUTS]
+CASES = matrix_cases(FAMILIES, LAYOUTS, DEFAULT)
 
 
 @pytest.mark.parametrize("family,layout", CASES)
