@@ -208,3 +208,40 @@ def stop_private_head(head, temp_dir: str) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(head.pid, signal.SIGKILL)
     shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def private_cluster(prefix: str, add_nodes):
+    """A private multi-raylet cluster (`ray.cluster_utils.Cluster`: a head with 1 CPU and no
+    dashboard, then the nodes ``add_nodes(cluster)`` adds and returns), joined by this process;
+    yields (cluster, nodes). Ray's temp folder is a short one of its own (socket paths must stay
+    short; other Ray users of the machine never see this cluster). Restores the session's Ray (8
+    CPUs, ``local``: never a stray cluster) afterwards if one was running."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    was_running = ray.is_initialized()
+    if was_running:
+        ray.shutdown()
+    short = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    old_tmp = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = short
+    c = None
+    try:
+        c = Cluster(initialize_head=True,  # no dashboard: its port may be taken by others
+                    head_node_args={"num_cpus": 1, "include_dashboard": False})
+        nodes = add_nodes(c)
+        ray.init(address=c.address)
+        c.wait_for_nodes()
+        yield c, nodes
+    finally:
+        ray.shutdown()
+        if c is not None:
+            c.shutdown()
+        if old_tmp is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = old_tmp
+        shutil.rmtree(short, ignore_errors=True)
+        if was_running:
+            ray.init(address="local", num_cpus=8)

@@ -28,8 +28,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import shutil
-import tempfile
 import threading
 import time
 
@@ -37,13 +35,13 @@ import pytest
 import ray
 import ray.train
 import torch
-from ray.cluster_utils import Cluster
 
 from ray_dhp import DHPConfig, DisaggregatedTrainer, ModuleParallel, demo
 from ray_dhp.config.train_loop import TrainLoopConfig
 from ray_dhp.train.callbacks import MetricsHistory, read_history
 from ray_dhp.train.labels import LabelRefusal
 from tests.distributed.parity import make_steps, run_reference
+from tests.ray.machine import private_cluster
 
 FAMILY = "qwen2_5_vl"
 LOOP = dict(lr=1e-3, global_batch_size=4, num_steps=4, seed=0, log_every=1,
@@ -55,32 +53,10 @@ SMALL = dict(num_cpus=2, labels={"accel": "small"})
 @pytest.fixture(scope="module")
 def labelled():
     """The 3-raylet labelled cluster; restores the session's Ray afterwards if one ran."""
-    was_running = ray.is_initialized()
-    if was_running:
-        ray.shutdown()
-    short = tempfile.mkdtemp(prefix="rdl", dir="/tmp")  # Ray's socket paths must stay short
-    old_tmp = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = short  # other Ray users of the machine never see this cluster
-    c = None
-    try:
-        c = Cluster(initialize_head=True,  # no dashboard: its port may be taken by others
-                    head_node_args={"num_cpus": 1, "include_dashboard": False})
-        small = c.add_node(**SMALL)
-        big = [c.add_node(num_cpus=1, labels={"accel": "big"}) for _ in range(2)]
-        ray.init(address=c.address)
-        c.wait_for_nodes()
+    def add(c):
+        return c.add_node(**SMALL), [c.add_node(num_cpus=1, labels={"accel": "big"}) for _ in range(2)]
+    with private_cluster("rdl", add) as (c, (small, big)):
         yield c, small, big
-    finally:
-        ray.shutdown()
-        if c is not None:
-            c.shutdown()
-        if old_tmp is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = old_tmp
-        shutil.rmtree(short, ignore_errors=True)
-        if was_running:
-            ray.init(address="local", num_cpus=8)
 
 
 def _recording(folder: str, pause=None):

@@ -37,7 +37,6 @@ from pathlib import Path
 import pytest
 import ray
 import ray.train
-from ray.cluster_utils import Cluster
 
 from ray_dhp import DHPConfig, DisaggregatedTrainer, ModuleParallel, demo
 from ray_dhp.train.callbacks import MetricsHistory
@@ -45,7 +44,7 @@ from ray_dhp.parallel.nodes import crossing_groups
 from ray_dhp.parallel.topology import Topology
 from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import make_steps, rel_err, run_engine
-from tests.ray.machine import stop_private_head
+from tests.ray.machine import private_cluster, stop_private_head
 
 ROOT = Path(__file__).resolve().parents[2]
 FAMILY = "qwen2_5_vl"
@@ -61,30 +60,8 @@ DISJOINT = dict(placement="disjoint", vision_dp=1, vision_sp=2, text_dp=1, text_
 def cluster():
     """A private 3-node cluster (head without slots + 2 nodes of 2 slots); restores the
     session's Ray (8 CPUs) afterwards if one was running."""
-    was_running = ray.is_initialized()
-    if was_running:
-        ray.shutdown()
-    short = tempfile.mkdtemp(prefix="rd17", dir="/tmp")  # Ray's socket paths must stay short
-    old_tmp = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = short
-    c = None
-    try:
-        c = Cluster(initialize_head=True,  # no dashboard: its port may be taken by others
-                    head_node_args={"num_cpus": 1, "include_dashboard": False})
-        nodes = [c.add_node(**NODE) for _ in range(2)]
-        ray.init(address=c.address)
+    with private_cluster("rd17", lambda c: [c.add_node(**NODE) for _ in range(2)]) as (c, nodes):
         yield c, nodes
-    finally:
-        ray.shutdown()
-        if c is not None:
-            c.shutdown()
-        if old_tmp is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = old_tmp
-        shutil.rmtree(short, ignore_errors=True)
-        if was_running:  # as the session fixture had it ("local": never join a stray cluster)
-            ray.init(address="local", num_cpus=8)
 
 
 @pytest.fixture(scope="module")
