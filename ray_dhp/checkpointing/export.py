@@ -168,7 +168,7 @@ def export_hf(checkpoint, out_dir: str, *, dtype: Optional[torch.dtype] = None,
     Example:
         >>> from ray_dhp import export_hf
         >>> export_hf(result.checkpoint, "/tmp/my_vlm")  # doctest: +SKIP
-        >>> Qwen2_5_VLForConditionalGeneration.from_pretrained("/tmp/my_vlm")  # doctest: +SKIP
+        >>> transformers.AutoModelForImageTextToText.from_pretrained("/tmp/my_vlm")  # doctest: +SKIP
     """
     from ray_dhp.checkpointing import checkpoint as ckpt
 

@@ -108,7 +108,7 @@ class TextPhase:
         grid, mask, pos = batch["image_grid_thw"], batch["attention_mask"], batch.get("position_ids")
         videos = {} if batch.get("video_grid_thw") is None else \
             {"video_grid_thw": to_device(batch["video_grid_thw"], dev)}
-        seconds = self.family.video_seconds_key  # Qwen2.5-VL's absolute-time M-RoPE and Omni's
+        seconds = self.family.video_seconds_key  # families with absolute-time M-RoPE name it
         if batch.get("second_per_grid_ts") is not None and _accepts(self.text_model, seconds):
             videos[seconds] = to_device(batch["second_per_grid_ts"], dev)
         if batch.get("cu_seqlens") is not None and self.family.stateful_mixers:
@@ -211,8 +211,8 @@ _MASKED_ATTENTION = ("sdpa", "eager", "flex_attention")
 
 
 def _accepts(model, name: str) -> bool:
-    """Whether the model's forward takes ``name`` (the videos' seconds: Qwen2.5-VL and
-    Qwen2.5-Omni only); a PEFT wrapper is looked through."""
+    """Whether the model's forward takes ``name`` (the videos' seconds, for the
+    families whose M-RoPE uses absolute time); a PEFT wrapper is looked through."""
     import inspect
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
