@@ -12,16 +12,17 @@ tower is whole on every vision rank (Ulysses shards tokens, not weights); the te
 exact bytes, which the tests compare with the engine's tensors after a step.
 
 Vision activations are the bytes the stock towers save for backward, per block and token
-(`ray_dhp.planning.memory_vision`, measured there). Text activations are a *simple* estimate per
-transformer block and token, counting the tensors a pre-norm block keeps for backward:
-``8·h + 4·i`` elements (two norms' inputs and outputs, q, k, v, attention output, residual;
-gate, up, activation and product of the gated MLP). Under
+(`ray_dhp.planning.memory_vision`, measured there). Text activations are what a pre-norm
+block keeps for backward per token, as measured on the engine (`text_activation_parts`: two
+RMSNorms, q, k, v, attention output, the gated MLP's four ``i``-wide tensors, the log-sum-exp),
+plus the final norm, rotary tables and logits once. Under
 Ulysses SP each vision rank keeps ``1/sp`` of the tokens; under TP the attention and MLP
 intermediates are split ``tp`` ways while norms and residuals are replicated, unless the text
-sequence parallelism is on (then they hold ``1/tp`` of the tokens; see ``text_activation_bytes``). With ``attention="eager"`` the ``heads × s²`` score and probability
+sequence parallelism is on (then they hold ``1/tp`` of the tokens). With ``attention="eager"`` the ``heads × s²`` score and probability
 matrices of every full-attention layer are added (flash/SDPA kernels keep them out of memory).
 With activation checkpointing only each block's input is kept, plus one block recomputed.
-The logits of the vocab-parallel loss are fp32, ``vocab/tp`` wide, kept twice (logits, grad).
+The logits of the vocab-parallel loss are fp32, ``vocab/tp`` wide: saved once, their gradient
+is transient (both count in the rank's activations).
 """
 
 from __future__ import annotations
@@ -211,7 +212,27 @@ def _mlp_widths(tc) -> tuple:
 def text_activation_bytes(tc, tokens: int, tp: int, s: ActivationSettings,
                           sample_tokens: Optional[int] = None, seq_parallel: bool = False,
                           cp: int = 1) -> float:
-    """Activation bytes of one text TP rank for ``tokens`` tokens of its replica (incl. logits).
+    """Activation bytes of one text TP rank for ``tokens`` tokens of its replica (incl. logits):
+    the saved-for-backward bytes plus the transient working set (`text_activation_parts`)."""
+    return sum(text_activation_parts(tc, tokens, tp, s, sample_tokens, seq_parallel, cp))
+
+
+def text_activation_parts(tc, tokens: int, tp: int, s: ActivationSettings,
+                          sample_tokens: Optional[int] = None, seq_parallel: bool = False,
+                          cp: int = 1) -> tuple:
+    """``(saved, transient)`` bytes of one text TP rank for ``tokens`` tokens of its replica.
+
+    ``saved``: what autograd keeps from the forward for the backward, per token (``d`` the
+    activation element size, ``h`` the width, ``i`` the MLP width, ``kv`` the k and v widths):
+    per block two RMSNorms (each its input upcast to fp32, the fp32 ``rsqrt`` and the normalised
+    input and output in ``d``: ``4h + 4 + 2dh``), q, k, v and the attention output
+    (``d(2h + kv)/tp``) with the kernel's fp32 log-sum-exp (``4 heads/tp``), the gated MLP's gate,
+    activation, up and product (``4di/tp``; an MoE's routed experts ``4d`` per routed width,
+    replicated); once, the final norm, the rotary ``cos`` and ``sin`` (``d`` each per head dim),
+    the int64 ids and labels and the fp32 logits of the vocab-parallel loss (``4·vocab/tp``).
+    Measured on the engine at TP 1 and 2 with ``saved_tensors_hooks`` (``benchmarks/plan_accuracy.py``).
+    ``transient``: the logits' gradient at the start of the backward (``4·vocab/tp``) and, under
+    CP, one layer's all-to-all buffers.
 
     ``seq_parallel`` (``text.sequence_parallel``): every per-token activation is ``1/tp`` — norms
     and residuals run on the local tokens, the column-parallel projections keep only the sequence
@@ -220,31 +241,34 @@ def text_activation_bytes(tc, tokens: int, tp: int, s: ActivationSettings,
 
     ``cp`` (``text.context_parallel``, `ray_dhp.parallel.context`): the rank keeps ``1/cp`` of the
     tokens for everything (attention keeps the whole sequence for ``1/(tp cp)`` of the heads: the
-    same bytes as its slice for all of its ``1/tp``), so ~``1/(tp cp)`` overall, plus one layer's
-    working set: the all-to-all buffers of q, k, v and the output (send and receive)."""
+    same bytes as its slice for all of its ``1/tp``), so ~``1/(tp cp)`` overall, plus, transient,
+    one layer's working set: the all-to-all buffers of q, k, v and the output (send and receive)."""
     if cp > 1:
         seq = sample_tokens or tokens
-        local = text_activation_bytes(tc, tokens / cp, tp, _sdpa(s), seq / cp, seq_parallel)
+        saved, transient = text_activation_parts(tc, tokens / cp, tp, _sdpa(s), seq / cp, seq_parallel)
         hd = tc.hidden_size // tc.num_attention_heads
         kv = tc.num_key_value_heads  # repeated to the query heads where they do not split over cp
         kv = tc.num_attention_heads if (kv // tp) % cp else kv
         qkvo = tokens / cp * (2 * tc.hidden_size + 2 * kv * hd) / tp
         eager = (2 * tc.num_attention_heads / (tp * cp) * tokens * seq * s.dtype_bytes
                  * (1 if s.checkpointing else tc.num_hidden_layers)) if s.attention == "eager" else 0
-        return local + 2 * qkvo * s.dtype_bytes + eager
-    h, layers = tc.hidden_size, tc.num_hidden_layers
+        return saved + eager, transient + 2 * qkvo * s.dtype_bytes
+    h, layers, d = tc.hidden_size, tc.num_hidden_layers, s.dtype_bytes
     i, routed = _mlp_widths(tc)
-    kv = 2 * tc.num_key_value_heads * (h // tc.num_attention_heads)
-    replicated = (5 * h / tp if seq_parallel else 5 * h) + 4 * routed
-    sharded = (2 * h + kv + 4 * i) / tp
-    per_block = tokens * (replicated + sharded) * s.dtype_bytes
-    kept = layers * h / tp if seq_parallel else layers * h
-    total = tokens * kept * s.dtype_bytes + per_block if s.checkpointing else layers * per_block
+    heads = tc.num_attention_heads
+    hd = getattr(tc, "head_dim", None) or h // heads
+    kv = 2 * tc.num_key_value_heads * hd
+    local = tp if seq_parallel else 1  # norms and residuals on 1/tp of the tokens
+    norm = (4 * h + 4 + 2 * d * h) / local
+    sharded = (d * (2 * heads * hd + kv + 4 * i) + 4 * heads) / tp
+    per_block = tokens * (2 * norm + sharded + 4 * d * routed)
+    kept = tokens * layers * d * h / local
+    blocks = kept + per_block if s.checkpointing else layers * per_block
+    once = tokens * (norm + 2 * d * hd + 16 + 4 * tc.vocab_size / tp)
     if s.attention == "eager":
         seq = sample_tokens or tokens
-        heads = tc.num_attention_heads / tp
-        total += 2 * heads * tokens * seq * s.dtype_bytes * (1 if s.checkpointing else layers)
-    return total + 2 * tokens * (tc.vocab_size / tp) * 4
+        blocks += 2 * heads / tp * tokens * seq * d * (1 if s.checkpointing else layers)
+    return blocks + once, tokens * 4 * tc.vocab_size / tp
 
 
 def _sdpa(s: ActivationSettings) -> ActivationSettings:

@@ -124,9 +124,10 @@ def largest_local(counts, topology, text: bool) -> int:
 
 
 def rank_step_peak(state, policy, counts, topology, rank: int, text_config,
-                   extra_reduced: int = 0, extra_updated: int = 0) -> int:
+                   extra_reduced: int = 0, extra_updated: int = 0, cpu: bool = False) -> int:
     """`step_peak` of ``rank`` as `ray-dhp plan` prints it (GPU: fused or foreach AdamW,
-    `foreach_elements`; ``extra_updated``: elements a further module on the rank updates,
+    `foreach_elements`; ``cpu``: CPU's single-tensor AdamW loop instead, what
+    ``benchmarks/plan_accuracy.py`` measures; ``extra_updated``: elements a further module on the rank updates,
     an audio tower's, left out of the text module's): the ViT is
     all-reduced over the vision group, the text model over its DP replicas; under TP the
     vocab-parallel embedding's gradient comes back whole. ``largest`` is the largest parameter
@@ -144,6 +145,8 @@ def rank_step_peak(state, policy, counts, topology, rank: int, text_config,
     v_up = (counts.vision_updated_by(rank - v.offset, v.size, v.zero_stage)
             if "vision" in roles else 0)
     t_up = state.updated - v_up - extra_updated if "text" in roles else 0
+    if cpu:
+        return step_peak(state, policy, counts.largest, reduced, replicated, fused_adamw=False)
     return step_peak(state, policy, counts.largest, reduced, replicated,
                      foreach=foreach_elements(policy, counts, topology, rank, t_up))
 
