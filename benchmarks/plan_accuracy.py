@@ -56,7 +56,8 @@ def _lay(placement="collocated", vision=(2, 1), text=(2, 1), **kw) -> dict:
 
 CASES = (
     Case("demo SP2xDP2 / TP2xDP2 ZeRO-1", layout=_lay(vision=(2, 2), text=(2, 2), vision_zero=1,
-                                                      text_zero=1), slow=False),
+                                                      text_zero=1),
+         samples=4, slow=False),  # 2 images per vision replica: one per SP rank (window-aligned)
     Case("demo SP2 / TP2"),
     Case("demo disjoint SP2 | TP2", layout=_lay("disjoint")),
     Case("demo text SP (TP2)", layout=_lay(text_sequence_parallel=True)),
