@@ -68,7 +68,7 @@ CASES = (
                                           text_offload=True)),
     Case("demo checkpointing", checkpointing=True),
     Case("demo bf16_mixed", precision="bf16_mixed"),
-    Case("demo packing", packing=True, layout=_lay(vision=(2, 1), text=(1, 2))),
+    Case("demo packing", packing=True),
     Case("demo CP2", layout=_lay(vision=(2, 1), text=(1, 1), text_cp=2)),
 )
 
@@ -151,6 +151,7 @@ def planned(case: Case, got: list) -> list:
     from ray_dhp.models.sizes import count_params
     from ray_dhp.parallel.topology import Topology
     from ray_dhp.planning.memory import ActivationSettings, merged, text_activation_parts
+    from ray_dhp.planning.memory_vision import vision_activation_parts
     from ray_dhp.planning.memory_audio import estimate_module_ranks, module_rank_state
     from ray_dhp.planning.step_peak import rank_step_peak
     from ray_dhp.step.precision import POLICIES
@@ -162,6 +163,7 @@ def planned(case: Case, got: list) -> list:
     settings = ActivationSettings(2 if bf16 else 4, "flash", case.checkpointing)  # CPU SDPA
     vt, n = got[0]["vision_tokens"], got[0]["samples"]
     rows, seq = next(g["lm_rows"] for g in got if g["lm_rows"] is not None)
+    seq *= topo.text.cp  # the LM sees its CP slice of each row
     merge = merged(config)
     text_tokens = seq - vt // merge  # per LM row: the padded (packed) row less its features
     v_samples = -(-n // topo.vision.dp)
@@ -171,10 +173,13 @@ def planned(case: Case, got: list) -> list:
     _, transient = text_activation_parts(
         config.text_config, rows * seq, topo.text.inner, settings, seq,
         seq_parallel=topo.text_sequence_parallel, cp=topo.text.cp)
+    _, v_transient = vision_activation_parts(config.vision_config, v_samples * vt,
+                                             topo.vision.inner, settings)
     out = []
     for r, m in enumerate(est):
         st = module_rank_state(counts, None, topo, r, policy)
-        act = m.vision_act + m.audio_act + (m.text_act - transient if m.text_act else 0.0)
+        act = ((m.vision_act - v_transient if m.vision_act else 0.0) + m.audio_act
+               + (m.text_act - transient if m.text_act else 0.0))
         out.append({"state": st.device_total, "activations": act,
                     "step_peak": rank_step_peak(st, policy, counts, topo, r, config.text_config,
                                                 cpu=True)})

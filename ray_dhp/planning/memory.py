@@ -231,8 +231,9 @@ def text_activation_parts(tc, tokens: int, tp: int, s: ActivationSettings,
     replicated); once, the final norm, the rotary ``cos`` and ``sin`` (``d`` each per head dim),
     the int64 ids and labels and the fp32 logits of the vocab-parallel loss (``4·vocab/tp``).
     Measured on the engine at TP 1 and 2 with ``saved_tensors_hooks`` (``benchmarks/plan_accuracy.py``).
-    ``transient``: the logits' gradient at the start of the backward (``4·vocab/tp``) and, under
-    CP, one layer's all-to-all buffers.
+    ``transient``: the logits' gradient at the start of the backward (``4·vocab/tp``), the block
+    recomputed at a time under activation checkpointing and, under CP, one layer's all-to-all
+    buffers.
 
     ``seq_parallel`` (``text.sequence_parallel``): every per-token activation is ``1/tp`` — norms
     and residuals run on the local tokens, the column-parallel projections keep only the sequence
@@ -263,12 +264,14 @@ def text_activation_parts(tc, tokens: int, tp: int, s: ActivationSettings,
     sharded = (d * (2 * heads * hd + kv + 4 * i) + 4 * heads) / tp
     per_block = tokens * (2 * norm + sharded + 4 * d * routed)
     kept = tokens * layers * d * h / local
-    blocks = kept + per_block if s.checkpointing else layers * per_block
+    # checkpointing: each block's input saved, one block recomputed at a time (transient)
+    blocks, recomputed = (kept, per_block) if s.checkpointing else (layers * per_block, 0.0)
     once = tokens * (norm + 2 * d * hd + 16 + 4 * tc.vocab_size / tp)
     if s.attention == "eager":
-        seq = sample_tokens or tokens
-        blocks += 2 * heads / tp * tokens * seq * d * (1 if s.checkpointing else layers)
-    return blocks + once, tokens * 4 * tc.vocab_size / tp
+        scores = 2 * heads / tp * tokens * (sample_tokens or tokens) * d
+        blocks, recomputed = (blocks, recomputed + scores) if s.checkpointing else (
+            blocks + scores * layers, recomputed)
+    return blocks + once, recomputed + tokens * 4 * tc.vocab_size / tp
 
 
 def _sdpa(s: ActivationSettings) -> ActivationSettings:
