@@ -73,6 +73,11 @@ CASES = (
     Case("demo bf16_mixed", precision="bf16_mixed"),
     Case("demo packing", packing=True),
     Case("demo CP2", layout=_lay(vision=(2, 1), text=(1, 1), text_cp=2)),
+    Case("qwen3_vl (deepstack) SP2 / TP2", family="qwen3_vl"),
+    Case("qwen3_vl_moe EP2 (DP2)", family="qwen3_vl_moe",
+         layout=_lay(vision=(1, 2), text=(1, 2), text_ep=2)),
+    Case("qwen3_5 (DeltaNet) SP2 / TP2", family="qwen3_5"),
+    Case("internvl DP2 / TP2", family="internvl", layout=_lay(vision=(1, 2), text=(2, 1))),
 )
 
 
@@ -175,7 +180,7 @@ def planned(case: Case, got: list) -> list:
                                 text_samples=rows, settings=settings, policy=policy)
     _, transient = text_activation_parts(
         config.text_config, rows * seq, topo.text.inner, settings, seq,
-        seq_parallel=topo.text_sequence_parallel, cp=topo.text.cp)
+        seq_parallel=topo.text_sequence_parallel, cp=topo.text.cp, head_norms=counts.text_head_norms)
     _, v_transient = vision_activation_parts(config.vision_config, v_samples * vt,
                                              topo.vision.inner, settings)
     out = []

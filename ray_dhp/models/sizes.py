@@ -33,6 +33,8 @@ class ParamCounts:
     text_sizes: tuple = ()
     # `TextParam` (never TP-sharded) of every ViT parameter, in the model's order (FSDP2 shares)
     vision_params: tuple = ()
+    # the LM's attention normalises q and k per head (one ``head_dim`` weight each, Qwen3-style)
+    text_head_norms: bool = False
 
     def text_per_rank(self, tp: int) -> int:
         return self.text - self.text_sharded + self.text_sharded // tp
@@ -159,7 +161,17 @@ def count_params(config, tuning=None) -> ParamCounts:
     return ParamCounts(vision=vision, text=text, text_sharded=sharded, vision_sizes=sizes,
                        largest=largest, vision_frozen=v_frozen, text_frozen=t_frozen,
                        text_frozen_sharded=t_frozen_sharded, text_sizes=tuple(text_sizes),
-                       vision_params=tuple(vision_params))
+                       vision_params=tuple(vision_params),
+                       text_head_norms=_head_norms(model, vision_names, config.text_config))
+
+
+def _head_norms(model, vision_names: set, tc) -> bool:
+    """Whether the LM's attention layers hold per-head q/k norms: two 1-D weights of ``head_dim``
+    elements inside an attention module (``*attn.*``) of every full-attention layer."""
+    hd = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    found = [n for n, p in model.named_parameters() if n not in vision_names and p.dim() == 1
+             and p.numel() == hd and "attn." in n and not n.startswith(AUDIO_PREFIX)]
+    return len(found) >= 2
 
 
 def _dim0_sharded(param_name: str, plan: dict) -> bool:

@@ -211,15 +211,15 @@ def _mlp_widths(tc) -> tuple:
 
 def text_activation_bytes(tc, tokens: int, tp: int, s: ActivationSettings,
                           sample_tokens: Optional[int] = None, seq_parallel: bool = False,
-                          cp: int = 1) -> float:
+                          cp: int = 1, head_norms: bool = False) -> float:
     """Activation bytes of one text TP rank for ``tokens`` tokens of its replica (incl. logits):
     the saved-for-backward bytes plus the transient working set (`text_activation_parts`)."""
-    return sum(text_activation_parts(tc, tokens, tp, s, sample_tokens, seq_parallel, cp))
+    return sum(text_activation_parts(tc, tokens, tp, s, sample_tokens, seq_parallel, cp, head_norms))
 
 
 def text_activation_parts(tc, tokens: int, tp: int, s: ActivationSettings,
                           sample_tokens: Optional[int] = None, seq_parallel: bool = False,
-                          cp: int = 1) -> tuple:
+                          cp: int = 1, head_norms: bool = False) -> tuple:
     """``(saved, transient)`` bytes of one text TP rank for ``tokens`` tokens of its replica.
 
     ``saved``: what autograd keeps from the forward for the backward, per token (``d`` the
@@ -231,6 +231,8 @@ def text_activation_parts(tc, tokens: int, tp: int, s: ActivationSettings,
     replicated); once, the final norm, the rotary ``cos`` and ``sin`` (``d`` each per head dim),
     the int64 ids and labels and the fp32 logits of the vocab-parallel loss (``4·vocab/tp``).
     Measured on the engine at TP 1 and 2 with ``saved_tensors_hooks`` (``benchmarks/plan_accuracy.py``).
+    ``head_norms`` (`ParamCounts.text_head_norms`): per-head q and k RMSNorms, each keeping its
+    fp32 input, ``rsqrt`` per head and normalised output in ``d`` (measured on Qwen3-VL's LM).
     ``transient``: the logits' gradient at the start of the backward (``4·vocab/tp``), the block
     recomputed at a time under activation checkpointing and, under CP, one layer's all-to-all
     buffers.
@@ -246,7 +248,8 @@ def text_activation_parts(tc, tokens: int, tp: int, s: ActivationSettings,
     one layer's working set: the all-to-all buffers of q, k, v and the output (send and receive)."""
     if cp > 1:
         seq = sample_tokens or tokens
-        saved, transient = text_activation_parts(tc, tokens / cp, tp, _sdpa(s), seq / cp, seq_parallel)
+        saved, transient = text_activation_parts(tc, tokens / cp, tp, _sdpa(s), seq / cp, seq_parallel,
+                                                 head_norms=head_norms)
         hd = tc.hidden_size // tc.num_attention_heads
         kv = tc.num_key_value_heads  # repeated to the query heads where they do not split over cp
         kv = tc.num_attention_heads if (kv // tp) % cp else kv
@@ -262,6 +265,9 @@ def text_activation_parts(tc, tokens: int, tp: int, s: ActivationSettings,
     local = tp if seq_parallel else 1  # norms and residuals on 1/tp of the tokens
     norm = (4 * h + 4 + 2 * d * h) / local
     sharded = (d * (2 * heads * hd + kv + 4 * i) + 4 * heads) / tp
+    if head_norms:  # q (heads) and k (kv heads): fp32 input + rsqrt per head + output in d
+        qk = heads + tc.num_key_value_heads
+        sharded += qk * ((4 + d) * hd + 4) / tp
     per_block = tokens * (2 * norm + sharded + 4 * d * routed)
     kept = tokens * layers * d * h / local
     # checkpointing: each block's input saved, one block recomputed at a time (transient)
@@ -318,7 +324,7 @@ def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int,
                                     segment_tokens or vision_tokens)
     t_act = text_activation_bytes(tc, (text_samples or samples) * seq, tp, settings, seq,
                                   seq_parallel=getattr(topology, "text_sequence_parallel", False),
-                                  cp=topology.text.cp)
+                                  cp=topology.text.cp, head_norms=counts.text_head_norms)
     moments = 8 * (1 - 1 / topology.vision.size) if topology.vision.zero_stage else 0
     out = []
     for r in range(topology.world_size):
