@@ -50,6 +50,7 @@ class ActivationCounter:
         self.bytes = defaultdict(int)
         self._seen: set = set()
         self._tags: list = []  # the innermost watched module running
+        self._params: set = set()  # storages of parameters (`count(params=...)`): never counted
 
     def watch_vision(self, vision_module: torch.nn.Module) -> list:
         """Tag work inside any sub-module of ``vision_module`` as "vision"; returns hook handles."""
@@ -77,15 +78,20 @@ class ActivationCounter:
                 key = (st.data_ptr(), st.nbytes())
             except (RuntimeError, NotImplementedError):  # storage-less tensor subclasses
                 key, st = (id(loc), loc.numel() * loc.element_size()), None
+            if key[0] in self._params:  # a view of a parameter's local shard (e.g. one expert's)
+                return t
             if key not in self._seen:
                 self._seen.add(key)
                 self.bytes[self._tags[-1] if self._tags else "text"] += key[1]
         return t
 
     @contextlib.contextmanager
-    def count(self):
+    def count(self, params=()):
+        """Count within the block; ``params``: parameters whose local storages (views of them:
+        a DTensor shard's per-expert slices) are weights, not activations."""
         self.bytes.clear()
         self._seen.clear()
+        self._params = {_local(p).untyped_storage().data_ptr() for p in params}
         with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             yield self
 
@@ -312,7 +318,7 @@ def measure_engine_step(engine, first: list, second: list) -> dict:
         handles.append(engine.text_model.register_forward_pre_hook(
             lambda _m, args, kw: rows.append(_rows(args, kw)), with_kwargs=True))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with counter.count():
+        with counter.count(params=_parameters(engine)):
             engine.forward_backward(second, last=True)
         with record_function(STEP_MARK):
             engine.optimizer_step()
@@ -321,6 +327,11 @@ def measure_engine_step(engine, first: list, second: list) -> dict:
     st = engine.state_bytes()
     return {"state": st["total"] - st["host"], "state_parts": st, "saved": counter.as_dict(),
             "step_peak": step_peak_bytes(prof, base), "lm_rows": rows[0] if rows else None}
+
+
+def _parameters(engine) -> list:
+    modules = list(engine.shards.values()) + ([engine.text_model] if engine.text_model is not None else [])
+    return [p for m in modules for p in m.parameters()]
 
 
 def _rows(args, kw) -> list:

@@ -142,6 +142,10 @@ def rank_step_peak(state, policy, counts, topology, rank: int, text_config,
     tg = topology.text  # its gradient replicas: dp x cp
     if "text" in roles and tg.dp * tg.cp > 1 and tg.zero_stage != 3:
         reduced += counts.text_per_rank(tp)
+        ep = topology.text_expert_parallel
+        if ep > 1:  # the rank's 1/ep of the experts reduce over the dp / ep replicas holding them
+            experts = sum(q.numel for q in counts.text_sizes if q.expert)
+            reduced -= experts - (experts // ep if tg.dp // ep > 1 else 0)
     emb = text_config.vocab_size * text_config.hidden_size
     replicated = emb - emb // tp if "text" in roles and tp > 1 else 0
     v_up = (counts.vision_updated_by(rank - v.offset, v.size, v.zero_stage)
