@@ -41,6 +41,7 @@ class Case:
     precision: str = "fp32"
     checkpointing: bool = False
     packing: bool = False
+    video: bool = False       # each sample one clip (8 frames at 4 fps: 2 temporal patches)
     samples: int = 2          # the micro-batch (one per step)
     slow: bool = True
     tolerance: dict = field(default_factory=dict)  # point -> (tolerance, reason) where not 5%
@@ -78,6 +79,8 @@ CASES = (
          layout=_lay(vision=(1, 2), text=(1, 2), text_ep=2)),
     Case("qwen3_5 (DeltaNet) SP2 / TP2", family="qwen3_5"),
     Case("internvl DP2 / TP2", family="internvl", layout=_lay(vision=(1, 2), text=(2, 1))),
+    Case("demo video SP1 (DP2) / TP2", video=True, layout=_lay(vision=(1, 2), text=(2, 1))),
+    Case("demo video SP2 / TP2", video=True),
 )
 
 
@@ -97,18 +100,39 @@ def train_config(case: Case):
 
 
 def make_steps(tmp, case: Case) -> list:
-    """Two steps of ``case.samples`` same-shaped samples (one 56x56 image each): every sample
-    has the plan's shape (its vision tokens; the text rows padded to the longest)."""
+    """Two steps of ``case.samples`` same-shaped samples (one 56x56 image or one 8-frame 56x56
+    clip each): every sample has the plan's shape (its vision tokens; the text rows padded to
+    the longest)."""
     from ray_dhp import demo
     from ray_dhp.data.reading import read_annotations, resolve_data_root
     from ray_dhp.data.sampler import StepSampler
 
     cfg = train_config(case)
-    path = demo.make_dataset(Path(tmp) / f"data_{case.family}", num_samples=8, seed=0,
-                             image_sizes=((56, 56),))
-    sampler = StepSampler(read_annotations(path), demo.tiny_processor(case.family),
-                          resolve_data_root(path), cfg)
+    proc = demo.tiny_processor(case.family)
+    if case.video:
+        path = _video_set(Path(tmp) / f"video_{case.family}")
+        from ray_dhp.data.video import VideoSettings
+
+        side = 56 * 56  # 4x4 patches per frame
+        proc = proc.configured(video=VideoSettings(min_pixels=side, max_pixels=side))
+    else:
+        path = demo.make_dataset(Path(tmp) / f"data_{case.family}", num_samples=8, seed=0,
+                                 image_sizes=((56, 56),))
+    sampler = StepSampler(read_annotations(path), proc, resolve_data_root(path), cfg)
     return [sampler.next_step() for _ in range(2)]
+
+
+def _video_set(root: Path) -> Path:
+    """Eight records of the same 8-frame clip (a moving square, 56x56, 4 fps)."""
+    from ray_dhp.demo.video import moving_square, write_mp4
+
+    root.mkdir(parents=True, exist_ok=True)
+    write_mp4(root / "clip.mp4", moving_square("right", 8, (56, 56), side=16), fps=4)
+    record = {"video": "clip.mp4", "conversations": [
+        {"from": "human", "value": "<video>\nWhich way does the square move?"},
+        {"from": "gpt", "value": "right"}]}
+    (root / "train.jsonl").write_text((json.dumps(record) + "\n") * 8)
+    return root / "train.jsonl"
 
 
 def rank_body(rank, world, case: Case, steps):
@@ -145,7 +169,9 @@ def _sample_shape(micro_batch: list) -> dict:
     grids = [s.image_grid_thw for s in micro_batch]
     vt = {int(g.prod(-1).sum()) if g is not None else 0 for g in grids}
     assert len(vt) == 1, f"samples of different vision shapes: {vt}"
-    return {"vision_tokens": vt.pop(), "samples": len(micro_batch)}
+    g = grids[0]  # attention segment: a frame of a clip (one temporal patch), else the image
+    frame = int(g[0, 1] * g[0, 2]) if g is not None and int(g[0, 0]) > 1 else None
+    return {"vision_tokens": vt.pop(), "samples": len(micro_batch), "segment": frame}
 
 
 # -- the plan -----------------------------------------------------------------------------------
@@ -177,12 +203,13 @@ def planned(case: Case, got: list) -> list:
     v_samples = -(-n // topo.vision.dp)
     est = estimate_module_ranks(config, topo, counts, None, audio_seconds=0.0,
                                 vision_tokens=vt, text_tokens=text_tokens, samples=v_samples,
-                                text_samples=rows, settings=settings, policy=policy)
+                                text_samples=rows, settings=settings, policy=policy,
+                                segment_tokens=got[0]["segment"])
     _, transient = text_activation_parts(
         config.text_config, rows * seq, topo.text.inner, settings, seq,
         seq_parallel=topo.text_sequence_parallel, cp=topo.text.cp, head_norms=counts.text_head_norms)
     _, v_transient = vision_activation_parts(config.vision_config, v_samples * vt,
-                                             topo.vision.inner, settings)
+                                             topo.vision.inner, settings, got[0]["segment"] or vt)
     out = []
     for r, m in enumerate(est):
         st = module_rank_state(counts, None, topo, r, policy)
