@@ -137,7 +137,13 @@ def count_params(config, tuning=None) -> ParamCounts:
         inject(model, tuning.lora, seed=0)
         plan = counting_plan(plan, tuning.lora.target_modules)
     vision_names = {f"{family.vision_prefix}{n}" for n, _ in family.visual(model).named_parameters()}
-    trains = (lambda name: True) if tuning is None else functools.partial(trains_under, tuning)
+    tuned = (lambda name: True) if tuning is None else functools.partial(trains_under, tuning)
+    # parameters no forward reads (`EncoderSpec.unused`, e.g. a tower's layers past the feature
+    # layer): the engine holds them frozen (`ray_dhp.models.tuning.apply_tuning`)
+    unused = tuple(e.prefix + u for e in family.encoder_specs for u in e.unused)
+
+    def trains(name: str) -> bool:
+        return tuned(name) and not (unused and name.startswith(unused))
     vision = text = sharded = largest = v_frozen = t_frozen = t_frozen_sharded = 0
     text_sizes, vision_params = [], []
     sizes = tuple(p.numel() for n, p in family.visual(model).named_parameters()
