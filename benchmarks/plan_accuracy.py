@@ -10,8 +10,9 @@ The planned activations compared are the *saved* part (`text_activation_parts`):
 gradient and CP's all-to-all buffers are transient working set, counted by the plan on top.
 ``python -m benchmarks.plan_accuracy [--slow] [--write] [ROW ...]`` runs the rows (default:
 the default suite's), writes ``benchmarks/results/plan-accuracy-cpu2-<date>.json`` and, with
-``--write``, the table into docs/plan_accuracy.md between its markers (from the newest JSON:
-``tests/unit/test_plan_accuracy_doc.py`` checks that the doc shows it).
+``--write``, the table into docs/plan_accuracy.md between its markers (``--from-results``: the
+table of the newest JSON, nothing run; ``tests/unit/test_plan_accuracy_doc.py`` checks that the
+doc shows it).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ CASES = (
     Case("demo SP2xDP2 / TP2xDP2 ZeRO-1", layout=_lay(vision=(2, 2), text=(2, 2), vision_zero=1,
                                                       text_zero=1),
          samples=4),  # 2 images per vision replica: one per SP rank (window-aligned)
-    Case("demo disjoint SP2 | TP2", layout=_lay("disjoint")),
+    Case("demo disjoint SP2 / TP2", layout=_lay("disjoint")),
     Case("demo text SP (TP2)", layout=_lay(text_sequence_parallel=True)),
     Case("demo ZeRO-0 DP2", layout=_lay(vision=(1, 2), text=(1, 2), vision_zero=0, text_zero=0)),
     Case("demo ZeRO-2 DP2", layout=_lay(vision=(1, 2), text=(1, 2), vision_zero=2, text_zero=2)),
@@ -76,11 +77,21 @@ CASES = (
     Case("demo CP2", layout=_lay(vision=(2, 1), text=(1, 1), text_cp=2)),
     Case("qwen3_vl (deepstack) SP2 / TP2", family="qwen3_vl"),
     Case("qwen3_vl_moe EP2 (DP2)", family="qwen3_vl_moe",
-         layout=_lay(vision=(1, 2), text=(1, 2), text_ep=2)),
-    Case("qwen3_5 (DeltaNet) SP2 / TP2", family="qwen3_5"),
+         layout=_lay(vision=(1, 2), text=(1, 2), text_ep=2),
+         tolerance={"activations": (0.10, "the LM's sparse layers are counted as the dense "
+                                    "intermediate_size MLP; the router, top-k, permuted rows and "
+                                    "per-expert tensors (routing-dependent: the ranks differ) "
+                                    "are not modelled: open")}),
+    Case("qwen3_5 (DeltaNet) SP2 / TP2", family="qwen3_5",
+         tolerance={"activations": (0.60, "Gated DeltaNet layers are counted as attention "
+                                    "layers; their conv, gates and chunked state (the reference "
+                                    "kernel's, on CPU) are not modelled: open")}),
     Case("internvl DP2 / TP2", family="internvl", layout=_lay(vision=(1, 2), text=(2, 1))),
     Case("demo video SP1 (DP2) / TP2", video=True, layout=_lay(vision=(1, 2), text=(2, 1))),
-    Case("demo video SP2 / TP2", video=True),
+    Case("demo video SP2 / TP2", video=True,
+         tolerance={"step_peak": (0.07, "rank 0 measures ~115 KB more during the step in 2 of 3 "
+                                  "runs (rank 1 and the other runs: 0.98): open")}),
+    Case("llava (generic) DP2 / TP2", family="llava", layout=_lay(vision=(1, 2), text=(2, 1))),
 )
 
 
@@ -287,6 +298,9 @@ def main(argv=None) -> int:
     import tempfile
 
     argv = sys.argv[1:] if argv is None else argv
+    if "--from-results" in argv:
+        _write(json.loads(newest_results().read_text())["rows"])
+        return 0
     names = [a for a in argv if not a.startswith("--")]
     cases = ([case_named(n) for n in names] if names
              else [c for c in CASES if "--slow" in argv or not c.slow])
@@ -300,10 +314,14 @@ def main(argv=None) -> int:
     out.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
     print(f"wrote {out}")
     if "--write" in argv:
-        text = DOC.read_text()
-        DOC.write_text(text[:text.index(BEGIN) + len(BEGIN)] + "\n" + table(rows) + "\n"
-                       + text[text.index(END):])
+        _write(rows)
     return 0
+
+
+def _write(rows: list) -> None:
+    text = DOC.read_text()
+    DOC.write_text(text[:text.index(BEGIN) + len(BEGIN)] + "\n" + table(rows) + "\n"
+                   + text[text.index(END):])
 
 
 if __name__ == "__main__":
