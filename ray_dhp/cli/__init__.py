@@ -38,7 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("config", help="YAML run file")
     pl.add_argument("overrides", nargs="*", help="section.key=value overrides")
     pl.add_argument("--vision-tokens", default=None, help="patch tokens per sample; a comma "
-                    "list prints one estimate each (default 4096); a resolution mix "
+                    "list prints one estimate each (default 4096, or one image of a tower "
+                    "that takes a fixed image size); a resolution mix "
                     "size:weight,... (e.g. 256:0.7,4096:0.25,16384:0.05) makes --recommend cost "
                     "the mix, balanced by cost")
     pl.add_argument("--video", default=None, metavar="FRAMESxHxW", help="plan for one video per "
@@ -116,6 +117,15 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _default_vision_tokens(rf) -> str:
+    """One image of the tower's fixed size (its patches) where the family takes images of one
+    size (`FamilySpec.image_patches`); else 4096 patches."""
+    from ray_dhp.models import family_of, load_model_config
+
+    config = load_model_config(rf.model_spec())
+    return str(family_of(config).image_patches(config) or 4096)
+
+
 def _cmd_plan(args) -> int:
     from ray_dhp.cli.plan import plan_text
 
@@ -126,7 +136,7 @@ def _cmd_plan(args) -> int:
         from ray_dhp.cli.schema import ConfigError
 
         raise ConfigError("--video and --vision-tokens both size the vision input; give one.")
-    tokens, args.vision_mix = parse_vision_tokens(args.vision_tokens or "4096")
+    tokens, args.vision_mix = parse_vision_tokens(args.vision_tokens or _default_vision_tokens(rf))
     args.videos = _videos(args.video)
     if args.videos:
         from ray_dhp.cli.plan import vision_cases

@@ -191,6 +191,7 @@ def _family(cls, config_json: str) -> GenericFamily:
     if is_sequence:
         pooled = torch.cat([p.reshape(-1, p.shape[-1]) for p in pooled])
     rows = int(pooled.reshape(-1, pooled.shape[-1]).shape[0])
+    size = patch = 0  # a fixed image size's geometry (none with a grid: any size)
     if grid:  # patch rows with a (t, h, w) grid: rows per spatial_merge_size² patches
         m = vc.spatial_merge_size
         if rows != 4:
@@ -225,6 +226,7 @@ def _family(cls, config_json: str) -> GenericFamily:
         vision_parts=parts,
         merger_prefixes=tuple(f"model.{p}." for p in parts if p != tower),
         merge_size=lambda config, _m=m: _m,
+        image_patches=lambda config, _n=0 if grid else (size // patch) ** 2: _n,
         vision_heads=lambda vision_config: vision_config.num_attention_heads,
         vision_depth=lambda vision_config: vision_config.num_hidden_layers,
         projector_dim=lambda config: config.get_text_config().hidden_size,
