@@ -39,7 +39,7 @@ def _row(i, c, pools) -> str:
     text = f"tp{lay.text_tp}{'+sp' if lay.text_sp else ''} x dp{lay.text_dp}"
     mem = ", ".join(f"{g} {gib:.1f} GiB ({c.headroom[g]:.0%})" for g, gib in c.memory_gib.items())
     tpp = "-" if c.tokens_per_price is None else f"{c.tokens_per_price:,.0f}"
-    return (f"{i:>3}  {groups:<34} {lay.schedule:<10} {f'sp{lay.vision_sp} x dp{lay.vision_dp}':<11}"
+    return (f"{i:>3}  {groups:<38} {lay.schedule:<10} {f'sp{lay.vision_sp} x dp{lay.vision_dp}':<11}"
             f" {text:<13} {_zero(lay):<4} {c.step_s:8.4g} {c.tokens_per_s:10,.0f} {tpp:>12}"
             f" {_cost_per_million(c):>9}  {mem}")
 
@@ -98,7 +98,7 @@ def pool_recommend_text(rf, pools, where: str, *, micro_batches, vision_tokens: 
     out.append(f"searched {len(cands)} layouts on the pools: {len(ok)} fit"
                + (" (dropped: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) + ")"
                   if kinds else ""))
-    header = ("  #  groups on pools (devices)            schedule   vision      text          "
+    header = ("  #  groups on pools (devices)                schedule   vision      text          "
               "ZeRO step (s)   tokens/s  tokens/price  price/M tok  GiB per rank (headroom)")
     priced = sorted((c for c in ok if c.tokens_per_price is not None),
                     key=lambda c: -c.tokens_per_price)

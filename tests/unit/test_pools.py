@@ -143,3 +143,27 @@ def test_a_slow_pool_is_left_out_when_tokens_per_s_rank(model):
     pools = _pools(cheap_tflops=1)  # 1/1000 of the fast pool's peak
     ok = [c for c in recommend_pools(config, pools, w, counts=counts) if c.feasible]
     assert "cheap" not in ok[0].pools.values()
+
+
+def test_cli_plan_recommend_on_pools(tmp_path, capsys):
+    import yaml
+
+    from ray_dhp.cli import main
+
+    own = {**OWN, "memory_gib": 8}
+    pool = tmp_path / "pool.yaml"
+    pool.write_text(yaml.safe_dump({"pools": {
+        "big": {**own, "devices_per_node": 2, "nodes": 1, "price_per_device_hour": 2,
+                "labels": {"accel": "big"}},
+        "small": {**own, "devices_per_node": 1, "nodes": 1, "price_per_device_hour": 1,
+                  "labels": {"accel": "small"}}}}))
+    tiny = str(ROOT / "examples/tiny.yaml")
+    assert main(["plan", tiny, "--recommend", "--pool", str(pool), "--vision-tokens", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "best by tokens/s" in out and "best by tokens per price unit" in out
+    assert "labels: {" in out and "accel: small" in out
+    assert main(["plan", tiny, "--recommend", "--pool", str(pool), "--gpus", "4"]) == 2
+    assert "--gpus" in capsys.readouterr().err
+    pool.write_text(yaml.safe_dump({"pools": {"big": {"accelerator": "h100", "nodes": 1}}}))
+    assert main(["plan", tiny, "--pool", str(pool)]) == 2
+    assert "pools.big.devices_per_node" in capsys.readouterr().err
