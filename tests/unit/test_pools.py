@@ -162,6 +162,11 @@ def test_cli_plan_recommend_on_pools(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "best by tokens/s" in out and "best by tokens per price unit" in out
     assert "labels: {" in out and "accel: small" in out
+    run = yaml.safe_load(open(tiny))  # the same pools as the run file's hardware: section
+    run["hardware"] = yaml.safe_load(pool.read_text())
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
+    assert main(["plan", str(tmp_path / "run.yaml"), "--recommend", "--vision-tokens", "256"]) == 0
+    assert capsys.readouterr().out.replace("(hardware:)", f"(--pool {pool})") == out
     assert main(["plan", tiny, "--recommend", "--pool", str(pool), "--gpus", "4"]) == 2
     assert "--gpus" in capsys.readouterr().err
     pool.write_text(yaml.safe_dump({"pools": {"big": {"accelerator": "h100", "nodes": 1}}}))
