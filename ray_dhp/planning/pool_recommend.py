@@ -6,10 +6,11 @@ vision + text on one pool) and disjoint (the vision group on pool P, the text gr
 P = Q allowed); every placement group lies on one pool. A group on a pool takes ``n`` of its
 devices, ``n`` a power of two below a node or a whole number of nodes (with P = Q the two groups
 together fit in the pool, and every split of the whole pool is tried as well); inside a group
-every sp / tp / dp degree the size admits, as `ray_dhp.planning.recommend` enumerates them.
-Disjoint layouts are tried pipelined (when M >= 2), text without sequence parallelism, and fall
-back to the sequential schedule, text sequence parallelism and other ZeRO stages
-(`ray_dhp.planning.recommend.zero_options`) only where memory refuses them.
+every sp / tp / dp degree the size admits whose data-parallel degrees the micro-batch can feed.
+Disjoint layouts are tried pipelined (when M >= 2), text without sequence parallelism; only
+where memory refuses one are its variants tried, in stages, keeping the fastest that fits of
+the first stage that has one: the sequential schedule and text sequence parallelism; the other
+ZeRO stages (`ray_dhp.planning.recommend.zero_options`); those of its leanest variant.
 
 **Time** is `ray_dhp.planning.cost_model`'s: a module's phases are priced on its own pool's
 `Hardware` (peak x efficiency, links, memory bandwidth, devices per node; each group's ranks
