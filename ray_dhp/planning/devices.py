@@ -74,11 +74,11 @@ class Accelerator:
 #: per-direction link rate (NVLink 4: 450 GB/s raw -> 360, the cost model's default), not
 #: measured here. Between nodes: one 400 Gb/s NIC per GPU on HGX/OAM boards (50 GB/s, ~45
 #: reached), 200 Gb/s per GPU on A100 HGX (~22), and an assumed 100 Gb/s per GPU on PCIe-card
-#: servers (L40S, L4: ~11). A pool file replaces any of them (``link_gbs``, ``internode_gbs``).
+#: servers (L40S, L40, L4: ~11). A pool file replaces any of them (``link_gbs``, ``internode_gbs``).
 
 #: The device table, in matching order (a longer name first: "H200" before "H20", "L40S" before
-#: "L4"). Peaks are *dense* bf16 tensor FLOP/s (datasheets print the 2:4-sparse figure, twice
-#: as large, beside them). Sources, per row:
+#: "L40" before "L4"). Peaks are *dense* bf16 tensor FLOP/s (datasheets print the 2:4-sparse
+#: figure, twice as large, beside them). Sources, per row:
 #: - H100 SXM 80 GB: NVIDIA H100 Tensor Core GPU datasheet: bf16 1,979 TFLOPS with sparsity
 #:   (989 dense), HBM3 3.35 TB/s, NVLink 900 GB/s (450 per direction).
 #: - H200 SXM 141 GB: NVIDIA H200 datasheet: bf16 1,979 sparse (989 dense), HBM3e 4.8 TB/s,
@@ -90,6 +90,8 @@ class Accelerator:
 #:   2,039 GB/s (80 GB) / HBM2 1,555 GB/s (40 GB), NVLink 3 600 GB/s (300 per direction).
 #: - L40S 48 GB: NVIDIA L40S datasheet: bf16 362.05 TFLOPS dense (733 sparse), GDDR6 864 GB/s,
 #:   no NVLink: PCIe Gen4 x16, 64 GB/s bidirectional (32 per direction).
+#: - L40 48 GB: NVIDIA L40 datasheet: bf16 181.05 TFLOPS dense (362.1 sparse), GDDR6 864 GB/s,
+#:   PCIe Gen4 x16 (listed so that an L40 is not matched as an L4).
 #: - L4 24 GB: NVIDIA L4 datasheet: bf16 242 TFLOPS with sparsity (121 dense), GDDR6 300 GB/s,
 #:   PCIe Gen4 x16.
 #: - B200 180 GB: NVIDIA HGX B200 datasheet: FP16/BF16 36 PFLOPS sparse per 8 GPUs (2.25 PF
@@ -110,6 +112,7 @@ ACCELERATORS = {a.name: a for a in (
     Accelerator("a800", "A800", 79.1, 312e12, link_gbs=160.0, internode_gbs=22.0,
                 hbm_tbs=2.039),
     Accelerator("l40s", "L40S", 44.4, 362e12, link_gbs=25.0, internode_gbs=11.0, hbm_tbs=0.864),
+    Accelerator("l40", "L40", 44.4, 181.05e12, link_gbs=25.0, internode_gbs=11.0, hbm_tbs=0.864),
     Accelerator("l4", "L4", 22.5, 121e12, link_gbs=25.0, internode_gbs=11.0, hbm_tbs=0.3),
     Accelerator("b200", "B200", 178.4, 2250e12, nvls=True, link_gbs=720.0, hbm_tbs=8.0),
     Accelerator("mi300x", "MI300X", 191.7, 1307.4e12, link_gbs=358.0, hbm_tbs=5.3),
