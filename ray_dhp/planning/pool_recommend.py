@@ -6,7 +6,8 @@ vision + text on one pool) and disjoint (the vision group on pool P, the text gr
 P = Q allowed); every placement group lies on one pool. A group on a pool takes ``n`` of its
 devices, ``n`` a power of two below a node or a whole number of nodes (with P = Q the two groups
 together fit in the pool, and every split of the whole pool is tried as well); inside a group
-every sp / tp / dp degree the size admits whose data-parallel degrees the micro-batch can feed.
+every sp / tp / dp degree the size admits whose data-parallel degrees the micro-batch can feed
+(a mixture-of-experts LM also at every expert-parallel degree).
 Disjoint layouts are tried pipelined (when M >= 2), text without sequence parallelism; only
 where memory refuses one are its variants tried, in stages, keeping the fastest that fits of
 the first stage that has one: the sequential schedule and text sequence parallelism; the other
@@ -112,12 +113,16 @@ def _divisors(n: int) -> list:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _layouts(placement: str, nv: int, nt: int, micro_batches: int, mb: int) -> list:
-    """The first-choice layouts of the sizes (pipelined, no text SP), without those whose
-    micro-batch of ``mb`` samples cannot feed their data-parallel replicas."""
+def _layouts(placement: str, nv: int, nt: int, micro_batches: int, mb: int, config) -> list:
+    """The first-choice layouts of the sizes (pipelined, no text SP; a mixture-of-experts LM also
+    at every expert-parallel degree, `ray_dhp.planning.experts.expert_degrees`), without those
+    whose micro-batch of ``mb`` samples cannot feed their data-parallel replicas."""
+    from ray_dhp.planning.experts import expert_degrees
+
     sched = "pipelined" if placement == "disjoint" and micro_batches > 1 else "sequential"
-    return [Layout(placement, sched, sp, nv // sp, tp, nt // tp)
-            for sp in _divisors(nv) for tp in _divisors(nt) if max(nv // sp, nt // tp) <= mb]
+    out = [Layout(placement, sched, sp, nv // sp, tp, nt // tp)
+           for sp in _divisors(nv) for tp in _divisors(nt) if max(nv // sp, nt // tp) <= mb]
+    return out + [replace(x, text_ep=e) for x in out for e in expert_degrees(config, x.text_dp)]
 
 
 def _fallbacks(layout: Layout) -> list:
@@ -126,7 +131,7 @@ def _fallbacks(layout: Layout) -> list:
     variants = [layout]
     if layout.schedule == "pipelined":
         variants.append(replace(layout, schedule="sequential"))
-    if layout.text_tp > 1:
+    if layout.text_tp > 1 and layout.text_ep == 1:  # as `recommend`: no text SP beside EP
         variants += [replace(x, text_sp=True) for x in list(variants)]
     stages = [variants[1:], zero_options(layout)]
     if len(variants) > 1:
@@ -173,6 +178,7 @@ def _evaluate(config, counts, layout: Layout, w: Workload, by_group: dict, effic
         try:
             family_of(config).validate_layout(config, sp=layout.vision_sp, tp=layout.text_tp,
                                               text_sp=layout.text_sp)
+            family_of(config).validate_expert_parallel(config, layout.text_ep)
             memo[layout] = memory_gib(config, counts, layout, w)
         except ValueError as e:
             memo[layout] = f"model dims: {e}"
@@ -228,7 +234,7 @@ def recommend_pools(config, pools, workload: Workload, efficiency: float = 0.4,
         by_group = {g: by_name[n] for g, n in groups.items()}
         for nv, nt in sizes:
             for lay in _layouts(placement, nv, nt, workload.micro_batches,
-                                workload.micro_batch_size):
+                                workload.micro_batch_size, config):
                 out.append(_fitting(config, counts, lay, workload, by_group, efficiency, tokens,
                                     memo))
     return sorted(out, key=lambda c: (not c.feasible, math.isnan(c.step_s),

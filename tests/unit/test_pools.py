@@ -172,3 +172,15 @@ def test_cli_plan_recommend_on_pools(tmp_path, capsys):
     pool.write_text(yaml.safe_dump({"pools": {"big": {"accelerator": "h100", "nodes": 1}}}))
     assert main(["plan", tiny, "--pool", str(pool)]) == 2
     assert "pools.big.devices_per_node" in capsys.readouterr().err
+
+
+def test_a_mixture_of_experts_lm_is_planned_with_expert_parallelism_on_pools():
+    from ray_dhp import demo
+    from ray_dhp.planning.cost_types import Workload
+    from ray_dhp.planning.pool_recommend import recommend_pools
+
+    pools = parse_pools({"pools": {"a": {**OWN, "devices_per_node": 4, "nodes": 1}}})
+    cands = recommend_pools(demo.tiny_model_config("qwen3_vl_moe"), pools, Workload(256, 64, 4))
+    assert {c.layout.text_ep for c in cands if c.feasible} >= {1, 2, 4}
+    assert all(c.run_file_fragment({"a": pools[0]})["text"].get("expert_parallel", 1)
+               == c.layout.text_ep for c in cands)
