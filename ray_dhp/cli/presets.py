@@ -4,7 +4,8 @@ The dimensions are those of the public Hugging Face ``config.json`` files of Qwe
 Gemma 3 (4B/12B/27B: the variant table of transformers' ``convert_gemma3_weights.py``, with the
 released checkpoints' 262,208-token vocabulary), LLaVA-1.5 (``llava-hf/llava-1.5-{7b,13b}-hf``:
 CLIP ViT-L/14 at 336 px + Vicuna), Mistral Small 3.1 (``Mistral-Small-3.1-24B``: Pixtral tower +
-Mistral text), 
+Mistral text), Idefics3 (``Idefics3-8B-Llama3``: SigLIP at 364 px + Llama 3 8B), GLM-4.1V
+(``GLM-4.1V-9B``: its ViT on patch rows + GLM-4 9B), 
 Qwen2.5-Omni (its thinker, below) and Qwen3.5 (9B: transformers' own ``Qwen3_5Config`` defaults, its "Qwen3.5-9B style
 configuration"; 27B: the released ``Qwen/Qwen3.5-27B`` text config), Qwen3.5-MoE (below) and
 Qwen3-VL-MoE; only the
@@ -249,7 +250,42 @@ def _mistral3(hidden: int, layers: int, heads: int, kv_heads: int, intermediate:
     }
 
 
+def _idefics3_8b() -> dict:
+    return {
+        "model_type": "idefics3",
+        "vision_config": {  # SigLIP so400m at 364 px: 26x26 patches, pixel-shuffled 2x2 -> 169 rows
+            "hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27,
+            "num_attention_heads": 16, "image_size": 364, "patch_size": 14,
+        },
+        "text_config": {
+            "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "vocab_size": 128259, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-5,
+        },
+        "scale_factor": 2, "image_token_id": 128257,
+    }
+
+
+def _glm4v_9b() -> dict:
+    return {
+        "model_type": "glm4v",
+        "vision_config": {  # patch rows + image_grid_thw, 2x2 merged
+            "hidden_size": 1536, "depth": 24, "num_heads": 12, "intermediate_size": 13696,
+            "image_size": 336, "patch_size": 14, "out_hidden_size": 4096,
+            "spatial_merge_size": 2, "temporal_patch_size": 2,
+        },
+        "text_config": {
+            "hidden_size": 4096, "num_hidden_layers": 40, "num_attention_heads": 32,
+            "num_key_value_heads": 2, "intermediate_size": 13696, "vocab_size": 151552,
+            "max_position_embeddings": 65536,
+        },
+    }
+
+
 PRESETS = {
+    "idefics3": {"8b": _idefics3_8b()},
+    "glm4v": {"9b": _glm4v_9b()},
     "gemma3": {
         "4b": _gemma3(2560, 34, 8, 4, 256, 256),
         "12b": _gemma3(3840, 48, 16, 8, 256, 256),
