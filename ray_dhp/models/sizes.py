@@ -172,8 +172,8 @@ def count_params(config, tuning=None) -> ParamCounts:
 
 
 def _head_norms(model, vision_names: set, tc) -> bool:
-    """Whether the LM's attention layers hold per-head q/k norms: two 1-D weights of ``head_dim``
-    elements inside an attention module (``*attn.*``) of every full-attention layer."""
+    """Whether the LM's attention layers hold per-head q/k norms: 1-D weights of ``head_dim``
+    elements inside its attention modules (``*attn.*``), at least two (q and k)."""
     hd = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
     found = [n for n, p in model.named_parameters() if n not in vision_names and p.dim() == 1
              and p.numel() == hd and "attn." in n and not n.startswith(AUDIO_PREFIX)]
