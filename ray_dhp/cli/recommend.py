@@ -6,6 +6,7 @@ import math
 from collections import Counter
 
 from ray_dhp.cli.plan import policy_of_run, settings_of
+from ray_dhp.planning.packing import packing_of
 from ray_dhp.cli.schema import ConfigError
 
 
@@ -134,7 +135,7 @@ def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens:
     w = Workload(vision_tokens=vt, text_tokens=text_tokens + lm_audio, global_batch_size=gb,
                  micro_batches=m, settings=settings, state_bytes=state_bytes, policy=policy,
                  device_gib=budget.memory_gib, margin_gib=budget.margin_gib,
-                 vision_mix=vision_mix, vision_segment=segment, **audio)
+                 vision_mix=vision_mix, vision_segment=segment, packing=packing_of(rf), **audio)
     cands = recommend(config, n, w, hw, counts=counts)
     ok = [c for c in cands if c.feasible]
     a_num = f"audio {_num(audio['audio_params'].params)}, " if audio else ""
