@@ -6,6 +6,7 @@ import math
 from collections import Counter
 
 from ray_dhp.cli.plan import policy_of_run, settings_of
+from ray_dhp.planning.packing import packing_of
 from ray_dhp.cli.schema import ConfigError
 
 
@@ -121,7 +122,8 @@ def build_workload(rf, *, micro_batches, vision_tokens: list, text_tokens: int, 
     device = dict(device_gib=budget.memory_gib, margin_gib=budget.margin_gib) if budget else {}
     w = Workload(vision_tokens=vt, text_tokens=text_tokens + lm_audio, global_batch_size=gb,
                  micro_batches=m, settings=settings, state_bytes=float(policy.state_bytes()),
-                 policy=policy, vision_mix=vision_mix, vision_segment=segment, **device, **audio)
+                 policy=policy, vision_mix=vision_mix, vision_segment=segment,
+                 packing=packing_of(rf), **device, **audio)
     return config, counts, w, line, audio, lm_audio
 
 

@@ -117,6 +117,10 @@ class FamilySpec:
     # The positions of a packed sample: "mrope" (the model's ``model.model.get_rope_index`` of
     # the sample alone, Qwen-VL's 3-axis M-RoPE) or "1d" (0..n-1 per sample, a 1-D RoPE LM)
     packed_positions: str = "mrope"
+    # (model) -> the ``rope_index`` packing calls, with the Qwen-VL signature (`rope_index`), for
+    # a family whose ``get_rope_index`` takes other arguments (Qwen2.5-Omni's: grids, a mask,
+    # the audio clips' lengths); None: ``model.model.get_rope_index`` itself
+    rope_index_adapter: Optional[Callable] = None
     # Encoder modules besides the vision side (`EncoderSpec`), e.g. Qwen2.5-Omni's audio tower;
     # each trains as a module of its own when the layout gives it a group (``audio:``).
     encoders: tuple = ()
@@ -243,6 +247,8 @@ class FamilySpec:
         its ``get_rope_index`` for M-RoPE families, None for 1-D positions (`packed_positions`)."""
         if self.packed_positions == "1d":
             return None
+        if self.rope_index_adapter is not None:
+            return self.rope_index_adapter(model)
         return model.model.get_rope_index
 
     def lm_inputs(self, config, kwargs: dict) -> dict:

@@ -144,6 +144,16 @@ def replica_share(w: Workload, dp: int, per_sample) -> float:
     return max(mean, (1 - (1 - f_max) ** mb) * per_sample(largest))
 
 
+def _packed_padding(config, w: Workload, dp: int) -> int:
+    """Padding tokens of a text replica's packed rows (``Workload.packing``,
+    `ray_dhp.planning.packing`: the rows padded to the longest); 0 without packing or with a
+    resolution mix (rows of mixed samples fill up: counted as without padding)."""
+    if w.packing is None or w.vision_mix is not None:
+        return 0
+    n, seq = -(-w.micro_batch_size // dp), text_tokens_per_sample(config, w.vision_tokens, w.text_tokens)
+    return w.packing.text_tokens(n, seq)[0] - n * seq
+
+
 # -- communication ----------------------------------------------------------------------------
 
 def phase_times(config, counts, layout: Layout, w: Workload, hw: Hardware) -> PhaseTimes:
@@ -174,6 +184,10 @@ def phase_times(config, counts, layout: Layout, w: Workload, hw: Hardware) -> Ph
     tok = t_tokens
     t_comp = replica_share(w, t.dp, lambda vt: text_flops(config, counts.text, vt, w.text_tokens, s)) \
         / t.inner / flops
+    pad = _packed_padding(config, w, t.dp)
+    if pad:  # the packed rows' padded tail: linears on its tokens, attention as a segment
+        tok += pad
+        t_comp += text_flops(config, counts.text, 0, pad, s) / t.inner / flops
     n_ar = tc.num_hidden_layers * (6 if ckpt else 4) + 1
     if layout.text_sp:  # + the projection inputs all-gathered again in backward (2 x half an all-reduce)
         n_ar += tc.num_hidden_layers + 0.5

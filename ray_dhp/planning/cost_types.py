@@ -69,6 +69,9 @@ class Workload:
     #: the clip's LLM tokens; `ray_dhp.planning.cost_audio`).
     audio_seconds: Optional[float] = None
     audio_params: object = None
+    #: ``data.packing``: a `ray_dhp.planning.packing.Packing` (text activations and the linears'
+    #: tokens are the packed rows', padded tail included; attention per sample); None: padded
+    packing: object = None
 
     def __post_init__(self):
         if self.global_batch_size % self.micro_batches:

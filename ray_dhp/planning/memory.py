@@ -33,6 +33,7 @@ from typing import Optional
 
 from ray_dhp.models.sizes import ParamCounts, owned, vision_width
 from ray_dhp.planning.memory_vision import vision_activation_bytes  # noqa: F401
+from ray_dhp.planning.packing import text_tokens as packed_text
 
 GIB = 1024 ** 3
 STATE_BYTES_PER_PARAM = 16  # fp32 weight + grad + AdamW exp_avg + exp_avg_sq (policy fp32)
@@ -306,7 +307,7 @@ def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int,
                    samples: int, settings: ActivationSettings,
                    state_bytes: float = STATE_BYTES_PER_PARAM, policy=None,
                    segment_tokens: Optional[int] = None,
-                   text_samples: Optional[int] = None) -> list:
+                   text_samples: Optional[int] = None, packing=None) -> list:
     """Per-rank `RankMemory` for micro-batches of ``samples`` samples per vision replica and
     ``text_samples`` (default ``samples``) per text replica (each group splits the micro-batch
     over its own data-parallel degree), each with
@@ -315,14 +316,16 @@ def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int,
     parameter, and with vision ZeRO (stage >= 1) the ViT's AdamW moments (8 of the state bytes)
     are sharded over the whole vision group (the cost model's approximation). ``segment_tokens``:
     patch tokens per attention segment (a video's frame, `ray_dhp.planning.video`; None: the
-    sample is one image)."""
+    sample is one image). ``packing`` (`ray_dhp.planning.packing.Packing`, ``data.packing``):
+    the text activations are the replica's packed rows', not its padded samples'."""
     vc, tc = config.vision_config, config.text_config
     merge = merged(config)
     sp, tp = topology.vision.inner, topology.text.inner
     seq = text_tokens + vision_tokens // merge
     v_act = vision_activation_bytes(vc, samples * vision_tokens, sp, settings,
                                     segment_tokens or vision_tokens)
-    t_act = text_activation_bytes(tc, (text_samples or samples) * seq, tp, settings, seq,
+    t_tokens, t_row = packed_text(packing, text_samples or samples, seq)
+    t_act = text_activation_bytes(tc, t_tokens, tp, settings, t_row,
                                   seq_parallel=getattr(topology, "text_sequence_parallel", False),
                                   cp=topology.text.cp, head_norms=counts.text_head_norms)
     moments = 8 * (1 - 1 / topology.vision.size) if topology.vision.zero_stage else 0

@@ -105,7 +105,8 @@ def memory_gib(config, counts, layout: Layout, w: Workload) -> dict:
     precision policy at least the rank's step and start-up peaks (`ray_dhp.planning.step_peak`)."""
     topo = layout.topology()
     kw = dict(vision_tokens=w.vision_tokens, text_tokens=w.text_tokens, settings=w.settings,
-              state_bytes=w.state_bytes, policy=w.policy, segment_tokens=w.vision_segment)
+              state_bytes=w.state_bytes, policy=w.policy, segment_tokens=w.vision_segment,
+              packing=w.packing)
     mb = w.micro_batch_size
     if layout.audio_dp:
         from functools import partial
