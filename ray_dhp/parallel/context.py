@@ -42,10 +42,13 @@ _TAG = "text.cp"
 
 
 def check_context_parallel(cp: int, ep: int, expert_tp: bool) -> None:
-    """``text.context_parallel`` against the topology's other text degrees (driver check)."""
-    if cp > 1 and (ep > 1 or expert_tp):
-        raise ValueError("text.context_parallel > 1 is not covered with text.expert_parallel > 1 "
-                         "or text.expert_tensor_parallel yet; set text.context_parallel=1.")
+    """``text.context_parallel`` against the topology's other text degrees (driver check).
+    Expert parallelism composes: the EP group takes the CP ranks as it takes data-parallel
+    replicas (`ray_dhp.parallel.expert`)."""
+    if cp > 1 and expert_tp:
+        raise ValueError("text.context_parallel > 1 is not covered with "
+                         "text.expert_tensor_parallel yet; set text.context_parallel=1 or use "
+                         "text.expert_parallel.")
 
 
 def check_packing(cp: int, packing: bool, key: str) -> None:

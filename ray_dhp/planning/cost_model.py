@@ -209,7 +209,7 @@ def phase_times(config, counts, layout: Layout, w: Workload, hw: Hardware) -> Ph
         from ray_dhp.parallel.expert import edp_groups, replica_groups
         from ray_dhp.parallel.zero import replica_bytes
 
-        t_end += _all_reduce(hw, experts * g, t.dp // ep, _bw(hw, edp_groups(t, ep), nodes))
+        t_end += _all_reduce(hw, experts * g, t.dp * t.cp // ep, _bw(hw, edp_groups(t, ep), nodes))
         if t.zero_stage in (1, 2):
             reps = replica_groups(t, ep)
             t_end += replica_bytes(len(reps[0]), 1, 0, experts * 4) / _bw(hw, reps, nodes)

@@ -132,11 +132,11 @@ def _split_experts(counts: ParamCounts, ep: int, topology, rank: int):
     experts = [q for q in counts.text_sizes if q.expert]
     held = sum(q.numel for q in experts) // ep
     t = topology.text
-    replicas = t.inner * (t.dp // ep)
+    replicas = t.inner * (t.dp * t.cp // ep)  # the experts over the dp x cp replicas
     sizes = [q.numel // ep for q in experts if q.trained]
     trained = updated = sum(sizes)
     if t.zero_stage in (1, 2) and replicas > 1:
-        updated = owned(sizes, replica_index(t, ep, t.coord(rank)), replicas)
+        updated = owned(sizes, replica_index(t, ep, rank), replicas)
     frozen = sum(q.numel for q in experts if not q.trained)
     rest = dataclasses.replace(
         counts, text=counts.text - sum(q.numel for q in experts),

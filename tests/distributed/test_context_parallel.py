@@ -20,10 +20,10 @@ import torch
 from tests.distributed.parity import assert_parity, reference_fixture, run_engine
 
 
-def _layout(placement, vision, text, cp, text_sp=False, zero=None):
+def _layout(placement, vision, text, cp, text_sp=False, zero=None, ep=1):
     (sp, vdp), (tp, tdp) = vision, text
     out = dict(placement=placement, vision_dp=vdp, vision_sp=sp, text_dp=tdp, text_tp=tp,
-               text_cp=cp, text_sequence_parallel=text_sp)
+               text_cp=cp, text_sequence_parallel=text_sp, text_ep=ep)
     if zero is not None:
         out["text_zero"] = zero
     return out
@@ -42,21 +42,28 @@ CASES = [  # (id, family, placement, vision (sp, dp), text (tp, dp), cp, text sp
     ("qwen3_vl-cp2-tp2-textsp", "qwen3_vl", "collocated", (4, 1), (2, 1), 2, True, None),
     ("qwen3_vl_moe-cp2", "qwen3_vl_moe", "collocated", (2, 1), (1, 1), 2, False, None),
     ("qwen3_vl_moe-cp2-dp2", "qwen3_vl_moe", "collocated", (2, 2), (1, 2), 2, False, None),
+    # expert parallelism over the CP ranks (the EP group is the replica's 2 CP ranks: each
+    # dispatches its slice's tokens), and over dp x cp with ZeRO-1 over the expert replicas
+    ("qwen3_vl_moe-cp2-ep2", "qwen3_vl_moe", "collocated", (2, 1), (1, 1), 2, False, None, 2),
+    ("qwen3_vl_moe-cp2-dp2-ep2", "qwen3_vl_moe", "collocated", (2, 2), (1, 2), 2, False, 1, 2),
+    ("qwen3_vl_moe-cp2-tp2-ep2", "qwen3_vl_moe", "collocated", (4, 1), (2, 1), 2, False, None, 2),
 ]
 
 
 def _params():
     for i, case in enumerate(CASES):
-        yield pytest.param(*case[1:], marks=() if i == 0 else (pytest.mark.slow,), id=case[0])
+        yield pytest.param(*case[1:], *(() if len(case) > 8 else (1,)),
+                           marks=() if i == 0 else (pytest.mark.slow,), id=case[0])
 
 
 reference = reference_fixture()
 
 
-@pytest.mark.parametrize("family, placement, vision, text, cp, text_sp, zero", list(_params()))
-def test_context_parallel_is_exact_fp64(family, placement, vision, text, cp, text_sp, zero, reference):
+@pytest.mark.parametrize("family, placement, vision, text, cp, text_sp, zero, ep", list(_params()))
+def test_context_parallel_is_exact_fp64(family, placement, vision, text, cp, text_sp, zero, ep,
+                                        reference):
     cfg, steps, ref = reference(family)
-    got = run_engine(family, _layout(placement, vision, text, cp, text_sp, zero), cfg, steps,
+    got = run_engine(family, _layout(placement, vision, text, cp, text_sp, zero, ep), cfg, steps,
                      torch.float64, grads=zero != 3)
     # MoE: the stock aux loss sums routing probabilities in fp32, so the loss (only) is looser,
     # as derived in tests/distributed/test_moe.py (~1e-9 relative; the same bound as there)
@@ -68,6 +75,8 @@ def test_context_parallel_is_exact_fp64(family, placement, vision, text, cp, tex
     assert any(n % (2 * cp) for n in lengths)  # a length not divisible by 2 x CP was padded
     comm = got["per_rank"][-1]["comm"]  # the last rank hosts the LM in both placements
     assert any(k.endswith("/text.cp") for k in comm), comm  # the all-to-alls ran
+    if ep > 1:  # the experts' dispatch ran over the EP group
+        assert any("text.experts" in k for k in comm), comm
 
 
 @pytest.mark.slow

@@ -50,9 +50,14 @@ def test_config_and_run_file_take_the_key(tmp_path):
      "vision.context_parallel"),
     ("qwen3_5", dict(vision=ModuleParallel(sequence_parallel=2), text=ModuleParallel(context_parallel=2)),
      "linear-attention"),
+    ("qwen3_vl_moe", dict(vision=ModuleParallel(sequence_parallel=2),
+                          text=ModuleParallel(context_parallel=2, expert_parallel=4)),
+     r"text.expert_parallel=4 must be a positive integer dividing text.data_parallel x "
+     r"text.context_parallel \(1 x 2\)"),
     ("qwen3_vl_moe", dict(vision=ModuleParallel(sequence_parallel=4),
-                          text=ModuleParallel(context_parallel=2, data_parallel=2, expert_parallel=2)),
-     "text.context_parallel > 1 is not covered with text.expert_parallel"),
+                          text=ModuleParallel(context_parallel=2, tensor_parallel=2,
+                                              expert_tensor_parallel=True)),
+     "text.context_parallel > 1 is not covered with text.expert_tensor_parallel"),
 ])
 def test_driver_refuses_naming_the_key(family, kw, match):
     with pytest.raises(ValueError, match=match):
@@ -63,8 +68,7 @@ def test_driver_refuses_naming_the_key(family, kw, match):
 def test_deepstack_and_moe_families_are_accepted(family):
     """Qwen3-VL's deepstack rows cross the boundary with the merged rows (each CP rank gets its
     slice's) and are added on the local slice; a MoE LM routes per token and its load-balancing
-    statistics are reduced over the dp x cp ranks: exact (tests/distributed/test_context_parallel.py;
-    expert parallelism stays refused, above)."""
+    statistics are reduced over the dp x cp ranks: exact (tests/distributed/test_context_parallel.py)."""
     cfg = DHPConfig(model=demo.tiny_model_config(family), vision=ModuleParallel(sequence_parallel=2),
                     text=ModuleParallel(context_parallel=2))
     assert cfg.topology().text.cp == 2
@@ -142,3 +146,20 @@ def test_plan_partitions_text_state_over_dp_x_cp():
     # CP ranks partition the LM's optimizer state like data-parallel replicas (ZeRO-1)
     assert [rank_state(counts, cp2, r, pol) for r in (0, 1)] == \
         [rank_state(counts, one, r, pol) for r in (0, 1)]
+
+
+def test_expert_parallel_groups_take_the_cp_ranks():
+    """CP2 x EP2 (one replica): the EP group is the replica's two CP ranks; with DP2 the experts'
+    replicas are the dp x cp rows with the same EP index (`ray_dhp.parallel.expert`)."""
+    from ray_dhp.parallel.expert import edp_groups, ep_groups, replica_groups, replica_index
+    from ray_dhp.parallel.topology import Topology
+
+    t = Topology.build(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1, text_tp=1,
+                       text_cp=2, text_ep=2).text
+    assert ep_groups(t, 2) == [[0, 1]] and edp_groups(t, 2) == [[0], [1]]
+    t = Topology.build(placement="collocated", vision_dp=1, vision_sp=8, text_dp=2, text_tp=2,
+                       text_cp=2, text_ep=2).text  # ranks (dp, cp, tp) row-major
+    assert ep_groups(t, 2) == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert edp_groups(t, 2) == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    assert replica_groups(t, 2) == [[0, 4, 1, 5], [2, 6, 3, 7]]
+    assert [replica_index(t, 2, r) for r in (0, 4, 1, 5)] == [0, 1, 2, 3]
