@@ -293,7 +293,8 @@ class DHPConfig(BackendConfig):
 
         why = refusal(family, self.model_config(), self.text.context_parallel,
                       self.text.tensor_parallel, encoder_ops=tuple(
-                          family.encoder_spec(n).operations() for n in self.encoder_parallel()))
+                          family.encoder_spec(n).operations() for n in self.encoder_parallel()),
+                      text_sp=self.text.sequence_parallel is True)
         if why:
             raise ValueError(why)
         if self.text.expert_tensor_parallel:

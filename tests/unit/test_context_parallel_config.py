@@ -48,8 +48,11 @@ def test_config_and_run_file_take_the_key(tmp_path):
      r"text.context_parallel=4: text.tensor_parallel x text.context_parallel = 8 does not divide"),
     ("qwen2_5_vl", dict(vision=ModuleParallel(context_parallel=2), text=ModuleParallel(data_parallel=2)),
      "vision.context_parallel"),
-    ("qwen3_5", dict(vision=ModuleParallel(sequence_parallel=2), text=ModuleParallel(context_parallel=2)),
-     "linear-attention"),
+    ("qwen3_5_moe", dict(vision=ModuleParallel(sequence_parallel=2), text=ModuleParallel(context_parallel=2)),
+     "linear-attention layers"),
+    ("qwen3_5", dict(vision=ModuleParallel(sequence_parallel=4),
+                     text=ModuleParallel(context_parallel=2, tensor_parallel=2, sequence_parallel=True)),
+     "linear-attention layers under text.sequence_parallel"),
     ("qwen3_vl_moe", dict(vision=ModuleParallel(sequence_parallel=2),
                           text=ModuleParallel(context_parallel=2, expert_parallel=4)),
      r"text.expert_parallel=4 must be a positive integer dividing text.data_parallel x "
@@ -64,11 +67,13 @@ def test_driver_refuses_naming_the_key(family, kw, match):
         DHPConfig(model=demo.tiny_model_config(family), **kw)
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe"])
-def test_deepstack_and_moe_families_are_accepted(family):
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe", "qwen3_5"])
+def test_deepstack_moe_and_linear_attention_families_are_accepted(family):
     """Qwen3-VL's deepstack rows cross the boundary with the merged rows (each CP rank gets its
     slice's) and are added on the local slice; a MoE LM routes per token and its load-balancing
-    statistics are reduced over the dp x cp ranks: exact (tests/distributed/test_context_parallel.py)."""
+    statistics are reduced over the dp x cp ranks; Qwen3.5's Gated DeltaNet layers are
+    head-sharded by all-to-all (`ray_dhp.parallel.context_mixers`): exact
+    (tests/distributed/test_context_parallel.py)."""
     cfg = DHPConfig(model=demo.tiny_model_config(family), vision=ModuleParallel(sequence_parallel=2),
                     text=ModuleParallel(context_parallel=2))
     assert cfg.topology().text.cp == 2
@@ -163,3 +168,18 @@ def test_expert_parallel_groups_take_the_cp_ranks():
     assert edp_groups(t, 2) == [[0, 4], [2, 6], [1, 5], [3, 7]]
     assert replica_groups(t, 2) == [[0, 4, 1, 5], [2, 6, 3, 7]]
     assert [replica_index(t, 2, r) for r in (0, 4, 1, 5)] == [0, 1, 2, 3]
+
+
+def test_linear_attention_heads_bound_the_cp_degree():
+    """tp x cp must divide the Gated DeltaNet's key heads too (family fact: `cp_mixers`)."""
+    from ray_dhp.models.qwen3_5 import cp_mixers
+    from ray_dhp.parallel.context import refusal
+    from ray_dhp.models import family_of
+
+    config = demo.tiny_model_config("qwen3_5")
+    config.text_config.linear_num_key_heads = 2  # 4 value heads: 2 per key head
+    config.text_config.linear_num_value_heads = 4
+    assert cp_mixers(config.text_config)[0][0] == "linear_attn"
+    why = refusal(family_of(config), config, 4, 1)
+    assert "does not divide the 2 linear-attention key heads" in why and "text.context_parallel=4" in why
+    assert refusal(family_of(config), config, 2, 1) is None
