@@ -218,20 +218,22 @@ def text_activation_bytes(tc, tokens: int, tp: int, s: ActivationSettings,
     shard of their all-gathered input (re-gathered in backward), and every checkpointed block
     input is ``h/tp``. Measured by ``benchmarks/text_sp.py``.
 
-    ``cp`` (``text.context_parallel``, `ray_dhp.parallel.context`): the rank keeps ``1/cp`` of the
-    tokens for everything (attention keeps the whole sequence for ``1/(tp cp)`` of the heads: the
-    same bytes as its slice for all of its ``1/tp``), so ~``1/(tp cp)`` overall, plus one layer's
-    working set: the all-to-all buffers of q, k, v and the output (send and receive)."""
+    ``cp`` (``text.context_parallel``, `ray_dhp.parallel.context`): the *saved* activations of
+    the rank's slice, each sample padded to a multiple of cp (attention keeps the whole sequence
+    for ``1/(tp cp)`` of the heads: the same bytes as its slice for all of its ``1/tp``), plus the
+    attention output in the buffer the reverse all-to-all returns it in, which ``o_proj`` keeps
+    (the stock path's ``o_proj`` input is SDPA's saved output itself). The all-to-all send and
+    receive buffers are transient (one layer at a time): `cp_working_bytes`, in the peak, not
+    here. Measured (tests/distributed/test_context_parallel.py): within 5% at CP 1/2/4."""
     if cp > 1:
         seq = sample_tokens or tokens
-        local = text_activation_bytes(tc, tokens / cp, tp, _sdpa(s), seq / cp, seq_parallel)
-        hd = tc.hidden_size // tc.num_attention_heads
-        kv = tc.num_key_value_heads  # repeated to the query heads where they do not split over cp
-        kv = tc.num_attention_heads if (kv // tp) % cp else kv
-        qkvo = tokens / cp * (2 * tc.hidden_size + 2 * kv * hd) / tp
+        padded = -(-seq // cp) * cp
+        mine = tokens / seq * padded / cp  # the rank's tokens
+        local = text_activation_bytes(tc, mine, tp, _sdpa(s), padded / cp, seq_parallel)
+        back = mine * tc.hidden_size / tp * s.dtype_bytes * (1 if s.checkpointing else tc.num_hidden_layers)
         eager = (2 * tc.num_attention_heads / (tp * cp) * tokens * seq * s.dtype_bytes
                  * (1 if s.checkpointing else tc.num_hidden_layers)) if s.attention == "eager" else 0
-        return local + 2 * qkvo * s.dtype_bytes + eager
+        return local + back + eager
     h, layers = tc.hidden_size, tc.num_hidden_layers
     i, routed = _mlp_widths(tc)
     kv = 2 * tc.num_key_value_heads * (h // tc.num_attention_heads)
@@ -245,6 +247,19 @@ def text_activation_bytes(tc, tokens: int, tp: int, s: ActivationSettings,
         heads = tc.num_attention_heads / tp
         total += 2 * heads * tokens * seq * s.dtype_bytes * (1 if s.checkpointing else layers)
     return total + 2 * tokens * (tc.vocab_size / tp) * 4
+
+
+def cp_working_bytes(tc, tokens: float, tp: int, cp: int, s: ActivationSettings) -> float:
+    """The transient per-layer working set of context parallelism on one rank (`ray_dhp.parallel.
+    context`): one layer's all-to-all send and receive buffers of q, k, v and the output (KV
+    heads repeated to the query heads where they do not split over cp). Counted in the rank's
+    peak (`RankMemory.total`), not among the saved activations. 0 without CP."""
+    if cp == 1:
+        return 0.0
+    hd = tc.hidden_size // tc.num_attention_heads
+    kv = tc.num_key_value_heads
+    kv = tc.num_attention_heads if (kv // tp) % cp else kv
+    return 2 * tokens / cp * (2 * tc.hidden_size + 2 * kv * hd) / tp * s.dtype_bytes
 
 
 def _sdpa(s: ActivationSettings) -> ActivationSettings:
@@ -263,10 +278,11 @@ class RankMemory:
     vision_act: float
     text_act: float
     audio_act: float = 0.0  # `ray_dhp.planning.memory_audio.estimate_module_ranks`
+    text_work: float = 0.0  # CP's transient all-to-all buffers (`cp_working_bytes`)
 
     @property
     def total(self) -> float:
-        return self.state_bytes + self.vision_act + self.text_act + self.audio_act
+        return self.state_bytes + self.vision_act + self.text_act + self.audio_act + self.text_work
 
 
 def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int, text_tokens: int,
@@ -292,6 +308,7 @@ def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int,
     t_act = text_activation_bytes(tc, (text_samples or samples) * seq, tp, settings, seq,
                                   seq_parallel=getattr(topology, "text_sequence_parallel", False),
                                   cp=topology.text.cp)
+    t_work = cp_working_bytes(tc, (text_samples or samples) * seq, tp, topology.text.cp, settings)
     moments = 8 * (1 - 1 / topology.vision.size) if topology.vision.zero_stage else 0
     out = []
     for r in range(topology.world_size):
@@ -302,7 +319,8 @@ def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int,
                  else params * state_bytes - v * moments)
         out.append(RankMemory(r, roles, params, state,
                               v_act if "vision" in roles else 0.0,
-                              t_act if "text" in roles else 0.0))
+                              t_act if "text" in roles else 0.0,
+                              text_work=t_work if "text" in roles else 0.0))
     return out
 
 

@@ -124,7 +124,7 @@ def memory_gib(config, counts, layout: Layout, w: Workload) -> dict:
     out: dict = {}
     for a in rows:
         role = "+".join(a.roles)
-        total = a.state_bytes + alive * (a.vision_act + a.audio_act) + a.text_act
+        total = a.state_bytes + alive * (a.vision_act + a.audio_act) + a.text_act + a.text_work
         if w.policy is not None:  # the step and start-up peaks, as `ray-dhp plan` counts them
             from ray_dhp.planning.step_peak import rank_floor
 

@@ -103,29 +103,34 @@ def test_slices_and_their_feature_rows():
 
 
 def test_planner_divides_lm_activations_by_cp():
-    """`text_activation_bytes` at CP: the rank's slice (``tokens / cp``) plus one layer's
-    all-to-all buffers (q, k, v, output; send and receive), so ~1/(tp x cp) of the tokens' bytes;
-    `ray-dhp plan` prints the CP degree and its groups, and the text state is partitioned over
-    the dp x cp gradient replicas (ZeRO-1 here: each CP rank updates half)."""
+    """`text_activation_bytes` at CP: the saved activations of the rank's slice (``tokens / cp``)
+    plus the attention output in the reverse all-to-all's buffer (``o_proj`` keeps it), so
+    ~1/(tp x cp) of the tokens' bytes; the all-to-all send/receive buffers of q, k, v and the
+    output are the transient working set (`cp_working_bytes`), in the rank's total, not its
+    saved activations. `ray-dhp plan` prints the CP degree and its groups, and the text state is
+    partitioned over the dp x cp gradient replicas (ZeRO-1 here: each CP rank updates half)."""
     import re
 
     from ray_dhp.cli.plan import plan_text
-    from ray_dhp.planning.memory import ActivationSettings, text_activation_bytes
+    from ray_dhp.planning.memory import ActivationSettings, cp_working_bytes, text_activation_bytes
     from ray_dhp.run_file import load_run_file
 
-    tc = demo.tiny_model_config().text_config  # h 64, 4 heads (4 KV), head_dim 16
+    tc = demo.tiny_model_config().text_config  # h 64, 4 heads (4 KV), head_dim 16, 2 layers
     s = ActivationSettings(dtype_bytes=2, attention="flash", checkpointing=False)
     full = text_activation_bytes(tc, 65536, 2, s)
     for cp in (2, 4):
         got = text_activation_bytes(tc, 65536, 2, s, cp=cp)
+        back = 65536 / cp * 64 / 2 * 2 * 2  # tokens x h / tp x bytes x layers
+        assert got == text_activation_bytes(tc, 65536 / cp, 2, s) + back
+        assert full / cp < got < full / cp * 1.1
         buffers = 2 * (65536 / cp) * (2 * 64 + 2 * 4 * 16) / 2 * 2  # qkvo / tp, x2 (send, recv)
-        assert got == text_activation_bytes(tc, 65536 / cp, 2, s) + buffers
-        assert full / cp < got < full / cp * 1.2  # the tiny model's 2 layers: buffers ~12% on top
+        assert cp_working_bytes(tc, 65536, 2, cp, s) == buffers
+    assert cp_working_bytes(tc, 65536, 2, 1, s) == 0
+    # a sample padded to a multiple of cp: 43 tokens -> 2 slices of 22
+    assert text_activation_bytes(tc, 43, 2, s, 43, cp=2) == text_activation_bytes(tc, 44, 2, s, 44, cp=2)
     gqa = tc.__class__(**{**tc.to_dict(), "num_key_value_heads": 2})  # 1 KV head per TP rank,
     # repeated to the query heads before the all-to-all: the buffers of 4 KV heads
-    def buffers_of(c):
-        return text_activation_bytes(c, 1024, 2, s, cp=2) - text_activation_bytes(c, 512, 2, s)
-    assert buffers_of(gqa) == buffers_of(tc)
+    assert cp_working_bytes(gqa, 1024, 2, 2, s) == cp_working_bytes(tc, 1024, 2, 2, s)
 
     example = "examples/qwen2_5_vl_32b_8gpu.yaml"
     text = {cp: plan_text(load_run_file(example, ["text.tensor_parallel=4", f"text.context_parallel={cp}",
@@ -135,7 +140,8 @@ def test_planner_divides_lm_activations_by_cp():
     assert "cp groups [[0, 4], [1, 5], [2, 6], [3, 7]]" in text[2]
     act = {cp: float(re.search(r"rank 0 memory: .*text act +([\d.]+) GiB", t).group(1))
            for cp, t in text.items()}
-    assert 0.5 < act[2] / act[1] < 0.55, act  # ~1/2 plus the all-to-all buffers
+    assert 0.5 < act[2] / act[1] < 0.55, act  # ~1/2 plus o_proj's input buffer
+    assert "+ CP all-to-all buffers" in text[2] and "CP all-to-all" not in text[1]
 
 
 def test_plan_partitions_text_state_over_dp_x_cp():
