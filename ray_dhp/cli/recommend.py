@@ -90,7 +90,8 @@ def _zero(lay) -> str:
 
 def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens: int,
                    attention: str = "flash", budget=None, hardware=None,
-                   top: int = 8, vision_mix=None, videos=None, audio_seconds: float = 30.0) -> tuple:
+                   top: int = 8, vision_mix=None, videos=None, audio_seconds: float = 30.0,
+                   context_parallel: bool = False) -> tuple:
     """(report, ok): the ranked layouts for the run file ``rf`` on ``gpus`` workers (None: the
     run file's count) and the fragment of the best one; ``ok`` is False when none fits.
     ``vision_mix``: a resolution mix ``((tokens, fraction), ...)`` (`parse_vision_tokens`);
@@ -135,7 +136,7 @@ def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens:
                  micro_batches=m, settings=settings, state_bytes=state_bytes, policy=policy,
                  device_gib=budget.memory_gib, margin_gib=budget.margin_gib,
                  vision_mix=vision_mix, vision_segment=segment, **audio)
-    cands = recommend(config, n, w, hw, counts=counts)
+    cands = recommend(config, n, w, hw, counts=counts, context_parallel=context_parallel)
     ok = [c for c in cands if c.feasible]
     a_num = f"audio {_num(audio['audio_params'].params)}, " if audio else ""
     t_num = counts.text - (audio["audio_params"].params if audio else 0)

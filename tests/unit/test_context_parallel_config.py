@@ -189,3 +189,31 @@ def test_linear_attention_heads_bound_the_cp_degree():
     why = refusal(family_of(config), config, 4, 1)
     assert "does not divide the 2 linear-attention key heads" in why and "text.context_parallel=4" in why
     assert refusal(family_of(config), config, 2, 1) is None
+
+
+def test_recommend_ranks_context_parallel_degrees():
+    """`recommend(..., context_parallel=True)` (``ray-dhp plan --recommend --context-parallel``)
+    adds every text CP degree: each candidate's run-file fragment builds the same workers, the
+    cost model divides the LM's compute by CP and adds its all-to-alls, and a CP degree the
+    heads do not admit is dropped with the driver's reason."""
+    from ray_dhp.planning.recommend import Workload, enumerate_layouts, recommend
+
+    config = demo.tiny_model_config()  # 4 heads
+    assert {lay.text_cp for lay in enumerate_layouts(4, 1)} == {1}
+    assert {lay.text_cp for lay in enumerate_layouts(4, 1, context_parallel=True)} == {1, 2, 3, 4}
+    cands = recommend(config, 4, Workload(1024, 4096, 4), context_parallel=True)
+    cp = [c for c in cands if c.layout.text_cp > 1]
+    assert cp and all(c.layout.text_cp > 1 for c in cp if "cp" in c.layout.describe())
+    for c in cp:
+        frag = c.layout.run_file_fragment()
+        assert frag["text"]["context_parallel"] == c.layout.text_cp
+        assert c.layout.num_workers == 4
+    three = [c for c in cp if c.layout.text_cp == 3]  # disjoint 1 + 3: 3 does not divide 4 heads
+    assert three and all(not c.feasible and "text.context_parallel=3" in c.reason for c in three)
+    by = {(c.layout.placement, c.layout.vision_sp, c.layout.text_tp, c.layout.text_cp, c.layout.text_sp,
+           c.layout.text_zero): c for c in cands if c.feasible}
+    one, two = by.get(("collocated", 4, 1, 1, False, None)), by.get(("collocated", 4, 1, 2, False, None))
+    # DP4 vs CP2 x DP2: the same tokens per rank (compute), plus CP's all-to-alls
+    assert one and two and one.phases.text_comm == 0 < two.phases.text_comm
+    compute = [c.phases.text - c.phases.text_comm for c in (one, two)]
+    assert abs(compute[0] - compute[1]) < 1e-9 * compute[0]
