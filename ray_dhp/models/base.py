@@ -140,6 +140,9 @@ class FamilySpec:
     # (config) -> patches per side of one merged feature row; config: the model's or its
     # vision config (the Qwen towers keep it in the vision config).
     merge_size: Callable = lambda config: getattr(config, "vision_config", config).spatial_merge_size
+    # (config) -> patches of one image when the tower takes images of one fixed size (0: any
+    # size, rows from the image's own grid); `ray-dhp plan` sizes its default sample by it
+    image_patches: Callable = lambda config: 0
     vision_heads: Callable = lambda vision_config: vision_config.num_heads
     vision_depth: Callable = lambda vision_config: vision_config.depth
     # the tower's norm kind, for the activation estimate of `ray-dhp plan`: "layer_norm" or
