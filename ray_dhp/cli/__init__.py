@@ -77,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step "
                    "(default: optim.micro_batches)")
     r.add_argument("--top", type=int, default=8, help="layouts to list")
+    r.add_argument("--context-parallel", action="store_true", help="with --recommend: also rank "
+                   "every text.context_parallel degree (long sequences)")
     r.add_argument("--peak-tflops", type=float, default=None, help="dense peak per GPU (default: "
                    "989 for bf16 autocast, 67 for fp32: H100/H200 SXM)")
     r.add_argument("--efficiency", type=float, default=0.4, help="achieved fraction of the peak")
@@ -217,7 +219,8 @@ def _recommend(args, rf, tokens) -> int:
                               hardware=hw, top=args.top,
                               vision_mix=getattr(args, "vision_mix", None),
                               videos=getattr(args, "videos", None),
-                              audio_seconds=_audio_seconds(args.audio_seconds))
+                              audio_seconds=_audio_seconds(args.audio_seconds),
+                              context_parallel=args.context_parallel)
     print(text)
     return 0 if ok else 1
 

@@ -253,7 +253,9 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
             out.append(f"  rank {m.rank} memory: state {_gib(m.state_bytes)} + vision act "
                        f"{_gib(m.vision_act)} + "
                        + (f"audio act {_gib(m.audio_act)} + " if audio is not None else "")
-                       + f"text act {_gib(m.text_act)} = {_gib(m.total)}"
+                       + f"text act {_gib(m.text_act)} "
+                       + (f"+ CP all-to-all buffers {_gib(m.text_work)} " if m.text_work else "")
+                       + f"= {_gib(m.total)}"
                        + (f" (peak: step or start-up {_gib(floor[m.rank])})"
                           if floor[m.rank] > m.total else "")
                        + _fits(peaks[m.rank], budget))

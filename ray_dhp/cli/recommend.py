@@ -129,7 +129,8 @@ def build_workload(rf, *, micro_batches, vision_tokens: list, text_tokens: int, 
 
 def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens: int,
                    attention: str = "flash", budget=None, hardware=None,
-                   top: int = 8, vision_mix=None, videos=None, audio_seconds: float = 30.0) -> tuple:
+                   top: int = 8, vision_mix=None, videos=None, audio_seconds: float = 30.0,
+                   context_parallel: bool = False) -> tuple:
     """(report, ok): the ranked layouts for the run file ``rf`` on ``gpus`` workers (None: the
     run file's count) and the fragment of the best one; ``ok`` is False when none fits.
     ``vision_mix``: a resolution mix ``((tokens, fraction), ...)`` (`parse_vision_tokens`);
@@ -153,7 +154,7 @@ def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens:
         audio_seconds=audio_seconds)
     m, gb, settings, policy = w.micro_batches, w.global_batch_size, w.settings, w.policy
     state_bytes, vt = w.state_bytes, w.vision_tokens
-    cands = recommend(config, n, w, hw, counts=counts)
+    cands = recommend(config, n, w, hw, counts=counts, context_parallel=context_parallel)
     ok = [c for c in cands if c.feasible]
     a_num = f"audio {_num(audio['audio_params'].params)}, " if audio else ""
     t_num = counts.text - (audio["audio_params"].params if audio else 0)

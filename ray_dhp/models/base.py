@@ -114,6 +114,9 @@ class FamilySpec:
     # as ((module-name suffix, child projecting its output per token), ...): in packed rows each
     # runs on one row per sample, from a zero state (`ray_dhp.models.segments`).
     stateful_mixers: tuple = ()
+    # (text_config) -> ((module-name suffix, `ray_dhp.parallel.context_mixers.MixerHeads`), ...):
+    # how those mixers split by head under text.context_parallel (empty: CP refused for them)
+    cp_mixers: Callable = lambda text_config: ()
     # The positions of a packed sample: "mrope" (the model's ``model.model.get_rope_index`` of
     # the sample alone, Qwen-VL's 3-axis M-RoPE) or "1d" (0..n-1 per sample, a 1-D RoPE LM)
     packed_positions: str = "mrope"

@@ -31,7 +31,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from ray_dhp.models.sizes import ParamCounts, owned, vision_width
+from ray_dhp.models.sizes import ParamCounts, owned
 from ray_dhp.planning.memory_vision import vision_activation_bytes  # noqa: F401
 from ray_dhp.planning.packing import text_tokens as packed_text
 
@@ -134,11 +134,11 @@ def _split_experts(counts: ParamCounts, ep: int, topology, rank: int):
     experts = [q for q in counts.text_sizes if q.expert]
     held = sum(q.numel for q in experts) // ep
     t = topology.text
-    replicas = t.inner * (t.dp // ep)
+    replicas = t.inner * (t.dp * t.cp // ep)  # the experts over the dp x cp replicas
     sizes = [q.numel // ep for q in experts if q.trained]
     trained = updated = sum(sizes)
     if t.zero_stage in (1, 2) and replicas > 1:
-        updated = owned(sizes, replica_index(t, ep, t.coord(rank)), replicas)
+        updated = owned(sizes, replica_index(t, ep, rank), replicas)
     frozen = sum(q.numel for q in experts if not q.trained)
     rest = dataclasses.replace(
         counts, text=counts.text - sum(q.numel for q in experts),
@@ -243,21 +243,24 @@ def text_activation_parts(tc, tokens: int, tp: int, s: ActivationSettings,
     shard of their all-gathered input (re-gathered in backward), and every checkpointed block
     input is ``h/tp``. Measured by ``benchmarks/text_sp.py``.
 
-    ``cp`` (``text.context_parallel``, `ray_dhp.parallel.context`): the rank keeps ``1/cp`` of the
-    tokens for everything (attention keeps the whole sequence for ``1/(tp cp)`` of the heads: the
-    same bytes as its slice for all of its ``1/tp``), so ~``1/(tp cp)`` overall, plus, transient,
-    one layer's working set: the all-to-all buffers of q, k, v and the output (send and receive)."""
+    ``cp`` (``text.context_parallel``, `ray_dhp.parallel.context`): the *saved* activations of
+    the rank's slice, each sample padded to a multiple of cp (attention keeps the whole sequence
+    for ``1/(tp cp)`` of the heads: the same bytes as its slice for all of its ``1/tp``), plus the
+    attention output in the buffer the reverse all-to-all returns it in, which ``o_proj`` keeps
+    (the stock path's ``o_proj`` input is SDPA's saved output itself); the slice's own transient
+    part. The all-to-all send and receive buffers are CP's transient working set, counted apart
+    (`cp_working_bytes`, `RankMemory.text_work`). Measured: within 5% at CP 1/2/4
+    (tests/distributed/test_context_parallel.py) and in the plan-accuracy matrix."""
     if cp > 1:
         seq = sample_tokens or tokens
-        saved, transient = text_activation_parts(tc, tokens / cp, tp, _sdpa(s), seq / cp, seq_parallel,
+        padded = -(-seq // cp) * cp
+        mine = tokens / seq * padded / cp  # the rank's tokens
+        saved, transient = text_activation_parts(tc, mine, tp, _sdpa(s), padded / cp, seq_parallel,
                                                  head_norms=head_norms)
-        hd = tc.hidden_size // tc.num_attention_heads
-        kv = tc.num_key_value_heads  # repeated to the query heads where they do not split over cp
-        kv = tc.num_attention_heads if (kv // tp) % cp else kv
-        qkvo = tokens / cp * (2 * tc.hidden_size + 2 * kv * hd) / tp
+        back = mine * tc.hidden_size / tp * s.dtype_bytes * (1 if s.checkpointing else tc.num_hidden_layers)
         eager = (2 * tc.num_attention_heads / (tp * cp) * tokens * seq * s.dtype_bytes
                  * (1 if s.checkpointing else tc.num_hidden_layers)) if s.attention == "eager" else 0
-        return saved + eager, transient + 2 * qkvo * s.dtype_bytes
+        return saved + back + eager, transient
     h, layers, d = tc.hidden_size, tc.num_hidden_layers, s.dtype_bytes
     i, routed = _mlp_widths(tc)
     heads = tc.num_attention_heads
@@ -281,6 +284,19 @@ def text_activation_parts(tc, tokens: int, tp: int, s: ActivationSettings,
     return blocks + once, recomputed + tokens * 4 * tc.vocab_size / tp
 
 
+def cp_working_bytes(tc, tokens: float, tp: int, cp: int, s: ActivationSettings) -> float:
+    """The transient per-layer working set of context parallelism on one rank (`ray_dhp.parallel.
+    context`): one layer's all-to-all send and receive buffers of q, k, v and the output (KV
+    heads repeated to the query heads where they do not split over cp). Counted in the rank's
+    peak (`RankMemory.total`), not among the saved activations. 0 without CP."""
+    if cp == 1:
+        return 0.0
+    hd = tc.hidden_size // tc.num_attention_heads
+    kv = tc.num_key_value_heads
+    kv = tc.num_attention_heads if (kv // tp) % cp else kv
+    return 2 * tokens / cp * (2 * tc.hidden_size + 2 * kv * hd) / tp * s.dtype_bytes
+
+
 def _sdpa(s: ActivationSettings) -> ActivationSettings:
     """``s`` with a fused attention kernel (CP's own scores are counted apart)."""
     return dataclasses.replace(s, attention="flash") if s.attention == "eager" else s
@@ -297,10 +313,11 @@ class RankMemory:
     vision_act: float
     text_act: float
     audio_act: float = 0.0  # `ray_dhp.planning.memory_audio.estimate_module_ranks`
+    text_work: float = 0.0  # CP's transient all-to-all buffers (`cp_working_bytes`)
 
     @property
     def total(self) -> float:
-        return self.state_bytes + self.vision_act + self.text_act + self.audio_act
+        return self.state_bytes + self.vision_act + self.text_act + self.audio_act + self.text_work
 
 
 def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int, text_tokens: int,
@@ -328,6 +345,7 @@ def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int,
     t_act = text_activation_bytes(tc, t_tokens, tp, settings, t_row,
                                   seq_parallel=getattr(topology, "text_sequence_parallel", False),
                                   cp=topology.text.cp, head_norms=counts.text_head_norms)
+    t_work = cp_working_bytes(tc, (text_samples or samples) * seq, tp, topology.text.cp, settings)
     moments = 8 * (1 - 1 / topology.vision.size) if topology.vision.zero_stage else 0
     out = []
     for r in range(topology.world_size):
@@ -338,7 +356,8 @@ def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int,
                  else params * state_bytes - v * moments)
         out.append(RankMemory(r, roles, params, state,
                               v_act if "vision" in roles else 0.0,
-                              t_act if "text" in roles else 0.0))
+                              t_act if "text" in roles else 0.0,
+                              text_work=t_work if "text" in roles else 0.0))
     return out
 
 
