@@ -35,8 +35,8 @@ def test_packed_rows_of_uniform_samples():
     assert Packing(8192).rows(1, 1536) == (1, 1536)
 
 
-@pytest.mark.parametrize("attention, padded_gib, packed_gib", [("flash", 6.36, 7.63),
-                                                               ("eager", 6.58, 8.16)])
+@pytest.mark.parametrize("attention, padded_gib, packed_gib", [("flash", 6.88, 8.25),
+                                                               ("eager", 7.10, 8.78)])
 def test_plan_counts_the_packed_rows(attention, padded_gib, packed_gib):
     """The printed text activations are the memory model's bytes for the packed rows (figures
     pinned); padded samples keep their own figure."""
@@ -71,7 +71,7 @@ def test_recommend_takes_the_packed_rows():
     tc = config.text_config
     grown = (text_activation_bytes(tc, 9216, 8, s, 3072)
              - text_activation_bytes(tc, 7680, 8, s, 1536)) / GIB
-    assert round(grown, 2) == 1.27
+    assert round(grown, 2) == 1.38
     assert abs(mem[1] - mem[0] - grown) < 1e-9
 
 
