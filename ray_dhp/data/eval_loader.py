@@ -95,7 +95,7 @@ class EvalLoader(StepLoader):
         samples = [it.sample for it in chosen]
         samples += [ghost_sample() for _ in range(self.min_samples - len(samples))]
         # one micro-batch, or with micro_batch_tokens cut by that budget as training steps are
-        micro_batches = s.cut(samples) if s.cfg.micro_batch_tokens is not None else [samples]
+        micro_batches = s.cut(samples) if s.cfg.optim.micro_batch_tokens is not None else [samples]
         self._route_pixels(chosen, micro_batches)  # ghosts have no pixels: nothing to route
         return micro_batches
 
@@ -105,7 +105,7 @@ def validation_records(cfg):
     a Ray Dataset), or None when the run has none."""
     from ray_dhp.data.sources import load_records
 
-    if "validation" not in (cfg.dataset_paths or {}):
+    if "validation" not in (cfg.data.dataset_paths or {}):
         import ray.train
 
         try:
@@ -113,7 +113,7 @@ def validation_records(cfg):
                 return None
         except (KeyError, RuntimeError, ValueError):  # no such dataset / not in a Ray Train run
             return None
-    return load_records(cfg, "validation")
+    return load_records(cfg.data, "validation")
 
 
 def make_eval_loader(cfg, processor, groups, balancer):
@@ -128,4 +128,4 @@ def make_eval_loader(cfg, processor, groups, balancer):
     if not records:
         raise ValueError('the "validation" dataset is empty.')
     return EvalLoader(StepSampler(records, processor, root, cfg), groups,
-                      batch_size=cfg.eval_batch(), num_workers=cfg.data_workers, balancer=balancer)
+                      batch_size=cfg.eval_batch(), num_workers=cfg.data.data_workers, balancer=balancer)

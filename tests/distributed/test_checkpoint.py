@@ -45,8 +45,8 @@ def reference(data):
     from ray_dhp.step.reference import ReferenceTrainer
 
     sampler = _sampler(data, CFG)
-    ref = ReferenceTrainer(demo.tiny_model_config(FAMILY), CFG, dtype=DTYPE)
-    history = [ref.step(sampler.next_step()) for _ in range(CFG.num_steps)]
+    ref = ReferenceTrainer(demo.tiny_model_config(FAMILY), CFG.optim, dtype=DTYPE)
+    history = [ref.step(sampler.next_step()) for _ in range(CFG.optim.num_steps)]
     return {"history": history, "params": ref.named_parameters(), "model": ref.model}
 
 
@@ -180,7 +180,7 @@ def test_pretrained_directory_loads_into_a_dhp_layout(data, tmp_path):
     build_model(demo.tiny_model_config(FAMILY), seed=1234).save_pretrained(model_dir)
     cfg = TrainLoopConfig(lr=1e-3, global_batch_size=4, num_steps=1, max_grad_norm=1.0, seed=0)
     got = run(COLLOCATED_SP2_TP2, data, model=model_dir, cfg=cfg)
-    ref = ReferenceTrainer(model_dir, cfg, dtype=DTYPE)
+    ref = ReferenceTrainer(model_dir, cfg.optim, dtype=DTYPE)
     saved = ref.named_parameters()  # the fp32 weights, exactly representable in fp64
     for out in got["per_rank"]:
         for name, p in out["params0"].items():
