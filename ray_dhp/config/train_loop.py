@@ -139,13 +139,18 @@ class TrainLoopConfig:
         ``name(path)`` (``path``: ``optim.lr``; default: as the user wrote it,
         ``train_loop_config.lr`` or ``train_loop_config.optim.lr``; the run file names paths
         as they are). Types are coerced first (``"1e-3"`` -> 0.001)."""
-        names = getattr(self, "_names", {})
-        name = name or (lambda path: names.get(path) or loop_key(path))
+        name = name or self.key
         for f in fields(self):
             try:
                 getattr(self, f.name)._validate()
             except ConfigError as e:
                 raise e.under(f.name).renamed(name) from None
+
+    def key(self, key: str) -> str:
+        """How messages name a key (its path ``data.packing`` or flat name ``packing``): as the
+        user wrote it, ``train_loop_config.packing`` or ``train_loop_config.data.packing``."""
+        path = FLAT_KEYS.get(key, key)
+        return getattr(self, "_names", {}).get(path) or loop_key(path)
 
     @classmethod
     def from_dict(cls, d: Optional[dict]) -> "TrainLoopConfig":

@@ -15,7 +15,7 @@ from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
 from ray_dhp.train.cluster import DEFAULT_PLACEMENT_TIMEOUT_S, PlacementTimeoutError
 from ray_dhp.layout import DHPConfig
-from ray_dhp.config.train_loop import TrainLoopConfig, loop_key
+from ray_dhp.config.train_loop import TrainLoopConfig
 from ray_dhp.train.cleanup import owned_actors, sweep_staging_on_all_nodes, wait_for_owned_actors
 from ray_dhp.train.waiting import PlacementWatch
 
@@ -106,10 +106,11 @@ class DisaggregatedTrainer(DataParallelTrainer):
             from ray_dhp.models import family_of
 
             family = family_of(dhp_config.model_config())
-            family.check_packing(loop_cfg.data.packing, loop_key("packing"))
+            family.check_packing(loop_cfg.data.packing, loop_cfg.key("data.packing"))
             from ray_dhp.parallel.context import check_packing
 
-            check_packing(dhp_config.text.context_parallel, loop_cfg.data.packing, loop_key("packing"))
+            check_packing(dhp_config.text.context_parallel, loop_cfg.data.packing,
+                          loop_cfg.key("data.packing"))
             from ray_dhp.data.audio import refuse_audio
 
             if getattr(dhp_config, "audio", None) is None:  # no audio group: audio cannot train
@@ -119,10 +120,11 @@ class DisaggregatedTrainer(DataParallelTrainer):
             from ray_dhp.data.pixels import check_run_pixels
 
             check_run_pixels(loop_cfg.processor.min_pixels, loop_cfg.processor.max_pixels, dhp_config,
-                             loop_key)
+                             loop_cfg.key)
             from ray_dhp.config.tuning import check_layout, tuning_of
 
-            check_layout(tuning_of(loop_cfg.optim), dhp_config.text.sequence_parallel is True)
+            check_layout(tuning_of(loop_cfg.optim), dhp_config.text.sequence_parallel is True,
+                         key=loop_cfg.key("optim.modules"))
             if dhp_config.processor is None and not isinstance(dhp_config.model, str):
                 raise ValueError("the built-in loop needs DHPConfig(processor=...) when the model "
                                  "is a config object (with a model directory it is loaded from there).")
@@ -241,7 +243,7 @@ def _check_training_datasets(cfg: TrainLoopConfig, names: set) -> None:
     from ray_dhp.config.data_section import check_dataset_weights
 
     if cfg.data.dataset_weights is not None:
-        check_dataset_weights(cfg.data.dataset_weights, names)
+        check_dataset_weights(cfg.data.dataset_weights, names, key=cfg.key("data.dataset_weights"))
     elif "train" not in names:
         raise ValueError('the built-in loop needs datasets={"train": <Dataset or path>}'
                          + (f' (got {sorted(names)}; to mix several, set train_loop_config['
@@ -253,7 +255,7 @@ def _check_evaluation(cfg: TrainLoopConfig, names: set, run_config) -> None:
     from ray_dhp.step.evaluation import VALIDATION, check_eval_setup
 
     ckpt = getattr(run_config, "checkpoint_config", None)
-    check_eval_setup(cfg.data, cfg.checkpoint, has_validation=VALIDATION in names,
+    check_eval_setup(cfg.data, cfg.checkpoint, has_validation=VALIDATION in names, name=cfg.key,
                      score_attribute=getattr(ckpt, "checkpoint_score_attribute", None))
 
 
