@@ -100,12 +100,12 @@ class EvalLoader(StepLoader):
         return micro_batches
 
 
-def validation_records(cfg):
+def validation_records(data):
     """``(records, data_root)`` of the dataset named "validation" (a path given to the trainer or
-    a Ray Dataset), or None when the run has none."""
+    a Ray Dataset), or None when the run has none; ``data``: the run's ``data`` section."""
     from ray_dhp.data.sources import load_records
 
-    if "validation" not in (cfg.data.dataset_paths or {}):
+    if "validation" not in (data.dataset_paths or {}):
         import ray.train
 
         try:
@@ -113,15 +113,16 @@ def validation_records(cfg):
                 return None
         except (KeyError, RuntimeError, ValueError):  # no such dataset / not in a Ray Train run
             return None
-    return load_records(cfg.data, "validation")
+    return load_records(data, "validation")
 
 
 def make_eval_loader(cfg, processor, groups, balancer):
     """The run's `EvalLoader` over its "validation" dataset (None without one). Collective: every
-    rank calls it at the same point (it builds the loader's process group)."""
+    rank calls it at the same point (it builds the loader's process group). ``cfg``: the loop's
+    configuration tree (the sampler takes the batch from ``optim``, the limits from ``data``)."""
     from ray_dhp.data.sampler import StepSampler
 
-    found = validation_records(cfg)
+    found = validation_records(cfg.data)
     if found is None:
         return None
     records, root = found
