@@ -3,13 +3,20 @@
 * `ActivationCounter`: bytes of the tensors autograd saves for backward during a forward
   (``torch.autograd.graph.saved_tensors_hooks``), de-duplicated by storage (a storage saved by
   several ops counts once, at its full size), parameters excluded. Bytes are attributed to
-  ``"vision"`` while any sub-module of the vision tower is running (module hooks), else ``"text"``.
+  ``"vision"`` while any sub-module of the vision tower is running (module hooks; `watch` names
+  other modules' tags), else ``"text"``.
 * `CollectiveCounter`: calls and bytes sent (input buffer size) per collective, by wrapping the
   ``torch.distributed`` functions and DTensor's functional collectives by name (the outermost call
   counts once; DeepSpeed's comm layer and FSDP2 go through ``torch.distributed``).
 * `state_bytes`: local bytes of parameters and optimizer state (DTensor / FSDP2 shards count
   their local shard; DeepSpeed ZeRO-3 its partitions).
 * `RssSampler`: peak resident set size of this process while a labelled region runs.
+* `measure_engine_step`: an engine's model state, saved activations and optimizer-step peak on
+  one rank, the three points `ray-dhp plan` prints (``benchmarks/plan_accuracy.py``). On CPU;
+  what it cannot see on a GPU: the CUDA context, NCCL's communicator buffers, the caching
+  allocator's rounding and fragmentation, kernel workspaces (cuBLAS, flash attention) and
+  autocast's weight-cast cache; the planner's device margin stands for the first four
+  (`ray_dhp.planning.devices`).
 """
 
 from __future__ import annotations
@@ -42,21 +49,26 @@ class ActivationCounter:
     def __init__(self):
         self.bytes = defaultdict(int)
         self._seen: set = set()
-        self._depth = 0
+        self._tags: list = []  # the innermost watched module running
+        self._params: set = set()  # storages of parameters (`count(params=...)`): never counted
 
     def watch_vision(self, vision_module: torch.nn.Module) -> list:
         """Tag work inside any sub-module of ``vision_module`` as "vision"; returns hook handles."""
+        return self.watch(vision_module, "vision")
+
+    def watch(self, module: torch.nn.Module, tag: str) -> list:
+        """Tag work inside any sub-module of ``module`` as ``tag``; returns hook handles."""
         handles = []
-        for m in vision_module.modules():
-            handles.append(m.register_forward_pre_hook(self._enter))
+        for m in module.modules():
+            handles.append(m.register_forward_pre_hook(lambda *_: self._enter(tag)))
             handles.append(m.register_forward_hook(self._leave))
         return handles
 
-    def _enter(self, *_):
-        self._depth += 1
+    def _enter(self, tag: str) -> None:
+        self._tags.append(tag)
 
-    def _leave(self, *_):
-        self._depth -= 1
+    def _leave(self, *_) -> None:  # a forward hook: returns None (keeps the module's output)
+        self._tags.pop()
 
     def _pack(self, t):
         if not _is_param(t):
@@ -66,21 +78,27 @@ class ActivationCounter:
                 key = (st.data_ptr(), st.nbytes())
             except (RuntimeError, NotImplementedError):  # storage-less tensor subclasses
                 key, st = (id(loc), loc.numel() * loc.element_size()), None
+            if key[0] in self._params:  # a view of a parameter's local shard (e.g. one expert's)
+                return t
             if key not in self._seen:
                 self._seen.add(key)
-                self.bytes["vision" if self._depth > 0 else "text"] += key[1]
+                self.bytes[self._tags[-1] if self._tags else "text"] += key[1]
         return t
 
     @contextlib.contextmanager
-    def count(self):
+    def count(self, params=()):
+        """Count within the block; ``params``: parameters whose local storages (views of them:
+        a DTensor shard's per-expert slices) are weights, not activations."""
         self.bytes.clear()
         self._seen.clear()
+        self._params = {_local(p).untyped_storage().data_ptr() for p in params}
         with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             yield self
 
     def as_dict(self) -> dict:
+        """``vision``, ``text`` (0 when absent), any other watched tag, and ``total``."""
         return {"vision": int(self.bytes["vision"]), "text": int(self.bytes["text"]),
-                "total": int(sum(self.bytes.values()))}
+                **{k: int(v) for k, v in self.bytes.items()}, "total": int(sum(self.bytes.values()))}
 
 
 # -- collectives --------------------------------------------------------------------------------
@@ -248,3 +266,76 @@ class RssSampler:
 
     def close(self):
         self._stop.set()
+
+
+# -- one engine step, measured at the plan's three points ------------------------------------
+
+STEP_MARK = "ray_dhp.measure.optimizer_step"
+
+
+def step_peak_bytes(prof, base: int, mark: str = STEP_MARK) -> int:
+    """``base`` + the highest running sum of the CPU allocator's allocations and frees recorded
+    by ``prof`` (``profile(profile_memory=True)``) inside the ``record_function(mark)`` region,
+    summed from the start of the profile. Frees of blocks allocated before the profile started
+    are not recorded (torch warns): the figure can only be too high by those."""
+    events = list(prof.profiler.kineto_results.events())
+    (m,) = [e for e in events if e.name() == mark]
+    t0, t1 = m.start_ns(), m.start_ns() + m.duration_ns()
+    cur, peak = 0, None
+    for e in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
+        cur += e.nbytes()
+        if t0 <= e.start_ns() <= t1:
+            peak = cur if peak is None else max(peak, cur)
+    return base + (peak or 0)
+
+
+def measure_engine_step(engine, first: list, second: list) -> dict:
+    """The plan's three points on this rank of a `ray_dhp.step.engine.DHPEngine`, measured over
+    its second step (``first`` makes the AdamW moments):
+
+    * ``state``: the engine's model-state tensors (`ray_dhp.step.updates.measure_engine_state`:
+      weights, the gradients held at the step, fp32 masters, AdamW moments; ``host``: the part
+      offloaded to the host);
+    * ``saved``: bytes autograd saves for backward during the step's forward (`ActivationCounter`,
+      one micro-batch: call with ``micro_batches=1``), by module (every encoder this rank hosts,
+      by name; the rest is ``text``);
+    * ``step_peak``: the live bytes' maximum during `optimizer_step` (`step_peak_bytes`), from
+      the state held before the forward (weights, masters, moments; gradients freed) plus the
+      CPU allocator's running sum since then (the gradients, what the forward left alive, the
+      reduction buckets and the update's temporaries);
+    * ``lm_rows``: ``[rows, tokens]`` of the language model's input (its padded or packed rows).
+    """
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    engine.step(first)
+    st = engine.state_bytes()
+    base = st["weights"] + st["masters"] + st["optimizer"] - st["host"]
+    counter = ActivationCounter()
+    handles, rows = [], []
+    for name, module in engine.shards.items():
+        handles += counter.watch(module, name)
+    if engine.text_model is not None:
+        handles.append(engine.text_model.register_forward_pre_hook(
+            lambda _m, args, kw: rows.append(_rows(args, kw)), with_kwargs=True))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with counter.count(params=_parameters(engine)):
+            engine.forward_backward(second, last=True)
+        with record_function(STEP_MARK):
+            engine.optimizer_step()
+    for h in handles:
+        h.remove()
+    st = engine.state_bytes()
+    return {"state": st["total"] - st["host"], "state_parts": st, "saved": counter.as_dict(),
+            "step_peak": step_peak_bytes(prof, base), "lm_rows": rows[0] if rows else None}
+
+
+def _parameters(engine) -> list:
+    modules = list(engine.shards.values()) + ([engine.text_model] if engine.text_model is not None else [])
+    return [p for m in modules for p in m.parameters()]
+
+
+def _rows(args, kw) -> list:
+    x = kw.get("input_ids") if kw.get("input_ids") is not None else kw.get("inputs_embeds")
+    if x is None and args:
+        x = args[0]
+    return list(x.shape[:2])

@@ -64,7 +64,9 @@ class ModuleParallel:
             the number of experts); tokens reach their experts by all-to-all, expert gradients
             are summed over the replicas holding the same experts, and at zero_stage 1-2 the
             experts' masters and AdamW moments are split over the ranks holding them (those
-            replicas and their TP ranks; `ray_dhp.parallel.expert`).
+            replicas and their TP ranks; `ray_dhp.parallel.expert`). With context_parallel the
+            context-parallel ranks hold different tokens too: expert_parallel divides
+            data_parallel x context_parallel and the EP group takes the CP ranks first.
         expert_tensor_parallel: text, mixture-of-experts models only: instead of replicating the
             experts on the tensor_parallel ranks, shard every expert's intermediate dimension
             over them like the dense MLP (needs tensor_parallel > 1, expert_parallel = 1; one
@@ -291,7 +293,8 @@ class DHPConfig(BackendConfig):
 
         why = refusal(family, self.model_config(), self.text.context_parallel,
                       self.text.tensor_parallel, encoder_ops=tuple(
-                          family.encoder_spec(n).operations() for n in self.encoder_parallel()))
+                          family.encoder_spec(n).operations() for n in self.encoder_parallel()),
+                      text_sp=self.text.sequence_parallel is True)
         if why:
             raise ValueError(why)
         if self.text.expert_tensor_parallel:

@@ -29,8 +29,8 @@ from ray_dhp.config.data_section import check_dataset_weights
 from ray_dhp.config.sections import OptimConfig, TrackingConfig
 from ray_dhp.config.train_loop import FLAT_KEYS, TrainLoopConfig
 from ray_dhp.layout import FURTHER_ENCODERS, DHPConfig, ModuleParallel
-from ray_dhp.run_sections import (AudioSection, CheckpointSection, DataSection, ModelSection,
-                                  PlacementSection, ProcessorSection, RunSection,
+from ray_dhp.run_sections import (AudioSection, CheckpointSection, DataSection, HardwareSection,
+                                  ModelSection, PlacementSection, ProcessorSection, RunSection,
                                   ScalingSection, TextSection, VisionSection)
 
 __all__ = ["RunFile", "ConfigError", "load_run_file", "run_file_from_dict", "loop_key_in_file",
@@ -57,6 +57,9 @@ class RunFile:
     checkpoint: CheckpointSection = section(CheckpointSection, "checkpointing")
     tracking: TrackingConfig = section(TrackingConfig, "experiment tracking and console")
     scaling: ScalingSection = section(ScalingSection, "Ray Train workers")
+    hardware: Optional[HardwareSection] = section(
+        HardwareSection, "pools of accelerators `ray-dhp plan --recommend` places the module "
+        "groups on (the shape of a --pool file); absent: one accelerator kind", optional=True)
     run: RunSection = section(RunSection, "the Ray Train run")
 
     # -- building the library's objects -------------------------------------------------------
@@ -167,6 +170,7 @@ class RunFile:
                      dhp.text.sequence_parallel is True, key="optim.modules")
         self.data_paths()
         self.check_device()
+        self.pools()
         from ray_dhp.data.compat import check_run_processor
 
         dhp.processor = self.processor_spec()  # processor.path must exist; fits the model
@@ -188,6 +192,19 @@ class RunFile:
                           margin_key="scaling.device_margin_gib")
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+
+    def pools(self):
+        """The `ray_dhp.planning.pools.Pool` s of the ``hardware:`` section (None without one);
+        ConfigError naming the ``hardware.`` key at fault."""
+        if self.hardware is None:
+            return None
+        from ray_dhp.planning.pools import parse_pools
+
+        data = {k: v for k, v in asdict(self.hardware).items() if v is not None}
+        try:
+            return parse_pools(data, key="hardware")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def data_paths(self) -> dict:
         """``{dataset name: path}`` of data.train / data.datasets / data.validation, each

@@ -19,7 +19,7 @@ from ray_dhp.planning.devices import ACCELERATORS
 
 __all__ = ["ModelSection", "ProcessorSection", "VisionSection", "AudioSection", "TextSection",
            "PlacementSection", "DataSection", "CheckpointSection", "ScalingSection",
-           "RunSection"]
+           "HardwareSection", "RunSection"]
 
 
 @dataclass
@@ -143,6 +143,22 @@ class ScalingSection:
                                                 "CUDA context, communicator buffers and "
                                                 "allocator fragmentation (null: the "
                                                 "accelerator's default)", ge=0)
+
+
+@dataclass
+class HardwareSection:
+    """Pools of accelerators `ray-dhp plan --recommend` places the module groups on, in the shape
+    of a ``--pool`` file (ray_dhp/planning/pools.py; docs/placement.md)."""
+
+    pools: Optional[dict] = option(None, "{name: {accelerator, devices_per_node, nodes, "
+                                   "price_per_device_hour, labels, memory_gib, "
+                                   "peak_bf16_tflops, link_gbs, internode_gbs, hbm_tbs, "
+                                   "margin_gib, efficiency}}: nodes of one accelerator type each "
+                                   "(accelerator: a row of ray_dhp/planning/devices.py or of "
+                                   "hardware.accelerators)")
+    accelerators: Optional[dict] = option(None, "your own accelerator kinds, {name: "
+                                          "{memory_gib, peak_bf16_tflops, link_gbs, "
+                                          "internode_gbs, hbm_tbs}}")
 
 
 @dataclass

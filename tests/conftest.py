@@ -12,7 +12,8 @@ if os.environ.get(THREADS_ENV):
     torch.set_num_threads(rank_threads())
 
 
-RAY_GROUP_DIRS = ("tests/ray/",)
+# the cases that start Ray (the end-to-end runs, and the docs' command blocks that train)
+RAY_GROUP_IDS = ("tests/ray/", "tests/docs/test_docs.py::test_page_quick_blocks_run_in_order")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -26,7 +27,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in DEMOTED:
             item.add_marker(pytest.mark.slow)
-        if item.nodeid.startswith(RAY_GROUP_DIRS):
+        if item.nodeid.startswith(RAY_GROUP_IDS):
             # under pytest-xdist (`--dist loadgroup`, scripts/test.sh) the Ray end-to-end cases
             # share one worker: one session Ray, started once, and never two Ray-started runs
             # of ours at a time on a 2-core machine

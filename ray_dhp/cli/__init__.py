@@ -38,7 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("config", help="YAML run file")
     pl.add_argument("overrides", nargs="*", help="section.key=value overrides")
     pl.add_argument("--vision-tokens", default=None, help="patch tokens per sample; a comma "
-                    "list prints one estimate each (default 4096); a resolution mix "
+                    "list prints one estimate each (default 4096, or one image of a tower "
+                    "that takes a fixed image size); a resolution mix "
                     "size:weight,... (e.g. 256:0.7,4096:0.25,16384:0.05) makes --recommend cost "
                     "the mix, balanced by cost")
     pl.add_argument("--video", default=None, metavar="FRAMESxHxW", help="plan for one video per "
@@ -76,10 +77,16 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step "
                    "(default: optim.micro_batches)")
     r.add_argument("--top", type=int, default=8, help="layouts to list")
+    r.add_argument("--context-parallel", action="store_true", help="with --recommend: also rank "
+                   "every text.context_parallel degree (long sequences)")
     r.add_argument("--peak-tflops", type=float, default=None, help="dense peak per GPU (default: "
                    "989 for bf16 autocast, 67 for fp32: H100/H200 SXM)")
     r.add_argument("--efficiency", type=float, default=0.4, help="achieved fraction of the peak")
     r.add_argument("--link-gbs", type=float, default=360.0, help="intra-node link GB/s per GPU")
+    r.add_argument("--pool", default=None, metavar="POOL.yaml", help="pools of accelerators "
+                   "(ray_dhp/planning/pools.py; default: the run file's hardware: section): "
+                   "--recommend places each module group on a pool, ranked by tokens/s and by "
+                   "tokens per price unit")
     c = sub.add_parser("config", help="print a complete run file: the defaults, or CONFIG.yaml "
                        "resolved and checked")
     c.add_argument("config", nargs="?", help="YAML run file (omit with --print-defaults)")
@@ -116,6 +123,15 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _default_vision_tokens(rf) -> str:
+    """One image of the tower's fixed size (its patches) where the family takes images of one
+    size (`FamilySpec.image_patches`); else 4096 patches."""
+    from ray_dhp.models import family_of, load_model_config
+
+    config = load_model_config(rf.model_spec())
+    return str(family_of(config).image_patches(config) or 4096)
+
+
 def _cmd_plan(args) -> int:
     from ray_dhp.cli.plan import plan_text
 
@@ -126,7 +142,7 @@ def _cmd_plan(args) -> int:
         from ray_dhp.cli.schema import ConfigError
 
         raise ConfigError("--video and --vision-tokens both size the vision input; give one.")
-    tokens, args.vision_mix = parse_vision_tokens(args.vision_tokens or "4096")
+    tokens, args.vision_mix = parse_vision_tokens(args.vision_tokens or _default_vision_tokens(rf))
     args.videos = _videos(args.video)
     if args.videos:
         from ray_dhp.cli.plan import vision_cases
@@ -134,8 +150,12 @@ def _cmd_plan(args) -> int:
 
         tokens = [vt for _, vt, _ in vision_cases(load_model_config(rf.model_spec()), [],
                                                    args.videos)]
+    from ray_dhp.cli.pool_report import pools_of
+
+    pools, where = pools_of(rf, args.pool)
     if args.recommend:
-        return _recommend(args, rf, tokens)
+        return _recommend_pools(args, rf, tokens, pools, where) if pools else \
+            _recommend(args, rf, tokens)
     if args.gpus is not None or args.micro_batches is not None:
         from ray_dhp.cli.schema import ConfigError
 
@@ -144,6 +164,10 @@ def _cmd_plan(args) -> int:
                     attention=args.attention, device_gib=args.device_gib, videos=args.videos,
                     audio_seconds=_audio_seconds(args.audio_seconds), device=args.device,
                     margin_gib=args.device_margin_gib))
+    if pools:
+        from ray_dhp.cli.pool_report import pools_lines
+
+        print("\n".join(["", *pools_lines(pools, where)]))
     if args.nodes is not None:
         from ray_dhp.cli.plan import nodes_text
 
@@ -195,7 +219,28 @@ def _recommend(args, rf, tokens) -> int:
                               hardware=hw, top=args.top,
                               vision_mix=getattr(args, "vision_mix", None),
                               videos=getattr(args, "videos", None),
-                              audio_seconds=_audio_seconds(args.audio_seconds))
+                              audio_seconds=_audio_seconds(args.audio_seconds),
+                              context_parallel=args.context_parallel)
+    print(text)
+    return 0 if ok else 1
+
+
+def _recommend_pools(args, rf, tokens, pools, where) -> int:
+    from ray_dhp.cli.pool_report import pool_recommend_text
+    from ray_dhp.cli.schema import ConfigError
+
+    given = [f for f, v in (("--gpus", args.gpus), ("--nodes", args.nodes), ("--device", args.device),
+                            ("--device-gib", args.device_gib),
+                            ("--device-margin-gib", args.device_margin_gib), ("--video", args.video),
+                            ("--peak-tflops", args.peak_tflops)) if v is not None]
+    if given:
+        raise ConfigError(f"{', '.join(given)}: the pools ({where}) say which devices there are "
+                          "and what they do; drop the flag or plan without pools.")
+    text, ok = pool_recommend_text(rf, pools, where, micro_batches=args.micro_batches,
+                                   vision_tokens=tokens, text_tokens=args.text_tokens,
+                                   attention=args.attention or "flash",
+                                   efficiency=args.efficiency,
+                                   vision_mix=getattr(args, "vision_mix", None))
     print(text)
     return 0 if ok else 1
 

@@ -9,6 +9,7 @@ from ray_dhp.planning.memory_audio import (audio_activation_bytes, clip_shape, c
                                            estimate_module_ranks, lm_audio_tokens,
                                            module_rank_state, without_audio)
 from ray_dhp.planning.step_peak import audio_updated, rank_step_peak
+from ray_dhp.planning.packing import packing_of
 
 
 def _gib(b: float) -> str:
@@ -219,8 +220,11 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
                    + f"host: checkpoint staging "
                    f"{_gib(st.staging) if rf.checkpoint.async_save else '0 (async_save off)'}")
     shares = ", ".join(f"{name} {n}" for name, n in samples.items())
+    packing = packing_of(rf)
     out += ["", f"activation estimate: sample(s) per replica per micro-batch: {shares}; "
-                f"{text_tokens} text tokens per sample, {settings.dtype_bytes}-byte activations, "
+                f"{text_tokens} text tokens per sample, "
+                f"{'padded' if packing is None else packing.describe()}, "
+                f"{settings.dtype_bytes}-byte activations, "
                 f"{attention} attention, activation checkpointing "
                 f"{'on' if settings.checkpointing else 'off'}, ZeRO stages "
                 f"{_stages(topo, ' / ')}; {device}"]
@@ -244,12 +248,14 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
                                        vision_tokens=vt, text_tokens=text_tokens,
                                        samples=samples["vision"],
                                        text_samples=samples["text"], settings=settings,
-                                       policy=policy, segment_tokens=seg):
+                                       policy=policy, segment_tokens=seg, packing=packing):
             peaks[m.rank] = max(m.total, floor[m.rank])
             out.append(f"  rank {m.rank} memory: state {_gib(m.state_bytes)} + vision act "
                        f"{_gib(m.vision_act)} + "
                        + (f"audio act {_gib(m.audio_act)} + " if audio is not None else "")
-                       + f"text act {_gib(m.text_act)} = {_gib(m.total)}"
+                       + f"text act {_gib(m.text_act)} "
+                       + (f"+ CP all-to-all buffers {_gib(m.text_work)} " if m.text_work else "")
+                       + f"= {_gib(m.total)}"
                        + (f" (peak: step or start-up {_gib(floor[m.rank])})"
                           if floor[m.rank] > m.total else "")
                        + _fits(peaks[m.rank], budget))
@@ -333,7 +339,7 @@ def nodes_text(rf, *, nodes: int, gpus_per_node: int, vision_tokens: int, text_t
                  global_batch_size=rf.optim.global_batch_size, micro_batches=rf.optim.micro_batches,
                  settings=settings_of(rf, attention),
                  state_bytes=float(policy_of_run(rf).state_bytes()), policy=policy_of_run(rf),
-                 **audio)
+                 packing=packing_of(rf), **audio)
     volume = collective_bytes(config, counts, layout, w)
     groups = collective_groups(topo, w.micro_batch_size)
     out = ["", f"nodes: {nodes} x {gpus_per_node} GPUs; DHP ranks by node (Ray Train fills a node "

@@ -6,6 +6,7 @@ import math
 from collections import Counter
 
 from ray_dhp.cli.plan import policy_of_run, settings_of
+from ray_dhp.planning.packing import packing_of
 from ray_dhp.cli.schema import ConfigError
 
 
@@ -88,28 +89,16 @@ def _zero(lay) -> str:
     return "/".join(str(m.zero_stage) for m in lay.topology().modules)
 
 
-def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens: int,
-                   attention: str = "flash", budget=None, hardware=None,
-                   top: int = 8, vision_mix=None, videos=None, audio_seconds: float = 30.0) -> tuple:
-    """(report, ok): the ranked layouts for the run file ``rf`` on ``gpus`` workers (None: the
-    run file's count) and the fragment of the best one; ``ok`` is False when none fits.
-    ``vision_mix``: a resolution mix ``((tokens, fraction), ...)`` (`parse_vision_tokens`);
-    ``videos`` (``--video``): plan for the longest of them instead (its tokens, per-frame
-    attention). With an ``audio:`` section every layout has an audio group and each sample one
-    clip of ``audio_seconds``. ``budget``: the `ray_dhp.planning.devices.DeviceBudget` every
-    layout must fit (its memory less its margin; default: `DEFAULT_GPU`'s)."""
-    from ray_dhp.cli.plan import _num
-    from ray_dhp.models.sizes import count_params
+def build_workload(rf, *, micro_batches, vision_tokens: list, text_tokens: int, attention: str,
+                   budget, vision_mix=None, videos=None, audio_seconds: float = 30.0) -> tuple:
+    """``(config, counts, Workload, workload line or None, audio kwargs, LLM audio tokens)`` of
+    the run file ``rf`` for a recommendation (`recommend_text`, the pool planner
+    `ray_dhp.cli.pool_report`); ``budget``: the device memory and margin (None: 0, each pool
+    has its own)."""
     from ray_dhp.models import load_model_config
-    from ray_dhp.planning.recommend import Hardware, Workload, recommend
+    from ray_dhp.models.sizes import count_params
+    from ray_dhp.planning.recommend import Workload
 
-    from ray_dhp.planning.devices import budget_of
-
-    hw = hardware or Hardware()
-    budget = budget or budget_of(None)
-    n = gpus if gpus is not None else default_workers(rf)
-    if n < 1:
-        raise ConfigError(f"--gpus {n}: need at least one GPU.")
     m = micro_batches if micro_batches is not None else rf.optim.micro_batches
     gb = rf.optim.global_batch_size
     if m < 1 or gb % m:
@@ -118,7 +107,6 @@ def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens:
     counts = count_params(config)
     settings = settings_of(rf, attention)
     policy = policy_of_run(rf)  # the engine's precision policy (optim.precision)
-    state_bytes = float(policy.state_bytes())
     vt, segment, line = max(vision_tokens), None, None
     if videos:
         from ray_dhp.cli.plan import vision_cases
@@ -131,11 +119,42 @@ def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens:
 
         lm_audio = lm_audio_tokens(config, audio_seconds)
         audio = dict(audio_seconds=audio_seconds, audio_params=count_audio(config))
+    device = dict(device_gib=budget.memory_gib, margin_gib=budget.margin_gib) if budget else {}
     w = Workload(vision_tokens=vt, text_tokens=text_tokens + lm_audio, global_batch_size=gb,
-                 micro_batches=m, settings=settings, state_bytes=state_bytes, policy=policy,
-                 device_gib=budget.memory_gib, margin_gib=budget.margin_gib,
-                 vision_mix=vision_mix, vision_segment=segment, **audio)
-    cands = recommend(config, n, w, hw, counts=counts)
+                 micro_batches=m, settings=settings, state_bytes=float(policy.state_bytes()),
+                 policy=policy, vision_mix=vision_mix, vision_segment=segment,
+                 packing=packing_of(rf), **device, **audio)
+    return config, counts, w, line, audio, lm_audio
+
+
+def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens: int,
+                   attention: str = "flash", budget=None, hardware=None,
+                   top: int = 8, vision_mix=None, videos=None, audio_seconds: float = 30.0,
+                   context_parallel: bool = False) -> tuple:
+    """(report, ok): the ranked layouts for the run file ``rf`` on ``gpus`` workers (None: the
+    run file's count) and the fragment of the best one; ``ok`` is False when none fits.
+    ``vision_mix``: a resolution mix ``((tokens, fraction), ...)`` (`parse_vision_tokens`);
+    ``videos`` (``--video``): plan for the longest of them instead (its tokens, per-frame
+    attention). With an ``audio:`` section every layout has an audio group and each sample one
+    clip of ``audio_seconds``. ``budget``: the `ray_dhp.planning.devices.DeviceBudget` every
+    layout must fit (its memory less its margin; default: `DEFAULT_GPU`'s)."""
+    from ray_dhp.cli.plan import _num
+    from ray_dhp.planning.recommend import Hardware, recommend
+
+    from ray_dhp.planning.devices import budget_of
+
+    hw = hardware or Hardware()
+    budget = budget or budget_of(None)
+    n = gpus if gpus is not None else default_workers(rf)
+    if n < 1:
+        raise ConfigError(f"--gpus {n}: need at least one GPU.")
+    config, counts, w, line, audio, lm_audio = build_workload(
+        rf, micro_batches=micro_batches, vision_tokens=vision_tokens, text_tokens=text_tokens,
+        attention=attention, budget=budget, vision_mix=vision_mix, videos=videos,
+        audio_seconds=audio_seconds)
+    m, gb, settings, policy = w.micro_batches, w.global_batch_size, w.settings, w.policy
+    state_bytes, vt = w.state_bytes, w.vision_tokens
+    cands = recommend(config, n, w, hw, counts=counts, context_parallel=context_parallel)
     ok = [c for c in cands if c.feasible]
     a_num = f"audio {_num(audio['audio_params'].params)}, " if audio else ""
     t_num = counts.text - (audio["audio_params"].params if audio else 0)

@@ -119,6 +119,8 @@ def _positions(sample: Sample, rope_index: Optional[RopeIndex], one_dimensional:
                          "model.model.get_rope_index) for samples with images")
     vis = _images([sample])
     extra = {} if vis["second_per_grid_ts"] is None else {"second_per_grid_ts": vis["second_per_grid_ts"]}
+    if sample.audio_lengths is not None:  # a model with audio: its clips' frames place them
+        extra["audio_seqlens"] = sample.audio_lengths
     pos, _ = rope_index(sample.input_ids[None], sample.mm_token_type_ids[None],
                         image_grid_thw=vis["image_grid_thw"], video_grid_thw=vis["video_grid_thw"],
                         **extra)
@@ -150,8 +152,10 @@ def pack_text_batch(samples: Sequence[Sample], pad_id: int, max_tokens: Optional
         samples: processed samples (at least one).
         pad_id: token id written at padded positions of ``input_ids`` (the tail of short rows).
         max_tokens: row length budget; a longer sample raises ValueError. None: one row.
-        rope_index: the model's ``get_rope_index`` (``model.model.get_rope_index``); needed for
-            samples with images, whose M-RoPE positions depend on the image grids.
+        rope_index: the model's ``get_rope_index`` (``model.model.get_rope_index``, or the
+            family's adapter to that signature, `FamilySpec.rope_index`); needed for samples
+            with images, whose M-RoPE positions depend on the image grids. A sample with audio
+            clips also hands it their frames (``audio_seqlens``).
         one_dimensional: the model's positions are 1-D (``FamilySpec.packed_positions``, e.g.
             a plain RoPE language model): ``position_ids`` is the text-position row alone, ``[R, L]``.
         pad_to_multiple_of: round the row length up to a multiple of this (the text

@@ -114,9 +114,16 @@ class FamilySpec:
     # as ((module-name suffix, child projecting its output per token), ...): in packed rows each
     # runs on one row per sample, from a zero state (`ray_dhp.models.segments`).
     stateful_mixers: tuple = ()
+    # (text_config) -> ((module-name suffix, `ray_dhp.parallel.context_mixers.MixerHeads`), ...):
+    # how those mixers split by head under text.context_parallel (empty: CP refused for them)
+    cp_mixers: Callable = lambda text_config: ()
     # The positions of a packed sample: "mrope" (the model's ``model.model.get_rope_index`` of
     # the sample alone, Qwen-VL's 3-axis M-RoPE) or "1d" (0..n-1 per sample, a 1-D RoPE LM)
     packed_positions: str = "mrope"
+    # (model) -> the ``rope_index`` packing calls, with the Qwen-VL signature (`rope_index`), for
+    # a family whose ``get_rope_index`` takes other arguments (Qwen2.5-Omni's: grids, a mask,
+    # the audio clips' lengths); None: ``model.model.get_rope_index`` itself
+    rope_index_adapter: Optional[Callable] = None
     # Encoder modules besides the vision side (`EncoderSpec`), e.g. Qwen2.5-Omni's audio tower;
     # each trains as a module of its own when the layout gives it a group (``audio:``).
     encoders: tuple = ()
@@ -137,6 +144,9 @@ class FamilySpec:
     # (config) -> patches per side of one merged feature row; config: the model's or its
     # vision config (the Qwen towers keep it in the vision config).
     merge_size: Callable = lambda config: getattr(config, "vision_config", config).spatial_merge_size
+    # (config) -> patches of one image when the tower takes images of one fixed size (0: any
+    # size, rows from the image's own grid); `ray-dhp plan` sizes its default sample by it
+    image_patches: Callable = lambda config: 0
     vision_heads: Callable = lambda vision_config: vision_config.num_heads
     vision_depth: Callable = lambda vision_config: vision_config.depth
     # the tower's norm kind, for the activation estimate of `ray-dhp plan`: "layer_norm" or
@@ -240,6 +250,8 @@ class FamilySpec:
         its ``get_rope_index`` for M-RoPE families, None for 1-D positions (`packed_positions`)."""
         if self.packed_positions == "1d":
             return None
+        if self.rope_index_adapter is not None:
+            return self.rope_index_adapter(model)
         return model.model.get_rope_index
 
     def lm_inputs(self, config, kwargs: dict) -> dict:

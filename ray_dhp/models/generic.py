@@ -191,6 +191,7 @@ def _family(cls, config_json: str) -> GenericFamily:
     if is_sequence:
         pooled = torch.cat([p.reshape(-1, p.shape[-1]) for p in pooled])
     rows = int(pooled.reshape(-1, pooled.shape[-1]).shape[0])
+    size = patch = 0  # a fixed image size's geometry (none with a grid: any size)
     if grid:  # patch rows with a (t, h, w) grid: rows per spatial_merge_size² patches
         m = vc.spatial_merge_size
         if rows != 4:
@@ -225,6 +226,7 @@ def _family(cls, config_json: str) -> GenericFamily:
         vision_parts=parts,
         merger_prefixes=tuple(f"model.{p}." for p in parts if p != tower),
         merge_size=lambda config, _m=m: _m,
+        image_patches=lambda config, _n=0 if grid else (size // patch) ** 2: _n,
         vision_heads=lambda vision_config: vision_config.num_attention_heads,
         vision_depth=lambda vision_config: vision_config.num_hidden_layers,
         projector_dim=lambda config: config.get_text_config().hidden_size,
@@ -302,10 +304,17 @@ _PLAIN_OUTPUTS = ("pooler_output", "last_hidden_state", "hidden_states", "attent
 def _grid_input(cls, vc) -> bool:
     """Whether the tower takes Qwen-style patch rows with an ``image_grid_thw`` (GLM-4V's): its
     ``get_image_features`` names ``image_grid_thw`` and its config has the patch geometry."""
+    if not hasattr(cls, "get_image_features"):
+        raise UnsupportedModel(f"{cls.__name__} has no get_image_features (the seam the generic "
+                               "family runs the vision side through)")
     names = inspect.signature(cls.get_image_features).parameters
     return "image_grid_thw" in names and all(
         isinstance(getattr(vc, k, None), int) for k in ("patch_size", "spatial_merge_size",
                                                         "temporal_patch_size"))
+
+
+class _LayoutRefusal(UnsupportedModel):
+    """A refusal read from the model's layout or config (the same on any device)."""
 
 
 def _probe(config, cls, grid: bool = False):
@@ -314,6 +323,8 @@ def _probe(config, cls, grid: bool = False):
     same depths and image geometry, so the same rows and the same unused parameters)."""
     try:
         return _probe_on(config, cls, "meta", grid)
+    except _LayoutRefusal:
+        raise  # the model's layout, not the meta device: a CPU probe would say the same
     except UnsupportedModel as meta_error:
         from ray_dhp.models.shrink import shrink_config
 
@@ -371,7 +382,17 @@ def _probe_on(config, cls, device: str, grid: bool = False, side=None):
                                        f"image ({device}): {type(e).__name__}: {e}") from None
             dims = 2
         else:
-            size = side or vc.image_size
+            size = side or getattr(vc, "image_size", None)
+            if not isinstance(size, int):
+                raise _LayoutRefusal(
+                    f"its vision config ({type(vc).__name__}) has no fixed image_size and its "
+                    "tower takes no image_grid_thw: a variable-resolution tower (rows from each "
+                    "image's own size), which the generic family does not cover yet")
+            if not isinstance(getattr(model, "model", None), torch.nn.Module):
+                raise _LayoutRefusal(
+                    f"{cls.__name__} keeps its vision tower and language model outside "
+                    "`model` (the generic family reads them as model.<tower> and "
+                    "model.<language model>, the layout the mm_encoder_outputs families share)")
             pooled, dims = _call_probe(model, names, torch.ones(1, channels, size, size))
         total = sum(p.sum() for p in pooled) if isinstance(pooled, (list, tuple)) else pooled.sum()
         named = [(n, p) for n, p in model.model.named_parameters()

@@ -5,7 +5,9 @@ Three modules: the vision tower and the LM train as Qwen2.5-VL's (images and vid
 thinker through ``mm_encoder_outputs``); the audio tower (``model.audio_tower``) is the encoder
 module ``audio`` (`ray_dhp.models.audio_omni`), with its own group when the layout gives it one
 (``audio:``). Without an audio group the text ranks keep the tower, frozen, and records with
-audio are refused before training (`ray_dhp.data.audio.refuse_audio`).
+audio are refused before training (`ray_dhp.data.audio.refuse_audio`). Packed rows take each
+sample's positions from the thinker's own ``get_rope_index`` (`packed_rope_index`: its clips'
+lengths included), and its audio rows fill the placeholders of the packed rows in sample order.
 """
 
 import torch
@@ -19,14 +21,29 @@ SPEC = FamilySpec(
     model_class="Qwen2_5OmniThinkerForConditionalGeneration",
     text_tp_plan=lambda text_config: standard_text_plan(),
     text_sp_plan=lambda text_config: sequence_parallel_text_plan(),
-    packing=False,
-    packing_reason="its get_rope_index takes other arguments than the Qwen-VL ones that packing "
-                   "computes each sample's positions with",
+    rope_index_adapter=lambda model: packed_rope_index(model),  # its own get_rope_index
     video_seconds_key="video_second_per_grid",
     vision_norm="rms_norm",  # Qwen2.5-VL's tower
     encoders=(EncoderSpec("audio", parts=("audio_tower",), ops="ray_dhp.models.audio_omni",
                           unused=("audio_bos_eos_token.",)),),
 )
+
+
+def packed_rope_index(model):
+    """The thinker's ``get_rope_index`` behind the Qwen-VL signature packing calls it with
+    (`ray_dhp.data.collate.pack_text_batch`, one sample at a time): the grids, an all-ones mask,
+    the clips' frames (``audio_seqlens``: audio placeholders take positions after the text
+    before them, as in the stock forward, whose ``feature_attention_mask`` gives the same
+    lengths) and the videos' seconds per temporal patch; ``use_audio_in_video`` off, as in
+    training."""
+    rope = model.model.get_rope_index
+
+    def rope_index(input_ids, mm_token_type_ids=None, image_grid_thw=None, video_grid_thw=None,
+                   second_per_grid_ts=None, audio_seqlens=None):
+        return rope(input_ids, image_grid_thw, video_grid_thw, torch.ones_like(input_ids),
+                    use_audio_in_video=False, audio_seqlens=audio_seqlens,
+                    second_per_grids=second_per_grid_ts)
+    return rope_index
 
 
 def audio_forward(audio_tower, input_features, feature_attention_mask):

@@ -52,6 +52,21 @@ def _linear_attention(tc):
 
 _COLUMN_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
+
+def cp_mixers(tc) -> tuple:
+    """Context parallelism (`ray_dhp.parallel.context_mixers`): each Gated DeltaNet block runs the
+    whole sequence for ``1 / cp`` of its heads; its segments and per-head parameters are the
+    TP split's (`_linear_attention`), its per-value-head projections plain head blocks."""
+    from ray_dhp.parallel.context_mixers import MixerHeads
+
+    k, v = _widths(tc)
+    hv = (tc.linear_num_value_heads,)
+    return (("linear_attn", MixerHeads(
+        inputs={"in_proj_qkv": (k, k, v), "in_proj_z": (v,), "in_proj_b": hv, "in_proj_a": hv},
+        output="out_proj", params={"conv1d.weight": (k, k, v), "dt_bias": hv, "A_log": hv},
+        attrs=("key_dim", "value_dim", "conv_dim", "num_k_heads", "num_v_heads"),
+        heads=text_tp_divisors(tc))),)
+
 # The Gated DeltaNet layers (``layers.*.linear_attn``) carry state; ``out_proj`` maps their
 # channels back to the residual stream per token.
 STATEFUL_MIXERS = (("linear_attn", "out_proj"),)
@@ -105,4 +120,5 @@ SPEC = FamilySpec(
                               "linear_attn.dt_bias", "linear_attn.A_log"),
     tp_divisors=text_tp_divisors,
     stateful_mixers=STATEFUL_MIXERS,
+    cp_mixers=cp_mixers,
 )

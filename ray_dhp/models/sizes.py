@@ -33,6 +33,8 @@ class ParamCounts:
     text_sizes: tuple = ()
     # `TextParam` (never TP-sharded) of every ViT parameter, in the model's order (FSDP2 shares)
     vision_params: tuple = ()
+    # the LM's attention normalises q and k per head (one ``head_dim`` weight each, Qwen3-style)
+    text_head_norms: bool = False
 
     def text_per_rank(self, tp: int) -> int:
         return self.text - self.text_sharded + self.text_sharded // tp
@@ -135,7 +137,13 @@ def count_params(config, tuning=None) -> ParamCounts:
         inject(model, tuning.lora, seed=0)
         plan = counting_plan(plan, tuning.lora.target_modules)
     vision_names = {f"{family.vision_prefix}{n}" for n, _ in family.visual(model).named_parameters()}
-    trains = (lambda name: True) if tuning is None else functools.partial(trains_under, tuning)
+    tuned = (lambda name: True) if tuning is None else functools.partial(trains_under, tuning)
+    # parameters no forward reads (`EncoderSpec.unused`, e.g. a tower's layers past the feature
+    # layer): the engine holds them frozen (`ray_dhp.models.tuning.apply_tuning`)
+    unused = tuple(e.prefix + u for e in family.encoder_specs for u in e.unused)
+
+    def trains(name: str) -> bool:
+        return tuned(name) and not (unused and name.startswith(unused))
     vision = text = sharded = largest = v_frozen = t_frozen = t_frozen_sharded = 0
     text_sizes, vision_params = [], []
     sizes = tuple(p.numel() for n, p in family.visual(model).named_parameters()
@@ -159,7 +167,17 @@ def count_params(config, tuning=None) -> ParamCounts:
     return ParamCounts(vision=vision, text=text, text_sharded=sharded, vision_sizes=sizes,
                        largest=largest, vision_frozen=v_frozen, text_frozen=t_frozen,
                        text_frozen_sharded=t_frozen_sharded, text_sizes=tuple(text_sizes),
-                       vision_params=tuple(vision_params))
+                       vision_params=tuple(vision_params),
+                       text_head_norms=_head_norms(model, vision_names, config.text_config))
+
+
+def _head_norms(model, vision_names: set, tc) -> bool:
+    """Whether the LM's attention layers hold per-head q/k norms: 1-D weights of ``head_dim``
+    elements inside its attention modules (``*attn.*``), at least two (q and k)."""
+    hd = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    found = [n for n, p in model.named_parameters() if n not in vision_names and p.dim() == 1
+             and p.numel() == hd and "attn." in n and not n.startswith(AUDIO_PREFIX)]
+    return len(found) >= 2
 
 
 def _dim0_sharded(param_name: str, plan: dict) -> bool:

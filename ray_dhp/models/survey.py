@@ -58,7 +58,7 @@ def survey() -> list[Status]:
     from transformers import AutoConfig
 
     from ray_dhp.models import _BY_MODEL_TYPE
-    from ray_dhp.models.generic import GenericFamily, generic_family
+    from ray_dhp.models.generic import GenericFamily, UnsupportedModel, generic_family
     from ray_dhp.models.shrink import tiny_config
 
     import sys
@@ -84,7 +84,10 @@ def survey() -> list[Status]:
                     family = generic_family(tiny_config(AutoConfig.for_model(model_type)))
                 where = f" (at tiny dims; transformers' default config: {_first_line(e)})"
             except Exception as e2:  # noqa: BLE001
-                out.append(Status(model_type, cls_name, "refused", _first_line(e2)))
+                # the driver's own refusal at the published dims says why; the retry's error
+                # (often shrinking a config the family cannot read anyway) only where it has none
+                why = e if isinstance(e, UnsupportedModel) else e2
+                out.append(Status(model_type, cls_name, "refused", _first_line(why)))
                 continue
         tp = ("text TP " + ("refused: " + family.text_plan_refusal if family.text_plan_refusal
                             else "from base_model_tp_plan"))

@@ -19,6 +19,16 @@ of each all-to-all is the other one (its adjoint). DeepSpeed-Ulysses (Jacobs et 
 * The function is registered in transformers' attention registry (``AttentionInterface``) as
   ``"ray_dhp_cp"`` and selected by the language model's ``config._attn_implementation``; the CP
   group travels on each attention module (``module._ray_dhp_cp``), never in a global.
+* Stateful token mixers (linear attention such as Gated DeltaNet: a causal conv and a recurrent
+  state along the sequence) are head-sharded by all-to-all like attention, not fed state from
+  slice to slice: each CP rank runs the whole sequence for ``1 / cp`` of the mixer's heads
+  (`ray_dhp.parallel.context_mixers`, the family's `FamilySpec.cp_mixers` facts), so the conv
+  and the recurrence see every earlier token exactly and all CP ranks work at once; chunked
+  state passing would run the ranks one after the other (or need a second, parallel-prefix form
+  of each recurrence) for the same exactness. The same limit as attention: ``tp x cp`` divides
+  the mixer's key heads.
+* Expert parallelism draws its EP group from the dp x cp gradient replicas (CP ranks hold
+  different tokens outside attention, `ray_dhp.parallel.expert`).
 * Gradients: parameters are replicated over the CP ranks, each of which back-propagates its
   slice's share of the step's loss, so CP ranks join the data-parallel ranks in the gradient sum
   and the ZeRO partition (`ray_dhp.parallel.topology.ModuleLayout.dp_groups`).
@@ -42,10 +52,13 @@ _TAG = "text.cp"
 
 
 def check_context_parallel(cp: int, ep: int, expert_tp: bool) -> None:
-    """``text.context_parallel`` against the topology's other text degrees (driver check)."""
-    if cp > 1 and (ep > 1 or expert_tp):
-        raise ValueError("text.context_parallel > 1 is not covered with text.expert_parallel > 1 "
-                         "or text.expert_tensor_parallel yet; set text.context_parallel=1.")
+    """``text.context_parallel`` against the topology's other text degrees (driver check).
+    Expert parallelism composes: the EP group takes the CP ranks as it takes data-parallel
+    replicas (`ray_dhp.parallel.expert`)."""
+    if cp > 1 and expert_tp:
+        raise ValueError("text.context_parallel > 1 is not covered with "
+                         "text.expert_tensor_parallel yet; set text.context_parallel=1 or use "
+                         "text.expert_parallel.")
 
 
 def check_packing(cp: int, packing: bool, key: str) -> None:
@@ -57,7 +70,7 @@ def check_packing(cp: int, packing: bool, key: str) -> None:
 
 
 def refusal(family, config, cp: int, tp: int, packing: bool = False,
-            encoder_ops: tuple = ()) -> Optional[str]:
+            encoder_ops: tuple = (), text_sp: bool = False) -> Optional[str]:
     """Why ``text.context_parallel=cp`` cannot be exact for this model and layout (None: it
     can). Read from the family's facts (no family is named here)."""
     if cp == 1:
@@ -71,9 +84,19 @@ def refusal(family, config, cp: int, tp: int, packing: bool = False,
                 f"the {heads} attention heads (heads are split over TP x CP; ring attention "
                 f"beyond the heads is not covered); use text.context_parallel in {ok}.")
     why = []
-    if family.stateful_mixers:
+    mixers = family.cp_mixers(tc) if family.stateful_mixers else ()
+    if family.stateful_mixers and not mixers:
         why.append("linear-attention layers (their recurrent state runs along the whole "
-                   "sequence: it would have to pass from slice to slice)")
+                   "sequence, and the family does not say how they split by head)")
+    elif mixers:  # head-sharded by all-to-all (`ray_dhp.parallel.context_mixers`)
+        from ray_dhp.parallel.context_mixers import mixer_refusal
+
+        bad = mixer_refusal(mixers, tp, cp)
+        if bad:
+            return f"{key}: {bad}; use a text.context_parallel that divides them."
+        if text_sp:
+            why.append("linear-attention layers under text.sequence_parallel (not covered "
+                       "together yet)")
     if getattr(tc, "use_sliding_window", False) or any(
             "sliding" in t for t in (getattr(tc, "layer_types", None) or ())):
         why.append("sliding-window attention layers")
@@ -172,9 +195,10 @@ def _register() -> None:
 
 
 def install_context_parallel(language_model: torch.nn.Module, group, cp: int, rank: int,
-                             comm=None) -> None:
+                             comm=None, mixers: tuple = (), tp: int = 1) -> None:
     """Select the CP attention for ``language_model`` (its config only) and give every module
-    that reads that config (its attention layers) the CP group."""
+    that reads that config (its attention layers) the CP group; head-shard the family's
+    stateful ``mixers`` (`FamilySpec.cp_mixers`, inside the TP rank's ``1 / tp`` of heads)."""
     _register()
     config = language_model.config
     ctx = CPContext(group, cp, rank, comm)
@@ -182,3 +206,7 @@ def install_context_parallel(language_model: torch.nn.Module, group, cp: int, ra
         if getattr(m, "config", None) is config:
             m._ray_dhp_cp = ctx
     config._attn_implementation = ATTN_NAME
+    if mixers:  # stateful mixers: the whole sequence for 1/cp of their heads
+        from ray_dhp.parallel.context_mixers import install_mixer_heads
+
+        install_mixer_heads(language_model, mixers, group, cp, rank, tp, comm)

@@ -1,13 +1,18 @@
 """Expert parallelism: each sparse layer's experts partitioned over ``expert_parallel`` ranks.
 
-Which ranks: the EP group is ``ep`` consecutive text data-parallel replicas of one TP index
+Which ranks: the EP group is ``ep`` consecutive text *gradient replicas* of one TP index
 (replica ``j`` is EP rank ``j % ep`` of EP group ``j // ep``), as in Megatron and torchtitan.
-EP needs ranks that hold *different* tokens — data-parallel replicas do; the TP ranks of a
-replica hold the same (replicated) tokens, so partitioning experts over them would only split
-the compute of identical tokens. The ranks with the same EP index in the other EP groups hold
-the same experts and form the expert-data-parallel (EDP) group, size ``dp / ep``: expert
-gradients are summed over it only (each EP rank's experts saw tokens from all of its EP group's
-replicas already, through the all-to-all). Non-expert parameters keep TP / DP as before.
+The gradient replicas are the ``dp x cp`` rows of the text mesh (`ModuleLayout.grad_index`):
+EP needs ranks that hold *different* tokens — data-parallel replicas do, and so do the
+context-parallel ranks of one replica (each holds its slice of the sequence outside attention,
+where the sparse blocks run: `ray_dhp.parallel.context`); the TP ranks of a replica hold the
+same (replicated) tokens, so partitioning experts over them would only split the compute of
+identical tokens. With CP the EP group takes the CP ranks first (innermost after TP), so CP2 x
+EP2 keeps the experts' all-to-alls inside the replica's node-local CP x TP block. The ranks
+with the same EP index in the other EP groups hold the same experts and form the
+expert-data-parallel (EDP) group, size ``dp x cp / ep``: expert gradients are summed over it
+only (each EP rank's experts saw tokens from all of its EP group's ranks already, through the
+all-to-all). Non-expert parameters keep TP / DP (x CP) as before.
 
 At text ZeRO stages 1-2 the experts' masters and AdamW moments are partitioned over the ranks
 holding the same experts (`expert_partition`: the EDP replicas and their TP ranks).
@@ -44,17 +49,27 @@ __all__ = ["ep_groups", "edp_groups", "replica_groups", "shard_experts", "expert
            "expert_partition"]
 
 
+def _replicas(t) -> int:
+    """The text gradient replicas the experts are partitioned over: ``dp x cp``."""
+    return t.dp * t.cp
+
+
+def _at(t, replica: int, k: int) -> int:
+    """World rank of gradient replica ``replica`` (`ModuleLayout.grad_index`), TP index ``k``."""
+    return t.offset + replica * t.inner + k
+
+
 def ep_groups(text_layout, ep: int) -> list:
     """Rank lists of the EP groups: per TP index, blocks of ``ep`` consecutive replicas."""
     t = text_layout
-    return [[t.rank_at(b * ep + e, k) for e in range(ep)]
-            for k in range(t.inner) for b in range(t.dp // ep)]
+    return [[_at(t, b * ep + e, k) for e in range(ep)]
+            for k in range(t.inner) for b in range(_replicas(t) // ep)]
 
 
 def edp_groups(text_layout, ep: int) -> list:
     """Rank lists of the expert-data-parallel groups: same TP index, same EP index."""
     t = text_layout
-    return [[t.rank_at(b * ep + e, k) for b in range(t.dp // ep)]
+    return [[_at(t, b * ep + e, k) for b in range(_replicas(t) // ep)]
             for k in range(t.inner) for e in range(ep)]
 
 
@@ -63,14 +78,15 @@ def replica_groups(text_layout, ep: int) -> list:
     EP index: its EDP replicas and, as the sparse blocks are replicated over TP, their TP
     ranks), ordered by (TP index, EDP index)."""
     t = text_layout
-    return [[t.rank_at(b * ep + e, k) for k in range(t.inner) for b in range(t.dp // ep)]
+    return [[_at(t, b * ep + e, k) for k in range(t.inner) for b in range(_replicas(t) // ep)]
             for e in range(ep)]
 
 
-def replica_index(text_layout, ep: int, text_coord) -> int:
-    """This rank's index in its expert replica group (`replica_groups`)."""
-    j, k = text_coord
-    return k * (text_layout.dp // ep) + j // ep
+def replica_index(text_layout, ep: int, world_rank: int) -> int:
+    """The index of ``world_rank`` in its expert replica group (`replica_groups`)."""
+    t = text_layout
+    j, k = t.grad_index(world_rank), (world_rank - t.offset) % t.inner
+    return k * (_replicas(t) // ep) + j // ep
 
 
 def expert_partition(params: list, groups):
@@ -86,7 +102,7 @@ def expert_partition(params: list, groups):
     ranks = next(r for r in replica_groups(t, ep) if groups.rank in r)
     stage = 1 if t.zero_stage in (1, 2) and len(ranks) > 1 else 0
     return ZeroPartition(params, stage, groups.text_erep, ranks,
-                         replica_index(t, ep, groups.text_coord), leader=False)
+                         replica_index(t, ep, groups.rank), leader=False)
 
 
 def expert_modules(model: torch.nn.Module, spec) -> list:
@@ -191,9 +207,9 @@ def reduce_expert_grads(engine, reduce_dtype=None) -> torch.Tensor:
     g = engine.groups
     dp.all_reduce_grads(engine.expert_params, g.text_edp, engine.comm, "text.expert_grads",
                         reduce_dtype=reduce_dtype)
-    j, k = g.text_coord
+    t, k = g.topology.text, g.text_coord[1]
     share = torch.zeros((), dtype=torch.float64, device=g.device)
-    if k == 0 and j < g.topology.text_expert_parallel:
+    if k == 0 and t.grad_index(g.rank) < g.topology.text_expert_parallel:
         for p in engine.expert_params:
             share += dp.sum_of_squares(local(p.grad).detach()).to(g.device)
     return share

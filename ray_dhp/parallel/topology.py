@@ -273,11 +273,14 @@ class Topology:
                         ("text context_parallel", text_cp)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{what} must be a positive integer, got {v!r}.")
-        if not isinstance(text_ep, int) or text_ep < 1 or text_dp % text_ep:
+        reps = text_dp * text_cp if isinstance(text_cp, int) else text_dp
+        if not isinstance(text_ep, int) or text_ep < 1 or reps % text_ep:
+            what = (f"data_parallel ({text_dp})" if text_cp == 1 else
+                    f"data_parallel x text.context_parallel ({text_dp} x {text_cp})")
             raise ValueError(
                 f"text.expert_parallel={text_ep!r} must be a positive integer dividing text."
-                f"data_parallel ({text_dp}): the experts are partitioned over data-parallel "
-                f"replicas; use one of {[d for d in range(1, text_dp + 1) if text_dp % d == 0]}.")
+                f"{what}: the experts are partitioned over the ranks holding different tokens; "
+                f"use one of {[d for d in range(1, reps + 1) if reps % d == 0]}.")
         if not isinstance(text_sequence_parallel, bool):
             raise ValueError(f"text sequence_parallel must be true or false, got {text_sequence_parallel!r}.")
         if text_sequence_parallel and text_tp == 1:

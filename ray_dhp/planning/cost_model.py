@@ -144,6 +144,16 @@ def replica_share(w: Workload, dp: int, per_sample) -> float:
     return max(mean, (1 - (1 - f_max) ** mb) * per_sample(largest))
 
 
+def _packed_padding(config, w: Workload, dp: int) -> int:
+    """Padding tokens of a text replica's packed rows (``Workload.packing``,
+    `ray_dhp.planning.packing`: the rows padded to the longest); 0 without packing or with a
+    resolution mix (rows of mixed samples fill up: counted as without padding)."""
+    if w.packing is None or w.vision_mix is not None:
+        return 0
+    n, seq = -(-w.micro_batch_size // dp), text_tokens_per_sample(config, w.vision_tokens, w.text_tokens)
+    return w.packing.text_tokens(n, seq)[0] - n * seq
+
+
 # -- communication ----------------------------------------------------------------------------
 
 def phase_times(config, counts, layout: Layout, w: Workload, hw: Hardware) -> PhaseTimes:
@@ -171,14 +181,23 @@ def phase_times(config, counts, layout: Layout, w: Workload, hw: Hardware) -> Ph
     v_comm = a2a * (3 if ckpt else 2)
     # text: compute + 4 all-reduces of [tokens, hidden] per layer (6 when recomputing) + embedding;
     # text SP turns each into an all-gather + reduce-scatter (same bytes) and re-gathers in backward
-    tok = t_tokens
+    tok = t_tokens / t.cp  # context parallelism: each CP rank runs its slice (heads, for attention)
     t_comp = replica_share(w, t.dp, lambda vt: text_flops(config, counts.text, vt, w.text_tokens, s)) \
-        / t.inner / flops
+        / t.inner / t.cp / flops
+    pad = _packed_padding(config, w, t.dp)
+    if pad:  # the packed rows' padded tail: linears on its tokens, attention as a segment
+        tok += pad / t.cp
+        t_comp += text_flops(config, counts.text, 0, pad, s) / t.inner / t.cp / flops
     n_ar = tc.num_hidden_layers * (6 if ckpt else 4) + 1
     if layout.text_sp:  # + the projection inputs all-gathered again in backward (2 x half an all-reduce)
         n_ar += tc.num_hidden_layers + 0.5
     t_comm = n_ar * _all_reduce(hw, tok * tc.hidden_size * s.dtype_bytes, t.inner,
                                 _bw(hw, t.inner_groups(), nodes))
+    if t.cp > 1:  # CP: q, k, v and the output re-sharded per layer, forward + backward (+ recompute)
+        from ray_dhp.planning.memory import cp_working_bytes
+
+        t_comm += tc.num_hidden_layers * (3 if ckpt else 2) * _all_to_all(
+            hw, cp_working_bytes(tc, t_tokens, t.inner, t.cp, s) / 2, t.cp, _bw(hw, t.cp_groups(), nodes))
     ep = topo.text_expert_parallel
     if ep > 1:  # the experts' dispatch / combine all-to-alls (`ray_dhp.planning.experts`)
         from ray_dhp.parallel.expert import ep_groups
@@ -203,13 +222,13 @@ def phase_times(config, counts, layout: Layout, w: Workload, hw: Hardware) -> Ph
     from ray_dhp.planning.experts import gradient_split
 
     dense, experts = gradient_split(counts, t.inner, ep)  # experts: summed over EDP only
-    t_end = (_all_reduce(hw, dense * g, t.dp, _bw(hw, t.dp_groups(), nodes))
+    t_end = (_all_reduce(hw, dense * g, t.dp * t.cp, _bw(hw, t.dp_groups(), nodes))
              + t_rank * 2 * w.state_bytes / hw.hbm_bw)
     if experts:  # + the experts' owners' broadcast over their replicas (ZeRO 1-2)
         from ray_dhp.parallel.expert import edp_groups, replica_groups
         from ray_dhp.parallel.zero import replica_bytes
 
-        t_end += _all_reduce(hw, experts * g, t.dp // ep, _bw(hw, edp_groups(t, ep), nodes))
+        t_end += _all_reduce(hw, experts * g, t.dp * t.cp // ep, _bw(hw, edp_groups(t, ep), nodes))
         if t.zero_stage in (1, 2):
             reps = replica_groups(t, ep)
             t_end += replica_bytes(len(reps[0]), 1, 0, experts * 4) / _bw(hw, reps, nodes)
@@ -217,7 +236,7 @@ def phase_times(config, counts, layout: Layout, w: Workload, hw: Hardware) -> Ph
     # their traffic beyond the all-reduce above (`ray_dhp.parallel.zero.replica_bytes`)
     v_end += _zero_extra(v.size, v.zero_stage, counts.vision * g, counts.vision * s.dtype_bytes,
                          bw_v)
-    t_end += _zero_extra(t.dp, t.zero_stage, t_rank * g, t_rank * s.dtype_bytes,
+    t_end += _zero_extra(t.dp * t.cp, t.zero_stage, t_rank * g, t_rank * s.dtype_bytes,
                          _bw(hw, t.dp_groups(), nodes))
     from ray_dhp.planning.cost_audio import audio_phases
 

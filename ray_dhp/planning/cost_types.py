@@ -69,6 +69,9 @@ class Workload:
     #: the clip's LLM tokens; `ray_dhp.planning.cost_audio`).
     audio_seconds: Optional[float] = None
     audio_params: object = None
+    #: ``data.packing``: a `ray_dhp.planning.packing.Packing` (text activations and the linears'
+    #: tokens are the packed rows', padded tail included; attention per sample); None: padded
+    packing: object = None
 
     def __post_init__(self):
         if self.global_batch_size % self.micro_batches:
@@ -111,6 +114,7 @@ class Layout:
     text_ep: int = 1  # expert parallelism over the text DP replicas (`ray_dhp.planning.experts`)
     audio_dp: int = 0  # replicas of the audio encoder's group (0: no audio group)
     audio_zero: Optional[int] = None
+    text_cp: int = 1  # context parallelism: each text replica's sequence over text_cp x text_tp ranks
 
     def topology(self) -> Topology:
         from ray_dhp.parallel.topology import EncoderDegrees
@@ -120,7 +124,7 @@ class Layout:
                               vision_sp=self.vision_sp, text_dp=self.text_dp, text_tp=self.text_tp,
                               text_sequence_parallel=self.text_sp,
                               vision_zero=self.vision_zero, text_zero=self.text_zero,
-                              text_ep=self.text_ep, encoders=audio)
+                              text_ep=self.text_ep, encoders=audio, text_cp=self.text_cp)
 
     @property
     def num_workers(self) -> int:
@@ -132,7 +136,8 @@ class Layout:
                 and self.audio_zero is None else
                 " (ZeRO " + " / ".join(f"{m.name} {m.zero_stage}" for m in topo.modules) + ")")
         return (f"{self.placement} {self.schedule}: vision sp{self.vision_sp}xdp{self.vision_dp}"
-                + (f" + audio dp{self.audio_dp}" if self.audio_dp else "") + f" + text tp{self.text_tp}{'+sp' if self.text_sp else ''}xdp{self.text_dp}"
+                + (f" + audio dp{self.audio_dp}" if self.audio_dp else "") + f" + text tp{self.text_tp}{'+sp' if self.text_sp else ''}"
+                + (f"xcp{self.text_cp}" if self.text_cp > 1 else "") + f"xdp{self.text_dp}"
                 f"{f' ep{self.text_ep}' if self.text_ep > 1 else ''}{zero}")
 
     def run_file_fragment(self) -> dict:
@@ -145,7 +150,8 @@ class Layout:
                 "text": {"tensor_parallel": self.text_tp, "data_parallel": self.text_dp,
                          **({"sequence_parallel": True} if self.text_sp else {}),
                          **({} if self.text_zero is None else {"zero_stage": self.text_zero}),
-                         **({"expert_parallel": self.text_ep} if self.text_ep > 1 else {})},
+                         **({"expert_parallel": self.text_ep} if self.text_ep > 1 else {}),
+                         **({"context_parallel": self.text_cp} if self.text_cp > 1 else {})},
                 "placement": {"mode": self.placement, "schedule": self.schedule},
                 "scaling": {"num_workers": self.num_workers}}
 

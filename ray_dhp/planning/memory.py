@@ -12,16 +12,17 @@ tower is whole on every vision rank (Ulysses shards tokens, not weights); the te
 exact bytes, which the tests compare with the engine's tensors after a step.
 
 Vision activations are the bytes the stock towers save for backward, per block and token
-(`ray_dhp.planning.memory_vision`, measured there). Text activations are a *simple* estimate per
-transformer block and token, counting the tensors a pre-norm block keeps for backward:
-``8·h + 4·i`` elements (two norms' inputs and outputs, q, k, v, attention output, residual;
-gate, up, activation and product of the gated MLP). Under
+(`ray_dhp.planning.memory_vision`, measured there). Text activations are what a pre-norm
+block keeps for backward per token, as measured on the engine (`text_activation_parts`: two
+RMSNorms, q, k, v, attention output, the gated MLP's four ``i``-wide tensors, the log-sum-exp),
+plus the final norm, rotary tables and logits once. Under
 Ulysses SP each vision rank keeps ``1/sp`` of the tokens; under TP the attention and MLP
 intermediates are split ``tp`` ways while norms and residuals are replicated, unless the text
-sequence parallelism is on (then they hold ``1/tp`` of the tokens; see ``text_activation_bytes``). With ``attention="eager"`` the ``heads × s²`` score and probability
+sequence parallelism is on (then they hold ``1/tp`` of the tokens). With ``attention="eager"`` the ``heads × s²`` score and probability
 matrices of every full-attention layer are added (flash/SDPA kernels keep them out of memory).
 With activation checkpointing only each block's input is kept, plus one block recomputed.
-The logits of the vocab-parallel loss are fp32, ``vocab/tp`` wide, kept twice (logits, grad).
+The logits of the vocab-parallel loss are fp32, ``vocab/tp`` wide: saved once, their gradient
+is transient (both count in the rank's activations).
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from ray_dhp.models.sizes import ParamCounts, owned, vision_width
+from ray_dhp.models.sizes import ParamCounts, owned
 from ray_dhp.planning.memory_vision import vision_activation_bytes  # noqa: F401
+from ray_dhp.planning.packing import text_tokens as packed_text
 
 GIB = 1024 ** 3
 STATE_BYTES_PER_PARAM = 16  # fp32 weight + grad + AdamW exp_avg + exp_avg_sq (policy fp32)
@@ -132,11 +134,11 @@ def _split_experts(counts: ParamCounts, ep: int, topology, rank: int):
     experts = [q for q in counts.text_sizes if q.expert]
     held = sum(q.numel for q in experts) // ep
     t = topology.text
-    replicas = t.inner * (t.dp // ep)
+    replicas = t.inner * (t.dp * t.cp // ep)  # the experts over the dp x cp replicas
     sizes = [q.numel // ep for q in experts if q.trained]
     trained = updated = sum(sizes)
     if t.zero_stage in (1, 2) and replicas > 1:
-        updated = owned(sizes, replica_index(t, ep, t.coord(rank)), replicas)
+        updated = owned(sizes, replica_index(t, ep, rank), replicas)
     frozen = sum(q.numel for q in experts if not q.trained)
     rest = dataclasses.replace(
         counts, text=counts.text - sum(q.numel for q in experts),
@@ -210,41 +212,89 @@ def _mlp_widths(tc) -> tuple:
 
 def text_activation_bytes(tc, tokens: int, tp: int, s: ActivationSettings,
                           sample_tokens: Optional[int] = None, seq_parallel: bool = False,
-                          cp: int = 1) -> float:
-    """Activation bytes of one text TP rank for ``tokens`` tokens of its replica (incl. logits).
+                          cp: int = 1, head_norms: bool = False) -> float:
+    """Activation bytes of one text TP rank for ``tokens`` tokens of its replica (incl. logits):
+    the saved-for-backward bytes plus the transient working set (`text_activation_parts`)."""
+    return sum(text_activation_parts(tc, tokens, tp, s, sample_tokens, seq_parallel, cp, head_norms))
+
+
+def text_activation_parts(tc, tokens: int, tp: int, s: ActivationSettings,
+                          sample_tokens: Optional[int] = None, seq_parallel: bool = False,
+                          cp: int = 1, head_norms: bool = False) -> tuple:
+    """``(saved, transient)`` bytes of one text TP rank for ``tokens`` tokens of its replica.
+
+    ``saved``: what autograd keeps from the forward for the backward, per token (``d`` the
+    activation element size, ``h`` the width, ``i`` the MLP width, ``kv`` the k and v widths):
+    per block two RMSNorms (each its input upcast to fp32, the fp32 ``rsqrt`` and the normalised
+    input and output in ``d``: ``4h + 4 + 2dh``), q, k, v and the attention output
+    (``d(2h + kv)/tp``) with the kernel's fp32 log-sum-exp (``4 heads/tp``), the gated MLP's gate,
+    activation, up and product (``4di/tp``; an MoE's routed experts ``4d`` per routed width,
+    replicated); once, the final norm, the rotary ``cos`` and ``sin`` (``d`` each per head dim),
+    the int64 ids and labels and the fp32 logits of the vocab-parallel loss (``4·vocab/tp``).
+    Measured on the engine at TP 1 and 2 with ``saved_tensors_hooks`` (``benchmarks/plan_accuracy.py``).
+    ``head_norms`` (`ParamCounts.text_head_norms`): per-head q and k RMSNorms, each keeping its
+    fp32 input, ``rsqrt`` per head and normalised output in ``d`` (measured on Qwen3-VL's LM).
+    ``transient``: the logits' gradient at the start of the backward (``4·vocab/tp``), the block
+    recomputed at a time under activation checkpointing and, under CP, one layer's all-to-all
+    buffers.
 
     ``seq_parallel`` (``text.sequence_parallel``): every per-token activation is ``1/tp`` — norms
     and residuals run on the local tokens, the column-parallel projections keep only the sequence
     shard of their all-gathered input (re-gathered in backward), and every checkpointed block
     input is ``h/tp``. Measured by ``benchmarks/text_sp.py``.
 
-    ``cp`` (``text.context_parallel``, `ray_dhp.parallel.context`): the rank keeps ``1/cp`` of the
-    tokens for everything (attention keeps the whole sequence for ``1/(tp cp)`` of the heads: the
-    same bytes as its slice for all of its ``1/tp``), so ~``1/(tp cp)`` overall, plus one layer's
-    working set: the all-to-all buffers of q, k, v and the output (send and receive)."""
+    ``cp`` (``text.context_parallel``, `ray_dhp.parallel.context`): the *saved* activations of
+    the rank's slice, each sample padded to a multiple of cp (attention keeps the whole sequence
+    for ``1/(tp cp)`` of the heads: the same bytes as its slice for all of its ``1/tp``), plus the
+    attention output in the buffer the reverse all-to-all returns it in, which ``o_proj`` keeps
+    (the stock path's ``o_proj`` input is SDPA's saved output itself); the slice's own transient
+    part. The all-to-all send and receive buffers are CP's transient working set, counted apart
+    (`cp_working_bytes`, `RankMemory.text_work`). Measured: within 5% at CP 1/2/4
+    (tests/distributed/test_context_parallel.py) and in the plan-accuracy matrix."""
     if cp > 1:
         seq = sample_tokens or tokens
-        local = text_activation_bytes(tc, tokens / cp, tp, _sdpa(s), seq / cp, seq_parallel)
-        hd = tc.hidden_size // tc.num_attention_heads
-        kv = tc.num_key_value_heads  # repeated to the query heads where they do not split over cp
-        kv = tc.num_attention_heads if (kv // tp) % cp else kv
-        qkvo = tokens / cp * (2 * tc.hidden_size + 2 * kv * hd) / tp
+        padded = -(-seq // cp) * cp
+        mine = tokens / seq * padded / cp  # the rank's tokens
+        saved, transient = text_activation_parts(tc, mine, tp, _sdpa(s), padded / cp, seq_parallel,
+                                                 head_norms=head_norms)
+        back = mine * tc.hidden_size / tp * s.dtype_bytes * (1 if s.checkpointing else tc.num_hidden_layers)
         eager = (2 * tc.num_attention_heads / (tp * cp) * tokens * seq * s.dtype_bytes
                  * (1 if s.checkpointing else tc.num_hidden_layers)) if s.attention == "eager" else 0
-        return local + 2 * qkvo * s.dtype_bytes + eager
-    h, layers = tc.hidden_size, tc.num_hidden_layers
+        return saved + back + eager, transient
+    h, layers, d = tc.hidden_size, tc.num_hidden_layers, s.dtype_bytes
     i, routed = _mlp_widths(tc)
-    kv = 2 * tc.num_key_value_heads * (h // tc.num_attention_heads)
-    replicated = (5 * h / tp if seq_parallel else 5 * h) + 4 * routed
-    sharded = (2 * h + kv + 4 * i) / tp
-    per_block = tokens * (replicated + sharded) * s.dtype_bytes
-    kept = layers * h / tp if seq_parallel else layers * h
-    total = tokens * kept * s.dtype_bytes + per_block if s.checkpointing else layers * per_block
+    heads = tc.num_attention_heads
+    hd = getattr(tc, "head_dim", None) or h // heads
+    kv = 2 * tc.num_key_value_heads * hd
+    local = tp if seq_parallel else 1  # norms and residuals on 1/tp of the tokens
+    norm = (4 * h + 4 + 2 * d * h) / local
+    sharded = (d * (2 * heads * hd + kv + 4 * i) + 4 * heads) / tp
+    if head_norms:  # q (heads) and k (kv heads): fp32 input + rsqrt per head + output in d
+        qk = heads + tc.num_key_value_heads
+        sharded += qk * ((4 + d) * hd + 4) / tp
+    per_block = tokens * (2 * norm + sharded + 4 * d * routed)
+    kept = tokens * layers * d * h / local
+    # checkpointing: each block's input saved, one block recomputed at a time (transient)
+    blocks, recomputed = (kept, per_block) if s.checkpointing else (layers * per_block, 0.0)
+    once = tokens * (norm + 2 * d * hd + 16 + 4 * tc.vocab_size / tp)
     if s.attention == "eager":
-        seq = sample_tokens or tokens
-        heads = tc.num_attention_heads / tp
-        total += 2 * heads * tokens * seq * s.dtype_bytes * (1 if s.checkpointing else layers)
-    return total + 2 * tokens * (tc.vocab_size / tp) * 4
+        scores = 2 * heads / tp * tokens * (sample_tokens or tokens) * d
+        blocks, recomputed = (blocks, recomputed + scores) if s.checkpointing else (
+            blocks + scores * layers, recomputed)
+    return blocks + once, recomputed + tokens * 4 * tc.vocab_size / tp
+
+
+def cp_working_bytes(tc, tokens: float, tp: int, cp: int, s: ActivationSettings) -> float:
+    """The transient per-layer working set of context parallelism on one rank (`ray_dhp.parallel.
+    context`): one layer's all-to-all send and receive buffers of q, k, v and the output (KV
+    heads repeated to the query heads where they do not split over cp). Counted in the rank's
+    peak (`RankMemory.total`), not among the saved activations. 0 without CP."""
+    if cp == 1:
+        return 0.0
+    hd = tc.hidden_size // tc.num_attention_heads
+    kv = tc.num_key_value_heads
+    kv = tc.num_attention_heads if (kv // tp) % cp else kv
+    return 2 * tokens / cp * (2 * tc.hidden_size + 2 * kv * hd) / tp * s.dtype_bytes
 
 
 def _sdpa(s: ActivationSettings) -> ActivationSettings:
@@ -263,17 +313,18 @@ class RankMemory:
     vision_act: float
     text_act: float
     audio_act: float = 0.0  # `ray_dhp.planning.memory_audio.estimate_module_ranks`
+    text_work: float = 0.0  # CP's transient all-to-all buffers (`cp_working_bytes`)
 
     @property
     def total(self) -> float:
-        return self.state_bytes + self.vision_act + self.text_act + self.audio_act
+        return self.state_bytes + self.vision_act + self.text_act + self.audio_act + self.text_work
 
 
 def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int, text_tokens: int,
                    samples: int, settings: ActivationSettings,
                    state_bytes: float = STATE_BYTES_PER_PARAM, policy=None,
                    segment_tokens: Optional[int] = None,
-                   text_samples: Optional[int] = None) -> list:
+                   text_samples: Optional[int] = None, packing=None) -> list:
     """Per-rank `RankMemory` for micro-batches of ``samples`` samples per vision replica and
     ``text_samples`` (default ``samples``) per text replica (each group splits the micro-batch
     over its own data-parallel degree), each with
@@ -282,16 +333,19 @@ def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int,
     parameter, and with vision ZeRO (stage >= 1) the ViT's AdamW moments (8 of the state bytes)
     are sharded over the whole vision group (the cost model's approximation). ``segment_tokens``:
     patch tokens per attention segment (a video's frame, `ray_dhp.planning.video`; None: the
-    sample is one image)."""
+    sample is one image). ``packing`` (`ray_dhp.planning.packing.Packing`, ``data.packing``):
+    the text activations are the replica's packed rows', not its padded samples'."""
     vc, tc = config.vision_config, config.text_config
     merge = merged(config)
     sp, tp = topology.vision.inner, topology.text.inner
     seq = text_tokens + vision_tokens // merge
     v_act = vision_activation_bytes(vc, samples * vision_tokens, sp, settings,
                                     segment_tokens or vision_tokens)
-    t_act = text_activation_bytes(tc, (text_samples or samples) * seq, tp, settings, seq,
+    t_tokens, t_row = packed_text(packing, text_samples or samples, seq)
+    t_act = text_activation_bytes(tc, t_tokens, tp, settings, t_row,
                                   seq_parallel=getattr(topology, "text_sequence_parallel", False),
-                                  cp=topology.text.cp)
+                                  cp=topology.text.cp, head_norms=counts.text_head_norms)
+    t_work = cp_working_bytes(tc, (text_samples or samples) * seq, tp, topology.text.cp, settings)
     moments = 8 * (1 - 1 / topology.vision.size) if topology.vision.zero_stage else 0
     out = []
     for r in range(topology.world_size):
@@ -302,7 +356,8 @@ def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int,
                  else params * state_bytes - v * moments)
         out.append(RankMemory(r, roles, params, state,
                               v_act if "vision" in roles else 0.0,
-                              t_act if "text" in roles else 0.0))
+                              t_act if "text" in roles else 0.0,
+                              text_work=t_work if "text" in roles else 0.0))
     return out
 
 

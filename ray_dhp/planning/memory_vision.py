@@ -36,7 +36,7 @@ from typing import Optional
 
 from ray_dhp.models.sizes import vision_width
 
-__all__ = ["vision_activation_bytes"]
+__all__ = ["vision_activation_bytes", "vision_activation_parts"]
 
 # ``i``-wide tensors an MLP keeps per token, by activation (the gated SiLU MLP counts its up
 # branch); another activation counts as a one-op one (2)
@@ -105,14 +105,21 @@ def _ulysses_blocks(vc, sp: int) -> int:
 def vision_activation_bytes(vc, tokens: int, sp: int, s,
                             image_tokens: Optional[int] = None) -> float:
     """Activation bytes of one vision SP rank for ``tokens`` patch tokens of its replica
-    (``s``: an `ActivationSettings`)."""
+    (``s``: an `ActivationSettings`): saved plus transient (`vision_activation_parts`)."""
+    return sum(vision_activation_parts(vc, tokens, sp, s, image_tokens))
+
+
+def vision_activation_parts(vc, tokens: int, sp: int, s,
+                            image_tokens: Optional[int] = None) -> tuple:
+    """``(saved, transient)`` bytes of one vision SP rank: what the forward saves for backward
+    and, with activation checkpointing, the one block recomputed at a time in backward."""
     h, i, depth, d = vision_width(vc), _vision_mlp(vc), _depth(vc), s.dtype_bytes
     local = tokens / sp
     per_block = local * _block_bytes(vc, h, i, d)
     if s.checkpointing:
-        blocks = depth * local * h * d + per_block
+        blocks, transient = depth * local * h * d, per_block
     else:
-        blocks = depth * per_block - _ulysses_blocks(vc, sp) * local * h * d
+        blocks, transient = depth * per_block - _ulysses_blocks(vc, sp) * local * h * d, 0.0
     total = blocks + local * _once_bytes(vc, h, d)
     if s.attention == "eager":
         seg = image_tokens or tokens
@@ -120,8 +127,9 @@ def vision_activation_bytes(vc, tokens: int, sp: int, s,
         window = (getattr(vc, "window_size", 0) // _patch_side(vc)) ** 2 or seg
         windows = depth - full
         heads = _heads(vc) / sp
-        layers_kept = (1 if s.checkpointing else full)
-        total += 2 * heads * (tokens / seg) * seg * seg * s.dtype_bytes * layers_kept
-        if not s.checkpointing:
-            total += 2 * heads * tokens * min(window, seg) * s.dtype_bytes * windows
-    return total
+        scores = 2 * heads * (tokens / seg) * seg * seg * s.dtype_bytes
+        if s.checkpointing:
+            transient += scores
+        else:
+            total += scores * full + 2 * heads * tokens * min(window, seg) * s.dtype_bytes * windows
+    return total, transient

@@ -60,18 +60,19 @@ def _divisors(n: int) -> list:
 
 
 def enumerate_layouts(num_workers: int, micro_batches: int = 1, config=None,
-                      audio: bool = False) -> list:
+                      audio: bool = False, context_parallel: bool = False) -> list:
     """Every collocated and disjoint layout of ``num_workers`` (pipelined only when M >= 2); with
     text TP > 1 both without and with text sequence parallelism; for a mixture-of-experts
     ``config`` each also at every expert-parallel degree its text replicas and the experts admit
     (`ray_dhp.planning.experts.expert_degrees`). ``audio``: the three-module layouts with an
-    audio group (`ray_dhp.planning.cost_audio.audio_layouts`) instead."""
+    audio group (`ray_dhp.planning.cost_audio.audio_layouts`) instead. ``context_parallel``:
+    also every text context-parallel degree > 1 the text ranks admit (no audio group)."""
     if audio:
         from ray_dhp.planning.cost_audio import audio_layouts
 
         out = audio_layouts(num_workers, micro_batches, Layout, _divisors)
     else:
-        out = _layouts(num_workers, micro_batches)
+        out = _layouts(num_workers, micro_batches, context_parallel)
     if config is None:
         return out
     from dataclasses import replace
@@ -82,19 +83,24 @@ def enumerate_layouts(num_workers: int, micro_batches: int = 1, config=None,
                   for e in expert_degrees(config, lay.text_dp)]
 
 
-def _layouts(num_workers: int, micro_batches: int) -> list:
+def _layouts(num_workers: int, micro_batches: int, context_parallel: bool = False) -> list:
     n = num_workers
 
     def sps(tp):
         return (False, True) if tp > 1 else (False,)
 
-    out = [Layout("collocated", "sequential", sp, n // sp, tp, n // tp, tsp)
-           for sp in _divisors(n) for tp in _divisors(n) for tsp in sps(tp)]
+    def tcs(nt):  # (tp, cp) of nt text ranks
+        return [(tp, cp) for tp in _divisors(nt)
+                for cp in (_divisors(nt // tp) if context_parallel else (1,))]
+
+    out = [Layout("collocated", "sequential", sp, n // sp, tp, n // (tp * cp), tsp, text_cp=cp)
+           for sp in _divisors(n) for tp, cp in tcs(n) for tsp in sps(tp)]
     schedules = ("sequential", "pipelined") if micro_batches > 1 else ("sequential",)
     for nv in range(1, n):
         for sp in _divisors(nv):
-            for tp in _divisors(n - nv):
-                out += [Layout("disjoint", sc, sp, nv // sp, tp, (n - nv) // tp, tsp)
+            for tp, cp in tcs(n - nv):
+                out += [Layout("disjoint", sc, sp, nv // sp, tp, (n - nv) // (tp * cp), tsp,
+                               text_cp=cp)
                         for sc in schedules for tsp in sps(tp)]
     return out
 
@@ -105,7 +111,8 @@ def memory_gib(config, counts, layout: Layout, w: Workload) -> dict:
     precision policy at least the rank's step and start-up peaks (`ray_dhp.planning.step_peak`)."""
     topo = layout.topology()
     kw = dict(vision_tokens=w.vision_tokens, text_tokens=w.text_tokens, settings=w.settings,
-              state_bytes=w.state_bytes, policy=w.policy, segment_tokens=w.vision_segment)
+              state_bytes=w.state_bytes, policy=w.policy, segment_tokens=w.vision_segment,
+              packing=w.packing)
     mb = w.micro_batch_size
     if layout.audio_dp:
         from functools import partial
@@ -124,7 +131,7 @@ def memory_gib(config, counts, layout: Layout, w: Workload) -> dict:
     out: dict = {}
     for a in rows:
         role = "+".join(a.roles)
-        total = a.state_bytes + alive * (a.vision_act + a.audio_act) + a.text_act
+        total = a.state_bytes + alive * (a.vision_act + a.audio_act) + a.text_act + a.text_work
         if w.policy is not None:  # the step and start-up peaks, as `ray-dhp plan` counts them
             from ray_dhp.planning.step_peak import rank_floor
 
@@ -142,6 +149,13 @@ def evaluate(config, counts, layout: Layout, w: Workload, hw: Hardware = Hardwar
         family_of(config).validate_layout(config, sp=layout.vision_sp, tp=layout.text_tp,
                                           text_sp=layout.text_sp)
         family_of(config).validate_expert_parallel(config, layout.text_ep)
+        if layout.text_cp > 1:
+            from ray_dhp.parallel.context import refusal
+
+            why = refusal(family_of(config), config, layout.text_cp, layout.text_tp,
+                          text_sp=layout.text_sp)
+            if why:
+                raise ValueError(why)
     except ValueError as e:
         return Candidate(layout, reason=f"model dims: {e}")
     mb, dp = w.micro_batch_size, max(layout.vision_dp, layout.text_dp, layout.audio_dp)
@@ -168,7 +182,7 @@ def zero_options(layout: Layout) -> list:
 
     topo = layout.topology()
     vs = (0, 1, 2, 3) if topo.vision.size > 1 else (0,)
-    ts = ((0, 1, 2) if layout.text_ep > 1 else (0, 1, 2, 3)) if topo.text.dp > 1 else (0,)
+    ts = ((0, 1, 2) if layout.text_ep > 1 else (0, 1, 2, 3)) if topo.text.dp * topo.text.cp > 1 else (0,)
     if not layout.audio_dp:
         return [replace(layout, vision_zero=a, text_zero=b) for a in vs for b in ts
                 if (a, b) != (topo.vision.zero_stage, topo.text.zero_stage)]
@@ -191,7 +205,7 @@ def with_zero_stages(config, counts, cand: Candidate, w: Workload, hw: Hardware)
 
 
 def recommend(config, num_workers: int, workload: Workload, hardware: Hardware = Hardware(),
-              counts=None) -> list:
+              counts=None, context_parallel: bool = False) -> list:
     """Every layout of ``num_workers`` as a `Candidate`: feasible ones first, fastest first, then
     the dropped ones (those with a predicted time first, fastest first).
 
@@ -201,6 +215,8 @@ def recommend(config, num_workers: int, workload: Workload, hardware: Hardware =
         workload: tokens per sample, batch, micro-batches, activation settings, device memory.
         hardware: the cost model's device and links (`Hardware`).
         counts: `ray_dhp.models.sizes.ParamCounts`; None counts them on the meta device.
+        context_parallel: also rank every text context-parallel degree (``text.context_parallel``;
+            CP ranks replicate the weights, so they pay off for long sequences).
 
     Example:
         >>> from ray_dhp import demo
@@ -222,7 +238,8 @@ def recommend(config, num_workers: int, workload: Workload, hardware: Hardware =
         counts = without_audio(counts)  # the tower lives on the audio ranks
     cands = [with_zero_stages(config, counts, evaluate(config, counts, lay, workload, hardware),
                               workload, hardware)
-             for lay in enumerate_layouts(num_workers, workload.micro_batches, config, audio)]
+             for lay in enumerate_layouts(num_workers, workload.micro_batches, config, audio,
+                                          context_parallel and not audio)]
     return sorted(cands, key=lambda c: (not c.feasible, math.isnan(c.step_s),
                                         c.step_s if not math.isnan(c.step_s) else 0.0,
                                         c.peak_memory_gib if c.memory_gib else 0.0))

@@ -124,27 +124,39 @@ def largest_local(counts, topology, text: bool) -> int:
 
 
 def rank_step_peak(state, policy, counts, topology, rank: int, text_config,
-                   extra_reduced: int = 0, extra_updated: int = 0) -> int:
+                   extra_reduced: int = 0, extra_updated: int = 0, cpu: bool = False) -> int:
     """`step_peak` of ``rank`` as `ray-dhp plan` prints it (GPU: fused or foreach AdamW,
-    `foreach_elements`; ``extra_updated``: elements a further module on the rank updates,
+    `foreach_elements`; ``cpu``: CPU's single-tensor AdamW loop instead, what
+    ``benchmarks/plan_accuracy.py`` measures; ``extra_updated``: elements a further module on the rank updates,
     an audio tower's, left out of the text module's): the ViT is
     all-reduced over the vision group, the text model over its DP replicas; under TP the
-    vocab-parallel embedding's gradient comes back whole. ``largest`` is the largest parameter
-    unsharded (an upper bound where TP splits it). ``extra_reduced``: elements of a further
-    module the rank all-reduces (an audio tower over its replicas)."""
+    vocab-parallel embedding's gradient comes back whole; a module at ZeRO stage 3 has none
+    (FSDP2 reduce-scatters it in its backward). ``largest``: the largest local tensor of the
+    modules the rank hosts (`largest_local`; a further module's unsharded). ``extra_reduced``:
+    elements of a further module the rank all-reduces (an audio tower over its replicas)."""
     roles = topology.roles(rank)
     tp = topology.text.inner
     v = topology.vision  # at stage 3 FSDP2 reduce-scatters the ViT in its backward: no buckets
     reduced = counts.vision if "vision" in roles and v.size > 1 and v.zero_stage != 3 else 0
     reduced += extra_reduced
-    if "text" in roles and topology.text.dp > 1:
+    tg = topology.text  # its gradient replicas: dp x cp
+    if "text" in roles and tg.dp * tg.cp > 1 and tg.zero_stage != 3:
         reduced += counts.text_per_rank(tp)
+        ep = topology.text_expert_parallel
+        if ep > 1:  # the rank's 1/ep of the experts reduce over the dp / ep replicas holding them
+            experts = sum(q.numel for q in counts.text_sizes if q.expert)
+            reduced -= experts - (experts // ep if tg.dp // ep > 1 else 0)
     emb = text_config.vocab_size * text_config.hidden_size
     replicated = emb - emb // tp if "text" in roles and tp > 1 else 0
     v_up = (counts.vision_updated_by(rank - v.offset, v.size, v.zero_stage)
             if "vision" in roles else 0)
     t_up = state.updated - v_up - extra_updated if "text" in roles else 0
-    return step_peak(state, policy, counts.largest, reduced, replicated,
+    sizes = [largest_local(counts, topology, text=m == "text") for m in ("vision", "text")
+             if m in roles]
+    largest = max(sizes + ([counts.largest] if extra_updated or not sizes else []))
+    if cpu:
+        return step_peak(state, policy, largest, reduced, replicated, fused_adamw=False)
+    return step_peak(state, policy, largest, reduced, replicated,
                      foreach=foreach_elements(policy, counts, topology, rank, t_up))
 
 

@@ -49,8 +49,8 @@ def collective_bytes(config, counts, layout: Layout, w: Workload) -> dict:
     dense, experts = gradient_split(counts, t.inner, ep)
     t_grads = replica_bytes(t.dp, t.zero_stage, dense * g, dense * wb)
     moe_a2a = sent_bytes(config, tok, ep, m, s.checkpointing, s.dtype_bytes)
-    e_reps = t.inner * (t.dp // ep)
-    e_grads = (replica_bytes(t.dp // ep, 0, experts * g, experts * wb)
+    e_reps = t.inner * (t.dp * t.cp // ep)
+    e_grads = (replica_bytes(t.dp * t.cp // ep, 0, experts * g, experts * wb)
                + (replica_bytes(e_reps, 1, 0, experts * wb) if t.zero_stage in (1, 2) else 0))
     out = dict(zip(COLLECTIVES, (m * a2a * (3 if s.checkpointing else 2), m * ar,
                                  m * boundary, v_grads, t_grads, moe_a2a, e_grads)))

@@ -80,7 +80,8 @@ class DHPEngine(EncoderPhases, TextPhase, UpdateMixin):
         from ray_dhp.parallel.context import refusal
 
         why = refusal(self.family, self.config, topo.text.cp, topo.text.inner, cfg.data.packing,
-                      tuple(self.family.encoder_spec(m.name).operations() for m in topo.encoders))
+                      tuple(self.family.encoder_spec(m.name).operations() for m in topo.encoders),
+                      text_sp=topo.text_sequence_parallel)
         if why:
             raise ValueError(why)
         if topo.text_expert_tp:
@@ -92,7 +93,9 @@ class DHPEngine(EncoderPhases, TextPhase, UpdateMixin):
             from ray_dhp.parallel.context import install_context_parallel
 
             install_context_parallel(self.family.language_model(self.text_model), groups.text_cp,
-                                     topo.text.cp, groups.text_cp_rank, self.comm)
+                                     topo.text.cp, groups.text_cp_rank, self.comm,
+                                     self.family.cp_mixers(self.config.text_config)
+                                     if self.family.stateful_mixers else (), topo.text.inner)
         self.tuning = tuning_of(cfg.optim)  # per-module choices: frozen parameters are left out below
         if self.tuning.lora is not None and self.text_model is not None:  # PEFT LoRA, TP-exact
             from ray_dhp.models.lora import add_lora

@@ -63,9 +63,11 @@ def _train_body(rank, world, layout, cfg, data, model, resume_from, stop, save_a
     first = checkpoint.load(resume_from, engine, sampler) if resume_from else 0
     params0 = engine.named_full_parameters()
     writer = BackgroundWriter(groups.device) if save_at else None
-    history, at_save, reserved = [], {}, None
+    history, at_save, reserved, drawn = [], {}, None, []
     for _ in range(first, stop):
-        history.append(engine.step(sampler.next_step()))
+        batch = sampler.next_step()
+        drawn.append([[s.index for s in mb] for mb in batch])
+        history.append(engine.step(batch))
         if writer is not None and reserved is None:  # as the built-in loop: after the first step
             writer.reserve(engine)
             reserved = {k: b.data_ptr() for k, b in writer.buffers.items()}
@@ -79,7 +81,7 @@ def _train_body(rank, world, layout, cfg, data, model, resume_from, stop, save_a
         assert {k: b.data_ptr() for k, b in writer.buffers.items()} == reserved
     logits = _text_logits(engine, probe) if probe is not None and engine.text_model is not None else None
     return {"first": first, "history": history, "params0": params0, "at_save": at_save,
-            "params": engine.named_full_parameters(), "logits": logits}
+            "params": engine.named_full_parameters(), "logits": logits, "drawn": drawn}
 
 
 def run(layout, data, *, stop=None, resume_from=None, save_at=(), ckpt_root=None,
@@ -92,7 +94,8 @@ def run(layout, data, *, stop=None, resume_from=None, save_at=(), ckpt_root=None
                                                   tuple(save_at), ckpt_root, probe))
     logits = next((o["logits"] for o in outs if o["logits"] is not None), None)
     at_save = {k: {n: p for o in outs for n, p in o["at_save"][k].items()} for k in save_at}
-    return dict(merge_ranks(outs), first=outs[0]["first"], logits=logits, at_save=at_save)
+    return dict(merge_ranks(outs), first=outs[0]["first"], logits=logits, at_save=at_save,
+                drawn=outs[0]["drawn"])
 
 
 def assert_matches(history, got, ref, *, tol=TOL):

@@ -2,10 +2,35 @@
 `test_omni_eval.py`) over the records of ``make_omni_dataset(root, videos=2)``: every modality,
 then no audio, then no image (so each module once gets no input)."""
 
-# record indices of `test_omni_audio.omni_records`: images, text-only, audio clips, image + audio, videos
+import json
+
+from ray_dhp import demo
+from ray_dhp.data.reading import read_annotations, resolve_data_root
+from ray_dhp.data.sampler import StepSampler
+from ray_dhp.demo.omni import make_omni_dataset
+
+# record indices of `omni_records`: images, text-only, audio clips, image + audio, videos
 IMG, TXT, AUD, BOTH, VID = (0, 1, 3, 4), (2, 5), (6, 7, 8, 9), 10, (11, 12)
+AUDIO_FIRST = 13  # `omni_records(..., audio_first=True)`: BOTH with its clip before its image
 STEPS = (
     ((IMG[0], AUD[0], BOTH, TXT[0]), (IMG[1], AUD[1], VID[0], AUD[2])),  # every modality
     ((IMG[3], TXT[0], VID[1], TXT[1]), (IMG[1], TXT[1], IMG[2], TXT[0])),  # no audio
     ((AUD[0], TXT[0], AUD[3], TXT[1]), (AUD[1], AUD[2], TXT[0], AUD[3])),  # no image
 )
+
+
+def omni_records(root, cfg, audio_first: bool = False) -> list:
+    """The processed `Sample` of every record of `make_omni_dataset` under ``root`` (images with
+    text-only records, clips, one record with both, two videos: the indices above), processed
+    under the loop configuration ``cfg``; ``audio_first``: one more record (`AUDIO_FIRST`), the
+    image + clip record with its clip before its image."""
+    path = make_omni_dataset(root, videos=2)
+    if audio_first:
+        lines = path.read_text().splitlines()
+        record = json.loads(lines[BOTH])
+        record["conversations"][0]["value"] = "<audio>\n<image>\nDescribe the sound and the image."
+        path.write_text("\n".join(lines + [json.dumps(record)]) + "\n")
+    sampler = StepSampler(read_annotations(path), demo.tiny_processor("qwen2_5_omni"),
+                          resolve_data_root(path), cfg)
+    sampler.allow_audio = True
+    return [sampler.process(i) for i in range(len(path.read_text().splitlines()))]

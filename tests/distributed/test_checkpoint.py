@@ -248,3 +248,32 @@ def test_a_flipped_bit_on_one_rank_makes_every_rank_fall_back_together(tmp_path)
     ranks, and both load the previous checkpoint (not a mix of the two)."""
     outs = run_on_ranks(_fallback_body, 2, args=(str(tmp_path),))
     assert outs == [("checkpoint_000002", 2.0), ("checkpoint_000002", 3.0)]
+
+
+@pytest.mark.slow
+def test_packed_resume_mid_epoch_matches_uninterrupted(data, tmp_path):
+    """Packing (``packing=True``, rows of at most 80 tokens: samples are 30-43, so 2 per row):
+    3 steps at collocated SP2/TP2 (one text replica: 4 samples, 2 packed rows), saved mid-epoch
+    (16 samples, 4 per step: step 3 of the epoch's 4), resumed at vision DP2 + text DP2 (the
+    packed rows shared out over two text replicas), 3 more steps == 6 uninterrupted reference
+    steps: the same samples in the same micro-batches at every step (so the same packed rows,
+    `pack_rows` of them), every loss, every rank's copy of every parameter (``TOL``)."""
+    from dataclasses import replace
+
+    from ray_dhp.data.collate import pack_rows
+    from ray_dhp.step.reference import ReferenceTrainer
+
+    cfg = replace(CFG, packing=True, max_tokens=80)
+    sampler = _sampler(data, cfg)
+    trainer = ReferenceTrainer(demo.tiny_model_config(FAMILY), cfg.optim, dtype=DTYPE)
+    steps = [sampler.next_step() for _ in range(cfg.optim.num_steps)]
+    ref = {"history": [trainer.step(s) for s in steps], "params": trainer.named_parameters()}
+    rows = [pack_rows([s.num_tokens for s in mb], cfg.data.max_tokens) for st in steps for mb in st]
+    assert any(len(r) > 1 for rs in rows for r in rs)  # rows hold several samples
+    root = str(tmp_path)
+    first = run(COLLOCATED_SP2_TP2, data, stop=3, save_at=(3,), ckpt_root=root, cfg=cfg)
+    after = dict(placement="collocated", vision_dp=2, vision_sp=1, text_dp=2, text_tp=1)
+    second = run(after, data, resume_from=root, cfg=cfg)
+    assert second["first"] == 3
+    assert first["drawn"] + second["drawn"] == [[[s.index for s in mb] for mb in st] for st in steps]
+    assert_matches(first["history"] + second["history"], second, ref)

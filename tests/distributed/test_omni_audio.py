@@ -26,29 +26,18 @@ import torch
 from ray_dhp import demo
 from ray_dhp.data.reading import read_annotations, resolve_data_root
 from ray_dhp.data.sampler import StepSampler
-from ray_dhp.demo.omni import make_omni_dataset
 from ray_dhp.parallel.topology import EncoderDegrees
 from ray_dhp.config.train_loop import TrainLoopConfig
-from tests.distributed.omni_cases import BOTH, STEPS, VID
+from tests.distributed.omni_cases import BOTH, STEPS, VID, omni_records
 from tests.distributed.parity import assert_parity, run_engine, run_reference
 
 CFG = TrainLoopConfig(lr=1e-3, global_batch_size=8, micro_batches=2, num_steps=3,
                       max_grad_norm=0.5, weight_decay=0.1, seed=0)
 
 
-def omni_records(root) -> list:
-    """The processed `Sample` of every record of `make_omni_dataset` under ``root`` (images with
-    text-only records, clips, one record with both, two videos: the indices of `omni_cases`)."""
-    path = make_omni_dataset(root, videos=2)
-    sampler = StepSampler(read_annotations(path), demo.tiny_processor("qwen2_5_omni"),
-                          resolve_data_root(path), CFG)
-    sampler.allow_audio = True
-    return [sampler.process(i) for i in range(len(path.read_text().splitlines()))]
-
-
 @pytest.fixture(scope="module")
 def omni(tmp_path_factory):
-    samples = omni_records(tmp_path_factory.mktemp("omni"))
+    samples = omni_records(tmp_path_factory.mktemp("omni"), CFG)
     assert samples[BOTH].audio_lengths is not None and samples[BOTH].image_grid_thw is not None
     assert all(samples[i].modalities.tolist() == [2] for i in VID)  # videos
     steps = [[[dataclasses.replace(samples[i], index=n * 8 + k * 4 + j) for j, i in enumerate(mb)]
@@ -238,7 +227,7 @@ def test_loader_routes_audio_to_the_audio_ranks_only(tmp_path):
     from ray_dhp.step.microbatch import encoder_replicas
     from tests.spawn import run_on_ranks
 
-    samples = omni_records(tmp_path)
+    samples = omni_records(tmp_path, CFG)
     path = str(tmp_path / "mixed.jsonl")
     cfg = dataclasses.replace(CFG, balance="cost", num_steps=2)
     layout = dict(placement="disjoint", vision_dp=1, vision_sp=1, text_dp=1, text_tp=1,

@@ -14,8 +14,9 @@ Generic families (`ray_dhp.models.generic_packing`) pack at vision DP2 + text TP
 take no vision SP): LLaVA (default run; also disjoint), Mistral 3, Idefics3 (1-D positions),
 GLM-4V (M-RoPE from its get_rope_index), PaliGemma (bidirectional image prefix), Aya Vision
 (sliding-window layers), GLM-4.5V (a mixture-of-experts LM, at text DP2 with EP2: the router
-loss counts the packed rows' real tokens); Gemma 3 and LFM-VL are refused with the reason (the
-last test).
+loss counts the packed rows' real tokens), every other generic family that packs (one row each),
+LLaVA with text ZeRO-3 and with LoRA; Gemma 3 and LFM-VL are refused with the reason (the
+last test). Qwen3-VL-MoE packs at SP2/TP2 (`LOSS_TOL`).
 
 Tolerance (fp64): 1e-10 relative on loss, grad-norm, every parameter, every update and (Qwen3.5
 rows) every clipped gradient. Packing changes only summation orders: inside attention (a longer,
@@ -93,17 +94,26 @@ CASES = [
     # generic families (`ray_dhp.models.generic_packing`): 1-D positions unless get_rope_index
     ("llava", "dp2v-tp2", GENERIC_TP2, 80, True),
     ("llava", "disjoint-1v-tp2", DISJOINT_TP2, 80, False),
+    ("llava", "dp2-zero3", ZERO3, 80, False),  # text ZeRO-3 over 2 replicas of packed rows
     ("mistral3", "dp2v-tp2", GENERIC_TP2, 80, False),
     ("idefics3", "dp2v-tp2", GENERIC_TP2, 80, False),
     ("glm4v", "dp2v-tp2", GENERIC_TP2, 80, False),  # M-RoPE from its get_rope_index
     ("glm4v_moe", "dp2v-dp2-ep2", dict(_layout("collocated", (1, 2), (1, 2)), text_ep=2), 80, False),
     ("paligemma", "dp2v-tp2", GENERIC_TP2, 80, False),  # bidirectional image prefix blocks
     ("aya_vision", "dp2v-tp2", GENERIC_TP2, 80, False),  # sliding-window layers
+    # every other generic family that packs (unit/test_packing.py's per-sample logits), one row
+    *[(f, "dp2v-tp2", GENERIC_TP2, 80, False)
+      for f in ("cohere2_vision", "smolvlm", "glm46v", "lighton_ocr", "glmga",
+                "hyperclovax_vision_v2", "got_ocr2", "pp_chart2table", "glm_ocr", "video_llava")],
+    ("qwen3_vl_moe", "sp2-tp2", TP2, 80, False),  # router loss over the packed rows' real tokens
 ]
 _QWEN3_5_FP32 = ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "input_layernorm.weight",
                  "post_attention_layernorm.weight", "language_model.norm.weight", "linear_attn.A_log")
 # family: (name suffixes of the fp32-summed weights, their tolerance, the loss tolerance)
 FP32_SUMS = {"qwen3_5": (_QWEN3_5_FP32, 1e-5, 1e-10), "qwen3_5_moe": (_QWEN3_5_FP32, 1e-5, 1e-8)}
+# family: its loss tolerance where not 1e-10 (Qwen3-VL-MoE: the aux loss sums routing
+# probabilities in fp32, ~1e-7 of a term weighing ~1e-2 of the loss, test_moe.py)
+LOSS_TOL = {"qwen3_vl_moe": 1e-8}
 # Rows that run 2 steps, not 3. With text SP the fp32-summed norm weights also run on sequence
 # shards of the packed rows; after step 2 (AdamW's first update is lr * sign(g), blind to their
 # ~1e-7 gradient error, its second is not) they stand ~1e-9 apart, and from step 3 every fp64
@@ -144,7 +154,8 @@ def assert_packed_parity(family, got, ref):
         assert_parity(got, ref, skip=ZERO_GRAD, **TOLS.get(family, TOL))
         return
     if family not in FP32_SUMS:
-        assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10)
+        assert_parity(got, ref, loss_tol=LOSS_TOL.get(family, 1e-10), param_tol=1e-10,
+                      update_tol=1e-10)
         return
     fp32, fp32_tol, loss_tol = FP32_SUMS[family]
     assert_parity(got, ref, loss_tol=loss_tol, param_tol=1e-10, update_tol=1e-10, grad_tol=1e-10,
@@ -179,6 +190,18 @@ def test_qwen3_5_packed_with_lora(padded_reference):
     got = run_engine("qwen3_5", TP2, replace(CFG, packing=True, modules=lora), steps, torch.float64,
                      grads=True)
     assert_packed_parity("qwen3_5", got, ref)
+    assert any(".lora_B." in n for n in ref["grads"][0])
+
+
+@pytest.mark.slow
+def test_generic_packed_with_lora(padded_reference):
+    """PEFT LoRA (default targets) on a generic family's packed rows (LLaVA at vision DP2 + text
+    TP2) against the padded single-process PEFT model, test_generic's tolerances."""
+    lora = {"llm": {"lora": {"r": 4, "alpha": 8}}}
+    _, steps, ref = padded_reference("llava", modules=lora)
+    got = run_engine("llava", GENERIC_TP2, replace(CFG, packing=True, modules=lora), steps,
+                     torch.float64, grads=True)
+    assert_packed_parity("llava", got, ref)
     assert any(".lora_B." in n for n in ref["grads"][0])
 
 

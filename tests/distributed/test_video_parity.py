@@ -16,10 +16,11 @@ from ray_dhp import demo
 from ray_dhp.data.reading import read_annotations, resolve_data_root
 from ray_dhp.data.sampler import StepSampler
 from ray_dhp.data.video import VideoSettings
-from ray_dhp.demo.video import make_video_dataset, moving_square, write_mp4
+from ray_dhp.demo.video import make_video_dataset
 from ray_dhp.models.vision_qwen import plan_vision_shards
 from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import assert_parity, reference_fixture, run_engine, run_reference
+from tests.distributed.video_cases import LONG_CFG, long_video_steps
 
 CFG = TrainLoopConfig(lr=1e-3, global_batch_size=4, micro_batches=2, num_steps=2,
                       max_grad_norm=0.5, weight_decay=0.1, seed=0)
@@ -57,31 +58,6 @@ def test_video_parity_fp64(family, layout, video_reference):
     got = run_engine(family, LAYOUTS[layout], CFG, steps, torch.float64, grads=True)
     worst = assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10, grad_tol=1e-10)
     print(f"{family} {layout}: worst update error {worst[0]:.2e}, parameter {worst[1]:.2e} ({worst[2]})")
-
-
-def long_video_steps(tmp_path, cfg: TrainLoopConfig):
-    """One step: a 9 s clip at 4 fps (18 frames sampled at 2 fps: 9 temporal patches of 8x8
-    patches, 4 windows of 2x2 merge units per frame at the tiny window_size of 56 px) and a
-    text-only sample."""
-    import json
-
-    write_mp4(tmp_path / "long.mp4", moving_square("right", 36, (112, 112), side=24), fps=4)
-    records = [{"video": "long.mp4", "conversations": [
-                   {"from": "human", "value": "<video>\nWhich way does the square move?"},
-                   {"from": "gpt", "value": "right"}]},
-               {"conversations": [{"from": "human", "value": "Which way can a square move?"},
-                                  {"from": "gpt", "value": "left, right, up or down"}]}]
-    path = tmp_path / "train.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    side = 112 * 112
-    proc = demo.tiny_processor("qwen2_5_vl").configured(
-        video=VideoSettings(min_pixels=side, max_pixels=side))
-    sampler = StepSampler(read_annotations(path), proc, resolve_data_root(path), cfg)
-    return [sampler.next_step() for _ in range(cfg.optim.num_steps)]
-
-
-LONG_CFG = TrainLoopConfig(lr=1e-3, global_batch_size=2, micro_batches=1, num_steps=1,
-                           max_grad_norm=0.5, weight_decay=0.1, seed=0)
 
 
 @pytest.mark.slow  # ~75 s on the loaded 2-core machine; the default run keeps the plan's unit test

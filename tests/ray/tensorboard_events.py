@@ -1,4 +1,4 @@
-"""Read TensorBoard event files back without TensorBoard: `test_tracking.py` here and
+"""Read TensorBoard event files back without TensorBoard: `test_mixture.py` here and
 ``tests/unit/test_tracking.py`` compare what they hold with the metrics reported."""
 
 import glob

@@ -104,13 +104,29 @@ def _losses(run_dir: Path) -> dict:
     return {m["step"]: m["loss"] for m in read_history(str(run_dir)) if "loss" in m}
 
 
+class _AloneRun:
+    """The CLI run alone, uninterrupted, started in the background when the module's first CLI
+    test starts, so it trains while that test's own runs do (two private Rays at once, as users
+    run them); `losses()` waits for it and returns every step's loss."""
+
+    def __init__(self, tmp: Path):
+        self.tmp, self.proc, self._losses = tmp, _cli(tmp, "alone", short_tmp()), None
+
+    def losses(self) -> dict:
+        if self._losses is None:
+            assert self.proc.wait(timeout=900) == 0, (self.tmp / "alone.log").read_text()[-4000:]
+            self._losses = _losses(self.tmp / "runs" / "alone")
+        return self._losses
+
+
 @pytest.fixture(scope="module")
 def cli_alone(tmp_path_factory):
-    """The CLI run alone, uninterrupted: every step's loss."""
-    tmp = tmp_path_factory.mktemp("cli_alone")
-    proc = _cli(tmp, "alone", short_tmp())
-    assert proc.wait(timeout=900) == 0, (tmp / "alone.log").read_text()[-4000:]
-    return _losses(tmp / "runs" / "alone")
+    """The uninterrupted CLI run (`_AloneRun`), shared by the module's CLI tests."""
+    run = _AloneRun(tmp_path_factory.mktemp("cli_alone"))
+    yield run
+    if run.proc.poll() is None:  # a test failed before it needed the losses
+        run.proc.kill()
+        run.proc.wait()
 
 
 def _same(got: dict, want: dict):
@@ -147,11 +163,11 @@ def test_an_interrupted_cli_run_stops_cleanly_and_resumes_exactly(tmp_path, cli_
     assert proc.wait(timeout=900) == 0, (tmp_path / "intr.log").read_text()[-4000:]
     log = (tmp_path / "intr.log").read_text()
     assert f"resuming run 'intr' from its checkpoint at step {resumed_at}" in log
-    got = _losses(run_dir)
+    got, alone = _losses(run_dir), cli_alone.losses()
     # every step after the resume is reported; a step before it may lack its line (the abort can
     # lose the last report of a step whose checkpoint was registered): every loss present = alone
-    assert set(range(resumed_at + 1, max(cli_alone) + 1)) <= set(got) <= set(cli_alone), sorted(got)
-    _same(got, {k: cli_alone[k] for k in got})
+    assert set(range(resumed_at + 1, max(alone) + 1)) <= set(got) <= set(alone), sorted(got)
+    _same(got, {k: alone[k] for k in got})
     assert wait_no_processes(str(tmpdir)) == [] and temp_leftovers(str(tmpdir)) == []
 
 
@@ -162,6 +178,6 @@ def test_two_cli_runs_with_private_rays_at_once(tmp_path, cli_alone):
     for name, proc in procs.items():
         assert proc.wait(timeout=1200) == 0, (tmp_path / f"{name}.log").read_text()[-4000:]
     for name in procs:
-        _same(_losses(tmp_path / "runs" / name), cli_alone)
+        _same(_losses(tmp_path / "runs" / name), cli_alone.losses())
         assert wait_no_processes(str(tmps[name])) == []
         assert temp_leftovers(str(tmps[name])) == []

@@ -48,23 +48,32 @@ def test_config_and_run_file_take_the_key(tmp_path):
      r"text.context_parallel=4: text.tensor_parallel x text.context_parallel = 8 does not divide"),
     ("qwen2_5_vl", dict(vision=ModuleParallel(context_parallel=2), text=ModuleParallel(data_parallel=2)),
      "vision.context_parallel"),
-    ("qwen3_5", dict(vision=ModuleParallel(sequence_parallel=2), text=ModuleParallel(context_parallel=2)),
-     "linear-attention"),
+    ("qwen3_5_moe", dict(vision=ModuleParallel(sequence_parallel=2), text=ModuleParallel(context_parallel=2)),
+     "linear-attention layers"),
+    ("qwen3_5", dict(vision=ModuleParallel(sequence_parallel=4),
+                     text=ModuleParallel(context_parallel=2, tensor_parallel=2, sequence_parallel=True)),
+     "linear-attention layers under text.sequence_parallel"),
+    ("qwen3_vl_moe", dict(vision=ModuleParallel(sequence_parallel=2),
+                          text=ModuleParallel(context_parallel=2, expert_parallel=4)),
+     r"text.expert_parallel=4 must be a positive integer dividing text.data_parallel x "
+     r"text.context_parallel \(1 x 2\)"),
     ("qwen3_vl_moe", dict(vision=ModuleParallel(sequence_parallel=4),
-                          text=ModuleParallel(context_parallel=2, data_parallel=2, expert_parallel=2)),
-     "text.context_parallel > 1 is not covered with text.expert_parallel"),
+                          text=ModuleParallel(context_parallel=2, tensor_parallel=2,
+                                              expert_tensor_parallel=True)),
+     "text.context_parallel > 1 is not covered with text.expert_tensor_parallel"),
 ])
 def test_driver_refuses_naming_the_key(family, kw, match):
     with pytest.raises(ValueError, match=match):
         DHPConfig(model=demo.tiny_model_config(family), **kw)
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe"])
-def test_deepstack_and_moe_families_are_accepted(family):
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe", "qwen3_5"])
+def test_deepstack_moe_and_linear_attention_families_are_accepted(family):
     """Qwen3-VL's deepstack rows cross the boundary with the merged rows (each CP rank gets its
     slice's) and are added on the local slice; a MoE LM routes per token and its load-balancing
-    statistics are reduced over the dp x cp ranks: exact (tests/distributed/test_context_parallel.py;
-    expert parallelism stays refused, above)."""
+    statistics are reduced over the dp x cp ranks; Qwen3.5's Gated DeltaNet layers are
+    head-sharded by all-to-all (`ray_dhp.parallel.context_mixers`): exact
+    (tests/distributed/test_context_parallel.py)."""
     cfg = DHPConfig(model=demo.tiny_model_config(family), vision=ModuleParallel(sequence_parallel=2),
                     text=ModuleParallel(context_parallel=2))
     assert cfg.topology().text.cp == 2
@@ -94,29 +103,34 @@ def test_slices_and_their_feature_rows():
 
 
 def test_planner_divides_lm_activations_by_cp():
-    """`text_activation_bytes` at CP: the rank's slice (``tokens / cp``) plus one layer's
-    all-to-all buffers (q, k, v, output; send and receive), so ~1/(tp x cp) of the tokens' bytes;
-    `ray-dhp plan` prints the CP degree and its groups, and the text state is partitioned over
-    the dp x cp gradient replicas (ZeRO-1 here: each CP rank updates half)."""
+    """`text_activation_bytes` at CP: the saved activations of the rank's slice (``tokens / cp``)
+    plus the attention output in the reverse all-to-all's buffer (``o_proj`` keeps it), so
+    ~1/(tp x cp) of the tokens' bytes; the all-to-all send/receive buffers of q, k, v and the
+    output are the transient working set (`cp_working_bytes`), in the rank's total, not its
+    saved activations. `ray-dhp plan` prints the CP degree and its groups, and the text state is
+    partitioned over the dp x cp gradient replicas (ZeRO-1 here: each CP rank updates half)."""
     import re
 
     from ray_dhp.cli.plan import plan_text
-    from ray_dhp.planning.memory import ActivationSettings, text_activation_bytes
+    from ray_dhp.planning.memory import ActivationSettings, cp_working_bytes, text_activation_bytes
     from ray_dhp.run_file import load_run_file
 
-    tc = demo.tiny_model_config().text_config  # h 64, 4 heads (4 KV), head_dim 16
+    tc = demo.tiny_model_config().text_config  # h 64, 4 heads (4 KV), head_dim 16, 2 layers
     s = ActivationSettings(dtype_bytes=2, attention="flash", checkpointing=False)
     full = text_activation_bytes(tc, 65536, 2, s)
     for cp in (2, 4):
         got = text_activation_bytes(tc, 65536, 2, s, cp=cp)
+        back = 65536 / cp * 64 / 2 * 2 * 2  # tokens x h / tp x bytes x layers
+        assert got == text_activation_bytes(tc, 65536 / cp, 2, s) + back
+        assert full / cp < got < full / cp * 1.1
         buffers = 2 * (65536 / cp) * (2 * 64 + 2 * 4 * 16) / 2 * 2  # qkvo / tp, x2 (send, recv)
-        assert got == text_activation_bytes(tc, 65536 / cp, 2, s) + buffers
-        assert full / cp < got < full / cp * 1.2  # the tiny model's 2 layers: buffers ~12% on top
+        assert cp_working_bytes(tc, 65536, 2, cp, s) == buffers
+    assert cp_working_bytes(tc, 65536, 2, 1, s) == 0
+    # a sample padded to a multiple of cp: 43 tokens -> 2 slices of 22
+    assert text_activation_bytes(tc, 43, 2, s, 43, cp=2) == text_activation_bytes(tc, 44, 2, s, 44, cp=2)
     gqa = tc.__class__(**{**tc.to_dict(), "num_key_value_heads": 2})  # 1 KV head per TP rank,
     # repeated to the query heads before the all-to-all: the buffers of 4 KV heads
-    def buffers_of(c):
-        return text_activation_bytes(c, 1024, 2, s, cp=2) - text_activation_bytes(c, 512, 2, s)
-    assert buffers_of(gqa) == buffers_of(tc)
+    assert cp_working_bytes(gqa, 1024, 2, 2, s) == cp_working_bytes(tc, 1024, 2, 2, s)
 
     example = "examples/qwen2_5_vl_32b_8gpu.yaml"
     text = {cp: plan_text(load_run_file(example, ["text.tensor_parallel=4", f"text.context_parallel={cp}",
@@ -126,7 +140,8 @@ def test_planner_divides_lm_activations_by_cp():
     assert "cp groups [[0, 4], [1, 5], [2, 6], [3, 7]]" in text[2]
     act = {cp: float(re.search(r"rank 0 memory: .*text act +([\d.]+) GiB", t).group(1))
            for cp, t in text.items()}
-    assert 0.5 < act[2] / act[1] < 0.55, act  # ~1/2 plus the all-to-all buffers
+    assert 0.5 < act[2] / act[1] < 0.55, act  # ~1/2 plus o_proj's input buffer
+    assert "+ CP all-to-all buffers" in text[2] and "CP all-to-all" not in text[1]
 
 
 def test_plan_partitions_text_state_over_dp_x_cp():
@@ -142,3 +157,63 @@ def test_plan_partitions_text_state_over_dp_x_cp():
     # CP ranks partition the LM's optimizer state like data-parallel replicas (ZeRO-1)
     assert [rank_state(counts, cp2, r, pol) for r in (0, 1)] == \
         [rank_state(counts, one, r, pol) for r in (0, 1)]
+
+
+def test_expert_parallel_groups_take_the_cp_ranks():
+    """CP2 x EP2 (one replica): the EP group is the replica's two CP ranks; with DP2 the experts'
+    replicas are the dp x cp rows with the same EP index (`ray_dhp.parallel.expert`)."""
+    from ray_dhp.parallel.expert import edp_groups, ep_groups, replica_groups, replica_index
+    from ray_dhp.parallel.topology import Topology
+
+    t = Topology.build(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1, text_tp=1,
+                       text_cp=2, text_ep=2).text
+    assert ep_groups(t, 2) == [[0, 1]] and edp_groups(t, 2) == [[0], [1]]
+    t = Topology.build(placement="collocated", vision_dp=1, vision_sp=8, text_dp=2, text_tp=2,
+                       text_cp=2, text_ep=2).text  # ranks (dp, cp, tp) row-major
+    assert ep_groups(t, 2) == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert edp_groups(t, 2) == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    assert replica_groups(t, 2) == [[0, 4, 1, 5], [2, 6, 3, 7]]
+    assert [replica_index(t, 2, r) for r in (0, 4, 1, 5)] == [0, 1, 2, 3]
+
+
+def test_linear_attention_heads_bound_the_cp_degree():
+    """tp x cp must divide the Gated DeltaNet's key heads too (family fact: `cp_mixers`)."""
+    from ray_dhp.models.qwen3_5 import cp_mixers
+    from ray_dhp.parallel.context import refusal
+    from ray_dhp.models import family_of
+
+    config = demo.tiny_model_config("qwen3_5")
+    config.text_config.linear_num_key_heads = 2  # 4 value heads: 2 per key head
+    config.text_config.linear_num_value_heads = 4
+    assert cp_mixers(config.text_config)[0][0] == "linear_attn"
+    why = refusal(family_of(config), config, 4, 1)
+    assert "does not divide the 2 linear-attention key heads" in why and "text.context_parallel=4" in why
+    assert refusal(family_of(config), config, 2, 1) is None
+
+
+def test_recommend_ranks_context_parallel_degrees():
+    """`recommend(..., context_parallel=True)` (``ray-dhp plan --recommend --context-parallel``)
+    adds every text CP degree: each candidate's run-file fragment builds the same workers, the
+    cost model divides the LM's compute by CP and adds its all-to-alls, and a CP degree the
+    heads do not admit is dropped with the driver's reason."""
+    from ray_dhp.planning.recommend import Workload, enumerate_layouts, recommend
+
+    config = demo.tiny_model_config()  # 4 heads
+    assert {lay.text_cp for lay in enumerate_layouts(4, 1)} == {1}
+    assert {lay.text_cp for lay in enumerate_layouts(4, 1, context_parallel=True)} == {1, 2, 3, 4}
+    cands = recommend(config, 4, Workload(1024, 4096, 4), context_parallel=True)
+    cp = [c for c in cands if c.layout.text_cp > 1]
+    assert cp and all(c.layout.text_cp > 1 for c in cp if "cp" in c.layout.describe())
+    for c in cp:
+        frag = c.layout.run_file_fragment()
+        assert frag["text"]["context_parallel"] == c.layout.text_cp
+        assert c.layout.num_workers == 4
+    three = [c for c in cp if c.layout.text_cp == 3]  # disjoint 1 + 3: 3 does not divide 4 heads
+    assert three and all(not c.feasible and "text.context_parallel=3" in c.reason for c in three)
+    by = {(c.layout.placement, c.layout.vision_sp, c.layout.text_tp, c.layout.text_cp, c.layout.text_sp,
+           c.layout.text_zero): c for c in cands if c.feasible}
+    one, two = by.get(("collocated", 4, 1, 1, False, None)), by.get(("collocated", 4, 1, 2, False, None))
+    # DP4 vs CP2 x DP2: the same tokens per rank (compute), plus CP's all-to-alls
+    assert one and two and one.phases.text_comm == 0 < two.phases.text_comm
+    compute = [c.phases.text - c.phases.text_comm for c in (one, two)]
+    assert abs(compute[0] - compute[1]) < 1e-9 * compute[0]

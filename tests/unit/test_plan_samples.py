@@ -52,8 +52,11 @@ def test_per_module_figures_are_pinned():
     config, s = dhp.model_config(), settings_of(rf, "flash")
     seq = 512 + 4096 // 4
     want_v = vision_activation_bytes(config.vision_config, 8 * 4096, 8, s, 4096)
-    want_t = text_activation_bytes(config.text_config, 1 * seq, 1, s, seq)
-    assert round(want_t / GIB, 2) == 2.13 and round(8 * want_t / GIB, 2) == 17.06
+    want_t = text_activation_bytes(config.text_config, 1 * seq, 1, s, seq,
+                                   head_norms=count_params(config).text_head_norms)
+    # 2.13 / 17.06 GiB when the issue was filed; the text model counts what the engine saves
+    # since (benchmarks/plan_accuracy.py: 6h of norms, q/k norms, logits saved once + transient)
+    assert round(want_t / GIB, 2) == 2.23 and round(8 * want_t / GIB, 2) == 17.82
     text = plan_text(rf, vision_tokens=[4096], text_tokens=512)
     assert set(_acts(text)) == {(round(want_v / GIB, 2), round(want_t / GIB, 2))}
     totals = [float(x) for x in re.findall(r"= +([\d.]+) GiB +\[", text)]

@@ -83,12 +83,14 @@ def test_presets_have_the_published_sizes(preset, total):
     assert round((counts.vision + counts.text) / 1e9, 2) == total
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", FAMILY])
-def test_driver_takes_packing_and_refuses_it_for_the_omni_thinker(family):
+@pytest.mark.parametrize("family", ["qwen3_5", FAMILY, "qwen2_5_omni"])
+def test_driver_takes_packing_and_refuses_it_for_gemma3(family):
     """The recurrent families pack (their Gated DeltaNet layers run one row per packed sample,
-    tests/distributed/test_packing.py); a family that cannot pack (the Qwen2.5-Omni thinker)
-    fails in the driver naming the key, from a run file (``data.packing``) or the Python API
-    (``train_loop_config.packing``), before any worker starts."""
+    tests/distributed/test_packing.py), so does the Qwen2.5-Omni thinker (its own
+    get_rope_index, tests/distributed/test_omni_packing.py); a family that cannot pack (Gemma 3,
+    `ray_dhp.models.generic_packing`) fails in the driver naming the key, from a run file
+    (``data.packing``) or the Python API (``train_loop_config.packing``), before any worker
+    starts."""
     import ray.train
 
     from ray_dhp import DHPConfig
@@ -96,10 +98,10 @@ def test_driver_takes_packing_and_refuses_it_for_the_omni_thinker(family):
     from ray_dhp.train.trainer import DisaggregatedTrainer
 
     load_run_file(None, [f"model.demo={family}", "data.packing=true"]).validate()
-    with pytest.raises(ValueError, match=r"data.packing=true is not covered for the qwen2_5_omni "):
-        load_run_file(None, ["model.demo=qwen2_5_omni", "data.packing=true"]).validate()
-    omni = "qwen2_5_omni"
-    dhp = DHPConfig(model=demo.tiny_model_config(omni), processor=demo.tiny_processor(omni))
+    with pytest.raises(ValueError, match=r"data.packing=true is not covered for the gemma3 "):
+        load_run_file(None, ["model.demo=gemma3", "data.packing=true"]).validate()
+    refused = "gemma3"
+    dhp = DHPConfig(model=demo.tiny_model_config(refused), processor=demo.tiny_processor(refused))
     with pytest.raises(ValueError, match=r"set train_loop_config.packing=false"):
         DisaggregatedTrainer(dhp_config=dhp, train_loop_config={"packing": True},
                              scaling_config=ray.train.ScalingConfig(num_workers=1))

@@ -96,7 +96,8 @@ def test_proposed_layouts_pass_dhp_config_validation_and_dropped_dims_fail_it(fa
 def test_layouts_that_do_not_fit_are_dropped_with_the_reason(big):
     config, counts = big
     # 65k patches, fp32 state (16 B/param): the only degrees that fit the 32B LM's weights
-    # (collocated SP8/TP8) need 82.1 GiB (docs/plan_32b.md) without text sequence parallelism,
+    # (collocated SP8/TP8) need 83.2 GiB (82.1 in docs/plan_32b.md, before the text activations
+    # counted what the engine saves: docs/plan_accuracy.md) without text sequence parallelism,
     # so nothing without it fits 80 GiB; with it (norms/residuals/block inputs 1/8) it fits ...
     w = Workload(65536, 512, 8, 8, BF16_CKPT, device_gib=80)
     cands = recommend(config, 8, w, counts=counts)
@@ -106,8 +107,8 @@ def test_layouts_that_do_not_fit_are_dropped_with_the_reason(big):
     cands = [c for c in cands if not c.layout.text_sp]
     sp8tp8 = next(c for c in cands if c.layout.placement == "collocated"
                   and c.layout.vision_sp == 8 and c.layout.text_tp == 8)
-    assert sp8tp8.reason == "memory: vision+text ranks need 82.1 GiB > 80 GiB"
-    assert sp8tp8.step_s > 0 and sp8tp8.peak_memory_gib == pytest.approx(82.1, abs=0.05)
+    assert sp8tp8.reason == "memory: vision+text ranks need 83.2 GiB > 80 GiB"
+    assert sp8tp8.step_s > 0 and sp8tp8.peak_memory_gib == pytest.approx(83.2, abs=0.05)
     reasons = {c.reason.split(":")[0] for c in cands}
     assert reasons == {"memory", "batch", "model dims"}
     # ... while the same layout fits a 141 GiB H200 and comes first there
