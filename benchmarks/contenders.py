@@ -38,7 +38,7 @@ def _autocast(cfg, device):
 
     from ray_dhp.step.precision import policy_of
 
-    dtype = policy_of(cfg).autocast_dtype
+    dtype = policy_of(cfg.optim).autocast_dtype
     return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
@@ -90,12 +90,12 @@ class UniformTP:
 
         self.cfg, self.device = cfg, device
         self.mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("tp",))
-        self.model = build_model(config, seed=cfg.seed).to(device)
+        self.model = build_model(config, seed=cfg.optim.seed).to(device)
         self.model.train()
         parallelize_vit(self.model, self.mesh["tp"])
         apply_tp_plan(self.model, self.mesh["tp"], standard_text_plan())
         self.vision = self.model.model.visual
-        self.opt, _ = build_optimizer(self.model.named_parameters(), cfg)
+        self.opt, _ = build_optimizer(self.model.named_parameters(), cfg.optim)
 
     def step(self, batch) -> float:
         from torch.distributed.tensor.parallel import loss_parallel
@@ -111,7 +111,7 @@ class UniformTP:
             (loss / n).backward()
         params = dp.ensure_grads(list(self.model.parameters()))
         norm = float(dp.squared_norm(params, self.mesh.get_group("tp")).sqrt())
-        dp.scale_grads(params, dp.clip_coefficient(norm, self.cfg.max_grad_norm))
+        dp.scale_grads(params, dp.clip_coefficient(norm, self.cfg.optim.max_grad_norm))
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return float(loss.detach().full_tensor()) / n
@@ -144,7 +144,7 @@ class FSDP2(_DataParallel):
         from torch.distributed.fsdp import fully_shard
 
         self.cfg, self.device = cfg, device
-        self.model = build_model(config, seed=cfg.seed).to(device)
+        self.model = build_model(config, seed=cfg.optim.seed).to(device)
         self.model.train()
         for blk in self.model.model.visual.blocks:
             fully_shard(blk)
@@ -154,7 +154,7 @@ class FSDP2(_DataParallel):
         self.vision = self.model.model.visual
         from ray_dhp.step.optim import build_optimizer
 
-        self.opt, _ = build_optimizer(self.model.named_parameters(), cfg)
+        self.opt, _ = build_optimizer(self.model.named_parameters(), cfg.optim)
 
     def step(self, batch) -> float:
         local, n, w = self._local(batch)
@@ -163,7 +163,7 @@ class FSDP2(_DataParallel):
             logits = self.model(**kw, use_cache=False).logits
         loss = _ce_sum(logits, targets)
         (loss * w / n).backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.max_grad_norm)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return self._global_loss(loss, n)
@@ -175,8 +175,8 @@ class FSDP2(_DataParallel):
 
 def deepspeed_config(cfg, world: int, bf16: bool = False) -> dict:
     return {
-        "train_batch_size": cfg.global_batch_size, "train_micro_batch_size_per_gpu": cfg.global_batch_size // world,
-        "gradient_accumulation_steps": 1, "gradient_clipping": cfg.max_grad_norm,
+        "train_batch_size": cfg.optim.global_batch_size, "train_micro_batch_size_per_gpu": cfg.optim.global_batch_size // world,
+        "gradient_accumulation_steps": 1, "gradient_clipping": cfg.optim.max_grad_norm,
         # Gather one block at a time, release right after use, no prefetch: the ZeRO-3 regime of a
         # model far larger than these (DeepSpeed's defaults keep 1e9 parameters live, i.e. the
         # whole benchmark model, which would make it plain data parallelism).
@@ -197,10 +197,10 @@ class Zero3(_DataParallel):
 
         self.cfg, self.device = cfg, device
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
-        model = build_model(config, seed=cfg.seed).to(device)
+        model = build_model(config, seed=cfg.optim.seed).to(device)
         model.train()
-        opt = torch.optim.AdamW(param_groups(model.named_parameters(), cfg.weight_decay), lr=cfg.lr,
-                                betas=cfg.betas, eps=cfg.eps, foreach=False)
+        opt = torch.optim.AdamW(param_groups(model.named_parameters(), cfg.optim.weight_decay), lr=cfg.optim.lr,
+                                betas=cfg.optim.betas, eps=cfg.optim.eps, foreach=False)
         self.engine, self.opt, _, _ = deepspeed.initialize(
             model=model, optimizer=opt, config=deepspeed_config(cfg, dist.get_world_size()))
         self.vision = self.engine.module.model.visual
@@ -224,7 +224,7 @@ class Zero3(_DataParallel):
 
 
 def build(name: str, config, cfg, device, comm=None):
-    """Build contender ``name``; ``cfg.precision="bf16_autocast"`` runs every forward under bf16 autocast."""
+    """Build contender ``name``; ``cfg.optim.precision="bf16_autocast"`` runs every forward under bf16 autocast."""
     world = dist.get_world_size()
     if name == "dhp":
         return DHP(config, cfg, device, sp=world, tp=world, comm=comm)

@@ -69,7 +69,7 @@ def body(rank, world, opts: dict):
     path = demo.make_dataset(os.path.join(opts["tmp"], "data"), num_samples=4 * world, seed=0)
     sampler = StepSampler(read_annotations(path), demo.tiny_processor("qwen3_vl_moe"),
                           resolve_data_root(path), cfg)
-    steps = [sampler.next_step() for _ in range(cfg.num_steps)]
+    steps = [sampler.next_step() for _ in range(cfg.optim.num_steps)]
     names = {"replicated (ep=1)": dict(text_dp=world, text_tp=1),
              f"expert parallel (ep={world})": dict(text_dp=world, text_tp=1, text_ep=world),
              f"tp={world}, experts replicated": dict(text_dp=1, text_tp=world),
@@ -97,13 +97,13 @@ def body(rank, world, opts: dict):
     counts = count_params(config)
     no_experts = _without_experts(counts)
     for name, e in engines.items():
-        want = rank_state(counts, topos[name], rank, policy_of(cfg))
+        want = rank_state(counts, topos[name], rank, policy_of(cfg.optim))
         out[name]["state_measured"] = e.state_bytes()["total"]
         out[name]["state_plan"] = want.total
         out[name]["expert_bytes_measured"] = sum(local(p).numel() * local(p).element_size()
                                                  for p in expert_params(e.text_model, e.family.moe))
         out[name]["expert_bytes_plan"] = want.weights - rank_state(no_experts, topos[name], rank,
-                                                                   policy_of(cfg)).weights
+                                                                   policy_of(cfg.optim)).weights
     return out
 
 

@@ -59,7 +59,7 @@ def _old_build(model, groups, cfg, dtype):
 
     config = load_model_config(model)
     family = family_of(config)
-    full = build_model(model, seed=cfg.seed, dtype=dtype).to(groups.device)
+    full = build_model(model, seed=cfg.optim.seed, dtype=dtype).to(groups.device)
     visual = text = None
     if groups.is_vision:
         visual = family.visual(full)

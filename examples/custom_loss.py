@@ -42,15 +42,16 @@ def train_fn(config: dict) -> dict:
     engine = ray_dhp.build_engine(cfg)                 # this rank's shards and optimizers
     processor = ray_dhp.build_processor()
     loader = ray_dhp.build_loader(cfg, engine, processor=processor)
-    first = ray_dhp.load_checkpoint(engine, loader, cfg.resume_from)  # 0 on a fresh run
-    loader.start(cfg.num_steps - first)                # prepares step k+1 while step k trains
+    first = ray_dhp.load_checkpoint(engine, loader, cfg.checkpoint.resume_from)  # 0: fresh run
+    loader.start(cfg.optim.num_steps - first)          # prepares step k+1 while step k trains
     try:
-        for step in range(first, cfg.num_steps):
+        for step in range(first, cfg.optim.num_steps):
             out = engine.forward_backward(loader.next(), loss_fn=weighted_smoothed_loss, last=True)
             out.update(engine.optimizer_step())        # clip + AdamW + schedule
             metrics = {"step": step + 1, "loss": out["loss"], "grad_norm": out["grad_norm"],
                        "lr": out["lr"]}
-            if step + 1 == cfg.num_steps or (step + 1) % cfg.checkpoint_every == 0:
+            every = cfg.checkpoint.checkpoint_every
+            if step + 1 == cfg.optim.num_steps or (step + 1) % every == 0:
                 ray_dhp.report_checkpoint(metrics, engine, loader, processor)
             else:
                 ray_dhp.report(metrics)

@@ -1,9 +1,10 @@
 """The run file of ``ray-dhp``: one typed configuration that maps 1:1 to YAML.
 
-Sections (`ray_dhp.run_sections`) are thin dataclasses that build the library's own objects;
-fields that already exist there (`ModuleParallel`, `DHPConfig`, `TrainLoopConfig`) are borrowed,
-not repeated, so defaults and help strings have one source. ``ray-dhp config --print-defaults``
-prints every key.
+The default loop's sections (``optim``, ``data``, ``processor``, ``checkpoint``, ``tracking``)
+are the sections of its `TrainLoopConfig` (`ray_dhp.config.sections`), extended where a file has
+more keys (`ray_dhp.run_sections`); the layout's sections borrow `ModuleParallel` and `DHPConfig`
+fields. Defaults and help strings have one source. ``ray-dhp config --print-defaults`` prints
+every key.
 
 Example:
     >>> from ray_dhp.run_file import load_run_file
@@ -20,18 +21,17 @@ from __future__ import annotations
 import os
 import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, is_dataclass
 from typing import Optional
 
-from ray_dhp.cli.schema import ConfigError, apply_overrides, from_dict, section
+from ray_dhp.cli.schema import ConfigError, apply_overrides, file_fields, from_dict, section
+from ray_dhp.config.data_section import check_dataset_weights
+from ray_dhp.config.sections import OptimConfig, TrackingConfig
+from ray_dhp.config.train_loop import FLAT_KEYS, TrainLoopConfig
 from ray_dhp.layout import FURTHER_ENCODERS, DHPConfig, ModuleParallel
-from ray_dhp.config.train_loop import TrainLoopConfig, check_dataset_weights
-from ray_dhp.run_sections import (_CHECKPOINT_KEYS, _DATA_KEYS, _PROCESSOR_KEYS,
-                                  _TRACKING_KEYS, AudioSection, CheckpointSection,
-                                  DataSection, HardwareSection, ModelSection, OptimSection,
-                                  PlacementSection, ProcessorSection, RunSection,
-                                  ScalingSection, TextSection, TrackingSection,
-                                  VisionSection)
+from ray_dhp.run_sections import (AudioSection, CheckpointSection, DataSection, HardwareSection,
+                                  ModelSection, PlacementSection, ProcessorSection, RunSection,
+                                  ScalingSection, TextSection, VisionSection)
 
 __all__ = ["RunFile", "ConfigError", "load_run_file", "run_file_from_dict", "loop_key_in_file",
            "SHORTHANDS"]
@@ -53,9 +53,9 @@ class RunFile:
     placement: PlacementSection = section(PlacementSection, "where the module groups run",
                                           shorthand="mode")
     data: DataSection = section(DataSection, "training data")
-    optim: OptimSection = section(OptimSection, "optimizer and loop hyper-parameters")
+    optim: OptimConfig = section(OptimConfig, "optimizer and loop hyper-parameters")
     checkpoint: CheckpointSection = section(CheckpointSection, "checkpointing")
-    tracking: TrackingSection = section(TrackingSection, "experiment tracking and console")
+    tracking: TrackingConfig = section(TrackingConfig, "experiment tracking and console")
     scaling: ScalingSection = section(ScalingSection, "Ray Train workers")
     hardware: Optional[HardwareSection] = section(
         HardwareSection, "pools of accelerators `ray-dhp plan --recommend` places the module "
@@ -104,20 +104,21 @@ class RunFile:
         except ValueError as e:  # DHPConfig's ``labels`` key is placement.labels here
             raise ConfigError(re.sub(r"(?<![\w.])labels\.", "placement.labels.", str(e))) from None
 
-    def train_loop_config(self) -> dict:
-        """``train_loop_config`` of the built-in loop (validated as a TrainLoopConfig; errors
-        name the run-file keys)."""
-        d = {**asdict(self.optim), **{k: getattr(self.data, k) for k in _DATA_KEYS},
-             **{k: getattr(self.checkpoint, k) for k in _CHECKPOINT_KEYS},
-             **{k: getattr(self.tracking, k) for k in _TRACKING_KEYS},
-             **{k: getattr(self.processor, k) for k in _PROCESSOR_KEYS}}
-        if d.get("data_root"):
-            d["data_root"] = os.path.abspath(os.path.expanduser(d["data_root"]))
+    def loop_config(self) -> TrainLoopConfig:
+        """The built-in loop's configuration: the loop's part of each of its sections, validated
+        (errors name the run-file keys)."""
+        parts = {}
+        for f in fields(TrainLoopConfig):
+            cls, mine = f.metadata["section"], getattr(self, f.name)
+            parts[f.name] = cls(**{k.name: getattr(mine, k.name) for k in fields(cls)})
         try:
-            TrainLoopConfig(**d)
+            return TrainLoopConfig(**parts)
         except ConfigError as e:
             raise e.renamed(loop_key_in_file) from None
-        return d
+
+    def train_loop_config(self) -> dict:
+        """``train_loop_config`` of the built-in loop: `loop_config` as nested dicts."""
+        return self.loop_config().to_dict()
 
     def dataset_names(self) -> list:
         """The named datasets of the run ("train" is data.train, or the demo set when neither
@@ -145,18 +146,17 @@ class RunFile:
         ``config`` and ``train`` all go through here; errors name the run-file key."""
         dhp = self.dhp_config(with_processor=False)
         self.num_workers(dhp)
-        raw = self.train_loop_config()
-        loop = TrainLoopConfig(**raw)
+        loop = self.loop_config()
         from ray_dhp.models import family_of
 
-        family_of(dhp.model_config()).check_packing(loop.packing, "data.packing")
+        family_of(dhp.model_config()).check_packing(loop.data.packing, "data.packing")
         from ray_dhp.parallel.context import check_packing
 
-        check_packing(dhp.text.context_parallel, loop.packing, "data.packing")
+        check_packing(dhp.text.context_parallel, loop.data.packing, "data.packing")
         names = self.dataset_names()
         from ray_dhp.step.evaluation import check_eval_setup
 
-        check_eval_setup(loop, has_validation="validation" in names,
+        check_eval_setup(loop.data, loop.checkpoint, has_validation="validation" in names,
                          score_attribute=self.checkpoint.score_attribute, name=loop_key_in_file,
                          validation_key="data.validation", score_key="checkpoint.score_attribute")
         from ray_dhp.data.pixels import check_run_pixels
@@ -166,8 +166,8 @@ class RunFile:
             check_run_pixels(*pixels, self.dhp_config(), loop_key_in_file)
         from ray_dhp.config.tuning import check_layout, parse_tuning
 
-        check_layout(parse_tuning(raw.get("modules"), key=loop_key_in_file("modules")),
-                     dhp.text.sequence_parallel is True, key=loop_key_in_file("modules"))
+        check_layout(parse_tuning(loop.optim.modules, key="optim.modules"),
+                     dhp.text.sequence_parallel is True, key="optim.modules")
         self.data_paths()
         self.check_device()
         self.pools()
@@ -239,11 +239,13 @@ class RunFile:
         return dhp.num_workers
 
     def to_dict(self) -> dict:
-        """Plain YAML-able dict (tuples become lists)."""
-        return _plain(asdict(self))
+        """Plain YAML-able dict of the file's keys (tuples become lists)."""
+        return _plain(self)
 
 
 def _plain(x):
+    if is_dataclass(x):
+        return {f.name: _plain(getattr(x, f.name)) for f in file_fields(x)}
     if isinstance(x, dict):
         return {k: _plain(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
@@ -254,17 +256,11 @@ def _plain(x):
 SHORTHANDS = {"placement": "mode"}
 
 
-def loop_key_in_file(name: str) -> str:
-    """The run-file key of a `TrainLoopConfig` field (``lr`` -> ``optim.lr``)."""
-    if name in _DATA_KEYS:
-        return f"data.{name}"
-    if name in _CHECKPOINT_KEYS:
-        return f"checkpoint.{name}"
-    if name in _PROCESSOR_KEYS:
-        return f"processor.{name}"
-    if name == "dataset_paths":
-        return "data.train/data.datasets"
-    return f"optim.{name}"
+def loop_key_in_file(key: str) -> str:
+    """The run-file key of a loop key: its path in the tree (``optim.lr``), also for the Python
+    API's flat name (``lr``, `ray_dhp.config.train_loop.FLAT_KEYS`)."""
+    path = FLAT_KEYS.get(key, key)
+    return "data.train/data.datasets" if path == "data.dataset_paths" else path
 
 
 def run_file_from_dict(data: dict, overrides=()) -> RunFile:
@@ -272,7 +268,7 @@ def run_file_from_dict(data: dict, overrides=()) -> RunFile:
     mistakes, naming the key; see `RunFile.validate`)."""
     rf = from_dict(RunFile, apply_overrides(data, overrides, SHORTHANDS))
     for sec, key in (("model", "path"), ("data", "train"), ("data", "validation"), ("run", "storage_path"),
-                     ("checkpoint", "resume_from")):
+                     ("checkpoint", "resume_from"), ("data", "data_root")):
         obj = getattr(rf, sec)
         if hasattr(obj, key):
             fix = _model_location if (sec, key) == ("model", "path") else _absolute

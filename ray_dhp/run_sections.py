@@ -1,37 +1,25 @@
-"""The sections of the run file (`ray_dhp.run_file.RunFile`): one thin dataclass per YAML
-section. Fields that already exist in the library (`ModuleParallel`, `DHPConfig`,
-`TrainLoopConfig`) are borrowed, not repeated, so defaults and help strings have one source;
-every `TrainLoopConfig` field no other section claims lands in ``optim``."""
+"""The sections of the run file (`ray_dhp.run_file.RunFile`): one dataclass per YAML section.
+
+The default loop's sections are the loop's own dataclasses (`ray_dhp.config.sections`,
+`ray_dhp.config.data_section`): ``optim`` and ``tracking`` as they are; ``processor``, ``data``
+and ``checkpoint`` subclass them with the keys only a run file has (``processor.path``,
+``data.train``, ``checkpoint.num_to_keep``...). The layout's sections borrow `ModuleParallel` and
+`DHPConfig` fields, so defaults and help strings have one source."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, make_dataclass
+from dataclasses import dataclass, make_dataclass
 from typing import Optional
 
 from ray_dhp.cli.schema import borrow, option
+from ray_dhp.config.data_section import DataConfig
+from ray_dhp.config.sections import CheckpointConfig, ProcessorConfig
 from ray_dhp.layout import DHPConfig, ModuleParallel
-from ray_dhp.config.train_loop import TrainLoopConfig
 from ray_dhp.planning.devices import ACCELERATORS
 
 __all__ = ["ModelSection", "ProcessorSection", "VisionSection", "AudioSection", "TextSection",
-           "PlacementSection", "DataSection", "OptimSection", "CheckpointSection",
-           "TrackingSection", "ScalingSection", "HardwareSection", "RunSection"]
-
-_DATA_KEYS = ("data_root", "max_tokens", "packing", "bad_data", "dataset_weights", "prefetch",
-              "data_workers", "max_text_chars", "max_image_pixels", "max_bad_fraction",
-              "eval_every", "eval_batch_size", "index_dir", "video_fps", "video_min_frames",
-              "video_max_frames", "video_min_pixels", "video_max_pixels", "video_total_pixels")
-_CHECKPOINT_KEYS = tuple(k for k in ("checkpoint_every", "async_save", "resume_from")
-                         if k in {f.name for f in fields(TrainLoopConfig)})
-_TRACKING_KEYS = ("tensorboard", "mlflow", "wandb", "ray_report_logs")
-_PROCESSOR_KEYS = ("system_prompt", "min_pixels", "max_pixels")
-_NOT_IN_FILE = ("dataset_paths",)  # filled in from data.train and data.datasets
-
-
-def _optim_keys() -> list:
-    """Every TrainLoopConfig field not claimed by another section (new fields land here)."""
-    taken = set(_DATA_KEYS + _CHECKPOINT_KEYS + _TRACKING_KEYS + _PROCESSOR_KEYS + _NOT_IN_FILE)
-    return [f.name for f in fields(TrainLoopConfig) if f.name not in taken]
+           "PlacementSection", "DataSection", "CheckpointSection", "ScalingSection",
+           "HardwareSection", "RunSection"]
 
 
 @dataclass
@@ -54,15 +42,12 @@ class ModelSection:
 
 
 @dataclass
-class _ProcessorOwn:
+class ProcessorSection(ProcessorConfig):
+    """The processor (tokenizer + image processor; the prompt is rendered with its chat
+    template)."""
+
     path: Optional[str] = option(None, "local processor directory or Hub model id (default: the "
                                  "model directory, or the demo processor for a demo model)")
-
-
-ProcessorSection = make_dataclass(
-    "ProcessorSection", borrow(_ProcessorOwn, ["path"]) + borrow(TrainLoopConfig, _PROCESSOR_KEYS),
-    namespace={"__doc__": "The processor (tokenizer + image processor; the prompt is rendered "
-                          "with its chat template).", "__module__": __name__})
 
 
 @dataclass
@@ -113,7 +98,9 @@ PlacementSection = make_dataclass(
 
 
 @dataclass
-class _DataOwn:
+class DataSection(DataConfig):
+    """Training data."""
+
     train: Optional[str] = option(None, "training annotations (LLaVA JSON/JSONL): the dataset "
                                   "named \"train\"")
     datasets: Optional[dict] = option(None, "more named annotation files, {name: path}, mixed "
@@ -125,18 +112,10 @@ class _DataOwn:
                                "many samples into <storage_path>/<run name>/demo_data", ge=1)
 
 
-DataSection = make_dataclass(
-    "DataSection", borrow(_DataOwn, ["train", "validation", "datasets", "demo_samples"]) + borrow(TrainLoopConfig, _DATA_KEYS),
-    namespace={"__doc__": "Training data.", "__module__": __name__})
-
-OptimSection = make_dataclass(
-    "OptimSection", borrow(TrainLoopConfig, _optim_keys()),
-    namespace={"__doc__": "Optimizer and loop hyper-parameters (TrainLoopConfig).",
-               "__module__": __name__})
-
-
 @dataclass
-class _CheckpointOwn:
+class CheckpointSection(CheckpointConfig):
+    """Checkpointing."""
+
     num_to_keep: Optional[int] = option(None, "keep this many checkpoints, the latest or, with "
                                         "score_attribute, the best (null: all)", ge=1)
     score_attribute: Optional[str] = option(None, "rank checkpoints by this reported metric, "
@@ -144,17 +123,6 @@ class _CheckpointOwn:
                                             "checkpoint_every a multiple of data.eval_every); "
                                             "null: by recency")
     score_order: str = option("min", "min or max: which score is best", choices=("min", "max"))
-
-
-CheckpointSection = make_dataclass(
-    "CheckpointSection", borrow(TrainLoopConfig, _CHECKPOINT_KEYS) + borrow(_CheckpointOwn, ["num_to_keep", "score_attribute", "score_order"]),
-    namespace={"__doc__": "Checkpointing.", "__module__": __name__})
-
-
-TrackingSection = make_dataclass(
-    "TrackingSection", borrow(TrainLoopConfig, _TRACKING_KEYS),
-    namespace={"__doc__": "Experiment tracking (TensorBoard, MLflow, W&B) and console output.",
-               "__module__": __name__})
 
 
 @dataclass

@@ -158,7 +158,7 @@ def capture(engine, sampler, processor=None) -> Snapshot:
             "model_config": engine.config.to_json_string(use_diff=False),
             "precision": engine.policy.name,
             "source_model": getattr(engine, "source_model", None),
-            "modules": engine.cfg.modules,  # per-module choices / LoRA (ray_dhp.config.tuning): export
+            "modules": engine.cfg.optim.modules,  # per-module choices / LoRA (ray_dhp.config.tuning): export
         }
     return Snapshot(train_state(engine), _rng_state(), meta, processor if meta else None)
 

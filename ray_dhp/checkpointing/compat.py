@@ -17,10 +17,10 @@ def check_compatible(meta: dict, engine) -> None:
                          f"{engine.family.name} model; use DHPConfig(model=...) of the same family.")
     from ray_dhp.config.tuning import same_structure
 
-    why = same_structure(meta.get("modules"), engine.cfg.modules)
+    why = same_structure(meta.get("modules"), engine.cfg.optim.modules)
     if why:
         raise ValueError(f"checkpoint was trained with modules={meta.get('modules')!r}, this run "
-                         f"has modules={engine.cfg.modules!r}: {why}; resume with the run's "
+                         f"has modules={engine.cfg.optim.modules!r}: {why}; resume with the run's "
                          f"optim.modules (train_loop_config['modules']).")
 
 

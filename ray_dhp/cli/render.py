@@ -12,7 +12,7 @@ from dataclasses import MISSING, fields
 import yaml
 
 from ray_dhp.config.checks import check_of
-from ray_dhp.cli.schema import field_help
+from ray_dhp.cli.schema import field_help, file_fields
 
 WIDTH = 96
 
@@ -65,17 +65,27 @@ def defaults_yaml(root=None) -> str:
         lines += _comment(f"{sec.metadata['help']}.", "")
         if sec.metadata.get("optional"):  # absent by default: its keys commented out
             lines.append(f"{sec.name}: null  # or a mapping of these keys:")
-            for f in fields(cls):
-                lines += _comment(_help_with_range(cls, f), "  ")
-                lines.append(f"  # {f.name}: {yaml_scalar(_default(f))}")
+            lines += _yaml_keys(cls, "  ", "# ")
             lines.append("")
             continue
         lines.append(f"{sec.name}:")
-        for f in fields(cls):
-            lines += _comment(_help_with_range(cls, f), "  ")
-            lines.append(f"  {f.name}: {yaml_scalar(_default(f))}")
+        lines += _yaml_keys(cls, "  ")
         lines.append("")
     return "\n".join(lines)
+
+
+def _yaml_keys(cls, indent: str, mark: str = "") -> list:
+    """The commented ``key: default`` lines of section ``cls`` (nested sections indented)."""
+    lines = []
+    for f in file_fields(cls):
+        sub = f.metadata.get("section")
+        lines += _comment(_help_with_range(cls, f), indent)
+        if sub:
+            lines.append(f"{indent}{mark}{f.name}:")
+            lines += _yaml_keys(sub, indent + "  ", mark)
+        else:
+            lines.append(f"{indent}{mark}{f.name}: {yaml_scalar(_default(f))}")
+    return lines
 
 
 def yaml_of(rf) -> str:
@@ -118,7 +128,7 @@ def markdown_reference(root=None) -> str:
     ]
     for sec in fields(root):
         cls = sec.metadata["section"]
-        doc = (cls.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ").replace("``", "`")
+        doc = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split()).replace("``", "`")
         own = cls.__module__ in ("ray_dhp.run_file", "ray_dhp.run_sections")
         if not own:  # a library class: its own words
             doc = f"{sec.metadata['help'].capitalize()}."
@@ -127,10 +137,21 @@ def markdown_reference(root=None) -> str:
                     f"mapping, `{sec.name}: {{}}` too, turns it on with the defaults below.")
         out += [f"## `{sec.name}`", "", doc, ""]
         out += ["| key | type | accepts | default | description |", "|---|---|---|---|---|"]
-        for f in fields(cls):
-            src = f.metadata.get("source")
-            help_ = field_help(cls, f) + (f" (`{src}`)" if src else "")
-            out.append(f"| `{sec.name}.{f.name}` | {_type_name(f.type)} | {_cell(accepts(f))} | "
-                       f"`{_cell(yaml_scalar(_default(f)))}` | {_cell(help_)} |")
+        out += _markdown_rows(cls, sec.name)
         out.append("")
     return "\n".join(out)
+
+
+def _markdown_rows(cls, prefix: str) -> list:
+    """One table row per key of section ``cls`` (a nested section's keys as ``prefix.sub.key``)."""
+    rows = []
+    for f in file_fields(cls):
+        sub = f.metadata.get("section")
+        if sub:
+            rows += _markdown_rows(sub, f"{prefix}.{f.name}")
+            continue
+        src = f.metadata.get("source")
+        help_ = field_help(cls, f) + (f" (`{src}`)" if src else "")
+        rows.append(f"| `{prefix}.{f.name}` | {_type_name(f.type)} | {_cell(accepts(f))} | "
+                    f"`{_cell(yaml_scalar(_default(f)))}` | {_cell(help_)} |")
+    return rows

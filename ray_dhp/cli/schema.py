@@ -26,7 +26,7 @@ from typing import Any, Iterable, Optional
 
 from ray_dhp.config.checks import Check, ConfigError, check_of, coerce
 
-__all__ = ["ConfigError", "Check", "doc_args", "field_help", "borrow", "option", "section", "from_dict", "leaf_keys",
+__all__ = ["ConfigError", "Check", "doc_args", "field_help", "file_fields", "borrow", "option", "section", "from_dict", "leaf_keys",
            "apply_overrides", "set_dotted", "coerce"]
 
 
@@ -59,8 +59,21 @@ def doc_args(cls) -> dict:
 
 
 def field_help(cls, f) -> str:
-    """The help string of field ``f`` of ``cls``: its metadata, else the class's ``Args:`` entry."""
-    return f.metadata.get("help") or doc_args(cls).get(f.name, "")
+    """The help string of field ``f`` of ``cls``: its metadata, else the ``Args:`` entry of the
+    class that declares it (``cls`` or a base: a run-file section extends a loop section)."""
+    if f.metadata.get("help"):
+        return f.metadata["help"]
+    for owner in getattr(cls, "__mro__", [cls]):
+        text = doc_args(owner).get(f.name)
+        if text:
+            return text
+    return ""
+
+
+def file_fields(cls) -> list:
+    """The fields of the dataclass ``cls`` that a run file has (not those the runtime fills in,
+    marked ``metadata={"runtime": True}``, such as ``data.dataset_paths``)."""
+    return [f for f in fields(cls) if not f.metadata.get("runtime")]
 
 
 def option(default: Any = None, help: str = "", *, factory=None, **check):
@@ -107,7 +120,7 @@ def borrow(owner, names: Iterable[str], rename: Optional[dict] = None) -> list:
 def leaf_keys(cls, prefix: str = "") -> list:
     """Every dotted key of the dataclass ``cls`` (sections expanded)."""
     out = []
-    for f in fields(cls):
+    for f in file_fields(cls):
         dotted = f"{prefix}{f.name}"
         sub = f.metadata.get("section")
         out.extend(leaf_keys(sub, dotted + ".") if sub else [dotted])
@@ -138,7 +151,7 @@ def from_dict(cls, data: Any, path: str = "", root=None):
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping of keys to values, got {data!r}.")
-    known = {f.name: f for f in fields(cls)}
+    known = {f.name: f for f in file_fields(cls)}
     kwargs = {}
     for key, value in data.items():
         dotted = f"{path}.{key}" if path else str(key)

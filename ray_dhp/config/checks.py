@@ -20,24 +20,28 @@ from __future__ import annotations
 
 import math
 import os
+import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional
 
-__all__ = ["ConfigError", "Check", "checked", "check_fields", "coerce"]
+__all__ = ["ConfigError", "Check", "checked", "check_fields", "coerce", "keyed"]
 
 
-class _Names(dict):
-    def __init__(self, name: Callable[[str], str]):
-        super().__init__()
-        self._name = name
-
-    def __missing__(self, key: str) -> str:
-        return self._name(key)
+_FIELD = re.compile(r"\{\{|\}\}|\{([A-Za-z_][\w.]*)\}")
 
 
 def render(template: str, name: Callable[[str], str]) -> str:
-    """``template`` with each ``{field}`` replaced by ``name(field)`` (``{{`` is a brace)."""
-    return template.format_map(_Names(name))
+    """``template`` with each ``{field}`` (or dotted ``{section.field}``) replaced by
+    ``name(field)`` (``{{`` is a brace)."""
+    return _FIELD.sub(lambda m: m.group(0)[0] if m.group(1) is None else name(m.group(1)),
+                      template)
+
+
+def _rebase(template: str, prefix: str) -> str:
+    """``template`` with each ``{field}`` written ``{prefix.field}`` (escapes kept)."""
+    return _FIELD.sub(lambda m: m.group(0) if m.group(1) is None
+                      else "{" + f"{prefix}.{m.group(1)}" + "}", template)
 
 
 class ConfigError(ValueError):
@@ -56,6 +60,30 @@ class ConfigError(ValueError):
     def renamed(self, name: Callable[[str], str]) -> "ConfigError":
         """The same error with the keys named by ``name`` (unchanged if it has no template)."""
         return ConfigError(render(self.template, name), self.template) if self.template else self
+
+    def under(self, prefix: str) -> "ConfigError":
+        """The same error with its keys inside the section ``prefix`` (``{lr}`` ->
+        ``{optim.lr}``): a section's own error, as its parent names it."""
+        if not self.template:
+            return self
+        template = _rebase(self.template, prefix)
+        return ConfigError(render(template, str), template)
+
+
+KEY = "\x00"  # stands for the key in messages of checks that take the key's name as text
+
+
+@contextmanager
+def keyed(field: str):
+    """Inside, a check told that its key is called `KEY` raises a `ConfigError` whose template
+    names ``{field}`` instead (so that the caller's names apply, `ConfigError.renamed`)."""
+    try:
+        yield KEY
+    except ConfigError as e:
+        if KEY not in str(e):
+            raise
+        template = str(e).replace("{", "{{").replace("}", "}}").replace(KEY, "{" + field + "}")
+        raise ConfigError.about(template, str) from None
 
 
 # -- types ---------------------------------------------------------------------------------

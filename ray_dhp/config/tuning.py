@@ -113,7 +113,7 @@ def parse_tuning(spec: Optional[dict], key: str = "train_loop_config.modules") -
 
 def parse_tuning_named(spec: Optional[dict], name: Callable[[str], str]) -> Tuning:
     """`parse_tuning` whose errors keep a template (``{modules}``), so that the run file can
-    rename the key (``optim.modules...``) like every other `TrainLoopConfig` error."""
+    rename the key (``optim.modules...``) like every other configuration error."""
     mark = "\x00"
     try:
         return parse_tuning(spec, key=mark)
@@ -181,8 +181,9 @@ def _number(v, where: str, positive: bool = False) -> Optional[float]:
 
 
 def tuning_of(cfg) -> Tuning:
-    """The `Tuning` of a `TrainLoopConfig` (or anything with a ``modules`` attribute)."""
-    return parse_tuning(getattr(cfg, "modules", None))
+    """The `Tuning` of the run's ``optim`` section (`ray_dhp.config.sections.OptimConfig`, or
+    anything with a ``modules`` attribute)."""
+    return parse_tuning(cfg.modules)
 
 
 

@@ -95,17 +95,17 @@ class EvalLoader(StepLoader):
         samples = [it.sample for it in chosen]
         samples += [ghost_sample() for _ in range(self.min_samples - len(samples))]
         # one micro-batch, or with micro_batch_tokens cut by that budget as training steps are
-        micro_batches = s.cut(samples) if s.cfg.micro_batch_tokens is not None else [samples]
+        micro_batches = s.cut(samples) if s.cfg.optim.micro_batch_tokens is not None else [samples]
         self._route_pixels(chosen, micro_batches)  # ghosts have no pixels: nothing to route
         return micro_batches
 
 
-def validation_records(cfg):
+def validation_records(data):
     """``(records, data_root)`` of the dataset named "validation" (a path given to the trainer or
-    a Ray Dataset), or None when the run has none."""
+    a Ray Dataset), or None when the run has none; ``data``: the run's ``data`` section."""
     from ray_dhp.data.sources import load_records
 
-    if "validation" not in (cfg.dataset_paths or {}):
+    if "validation" not in (data.dataset_paths or {}):
         import ray.train
 
         try:
@@ -113,19 +113,20 @@ def validation_records(cfg):
                 return None
         except (KeyError, RuntimeError, ValueError):  # no such dataset / not in a Ray Train run
             return None
-    return load_records(cfg, "validation")
+    return load_records(data, "validation")
 
 
 def make_eval_loader(cfg, processor, groups, balancer):
     """The run's `EvalLoader` over its "validation" dataset (None without one). Collective: every
-    rank calls it at the same point (it builds the loader's process group)."""
+    rank calls it at the same point (it builds the loader's process group). ``cfg``: the loop's
+    configuration tree (the sampler takes the batch from ``optim``, the limits from ``data``)."""
     from ray_dhp.data.sampler import StepSampler
 
-    found = validation_records(cfg)
+    found = validation_records(cfg.data)
     if found is None:
         return None
     records, root = found
     if not records:
         raise ValueError('the "validation" dataset is empty.')
     return EvalLoader(StepSampler(records, processor, root, cfg), groups,
-                      batch_size=cfg.eval_batch(), num_workers=cfg.data_workers, balancer=balancer)
+                      batch_size=cfg.eval_batch(), num_workers=cfg.data.data_workers, balancer=balancer)

@@ -32,7 +32,8 @@ class StepSampler:
             records concatenated in name order (``records[i].index == i``, the global index used
             everywhere below). Indexed datasets are parsed on demand: nothing per record is kept.
         bad: global indices of records found bad (each counted once per run).
-        cfg: the `TrainLoopConfig`.
+        cfg: the loop's configuration tree (`ray_dhp.config.train_loop.TrainLoopConfig`): the
+            step's batch from its ``optim`` section, the sample limits from ``data``.
     """
 
     def __init__(self, records, processor, data_root, cfg):
@@ -61,7 +62,7 @@ class StepSampler:
         self.processor, self.cfg = processor, cfg
         self._streams, parts, offset = [], [], 0
         for src in sorted(sources, key=lambda s: s.name):
-            self._streams.append(Stream(src, offset, cfg.seed))
+            self._streams.append(Stream(src, offset, cfg.optim.seed))
             parts.append(src.records)
             offset += len(src.records)
         self.records = RunRecords(parts)
@@ -95,9 +96,9 @@ class StepSampler:
 
         try:
             sample = self.processor.process(
-                self.records[i], self.root_for(i), max_tokens=self.cfg.max_tokens,
-                max_chars=getattr(self.cfg, "max_text_chars", None),
-                max_pixels=getattr(self.cfg, "max_image_pixels", None))
+                self.records[i], self.root_for(i), max_tokens=self.cfg.data.max_tokens,
+                max_chars=self.cfg.data.max_text_chars,
+                max_pixels=self.cfg.data.max_image_pixels)
         except BadSample as e:
             return e
         if getattr(sample, "audio_lengths", None) is not None and not self.allow_audio:  # not bad data: no audio group
@@ -116,7 +117,7 @@ class StepSampler:
         rec = self.records[i]
         where = getattr(rec, "where", None) or f"{getattr(rec, 'source', '?')}:{getattr(rec, 'line', i)}"
         reason = getattr(error, "reason", None) or str(error)  # BadSample: without its location
-        if self.cfg.bad_data == "strict":
+        if self.cfg.data.bad_data == "strict":
             raise ValueError(f"bad sample at {where}: {reason} (set bad_data='skip' to skip such "
                              f"samples)") from (error if isinstance(error, BaseException) else None)
         if i not in self.bad:
@@ -137,12 +138,12 @@ class StepSampler:
 
     def _summary(self) -> str:
         return self.ledger.summary(len(self.bad), self._drawn(),
-                                   getattr(self.cfg, "max_bad_fraction", 1.0))
+                                   self.cfg.data.max_bad_fraction)
 
     def check_budget(self) -> None:
         """Raise once more than ``max_bad_fraction`` of the records drawn so far are bad (judged
         after ``min(MIN_JUDGED, number of records)`` draws), with the `BadDataLedger` summary."""
-        limit, drawn = getattr(self.cfg, "max_bad_fraction", 1.0), self._drawn()
+        limit, drawn = self.cfg.data.max_bad_fraction, self._drawn()
         if drawn >= min(MIN_JUDGED, len(self.records)) and len(self.bad) > limit * drawn:
             raise ValueError("too much bad data: " + self._summary())
 
@@ -160,7 +161,7 @@ class StepSampler:
 
     def next_step(self) -> list:
         """The next step's micro-batches (lists of samples, see `cut`)."""
-        need, samples, tries = self.cfg.global_batch_size, [], 0
+        need, samples, tries = self.cfg.optim.global_batch_size, [], 0
         while len(samples) < need:
             tries += 1
             if tries > need + 2 * len(self.records):
@@ -183,13 +184,13 @@ class StepSampler:
         from ray_dhp.data.budget import cut_micro_batches
 
         replicas, min_size = self.replicas
-        budget, bal = self.cfg.micro_batch_tokens, self.balancer
+        budget, bal = self.cfg.optim.micro_batch_tokens, self.balancer
         cost = bal is not None and bal.mode == "cost"
         if budget is None:
-            if cost and self.cfg.micro_batches > 1:
+            if cost and self.cfg.optim.micro_batches > 1:
                 return [[samples[i] for i in idx]
-                        for idx in bal.micro_batches(samples, self.cfg.micro_batches)]
-            cuts = cut_micro_batches([0] * len(samples), micro_batches=self.cfg.micro_batches)
+                        for idx in bal.micro_batches(samples, self.cfg.optim.micro_batches)]
+            cuts = cut_micro_batches([0] * len(samples), micro_batches=self.cfg.optim.micro_batches)
         else:
             def assign(rng):  # the engine's text replicas of those samples
                 return bal.text_replicas(samples[rng.start:rng.stop], replicas)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import os
 
-from ray_dhp.config.train_loop import TrainLoopConfig
+from ray_dhp.config.data_section import DataConfig
 
 
-def load_records(cfg: TrainLoopConfig, name: str = "train"):
+def load_records(cfg: DataConfig, name: str = "train"):
     """(records, data_root) of dataset ``name``: a path given to the trainer, indexed (root: the
     file's folder, or ``cfg.data_root``), or the Ray Dataset of that name, streamed into a spool
     (`ray_dhp.data.spool`; root: ``cfg.data_root`` or the current directory). Either way the
@@ -50,7 +50,7 @@ def run_key() -> str:
     return f"{ctx.get_experiment_name()}-{hashlib.sha256(where.encode()).hexdigest()[:10]}"
 
 
-def load_sources(cfg: TrainLoopConfig) -> list:
+def load_sources(cfg: DataConfig) -> list:
     """The run's `DataSource` list: "train" alone (weight 1: a mixture of one), or each dataset of
     ``cfg.dataset_weights`` with its weight."""
     from ray_dhp.data.mixture import DataSource
@@ -61,8 +61,9 @@ def load_sources(cfg: TrainLoopConfig) -> list:
             for name, w in sorted(cfg.dataset_weights.items())]
 
 
-def make_sampler(cfg: TrainLoopConfig, processor):
-    """The `StepSampler` over the run's training data."""
+def make_sampler(cfg, processor):
+    """The `StepSampler` over the run's training data (``cfg``: the loop's configuration tree;
+    the datasets from its ``data`` section)."""
     from ray_dhp.data.sampler import StepSampler
 
-    return StepSampler.from_sources(load_sources(cfg), processor, cfg)
+    return StepSampler.from_sources(load_sources(cfg.data), processor, cfg)

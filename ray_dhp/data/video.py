@@ -70,11 +70,11 @@ class VideoSettings:
     rules: VideoRules = DEFAULT_PROMPT_FORMAT.video
 
     @classmethod
-    def of(cls, cfg) -> "VideoSettings":
-        """The settings of a `TrainLoopConfig`'s ``video_*`` keys."""
-        return cls(fps=cfg.video_fps, min_frames=cfg.video_min_frames,
-                   max_frames=cfg.video_max_frames, min_pixels=cfg.video_min_pixels,
-                   max_pixels=cfg.video_max_pixels, total_pixels=cfg.video_total_pixels)
+    def of(cls, video) -> "VideoSettings":
+        """The settings of the run's ``data.video`` section (`ray_dhp.config.data_section.VideoConfig`)."""
+        return cls(fps=video.fps, min_frames=video.min_frames, max_frames=video.max_frames,
+                   min_pixels=video.min_pixels, max_pixels=video.max_pixels,
+                   total_pixels=video.total_pixels)
 
 
 @dataclass

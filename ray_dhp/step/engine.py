@@ -44,7 +44,6 @@ from ray_dhp.parallel.balance import Balancer
 from ray_dhp.parallel.comm import CommCounter
 from ray_dhp.parallel.fsdp import reduce_dtype_of, shard_text
 from ray_dhp.parallel.tensor import apply_tp_plan, partial_grad_params
-from ray_dhp.config.train_loop import TrainLoopConfig
 from ray_dhp.config.tuning import check_layout, tuning_of
 from ray_dhp.step.encoders import EncoderPhases, check_encoders
 from ray_dhp.step.text import TextPhase
@@ -52,18 +51,22 @@ from ray_dhp.step.updates import UpdateMixin
 
 
 class DHPEngine(EncoderPhases, TextPhase, UpdateMixin):
-    """Holds this rank's shard(s) of the model and runs exact DHP training steps."""
+    """Holds this rank's shard(s) of the model and runs exact DHP training steps.
 
-    def __init__(self, model, groups: DHPGroups, cfg: TrainLoopConfig,
+    ``cfg``: the loop's configuration tree (`ray_dhp.config.train_loop.TrainLoopConfig`); the
+    engine reads its ``optim`` and ``data`` sections and hands each part its own.
+    """
+
+    def __init__(self, model, groups: DHPGroups, cfg,
                  comm: Optional[CommCounter] = None, dtype: Optional[torch.dtype] = None,
                  schedule: str = "sequential", init: str = "source"):
         if init not in ("source", "checkpoint"):
             raise ValueError(f"init must be 'source' or 'checkpoint', got {init!r}")
-        self.policy = policy_of(cfg)
+        self.policy = policy_of(cfg.optim)
         dtype = weight_dtype(self.policy, dtype)
         self.source_model = str(model) if isinstance(model, (str, os.PathLike)) else None
         self.groups, self.cfg, self.comm, self.dtype = groups, cfg, comm, dtype
-        apply_tf32(cfg.tf32, groups.device)
+        apply_tf32(cfg.optim.tf32, groups.device)
         self.schedule = schedule
         order_for(schedule, 1)  # validates the name
         self.config = load_model_config(model)
@@ -71,12 +74,12 @@ class DHPEngine(EncoderPhases, TextPhase, UpdateMixin):
         check_transformers(self.family)
         topo = groups.topology
         self.family.validate_layout(self.config, sp=topo.vision.inner, tp=topo.text.inner,
-                                    text_sp=topo.text_sequence_parallel, packing=cfg.packing)
+                                    text_sp=topo.text_sequence_parallel, packing=cfg.data.packing)
         self.family.validate_expert_parallel(self.config, topo.text_expert_parallel)
         check_encoders(self.family, topo)
         from ray_dhp.parallel.context import refusal
 
-        why = refusal(self.family, self.config, topo.text.cp, topo.text.inner, cfg.packing,
+        why = refusal(self.family, self.config, topo.text.cp, topo.text.inner, cfg.data.packing,
                       tuple(self.family.encoder_spec(m.name).operations() for m in topo.encoders),
                       text_sp=topo.text_sequence_parallel)
         if why:
@@ -93,15 +96,15 @@ class DHPEngine(EncoderPhases, TextPhase, UpdateMixin):
                                      topo.text.cp, groups.text_cp_rank, self.comm,
                                      self.family.cp_mixers(self.config.text_config)
                                      if self.family.stateful_mixers else (), topo.text.inner)
-        self.tuning = tuning_of(cfg)  # per-module choices: frozen parameters are left out below
+        self.tuning = tuning_of(cfg.optim)  # per-module choices: frozen parameters are left out below
         if self.tuning.lora is not None and self.text_model is not None:  # PEFT LoRA, TP-exact
             from ray_dhp.models.lora import add_lora
 
             check_layout(self.tuning, topo.text_sequence_parallel)
             tp = topo.text.inner > 1
-            add_lora(self.text_model, self.tuning.lora, cfg.seed, groups.text_mesh["tp"] if tp else None,
+            add_lora(self.text_model, self.tuning.lora, cfg.optim.seed, groups.text_mesh["tp"] if tp else None,
                      self.family.text_tp_plan(self.config.text_config) if tp else None)
-        if cfg.packing and self.family.stateful_mixers and self.text_model is not None:
+        if cfg.data.packing and self.family.stateful_mixers and self.text_model is not None:
             from ray_dhp.models.segments import install_segment_rows  # after TP and LoRA
 
             install_segment_rows(self.family.language_model(self.text_model), self.family.stateful_mixers,
@@ -137,10 +140,10 @@ class DHPEngine(EncoderPhases, TextPhase, UpdateMixin):
         (identical to the reference's); ``fill=False`` (``init="checkpoint"``): allocated only,
         for a checkpoint load to fill; see `ray_dhp.models.loading`."""
         g, topo = self.groups, self.groups.topology
-        meta = build_meta_model(model, seed=self.cfg.seed, dtype=dtype)
+        meta = build_meta_model(model, seed=self.cfg.optim.seed, dtype=dtype)
         full = meta.module
         full.train()
-        if self.cfg.activation_checkpointing:  # recompute every vision and text block in backward
+        if self.cfg.optim.activation_checkpointing:  # recompute every vision and text block in backward
             full.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.shards, self.text_model, parts = {}, None, {}
         for m in topo.encoders:  # each encoder this rank hosts
@@ -237,7 +240,7 @@ class DHPEngine(EncoderPhases, TextPhase, UpdateMixin):
         lr = self.current_lr()  # the rate this step trains with (the scheduler steps below)
         with self._timer("optimizer"):
             grad_norm = self._reduce_and_clip()
-            self._optimizer_step(dp.clip_coefficient(grad_norm, self.cfg.max_grad_norm))
+            self._optimizer_step(dp.clip_coefficient(grad_norm, self.cfg.optim.max_grad_norm))
         self.step_count += 1
         times, self._timer = self._timer.as_metrics(), PhaseTimer(self.groups.device)
         return {"grad_norm": grad_norm, "lr": lr, **times}
@@ -254,9 +257,9 @@ class DHPEngine(EncoderPhases, TextPhase, UpdateMixin):
     # (_text_fwd_bwd) is `TextPhase`'s (ray_dhp.step.text)
 
     def balancer(self) -> Balancer:
-        """The run's `Balancer` (``cfg.balance``), built on first use from the model config."""
+        """The run's `Balancer` (``cfg.optim.balance``), built on first use from the model config."""
         if getattr(self, "_balancer", None) is None:
-            self._balancer = balancer_for(self.cfg.balance, self.config, packing=self.cfg.packing)
+            self._balancer = balancer_for(self.cfg.optim.balance, self.config, packing=self.cfg.data.packing)
         return self._balancer
 
     def _text_plan(self, full) -> dict:
@@ -292,7 +295,7 @@ class DHPEngine(EncoderPhases, TextPhase, UpdateMixin):
     def current_lr(self) -> float:
         from ray_dhp.step.optim import lr_factor
 
-        return self.cfg.lr * lr_factor(self.step_count, self.cfg)  # the base lr (per-module: x ratio)
+        return self.cfg.optim.lr * lr_factor(self.step_count, self.cfg.optim)  # the base lr (per-module: x ratio)
 
     def named_full_parameters(self) -> dict:
         """Full (unsharded) parameters this rank hosts, by the model's own names (collective on the

@@ -111,7 +111,7 @@ def _text_loss_sum(engine, samples: list, feats) -> torch.Tensor:
     return value.detach().double().cpu()
 
 
-def check_eval_setup(cfg, *, has_validation: bool, score_attribute=None, name=None,
+def check_eval_setup(data, checkpoint, *, has_validation: bool, score_attribute=None, name=None,
                      validation_key: str = 'datasets["validation"]',
                      score_key: str = "run_config.checkpoint_config.checkpoint_score_attribute"
                      ) -> None:
@@ -126,7 +126,8 @@ def check_eval_setup(cfg, *, has_validation: bool, score_attribute=None, name=No
       *best* under ``checkpoint_score_order="min"``, so a missing value must not happen).
 
     Args:
-        cfg: the `TrainLoopConfig`.
+        data, checkpoint: the run's ``data`` and ``checkpoint`` sections
+            (`ray_dhp.config.data_section.DataConfig`, `ray_dhp.config.sections.CheckpointConfig`).
         has_validation: whether the run has a dataset named "validation".
         score_attribute: ``CheckpointConfig.checkpoint_score_attribute`` (None: by recency).
         name: how a loop key is called in messages (default ``train_loop_config.<key>``).
@@ -136,10 +137,10 @@ def check_eval_setup(cfg, *, has_validation: bool, score_attribute=None, name=No
     from ray_dhp.config.train_loop import loop_key
 
     name = name or loop_key
-    if cfg.eval_every > 0 and not has_validation:
-        raise ConfigError(f"{name('eval_every')}={cfg.eval_every} evaluates on a validation set, "
+    if data.eval_every > 0 and not has_validation:
+        raise ConfigError(f"{name('eval_every')}={data.eval_every} evaluates on a validation set, "
                           f"but there is none: set {validation_key} (or eval_every=0).")
-    if VALIDATION in (cfg.dataset_weights or {}):
+    if VALIDATION in (data.dataset_weights or {}):
         raise ConfigError(f"{name('dataset_weights')}: names {VALIDATION!r}, the evaluation set; "
                           "training on it makes eval_loss meaningless (give a dataset to train "
                           "on another name).")
@@ -157,7 +158,7 @@ def check_eval_setup(cfg, *, has_validation: bool, score_attribute=None, name=No
     if not has_validation:
         raise ConfigError(f"{score_key}={score_attribute!r} ranks checkpoints by an evaluation "
                           f"metric, but there is no validation set: set {validation_key}.")
-    every, ck = cfg.eval_every, cfg.checkpoint_every
+    every, ck = data.eval_every, checkpoint.checkpoint_every
     if ck > 0 and (every == 0 or ck % every):
         when = "only at the end" if every == 0 else f"every {every} steps"
         raise ConfigError(

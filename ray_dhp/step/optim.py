@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ray_dhp.config.train_loop import TrainLoopConfig
+from ray_dhp.config.sections import OptimConfig
 from ray_dhp.config.tuning import tuning_of
 from ray_dhp.models.tuning import hyper
 
@@ -36,7 +36,7 @@ def param_groups(named_params, weight_decay: float, lr: float = None, tuning=Non
     return groups
 
 
-def lr_factor(step: int, cfg: TrainLoopConfig) -> float:
+def lr_factor(step: int, cfg: OptimConfig) -> float:
     """Multiplier of the peak lr at optimizer step ``step`` (0-based): linear warmup, then decay."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
@@ -65,7 +65,7 @@ def adamw_impl(params: list) -> dict:
     return {"foreach": True} if any(isinstance(p, DTensor) for p in params) else {"fused": True}
 
 
-def build_optimizer(named_params, cfg: TrainLoopConfig, prefix: str = "", host: bool = False):
+def build_optimizer(named_params, cfg: OptimConfig, prefix: str = "", host: bool = False):
     """AdamW + LambdaLR for one module's parameters (None if it has none); per-module lr and
     weight decay from ``cfg.modules`` (`ray_dhp.config.tuning`), names taken as ``prefix + name``;
     ``host``: the host AdamW of `ray_dhp.step.offload.host_adamw`."""
@@ -85,7 +85,7 @@ def build_optimizer(named_params, cfg: TrainLoopConfig, prefix: str = "", host: 
     return opt, sched
 
 
-def build_optimizer_for(named_params, cfg: TrainLoopConfig, policy, prefix: str = "",
+def build_optimizer_for(named_params, cfg: OptimConfig, policy, prefix: str = "",
                         offload: bool = False):
     """(optimizer, scheduler, masters) for one module under the `PrecisionPolicy` ``policy``.
 

@@ -39,7 +39,7 @@ from typing import Optional
 
 import torch
 
-from ray_dhp.config.train_loop import POLICY_NAMES
+from ray_dhp.config.sections import POLICY_NAMES
 
 # fp32 master gradients made and stepped per chunk of about this many bytes (`MasterWeights.step`)
 CHUNK_BYTES = 64 << 20
@@ -107,9 +107,9 @@ POLICIES = {
 
 
 def policy_of(cfg) -> PrecisionPolicy:
-    """The `PrecisionPolicy` of a `TrainLoopConfig` (or anything with a ``precision`` key; None:
-    fp32)."""
-    name = getattr(cfg, "precision", None) or "fp32"
+    """The `PrecisionPolicy` of the run's ``optim`` section (`ray_dhp.config.sections.OptimConfig`,
+    or anything with a ``precision`` attribute; None: fp32)."""
+    name = (None if cfg is None else cfg.precision) or "fp32"
     if name not in POLICIES:
         raise ValueError(f"precision must be one of {POLICY_NAMES}, got {name!r}")
     return POLICIES[name]

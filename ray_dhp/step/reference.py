@@ -43,14 +43,14 @@ from ray_dhp.step.microbatch import count_targets, shift_labels, upcast
 from ray_dhp.step.optim import lr_factor
 from ray_dhp.step.precision import policy_of, weight_dtype
 from ray_dhp.config.tuning import tuning_of
-from ray_dhp.config.train_loop import TrainLoopConfig
+from ray_dhp.config.sections import OptimConfig
 
 ADAPTER = "default"  # PEFT's default adapter name
 
 
 class ReferenceTrainer:
-    def __init__(self, model, cfg: TrainLoopConfig, device="cpu", dtype=None):
-        self.cfg = cfg
+    def __init__(self, model, cfg: OptimConfig, device="cpu", dtype=None):
+        self.cfg = cfg  # the run's ``optim`` section
         self.policy = policy_of(cfg)
         dtype = weight_dtype(self.policy, dtype)
         self.config = load_model_config(model)

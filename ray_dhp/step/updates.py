@@ -46,7 +46,7 @@ class UpdateMixin:
                     [p for _, p in named], m.zero_stage, g.encoders[m.name].all, m.ranks,
                     g.rank - m.offset, leader=g.rank == m.offset)
             self.opts[m.name] = build_optimizer_for(
-                z.mine(named), self.cfg, self.policy, prefix=self.family.encoder_prefix(m.name),
+                z.mine(named), self.cfg.optim, self.policy, prefix=self.family.encoder_prefix(m.name),
                 offload=m.offload)
         self.expert_params = []  # expert parallelism: reduced over EDP, own partition (parallel/expert.py)
         if self.text_model is not None:
@@ -69,7 +69,7 @@ class UpdateMixin:
                     t.dp_groups()[k], t.grad_index(g.rank), leader=g.rank == t.offset,
                     tp_group=g.text_tp, tp_first=k == 0, late=self._partial)
             self.opts["text"] = build_optimizer_for(
-                z.mine(named) + (experts if self.expert_params else []), self.cfg, self.policy,
+                z.mine(named) + (experts if self.expert_params else []), self.cfg.optim, self.policy,
                 offload=t.offload)
         for z in self.zero.values():
             if hasattr(z, "install_hooks"):  # a ZeroPartition (FSDP2 reduces in its own hooks)

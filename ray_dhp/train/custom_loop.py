@@ -8,9 +8,9 @@ The built-in loop (`ray_dhp.train.loop`) is made of these; a custom loop uses th
         cfg = ray_dhp.TrainLoopConfig.from_dict(config)
         engine = ray_dhp.build_engine(cfg)                # this rank's shards + optimizers
         loader = ray_dhp.build_loader(cfg, engine)        # the step's micro-batches
-        first = ray_dhp.load_checkpoint(engine, loader, cfg.resume_from)
-        loader.start(cfg.num_steps - first)
-        for step in range(first, cfg.num_steps):
+        first = ray_dhp.load_checkpoint(engine, loader, cfg.checkpoint.resume_from)
+        loader.start(cfg.optim.num_steps - first)
+        for step in range(first, cfg.optim.num_steps):
             out = engine.forward_backward(loader.next(), loss_fn=my_loss, last=True)
             out.update(engine.optimizer_step())
             ray_dhp.report_checkpoint({"step": step + 1, **out}, engine, loader)
@@ -62,7 +62,7 @@ def build_engine(config: Union[TrainLoopConfig, dict], ctx=None, *, comm=None,
 
 def build_processor(ctx=None, config: Union[TrainLoopConfig, dict, None] = None):
     """The run's `VLProcessor`: ``dhp_config.processor``, else the model directory's; with
-    ``config``, its ``system_prompt``, ``min_pixels``/``max_pixels`` and ``video_*`` keys applied (the driver says
+    ``config``, its ``processor`` section and ``data.video`` applied (the driver says
     when the processor has no chat template: `ray_dhp.data.compat.processor_notes`)."""
     from ray_dhp.data.model_processor import run_processor
     from ray_dhp.data.video import VideoSettings
@@ -73,9 +73,10 @@ def build_processor(ctx=None, config: Union[TrainLoopConfig, dict, None] = None)
     if config is None:
         return processor
     cfg = _cfg(config)
-    system = cfg.system_prompt if cfg.system_prompt is not None else processor.system_prompt
-    processor = processor.configured(system_prompt=system, min_pixels=cfg.min_pixels,
-                                     max_pixels=cfg.max_pixels, video=VideoSettings.of(cfg))
+    p = cfg.processor
+    system = p.system_prompt if p.system_prompt is not None else processor.system_prompt
+    processor = processor.configured(system_prompt=system, min_pixels=p.min_pixels,
+                                     max_pixels=p.max_pixels, video=VideoSettings.of(cfg.data.video))
     if ctx.rank == 0:
         logger.debug("prompts: %s (system prompt: %s)", "the processor's chat template"
                      if processor.uses_chat_template else "ray_dhp's own Qwen format",
@@ -85,7 +86,7 @@ def build_processor(ctx=None, config: Union[TrainLoopConfig, dict, None] = None)
 
 def build_loader(config: Union[TrainLoopConfig, dict], engine=None, ctx=None, processor=None):
     """The `StepLoader` over the run's training data (``datasets=`` of the trainer, or the
-    config's ``dataset_paths``), the same micro-batches on every rank, pixels only where they are
+    config's ``data.dataset_paths``), the same micro-batches on every rank, pixels only where they are
     computed. Give it the ``engine`` (its balancer decides which vision replica gets which
     images); ``processor``: default `build_processor`. Call ``loader.start(n)`` to prepare steps
     ahead, ``loader.next()`` for each step's micro-batches, ``loader.close()`` at the end."""
@@ -99,16 +100,16 @@ def build_loader(config: Union[TrainLoopConfig, dict], engine=None, ctx=None, pr
         from ray_dhp.models import load_model_config
         from ray_dhp.step.microbatch import balancer_for
 
-        balancer = balancer_for(cfg.balance, load_model_config(ctx.dhp_config.model),
-                                packing=cfg.packing)
+        balancer = balancer_for(cfg.optim.balance, load_model_config(ctx.dhp_config.model),
+                                packing=cfg.data.packing)
     processor = build_processor(ctx, cfg) if processor is None else processor
-    return StepLoader(make_sampler(cfg, processor), ctx.groups, prefetch=cfg.prefetch,
-                      num_workers=cfg.data_workers, balancer=balancer)
+    return StepLoader(make_sampler(cfg, processor), ctx.groups, prefetch=cfg.data.prefetch,
+                      num_workers=cfg.data.data_workers, balancer=balancer)
 
 
 def find_checkpoint(source=None):
     """What to resume from: the run's own latest checkpoint (after a failure and restart), else
-    ``source`` (a path or ``ray.train.Checkpoint``, e.g. ``cfg.resume_from``); None: start fresh."""
+    ``source`` (a path or ``ray.train.Checkpoint``, e.g. ``cfg.checkpoint.resume_from``); None: start fresh."""
     from ray_dhp.checkpointing import checkpoint
 
     return checkpoint.latest_of_run() or source

@@ -52,7 +52,7 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
     from ray_dhp.train.tracking import WorkerTrackers, set_ray_report_logs
 
     cfg = TrainLoopConfig.from_dict(config)
-    set_ray_report_logs(cfg.ray_report_logs)
+    set_ray_report_logs(cfg.tracking.ray_report_logs)
     hook = hook or (lambda event, step: None)
     ctx = get_context()
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
@@ -63,8 +63,8 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
     eval_loader = make_eval_loader(cfg, processor, ctx.groups, loader.balancer)  # None: no validation set
     import ray.train
 
-    trackers = WorkerTrackers(mlflow=cfg.mlflow, wandb=cfg.wandb, rank=ctx.rank,
-                              config={**cfg.to_dict(), "dhp": ctx.dhp_config.to_dict()},
+    trackers = WorkerTrackers(mlflow=cfg.tracking.mlflow, wandb=cfg.tracking.wandb, rank=ctx.rank,
+                              config={**cfg.to_flat_dict(), "dhp": ctx.dhp_config.to_dict()},
                               run_name=ray.train.get_context().get_experiment_name())
     try:
         out = _train(cfg, ctx, loader, processor, hook, trackers, eval_loader)
@@ -86,22 +86,22 @@ def _train(cfg: TrainLoopConfig, ctx, loader, processor, hook, trackers, eval_lo
     from ray_dhp.models.sizes import count_params
     from ray_dhp.parallel.comm import CommCounter
 
-    # The run's latest checkpoint (after a restart) or cfg.resume_from: the engine is then built
+    # The run's latest checkpoint (after a restart) or cfg.checkpoint.resume_from: the engine is then built
     # without filling its weights (the checkpoint overwrites every one of them).
-    found = find_checkpoint(cfg.resume_from)
+    found = find_checkpoint(cfg.checkpoint.resume_from)
     engine = build_engine(cfg, ctx, comm=CommCounter(), from_checkpoint=found is not None)
     first = checkpoint.load(found, engine, loader) if found is not None else 0
-    reports = CheckpointReports(cfg.async_save, ctx.groups.device, hook)
-    if first >= cfg.num_steps:
+    reports = CheckpointReports(cfg.checkpoint.async_save, ctx.groups.device, hook)
+    if first >= cfg.optim.num_steps:
         logger.warning("the checkpoint is at step %d >= num_steps=%d: nothing to train; raise "
-                       "num_steps to continue it", first, cfg.num_steps)
-    loader.start(cfg.num_steps - first)  # prepares step k+1 while step k trains
+                       "num_steps to continue it", first, cfg.optim.num_steps)
+    loader.start(cfg.optim.num_steps - first)  # prepares step k+1 while step k trains
     counts = count_params(engine.config)
     bf16 = torch.bfloat16 in (engine.policy.param_dtype, engine.policy.autocast_dtype)
     peak = peak_flops(ctx.groups.device, "bfloat16" if bf16 else None)
     window_start = first
     window_tokens, window_patches, window_time, data_wait, window_flops = 0, 0, 0.0, 0.0, 0.0
-    for step in range(first, cfg.num_steps):
+    for step in range(first, cfg.optim.num_steps):
         t0 = time.perf_counter()
         micro_batches = loader.next()
         data_wait += time.perf_counter() - t0
@@ -114,11 +114,11 @@ def _train(cfg: TrainLoopConfig, ctx, loader, processor, hook, trackers, eval_lo
                               if s.image_grid_thw is not None)
         window_flops += step_flops(engine.config, counts, micro_batches)
         hook("step_end", step + 1)
-        last = step == cfg.num_steps - 1
-        save = last or (cfg.checkpoint_every > 0 and (step + 1) % cfg.checkpoint_every == 0)
+        last = step == cfg.optim.num_steps - 1
+        save = last or (cfg.checkpoint.checkpoint_every > 0 and (step + 1) % cfg.checkpoint.checkpoint_every == 0)
         evaluate = eval_loader is not None and (
-            last or (cfg.eval_every > 0 and (step + 1) % cfg.eval_every == 0))
-        if save or evaluate or step == first or (step + 1) % cfg.log_every == 0:
+            last or (cfg.data.eval_every > 0 and (step + 1) % cfg.data.eval_every == 0))
+        if save or evaluate or step == first or (step + 1) % cfg.optim.log_every == 0:
             metrics = {
                 "step": step + 1, "loss": out["loss"], "grad_norm": out["grad_norm"], "lr": out["lr"],
                 "tokens_per_s": window_tokens / max(window_time, 1e-9),
@@ -141,7 +141,7 @@ def _train(cfg: TrainLoopConfig, ctx, loader, processor, hook, trackers, eval_lo
                 metrics["dataset_draws"] = {n: st["draws"] for n, st in mix.items()}
                 metrics["dataset_epochs"] = {n: st["epoch"] for n, st in mix.items()}
             if ctx.rank == 0:
-                logger.debug("step %d/%d %s", step + 1, cfg.num_steps, metrics)
+                logger.debug("step %d/%d %s", step + 1, cfg.optim.num_steps, metrics)
             trackers.log(metrics, step + 1)
             if save:
                 reports.save(metrics, engine, loader, processor)

@@ -15,7 +15,7 @@ from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
 from ray_dhp.train.cluster import DEFAULT_PLACEMENT_TIMEOUT_S, PlacementTimeoutError
 from ray_dhp.layout import DHPConfig
-from ray_dhp.config.train_loop import TrainLoopConfig, loop_key
+from ray_dhp.config.train_loop import TrainLoopConfig
 from ray_dhp.train.cleanup import owned_actors, sweep_staging_on_all_nodes, wait_for_owned_actors
 from ray_dhp.train.waiting import PlacementWatch
 
@@ -33,7 +33,9 @@ class DisaggregatedTrainer(DataParallelTrainer):
         train_loop_per_worker: your train function; None runs the built-in VLM loop
             (`ray_dhp.train.loop.train_loop`) configured by ``train_loop_config``.
         train_loop_config: dict passed to the train function (for the built-in loop, the keys of
-            `ray_dhp.TrainLoopConfig`; unknown keys are rejected here, before workers start).
+            `ray_dhp.TrainLoopConfig`: flat keys such as ``lr`` or ``packing``, or its sections
+            such as ``{"optim": {"lr": ...}}``; unknown keys are rejected here, before workers
+            start).
         dhp_config: the layout (`DHPConfig`): model, processor, vision/text degrees, placement.
         scaling_config: ``ray.train.ScalingConfig``; ``num_workers`` must equal the layout's
             worker count (``dhp_config.num_workers``).
@@ -104,10 +106,11 @@ class DisaggregatedTrainer(DataParallelTrainer):
             from ray_dhp.models import family_of
 
             family = family_of(dhp_config.model_config())
-            family.check_packing(loop_cfg.packing, loop_key("packing"))
+            family.check_packing(loop_cfg.data.packing, loop_cfg.key("data.packing"))
             from ray_dhp.parallel.context import check_packing
 
-            check_packing(dhp_config.text.context_parallel, loop_cfg.packing, loop_key("packing"))
+            check_packing(dhp_config.text.context_parallel, loop_cfg.data.packing,
+                          loop_cfg.key("data.packing"))
             from ray_dhp.data.audio import refuse_audio
 
             if getattr(dhp_config, "audio", None) is None:  # no audio group: audio cannot train
@@ -116,10 +119,12 @@ class DisaggregatedTrainer(DataParallelTrainer):
             _check_evaluation(loop_cfg, set(ray_datasets) | set(paths), run_config)
             from ray_dhp.data.pixels import check_run_pixels
 
-            check_run_pixels(loop_cfg.min_pixels, loop_cfg.max_pixels, dhp_config, loop_key)
+            check_run_pixels(loop_cfg.processor.min_pixels, loop_cfg.processor.max_pixels, dhp_config,
+                             loop_cfg.key)
             from ray_dhp.config.tuning import check_layout, tuning_of
 
-            check_layout(tuning_of(loop_cfg), dhp_config.text.sequence_parallel is True)
+            check_layout(tuning_of(loop_cfg.optim), dhp_config.text.sequence_parallel is True,
+                         key=loop_cfg.key("optim.modules"))
             if dhp_config.processor is None and not isinstance(dhp_config.model, str):
                 raise ValueError("the built-in loop needs DHPConfig(processor=...) when the model "
                                  "is a config object (with a model directory it is loaded from there).")
@@ -131,8 +136,8 @@ class DisaggregatedTrainer(DataParallelTrainer):
             from ray_dhp.train.tracking import TensorBoardLogger
 
             run_config = _with_callback(run_config or ray.train.RunConfig(),
-                                        MetricsHistory(loop_cfg.num_steps))
-            if loop_cfg.tensorboard:
+                                        MetricsHistory(loop_cfg.optim.num_steps))
+            if loop_cfg.tracking.tensorboard:
                 run_config = _with_callback(run_config, TensorBoardLogger(
                     {"train_loop_config": config, "dhp_config": dhp_config.to_dict()}))
         elif paths:
@@ -235,10 +240,10 @@ def _run_pids(mine: set):
 
 def _check_training_datasets(cfg: TrainLoopConfig, names: set) -> None:
     """The datasets the built-in loop trains on are among ``datasets=`` (ValueError otherwise)."""
-    from ray_dhp.config.train_loop import check_dataset_weights
+    from ray_dhp.config.data_section import check_dataset_weights
 
-    if cfg.dataset_weights is not None:
-        check_dataset_weights(cfg.dataset_weights, names)
+    if cfg.data.dataset_weights is not None:
+        check_dataset_weights(cfg.data.dataset_weights, names, key=cfg.key("data.dataset_weights"))
     elif "train" not in names:
         raise ValueError('the built-in loop needs datasets={"train": <Dataset or path>}'
                          + (f' (got {sorted(names)}; to mix several, set train_loop_config['
@@ -250,7 +255,7 @@ def _check_evaluation(cfg: TrainLoopConfig, names: set, run_config) -> None:
     from ray_dhp.step.evaluation import VALIDATION, check_eval_setup
 
     ckpt = getattr(run_config, "checkpoint_config", None)
-    check_eval_setup(cfg, has_validation=VALIDATION in names,
+    check_eval_setup(cfg.data, cfg.checkpoint, has_validation=VALIDATION in names, name=cfg.key,
                      score_attribute=getattr(ckpt, "checkpoint_score_attribute", None))
 
 

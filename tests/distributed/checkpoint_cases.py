@@ -89,7 +89,7 @@ def run(layout, data, *, stop=None, resume_from=None, save_at=(), ckpt_root=None
     from ray_dhp.parallel.topology import Topology
 
     world = Topology.build(**layout).world_size
-    stop = cfg.num_steps if stop is None else stop
+    stop = cfg.optim.num_steps if stop is None else stop
     outs = run_on_ranks(_train_body, world, args=(layout, cfg, data, model, resume_from, stop,
                                                   tuple(save_at), ckpt_root, probe))
     logits = next((o["logits"] for o in outs if o["logits"] is not None), None)
@@ -118,8 +118,8 @@ def assert_resume_is_exact(before, after, tmp_path, tmp_path_factory):
     from ray_dhp.step.reference import ReferenceTrainer
 
     sampler = _sampler(data, CFG)
-    trainer = ReferenceTrainer(demo.tiny_model_config(FAMILY), CFG, dtype=DTYPE)
-    ref = {"history": [trainer.step(sampler.next_step()) for _ in range(CFG.num_steps)],
+    trainer = ReferenceTrainer(demo.tiny_model_config(FAMILY), CFG.optim, dtype=DTYPE)
+    ref = {"history": [trainer.step(sampler.next_step()) for _ in range(CFG.optim.num_steps)],
            "params": trainer.named_parameters()}
     first = run(before, data, stop=3, save_at=(3,), ckpt_root=str(tmp_path))
     second = run(after, data, resume_from=str(tmp_path))

@@ -47,13 +47,13 @@ GENERIC_MOE_FAMILIES = ("glm4v_moe",)
 
 def make_steps(tmp_path, family: str, cfg: TrainLoopConfig, *, num_samples=16, text_only_every=4,
                image_sizes=((56, 56), (84, 56), (112, 84)), processor=None):
-    """The first ``cfg.num_steps`` steps over the demo set (``processor``: default the family's
+    """The first ``cfg.optim.num_steps`` steps over the demo set (``processor``: default the family's
     demo processor)."""
-    path = demo.make_dataset(tmp_path / f"data_{family}", num_samples=num_samples, seed=cfg.seed,
+    path = demo.make_dataset(tmp_path / f"data_{family}", num_samples=num_samples, seed=cfg.optim.seed,
                              text_only_every=text_only_every, image_sizes=image_sizes)
     processor = demo.tiny_processor(family) if processor is None else processor
     sampler = StepSampler(read_annotations(path), processor, resolve_data_root(path), cfg)
-    return [sampler.next_step() for _ in range(cfg.num_steps)]
+    return [sampler.next_step() for _ in range(cfg.optim.num_steps)]
 
 
 def named_full_grads(engine) -> dict:
@@ -170,7 +170,7 @@ def run_engine(family: str, layout: dict, cfg: TrainLoopConfig, steps, dtype=Non
 
 
 def run_reference(family: str, cfg: TrainLoopConfig, steps, dtype=None, model=None) -> dict:
-    ref = ReferenceTrainer(demo.tiny_model_config(family) if model is None else model, cfg, dtype=dtype)
+    ref = ReferenceTrainer(demo.tiny_model_config(family) if model is None else model, cfg.optim, dtype=dtype)
     params0 = ref.named_parameters()
     grads = []
     ref.opt.register_step_pre_hook(lambda opt, args, kwargs: grads.append(
@@ -189,7 +189,7 @@ def _directory_body(rank, world, family, layout, cfg, data, model_dir, ckpt):
     processor = demo.tiny_processor(family)
     sampler = StepSampler(read_annotations(data), processor, resolve_data_root(data), cfg)
     params0 = engine.named_full_parameters()
-    history = [engine.step(sampler.next_step()) for _ in range(cfg.num_steps)]
+    history = [engine.step(sampler.next_step()) for _ in range(cfg.optim.num_steps)]
     writer = BackgroundWriter(groups.device)
     writer.start(ckpt, engine, sampler, processor=processor)
     writer.wait()
@@ -210,7 +210,7 @@ def run_from_directory(tmp_path, family: str, layout: dict, cfg: TrainLoopConfig
     assert len([f for f in os.listdir(model_dir) if f.endswith(".safetensors")]) > 2
     steps = make_steps(tmp_path, family, cfg)  # the same samples as the engine's sampler's
     ref = run_reference(family, cfg, steps, torch.float64, model=model_dir)
-    data = str(demo.make_dataset(tmp_path / "data", num_samples=16, seed=cfg.seed, text_only_every=4,
+    data = str(demo.make_dataset(tmp_path / "data", num_samples=16, seed=cfg.optim.seed, text_only_every=4,
                                  image_sizes=((56, 56), (84, 56), (112, 84))))
     ckpt = str(tmp_path / "ckpt" / "checkpoint_000001")
     world = Topology.build(**layout).world_size

@@ -35,8 +35,8 @@ def _mixed_steps(tmp_path, cfg):
                              image_sizes=SIZES)
     sampler = StepSampler(read_annotations(path), demo.tiny_processor(FAMILY, max_side=448),
                           resolve_data_root(path), cfg)
-    sampler.balancer = balancer_for(cfg.balance, demo.tiny_model_config(FAMILY))
-    return [sampler.next_step() for _ in range(cfg.num_steps)], sampler.balancer
+    sampler.balancer = balancer_for(cfg.optim.balance, demo.tiny_model_config(FAMILY))
+    return [sampler.next_step() for _ in range(cfg.optim.num_steps)], sampler.balancer
 
 
 LAYOUTS = [

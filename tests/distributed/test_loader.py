@@ -24,7 +24,7 @@ def _balancer(cfg):
     """The engine's balancer for the demo model (``cfg["balance"]``, default "cost")."""
     from ray_dhp.step.microbatch import balancer_for
 
-    return balancer_for(TrainLoopConfig(**cfg).balance, demo.tiny_model_config())
+    return balancer_for(TrainLoopConfig(**cfg).optim.balance, demo.tiny_model_config())
 
 
 def _summary(micro_batches):

@@ -17,7 +17,7 @@ def test_lr_metric_is_the_rate_of_the_step(tmp_path):
     out = run_engine("qwen2_5_vl", LAYOUT, cfg, steps[:1], dtype=torch.float64)
     reported = out["history"][0]["lr"]
     # step 1 trains at half the peak (warm-up 1/2); the next step's rate would be the full peak
-    assert reported == pytest.approx(cfg.lr * lr_factor(0, cfg)) == pytest.approx(1e-3)
+    assert reported == pytest.approx(cfg.optim.lr * lr_factor(0, cfg.optim)) == pytest.approx(1e-3)
     # AdamW's first update moves every parameter with a gradient by lr * g / (|g| + eps): the
     # largest move of step 1 is the rate it trained with (eps = 1e-8 << |g|; fp64).
     moved = max(float((out["params"][n] - out["params0"][n]).abs().max()) for n in out["params0"])

@@ -60,7 +60,7 @@ def test_moe_parity_fp64(placement, vision, text, ep, moe_reference):
     calls = {o["comm"].get("all_to_all/text.experts", {}).get("calls", 0) for o in got["per_rank"]
              if "lm_head.weight" in o["params"]}
     layers = len(sparse_layers(demo.tiny_model_config(FAMILY).text_config))
-    assert calls == ({2 * layers * CFG.micro_batches * CFG.num_steps} if ep > 1 else {0}), calls
+    assert calls == ({2 * layers * CFG.optim.micro_batches * CFG.optim.num_steps} if ep > 1 else {0}), calls
     assert all(h["aux_loss"] > 0 for h in got["history"])
     # per-rank bytes measured = the plan (`ray-dhp plan`: experts / ep, the rest as without EP);
     # the plan counts the fp32 policy, these runs hold fp64 tensors: exactly twice the bytes
@@ -72,7 +72,7 @@ def test_moe_parity_fp64(placement, vision, text, ep, moe_reference):
     topo = Topology.build(**_layout(placement, vision, text, ep))
     counts = count_params(demo.tiny_model_config(FAMILY))
     for rank, o in enumerate(got["per_rank"]):
-        want = rank_state(counts, topo, rank, policy_of(CFG))
+        want = rank_state(counts, topo, rank, policy_of(CFG.optim))
         st = o["state"]
         assert (st["weights"], st["grads"], st["optimizer"]) == \
             (2 * want.weights, 2 * want.grads, 2 * want.optimizer), (rank, st, want)
@@ -111,7 +111,7 @@ def test_bf16_mixed_expert_partition_state_equals_the_plan(tmp_path):
     topo, counts = Topology.build(**layout), count_params(demo.tiny_model_config(FAMILY))
     masters = set()
     for rank, o in enumerate(got["per_rank"]):
-        want = rank_state(counts, topo, rank, policy_of(cfg))
+        want = rank_state(counts, topo, rank, policy_of(cfg.optim))
         st = o["state"]
         assert (st["weights"], st["grads"], st["masters"], st["optimizer"]) == \
             (want.weights, want.grads, want.masters, want.optimizer), (rank, st, want)
@@ -148,17 +148,17 @@ def test_moe_experts_tp_parity_fp64(placement, vision, text, moe_reference):
         if "lm_head.weight" not in o["params"]:
             continue
         # forward: the partial outputs' all-reduce and the gate/up all-gather, every sparse layer
-        assert o["comm"]["all_reduce/text.experts_tp"]["calls"] == layers * CFG.micro_batches * CFG.num_steps
-        assert o["comm"]["all_gather/text.experts_tp"]["calls"] == layers * CFG.micro_batches * CFG.num_steps
-        want = rank_state(counts, topo, rank, policy_of(CFG))
+        assert o["comm"]["all_reduce/text.experts_tp"]["calls"] == layers * CFG.optim.micro_batches * CFG.optim.num_steps
+        assert o["comm"]["all_gather/text.experts_tp"]["calls"] == layers * CFG.optim.micro_batches * CFG.optim.num_steps
+        want = rank_state(counts, topo, rank, policy_of(CFG.optim))
         st = o["state"]
         assert (st["weights"], st["grads"], st["optimizer"]) == \
             (2 * want.weights, 2 * want.grads, 2 * want.optimizer), (rank, st, want)
     # the plan: the experts' bytes halve on each TP rank against the replicated layout
     replicated = rank_state(counts, Topology.build(**_layout(placement, vision, text)), topo.world_size - 1,
-                            policy_of(CFG))
+                            policy_of(CFG.optim))
     experts = 3 * tc.num_experts * tc.moe_intermediate_size * tc.hidden_size * layers
-    assert replicated.weights - rank_state(counts, topo, topo.world_size - 1, policy_of(CFG)).weights \
+    assert replicated.weights - rank_state(counts, topo, topo.world_size - 1, policy_of(CFG.optim)).weights \
         == experts // 2 * 4
 
 

@@ -53,9 +53,9 @@ def test_expert_all_to_all_bytes_equal_the_plan(checkpointing, tmp_path):
         measured += fwd["bytes"] + bwd["bytes"]
         # the router runs once per micro-batch forward (twice with the block recomputed)
         per_forward = o["rows"][::2] if checkpointing else o["rows"]
-        assert len(per_forward) == cfg.micro_batches, o["rows"]
+        assert len(per_forward) == cfg.optim.micro_batches, o["rows"]
         layers = sparse_layer_count(config)  # dispatch + combine per layer and forward pass
-        forwards = cfg.micro_batches * (2 if checkpointing else 1)
-        assert (fwd["calls"], bwd["calls"]) == (2 * layers * forwards, 2 * layers * cfg.micro_batches), c
+        forwards = cfg.optim.micro_batches * (2 if checkpointing else 1)
+        assert (fwd["calls"], bwd["calls"]) == (2 * layers * forwards, 2 * layers * cfg.optim.micro_batches), c
         planned += sum(buffer_bytes(config, t, 1, checkpointing, 8) for t in per_forward)
     assert measured == planned, (measured, planned)

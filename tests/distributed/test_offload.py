@@ -95,15 +95,15 @@ def test_deepspeed_cpu_adam_matches_torch_adamw():
     for make in (host_adamw, lambda groups, c: torch.optim.AdamW(
             groups, lr=c.lr, betas=c.betas, eps=c.eps, foreach=False)):
         ps = [torch.nn.Parameter(t.clone()) for t in init]
-        opt = make([{"params": [ps[0]], "weight_decay": 0.1}, {"params": [ps[1]], "weight_decay": 0.0}], cfg)
+        opt = make([{"params": [ps[0]], "weight_decay": 0.1}, {"params": [ps[1]], "weight_decay": 0.0}], cfg.optim)
         for i, gs in enumerate(grads):
             for group in opt.param_groups:
-                group["lr"] = cfg.lr * (1 - i / 10)
+                group["lr"] = cfg.optim.lr * (1 - i / 10)
             for p, gr in zip(ps, gs):
                 p.grad = gr.clone()
             opt.step()
         runs.append(ps)
-    assert type(host_adamw([{"params": [torch.nn.Parameter(init[1].clone())]}], cfg)).__name__ \
+    assert type(host_adamw([{"params": [torch.nn.Parameter(init[1].clone())]}], cfg.optim)).__name__ \
         == "DeepSpeedCPUAdam"
     for a, b in zip(*runs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

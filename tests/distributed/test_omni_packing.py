@@ -38,7 +38,7 @@ def omni(tmp_path_factory):
     samples = omni_records(tmp_path_factory.mktemp("omni_pack"), CFG)
     steps = [[[dataclasses.replace(samples[i], index=n * 8 + k * 4 + j) for j, i in enumerate(mb)]
               for k, mb in enumerate(step)] for n, step in enumerate(STEPS)]
-    rows = [pack_rows([s.num_tokens for s in mb], CFG.max_tokens) for st in steps for mb in st]
+    rows = [pack_rows([s.num_tokens for s in mb], CFG.data.max_tokens) for st in steps for mb in st]
     # meaningful: a row holds an image, a clip and the image + clip record together
     first = [STEPS[0][0][i] for i in rows[0][0]]
     assert {IMG[0], AUD[0], BOTH} <= set(first), first

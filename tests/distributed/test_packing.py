@@ -126,7 +126,7 @@ TWO_STEPS = {("qwen3_5", "sp2-tp2-text-sp"), ("qwen3_5_moe", "sp2-tp2-text-sp")}
 
 def _packable_steps(tmp_path, fam, cfg):
     steps = make_steps(tmp_path, fam, cfg)
-    rows = [pack_rows([s.num_tokens for s in mb], cfg.max_tokens) for st in steps for mb in st]
+    rows = [pack_rows([s.num_tokens for s in mb], cfg.data.max_tokens) for st in steps for mb in st]
     # the case is meaningful: several rows per micro-batch, several samples per row
     assert all(len(r) > 1 for r in rows) and any(len(x) > 1 for r in rows for x in r)
     return steps

@@ -121,7 +121,7 @@ def _full(engine) -> dict:
 def _reference(cfg, steps):
     from ray_dhp.step.reference import ReferenceTrainer
 
-    ref = ReferenceTrainer(demo.tiny_model_config(FAMILY), cfg)
+    ref = ReferenceTrainer(demo.tiny_model_config(FAMILY), cfg.optim)
     seen = {}
     _capture_grads(ref.opt, ref.masters.items, "", seen)
     m0 = ref.named_masters()
@@ -155,7 +155,7 @@ def test_bf16_mixed_masters_equal_the_reference(layout, steps):
             got[k].update(o[k])
     assert set(got["masters"]) == set(ref["masters"])
     worst = 0.0
-    eps = cfg.eps
+    eps = cfg.optim.eps
     for name, m_r in ref["masters"].items():
         assert torch.equal(got["masters0"][name], ref["masters0"][name]), name  # same init
         g_d, g_r = got["grads"][name], ref["grads"][name]
@@ -164,7 +164,7 @@ def test_bf16_mixed_masters_equal_the_reference(layout, steps):
             worst = max(worst, err)
             assert err <= 2 ** -4, (name, err)
         u_d, u_r = g_d / (g_d.abs() + eps), g_r / (g_r.abs() + eps)
-        bound = cfg.lr * (u_d - u_r).abs() + 4 * 2 ** -24 * m_r.abs() + 1e-9
+        bound = cfg.optim.lr * (u_d - u_r).abs() + 4 * 2 ** -24 * m_r.abs() + 1e-9
         diff = (got["masters"][name] - m_r).abs()
         assert bool((diff <= bound).all()), (name, float((diff - bound).max()))
         assert torch.equal(got["params"][name], got["masters"][name].to(torch.bfloat16)), name
@@ -239,7 +239,7 @@ def _resume_body(rank, world, layout, cfg, data, ckpt, mode):
     if mode == "resume":
         checkpoint.load(ckpt, engine, sampler)
     losses = []
-    for _ in range(engine.step_count, 2 if mode == "save" else cfg.num_steps):
+    for _ in range(engine.step_count, 2 if mode == "save" else cfg.optim.num_steps):
         losses.append(engine.step(sampler.next_step())["loss"])
     if mode == "save":
         checkpoint.save(ckpt, engine, sampler)

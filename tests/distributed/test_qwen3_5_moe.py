@@ -127,7 +127,7 @@ def test_qwen3_5_moe_is_exact(case, reference):
     calls = {o["comm"].get("all_to_all/text.experts", {}).get("calls", 0) for o in got["per_rank"]
              if "lm_head.weight" in o["params"]}
     layers = len(sparse_layers(demo.tiny_model_config(FAMILY).text_config))
-    per_step = 2 * layers * CFG.micro_batches * CFG.num_steps
+    per_step = 2 * layers * CFG.optim.micro_batches * CFG.optim.num_steps
     if changes.get("activation_checkpointing"):  # recomputed blocks redo both in backward
         per_step *= 2
     assert calls == ({per_step} if ep > 1 else {0}), calls

@@ -66,7 +66,7 @@ def test_tuning_parity_fp64(choice, layout, steps):
     got = run_engine(FAMILY, LAYOUTS[layout], cfg, steps, torch.float64, grads=True)
     assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10, grad_tol=1e-10)
 
-    tuning = tuning_of(cfg)
+    tuning = tuning_of(cfg.optim)
     frozen = _frozen_names(ref)
     assert frozen == {n for n in ref["params"] if not trains(tuning, n)}
     if choice == "per-module-lr":
@@ -90,8 +90,8 @@ def _assert_state_is_the_plan(got: dict, cfg: TrainLoopConfig, layout: dict) -> 
     from ray_dhp.step.precision import policy_of
 
     topo = Topology.build(**layout)
-    counts = count_params(demo.tiny_model_config(FAMILY), tuning_of(cfg))
-    policy = policy_of(cfg)
+    counts = count_params(demo.tiny_model_config(FAMILY), tuning_of(cfg.optim))
+    policy = policy_of(cfg.optim)
     for rank, out in enumerate(got["per_rank"]):
         want = rank_state(counts, topo, rank, policy)
         st = out["state"]
@@ -102,15 +102,15 @@ def _assert_state_is_the_plan(got: dict, cfg: TrainLoopConfig, layout: dict) -> 
 
 def _resume_data_and_reference(tmp_path, cfg):
     """The resume tests' dataset (path), the reference's history + final parameters over
-    ``cfg.num_steps``, and the reference trainer itself."""
+    ``cfg.optim.num_steps``, and the reference trainer itself."""
     from ray_dhp.step.reference import ReferenceTrainer
     from tests.distributed.checkpoint_cases import DTYPE, _sampler
 
     data = str(demo.make_dataset(tmp_path / "data", num_samples=16, seed=0, text_only_every=4,
                                  image_sizes=((56, 56), (84, 56), (112, 84))))
     sampler = _sampler(data, cfg)
-    trainer = ReferenceTrainer(demo.tiny_model_config(FAMILY), cfg, dtype=DTYPE)
-    ref = {"history": [trainer.step(sampler.next_step()) for _ in range(cfg.num_steps)],
+    trainer = ReferenceTrainer(demo.tiny_model_config(FAMILY), cfg.optim, dtype=DTYPE)
+    ref = {"history": [trainer.step(sampler.next_step()) for _ in range(cfg.optim.num_steps)],
            "params": trainer.named_parameters()}
     return data, ref, trainer
 
@@ -203,7 +203,7 @@ def test_lora_resume_and_export_merged_or_adapter(tmp_path):
     assert not any(".lora_" in n or "base_layer" in n for n, _ in merged.named_parameters())
     adapter_dir = export_hf(final, str(tmp_path / "adapter"), lora="adapter")
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(adapter_dir))
-    base = build_model(demo.tiny_model_config(FAMILY), seed=cfg.seed, dtype=DTYPE)
+    base = build_model(demo.tiny_model_config(FAMILY), seed=cfg.optim.seed, dtype=DTYPE)
     with_adapter = PeftModel.from_pretrained(base, adapter_dir)
     with torch.no_grad():
         for model in (merged, with_adapter):

@@ -35,12 +35,12 @@ DEFAULT = {("qwen2_5_vl", "collocated-sp2-tp2")}
 def video_steps(tmp_path, family: str, cfg: TrainLoopConfig):
     """Steps of a generated moving-square set: videos of 8-12 frames at 4 fps (4-6 sampled at
     2 fps: 2-3 temporal patches), frames resized to 2x2 merge units, stills as images."""
-    path = make_video_dataset(tmp_path / f"video_{family}", num_samples=8, seed=cfg.seed)
+    path = make_video_dataset(tmp_path / f"video_{family}", num_samples=8, seed=cfg.optim.seed)
     unit = 32 if family == "qwen3_vl" else 28
     proc = demo.tiny_processor(family).configured(
         video=VideoSettings(min_pixels=(2 * unit) ** 2, max_pixels=(2 * unit) ** 2))
     sampler = StepSampler(read_annotations(path), proc, resolve_data_root(path), cfg)
-    steps = [sampler.next_step() for _ in range(cfg.num_steps)]
+    steps = [sampler.next_step() for _ in range(cfg.optim.num_steps)]
     kinds = [[s.modalities.tolist() if s.modalities is not None else [] for mb in mbs for s in mb]
              for mbs in steps]
     assert any([2] in k and [1, 2] in k and [] in k for k in kinds)  # a step mixing all three

@@ -66,7 +66,7 @@ def idle_vision_replicas(steps, layout) -> int:
     from ray_dhp.parallel.topology import Topology
 
     config, topo = demo.tiny_model_config(FAMILY), Topology.build(**layout)
-    balancer = balancer_for(CFG.balance, config, packing=CFG.packing)
+    balancer = balancer_for(CFG.optim.balance, config, packing=CFG.data.packing)
     return sum(plan is None for mbs in steps for mb in mbs if _MicroBatch(mb).has_images
                for plan in layout_micro_batch(mb, topo, FAMILY, config.vision_config,
                                               balancer).vision_plans)

@@ -27,7 +27,7 @@ def long_video_steps(tmp_path, cfg: TrainLoopConfig):
     proc = demo.tiny_processor("qwen2_5_vl").configured(
         video=VideoSettings(min_pixels=side, max_pixels=side))
     sampler = StepSampler(read_annotations(path), proc, resolve_data_root(path), cfg)
-    return [sampler.next_step() for _ in range(cfg.num_steps)]
+    return [sampler.next_step() for _ in range(cfg.optim.num_steps)]
 
 
 LONG_CFG = TrainLoopConfig(lr=1e-3, global_batch_size=2, micro_batches=1, num_steps=1,

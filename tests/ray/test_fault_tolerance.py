@@ -54,7 +54,7 @@ def _run_config(tmp_path, name):
         name=name, storage_path=str(tmp_path / "runs"),
         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
         failure_config=ray.train.FailureConfig(max_failures=2),
-        callbacks=[MetricsHistory(CFG.num_steps)])
+        callbacks=[MetricsHistory(CFG.optim.num_steps)])
 
 
 def _fit_with_fault(tmp_path, data, fault: dict, **loop_changes):

@@ -122,7 +122,7 @@ def _trainer(tmp_path, data, layout: dict, spec: dict, *, name: str, max_failure
         run_config=ray.train.RunConfig(
             name=name, storage_path=str(tmp_path / "runs"),
             failure_config=ray.train.FailureConfig(max_failures=max_failures),
-            callbacks=[MetricsHistory(CFG.num_steps)]),
+            callbacks=[MetricsHistory(CFG.optim.num_steps)]),
         datasets={"train": str(data)}, placement_timeout_s=placement_timeout_s)
 
 

@@ -219,7 +219,7 @@ def test_run_file_keys_and_errors():
     from ray_dhp.run_file import run_file_from_dict
 
     rf = run_file_from_dict({"processor": {"system_prompt": "", "min_pixels": 3136, "max_pixels": 6272}})
-    loop = rf.train_loop_config()
+    loop = rf.train_loop_config()["processor"]
     assert (loop["system_prompt"], loop["min_pixels"], loop["max_pixels"]) == ("", 3136, 6272)
     for data, match in [
         ({"processor": {"max_pixels": 100}}, "processor.max_pixels=100: below one merged patch unit"),

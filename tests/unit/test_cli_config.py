@@ -11,9 +11,9 @@ import yaml
 
 from ray_dhp.cli import main
 from ray_dhp.cli.render import defaults_yaml, markdown_reference
-from ray_dhp.cli.schema import ConfigError
+from ray_dhp.cli.schema import ConfigError, file_fields
 from ray_dhp.run_file import RunFile, load_run_file
-from ray_dhp.config.train_loop import TrainLoopConfig
+from ray_dhp.config.train_loop import FLAT_KEYS, TrainLoopConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "examples" / "tiny.yaml")
@@ -30,7 +30,7 @@ def test_printed_defaults_are_complete_and_load_back_to_the_defaults(tmp_path, c
     assert load_run_file(str(path)) == RunFile()
     data = yaml.safe_load(text)
     for sec in fields(RunFile):  # every key of every section is printed
-        keys = {f.name for f in fields(sec.metadata["section"])}
+        keys = {f.name for f in file_fields(sec.metadata["section"])}
         if sec.metadata.get("optional"):  # absent by default (audio): its keys as comments
             assert data[sec.name] is None
             assert all(f"  # {k}: " in text for k in keys)
@@ -42,11 +42,20 @@ def test_printed_defaults_are_complete_and_load_back_to_the_defaults(tmp_path, c
 
 
 def test_every_loop_field_is_in_exactly_one_section():
-    owned = [f.name for sec in fields(RunFile) for f in fields(sec.metadata["section"])
-             if f.metadata.get("source", "").startswith("TrainLoopConfig.")]
-    expected = [f.name for f in fields(TrainLoopConfig) if f.name != "dataset_paths"]
-    assert sorted(owned) == sorted(expected)
-    assert RunFile().optim.lr == TrainLoopConfig().lr  # defaults borrowed, not repeated
+    """The run file's loop sections are the loop's own dataclasses (or extend them), and the
+    Python API's flat keys name every key of the tree exactly once."""
+    file_sections = {sec.name: sec.metadata["section"] for sec in fields(RunFile)}
+    for sec in fields(TrainLoopConfig):
+        assert issubclass(file_sections[sec.name], sec.metadata["section"]), sec.name
+
+    def paths(cls, prefix):
+        for f in fields(cls):
+            sub = f.metadata.get("section")
+            yield from paths(sub, f"{prefix}{f.name}.") if sub else [f"{prefix}{f.name}"]
+
+    tree = [p for sec in fields(TrainLoopConfig) for p in paths(sec.metadata["section"], f"{sec.name}.")]
+    assert sorted(FLAT_KEYS.values()) == sorted(tree)
+    assert RunFile().optim.lr == TrainLoopConfig().optim.lr  # defaults in one place, not repeated
 
 
 def test_overrides_are_coerced_to_the_field_types():
@@ -59,7 +68,7 @@ def test_overrides_are_coerced_to_the_field_types():
     assert rf.optim.max_grad_norm is None and rf.optim.betas == (0.8, 0.9)
     assert rf.scaling.resources_per_worker == {"CPU": 0.5} and rf.run.name == "123"
     assert rf.placement.mode == "collocated"  # scalar shorthand in the file, key override on top
-    assert rf.train_loop_config()["lr"] == 3e-4
+    assert rf.train_loop_config()["optim"]["lr"] == 3e-4
     assert load_run_file(TINY, ["placement=disjoint"]).dhp_config().num_workers == 4
 
 
@@ -188,7 +197,7 @@ def test_run_file_mixes_named_datasets(tmp_path, monkeypatch, forbid_ray_init):
     datasets = prepare_data(rf)
     assert datasets == {"train": str(tmp_path / "coco" / "data.jsonl"),
                         "ocr": str(tmp_path / "ocr" / "data.jsonl")}
-    assert rf.train_loop_config()["dataset_weights"] == {"train": 0.7, "ocr": 0.3}
+    assert rf.train_loop_config()["data"]["dataset_weights"] == {"train": 0.7, "ocr": 0.3}
     trainer = build_trainer(rf, datasets=datasets)
     assert trainer.train_loop_config["dataset_paths"] == datasets
     for overrides, match in [

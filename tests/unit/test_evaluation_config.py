@@ -111,7 +111,7 @@ def test_run_file_validation_reaches_the_trainer(files, tmp_path):
     datasets = prepare_data(rf)
     assert datasets["validation"] == val
     trainer = build_trainer(rf, datasets=datasets)
-    assert trainer.train_loop_config["eval_every"] == 5
+    assert trainer.train_loop_config["data"]["eval_every"] == 5
     ck = trainer.run_config.checkpoint_config
     assert (ck.checkpoint_score_attribute, ck.checkpoint_score_order, ck.num_to_keep) == ("eval_loss", "min", 1)
 

@@ -210,7 +210,7 @@ def test_path_datasets_resolve_images_against_their_own_folder(tmp_path):
     cfg = TrainLoopConfig(global_batch_size=6, dataset_weights={"small": 1, "large": 2},
                           dataset_paths={"small": str(small), "large": str(large),
                                          "unused": str(large)})
-    sources = load_sources(cfg)
+    sources = load_sources(cfg.data)
     assert [(s.name, s.root, s.weight) for s in sources] == [
         ("large", resolve_data_root(large), 2.0), ("small", resolve_data_root(small), 1.0)]
     s = StepSampler.from_sources(sources, demo.tiny_processor(), cfg)

@@ -35,7 +35,7 @@ def test_reference_loss_is_transformers_loss(tmp_path):
     cfg = TrainLoopConfig(lr=1e-3, global_batch_size=4, num_steps=1)
     (micro_batches,) = make_steps(tmp_path, FAMILY, cfg)
     assert len(micro_batches) == 1 and len(micro_batches[0]) == 4
-    ref = ReferenceTrainer(demo.tiny_model_config(FAMILY), cfg, dtype=torch.float64)
+    ref = ReferenceTrainer(demo.tiny_model_config(FAMILY), cfg.optim, dtype=torch.float64)
     batch = pad_text_batch(micro_batches[0], ref.config.text_config.pad_token_id or 0)
     assert (batch["attention_mask"] == 0).any()  # really padded
     kwargs = {k: v for k, v in batch.items() if v is not None}
@@ -57,8 +57,8 @@ def test_lr_factor_is_transformers_schedule(schedule, warmup):
                   warmup_steps=warmup)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     make = getattr(optimization, f"get_{schedule}_schedule_with_warmup")
-    kwargs = {} if schedule == "constant" else {"num_training_steps": cfg.num_steps}
+    kwargs = {} if schedule == "constant" else {"num_training_steps": cfg.optim.num_steps}
     hf = make(opt, num_warmup_steps=warmup, **kwargs).lr_lambdas[0]
-    for step in range(cfg.num_steps):
+    for step in range(cfg.optim.num_steps):
         want = hf(step + 1) if step < warmup else hf(step)
-        assert lr_factor(step, cfg) == pytest.approx(want, rel=1e-12, abs=1e-15), (step, want)
+        assert lr_factor(step, cfg.optim) == pytest.approx(want, rel=1e-12, abs=1e-15), (step, want)

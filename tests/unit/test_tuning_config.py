@@ -43,7 +43,7 @@ def test_run_file_names_its_own_keys_and_refuses_lora_with_text_sp():
         load_run_file("examples/tiny.yaml", ["optim.modules={llm: {lora: {r: 4}}}",
                                              "text.sequence_parallel=true"])
     rf = load_run_file("examples/tiny.yaml", ["optim.modules={vision: {train: false}, merger: {lr: 1e-4}}"])
-    t = parse_tuning(rf.train_loop_config()["modules"])  # YAML reads 1e-4 as a string: coerced
+    t = parse_tuning(rf.train_loop_config()["optim"]["modules"])  # YAML reads 1e-4 as a string: coerced
     assert (t.choice("vision").train, t.choice("merger").lr, t.choice("llm").train) == (False, 1e-4, True)
 
 
@@ -71,8 +71,8 @@ def test_optimizer_groups_per_module():
     cfg = TrainLoopConfig(lr=1e-3, weight_decay=0.1, modules={
         "vision": {"train": False}, "merger": {"lr": 5e-4, "weight_decay": 0.0}})
     model = build_model(demo.tiny_model_config("qwen2_5_vl"), seed=0)
-    freeze(model, tuning_of(cfg))
-    opt, _ = build_optimizer(model.named_parameters(), cfg)
+    freeze(model, tuning_of(cfg.optim))
+    opt, _ = build_optimizer(model.named_parameters(), cfg.optim)
     by_id = {id(p): n for n, p in model.named_parameters()}
     seen = {}
     for g in opt.param_groups:

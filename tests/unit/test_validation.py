@@ -65,11 +65,28 @@ def test_every_command_rejects_the_same_values_naming_the_key(command, override,
 ])
 def test_python_api_names_the_train_loop_config_key(key, value, message):
     if message is None:  # a valid value is coerced and kept
-        assert TrainLoopConfig.from_dict({key: value}).micro_batch_tokens == 64
+        assert TrainLoopConfig.from_dict({key: value}).optim.micro_batch_tokens == 64
         return
     with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
         TrainLoopConfig.from_dict({key: value})
-    assert TrainLoopConfig.from_dict({"lr": "3e-4"}).lr == 3e-4  # coerced as in a run file
+    assert TrainLoopConfig.from_dict({"lr": "3e-4"}).optim.lr == 3e-4  # coerced as in a run file
+
+
+def test_python_api_takes_flat_keys_or_sections_and_names_them_as_written():
+    """One tree (`TrainLoopConfig`): flat keys land in their section (`FLAT_KEYS`), sections are
+    taken as given, and an error names the key the way it was written."""
+    flat = TrainLoopConfig.from_dict({"lr": 3e-4, "packing": True, "video_fps": 1.0})
+    nested = TrainLoopConfig.from_dict({"optim": {"lr": 3e-4}, "data": {"packing": True,
+                                                                        "video": {"fps": 1.0}}})
+    assert flat == nested and nested.optim.lr == 3e-4 and nested.data.video.fps == 1.0
+    for given, message in [({"optim": {"lr": -1}}, "train_loop_config.optim.lr: must be > 0"),
+                           ({"data": {"video": {"min_frames": 9, "max_frames": 8}}},
+                            "train_loop_config.data.video.min_frames=9 > "
+                            "train_loop_config.data.video.max_frames=8"),
+                           ({"optim": {"lrr": 1}}, "train_loop_config.optim: unknown key 'lrr'; "
+                                                   "did you mean 'lr'?")]:
+        with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("?", r"\?")):
+            TrainLoopConfig.from_dict(given)
 
 
 def test_trainer_checks_train_loop_config_before_workers_start(forbid_ray_init):
