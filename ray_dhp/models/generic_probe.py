@@ -1,0 +1,162 @@
+"""The generic family's probe of a transformers VLM (`ray_dhp.models.generic`): one
+``get_image_features`` call on the meta device (or, where it cannot run there, on CPU at small
+widths) gives the tower's rows per image, its pixel layout and the vision parameters no gradient
+reaches; the refusals read from the model's layout (no ``get_image_features``, towers outside
+``model``, a variable-resolution tower) say so without a probe."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+__all__ = ["LM_ATTRS", "UnsupportedModel", "grid_input", "image_inputs", "probe"]
+
+LM_ATTRS = ("language_model", "text_model")
+
+
+class UnsupportedModel(ValueError):
+    """The model cannot be trained generically; the message says why."""
+
+
+def image_inputs(names: tuple, pixel_dims: int, images: torch.Tensor) -> dict:
+    """``get_image_features``'s keywords for ``images`` ``[n, C, H, W]``: ``pixel_values``
+    (with a leading batch axis where the model takes ``[1, n, C, H, W]``, Idefics3's) and,
+    where it names them, ``image_sizes`` (``[n, 2]`` heights and widths, Mistral 3's)."""
+    out = {"pixel_values": images if pixel_dims == 4 else images[None]}
+    if "image_sizes" in names:
+        out["image_sizes"] = torch.tensor([list(images.shape[-2:])] * images.shape[0],
+                                          device=images.device)
+    return out
+
+
+def _call_probe(model, names: tuple, images: torch.Tensor):
+    """``(pooled, pixel_dims)``: ``get_image_features`` on ``images`` as ``[n, C, H, W]``, or
+    as ``[1, n, C, H, W]`` where the model takes a batch of image lists (``images``: not all
+    zeros, which Idefics3 takes for padding)."""
+    errors = []
+    for dims in (4, 5):
+        try:
+            out = model.model.get_image_features(**image_inputs(names, dims, images), return_dict=True)
+            _check_no_deepstack(out)
+            return out.pooler_output, dims
+        except (ValueError, TypeError, RuntimeError, IndexError, NotImplementedError) as e:
+            errors.append(f"as {dims}-D pixels: {type(e).__name__}: {e}")
+    raise UnsupportedModel(f"get_image_features fails on one {tuple(images.shape[-2:])} image "
+                           f"({images.device.type}); " + "; ".join(errors))
+
+
+def _check_no_deepstack(out) -> None:
+    """Refuse towers whose features come with more than the pooled rows (``deepstack_features``
+    for several LM layers, Ovis2's ``visual_indicator_features``): the stock forward reads them
+    from ``mm_encoder_outputs``, and the generic family hands only the rows through yet."""
+    extra = sorted(k for k, v in out.items() if v is not None and k not in _PLAIN_OUTPUTS)
+    if extra:
+        raise UnsupportedModel(f"its get_image_features returns {', '.join(extra)} besides the "
+                               "feature rows, which the generic family does not hand to the "
+                               "language model yet")
+
+
+_PLAIN_OUTPUTS = ("pooler_output", "last_hidden_state", "hidden_states", "attentions")
+
+
+def grid_input(cls, vc) -> bool:
+    """Whether the tower takes Qwen-style patch rows with an ``image_grid_thw`` (GLM-4V's): its
+    ``get_image_features`` names ``image_grid_thw`` and its config has the patch geometry."""
+    if not hasattr(cls, "get_image_features"):
+        raise UnsupportedModel(f"{cls.__name__} has no get_image_features (the seam the generic "
+                               "family runs the vision side through)")
+    names = inspect.signature(cls.get_image_features).parameters
+    return "image_grid_thw" in names and all(
+        isinstance(getattr(vc, k, None), int) for k in ("patch_size", "spatial_merge_size",
+                                                        "temporal_patch_size"))
+
+
+class _LayoutRefusal(UnsupportedModel):
+    """A refusal read from the model's layout or config (the same on any device)."""
+
+
+def probe(config, cls, grid: bool = False):
+    """`_probe_on` the meta device; where ``get_image_features`` cannot run there (shapes that
+    depend on values), on CPU with a copy of the config of small widths (`shrink_config`: the
+    same depths and image geometry, so the same rows and the same unused parameters)."""
+    try:
+        return _probe_on(config, cls, "meta", grid)
+    except _LayoutRefusal:
+        raise  # the model's layout, not the meta device: a CPU probe would say the same
+    except UnsupportedModel as meta_error:
+        from ray_dhp.models.shrink import shrink_config
+
+        try:
+            # one text layer: get_image_features never reaches the language model
+            small = shrink_config(config, text={"num_hidden_layers": 1})
+        except Exception as e:  # noqa: BLE001 - the config class refused the small copy
+            raise UnsupportedModel(f"{meta_error}; no small copy of the config for a CPU probe "
+                                   f"({type(e).__name__}: {' '.join(str(e).split())})") from None
+        errors = []
+        for side in _cpu_sides(config.vision_config):  # a small image first: a real backward
+            try:
+                return _probe_on(small, cls, "cpu", grid, side)
+            except UnsupportedModel as e:
+                errors.append(str(e))
+        raise UnsupportedModel(f"{meta_error}; on CPU at small widths: {'; '.join(errors)}")
+
+
+def _cpu_sides(vc) -> list:
+    """Image sides for a CPU probe: 16 patches a side (towers that take any size: Pixtral's
+    1540-px maximum would cost minutes), then the tower's own size."""
+    size, patch = getattr(vc, "image_size", None), getattr(vc, "patch_size", None)
+    if not isinstance(size, int) or not isinstance(patch, int):
+        return [size]
+    return [16 * patch, size] if size > 16 * patch else [size]
+
+
+def _probe_on(config, cls, device: str, grid: bool = False, side=None):
+    """``(pooler_output, inner model, unused, (image keywords, pixel dims), image side)`` of one
+    image (``side`` px a side, default the tower's ``image_size``) through the model's own
+    ``get_image_features``, built and run on the meta device (shapes only, no memory);
+    the image keywords and pixel dims `image_inputs` takes; ``unused``: the vision parameters
+    no gradient reaches (a meta backward), e.g. the last
+    tower layer of a model that takes the features of the one before (LLaVA's
+    ``vision_feature_layer=-2``): the stock model never steps them, so neither does the engine."""
+    vc = config.vision_config
+    channels = getattr(vc, "in_channels", None) or getattr(vc, "num_channels", 3)
+    names = tuple(inspect.signature(cls.get_image_features).parameters)
+    with torch.device(device):
+        try:
+            model = cls._from_config(config)
+        except Exception as e:  # noqa: BLE001 - e.g. a tower that needs timm
+            raise UnsupportedModel(f"{cls.__name__} cannot be built ({device}): "
+                                   f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+        if grid:  # one image of 2m x 2m patches, as patch rows
+            m, p, t = vc.spatial_merge_size, vc.patch_size, vc.temporal_patch_size
+            try:
+                out = model.model.get_image_features(
+                    pixel_values=torch.ones(4 * m * m, channels * t * p * p),
+                    image_grid_thw=torch.tensor([[1, 2 * m, 2 * m]]), return_dict=True)
+                _check_no_deepstack(out)
+                pooled = out.pooler_output
+            except (ValueError, TypeError, RuntimeError, IndexError, NotImplementedError) as e:
+                raise UnsupportedModel(f"get_image_features fails on one {2 * m}x{2 * m}-patch "
+                                       f"image ({device}): {type(e).__name__}: {e}") from None
+            dims = 2
+        else:
+            size = side or getattr(vc, "image_size", None)
+            if not isinstance(size, int):
+                raise _LayoutRefusal(
+                    f"its vision config ({type(vc).__name__}) has no fixed image_size and its "
+                    "tower takes no image_grid_thw: a variable-resolution tower (rows from each "
+                    "image's own size), which the generic family does not cover yet")
+            if not isinstance(getattr(model, "model", None), torch.nn.Module):
+                raise _LayoutRefusal(
+                    f"{cls.__name__} keeps its vision tower and language model outside "
+                    "`model` (the generic family reads them as model.<tower> and "
+                    "model.<language model>, the layout the mm_encoder_outputs families share)")
+            pooled, dims = _call_probe(model, names, torch.ones(1, channels, size, size))
+        total = sum(p.sum() for p in pooled) if isinstance(pooled, (list, tuple)) else pooled.sum()
+        named = [(n, p) for n, p in model.model.named_parameters()
+                 if not n.startswith(LM_ATTRS) and p.requires_grad]
+        grads = torch.autograd.grad(total, [p for _, p in named], allow_unused=True)
+    unused = tuple(n for (n, _), g in zip(named, grads) if g is None)
+    probed = None if grid else size
+    return pooled, model.model, unused, (tuple(n for n in names if n == "image_sizes"), dims), probed
