@@ -6,8 +6,11 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/bootstrap.sh" "test"
 cd "$ROOT"
 # RAY_DHP_TEST_WORKERS=N: N pytest processes (pytest-xdist --dist loadgroup; the Ray end-to-end
-# cases keep to one of them, tests/conftest.py). Default 1: on 2 cores two processes ran the unit
-# cases 1.6x faster; the whole suite with two is not yet measured on a bytecode-compiled venv.
+# cases are meant to keep to one of them, tests/conftest.py). Default 1: on 2 cores two processes
+# ran the unit cases 1.6x faster, but on the whole suite (session 15) they were no faster over
+# the first 9.5 min (148 cases, as one process did in ~8.5 min: the distributed ranks and the Ray
+# runs contend for the 2 cores), and two Ray-started runs went at once, so the Ray grouping did
+# not hold (open; that run was aborted, not measured to the end).
 workers="${RAY_DHP_TEST_WORKERS:-1}"
 xdist=()
 if [ "$workers" -gt 1 ]; then xdist=(-n "$workers" --dist loadgroup); fi
