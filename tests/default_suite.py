@@ -34,6 +34,10 @@ DEMOTED = {
     # docs pages whose commands train (README's run by default)
     "tests/docs/test_docs.py::test_page_quick_blocks_run_in_order[docs/quickstart.md]":
         "tests/docs/test_docs.py::test_page_quick_blocks_run_in_order[README.md]",
+    # the 30B-A3B example's plan: every example's headroom is planned by default
+    "tests/unit/test_moe_config.py::test_30b_a3b_example_fits_on_the_gpus_it_names":
+        "tests/unit/test_examples_headroom.py::test_every_gpu_example_keeps_its_headroom (the same "
+        "file planned: >= 8% free after the margin, so every rank fits)",
     # planning vs measured memory: the fp32 case stays
     "tests/unit/test_vision_memory.py::test_vision_activation_bytes_match_saved_tensors[qwen2_5_vl-256-bf16]":
         "tests/unit/test_vision_memory.py::...[qwen2_5_vl-512-fp32]",
