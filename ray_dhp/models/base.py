@@ -114,6 +114,10 @@ class FamilySpec:
     # as ((module-name suffix, child projecting its output per token), ...): in packed rows each
     # runs on one row per sample, from a zero state (`ray_dhp.models.segments`).
     stateful_mixers: tuple = ()
+    # The LM's attention is plain causal inside a sample (no bidirectional image blocks), so a
+    # packed row may run it one sample at a time (`ray_dhp.models.segment_attention`, which also
+    # reads windows from the config); False keeps transformers' block mask over the whole row.
+    segment_attention: bool = True
     # (text_config) -> ((module-name suffix, `ray_dhp.parallel.context_mixers.MixerHeads`), ...):
     # how those mixers split by head under text.context_parallel (empty: CP refused for them)
     cp_mixers: Callable = lambda text_config: ()

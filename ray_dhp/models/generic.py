@@ -55,6 +55,7 @@ from ray_dhp.models.base import EncoderSpec, FamilySpec
 from ray_dhp.models.contract import SEAM
 from ray_dhp.models.generic_moe import dense_plan, moe_spec
 from ray_dhp.models.generic_packing import packing_rule
+from ray_dhp.models.segments import SEGMENTS_KWARG
 from ray_dhp.models.generic_probe import LM_ATTRS, UnsupportedModel, grid_input, image_inputs, probe  # noqa: F401 (re-exported)
 from ray_dhp.models.text_plans import HF_STYLES, hf_text_plan
 
@@ -138,8 +139,9 @@ class GenericFamily(FamilySpec):
     def lm_inputs(self, config, kwargs: dict) -> dict:
         """The keywords the stock forward names (others dropped) and ``use_cache`` (its
         ``**kwargs`` reach the LM: without it a cache is built, and the mask code then ignores
-        packed positions), plus ``token_type_ids`` (1 on image tokens) where the forward takes them."""
-        out = {k: v for k, v in kwargs.items() if k in self.forward_params or k == "use_cache"}
+        packed positions) and packed rows' segments (`SEGMENTS_KWARG`, on to attention), plus ``token_type_ids`` (1 on image tokens) where the forward takes them."""
+        out = {k: v for k, v in kwargs.items()
+               if k in self.forward_params or k in ("use_cache", SEGMENTS_KWARG)}
         if "token_type_ids" in self.forward_params and kwargs.get("mm_token_type_ids") is not None:
             out["token_type_ids"] = (kwargs["mm_token_type_ids"] == 1).long()
         return out

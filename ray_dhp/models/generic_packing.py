@@ -20,7 +20,10 @@ pack_text_batch`, which passes ``position_ids`` and no 2-D ``attention_mask``):
   looked up at the *packed positions*, i.e. at another sample's tokens (Gemma 3: measured
   packed != one per row, loss 1e-4 relative). Such a model (``token_type_ids`` in its forward
   and ``sliding_attention`` layers) is refused. Exactness is measured in fp64
-  (tests/distributed/test_packing.py).
+  (tests/distributed/test_packing.py). Without a varlen kernel the packed rows' attention runs
+  one sample at a time (`ray_dhp.models.segment_attention`) unless the forward takes
+  ``token_type_ids`` (``segment_attention=False``: the block mask stays) or the layers have
+  windows.
 * **No state along the sequence** besides attention: a language model whose config lists
   ``layer_types`` that are not attention (e.g. a short convolution, ``"conv"``) would carry it
   across the samples of a row, so packing is refused for it, naming the types.
@@ -40,9 +43,13 @@ def packing_rule(inner, lm, text_config, forward_params: tuple) -> dict:
     forward names ``forward_params`` (module docstring)."""
     refusal = _refusal(inner, lm, text_config, forward_params)
     positions = "mrope" if hasattr(type(inner), "get_rope_index") else "1d"
+    # per-sample attention: causal inside a sample (no bidirectional image blocks) and a forward
+    # whose **kwargs carry the segments down to attention
+    causal = "token_type_ids" not in forward_params and "kwargs" in forward_params
     if refusal:
-        return dict(packing=False, packing_reason=refusal, packed_positions=positions)
-    return dict(packing=True, packed_positions=positions)
+        return dict(packing=False, packing_reason=refusal, packed_positions=positions,
+                    segment_attention=causal)
+    return dict(packing=True, packed_positions=positions, segment_attention=causal)
 
 
 def _refusal(inner, lm, text_config, forward_params: tuple) -> str:

@@ -109,6 +109,12 @@ class DHPEngine(EncoderPhases, TextPhase, UpdateMixin):
 
             install_segment_rows(self.family.language_model(self.text_model), self.family.stateful_mixers,
                                  required=True)  # this engine's text forwards are all packed
+        self._segment_attention = False  # packed rows' attention per sample (no varlen kernel)
+        if cfg.data.packing and topo.text.cp == 1 and self.text_model is not None:
+            from ray_dhp.models.segment_attention import install_segment_attention
+
+            self._segment_attention = not install_segment_attention(
+                self.family.language_model(self.text_model), self.family.segment_attention)
         self.sharding = self._shard_stage3()  # module name -> its ZeRO-3 (FSDP2) sharding
         specs = self.family.encoder_specs
         unhosted = tuple(e.prefix for e in specs if topo.encoder(e.name) is None) \

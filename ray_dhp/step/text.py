@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ray_dhp.models.contract import check_features_consumed
+from ray_dhp.models.segment_attention import ATTN_NAME as SEGMENT_ATTENTION
 from ray_dhp.models.segments import SEGMENTS_KWARG
 from ray_dhp.step.gpu import to_device
 from ray_dhp.step.loss import LossInputs, backward_loss, sample_ids_of
@@ -78,7 +79,7 @@ class TextPhase:
         batch = pack_text_batch(samples, pad_id, self.cfg.data.max_tokens, rope_index=rope,
                                 one_dimensional=rope is None, pad_to_multiple_of=multiple)
         impl = self.family.language_model(self.text_model).config._attn_implementation
-        if batch["input_ids"].shape[0] > 1 and impl not in _MASKED_ATTENTION:
+        if batch["input_ids"].shape[0] > 1 and impl not in _MASKED_ATTENTION + (SEGMENT_ATTENTION,):
             raise ValueError(
                 f"packing into several rows needs a mask-based attention ({_MASKED_ATTENTION}); "
                 f"{impl!r} detects packed samples from positions only in a single row: set "
@@ -111,8 +112,8 @@ class TextPhase:
         seconds = self.family.video_seconds_key  # families with absolute-time M-RoPE name it
         if batch.get("second_per_grid_ts") is not None and _accepts(self.text_model, seconds):
             videos[seconds] = to_device(batch["second_per_grid_ts"], dev)
-        if batch.get("cu_seqlens") is not None and self.family.stateful_mixers:
-            extra[SEGMENTS_KWARG] = batch["cu_seqlens"]  # the mixers' segments (host: index building)
+        if batch.get("cu_seqlens") is not None and (self.family.stateful_mixers or self._segment_attention):
+            extra[SEGMENTS_KWARG] = batch["cu_seqlens"]  # mixers' / attention's segments (host)
         with self._autocast():
             out = self.text_model(**self.family.lm_inputs(self.config, dict(
                 input_ids=to_device(batch["input_ids"], dev),

@@ -1,5 +1,6 @@
 """Packed collation: several samples per row, each keeping its own positions, attention and
-targets (`ray_dhp.data.collate.pack_text_batch`)."""
+targets (`ray_dhp.data.collate.pack_text_batch`); the rows' attention one sample at a time
+(`ray_dhp.models.segment_attention`)."""
 
 from dataclasses import replace
 
@@ -225,6 +226,68 @@ def test_required_segments_refuse_a_forward_without_them():
     assert torch.allclose(got, want)
     with pytest.raises(RuntimeError, match="packed samples would share its state"):
         model[0](hidden_states=x)
+
+
+def test_segment_attention_equals_padded_fp64_one_call_per_segment(dataset, monkeypatch):
+    """Tiny fp64 Qwen2.5-VL, 6 samples (images of 3 sizes, a text-only one) packed into rows of
+    80 tokens: each sample's logits equal its padded row's within 1e-12 of the row's largest
+    logit (only SDPA's summation blocking differs; measured ~5e-16), with one SDPA call per
+    segment and layer (samples and padded tails) and no mask built; a forward that does not
+    hand the segments down raises."""
+    import transformers.integrations.sdpa_attention as sdpa
+
+    from ray_dhp.models.segment_attention import ATTN_NAME, install_segment_attention
+    from ray_dhp.models.segments import SEGMENTS_KWARG
+
+    samples = _samples("qwen2_5_vl", dataset)
+    model = build_model(tiny_model_config("qwen2_5_vl"), seed=0, dtype=torch.float64).eval()
+    padded = pad_text_batch(samples, 0)
+    packed = pack_text_batch(samples, 0, MAX_TOKENS, rope_index=model.model.get_rope_index)
+    common = dict(pixel_values=padded["pixel_values"].double(), image_grid_thw=padded["image_grid_thw"],
+                  use_cache=False)
+    with torch.no_grad():
+        ref = model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"],
+                    mm_token_type_ids=padded["mm_token_type_ids"], **common).logits
+        lm = model.model.language_model
+        assert install_segment_attention(lm) == "" and lm.config._attn_implementation == ATTN_NAME
+        assert model.model.visual.config._attn_implementation == "sdpa"  # the tower's own, untouched
+        masks, calls = [], []
+        real = sdpa.sdpa_attention_forward
+
+        def spy(module, q, k, v, mask, *a, **kw):
+            masks.append(mask)
+            calls.append(q.shape[2])
+            return real(module, q, k, v, mask, *a, **kw)
+
+        monkeypatch.setattr(sdpa, "sdpa_attention_forward", spy)
+        packed_kw = dict(input_ids=packed["input_ids"], position_ids=packed["position_ids"],
+                         mm_token_type_ids=packed["mm_token_type_ids"], **common)
+        got = model(**packed_kw, **{SEGMENTS_KWARG: packed["cu_seqlens"]}).logits
+        with pytest.raises(RuntimeError, match="would attend across"):
+            model(**packed_kw)
+    ids = packed["sample_ids"]
+    for i, s in enumerate(samples):
+        assert (got[ids == i] - ref[i, :s.num_tokens]).abs().max() <= 1e-12 * ref[i].abs().max()
+    segments = (packed["cu_seqlens"][1:] - packed["cu_seqlens"][:-1]).tolist()
+    assert calls == segments * lm.config.num_hidden_layers and all(m is None for m in masks)
+
+
+def test_refused_where_not_plain_causal_inside_a_sample():
+    """Windows and bidirectional image blocks keep transformers' block mask (`refusal`), as does
+    an attention other than sdpa."""
+    from types import SimpleNamespace as NS
+
+    from ray_dhp.models.segment_attention import install_segment_attention, refusal
+
+    assert refusal(NS(layer_types=["full_attention", "linear_attention"])) == ""
+    assert "window" in refusal(NS(layer_types=["sliding_attention", "full_attention"]))
+    assert "window" in refusal(NS(sliding_window=4096, use_sliding_window=True))
+    assert refusal(NS(sliding_window=4096, use_sliding_window=False)) == ""
+    assert "chunked" in refusal(NS(attention_chunk_size=8192))
+    assert "bidirectional" in refusal(NS(), causal_in_sample=False)
+    lm = torch.nn.Module()
+    lm.config = NS(_attn_implementation="eager")
+    assert "'eager'" in install_segment_attention(lm) and lm.config._attn_implementation == "eager"
 
 
 def _generic_logits(family_name, dataset):
