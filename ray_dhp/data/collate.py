@@ -88,19 +88,35 @@ def pad_text_batch(samples: Sequence[Sample], pad_id: int, *, pad_to_multiple_of
 
 
 def pack_rows(lengths: Sequence[int], max_tokens: Optional[int]) -> list[range]:
-    """Greedy, order-preserving packing: consecutive samples share a row while the row holds at
-    most ``max_tokens`` tokens (None: one row for all). Returns the sample-index range of each row."""
-    rows, start, used = [], 0, 0
-    for i, n in enumerate(lengths):
-        if max_tokens is not None and n > max_tokens:
-            raise ValueError(f"sample {i} has {n} tokens > max_tokens={max_tokens}; such samples "
+    """Order-preserving packing: consecutive samples share a row of at most ``max_tokens``
+    tokens (None: one row for all), in as few rows as a greedy fill makes, and those rows as
+    even as the order allows. Every row is padded to the longest, so a greedy fill (each row
+    as full as ``max_tokens`` allows) can leave a long padded tail on the last row; here the
+    fill's cap is the smallest that still needs no more rows (binary search), which minimises
+    the longest row for that row count. Samples keep their order, so feature rows stay in
+    sample order. Returns the sample-index range of each row."""
+    n = len(lengths)
+    for i, t in enumerate(lengths):
+        if max_tokens is not None and t > max_tokens:
+            raise ValueError(f"sample {i} has {t} tokens > max_tokens={max_tokens}; such samples "
                              f"are bad data and should have been skipped when processing")
-        if max_tokens is not None and i > start and used + n > max_tokens:
-            rows.append(range(start, i))
-            start, used = i, 0
-        used += n
-    rows.append(range(start, len(lengths)))
-    return rows
+    if max_tokens is None or n == 0:
+        return [range(0, n)]
+
+    def greedy(cap: int) -> list[range]:
+        rows, start, used = [], 0, 0
+        for i, t in enumerate(lengths):
+            if i > start and used + t > cap:
+                rows.append(range(start, i))
+                start, used = i, 0
+            used += t
+        return rows + [range(start, n)]
+
+    count, lo, hi = len(greedy(max_tokens)), max(lengths), max_tokens
+    while lo < hi:  # the smallest cap that needs no more rows than the full greedy fill
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if len(greedy(mid)) <= count else (mid + 1, hi)
+    return greedy(lo)
 
 
 RopeIndex = Callable[..., tuple]
@@ -136,7 +152,8 @@ def sample_positions(sample: Sample, rope_index: Optional[RopeIndex], one_dimens
 def pack_text_batch(samples: Sequence[Sample], pad_id: int, max_tokens: Optional[int] = None, *,
                     rope_index: Optional[RopeIndex] = None, one_dimensional: bool = False,
                     pad_to_multiple_of: int = 1) -> dict:
-    """Pack samples, in order, into rows of at most ``max_tokens`` tokens (`pack_rows`).
+    """Pack samples, in order, into rows of at most ``max_tokens`` tokens (`pack_rows`: as few
+    rows as a greedy fill, evened out).
 
     Every sample keeps its own attention, positions and targets, so the loss and gradients equal
     those of the padded batch: positions restart at each sample, no token attends across a

@@ -34,8 +34,10 @@ def model64():
     return build_model(tiny_model_config("qwen2_5_vl"), seed=0, dtype=torch.float64).eval()
 
 
-def test_pack_rows_is_greedy_in_order():
+def test_pack_rows_in_order_as_few_and_as_even_as_greedy_allows():
     assert pack_rows([5, 3, 4, 2, 6], 8) == [range(0, 2), range(2, 4), range(4, 5)]
+    # greedy to 8 makes rows of 8 + 4 (a row of 8 after padding: 16 tokens); 6 + 6 in 2 rows
+    assert pack_rows([6, 1, 1, 1, 3], 8) == [range(0, 1), range(1, 5)]
     assert pack_rows([5, 3, 4], None) == [range(0, 3)]
     assert pack_rows([8, 8], 8) == [range(0, 1), range(1, 2)]
     with pytest.raises(ValueError, match="max_tokens=8"):
