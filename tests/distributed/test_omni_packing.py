@@ -76,10 +76,11 @@ def test_omni_packed_disjoint_pipelined(omni):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, layout", [
-    ("text-sp", dict(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1, text_tp=2,
-                     text_sequence_parallel=True, encoders={"audio": EncoderDegrees(dp=2)})),
-    ("zero3", dict(placement="collocated", vision_dp=2, vision_sp=1, text_dp=2, text_tp=1,
-                   text_zero=3, encoders={"audio": EncoderDegrees(dp=2)})),
+    pytest.param("text-sp", dict(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1, text_tp=2,
+                                 text_sequence_parallel=True, encoders={"audio": EncoderDegrees(dp=2)}),
+                 id="text-sp"),
+    pytest.param("zero3", dict(placement="collocated", vision_dp=2, vision_sp=1, text_dp=2, text_tp=1,
+                               text_zero=3, encoders={"audio": EncoderDegrees(dp=2)}), id="zero3"),
 ])
 def test_omni_packed_text_sp_and_zero3(omni, name, layout):
     """Packed thinker rows with text sequence parallelism (vision SP2, audio DP2, text TP2 with
