@@ -99,7 +99,7 @@ class UpdateMixin:
         leaves them (and their moments) untouched, weight decay included. The LM always has
         input; a module at ZeRO-3 (the vision tower) runs its collectives in every step and
         steps always."""
-        if name == "text" or name in self.sharding:
+        if self.groups.topology.encoder(name) is None or name in self.sharding:  # not input-gated
             return True
         return self._had_input.get(name, False)
 
