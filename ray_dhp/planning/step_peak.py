@@ -45,8 +45,6 @@ def step_peak(state, policy, largest: int, reduced: int = 0, replicated: int = 0
     element count of the largest tensor the rank updates; ``foreach``: elements the foreach
     AdamW steps at once on the device (`foreach_elements`), one moment-sized temporary each."""
     from ray_dhp.parallel.data_parallel import _BUCKET_BYTES
-    from ray_dhp.step.precision import CHUNK_BYTES
-
     from ray_dhp.parallel.zero import MAX_IN_FLIGHT
 
     per_bucket = (_BUCKET_BYTES if bucket_bytes is None else bucket_bytes) // policy.grad_bytes()
