@@ -390,11 +390,10 @@ def check_offload(module: str, offload, stage: int, tp: Optional[int]) -> None:
     (``tp``: the module's tensor-parallel degree; None for a module without one, an encoder)."""
     if not isinstance(offload, bool):
         raise ValueError(f"{module}.optimizer_offload must be true or false, got {offload!r}.")
-    sharded = tp is not None and tp > 1
-    if offload and (sharded or stage == 3):
+    if offload and ((tp or 1) > 1 or stage == 3):
         raise ValueError(
             f"{module}.optimizer_offload=true needs plain parameters, but {module} has "
-            + ("tensor_parallel > 1" if sharded else "zero_stage=3 (FSDP2)")
+            + ("tensor_parallel > 1" if (tp or 1) > 1 else "zero_stage=3 (FSDP2)")
             + " (DTensor shards); set "
             + (f"{module}.tensor_parallel=1 and " if tp is not None else "")
             + f"{module}.zero_stage <= 2, or {module}.optimizer_offload=false.")
