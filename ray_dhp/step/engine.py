@@ -111,7 +111,7 @@ class DHPEngine(EncoderPhases, TextPhase, UpdateMixin):
             install_segment_rows(self.family.language_model(self.text_model), self.family.stateful_mixers,
                                  required=True)  # this engine's text forwards are all packed
         self._segment_attention = False  # packed rows' attention per sample (no varlen kernel)
-        if cfg.data.packing and topo.text.cp == 1 and self.text_model is not None:
+        if cfg.packing and topo.text.cp == 1 and self.text_model is not None:
             from ray_dhp.models.segment_attention import install_segment_attention
 
             self._segment_attention = not install_segment_attention(
