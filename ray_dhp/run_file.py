@@ -150,9 +150,6 @@ class RunFile:
         from ray_dhp.models import family_of
 
         family_of(dhp.model_config()).check_packing(loop.data.packing, "data.packing")
-        from ray_dhp.parallel.context import check_packing
-
-        check_packing(dhp.text.context_parallel, loop.data.packing, "data.packing")
         names = self.dataset_names()
         from ray_dhp.step.evaluation import check_eval_setup
 

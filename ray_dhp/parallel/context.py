@@ -16,6 +16,14 @@ of each all-to-all is the other one (its adjoint). DeepSpeed-Ulysses (Jacobs et 
   meets the KV head it always used; the repeat's backward sums the copies' gradients).
 * Masks: the slice is right-padded (pads have no target) and attention is causal, so no real
   token sees a pad: the rank's attention is ``is_causal`` over the whole sequence, no mask.
+* Packed rows (``data.packing``): each row of ``[R, L]`` is sliced like a padded one; positions
+  and targets are computed per sample on the whole packed row before the slicing
+  (`ray_dhp.data.collate.pack_text_batch`), the samples' segments (``cu_seqlens`` over the
+  ``R x L`` tokens, the `ray_dhp.models.segments.SEGMENTS_KWARG` keyword that travels down the
+  decoder layers) reach `cp_attention`, which after the all-to-all runs causal attention per
+  segment (no token attends across a sample boundary, no ``L x L`` mask), and the head-sharded
+  stateful mixers, which lay each segment out as a row of its own (their state starts at zero
+  at every sample, `ray_dhp.parallel.context_mixers`).
 * The function is registered in transformers' attention registry (``AttentionInterface``) as
   ``"ray_dhp_cp"`` and selected by the language model's ``config._attn_implementation``; the CP
   group travels on each attention module (``module._ray_dhp_cp``), never in a global.
@@ -44,7 +52,7 @@ import torch.nn.functional as F
 
 from ray_dhp.parallel.ulysses import UlyssesContext, heads_to_seq, seq_to_heads
 
-__all__ = ["ATTN_NAME", "check_context_parallel", "check_packing", "install_context_parallel", "local_rows",
+__all__ = ["ATTN_NAME", "check_context_parallel", "install_context_parallel", "local_rows",
            "refusal", "slice_sequence"]
 
 ATTN_NAME = "ray_dhp_cp"
@@ -61,16 +69,8 @@ def check_context_parallel(cp: int, ep: int, expert_tp: bool) -> None:
                          "text.expert_parallel.")
 
 
-def check_packing(cp: int, packing: bool, key: str) -> None:
-    """Packing is not covered with CP yet: refused in the driver, naming ``key``."""
-    if cp > 1 and packing:
-        raise ValueError(f"{key}=true is not covered with text.context_parallel={cp} yet (a "
-                         "packed row's samples would need per-slice positions and masks); set "
-                         f"{key}=false or text.context_parallel=1.")
-
-
-def refusal(family, config, cp: int, tp: int, packing: bool = False,
-            encoder_ops: tuple = (), text_sp: bool = False) -> Optional[str]:
+def refusal(family, config, cp: int, tp: int, encoder_ops: tuple = (),
+            text_sp: bool = False) -> Optional[str]:
     """Why ``text.context_parallel=cp`` cannot be exact for this model and layout (None: it
     can). Read from the family's facts (no family is named here)."""
     if cp == 1:
@@ -100,8 +100,6 @@ def refusal(family, config, cp: int, tp: int, packing: bool = False,
     if getattr(tc, "use_sliding_window", False) or any(
             "sliding" in t for t in (getattr(tc, "layer_types", None) or ())):
         why.append("sliding-window attention layers")
-    if packing:
-        why.append("packing (several samples per row)")
     if any(not getattr(ops, "CONTEXT_PARALLEL", False) for ops in encoder_ops):
         why.append("an encoder whose feature rows cannot be sliced by sequence position")
     if why:
@@ -129,14 +127,16 @@ def slice_sequence(t: Optional[torch.Tensor], cp: int, rank: int) -> Optional[to
     return t[..., lo:hi]
 
 
-def local_rows(token_masks: list, length: int, cp: int, rank: int) -> torch.Tensor:
+def local_rows(token_masks: list, length: int, cp: int, rank: int,
+               starts: Optional[list] = None) -> torch.Tensor:
     """Indices, among a replica's feature rows, of those whose tokens fall in CP rank ``rank``'s
-    slice. ``token_masks``: per sample (one padded row each, in order), a bool ``[n]`` of the
-    tokens that take a feature row; the rows are ordered sample by sample, token by token."""
+    slice. ``token_masks``: per sample (in order), a bool ``[n]`` of the tokens that take a
+    feature row; the rows are ordered sample by sample, token by token. ``starts``: each
+    sample's first column in its row of ``length`` (packed rows); None: one padded row each."""
     lo, hi = bounds(length, cp, rank)
     out, seen = [], 0
-    for m in token_masks:
-        idx = m.nonzero().flatten()
+    for i, m in enumerate(token_masks):
+        idx = m.nonzero().flatten() + (0 if starts is None else starts[i])
         out.append(seen + ((idx >= lo) & (idx < hi)).nonzero().flatten())
         seen += idx.numel()
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
@@ -158,7 +158,10 @@ class CPContext:
 def cp_attention(module, query, key, value, attention_mask=None, dropout: float = 0.0,
                  scaling: Optional[float] = None, sliding_window=None, **kwargs):
     """transformers attention function (``[B, H, S_local, hd]`` in, ``[B, S_local, H, hd]`` out):
-    all-to-all to head shards, causal attention over the whole sequence, all-to-all back."""
+    all-to-all to head shards, causal attention over the whole sequence (packed rows: over each
+    of its segments, `SEGMENTS_KWARG`), all-to-all back."""
+    from ray_dhp.models.segments import SEGMENTS_KWARG
+
     ctx: CPContext = getattr(module, "_ray_dhp_cp", None)
     if ctx is None:
         raise RuntimeError(f"{type(module).__name__} has no context-parallel group; the "
@@ -178,10 +181,38 @@ def cp_attention(module, query, key, value, attention_mask=None, dropout: float 
     if k.shape[1] != q.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
-                                         dropout_p=dropout if module.training else 0.0)
+    p = dropout if module.training else 0.0
+    segments = kwargs.get(SEGMENTS_KWARG)
+    if segments is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, dropout_p=p)
+    else:
+        out = segment_attention(q, k, v, segments, scaling, p)
     out = heads_to_seq(out.permute(2, 0, 1, 3), uc)  # [S_l, B, H, hd]
     return out.transpose(0, 1).contiguous(), None
+
+
+def segment_attention(q, k, v, cu_seqlens: torch.Tensor, scale: Optional[float] = None,
+                      dropout: float = 0.0) -> torch.Tensor:
+    """Causal attention of ``[R, H, L, hd]`` packed rows within each segment (``cu_seqlens`` over
+    the row-major ``R x L`` tokens; segments never cross rows): one SDPA call per segment, each
+    from the segment's first token, so no token sees another sample and no ``L x L`` mask is
+    built. (A varlen flash kernel would take the same boundaries on GPU.)"""
+    rows, length = q.shape[0], q.shape[2]
+    cu = [int(c) for c in cu_seqlens.tolist()]
+    if cu[0] != 0 or cu[-1] != rows * length:
+        raise ValueError(f"packed segments cover {cu[-1] - cu[0]} tokens, the rows {rows} x {length}")
+    out = []
+    for a, b in zip(cu[:-1], cu[1:]):
+        r, lo, hi = a // length, a % length, b - (a // length) * length
+        if hi > length:
+            raise ValueError(f"packed segment [{a}, {b}) crosses the end of row {r} (length {length})")
+        out.append(F.scaled_dot_product_attention(q[r:r + 1, :, lo:hi], k[r:r + 1, :, lo:hi],
+                                                  v[r:r + 1, :, lo:hi], is_causal=True,
+                                                  scale=scale, dropout_p=dropout))
+    by_row = [[] for _ in range(rows)]
+    for (a, _), o in zip(zip(cu[:-1], cu[1:]), out):
+        by_row[a // length].append(o)
+    return torch.cat([torch.cat(parts, dim=2) for parts in by_row], dim=0)
 
 
 def _register() -> None:
@@ -195,10 +226,11 @@ def _register() -> None:
 
 
 def install_context_parallel(language_model: torch.nn.Module, group, cp: int, rank: int,
-                             comm=None, mixers: tuple = (), tp: int = 1) -> None:
+                             comm=None, mixers: tuple = (), tp: int = 1, packed: bool = False) -> None:
     """Select the CP attention for ``language_model`` (its config only) and give every module
     that reads that config (its attention layers) the CP group; head-shard the family's
-    stateful ``mixers`` (`FamilySpec.cp_mixers`, inside the TP rank's ``1 / tp`` of heads)."""
+    stateful ``mixers`` (`FamilySpec.cp_mixers`, inside the TP rank's ``1 / tp`` of heads;
+    ``packed``: their every call brings the packed segments)."""
     _register()
     config = language_model.config
     ctx = CPContext(group, cp, rank, comm)
@@ -209,4 +241,4 @@ def install_context_parallel(language_model: torch.nn.Module, group, cp: int, ra
     if mixers:  # stateful mixers: the whole sequence for 1/cp of their heads
         from ray_dhp.parallel.context_mixers import install_mixer_heads
 
-        install_mixer_heads(language_model, mixers, group, cp, rank, tp, comm)
+        install_mixer_heads(language_model, mixers, group, cp, rank, tp, comm, packed)

@@ -107,10 +107,6 @@ class DisaggregatedTrainer(DataParallelTrainer):
 
             family = family_of(dhp_config.model_config())
             family.check_packing(loop_cfg.data.packing, loop_cfg.key("data.packing"))
-            from ray_dhp.parallel.context import check_packing
-
-            check_packing(dhp_config.text.context_parallel, loop_cfg.data.packing,
-                          loop_cfg.key("data.packing"))
             from ray_dhp.data.audio import refuse_audio
 
             if getattr(dhp_config, "audio", None) is None:  # no audio group: audio cannot train
