@@ -9,8 +9,13 @@ the reverse all-to-all (`heads_to_seq`) turns the output back into the rank's sl
 of each all-to-all is the other one (its adjoint). DeepSpeed-Ulysses (Jacobs et al. 2023).
 
 * Load balance: every CP rank runs attention over the whole sequence for an equal share of the
-  heads, so the causal triangle is split evenly without zigzag chunking. Ring attention (beyond
-  the heads) is not part of this slice: ``tp x cp`` must divide the attention heads.
+  heads, so the causal triangle is split evenly without zigzag chunking.
+* Beyond the heads (``tp x cp`` does not divide the attention heads, e.g. CP4 with 2 heads per
+  TP rank): `gathered_kv_attention` keeps every head and the rank's query slice and gathers the
+  other slices' keys and values over the CP group (ring attention's result without its
+  overlap; the Llama 3 form). Exact; its last rank carries the largest causal share (no
+  zigzag in this form) and the planner prices the Ulysses form only. Stateful mixers still
+  need ``tp x cp`` to divide their heads.
 * KV heads: where the rank's KV heads do not divide by ``cp`` (grouped-query attention with few
   KV heads) they are repeated to the query heads before the all-to-all (exact: each query head
   meets the KV head it always used; the repeat's backward sums the copies' gradients).
@@ -50,7 +55,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ray_dhp.parallel.ulysses import UlyssesContext, heads_to_seq, seq_to_heads
+from ray_dhp.parallel.ulysses import UlyssesContext, all_to_all_rows, heads_to_seq, seq_to_heads
 
 __all__ = ["ATTN_NAME", "check_context_parallel", "install_context_parallel", "local_rows",
            "refusal", "slice_sequence"]
@@ -77,12 +82,6 @@ def refusal(family, config, cp: int, tp: int, encoder_ops: tuple = (),
         return None
     key = f"text.context_parallel={cp}"
     tc = config.text_config
-    heads = tc.num_attention_heads
-    if heads % (tp * cp):
-        ok = [c for c in range(1, heads // tp + 1) if heads % (tp * c) == 0]
-        return (f"{key}: text.tensor_parallel x text.context_parallel = {tp * cp} does not divide "
-                f"the {heads} attention heads (heads are split over TP x CP; ring attention "
-                f"beyond the heads is not covered); use text.context_parallel in {ok}.")
     why = []
     mixers = family.cp_mixers(tc) if family.stateful_mixers else ()
     if family.stateful_mixers and not mixers:
@@ -168,6 +167,11 @@ def cp_attention(module, query, key, value, attention_mask=None, dropout: float 
                            f"'{ATTN_NAME}' attention needs install_context_parallel()")
     if sliding_window is not None:
         raise ValueError("context parallelism does not cover sliding-window attention")
+    p = dropout if module.training else 0.0
+    segments = kwargs.get(SEGMENTS_KWARG)
+    if query.shape[1] % ctx.cp:  # the heads run out: K and V gathered instead
+        out = gathered_kv_attention(query, key, value, ctx, segments, scaling, p)
+        return out.transpose(1, 2).contiguous(), None
     s = query.shape[2]
     uc = UlyssesContext(group=ctx.group, seq_lens=[s] * ctx.cp, rank=ctx.rank, comm=ctx.comm, tag=_TAG)
     if key.shape[1] % ctx.cp:  # too few KV heads: repeat them to the query heads (GQA-exact)
@@ -181,8 +185,6 @@ def cp_attention(module, query, key, value, attention_mask=None, dropout: float 
     if k.shape[1] != q.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    p = dropout if module.training else 0.0
-    segments = kwargs.get(SEGMENTS_KWARG)
     if segments is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, dropout_p=p)
     else:
@@ -213,6 +215,56 @@ def segment_attention(q, k, v, cu_seqlens: torch.Tensor, scale: Optional[float] 
     for (a, _), o in zip(zip(cu[:-1], cu[1:]), out):
         by_row[a // length].append(o)
     return torch.cat([torch.cat(parts, dim=2) for parts in by_row], dim=0)
+
+
+# -- beyond the heads: K and V gathered over the CP group ----------------------------------------
+
+def gathered_kv_attention(q, k, v, ctx: "CPContext", segments=None, scale=None,
+                          dropout: float = 0.0) -> torch.Tensor:
+    """Causal attention of the rank's query slice ``[B, H, S_l, hd]`` against the keys and values
+    of the whole sequence up to the slice's end, gathered over the CP group (``[B, Hkv, S_l,
+    hd]`` each in; ``[B, H, S_l, hd]`` out). The form for CP degrees the heads do not divide
+    (`cp_attention`): every rank keeps all of its heads and its query slice, and receives every
+    other rank's K and V slices; the backward of the gather sums each rank's K/V gradients back
+    onto the slice's owner (the all-to-all's adjoint). Exact: each query meets exactly the keys
+    it meets in one process (the causal offset of its slice; per packed segment with
+    ``segments``). It moves ``(cp - 1) / cp`` of the sequence's K and V to every rank and holds
+    them for the layer (ring attention would pass the same slices one at a time, overlapped
+    with compute; the result is the same). Contiguous slices: the last rank's triangle is the
+    largest (no zigzag balance in this form)."""
+    b, _, s, _ = q.shape
+    lo, hi = ctx.rank * s, (ctx.rank + 1) * s
+    uc = UlyssesContext(group=ctx.group, seq_lens=[s] * ctx.cp, rank=ctx.rank, comm=ctx.comm,
+                        tag=_TAG + ".kv")
+
+    def gather(x):  # [B, Hkv, S_l, hd] -> [B, Hkv, hi, hd]: every rank's slice, up to ours
+        rows = x.permute(2, 0, 1, 3)  # [S_l, B, Hkv, hd]
+        full = all_to_all_rows(torch.cat([rows] * ctx.cp), [s] * ctx.cp, [s] * ctx.cp, uc.group,
+                               uc.comm, uc.tag)  # [S, B, Hkv, hd], rank by rank
+        return full[:hi].permute(1, 2, 0, 3)
+
+    k, v = gather(k), gather(v)
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    rows = torch.arange(lo, hi, device=q.device)
+    cols = torch.arange(hi, device=q.device)
+    mask = (cols[None, :] <= rows[:, None])[None, None]  # [1, 1, S_l, hi]
+    if segments is not None:  # packed rows: the same sample only (segments over the B x S tokens)
+        length = s * ctx.cp
+        seg = _segment_ids(segments, b, length).to(q.device)  # [B, S]
+        same = seg[:, lo:hi, None] == seg[:, None, :hi]  # [B, S_l, hi]
+        mask = mask & same[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, dropout_p=dropout)
+
+
+def _segment_ids(cu_seqlens: torch.Tensor, rows: int, length: int) -> torch.Tensor:
+    """``[R, L]``: each packed token's segment number (``cu_seqlens`` over the ``R x L`` tokens)."""
+    cu = cu_seqlens.to("cpu", torch.long)
+    if int(cu[-1]) != rows * length:
+        raise ValueError(f"packed segments cover {int(cu[-1])} tokens, the rows {rows} x {length}")
+    ids = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu[1:] - cu[:-1])
+    return ids.view(rows, length)
 
 
 def _register() -> None:

@@ -43,9 +43,10 @@ def test_config_and_run_file_take_the_key(tmp_path):
 
 
 @pytest.mark.parametrize("family, kw, match", [
-    ("qwen2_5_vl", dict(vision=ModuleParallel(sequence_parallel=4),
-                        text=ModuleParallel(tensor_parallel=2, context_parallel=4), placement="disjoint"),
-     r"text.context_parallel=4: text.tensor_parallel x text.context_parallel = 8 does not divide"),
+    ("qwen3_5", dict(vision=ModuleParallel(sequence_parallel=4),
+                     text=ModuleParallel(tensor_parallel=2, context_parallel=4), placement="disjoint"),
+     r"text.context_parallel=4: text.tensor_parallel x text.context_parallel = 8 does not divide "
+     r"the 4 linear-attention key heads"),
     ("qwen2_5_vl", dict(vision=ModuleParallel(context_parallel=2), text=ModuleParallel(data_parallel=2)),
      "vision.context_parallel"),
     ("qwen3_5_moe", dict(vision=ModuleParallel(sequence_parallel=2), text=ModuleParallel(context_parallel=2)),
