@@ -304,3 +304,31 @@ def test_cp_beyond_the_heads_is_exact_fp64(tmp_path, kv_heads, packed):
     comm = got["per_rank"][-1]["comm"]
     assert any(k.endswith("/text.cp.kv") for k in comm), comm  # the K/V gathers ran
     assert not any(k.endswith("/text.cp") for k in comm), comm  # and no head all-to-all
+
+
+@pytest.mark.slow
+def test_planned_text_gradient_traffic_under_cp_equals_sent_bytes(tmp_path):
+    """`planning.traffic.collective_bytes` at CP2 (one text replica, ZeRO-2): the text gradients
+    are reduced over the 2 CP ranks and the new weights broadcast back; the plan charges
+    ``(n - 1) / n`` of each buffer the engine's `CommCounter` records (n = 2: exact), as
+    tests/distributed/test_zero_traffic.py does over data-parallel replicas. (Before: 0 bytes.)"""
+    from ray_dhp.config.train_loop import TrainLoopConfig
+    from ray_dhp.models.sizes import count_params
+    from ray_dhp.planning.cost_types import Layout, Workload
+    from ray_dhp.planning.traffic import collective_bytes
+    from ray_dhp.step.precision import policy_of
+    from tests.distributed.parity import make_steps
+
+    cfg = TrainLoopConfig(lr=1e-3, global_batch_size=4, num_steps=1, seed=0, precision="fp32")
+    layout = dict(_layout("collocated", (2, 1), (1, 1), 2), vision_zero=1, text_zero=2)
+    got = run_engine("qwen2_5_vl", layout, cfg, make_steps(tmp_path, "qwen2_5_vl", cfg), None)
+    config, policy = demo_config("qwen2_5_vl"), policy_of(cfg.optim)
+    plan = collective_bytes(config, count_params(config),
+                            Layout("collocated", "sequential", 2, 1, 1, 1, vision_zero=1, text_zero=2,
+                                   text_cp=2),
+                            Workload(1024, 64, 4, policy=policy, state_bytes=policy.state_bytes()))
+    for rank, out in enumerate(got["per_rank"]):
+        sent = {k: v["bytes"] for k, v in out["comm"].items()}
+        assert plan["text dp gradients"] == (sent["reduce/text.grads"] + sent["broadcast/text.zero"]) / 2, \
+            (rank, plan["text dp gradients"], sent)
+    print(f"text gradients at CP2: planned {plan['text dp gradients']:.0f} B per rank = sent")
