@@ -24,7 +24,7 @@ of each all-to-all is the other one (its adjoint). DeepSpeed-Ulysses (Jacobs et 
 * Packed rows (``data.packing``): each row of ``[R, L]`` is sliced like a padded one; positions
   and targets are computed per sample on the whole packed row before the slicing
   (`ray_dhp.data.collate.pack_text_batch`), the samples' segments (``cu_seqlens`` over the
-  ``R x L`` tokens, the `ray_dhp.models.segments.SEGMENTS_KWARG` keyword that travels down the
+  ``R x L`` tokens, the `ray_dhp.parallel.segments.SEGMENTS_KWARG` keyword that travels down the
   decoder layers) reach `cp_attention`, which after the all-to-all runs causal attention per
   segment (no token attends across a sample boundary, no ``L x L`` mask), and the head-sharded
   stateful mixers, which lay each segment out as a row of its own (their state starts at zero
@@ -159,7 +159,7 @@ def cp_attention(module, query, key, value, attention_mask=None, dropout: float 
     """transformers attention function (``[B, H, S_local, hd]`` in, ``[B, S_local, H, hd]`` out):
     all-to-all to head shards, causal attention over the whole sequence (packed rows: over each
     of its segments, `SEGMENTS_KWARG`), all-to-all back."""
-    from ray_dhp.models.segments import SEGMENTS_KWARG
+    from ray_dhp.parallel.segments import SEGMENTS_KWARG
 
     ctx: CPContext = getattr(module, "_ray_dhp_cp", None)
     if ctx is None:

@@ -37,10 +37,10 @@ the dp x cp replicas (`ray_dhp.parallel.context`) is the whole gradient. Under T
 inside those (segments divided by tp), and the CP hooks on the projections run before TP's
 input styles (prepended) and after its output styles.
 
-Packed rows (``data.packing``): the mixer's keyword `ray_dhp.models.segments.SEGMENTS_KWARG`
+Packed rows (``data.packing``): the mixer's keyword `ray_dhp.parallel.segments.SEGMENTS_KWARG`
 (``cu_seqlens`` over the whole ``R x L`` packed tokens) is taken by the pre-hook; after the
 all-to-all each projection's ``[R, L, C / cp]`` is laid out as one row per segment ``[S, M,
-C / cp]`` (`ray_dhp.models.segments.segment_rows_index`: the segment at the start of its row,
+C / cp]`` (`ray_dhp.parallel.segments.segment_rows_index`: the segment at the start of its row,
 zeros after its end), so the conv window and the recurrent state start at zero at every sample
 as for the sample alone, and the output projection's input is laid back out as ``[R, L, C /
 cp]`` before the reverse all-to-all. (`ray_dhp.models.segments.SegmentRows` does the same
@@ -108,7 +108,7 @@ def _seg(segments: tuple, tp: int) -> tuple:
 
 def _install(mixer, spec: MixerHeads, group, cp: int, rank: int, tp: int, comm,
              packed: bool = False) -> None:
-    from ray_dhp.models.segments import SEGMENTS_KWARG, segment_rows_index
+    from ray_dhp.parallel.segments import SEGMENTS_KWARG, segment_rows_index
 
     state = {}
 
@@ -188,7 +188,7 @@ def _to_heads(x: torch.Tensor, order: torch.Tensor, uc: UlyssesContext) -> torch
 
 def _segment_rows(y: torch.Tensor, to_rows: torch.Tensor) -> torch.Tensor:
     """``[R, L, C]`` packed rows -> ``[S, M, C]``, segment ``s`` at the start of row ``s`` and
-    zeros after its end (`ray_dhp.models.segments.segment_rows_index`)."""
+    zeros after its end (`ray_dhp.parallel.segments.segment_rows_index`)."""
     flat = torch.cat([y.reshape(-1, y.shape[-1]), y.new_zeros(1, y.shape[-1])])
     return flat.index_select(0, to_rows.reshape(-1)).view(*to_rows.shape, y.shape[-1])
 

@@ -139,7 +139,7 @@ def _state_across_samples():
     """Negative control's rank side: the head-sharded mixers lay the packed tokens out as one
     row (`segment_rows_index` read by the mixers' hooks at install), so the conv window and the
     recurrent state flow from one sample into the next."""
-    import ray_dhp.models.segments as segments
+    import ray_dhp.parallel.segments as segments
 
     def identity(cu):
         total = int(cu[-1])
