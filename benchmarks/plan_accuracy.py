@@ -89,6 +89,7 @@ CASES = (
          tolerance={"step_peak": (0.07, "rank 0 measures ~115 KB more during the step in 2 of 3 "
                                   "runs (rank 1 and the other runs: 0.98): open")}),
     Case("llava (generic) DP2 / TP2", family="llava", layout=_lay(vision=(1, 2), text=(2, 1))),
+    Case("gemma3 (generic) DP2 / TP2", family="gemma3", layout=_lay(vision=(1, 2), text=(2, 1))),
 )
 
 

@@ -282,7 +282,8 @@ def text_activation_parts(tc, tokens: int, tp: int, s: ActivationSettings,
     blocks, recomputed = (kept, per_block) if s.checkpointing else (layers * per_block, 0.0)
     if other is not None:  # mixers besides attention, sparse MLPs (the largest block recomputed)
         extra = layer_extra(other, tc, tokens, sample_tokens or tokens, tp, d, tokens * attention,
-                            tokens * 4 * d * (routed or i / tp), one=s.checkpointing)
+                            tokens * 4 * d * (routed or i / tp), tokens * (norm - d * h / local),
+                            one=s.checkpointing)
         blocks, recomputed = (blocks, recomputed + extra) if s.checkpointing else (blocks + extra, 0.0)
     once = tokens * (norm + 2 * d * hd + 16 + 4 * tc.vocab_size / tp)
     if s.attention == "eager":
@@ -353,7 +354,7 @@ def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int,
     t_act = text_activation_bytes(tc, t_tokens, tp, settings, t_row,
                                   seq_parallel=getattr(topology, "text_sequence_parallel", False),
                                   cp=topology.text.cp, head_norms=counts.text_head_norms,
-                                  layers=text_layers(config, topology))
+                                  layers=text_layers(config, topology, counts))
     t_work = cp_working_bytes(tc, (text_samples or samples) * seq, tp, topology.text.cp, settings)
     moments = 8 * (1 - 1 / topology.vision.size) if topology.vision.zero_stage else 0
     out = []
@@ -381,4 +382,4 @@ def estimate_zero3(config, counts: ParamCounts, world: int, *, vision_tokens: in
     seq = text_tokens + vision_tokens // merged(config)
     state = (counts.vision + counts.text) * state_bytes / world
     return (state + vision_activation_bytes(vc, vision_tokens, 1, settings, segment_tokens)
-            + text_activation_bytes(tc, seq, 1, settings, layers=text_layers(config)))
+            + text_activation_bytes(tc, seq, 1, settings, layers=text_layers(config, None, counts)))
