@@ -127,7 +127,7 @@ def make_steps(tmp, case: Case) -> list:
     else:
         path = demo.make_dataset(Path(tmp) / f"data_{case.family}", num_samples=8, seed=0,
                                  image_sizes=((56, 56),))
-    sampler = StepSampler(read_annotations(path), proc, resolve_data_root(path), cfg)
+    sampler = StepSampler(read_annotations(path), proc, resolve_data_root(path), cfg.sampler_config())
     return [sampler.next_step() for _ in range(2)]
 
 
@@ -155,7 +155,7 @@ def rank_body(rank, world, case: Case, steps):
     from ray_dhp.step.engine import DHPEngine
 
     groups = build_groups(Topology.build(**case.layout), torch.device("cpu"))
-    engine = DHPEngine(demo.tiny_model_config(case.family), groups, train_config(case))
+    engine = DHPEngine(demo.tiny_model_config(case.family), groups, train_config(case).step_config())
     return measure_engine_step(engine, steps[0], steps[1])
 
 

@@ -78,21 +78,21 @@ def rank_state(counts: ParamCounts, topology, rank: int, policy) -> RankState:
     a rank materialises beyond what it keeps while building (the largest tensor, e.g. the
     embedding, before it is sliced).
     """
-    roles = topology.roles(rank)
+    tg, vg = topology.text, topology.vision  # the modules `counts` counts, by their layouts
+    on_t, on_v = tg.hosts(rank), vg.hosts(rank)
     ep = topology.text_expert_parallel
-    if ep > 1 and "text" in roles:  # experts: 1/ep of them, their own partition; the rest as without EP
+    if ep > 1 and on_t:  # experts: 1/ep of them, their own partition; the rest as without EP
         counts, experts = _split_experts(counts, ep, topology, rank)
         base = rank_state(counts, dataclasses.replace(topology, text_expert_parallel=1), rank, policy)
         return _plus_experts(base, *experts, policy)
-    if topology.text_expert_tp and "text" in roles:  # experts TP-sharded like the dense MLP
+    if topology.text_expert_tp and on_t:  # experts TP-sharded like the dense MLP
         counts = _experts_tp_sharded(counts)
         topology = dataclasses.replace(topology, text_expert_tp=False)
-    tp = topology.text.inner
-    tg, vg = topology.text, topology.vision
-    v = counts.vision_held_by(rank - vg.offset, vg.size, vg.zero_stage) if "vision" in roles else 0
+    tp = tg.inner
+    v = counts.vision_held_by(rank - vg.offset, vg.size, vg.zero_stage) if on_v else 0
     # the text state is partitioned over the gradient replicas: dp x cp (CP ranks replicate it)
-    j, reps = (tg.grad_index(rank), tg.dp * tg.cp) if "text" in roles else (0, 1)
-    t = counts.text_held_by(j, reps, tp, tg.zero_stage) if "text" in roles else 0
+    j, reps = (tg.grad_index(rank), tg.dp * tg.cp) if on_t else (0, 1)
+    t = counts.text_held_by(j, reps, tp, tg.zero_stage) if on_t else 0
     vu = tu = 0
     if v:
         vu = counts.vision_updated_by(rank - vg.offset, vg.size, vg.zero_stage)
@@ -359,15 +359,14 @@ def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int,
     moments = 8 * (1 - 1 / topology.vision.size) if topology.vision.zero_stage else 0
     out = []
     for r in range(topology.world_size):
-        roles = topology.roles(r)
-        v = counts.vision if "vision" in roles else 0
-        params = v + (counts.text_per_rank(tp) if "text" in roles else 0)
+        on_v, on_t = topology.vision.hosts(r), topology.text.hosts(r)
+        v = counts.vision if on_v else 0
+        params = v + (counts.text_per_rank(tp) if on_t else 0)
         state = (rank_state(counts, topology, r, policy).device_total if policy is not None
                  else params * state_bytes - v * moments)
-        out.append(RankMemory(r, roles, params, state,
-                              v_act if "vision" in roles else 0.0,
-                              t_act if "text" in roles else 0.0,
-                              text_work=t_work if "text" in roles else 0.0))
+        out.append(RankMemory(r, topology.roles(r), params, state,
+                              v_act if on_v else 0.0, t_act if on_t else 0.0,
+                              text_work=t_work if on_t else 0.0))
     return out
 
 

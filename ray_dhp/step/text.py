@@ -1,7 +1,7 @@
 """The language model's phase of `ray_dhp.step.engine.DHPEngine` (see `ray_dhp.step.schedule`):
 the text forward/backward of a micro-batch on the text ranks, with the encoders' feature rows
 in the text layout, and the feature gradients it hands back to the encoders (`EncoderPhases`,
-`ray_dhp.step.encoders`). The text batch is padded, or packed with ``cfg.data.packing``; `TextPhase`
+`ray_dhp.step.encoders`). The text batch is padded, or packed with ``cfg.packing``; `TextPhase`
 holds no state: it works on the engine's ``groups``, ``family``, ``text_model`` and micro-batch
 states."""
 
@@ -62,8 +62,8 @@ class TextPhase:
         return loss_sum, grads
 
     def _text_batch(self, samples) -> dict:
-        """Padded (one sample per row) or, with ``cfg.data.packing``, packed rows of at most
-        ``cfg.data.max_tokens`` tokens with per-sample positions, attention and targets. With text
+        """Padded (one sample per row) or, with ``cfg.packing``, packed rows of at most
+        ``cfg.max_tokens`` tokens with per-sample positions, attention and targets. With text
         sequence parallelism the length is padded to a multiple of the TP degree (`_pad_tail`:
         pad tokens come last and have no target, so the loss and gradients are unchanged)."""
         from ray_dhp.data.collate import pack_text_batch, pad_text_batch
@@ -72,10 +72,10 @@ class TextPhase:
         pad_id = self.config.text_config.pad_token_id or 0
         topo = self.groups.topology
         multiple = pad_multiple(topo.text.inner, topo.text_sequence_parallel) * topo.text.cp
-        if not self.cfg.data.packing:
+        if not self.cfg.packing:
             return _pad_tail(pad_text_batch(samples, pad_id), multiple, pad_id)
         rope = self.family.rope_index(self.text_model)  # the family's position rule
-        batch = pack_text_batch(samples, pad_id, self.cfg.data.max_tokens, rope_index=rope,
+        batch = pack_text_batch(samples, pad_id, self.cfg.max_tokens, rope_index=rope,
                                 one_dimensional=rope is None, pad_to_multiple_of=multiple)
         impl = self.family.language_model(self.text_model).config._attn_implementation
         if batch["input_ids"].shape[0] > 1 and impl not in _MASKED_ATTENTION:

@@ -34,7 +34,7 @@ def _mixed_steps(tmp_path, cfg):
     path = demo.make_dataset(tmp_path / "mixed", num_samples=24, seed=3, text_only_every=4,
                              image_sizes=SIZES)
     sampler = StepSampler(read_annotations(path), demo.tiny_processor(FAMILY, max_side=448),
-                          resolve_data_root(path), cfg)
+                          resolve_data_root(path), cfg.sampler_config())
     sampler.balancer = balancer_for(cfg.optim.balance, demo.tiny_model_config(FAMILY))
     return [sampler.next_step() for _ in range(cfg.optim.num_steps)], sampler.balancer
 

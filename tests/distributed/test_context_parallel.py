@@ -182,7 +182,7 @@ def _activation_body(rank, world, steps):
 
     topo = Topology.build(placement="collocated", vision_dp=1, vision_sp=world, text_dp=1,
                           text_tp=1, text_cp=world)
-    engine = DHPEngine(demo.tiny_model_config("qwen2_5_vl"), build_groups(topo, torch.device("cpu")), CFG)
+    engine = DHPEngine(demo.tiny_model_config("qwen2_5_vl"), build_groups(topo, torch.device("cpu")), CFG.step_config())
     counter, seen, inner = ActivationCounter(), [], engine._text_forward_backward
 
     def counted(samples, feats, n_targets):
