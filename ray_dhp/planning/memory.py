@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ray_dhp.models.sizes import ParamCounts, owned
+from ray_dhp.planning.memory_layers import layer_extra, text_layers
 from ray_dhp.planning.memory_vision import vision_activation_bytes  # noqa: F401
 from ray_dhp.planning.packing import text_tokens as packed_text
 
@@ -212,15 +213,16 @@ def _mlp_widths(tc) -> tuple:
 
 def text_activation_bytes(tc, tokens: int, tp: int, s: ActivationSettings,
                           sample_tokens: Optional[int] = None, seq_parallel: bool = False,
-                          cp: int = 1, head_norms: bool = False) -> float:
+                          cp: int = 1, head_norms: bool = False, layers=None) -> float:
     """Activation bytes of one text TP rank for ``tokens`` tokens of its replica (incl. logits):
     the saved-for-backward bytes plus the transient working set (`text_activation_parts`)."""
-    return sum(text_activation_parts(tc, tokens, tp, s, sample_tokens, seq_parallel, cp, head_norms))
+    return sum(text_activation_parts(tc, tokens, tp, s, sample_tokens, seq_parallel, cp, head_norms,
+                                     layers))
 
 
 def text_activation_parts(tc, tokens: int, tp: int, s: ActivationSettings,
                           sample_tokens: Optional[int] = None, seq_parallel: bool = False,
-                          cp: int = 1, head_norms: bool = False) -> tuple:
+                          cp: int = 1, head_norms: bool = False, layers=None) -> tuple:
     """``(saved, transient)`` bytes of one text TP rank for ``tokens`` tokens of its replica.
 
     ``saved``: what autograd keeps from the forward for the backward, per token (``d`` the
@@ -236,7 +238,9 @@ def text_activation_parts(tc, tokens: int, tp: int, s: ActivationSettings,
     fp32 input, ``rsqrt`` per head and normalised output in ``d`` (measured on Qwen3-VL's LM).
     ``transient``: the logits' gradient at the start of the backward (``4·vocab/tp``), the block
     recomputed at a time under activation checkpointing and, under CP, one layer's all-to-all
-    buffers.
+    buffers. ``layers`` (`ray_dhp.planning.memory_layers.text_layers`): the layers with another
+    token mixer or a sparse MLP, counted as what they save (under checkpointing: the largest
+    block recomputed).
 
     ``seq_parallel`` (``text.sequence_parallel``): every per-token activation is ``1/tp`` — norms
     and residuals run on the local tokens, the column-parallel projections keep only the sequence
@@ -256,26 +260,31 @@ def text_activation_parts(tc, tokens: int, tp: int, s: ActivationSettings,
         padded = -(-seq // cp) * cp
         mine = tokens / seq * padded / cp  # the rank's tokens
         saved, transient = text_activation_parts(tc, mine, tp, _sdpa(s), padded / cp, seq_parallel,
-                                                 head_norms=head_norms)
+                                                 head_norms=head_norms, layers=layers)
         back = mine * tc.hidden_size / tp * s.dtype_bytes * (1 if s.checkpointing else tc.num_hidden_layers)
         eager = (2 * tc.num_attention_heads / (tp * cp) * tokens * seq * s.dtype_bytes
                  * (1 if s.checkpointing else tc.num_hidden_layers)) if s.attention == "eager" else 0
         return saved + back + eager, transient
-    h, layers, d = tc.hidden_size, tc.num_hidden_layers, s.dtype_bytes
+    other, h, layers, d = layers, tc.hidden_size, tc.num_hidden_layers, s.dtype_bytes
     i, routed = _mlp_widths(tc)
     heads = tc.num_attention_heads
     hd = getattr(tc, "head_dim", None) or h // heads
     kv = 2 * tc.num_key_value_heads * hd
     local = tp if seq_parallel else 1  # norms and residuals on 1/tp of the tokens
     norm = (4 * h + 4 + 2 * d * h) / local
-    sharded = (d * (2 * heads * hd + kv + 4 * i) + 4 * heads) / tp
+    attention = (d * (2 * heads * hd + kv) + 4 * heads) / tp
     if head_norms:  # q (heads) and k (kv heads): fp32 input + rsqrt per head + output in d
-        qk = heads + tc.num_key_value_heads
-        sharded += qk * ((4 + d) * hd + 4) / tp
-    per_block = tokens * (2 * norm + sharded + 4 * d * routed)
+        attention += (heads + tc.num_key_value_heads) * ((4 + d) * hd + 4) / tp
+    mlp = 4 * d * i / tp + 4 * d * routed
+    per_block = tokens * (2 * norm + attention + mlp)
     kept = tokens * layers * d * h / local
     # checkpointing: each block's input saved, one block recomputed at a time (transient)
     blocks, recomputed = (kept, per_block) if s.checkpointing else (layers * per_block, 0.0)
+    if other is not None:  # mixers besides attention, sparse MLPs (the largest block recomputed)
+        extra = layer_extra(other, tc, tokens, sample_tokens or tokens, tp, d, tokens * attention,
+                            tokens * 4 * d * (routed or i / tp), tokens * (norm - d * h / local),
+                            one=s.checkpointing)
+        blocks, recomputed = (blocks, recomputed + extra) if s.checkpointing else (blocks + extra, 0.0)
     once = tokens * (norm + 2 * d * hd + 16 + 4 * tc.vocab_size / tp)
     if s.attention == "eager":
         scores = 2 * heads / tp * tokens * (sample_tokens or tokens) * d
@@ -344,7 +353,8 @@ def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int,
     t_tokens, t_row = packed_text(packing, text_samples or samples, seq)
     t_act = text_activation_bytes(tc, t_tokens, tp, settings, t_row,
                                   seq_parallel=getattr(topology, "text_sequence_parallel", False),
-                                  cp=topology.text.cp, head_norms=counts.text_head_norms)
+                                  cp=topology.text.cp, head_norms=counts.text_head_norms,
+                                  layers=text_layers(config, topology, counts))
     t_work = cp_working_bytes(tc, (text_samples or samples) * seq, tp, topology.text.cp, settings)
     moments = 8 * (1 - 1 / topology.vision.size) if topology.vision.zero_stage else 0
     out = []
@@ -371,4 +381,4 @@ def estimate_zero3(config, counts: ParamCounts, world: int, *, vision_tokens: in
     seq = text_tokens + vision_tokens // merged(config)
     state = (counts.vision + counts.text) * state_bytes / world
     return (state + vision_activation_bytes(vc, vision_tokens, 1, settings, segment_tokens)
-            + text_activation_bytes(tc, seq, 1, settings))
+            + text_activation_bytes(tc, seq, 1, settings, layers=text_layers(config, None, counts)))

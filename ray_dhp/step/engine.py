@@ -80,7 +80,7 @@ class DHPEngine(EncoderPhases, TextPhase, UpdateMixin):
         check_encoders(self.family, topo)
         from ray_dhp.parallel.context import refusal
 
-        why = refusal(self.family, self.config, topo.text.cp, topo.text.inner, cfg.packing,
+        why = refusal(self.family, self.config, topo.text.cp, topo.text.inner,
                       tuple(self.family.encoder_spec(m.name).operations() for m in topo.encoders),
                       text_sp=topo.text_sequence_parallel)
         if why:
@@ -96,7 +96,8 @@ class DHPEngine(EncoderPhases, TextPhase, UpdateMixin):
             install_context_parallel(self.family.language_model(self.text_model), groups.text_cp,
                                      topo.text.cp, groups.text_cp_rank, self.comm,
                                      self.family.cp_mixers(self.config.text_config)
-                                     if self.family.stateful_mixers else (), topo.text.inner)
+                                     if self.family.stateful_mixers else (), topo.text.inner,
+                                     packed=cfg.packing)
         self.tuning = tuning_of(cfg.optim)  # per-module choices: frozen parameters are left out below
         if self.tuning.lora is not None and self.text_model is not None:  # PEFT LoRA, TP-exact
             from ray_dhp.models.lora import add_lora
@@ -105,7 +106,8 @@ class DHPEngine(EncoderPhases, TextPhase, UpdateMixin):
             tp = topo.text.inner > 1
             add_lora(self.text_model, self.tuning.lora, cfg.optim.seed, groups.text_mesh["tp"] if tp else None,
                      self.family.text_tp_plan(self.config.text_config) if tp else None)
-        if cfg.packing and self.family.stateful_mixers and self.text_model is not None:
+        if cfg.packing and self.family.stateful_mixers and self.text_model is not None \
+                and topo.text.cp == 1:  # under CP the head-sharded mixers take the segments
             from ray_dhp.models.segments import install_segment_rows  # after TP and LoRA
 
             install_segment_rows(self.family.language_model(self.text_model), self.family.stateful_mixers,

@@ -21,7 +21,7 @@ def check_run(dhp, loop, *, datasets, name: Callable[[str], str],
               processor_key: str = "DHPConfig(processor=...)",
               model_key: str = "DHPConfig(model=...)") -> list:
     """ConfigError (a ValueError) for the first contradiction, naming keys with ``name``:
-    packing against the family and the LM's context parallelism, the evaluation settings
+    packing against the family, the evaluation settings
     against the datasets (``datasets``: the run's dataset names) and the checkpoint ranking
     (``score_attribute``), the processor's image area against the model's patch unit, the
     per-module choices against the layout, and the processor against the model (loaded in
@@ -32,12 +32,10 @@ def check_run(dhp, loop, *, datasets, name: Callable[[str], str],
     from ray_dhp.data.compat import check_run_processor
     from ray_dhp.data.pixels import check_run_pixels
     from ray_dhp.models import family_of
-    from ray_dhp.parallel.context import check_packing
     from ray_dhp.step.evaluation import VALIDATION, check_eval_setup
 
     packing = loop.data.packing
     family_of(dhp.model_config()).check_packing(packing, name("data.packing"))
-    check_packing(dhp.text.context_parallel, packing, name("data.packing"))
     check_eval_setup(loop.data, loop.checkpoint, has_validation=VALIDATION in datasets, name=name,
                      score_attribute=score_attribute, validation_key=validation_key,
                      score_key=score_key)

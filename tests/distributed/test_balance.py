@@ -40,8 +40,11 @@ def _mixed_steps(tmp_path, cfg):
 
 
 LAYOUTS = [
-    ("collocated-sp2dp2-tp2dp2", dict(placement="collocated", vision_dp=2, vision_sp=2,
-                                      text_dp=2, text_tp=2), "sequential"),
+    ("collocated-dp2-dp2", dict(placement="collocated", vision_dp=2, vision_sp=1, text_dp=2,
+                                text_tp=1), "sequential"),  # the default case: 2 ranks
+    pytest.param("collocated-sp2dp2-tp2dp2", dict(placement="collocated", vision_dp=2,
+                                                  vision_sp=2, text_dp=2, text_tp=2),
+                 "sequential", marks=pytest.mark.slow),
     pytest.param("collocated-sp2dp2-tp2dp2-text-sp", dict(placement="collocated", vision_dp=2,
                                                           vision_sp=2, text_dp=2, text_tp=2,
                                                           text_sequence_parallel=True),

@@ -155,7 +155,7 @@ def test_forward_backward_plus_optimizer_step_is_step(steps):
 CASES = [
     # (id, layout, loss, packing, default run?)
     ("image-weighted-sp2-tp2", _layout((2, 1), (2, 1)), image_weighted_loss, False, True),
-    ("smoothed-sp2-tp2", _layout((2, 1), (2, 1)), smoothed_loss, False, True),
+    ("smoothed-sp2-tp2", _layout((2, 1), (2, 1)), smoothed_loss, False, False),  # test_smoothed_loss_is_torchs
     ("image-weighted-sp2dp2-tp2dp2", _layout((2, 2), (2, 2)), image_weighted_loss, False, False),
     ("image-weighted-packed-textsp-tp2", _layout((2, 1), (2, 1), text_sp=True), image_weighted_loss,
      True, False),
