@@ -212,7 +212,7 @@ def _load_one(kind: str, state: dict, d: str) -> float:
     from ray_dhp.checkpointing.hashing import VerifyingReader
 
     dist.barrier()
-    c0, t0 = time.process_time(), time.perf_counter()
+    t0 = time.perf_counter()
     if kind == "dcp":
         dcp.load(state, checkpoint_id=d)
     elif kind == "sync-before":

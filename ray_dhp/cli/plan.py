@@ -172,7 +172,6 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
     counts = count_params(config, None if tuning.default else tuning)
     audio = count_audio(config, tuning) if topo.encoder("audio") is not None else None
     base = without_audio(counts) if audio is not None else counts  # what vision/text ranks hold
-    tp = topo.text.inner
     settings = settings_of(rf, attention)
     samples = samples_per_replica(rf, topo)
     policy = policy_of_run(rf)

@@ -81,9 +81,9 @@ def crossing_warning(crossing: list, node_sizes: dict, labelled: bool = False) -
             f"the placement put workers on nodes as {{{sizes}}}, and no node-local assignment of "
             f"whole groups exists for these sizes"
             + (" within each placement group's labelled nodes" if labelled else "")
-            + f". Make every node hold a multiple of the group "
-            f"size (resources per worker, GPUs per node) or change the degrees; "
-            f"placement.node_local=strict turns this into an error.")
+            + ". Make every node hold a multiple of the group "
+            "size (resources per worker, GPUs per node) or change the degrees; "
+            "placement.node_local=strict turns this into an error.")
 
 
 def _teardown() -> None:
