@@ -55,7 +55,8 @@ from ray_dhp.models.base import EncoderSpec, FamilySpec
 from ray_dhp.models.contract import SEAM
 from ray_dhp.models.generic_moe import dense_plan, moe_spec
 from ray_dhp.models.generic_packing import packing_rule
-from ray_dhp.models.generic_probe import LM_ATTRS, UnsupportedModel, grid_input, image_inputs, probe  # noqa: F401 (re-exported)
+from ray_dhp.models.generic_probe import (LM_ATTRS, PADDED_SIDE, UnsupportedModel, grid_input,  # noqa: F401 (re-exported)
+                                          image_inputs, padded_input, padded_inputs, probe)
 from ray_dhp.models.text_plans import HF_STYLES, hf_text_plan
 
 __all__ = ["GenericFamily", "ShellEncoder", "generic_family", "seam_class", "UnsupportedModel"]
@@ -116,6 +117,7 @@ class GenericFamily(FamilySpec):
     image_kwargs: tuple = ()           # further get_image_features keywords (`image_inputs`)
     pixel_dims: int = 4                # 4: [n, C, H, W]; 5: [1, n, C, H, W]
     grid_input: bool = False           # the tower takes patch rows + image_grid_thw (GLM-4V's)
+    padded_input: bool = False         # the tower takes padded rows per image + spatial_shapes
     vision_unused: tuple = ()          # vision parameters no gradient reaches (names under model.)
     pooled_dims: int = 2               # a pooled tensor's dims: 3 = [images, rows, d] (VideoLLaVA)
 
@@ -146,7 +148,12 @@ class GenericFamily(FamilySpec):
 
     def stock_inputs(self, config, kwargs: dict) -> dict:
         kwargs = super().stock_inputs(config, kwargs)
-        if kwargs.get("pixel_values") is not None and not self.grid_input:
+        if kwargs.get("pixel_values") is not None and self.padded_input:
+            vc = config.vision_config
+            kwargs.update(padded_inputs(self.image_kwargs, kwargs["pixel_values"],
+                                        kwargs["image_grid_thw"], vc.patch_size,
+                                        getattr(vc, "num_channels", 3)))
+        elif kwargs.get("pixel_values") is not None and not self.grid_input:
             kwargs.update(image_inputs(self.image_kwargs, self.pixel_dims, kwargs["pixel_values"]))
         return self.lm_inputs(config, kwargs)
 
@@ -183,7 +190,8 @@ def _family(cls, config_json: str) -> GenericFamily:
         raise UnsupportedModel(f"model_type {model_type!r} has no vision_config")
     _check_covered(cls, config)
     grid = grid_input(cls, vc)
-    pooled, inner, unused, (image_kwargs, pixel_dims), probed = probe(config, cls, grid)
+    padded = not grid and padded_input(cls)
+    pooled, inner, unused, (image_kwargs, pixel_dims), probed = probe(config, cls, grid, padded)
     is_sequence = isinstance(pooled, (list, tuple))
     pooled_dims = 2 if is_sequence else pooled.dim()
     if is_sequence:
@@ -195,6 +203,12 @@ def _family(cls, config_json: str) -> GenericFamily:
         if rows != 4:
             raise UnsupportedModel(f"model_type {model_type!r}: {rows} feature rows for a "
                                    f"{2 * m}x{2 * m}-patch image, not 4 ({m}x{m} patches a row)")
+    elif padded:  # any size: rows per m x m patches of the probe's square image
+        side = PADDED_SIDE
+        m = math.isqrt(side * side // rows) if rows and (side * side) % rows == 0 else 0
+        if not m or m * m * rows != side * side or side % m:
+            raise UnsupportedModel(f"model_type {model_type!r}: {rows} feature rows for a "
+                                   f"{side}x{side}-patch image do not tile it in squares")
     else:
         size, patch = _image_geometry(vc)
         side = probed // patch  # the probe's image: the tower's, or smaller on CPU
@@ -224,7 +238,7 @@ def _family(cls, config_json: str) -> GenericFamily:
         vision_parts=parts,
         merger_prefixes=tuple(f"model.{p}." for p in parts if p != tower),
         merge_size=lambda config, _m=m: _m,
-        image_patches=lambda config, _n=0 if grid else (size // patch) ** 2: _n,
+        image_patches=lambda config, _n=0 if grid or padded else (size // patch) ** 2: _n,
         vision_heads=lambda vision_config: vision_config.num_attention_heads,
         vision_depth=lambda vision_config: vision_config.num_hidden_layers,
         projector_dim=lambda config: config.get_text_config().hidden_size,
@@ -232,6 +246,7 @@ def _family(cls, config_json: str) -> GenericFamily:
         vision_zero3=False,
         model_processor=True,
         vision_unused=unused, image_kwargs=image_kwargs, pixel_dims=pixel_dims, grid_input=grid,
+        padded_input=padded,
         lm_attr=lm_attr, tower=tower, rows_per_image=rows, text_plan_refusal=refusal,
         forward_params=params, moe=moe,
     )

@@ -10,7 +10,8 @@ import inspect
 
 import torch
 
-__all__ = ["LM_ATTRS", "UnsupportedModel", "grid_input", "image_inputs", "probe"]
+__all__ = ["LM_ATTRS", "UnsupportedModel", "grid_input", "image_inputs", "padded_input",
+           "padded_inputs", "probe"]
 
 LM_ATTRS = ("language_model", "text_model")
 
@@ -27,6 +28,36 @@ def image_inputs(names: tuple, pixel_dims: int, images: torch.Tensor) -> dict:
     if "image_sizes" in names:
         out["image_sizes"] = torch.tensor([list(images.shape[-2:])] * images.shape[0],
                                           device=images.device)
+    return out
+
+
+def padded_input(cls) -> bool:
+    """Whether the tower takes each image as its own patch rows, padded to the batch's longest,
+    with the image's ``(h, w)`` patch grid (``spatial_shapes``, SigLIP 2's NaFlex input): its
+    ``get_image_features`` names ``spatial_shapes``. Such a tower takes any image size."""
+    return "spatial_shapes" in inspect.signature(cls.get_image_features).parameters
+
+
+def padded_inputs(names: tuple, rows: torch.Tensor, grid: torch.LongTensor, patch: int,
+                  channels: int) -> dict:
+    """``get_image_features``'s keywords for a `padded_input` tower, from ray_dhp's patch rows
+    ``[n*h*w, C*P*P]`` (raster order per image, each row ``(C, P, P)``) and one ``(1, h, w)``
+    grid row per image: ``pixel_values [n, max h*w, P*P*C]`` (each row ``(P, P, C)``, as
+    transformers' NaFlex processors patchify; zeros past an image's patches),
+    ``spatial_shapes [n, 2]`` and, where named, ``pixel_attention_mask [n, max h*w]`` (1 on an
+    image's patches)."""
+    grid = torch.as_tensor(grid, dtype=torch.long).cpu()
+    rows = rows.reshape(-1, channels, patch, patch).permute(0, 2, 3, 1).reshape(rows.shape[0], -1)
+    counts = grid.prod(-1).tolist()
+    longest = max(counts)
+    pixels = rows.new_zeros(len(counts), longest, rows.shape[-1])
+    mask = torch.zeros(len(counts), longest, dtype=torch.int32, device=rows.device)
+    for k, (block, n) in enumerate(zip(rows.split(counts), counts)):
+        pixels[k, :n] = block
+        mask[k, :n] = 1
+    out = {"pixel_values": pixels, "spatial_shapes": grid[:, 1:].to(rows.device)}
+    if "pixel_attention_mask" in names:
+        out["pixel_attention_mask"] = mask
     return out
 
 
@@ -57,6 +88,8 @@ def _check_no_deepstack(out) -> None:
                                "language model yet")
 
 
+_IMAGE_KEYWORDS = ("image_sizes", "pixel_attention_mask")  # further keywords `image_inputs` and
+#                                                          `padded_inputs` pass where named
 _PLAIN_OUTPUTS = ("pooler_output", "last_hidden_state", "hidden_states", "attentions")
 
 
@@ -76,12 +109,12 @@ class _LayoutRefusal(UnsupportedModel):
     """A refusal read from the model's layout or config (the same on any device)."""
 
 
-def probe(config, cls, grid: bool = False):
+def probe(config, cls, grid: bool = False, padded: bool = False):
     """`_probe_on` the meta device; where ``get_image_features`` cannot run there (shapes that
     depend on values), on CPU with a copy of the config of small widths (`shrink_config`: the
     same depths and image geometry, so the same rows and the same unused parameters)."""
     try:
-        return _probe_on(config, cls, "meta", grid)
+        return _probe_on(config, cls, "meta", grid, padded=padded)
     except _LayoutRefusal:
         raise  # the model's layout, not the meta device: a CPU probe would say the same
     except UnsupportedModel as meta_error:
@@ -96,7 +129,7 @@ def probe(config, cls, grid: bool = False):
         errors = []
         for side in _cpu_sides(config.vision_config):  # a small image first: a real backward
             try:
-                return _probe_on(small, cls, "cpu", grid, side)
+                return _probe_on(small, cls, "cpu", grid, side, padded=padded)
             except UnsupportedModel as e:
                 errors.append(str(e))
         raise UnsupportedModel(f"{meta_error}; on CPU at small widths: {'; '.join(errors)}")
@@ -111,7 +144,12 @@ def _cpu_sides(vc) -> list:
     return [16 * patch, size] if size > 16 * patch else [size]
 
 
-def _probe_on(config, cls, device: str, grid: bool = False, side=None):
+#: patches a side of a `padded_input` tower's probe image (a multiple of any merge size up to 4
+#: but 3, whose towers would be refused with the counts)
+PADDED_SIDE = 8
+
+
+def _probe_on(config, cls, device: str, grid: bool = False, side=None, padded: bool = False):
     """``(pooler_output, inner model, unused, (image keywords, pixel dims), image side)`` of one
     image (``side`` px a side, default the tower's ``image_size``) through the model's own
     ``get_image_features``, built and run on the meta device (shapes only, no memory);
@@ -140,6 +178,18 @@ def _probe_on(config, cls, device: str, grid: bool = False, side=None):
                 raise UnsupportedModel(f"get_image_features fails on one {2 * m}x{2 * m}-patch "
                                        f"image ({device}): {type(e).__name__}: {e}") from None
             dims = 2
+        elif padded:  # one image of PADDED_SIDE x PADDED_SIDE patches, padded rows
+            n, p = PADDED_SIDE, vc.patch_size
+            try:
+                out = model.model.get_image_features(
+                    **padded_inputs(names, torch.ones(n * n, channels * p * p),
+                                    torch.tensor([[1, n, n]]), p, channels), return_dict=True)
+                _check_no_deepstack(out)
+                pooled = out.pooler_output
+            except (ValueError, TypeError, RuntimeError, IndexError, NotImplementedError) as e:
+                raise UnsupportedModel(f"get_image_features fails on one {n}x{n}-patch image "
+                                       f"as padded patch rows ({device}): {type(e).__name__}: {e}") from None
+            dims = 3
         else:
             size = side or getattr(vc, "image_size", None)
             if not isinstance(size, int):
@@ -158,5 +208,5 @@ def _probe_on(config, cls, device: str, grid: bool = False, side=None):
                  if not n.startswith(LM_ATTRS) and p.requires_grad]
         grads = torch.autograd.grad(total, [p for _, p in named], allow_unused=True)
     unused = tuple(n for (n, _), g in zip(named, grads) if g is None)
-    probed = None if grid else size
-    return pooled, model.model, unused, (tuple(n for n in names if n == "image_sizes"), dims), probed
+    probed = None if grid or padded else size
+    return pooled, model.model, unused, (tuple(n for n in names if n in _IMAGE_KEYWORDS), dims), probed
