@@ -17,7 +17,9 @@ read nothing written for the family: transformers' default config of the model t
 (fixed 56-px images, normalised as SigLIP does) behind `ray_dhp.data.tiles.TileImageProcessor`
 (one tile per image); a tower on patch rows (GLM-4V's) gets Qwen2-VL's PIL processor at its
 patch, merge and temporal sizes (56..112-px images), and a tower on padded rows per image
-(SigLIP 2's NaFlex, LFM2-VL's) the same with one frame per image and raster-ordered rows.
+(SigLIP 2's NaFlex, LFM2-VL's) or on patch rows without Qwen's ``spatial_merge_size``
+(Kimi-K2.5's, whose processor patchifies in raster order) the same with one frame per image
+and raster-ordered rows.
 """
 
 from __future__ import annotations
@@ -90,11 +92,13 @@ def tiny_generic_processor(model_type: str):
         vc = config.vision_config
         limits = dict(min_pixels=IMAGE_SIDE ** 2, max_pixels=(2 * IMAGE_SIDE) ** 2,
                       patch_size=vc.patch_size, merge_size=family.merge_size(config))
-        if family.grid_input:  # a tower on patch rows, at its geometry
+        from ray_dhp.models.generic import grid_geometry
+
+        if family.grid_input and grid_geometry(vc)[2]:  # Qwen's merge-square order (GLM-4V's)
             from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
             return VLProcessor(build_tokenizer(), Qwen2VLImageProcessorPil(
-                temporal_patch_size=vc.temporal_patch_size, **limits))
+                temporal_patch_size=grid_geometry(vc)[1], **limits))
         return VLProcessor(build_tokenizer(), _raster_processor()(temporal_patch_size=1, **limits))
     images = SiglipImageProcessorPil(size={"height": IMAGE_SIDE, "width": IMAGE_SIDE})
     return VLProcessor(build_tokenizer(),

@@ -10,8 +10,8 @@ import inspect
 
 import torch
 
-__all__ = ["LM_ATTRS", "UnsupportedModel", "grid_input", "image_inputs", "padded_input",
-           "padded_inputs", "probe"]
+__all__ = ["LM_ATTRS", "UnsupportedModel", "grid_geometry", "grid_input", "image_inputs", "padded_input",
+           "padded_inputs", "probe", "root_of"]
 
 LM_ATTRS = ("language_model", "text_model")
 
@@ -61,6 +61,14 @@ def padded_inputs(names: tuple, rows: torch.Tensor, grid: torch.LongTensor, patc
     return out
 
 
+def root_of(model) -> torch.nn.Module:
+    """The module that holds the tower, projector and language model: ``model.model`` (the
+    layout most seam families share), or the model itself where it keeps them at its top with
+    ``get_image_features`` there (Llama 4's ``vision_model``, ``language_model``)."""
+    inner = getattr(model, "model", None)
+    return inner if isinstance(inner, torch.nn.Module) else model
+
+
 def _call_probe(model, names: tuple, images: torch.Tensor):
     """``(pooled, pixel_dims)``: ``get_image_features`` on ``images`` as ``[n, C, H, W]``, or
     as ``[1, n, C, H, W]`` where the model takes a batch of image lists (``images``: not all
@@ -68,7 +76,7 @@ def _call_probe(model, names: tuple, images: torch.Tensor):
     errors = []
     for dims in (4, 5):
         try:
-            out = model.model.get_image_features(**image_inputs(names, dims, images), return_dict=True)
+            out = model.get_image_features(**image_inputs(names, dims, images), return_dict=True)
             _check_no_deepstack(out)
             return out.pooler_output, dims
         except (ValueError, TypeError, RuntimeError, IndexError, NotImplementedError) as e:
@@ -94,15 +102,46 @@ _PLAIN_OUTPUTS = ("pooler_output", "last_hidden_state", "hidden_states", "attent
 
 
 def grid_input(cls, vc) -> bool:
-    """Whether the tower takes Qwen-style patch rows with an ``image_grid_thw`` (GLM-4V's): its
-    ``get_image_features`` names ``image_grid_thw`` and its config has the patch geometry."""
+    """Whether the tower takes patch rows with an ``image_grid_thw``: its
+    ``get_image_features`` names ``image_grid_thw`` and its config has an integer
+    ``patch_size`` (GLM-4V's, with Qwen's ``spatial_merge_size`` and ``temporal_patch_size``;
+    Kimi-K2.5's, whose merge the probe reads from the rows: `grid_geometry`)."""
     if not hasattr(cls, "get_image_features"):
         raise UnsupportedModel(f"{cls.__name__} has no get_image_features (the seam the generic "
                                "family runs the vision side through)")
     names = inspect.signature(cls.get_image_features).parameters
-    return "image_grid_thw" in names and all(
-        isinstance(getattr(vc, k, None), int) for k in ("patch_size", "spatial_merge_size",
-                                                        "temporal_patch_size"))
+    return "image_grid_thw" in names and isinstance(getattr(vc, "patch_size", None), int)
+
+
+def grid_geometry(vc) -> tuple:
+    """``(patch, temporal patch, merge or None, probe side)`` of a `grid_input` tower: the
+    config's ``spatial_merge_size`` / ``temporal_patch_size`` where it has them (Qwen's names),
+    else one frame a patch row and the merge read from the probe's rows."""
+    m = getattr(vc, "spatial_merge_size", None)
+    m = m if isinstance(m, int) else None
+    t = getattr(vc, "temporal_patch_size", None)
+    return vc.patch_size, t if isinstance(t, int) else 1, m, 2 * m if m else PADDED_SIDE
+
+
+def _grid_probe(model, vc, channels: int, device: str) -> tuple:
+    """``(pooled, pixel dims)`` of one square image as patch rows ``[N, C*T*P*P]`` (dims 2) or,
+    where the tower takes them so (Kimi-K2.5's), patch images ``[N, C, P, P]`` (dims 4)."""
+    p, t, _, side = grid_geometry(vc)
+    errors = []
+    for dims in (2, 4):
+        rows = torch.ones(side * side, channels * t * p * p)
+        try:
+            out = model.get_image_features(
+                pixel_values=rows if dims == 2 else rows.reshape(-1, channels, p, p),
+                image_grid_thw=torch.tensor([[1, side, side]]), return_dict=True)
+            _check_no_deepstack(out)
+            return out.pooler_output, dims
+        except (ValueError, TypeError, RuntimeError, IndexError, NotImplementedError) as e:
+            errors.append(f"as {'patch rows' if dims == 2 else 'patch images'}: {type(e).__name__}: {e}")
+        if t != 1:
+            break
+    raise UnsupportedModel(f"get_image_features fails on one {side}x{side}-patch image "
+                           f"({device}); " + "; ".join(errors))
 
 
 class _LayoutRefusal(UnsupportedModel):
@@ -163,25 +202,16 @@ def _probe_on(config, cls, device: str, grid: bool = False, side=None, padded: b
     with torch.device(device):
         try:
             model = cls._from_config(config)
+            root = root_of(model)
         except Exception as e:  # noqa: BLE001 - e.g. a tower that needs timm
             raise UnsupportedModel(f"{cls.__name__} cannot be built ({device}): "
                                    f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
-        if grid:  # one image of 2m x 2m patches, as patch rows
-            m, p, t = vc.spatial_merge_size, vc.patch_size, vc.temporal_patch_size
-            try:
-                out = model.model.get_image_features(
-                    pixel_values=torch.ones(4 * m * m, channels * t * p * p),
-                    image_grid_thw=torch.tensor([[1, 2 * m, 2 * m]]), return_dict=True)
-                _check_no_deepstack(out)
-                pooled = out.pooler_output
-            except (ValueError, TypeError, RuntimeError, IndexError, NotImplementedError) as e:
-                raise UnsupportedModel(f"get_image_features fails on one {2 * m}x{2 * m}-patch "
-                                       f"image ({device}): {type(e).__name__}: {e}") from None
-            dims = 2
+        if grid:  # one image of 2m x 2m patches (PADDED_SIDE a side without a merge size)
+            pooled, dims = _grid_probe(root, vc, channels, device)
         elif padded:  # one image of PADDED_SIDE x PADDED_SIDE patches, padded rows
             n, p = PADDED_SIDE, vc.patch_size
             try:
-                out = model.model.get_image_features(
+                out = root.get_image_features(
                     **padded_inputs(names, torch.ones(n * n, channels * p * p),
                                     torch.tensor([[1, n, n]]), p, channels), return_dict=True)
                 _check_no_deepstack(out)
@@ -197,16 +227,11 @@ def _probe_on(config, cls, device: str, grid: bool = False, side=None, padded: b
                     f"its vision config ({type(vc).__name__}) has no fixed image_size and its "
                     "tower takes no image_grid_thw: a variable-resolution tower (rows from each "
                     "image's own size), which the generic family does not cover yet")
-            if not isinstance(getattr(model, "model", None), torch.nn.Module):
-                raise _LayoutRefusal(
-                    f"{cls.__name__} keeps its vision tower and language model outside "
-                    "`model` (the generic family reads them as model.<tower> and "
-                    "model.<language model>, the layout the mm_encoder_outputs families share)")
-            pooled, dims = _call_probe(model, names, torch.ones(1, channels, size, size))
+            pooled, dims = _call_probe(root_of(model), names, torch.ones(1, channels, size, size))
         total = sum(p.sum() for p in pooled) if isinstance(pooled, (list, tuple)) else pooled.sum()
-        named = [(n, p) for n, p in model.model.named_parameters()
+        named = [(n, p) for n, p in root.named_parameters()
                  if not n.startswith(LM_ATTRS) and p.requires_grad]
         grads = torch.autograd.grad(total, [p for _, p in named], allow_unused=True)
     unused = tuple(n for (n, _), g in zip(named, grads) if g is None)
     probed = None if grid or padded else size
-    return pooled, model.model, unused, (tuple(n for n in names if n in _IMAGE_KEYWORDS), dims), probed
+    return pooled, root, unused, (tuple(n for n in names if n in _IMAGE_KEYWORDS), dims), probed

@@ -90,6 +90,8 @@ def vision_forward(family: str, visual: torch.nn.Module, pixel_values: torch.Ten
 
     spec = plan.family
     if spec.grid_input:  # the tower takes the patch rows and their grid as they are
+        if spec.pixel_dims == 4:  # as patch images [N, C, P, P] (Kimi-K2.5's tower)
+            pixel_values = pixel_values.reshape(-1, plan.channels, plan.patch, plan.patch)
         inputs = {"pixel_values": pixel_values, "image_grid_thw": plan.grid_thw.to(pixel_values.device)}
     elif spec.padded_input:  # each image's rows, padded to this rank's longest image
         inputs = padded_inputs(spec.image_kwargs, pixel_values, plan.grid_thw, plan.patch, plan.channels)
