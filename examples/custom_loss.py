@@ -51,7 +51,7 @@ def train_fn(config: dict) -> dict:
             metrics = {"step": step + 1, "loss": out["loss"], "grad_norm": out["grad_norm"],
                        "lr": out["lr"]}
             every = cfg.checkpoint.checkpoint_every
-            if step + 1 == cfg.optim.num_steps or (step + 1) % every == 0:
+            if step + 1 == cfg.optim.num_steps or (every and (step + 1) % every == 0):
                 ray_dhp.report_checkpoint(metrics, engine, loader, processor)
             else:
                 ray_dhp.report(metrics)

@@ -14,9 +14,10 @@ that folder (Ray's session logs and torch's compile cache are by design, `machin
 Losses: every step's against the same layout trained by the engine on spawned gloo ranks
 (fp64, relative 1e-10), i.e. the run alone.
 
-Default: the fault's order (run first, neighbour with a dashboard started mid-run) and a CLI run
-stopped with SIGTERM then resumed exactly. Slow: the other order, a run whose own Ray has a
-dashboard, a neighbour without one, two CLI runs with private Rays at once, SIGINT.
+Default: a CLI run stopped with SIGTERM then resumed exactly. Slow (tests/default_suite.py says
+why: under `.ci/run` another Ray holds :8265 before the suite starts): the fault's order (run first, neighbour with a
+dashboard started mid-run), the other order, a run whose own Ray has a dashboard, a neighbour
+without one, two CLI runs with private Rays at once, SIGINT.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""DisaggregatedTrainer end to end on Ray Train V2 (CPU, gloo)."""
+"""DisaggregatedTrainer end to end on Ray Train V2 (CPU, gloo). (A Ray Dataset mixed with a path,
+disjoint, packed: `test_mixture.py`.)"""
 
-import pyarrow as pa
 import pytest
 import ray
 import ray.train
@@ -45,30 +45,6 @@ def test_collocated_sp2_tp2_trains_and_reports(ray_cluster, tmp_path):
     hist = read_history(result)
     assert [h["step"] for h in hist] == [1, 4, 8, 12]
     assert hist[-1]["loss"] < 0.8 * hist[0]["loss"], [h["loss"] for h in hist]
-
-
-def test_disjoint_with_ray_data_dataset(ray_cluster, tmp_path):
-    data = demo.make_dataset(tmp_path / "data", num_samples=8, text_only_every=3)
-    dhp = DHPConfig(model=demo.tiny_model_config(), processor=demo.tiny_processor(),
-                    vision=ModuleParallel(), text=ModuleParallel(tensor_parallel=2),
-                    placement="disjoint")
-    root = str(data.parent)
-
-    def absolute_images(t):  # Ray Data preprocessing: the spooled rows are its output
-        paths = [None if p is None else f"{root}/{p}" for p in t.column("image").to_pylist()]
-        return t.set_column(t.schema.get_field_index("image"), "image", pa.array(paths, pa.string()))
-
-    ds = ray.data.read_json(str(data)).map_batches(absolute_images, batch_format="pyarrow")
-    # also: packed rows, token-budget micro-batches and a decoding process per rank, in Ray workers
-    # (no data_root: a wrong image path would be a skipped sample)
-    spools = tmp_path / "spools"
-    result = _trainer(tmp_path, dhp, {"train": ds}, num_steps=2, log_every=1, packing=True,
-                      max_tokens=64, micro_batch_tokens=64, data_workers=1,
-                      index_dir=str(spools)).fit()
-    assert result.metrics["step"] == 2 and result.metrics["skipped_samples"] == 0
-    assert result.metrics["loss"] > 0
-    # the run ended successfully: its spool was written there and is gone (`release_spools`)
-    assert spools.is_dir() and not list(spools.glob("*.jsonl*"))
 
 
 def test_wrong_worker_count_fails_before_workers_start(tmp_path):
