@@ -36,14 +36,16 @@ GLM_MOE = dict(loss_tol=1e-7, param_tol=1e-5, update_tol=1e-5, grad_tol=1e-5)
 # 4.7e-8 (patch embedding: 8.5e-16). With vision DP2 (measured, 3 steps, both layouts with it):
 # that gradient 4.6e-8 at step 1, the tower's others it reaches by step 3 up to 1.3e-7, updates
 # 1.0e-7, parameters 1.1e-8, grad-norm 5.1e-9, loss 6.4e-11; disjoint 1 + TP2 (one vision rank)
-# within 2.2e-15. Held to about ten times that, as GLM-4V's interpolated table.
+# within 2.2e-15. Held to about ten times that, as GLM-4V's interpolated table. Cosmos3-Edge's
+# SigLIP 2 tower (on patch rows + grid) likewise: that table's gradient 2.4e-8 at step 1 with
+# vision DP2 (4.6e-8 at step 3), its update 4.9e-8, parameter 4.4e-9; the rest within 1e-10.
 LFM2_VL = dict(loss_tol=1e-7, param_tol=1e-6, update_tol=1e-6, grad_tol=1e-6)
 # GOT-OCR2's SAM tower (PP-Chart2Table's too): the relative-position tables' gradients are off
 # by 1.9e-9 with vision DP2 (the updates stay within 5.2e-14, the loss 1.6e-16): its gradients
 # are held to 1e-8. ShieldGemma 2 is a Gemma 3 (its norms as above).
 TOLS = {"gemma3": GEMMA, "paligemma": GEMMA, "shieldgemma2": GEMMA, "aya_vision": COHERE,
         "cohere2_vision": COHERE, "glm4v": GLM, "glm46v": GLM, "glmga": GLM, "glm4v_moe": GLM_MOE,
-        "lfm2_vl": LFM2_VL, "kimi_k25": GLM_MOE, "got_ocr2": dict(TOL, grad_tol=1e-8), "pp_chart2table": dict(TOL, grad_tol=1e-8)}
+        "lfm2_vl": LFM2_VL, "cosmos3_edge": LFM2_VL, "kimi_k25": GLM_MOE, "got_ocr2": dict(TOL, grad_tol=1e-8), "pp_chart2table": dict(TOL, grad_tol=1e-8)}
 # A key projection's bias in a tower without rotary positions (CLIP's, SigLIP's) has an exact
 # gradient of 0 (it adds ``q . b`` to every logit of a query, which the softmax cancels): both
 # runs' gradients are rounding noise, and AdamW turns noise into O(lr) steps of either sign.
@@ -54,7 +56,9 @@ ZERO_GRAD = ("vision_tower.encoder.layers.0.self_attn.k_proj.bias",
              "vision_model.encoder.layers.0.self_attn.k_proj.bias",
              "vision_model.encoder.layers.1.self_attn.k_proj.bias",
              "image_tower.encoder.layers.0.self_attn.k_proj.bias",  # VideoLLaVA's CLIP
-             "image_tower.encoder.layers.1.self_attn.k_proj.bias")
+             "image_tower.encoder.layers.1.self_attn.k_proj.bias",
+             "visual.encoder.layers.0.self_attn.k_proj.bias",  # Cosmos3-Edge's SigLIP 2
+             "visual.encoder.layers.1.self_attn.k_proj.bias")
 
 
 def reference_getter(tmp_path_factory):
