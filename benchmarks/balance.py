@@ -163,7 +163,7 @@ def _body(rank, world, steps_n, rounds, seed, text_tokens):
     base = dict(lr=1e-5, global_batch_size=len(MIX), micro_batches=1, num_steps=1, seed=seed)
     engines = {}
     for name in CONTENDERS:
-        e = DHPEngine(config, groups, TrainLoopConfig(**base, balance="count" if name == "count" else "cost"))
+        e = DHPEngine(config, groups, TrainLoopConfig(**base, balance="count" if name == "count" else "cost").step_config())
         e._balancer = balancer_of(name, config)  # benchmark-only: the contender's plan
         engines[name] = e
     mixed = [make_step(MIX, config, seed + k, text_tokens) for k in range(steps_n)]

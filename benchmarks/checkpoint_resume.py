@@ -42,7 +42,7 @@ def _resume_body(rank, world, mode, root, tiny):
     batch = make_batch(2, 64, config)
     t0 = time.perf_counter()
     init = "checkpoint" if mode == "resume" else "source"
-    engine = DHPEngine(config, groups, cfg, init=init)
+    engine = DHPEngine(config, groups, cfg.step_config(), init=init)
     loaded = None
     if mode != "fresh":
         checkpoint.load(os.path.join(root, "resume_ckpt"), engine)

@@ -65,7 +65,7 @@ class DHP:
         dp_t = world // tp if placement == "collocated" else 1
         topo = Topology.build(placement=placement, vision_dp=dp_v, vision_sp=sp, text_dp=dp_t, text_tp=tp,
                               text_sequence_parallel=text_sp)
-        self.engine = DHPEngine(config, build_groups(topo, device), cfg, comm=comm)
+        self.engine = DHPEngine(config, build_groups(topo, device), cfg.step_config(), comm=comm)
         self.vision = self.engine.visual
 
     def step(self, batch) -> float:

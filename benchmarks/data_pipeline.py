@@ -41,7 +41,7 @@ def _sampler(path, batch, seed=0):
     from ray_dhp.config.train_loop import TrainLoopConfig
 
     cfg = TrainLoopConfig(global_batch_size=batch, num_steps=1000, seed=seed)
-    return StepSampler(read_annotations(path), demo.tiny_processor(), resolve_data_root(path), cfg), cfg
+    return StepSampler(read_annotations(path), demo.tiny_processor(), resolve_data_root(path), cfg.sampler_config()), cfg
 
 
 def _pipeline_alone(path, batch, steps):
@@ -70,7 +70,7 @@ def _body(rank, world, path, batch, steps, rounds):
     topo = Topology.build(**LAYOUTS[world])
     groups = build_groups(topo, torch.device("cpu"))
     cfg = _sampler(path, batch)[1]
-    engine = DHPEngine(demo.tiny_model_config(), groups, cfg)
+    engine = DHPEngine(demo.tiny_model_config(), groups, cfg.step_config())
     engine.step(StepLoader(_sampler(path, batch, seed=99)[0], groups, prefetch=False).next())  # warm-up
     times = {"premade": [], "loader": [], "loader_prefetch": [], "loader_prefetch_1_worker": []}
     waits = {k: [] for k in times}
@@ -169,7 +169,7 @@ def ab_compare(old_tree: str, rounds: int, steps: int) -> dict:
                 records = reading.read_annotations(big)
                 t_read = time.perf_counter() - t
                 small = reading.read_annotations(path)
-                ld = loader.StepLoader(sampler.StepSampler(small, proc, os.path.dirname(path), cfg),
+                ld = loader.StepLoader(sampler.StepSampler(small, proc, os.path.dirname(path), cfg.sampler_config()),
                                        prefetch=False)
                 t = time.perf_counter()
                 n = sum(len(mb) for _ in range(steps) for mb in ld.next())

@@ -92,7 +92,7 @@ def child(path: str, spawned_at: float) -> dict:
     records = read_annotations(path)
     t_read = time.time() - t0
     cfg = TrainLoopConfig(global_batch_size=8, num_steps=10, seed=0, balance="count")
-    loader = StepLoader(StepSampler(records, processor, resolve_data_root(path), cfg), prefetch=False)
+    loader = StepLoader(StepSampler(records, processor, resolve_data_root(path), cfg.sampler_config()), prefetch=False)
     built, t_built = _rss(), time.time() - t0
     samples = sum(len(mb) for mb in loader.next())
     first, t_first = _rss(), time.time()

@@ -68,7 +68,7 @@ def body(rank, world, opts: dict):
                           num_steps=opts["steps"] + 1)
     path = demo.make_dataset(os.path.join(opts["tmp"], "data"), num_samples=4 * world, seed=0)
     sampler = StepSampler(read_annotations(path), demo.tiny_processor("qwen3_vl_moe"),
-                          resolve_data_root(path), cfg)
+                          resolve_data_root(path), cfg.sampler_config())
     steps = [sampler.next_step() for _ in range(cfg.optim.num_steps)]
     names = {"replicated (ep=1)": dict(text_dp=world, text_tp=1),
              f"expert parallel (ep={world})": dict(text_dp=world, text_tp=1, text_ep=world),
@@ -78,7 +78,7 @@ def body(rank, world, opts: dict):
     for name, layout in names.items():
         topos[name] = Topology.build(placement="collocated", vision_dp=world, vision_sp=1, **layout)
         comms[name] = CommCounter()
-        engines[name] = DHPEngine(config, build_groups(topos[name], torch.device("cpu")), cfg,
+        engines[name] = DHPEngine(config, build_groups(topos[name], torch.device("cpu")), cfg.step_config(),
                                   comm=comms[name])
     out = {n: {"times": []} for n in names}
     for name, e in engines.items():  # warm-up step, counted traffic

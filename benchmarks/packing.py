@@ -111,8 +111,8 @@ def _body(rank, world, family, mode, data, batch, max_tokens, steps, warmup):
     groups = build_groups(Topology.build(placement="collocated", vision_dp=world, vision_sp=1,
                                          text_dp=world, text_tp=1), torch.device("cpu"))
     config = demo.tiny_model_config(family)
-    engine = DHPEngine(config, groups, cfg)
-    sampler = StepSampler(read_annotations(data), demo.tiny_processor(family), resolve_data_root(data), cfg)
+    engine = DHPEngine(config, groups, cfg.step_config())
+    sampler = StepSampler(read_annotations(data), demo.tiny_processor(family), resolve_data_root(data), cfg.sampler_config())
     cost = cost_model_of(config)
     ran = {"tokens": 0, "cost": 0}
     inner = engine._text_batch

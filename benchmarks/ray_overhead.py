@@ -29,7 +29,7 @@ def _steps(groups, opts: dict) -> dict:
     torch.set_num_threads(1)
     config = shapes.model_config(opts["shape"])
     batch = shapes.make_batch(opts["batch"], opts["length"], config)
-    engine = DHPEngine(config, groups, C.train_config(opts["batch"]))
+    engine = DHPEngine(config, groups, C.train_config(opts["batch"]).step_config())
     first, times = None, []
     for _ in range(opts["steps"]):
         t0 = time.time()

@@ -49,7 +49,7 @@ def _rank_body(rank, world, config, precision, samples, patches):
     groups = build_groups(topo, torch.device("cpu"))
     cfg = TrainLoopConfig(global_batch_size=samples, seed=0, precision=precision, lr=1e-5)
     t0 = time.perf_counter()
-    engine = DHPEngine(config, groups, cfg)
+    engine = DHPEngine(config, groups, cfg.step_config())
     built = time.perf_counter() - t0
     batch = make_batch(samples, patches, config)
     t0 = time.perf_counter()

@@ -43,7 +43,7 @@ def _body(rank, world, layout, schedules, steps, patches, micro, shape):
     config = model_config(shape)
     cfg = TrainLoopConfig(lr=1e-4, global_batch_size=2 * micro, micro_batches=micro, num_steps=steps)
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
-    engine = DHPEngine(config, groups, cfg)
+    engine = DHPEngine(config, groups, cfg.step_config())
     batch = make_batch(cfg.optim.global_batch_size, patches, config)
     mbs = [batch[k:k + cfg.micro_batch_size()] for k in range(0, len(batch), cfg.micro_batch_size())]
     out = {s: [] for s in schedules}

@@ -87,7 +87,7 @@ def _rank_body(rank, world, layout, model, path_name, dtype_name):
     if path_name == "old":
         visual, text = _old_build(model, groups, cfg, dtype)
     else:
-        engine = DHPEngine(model, groups, cfg, dtype=dtype)
+        engine = DHPEngine(model, groups, cfg.step_config(), dtype=dtype)
         visual, text = engine.visual, engine.text_model
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     kept = local_parameter_bytes(visual, text)

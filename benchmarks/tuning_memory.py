@@ -75,7 +75,7 @@ def _rank_body(rank, world, config):
     for name, modules in CHOICES.items():
         cfg = TrainLoopConfig(global_batch_size=2, seed=0, precision=PRECISION, lr=1e-4,
                               modules=modules)
-        engine = DHPEngine(config, groups, cfg)
+        engine = DHPEngine(config, groups, cfg.step_config())
         engine.step([make_batch(2, 64, config)])
         out[name] = {"held": engine.state_bytes(), "planned": _planned(config, modules, rank)}
     return out

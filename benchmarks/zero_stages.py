@@ -74,7 +74,7 @@ def _build(config, world, name, cfg):
     vz, tz, off = CONTENDERS[name]
     topo = Topology.build(**_layout(world), vision_zero=vz, text_zero=tz, vision_offload=off,
                           text_offload=off)
-    engine = DHPEngine(config, build_groups(topo, torch.device("cpu")), cfg)
+    engine = DHPEngine(config, build_groups(topo, torch.device("cpu")), cfg.step_config())
     for fsdp in engine.sharding.values():  # each stage-3 module's FSDP2 sharding
         fsdp.overlap(name not in PLAIN)
     return topo, engine

@@ -142,39 +142,24 @@ class RunFile:
     def validate(self) -> "RunFile":
         """Every check that needs neither Ray, nor weights, nor the data files: the keys' values
         (also checked as the file is read), the layout against the model's dimensions, the
-        worker count, the loop's hyper-parameters and the datasets' weights. ``ray-dhp plan``,
-        ``config`` and ``train`` all go through here; errors name the run-file key."""
+        worker count, the loop's hyper-parameters and the datasets' weights, then the run's
+        settings against each other (`ray_dhp.train.run_checks.check_run`, which the Python API's
+        trainer calls too). ``ray-dhp plan``, ``config`` and ``train`` all go through here;
+        errors name the run-file key."""
         dhp = self.dhp_config(with_processor=False)
         self.num_workers(dhp)
         loop = self.loop_config()
-        from ray_dhp.models import family_of
-
-        family_of(dhp.model_config()).check_packing(loop.data.packing, "data.packing")
-        from ray_dhp.parallel.context import check_packing
-
-        check_packing(dhp.text.context_parallel, loop.data.packing, "data.packing")
         names = self.dataset_names()
-        from ray_dhp.step.evaluation import check_eval_setup
-
-        check_eval_setup(loop.data, loop.checkpoint, has_validation="validation" in names,
-                         score_attribute=self.checkpoint.score_attribute, name=loop_key_in_file,
-                         validation_key="data.validation", score_key="checkpoint.score_attribute")
-        from ray_dhp.data.pixels import check_run_pixels
-
-        pixels = (self.processor.min_pixels, self.processor.max_pixels)
-        if pixels != (None, None):  # against the model's patch unit and the processor's limits
-            check_run_pixels(*pixels, self.dhp_config(), loop_key_in_file)
-        from ray_dhp.config.tuning import check_layout, parse_tuning
-
-        check_layout(parse_tuning(loop.optim.modules, key="optim.modules"),
-                     dhp.text.sequence_parallel is True, key="optim.modules")
         self.data_paths()
         self.check_device()
         self.pools()
-        from ray_dhp.data.compat import check_run_processor
+        from ray_dhp.train.run_checks import check_run
 
-        dhp.processor = self.processor_spec()  # processor.path must exist; fits the model
-        check_run_processor(dhp, processor_key="processor.path", model_key="model.path")
+        dhp.processor = self.processor_spec()  # processor.path must exist
+        check_run(dhp, loop, datasets=names, name=loop_key_in_file,
+                  score_attribute=self.checkpoint.score_attribute,
+                  validation_key="data.validation", score_key="checkpoint.score_attribute",
+                  processor_key="processor.path", model_key="model.path")
         return self
 
     def check_device(self) -> None:

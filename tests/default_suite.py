@@ -49,6 +49,17 @@ DEMOTED = {
     # planning vs measured memory: the fp32 case stays
     "tests/unit/test_vision_memory.py::test_vision_activation_bytes_match_saved_tensors[qwen2_5_vl-256-bf16]":
         "tests/unit/test_vision_memory.py::...[qwen2_5_vl-512-fp32]",
+    # the Omni thinker: its three-module case trains the thinker with images, clips and text-only
+    # records (collocated vision SP2 + audio DP2 + text TP2)
+    "tests/distributed/test_omni_parity.py::test_omni_thinker_parity_fp64":
+        "distributed/test_omni_audio.py::test_omni_three_modules_collocated",
+    "tests/distributed/test_omni_eval.py::test_omni_eval_loss_three_modules":
+        "distributed/test_evaluation.py (eval loss = reference, training unchanged) + "
+        "distributed/test_omni_audio.py::test_omni_three_modules_collocated (three modules)",
+    # packing: Qwen3.5's packed forward is checked in fp64 through the engine by default
+    "tests/unit/test_packing.py::test_recurrent_packed_forward_equals_padded_fp64[qwen3_5]":
+        "distributed/test_packing.py::test_packed_equals_padded_fp64[qwen3_5-sp2-tp2] (+ the "
+        "negative control without the state reset)",
     # the fp64 layout matrix: one row per family by default
     "tests/distributed/test_parity.py::test_layout_matrix_fp64[qwen3_vl-disjoint-sp1dp1-tp2dp2]":
         "test_layout_matrix_fp64[qwen3_vl-collocated-sp2dp1-tp2dp1]",
@@ -60,6 +71,8 @@ DEMOTED = {
         "test_same_loss_and_gradients_fp32[disjoint-1v-2t]",
     "tests/distributed/test_ulysses.py::test_matches_stock_outputs_and_grads[qwen2_vl-4]":
         "test_matches_stock_outputs_and_grads[qwen2_vl-2] and the other families at SP 4",
+    "tests/distributed/test_ulysses.py::test_matches_stock_outputs_and_grads[qwen2_5_vl-1]":
+        "test_matches_stock_outputs_and_grads[qwen2_5_vl-2], [qwen2_5_vl-4] and the other families at SP 1",
     "tests/distributed/test_ulysses.py::test_matches_stock_outputs_and_grads[qwen2_vl-1]":
         "test_matches_stock_outputs_and_grads[qwen2_vl-2] and the other families at SP 1",
     # LoRA / per-module tuning

@@ -77,7 +77,7 @@ def _body(rank, world, policy, tiny, patches, batch):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    engine = DHPEngine(config, groups, cfg)
+    engine = DHPEngine(config, groups, cfg.step_config())
     construct_s = time.perf_counter() - t0
     startup_peak = _peak_bytes(device)
     samples = shapes.make_batch(batch, patches, config)

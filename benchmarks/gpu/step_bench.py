@@ -80,7 +80,7 @@ def _body(rank, world, tiny, steps):
                               max_grad_norm=1.0, precision="bf16_mixed", prefetch=False)
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
-        engine = DHPEngine(config, groups, cfg)
+        engine = DHPEngine(config, groups, cfg.step_config())
         step = [shapes.make_batch(batch, patches, config)]
         engine.step(step)  # warm-up: allocator, kernels, AdamW state
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])

@@ -329,7 +329,8 @@ def nodes_text(rf, *, nodes: int, gpus_per_node: int, vision_tokens: int, text_t
     layout = Layout(topo.placement, dhp.schedule, topo.vision.inner, topo.vision.dp,
                     topo.text.inner, topo.text.dp, vision_zero=topo.vision.zero_stage,
                     text_zero=topo.text.zero_stage, text_ep=topo.text_expert_parallel,
-                    audio_dp=a.dp if a else 0, audio_zero=a.zero_stage if a else None)
+                    audio_dp=a.dp if a else 0, audio_zero=a.zero_stage if a else None,
+                    text_cp=topo.text.cp)
     counts = count_params(config)
     audio = {}
     if a is not None:  # one clip per sample: its rows in the LM's sequence, the tower off the LM
@@ -355,7 +356,8 @@ def nodes_text(rf, *, nodes: int, gpus_per_node: int, vision_tokens: int, text_t
     crossing = 0.0
     for name, gs in groups.items():
         if not gs or volume[name] == 0:
-            if topo.text_expert_parallel > 1 or not name.startswith("text expert"):
+            if (topo.text_expert_parallel > 1 or not name.startswith("text expert")) \
+                    and (topo.text.cp > 1 or not name.startswith("text cp")):
                 out.append(f"  {name:22s} none")
             continue
         spans = sorted({tuple(sorted({node_of[r] for r in g})) for g in gs if

@@ -28,6 +28,7 @@ from ray_dhp.config.checks import ConfigError
 from ray_dhp.config.data_section import DataConfig, check_dataset_weights
 from ray_dhp.config.sections import (CheckpointConfig, OptimConfig, ProcessorConfig, Section,
                                      TrackingConfig)
+from ray_dhp.config.views import SamplerConfig, StepConfig
 
 __all__ = ["TrainLoopConfig", "FLAT_KEYS", "loop_key", "check_dataset_weights"]  # + the sections:
 # `ray_dhp.config.sections`, `ray_dhp.config.data_section`
@@ -160,7 +161,15 @@ class TrainLoopConfig:
     def eval_batch(self) -> int:
         """Validation records per forward (`data.eval_batch_size`, default the micro-batch
         size)."""
-        return self.data.eval_batch_size or self.optim.micro_batch_size()
+        return self.sampler_config().eval_batch()
+
+    def step_config(self) -> StepConfig:
+        """What the step engine reads (`StepConfig`: ``optim``, ``data.packing`` / ``max_tokens``)."""
+        return StepConfig.of(self.optim, self.data)
+
+    def sampler_config(self) -> SamplerConfig:
+        """What the step sampler reads (`SamplerConfig`: ``data`` and the batch keys of ``optim``)."""
+        return SamplerConfig.of(self.data, self.optim)
 
     def to_dict(self) -> dict:
         """The tree as nested plain dicts (``{"optim": {"lr": ...}, ...}``)."""

@@ -37,11 +37,12 @@ import numpy as np
 import torch
 
 
-__all__ = ["AUDIO_PLACEHOLDER", "AudioError", "AudioSettings", "audio_paths",
+__all__ = ["AUDIO_PLACEHOLDER", "RECORD_KEY", "AudioError", "AudioSettings", "audio_paths",
            "decode_audio", "audio_features", "encode_audio", "find_audio_record",
            "record_audio", "refusal", "refuse_audio"]
 
 AUDIO_PLACEHOLDER = "<audio>"
+RECORD_KEY = "audio"  # the record's field naming its clips (what the audio encoder consumes)
 
 
 class AudioError(Exception):
@@ -67,7 +68,7 @@ class AudioSettings:
 
 def audio_paths(data: dict, data_root) -> list[Path]:
     """The record's clips (``"audio"``: a path or a list of paths), resolved against ``data_root``."""
-    audio = data.get("audio")
+    audio = data.get(RECORD_KEY)
     if audio is None:
         return []
     names = [audio] if isinstance(audio, str) else audio
@@ -133,7 +134,7 @@ def find_audio_record(path, chunk: int = 64 << 20) -> Optional[int]:
     import json
     import re
 
-    key = re.compile(rb'(?<!\\)"audio"\s*:')
+    key = re.compile(rb'(?<!\\)"' + RECORD_KEY.encode() + rb'"\s*:')
     path = Path(path)
     with open(path, "rb") as f:
         line, tail = 1, b""
@@ -150,7 +151,7 @@ def find_audio_record(path, chunk: int = 64 << 20) -> Optional[int]:
                     obj = json.loads(text.strip().rstrip(b","))
                 except ValueError:
                     obj = None  # a JSON array spread over lines: the key is the record's
-                if obj is None or (isinstance(obj, dict) and "audio" in obj):
+                if obj is None or (isinstance(obj, dict) and RECORD_KEY in obj):
                     return line + data.count(b"\n", 0, start)
             cut = data.rfind(b"\n") + 1
             line += data.count(b"\n", 0, cut)

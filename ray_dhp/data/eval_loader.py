@@ -95,7 +95,7 @@ class EvalLoader(StepLoader):
         samples = [it.sample for it in chosen]
         samples += [ghost_sample() for _ in range(self.min_samples - len(samples))]
         # one micro-batch, or with micro_batch_tokens cut by that budget as training steps are
-        micro_batches = s.cut(samples) if s.cfg.optim.micro_batch_tokens is not None else [samples]
+        micro_batches = s.cut(samples) if s.cfg.micro_batch_tokens is not None else [samples]
         self._route_pixels(chosen, micro_batches)  # ghosts have no pixels: nothing to route
         return micro_batches
 
@@ -118,8 +118,8 @@ def validation_records(data):
 
 def make_eval_loader(cfg, processor, groups, balancer):
     """The run's `EvalLoader` over its "validation" dataset (None without one). Collective: every
-    rank calls it at the same point (it builds the loader's process group). ``cfg``: the loop's
-    configuration tree (the sampler takes the batch from ``optim``, the limits from ``data``)."""
+    rank calls it at the same point (it builds the loader's process group). ``cfg``: what the
+    sampler reads (`ray_dhp.config.views.SamplerConfig`: the ``data`` section and the batch)."""
     from ray_dhp.data.sampler import StepSampler
 
     found = validation_records(cfg.data)

@@ -183,7 +183,7 @@ class StepLoader:
 
     def _produce(self):
         s = self.sampler
-        need, draws = s.cfg.optim.global_batch_size, 0
+        need, draws = s.cfg.global_batch_size, 0
         chosen: list[_Item] = []
         while len(chosen) < need:
             candidates = []
@@ -312,7 +312,7 @@ class StepLoader:
 def _default_balancer(sampler, groups):
     """Without an explicit balancer: by count. Refused where it would matter (the run balances by
     cost and an encoder's several replicas need the engine's assignment to route its inputs)."""
-    cost = sampler.cfg.optim.balance == "cost"
+    cost = sampler.cfg.balance == "cost"
     wide = [] if groups is None else [m.name for m in groups.topology.encoders if m.dp > 1]
     if cost and wide:
         raise ValueError(f"StepLoader: balance='cost' with {wide[0]} data_parallel > 1 needs the "

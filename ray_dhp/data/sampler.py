@@ -32,8 +32,8 @@ class StepSampler:
             records concatenated in name order (``records[i].index == i``, the global index used
             everywhere below). Indexed datasets are parsed on demand: nothing per record is kept.
         bad: global indices of records found bad (each counted once per run).
-        cfg: the loop's configuration tree (`ray_dhp.config.train_loop.TrainLoopConfig`): the
-            step's batch from its ``optim`` section, the sample limits from ``data``.
+        cfg: what the sampler reads of the run's configuration (`ray_dhp.config.views.
+            SamplerConfig`): the step's batch and the ``data`` section's sample limits.
     """
 
     def __init__(self, records, processor, data_root, cfg):
@@ -62,7 +62,7 @@ class StepSampler:
         self.processor, self.cfg = processor, cfg
         self._streams, parts, offset = [], [], 0
         for src in sorted(sources, key=lambda s: s.name):
-            self._streams.append(Stream(src, offset, cfg.optim.seed))
+            self._streams.append(Stream(src, offset, cfg.seed))
             parts.append(src.records)
             offset += len(src.records)
         self.records = RunRecords(parts)
@@ -161,7 +161,7 @@ class StepSampler:
 
     def next_step(self) -> list:
         """The next step's micro-batches (lists of samples, see `cut`)."""
-        need, samples, tries = self.cfg.optim.global_batch_size, [], 0
+        need, samples, tries = self.cfg.global_batch_size, [], 0
         while len(samples) < need:
             tries += 1
             if tries > need + 2 * len(self.records):
@@ -184,13 +184,13 @@ class StepSampler:
         from ray_dhp.data.budget import cut_micro_batches
 
         replicas, min_size = self.replicas
-        budget, bal = self.cfg.optim.micro_batch_tokens, self.balancer
+        budget, bal = self.cfg.micro_batch_tokens, self.balancer
         cost = bal is not None and bal.mode == "cost"
         if budget is None:
-            if cost and self.cfg.optim.micro_batches > 1:
+            if cost and self.cfg.micro_batches > 1:
                 return [[samples[i] for i in idx]
-                        for idx in bal.micro_batches(samples, self.cfg.optim.micro_batches)]
-            cuts = cut_micro_batches([0] * len(samples), micro_batches=self.cfg.optim.micro_batches)
+                        for idx in bal.micro_batches(samples, self.cfg.micro_batches)]
+            cuts = cut_micro_batches([0] * len(samples), micro_batches=self.cfg.micro_batches)
         else:
             def assign(rng):  # the engine's text replicas of those samples
                 return bal.text_replicas(samples[rng.start:rng.stop], replicas)

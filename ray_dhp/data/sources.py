@@ -62,8 +62,8 @@ def load_sources(cfg: DataConfig) -> list:
 
 
 def make_sampler(cfg, processor):
-    """The `StepSampler` over the run's training data (``cfg``: the loop's configuration tree;
-    the datasets from its ``data`` section)."""
+    """The `StepSampler` over the run's training data (``cfg``: what the sampler reads,
+    `ray_dhp.config.views.SamplerConfig`; the datasets from its ``data`` section)."""
     from ray_dhp.data.sampler import StepSampler
 
     return StepSampler.from_sources(load_sources(cfg.data), processor, cfg)

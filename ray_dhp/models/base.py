@@ -127,6 +127,12 @@ class FamilySpec:
     # Encoder modules besides the vision side (`EncoderSpec`), e.g. Qwen2.5-Omni's audio tower;
     # each trains as a module of its own when the layout gives it a group (``audio:``).
     encoders: tuple = ()
+    # The LM's token mixers other than softmax attention (`ray-dhp plan`'s activations):
+    # (text_config) -> how many layers have one; (text_config, rows, row_tokens, tp, dtype
+    # bytes) -> the bytes one such layer saves for backward on a TP rank, in place of
+    # attention's (`ray_dhp.planning.memory_layers`); None: every layer is attention
+    text_mixer_layers: Callable = lambda text_config: 0
+    text_mixer_saved: Optional[Callable] = None
     moe: Optional[MoESpec] = None  # a mixture-of-experts language model (`ray_dhp.models.moe`)
     # the forward's keyword for the videos' seconds per temporal patch (collated as
     # ``second_per_grid_ts``; Qwen2.5-Omni's thinker calls it ``video_second_per_grid``)

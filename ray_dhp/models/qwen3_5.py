@@ -104,6 +104,41 @@ def text_sp_plan(tc, prefix: str = "model.language_model") -> dict:
             layer: Styles(gather, _linear_attention(tc))}
 
 
+def linear_attention_layers(tc) -> int:
+    return sum(t == "linear_attention" for t in tc.layer_types)
+
+
+def linear_attention_saved(tc, rows: float, row_tokens: float, tp: int, d: int) -> float:
+    """Bytes one Gated DeltaNet layer saves for backward on a text TP rank (its ``1/tp`` of the
+    key and value heads) for ``rows`` rows of ``row_tokens`` tokens, ``d`` bytes per activation,
+    as transformers' torch path runs it (``causal_conv1d`` and ``chunk_gated_delta_rule``
+    without their CUDA kernels: what CPU runs, and a GPU without flash-linear-attention), in
+    place of attention's q, k, v and output. Per row of ``S`` tokens, ``P`` padded to the
+    64-token chunk, ``n = P / 64`` chunks, ``H`` value heads (the key heads repeated to them),
+    ``K`` key heads: the conv's input and output (``S + kernel - 1`` long) over the ``q|k|v``
+    channels; the gates (``b``'s sigmoid, ``a``'s softplus in fp32, per head); the fp32 query
+    and key before their L2 norm with the norms; the chunked recurrence in fp32: padded
+    ``beta``, ``k``, ``v``, five ``64 x 64`` matrices per chunk and head (the decays, the UT
+    system, the intra-chunk scores), the two matmul operand copies, the triangular solves'
+    outputs, the decayed q and k, the decays; per chunk the state ``dk x dv`` and the corrected
+    values; the gated RMSNorm (fp32 input, ``rsqrt``, gate, activation) and ``out_proj``'s input.
+    Measured with ``saved_tensors_hooks`` within 2% of transformers 5.25's layer for rows not a
+    multiple of 64 tokens (a whole number of chunks saves ~6% less: no padding copies)."""
+    c, kern = 64, tc.linear_conv_kernel_dim
+    h, k = tc.linear_num_value_heads / tp, tc.linear_num_key_heads / tp
+    dk, dv = tc.linear_key_head_dim, tc.linear_value_head_dim
+    s = row_tokens
+    p = -(-s // c) * c
+    n = p // c
+    conv = 2 * k * dk + h * dv
+    per_row = (d * conv * (2 * s + kern - 1)                      # conv input and output
+               + h * s * (d + 8) + 4 * h * s * (2 * dk + 2)       # gates; q, k and their L2 norms
+               + 4 * h * (p * (1 + dv + dk) + 5 * p * c + 2 * p * dk + 3 * p + 2 * p * (dk + dv) + n)
+               + 4 * h * n * (dk * dv + c * dv)                     # per chunk: state, corrected v
+               + h * s * (dv * (16 + 2 * d) + 4))                  # gated norm; out_proj input
+    return rows * per_row + 8 * h + c * c
+
+
 def text_tp_divisors(tc) -> tuple:
     return (("linear-attention key heads", tc.linear_num_key_heads),
             ("linear-attention value heads", tc.linear_num_value_heads))
@@ -121,4 +156,6 @@ SPEC = FamilySpec(
     tp_divisors=text_tp_divisors,
     stateful_mixers=STATEFUL_MIXERS,
     cp_mixers=cp_mixers,
+    text_mixer_layers=linear_attention_layers,
+    text_mixer_saved=linear_attention_saved,
 )

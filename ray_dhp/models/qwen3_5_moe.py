@@ -103,5 +103,7 @@ SPEC = FamilySpec(
     tp_partial_grad_suffixes=qwen3_5.SPEC.tp_partial_grad_suffixes,
     tp_divisors=text_tp_divisors,
     stateful_mixers=qwen3_5.STATEFUL_MIXERS,
+    text_mixer_layers=qwen3_5.linear_attention_layers,
+    text_mixer_saved=qwen3_5.linear_attention_saved,
     moe=MoESpec(router_suffix="mlp.gate", experts_suffix="mlp.experts", sparse_layers=sparse_layers),
 )

@@ -33,27 +33,9 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ray_dhp.parallel.segments import SEGMENTS_KWARG, segment_rows_index
+
 __all__ = ["SEGMENTS_KWARG", "SegmentRows", "install_segment_rows", "segment_rows_index"]
-
-SEGMENTS_KWARG = "packed_segments"
-
-
-def segment_rows_index(cu_seqlens: torch.Tensor) -> tuple:
-    """``(to_rows, to_packed)`` for ``cu_seqlens`` over ``T`` packed tokens: ``to_rows`` ``[S, M]``
-    picks each segment's tokens from the flattened packed tokens, ``T`` (one past the end: a zero
-    row appended by the caller) after the segment's end; ``to_packed`` ``[T]``: each packed
-    token's place in the flattened ``[S * M]`` segment rows."""
-    cu = cu_seqlens.to("cpu", torch.long)
-    lengths = cu[1:] - cu[:-1]
-    if lengths.numel() == 0 or bool((lengths <= 0).any()):
-        raise ValueError(f"{SEGMENTS_KWARG}: cu_seqlens must rise strictly from 0, got {cu.tolist()}")
-    total, width = int(cu[-1]), int(lengths.max())
-    col = torch.arange(width)
-    to_rows = cu[:-1, None] + col[None, :]
-    to_rows = torch.where(col[None, :] < lengths[:, None], to_rows, total)
-    seg = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-    to_packed = seg * width + (torch.arange(total) - cu[:-1][seg])
-    return to_rows, to_packed
 
 
 class SegmentRows:

@@ -35,6 +35,8 @@ class ParamCounts:
     vision_params: tuple = ()
     # the LM's attention normalises q and k per head (one ``head_dim`` weight each, Qwen3-style)
     text_head_norms: bool = False
+    # RMSNorms per decoder layer of the LM (``hidden``-wide norm weights: 2 pre-norm, Gemma 3's 4)
+    text_block_norms: int = 2
 
     def text_per_rank(self, tp: int) -> int:
         return self.text - self.text_sharded + self.text_sharded // tp
@@ -168,7 +170,17 @@ def count_params(config, tuning=None) -> ParamCounts:
                        largest=largest, vision_frozen=v_frozen, text_frozen=t_frozen,
                        text_frozen_sharded=t_frozen_sharded, text_sizes=tuple(text_sizes),
                        vision_params=tuple(vision_params),
-                       text_head_norms=_head_norms(model, vision_names, config.text_config))
+                       text_head_norms=_head_norms(model, vision_names, config.text_config),
+                       text_block_norms=_block_norms(model, vision_names, config.text_config))
+
+
+def _block_norms(model, vision_names: set, tc) -> int:
+    """RMSNorms per decoder layer of the LM: its 1-D ``hidden_size`` weights of norm modules,
+    less the final norm, over its layers (at least the two of a pre-norm block)."""
+    found = [n for n, p in model.named_parameters() if n not in vision_names and p.dim() == 1
+             and p.numel() == tc.hidden_size and "norm" in n.rsplit(".", 2)[-2]
+             and not n.startswith(AUDIO_PREFIX)]
+    return max(2, (len(found) - 1) // tc.num_hidden_layers)
 
 
 def _head_norms(model, vision_names: set, tc) -> bool:

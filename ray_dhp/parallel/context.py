@@ -9,13 +9,26 @@ the reverse all-to-all (`heads_to_seq`) turns the output back into the rank's sl
 of each all-to-all is the other one (its adjoint). DeepSpeed-Ulysses (Jacobs et al. 2023).
 
 * Load balance: every CP rank runs attention over the whole sequence for an equal share of the
-  heads, so the causal triangle is split evenly without zigzag chunking. Ring attention (beyond
-  the heads) is not part of this slice: ``tp x cp`` must divide the attention heads.
+  heads, so the causal triangle is split evenly without zigzag chunking.
+* Beyond the heads (``tp x cp`` does not divide the attention heads, e.g. CP4 with 2 heads per
+  TP rank): `gathered_kv_attention` keeps every head and the rank's query slice and gathers the
+  other slices' keys and values over the CP group (ring attention's result without its
+  overlap; the Llama 3 form). Exact; its last rank carries the largest causal share (no
+  zigzag in this form) and the planner prices the Ulysses form only. Stateful mixers still
+  need ``tp x cp`` to divide their heads.
 * KV heads: where the rank's KV heads do not divide by ``cp`` (grouped-query attention with few
   KV heads) they are repeated to the query heads before the all-to-all (exact: each query head
   meets the KV head it always used; the repeat's backward sums the copies' gradients).
 * Masks: the slice is right-padded (pads have no target) and attention is causal, so no real
   token sees a pad: the rank's attention is ``is_causal`` over the whole sequence, no mask.
+* Packed rows (``data.packing``): each row of ``[R, L]`` is sliced like a padded one; positions
+  and targets are computed per sample on the whole packed row before the slicing
+  (`ray_dhp.data.collate.pack_text_batch`), the samples' segments (``cu_seqlens`` over the
+  ``R x L`` tokens, the `ray_dhp.parallel.segments.SEGMENTS_KWARG` keyword that travels down the
+  decoder layers) reach `cp_attention`, which after the all-to-all runs causal attention per
+  segment (no token attends across a sample boundary, no ``L x L`` mask), and the head-sharded
+  stateful mixers, which lay each segment out as a row of its own (their state starts at zero
+  at every sample, `ray_dhp.parallel.context_mixers`).
 * The function is registered in transformers' attention registry (``AttentionInterface``) as
   ``"ray_dhp_cp"`` and selected by the language model's ``config._attn_implementation``; the CP
   group travels on each attention module (``module._ray_dhp_cp``), never in a global.
@@ -42,9 +55,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ray_dhp.parallel.ulysses import UlyssesContext, heads_to_seq, seq_to_heads
+from ray_dhp.parallel.ulysses import UlyssesContext, all_to_all_rows, heads_to_seq, seq_to_heads
 
-__all__ = ["ATTN_NAME", "check_context_parallel", "check_packing", "install_context_parallel", "local_rows",
+__all__ = ["ATTN_NAME", "check_context_parallel", "install_context_parallel", "local_rows",
            "refusal", "slice_sequence"]
 
 ATTN_NAME = "ray_dhp_cp"
@@ -61,28 +74,14 @@ def check_context_parallel(cp: int, ep: int, expert_tp: bool) -> None:
                          "text.expert_parallel.")
 
 
-def check_packing(cp: int, packing: bool, key: str) -> None:
-    """Packing is not covered with CP yet: refused in the driver, naming ``key``."""
-    if cp > 1 and packing:
-        raise ValueError(f"{key}=true is not covered with text.context_parallel={cp} yet (a "
-                         "packed row's samples would need per-slice positions and masks); set "
-                         f"{key}=false or text.context_parallel=1.")
-
-
-def refusal(family, config, cp: int, tp: int, packing: bool = False,
-            encoder_ops: tuple = (), text_sp: bool = False) -> Optional[str]:
+def refusal(family, config, cp: int, tp: int, encoder_ops: tuple = (),
+            text_sp: bool = False) -> Optional[str]:
     """Why ``text.context_parallel=cp`` cannot be exact for this model and layout (None: it
     can). Read from the family's facts (no family is named here)."""
     if cp == 1:
         return None
     key = f"text.context_parallel={cp}"
     tc = config.text_config
-    heads = tc.num_attention_heads
-    if heads % (tp * cp):
-        ok = [c for c in range(1, heads // tp + 1) if heads % (tp * c) == 0]
-        return (f"{key}: text.tensor_parallel x text.context_parallel = {tp * cp} does not divide "
-                f"the {heads} attention heads (heads are split over TP x CP; ring attention "
-                f"beyond the heads is not covered); use text.context_parallel in {ok}.")
     why = []
     mixers = family.cp_mixers(tc) if family.stateful_mixers else ()
     if family.stateful_mixers and not mixers:
@@ -100,8 +99,6 @@ def refusal(family, config, cp: int, tp: int, packing: bool = False,
     if getattr(tc, "use_sliding_window", False) or any(
             "sliding" in t for t in (getattr(tc, "layer_types", None) or ())):
         why.append("sliding-window attention layers")
-    if packing:
-        why.append("packing (several samples per row)")
     if any(not getattr(ops, "CONTEXT_PARALLEL", False) for ops in encoder_ops):
         why.append("an encoder whose feature rows cannot be sliced by sequence position")
     if why:
@@ -129,14 +126,16 @@ def slice_sequence(t: Optional[torch.Tensor], cp: int, rank: int) -> Optional[to
     return t[..., lo:hi]
 
 
-def local_rows(token_masks: list, length: int, cp: int, rank: int) -> torch.Tensor:
+def local_rows(token_masks: list, length: int, cp: int, rank: int,
+               starts: Optional[list] = None) -> torch.Tensor:
     """Indices, among a replica's feature rows, of those whose tokens fall in CP rank ``rank``'s
-    slice. ``token_masks``: per sample (one padded row each, in order), a bool ``[n]`` of the
-    tokens that take a feature row; the rows are ordered sample by sample, token by token."""
+    slice. ``token_masks``: per sample (in order), a bool ``[n]`` of the tokens that take a
+    feature row; the rows are ordered sample by sample, token by token. ``starts``: each
+    sample's first column in its row of ``length`` (packed rows); None: one padded row each."""
     lo, hi = bounds(length, cp, rank)
     out, seen = [], 0
-    for m in token_masks:
-        idx = m.nonzero().flatten()
+    for i, m in enumerate(token_masks):
+        idx = m.nonzero().flatten() + (0 if starts is None else starts[i])
         out.append(seen + ((idx >= lo) & (idx < hi)).nonzero().flatten())
         seen += idx.numel()
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
@@ -158,13 +157,21 @@ class CPContext:
 def cp_attention(module, query, key, value, attention_mask=None, dropout: float = 0.0,
                  scaling: Optional[float] = None, sliding_window=None, **kwargs):
     """transformers attention function (``[B, H, S_local, hd]`` in, ``[B, S_local, H, hd]`` out):
-    all-to-all to head shards, causal attention over the whole sequence, all-to-all back."""
+    all-to-all to head shards, causal attention over the whole sequence (packed rows: over each
+    of its segments, `SEGMENTS_KWARG`), all-to-all back."""
+    from ray_dhp.parallel.segments import SEGMENTS_KWARG
+
     ctx: CPContext = getattr(module, "_ray_dhp_cp", None)
     if ctx is None:
         raise RuntimeError(f"{type(module).__name__} has no context-parallel group; the "
                            f"'{ATTN_NAME}' attention needs install_context_parallel()")
     if sliding_window is not None:
         raise ValueError("context parallelism does not cover sliding-window attention")
+    p = dropout if module.training else 0.0
+    segments = kwargs.get(SEGMENTS_KWARG)
+    if query.shape[1] % ctx.cp:  # the heads run out: K and V gathered instead
+        out = gathered_kv_attention(query, key, value, ctx, segments, scaling, p)
+        return out.transpose(1, 2).contiguous(), None
     s = query.shape[2]
     uc = UlyssesContext(group=ctx.group, seq_lens=[s] * ctx.cp, rank=ctx.rank, comm=ctx.comm, tag=_TAG)
     if key.shape[1] % ctx.cp:  # too few KV heads: repeat them to the query heads (GQA-exact)
@@ -178,10 +185,86 @@ def cp_attention(module, query, key, value, attention_mask=None, dropout: float 
     if k.shape[1] != q.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
-                                         dropout_p=dropout if module.training else 0.0)
+    if segments is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, dropout_p=p)
+    else:
+        out = segment_attention(q, k, v, segments, scaling, p)
     out = heads_to_seq(out.permute(2, 0, 1, 3), uc)  # [S_l, B, H, hd]
     return out.transpose(0, 1).contiguous(), None
+
+
+def segment_attention(q, k, v, cu_seqlens: torch.Tensor, scale: Optional[float] = None,
+                      dropout: float = 0.0) -> torch.Tensor:
+    """Causal attention of ``[R, H, L, hd]`` packed rows within each segment (``cu_seqlens`` over
+    the row-major ``R x L`` tokens; segments never cross rows): one SDPA call per segment, each
+    from the segment's first token, so no token sees another sample and no ``L x L`` mask is
+    built. (A varlen flash kernel would take the same boundaries on GPU.)"""
+    rows, length = q.shape[0], q.shape[2]
+    cu = [int(c) for c in cu_seqlens.tolist()]
+    if cu[0] != 0 or cu[-1] != rows * length:
+        raise ValueError(f"packed segments cover {cu[-1] - cu[0]} tokens, the rows {rows} x {length}")
+    out = []
+    for a, b in zip(cu[:-1], cu[1:]):
+        r, lo, hi = a // length, a % length, b - (a // length) * length
+        if hi > length:
+            raise ValueError(f"packed segment [{a}, {b}) crosses the end of row {r} (length {length})")
+        out.append(F.scaled_dot_product_attention(q[r:r + 1, :, lo:hi], k[r:r + 1, :, lo:hi],
+                                                  v[r:r + 1, :, lo:hi], is_causal=True,
+                                                  scale=scale, dropout_p=dropout))
+    by_row = [[] for _ in range(rows)]
+    for (a, _), o in zip(zip(cu[:-1], cu[1:]), out):
+        by_row[a // length].append(o)
+    return torch.cat([torch.cat(parts, dim=2) for parts in by_row], dim=0)
+
+
+# -- beyond the heads: K and V gathered over the CP group ----------------------------------------
+
+def gathered_kv_attention(q, k, v, ctx: "CPContext", segments=None, scale=None,
+                          dropout: float = 0.0) -> torch.Tensor:
+    """Causal attention of the rank's query slice ``[B, H, S_l, hd]`` against the keys and values
+    of the whole sequence up to the slice's end, gathered over the CP group (``[B, Hkv, S_l,
+    hd]`` each in; ``[B, H, S_l, hd]`` out). The form for CP degrees the heads do not divide
+    (`cp_attention`): every rank keeps all of its heads and its query slice, and receives every
+    other rank's K and V slices; the backward of the gather sums each rank's K/V gradients back
+    onto the slice's owner (the all-to-all's adjoint). Exact: each query meets exactly the keys
+    it meets in one process (the causal offset of its slice; per packed segment with
+    ``segments``). It moves ``(cp - 1) / cp`` of the sequence's K and V to every rank and holds
+    them for the layer (ring attention would pass the same slices one at a time, overlapped
+    with compute; the result is the same). Contiguous slices: the last rank's triangle is the
+    largest (no zigzag balance in this form)."""
+    b, _, s, _ = q.shape
+    lo, hi = ctx.rank * s, (ctx.rank + 1) * s
+    uc = UlyssesContext(group=ctx.group, seq_lens=[s] * ctx.cp, rank=ctx.rank, comm=ctx.comm,
+                        tag=_TAG + ".kv")
+
+    def gather(x):  # [B, Hkv, S_l, hd] -> [B, Hkv, hi, hd]: every rank's slice, up to ours
+        rows = x.permute(2, 0, 1, 3)  # [S_l, B, Hkv, hd]
+        full = all_to_all_rows(torch.cat([rows] * ctx.cp), [s] * ctx.cp, [s] * ctx.cp, uc.group,
+                               uc.comm, uc.tag)  # [S, B, Hkv, hd], rank by rank
+        return full[:hi].permute(1, 2, 0, 3)
+
+    k, v = gather(k), gather(v)
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    rows = torch.arange(lo, hi, device=q.device)
+    cols = torch.arange(hi, device=q.device)
+    mask = (cols[None, :] <= rows[:, None])[None, None]  # [1, 1, S_l, hi]
+    if segments is not None:  # packed rows: the same sample only (segments over the B x S tokens)
+        length = s * ctx.cp
+        seg = _segment_ids(segments, b, length).to(q.device)  # [B, S]
+        same = seg[:, lo:hi, None] == seg[:, None, :hi]  # [B, S_l, hi]
+        mask = mask & same[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, dropout_p=dropout)
+
+
+def _segment_ids(cu_seqlens: torch.Tensor, rows: int, length: int) -> torch.Tensor:
+    """``[R, L]``: each packed token's segment number (``cu_seqlens`` over the ``R x L`` tokens)."""
+    cu = cu_seqlens.to("cpu", torch.long)
+    if int(cu[-1]) != rows * length:
+        raise ValueError(f"packed segments cover {int(cu[-1])} tokens, the rows {rows} x {length}")
+    ids = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu[1:] - cu[:-1])
+    return ids.view(rows, length)
 
 
 def _register() -> None:
@@ -195,10 +278,11 @@ def _register() -> None:
 
 
 def install_context_parallel(language_model: torch.nn.Module, group, cp: int, rank: int,
-                             comm=None, mixers: tuple = (), tp: int = 1) -> None:
+                             comm=None, mixers: tuple = (), tp: int = 1, packed: bool = False) -> None:
     """Select the CP attention for ``language_model`` (its config only) and give every module
     that reads that config (its attention layers) the CP group; head-shard the family's
-    stateful ``mixers`` (`FamilySpec.cp_mixers`, inside the TP rank's ``1 / tp`` of heads)."""
+    stateful ``mixers`` (`FamilySpec.cp_mixers`, inside the TP rank's ``1 / tp`` of heads;
+    ``packed``: their every call brings the packed segments)."""
     _register()
     config = language_model.config
     ctx = CPContext(group, cp, rank, comm)
@@ -209,4 +293,4 @@ def install_context_parallel(language_model: torch.nn.Module, group, cp: int, ra
     if mixers:  # stateful mixers: the whole sequence for 1/cp of their heads
         from ray_dhp.parallel.context_mixers import install_mixer_heads
 
-        install_mixer_heads(language_model, mixers, group, cp, rank, tp, comm)
+        install_mixer_heads(language_model, mixers, group, cp, rank, tp, comm, packed)

@@ -36,6 +36,16 @@ the dp x cp replicas (`ray_dhp.parallel.context`) is the whole gradient. Under T
 `RankChannels` has already narrowed the mixer to the TP rank's heads; the CP split is taken
 inside those (segments divided by tp), and the CP hooks on the projections run before TP's
 input styles (prepended) and after its output styles.
+
+Packed rows (``data.packing``): the mixer's keyword `ray_dhp.parallel.segments.SEGMENTS_KWARG`
+(``cu_seqlens`` over the whole ``R x L`` packed tokens) is taken by the pre-hook; after the
+all-to-all each projection's ``[R, L, C / cp]`` is laid out as one row per segment ``[S, M,
+C / cp]`` (`ray_dhp.parallel.segments.segment_rows_index`: the segment at the start of its row,
+zeros after its end), so the conv window and the recurrent state start at zero at every sample
+as for the sample alone, and the output projection's input is laid back out as ``[R, L, C /
+cp]`` before the reverse all-to-all. (`ray_dhp.models.segments.SegmentRows` does the same
+without CP, on the mixer's input; under CP the input is only a stand-in, so the layout change
+moves after the all-to-all.)
 """
 
 from __future__ import annotations
@@ -78,14 +88,16 @@ def mixer_refusal(mixers: tuple, tp: int, cp: int):
 
 
 def install_mixer_heads(language_model: torch.nn.Module, mixers: tuple, group, cp: int,
-                        rank: int, tp: int = 1, comm=None) -> int:
+                        rank: int, tp: int = 1, comm=None, packed: bool = False) -> int:
     """Head-shard every mixer of ``language_model`` named ``*.<suffix>`` for ``(suffix,
-    MixerHeads)`` in ``mixers`` over the CP ``group`` (module docstring); returns how many."""
+    MixerHeads)`` in ``mixers`` over the CP ``group`` (module docstring); returns how many.
+    ``packed``: every call must bring the packed segments (a model that sees only packed rows;
+    a call without them raises instead of carrying state from one sample into the next)."""
     n = 0
     for suffix, spec in mixers:
         for name, m in language_model.named_modules():
             if name.endswith("." + suffix):
-                _install(m, spec, group, cp, rank, tp, comm)
+                _install(m, spec, group, cp, rank, tp, comm, packed)
                 n += 1
     return n
 
@@ -94,7 +106,10 @@ def _seg(segments: tuple, tp: int) -> tuple:
     return tuple(s // tp for s in segments)
 
 
-def _install(mixer, spec: MixerHeads, group, cp: int, rank: int, tp: int, comm) -> None:
+def _install(mixer, spec: MixerHeads, group, cp: int, rank: int, tp: int, comm,
+             packed: bool = False) -> None:
+    from ray_dhp.parallel.segments import SEGMENTS_KWARG, segment_rows_index
+
     state = {}
 
     def ctx(local_len: int) -> UlyssesContext:
@@ -104,7 +119,19 @@ def _install(mixer, spec: MixerHeads, group, cp: int, rank: int, tp: int, comm) 
         h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         state["local"] = h
         b, s, d = h.shape
-        stand_in = h.new_zeros(()).expand(b, s * cp, d)
+        shape = (b, s * cp, d)
+        cu = kwargs.pop(SEGMENTS_KWARG, None)
+        if cu is None and packed:
+            raise RuntimeError(f"{type(_m).__name__} was called without {SEGMENTS_KWARG!r}: packed "
+                               "samples would share its state")
+        if cu is not None:  # packed rows: one row per segment on the whole sequence
+            to_rows, to_packed = segment_rows_index(cu)
+            if to_packed.numel() != b * s * cp:
+                raise ValueError(f"{SEGMENTS_KWARG} cover {to_packed.numel()} tokens, the mixer's "
+                                 f"rows {b} x {s * cp}")
+            state["rows"], state["packed"] = to_rows.to(h.device), to_packed.to(h.device)
+            shape = (*to_rows.shape, d)
+        stand_in = h.new_zeros(()).expand(*shape)
         if "hidden_states" in kwargs:
             kwargs = {**kwargs, "hidden_states": stand_in}
         else:
@@ -115,19 +142,28 @@ def _install(mixer, spec: MixerHeads, group, cp: int, rank: int, tp: int, comm) 
         return args, kwargs
 
     def leave(*_):
-        state.pop("local", None)
+        for key in ("local", "rows", "packed"):
+            state.pop(key, None)
         _unshadow(shadows)
+
+    def to_heads(out, order):
+        y = _to_heads(out, order, ctx(out.shape[1]))
+        return y if "rows" not in state else _segment_rows(y, state["rows"])
+
+    def to_seq(y):
+        if "packed" in state:
+            b, s = state["local"].shape[:2]
+            y = y.reshape(-1, y.shape[-1]).index_select(0, state["packed"]).view(b, s * cp, -1)
+        return _to_seq(y, ctx(y.shape[1] // cp))
 
     for path, segments in spec.inputs.items():
         seg = _seg(segments, tp)
         order = torch.cat([segment_index(seg, cp, r) for r in range(cp)])
         child = mixer.get_submodule(path)
         child.register_forward_pre_hook(lambda _m, _a: (state["local"],), prepend=True)
-        child.register_forward_hook(
-            lambda _m, _a, out, order=order: _to_heads(out, order, ctx(out.shape[1])))
+        child.register_forward_hook(lambda _m, _a, out, order=order: to_heads(out, order))
     out_child = mixer.get_submodule(spec.output)
-    out_child.register_forward_pre_hook(
-        lambda _m, args: (_to_seq(args[0], ctx(args[0].shape[1] // cp)), *args[1:]), prepend=True)
+    out_child.register_forward_pre_hook(lambda _m, args: (to_seq(args[0]), *args[1:]), prepend=True)
     shadows = []
     for path, segments in spec.params.items():
         owner_path, _, leaf = path.rpartition(".")
@@ -148,6 +184,13 @@ def _to_heads(x: torch.Tensor, order: torch.Tensor, uc: UlyssesContext) -> torch
     lists every rank's channels, rank by rank)."""
     x = x.index_select(-1, order.to(x.device)).transpose(0, 1).unsqueeze(-1)  # [S_l, B, C, 1]
     return seq_to_heads(x, uc).squeeze(-1).transpose(0, 1)
+
+
+def _segment_rows(y: torch.Tensor, to_rows: torch.Tensor) -> torch.Tensor:
+    """``[R, L, C]`` packed rows -> ``[S, M, C]``, segment ``s`` at the start of row ``s`` and
+    zeros after its end (`ray_dhp.parallel.segments.segment_rows_index`)."""
+    flat = torch.cat([y.reshape(-1, y.shape[-1]), y.new_zeros(1, y.shape[-1])])
+    return flat.index_select(0, to_rows.reshape(-1)).view(*to_rows.shape, y.shape[-1])
 
 
 def _to_seq(y: torch.Tensor, uc: UlyssesContext) -> torch.Tensor:

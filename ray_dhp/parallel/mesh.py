@@ -50,12 +50,12 @@ class DHPGroups:
 
     def hosts(self, name: str) -> bool:
         """Whether this rank hosts module ``name`` ("text" or an encoder's name)."""
-        m = self.topology.text if name == "text" else self.topology.encoder(name)
-        return m is not None and m.coord(self.rank) is not None
+        m = self.topology.find(name)
+        return m is not None and m.hosts(self.rank)
 
     def coord(self, name: str) -> Optional[tuple[int, int]]:
         """(dp replica, inner rank) of this rank in module ``name``."""
-        m = self.topology.text if name == "text" else self.topology.encoder(name)
+        m = self.topology.find(name)
         return None if m is None else m.coord(self.rank)
 
     @property

@@ -118,6 +118,10 @@ class ModuleLayout:
     def ranks(self) -> list[int]:
         return list(range(self.offset, self.offset + self.size))
 
+    def hosts(self, world_rank: int) -> bool:
+        """Whether ``world_rank`` is one of this module's ranks."""
+        return 0 <= world_rank - self.offset < self.size
+
     def coord(self, world_rank: int) -> Optional[tuple[int, int]]:
         """(dp index, inner index) of ``world_rank``, or None if it is not in this group (the
         CP rank is `cp_coord`'s)."""
@@ -232,8 +236,16 @@ class Topology:
         """The layout of encoder ``name``, or None if the model trains without it."""
         return next((m for m in self.encoders if m.name == name), None)
 
+    def find(self, name: str) -> Optional[ModuleLayout]:
+        """The layout of module ``name`` (an encoder or the LM), or None if there is none."""
+        return next((m for m in self.modules if m.name == name), None)
+
+    def hosted(self, world_rank: int) -> tuple:
+        """The layouts of the modules ``world_rank`` hosts, in module order (`roles`' layouts)."""
+        return tuple(m for m in self.modules if m.hosts(world_rank))
+
     def module(self, name: str) -> ModuleLayout:
-        m = self.text if name == "text" else self.encoder(name)
+        m = self.find(name)
         if m is None:
             raise KeyError(f"no module {name!r} in this layout (modules: "
                            f"{[x.name for x in self.modules]})")
@@ -302,7 +314,7 @@ class Topology:
         layouts = []
         for name, deg in wanted.items():
             zero = resolve_stage(deg.zero, deg.dp * deg.sp, name)
-            check_offload(name, deg.offload, zero, 1)
+            check_offload(name, deg.offload, zero, None)
             layouts.append(ModuleLayout(name, "sp", deg.dp, deg.sp, offsets[name], zero,
                                         deg.offload))
         text_zero = resolve_stage(text_zero, text_dp * text_cp, "text")  # CP ranks: replicas too
@@ -373,14 +385,15 @@ def _group_offsets(groups: tuple, sizes: dict) -> tuple:
     return offsets, offset
 
 
-def check_offload(module: str, offload, stage: int, tp: int) -> None:
-    """Refuse a value or combination offload does not support, naming ``<module>.optimizer_offload``."""
+def check_offload(module: str, offload, stage: int, tp: Optional[int]) -> None:
+    """Refuse a value or combination offload does not support, naming ``<module>.optimizer_offload``
+    (``tp``: the module's tensor-parallel degree; None for a module without one, an encoder)."""
     if not isinstance(offload, bool):
         raise ValueError(f"{module}.optimizer_offload must be true or false, got {offload!r}.")
-    if offload and (tp > 1 or stage == 3):
+    if offload and ((tp or 1) > 1 or stage == 3):
         raise ValueError(
             f"{module}.optimizer_offload=true needs plain parameters, but {module} has "
-            + ("tensor_parallel > 1" if tp > 1 else "zero_stage=3 (FSDP2)")
+            + ("tensor_parallel > 1" if (tp or 1) > 1 else "zero_stage=3 (FSDP2)")
             + " (DTensor shards); set "
-            + ("text.tensor_parallel=1 and " if module == "text" else "")
+            + (f"{module}.tensor_parallel=1 and " if tp is not None else "")
             + f"{module}.zero_stage <= 2, or {module}.optimizer_offload=false.")

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ray_dhp.models.sizes import ParamCounts, owned
+from ray_dhp.planning.memory_layers import layer_extra, text_layers
 from ray_dhp.planning.memory_vision import vision_activation_bytes  # noqa: F401
 from ray_dhp.planning.packing import text_tokens as packed_text
 
@@ -77,21 +78,21 @@ def rank_state(counts: ParamCounts, topology, rank: int, policy) -> RankState:
     a rank materialises beyond what it keeps while building (the largest tensor, e.g. the
     embedding, before it is sliced).
     """
-    roles = topology.roles(rank)
+    tg, vg = topology.text, topology.vision  # the modules `counts` counts, by their layouts
+    on_t, on_v = tg.hosts(rank), vg.hosts(rank)
     ep = topology.text_expert_parallel
-    if ep > 1 and "text" in roles:  # experts: 1/ep of them, their own partition; the rest as without EP
+    if ep > 1 and on_t:  # experts: 1/ep of them, their own partition; the rest as without EP
         counts, experts = _split_experts(counts, ep, topology, rank)
         base = rank_state(counts, dataclasses.replace(topology, text_expert_parallel=1), rank, policy)
         return _plus_experts(base, *experts, policy)
-    if topology.text_expert_tp and "text" in roles:  # experts TP-sharded like the dense MLP
+    if topology.text_expert_tp and on_t:  # experts TP-sharded like the dense MLP
         counts = _experts_tp_sharded(counts)
         topology = dataclasses.replace(topology, text_expert_tp=False)
-    tp = topology.text.inner
-    tg, vg = topology.text, topology.vision
-    v = counts.vision_held_by(rank - vg.offset, vg.size, vg.zero_stage) if "vision" in roles else 0
+    tp = tg.inner
+    v = counts.vision_held_by(rank - vg.offset, vg.size, vg.zero_stage) if on_v else 0
     # the text state is partitioned over the gradient replicas: dp x cp (CP ranks replicate it)
-    j, reps = (tg.grad_index(rank), tg.dp * tg.cp) if "text" in roles else (0, 1)
-    t = counts.text_held_by(j, reps, tp, tg.zero_stage) if "text" in roles else 0
+    j, reps = (tg.grad_index(rank), tg.dp * tg.cp) if on_t else (0, 1)
+    t = counts.text_held_by(j, reps, tp, tg.zero_stage) if on_t else 0
     vu = tu = 0
     if v:
         vu = counts.vision_updated_by(rank - vg.offset, vg.size, vg.zero_stage)
@@ -212,15 +213,16 @@ def _mlp_widths(tc) -> tuple:
 
 def text_activation_bytes(tc, tokens: int, tp: int, s: ActivationSettings,
                           sample_tokens: Optional[int] = None, seq_parallel: bool = False,
-                          cp: int = 1, head_norms: bool = False) -> float:
+                          cp: int = 1, head_norms: bool = False, layers=None) -> float:
     """Activation bytes of one text TP rank for ``tokens`` tokens of its replica (incl. logits):
     the saved-for-backward bytes plus the transient working set (`text_activation_parts`)."""
-    return sum(text_activation_parts(tc, tokens, tp, s, sample_tokens, seq_parallel, cp, head_norms))
+    return sum(text_activation_parts(tc, tokens, tp, s, sample_tokens, seq_parallel, cp, head_norms,
+                                     layers))
 
 
 def text_activation_parts(tc, tokens: int, tp: int, s: ActivationSettings,
                           sample_tokens: Optional[int] = None, seq_parallel: bool = False,
-                          cp: int = 1, head_norms: bool = False) -> tuple:
+                          cp: int = 1, head_norms: bool = False, layers=None) -> tuple:
     """``(saved, transient)`` bytes of one text TP rank for ``tokens`` tokens of its replica.
 
     ``saved``: what autograd keeps from the forward for the backward, per token (``d`` the
@@ -236,7 +238,9 @@ def text_activation_parts(tc, tokens: int, tp: int, s: ActivationSettings,
     fp32 input, ``rsqrt`` per head and normalised output in ``d`` (measured on Qwen3-VL's LM).
     ``transient``: the logits' gradient at the start of the backward (``4·vocab/tp``), the block
     recomputed at a time under activation checkpointing and, under CP, one layer's all-to-all
-    buffers.
+    buffers. ``layers`` (`ray_dhp.planning.memory_layers.text_layers`): the layers with another
+    token mixer or a sparse MLP, counted as what they save (under checkpointing: the largest
+    block recomputed).
 
     ``seq_parallel`` (``text.sequence_parallel``): every per-token activation is ``1/tp`` — norms
     and residuals run on the local tokens, the column-parallel projections keep only the sequence
@@ -256,26 +260,31 @@ def text_activation_parts(tc, tokens: int, tp: int, s: ActivationSettings,
         padded = -(-seq // cp) * cp
         mine = tokens / seq * padded / cp  # the rank's tokens
         saved, transient = text_activation_parts(tc, mine, tp, _sdpa(s), padded / cp, seq_parallel,
-                                                 head_norms=head_norms)
+                                                 head_norms=head_norms, layers=layers)
         back = mine * tc.hidden_size / tp * s.dtype_bytes * (1 if s.checkpointing else tc.num_hidden_layers)
         eager = (2 * tc.num_attention_heads / (tp * cp) * tokens * seq * s.dtype_bytes
                  * (1 if s.checkpointing else tc.num_hidden_layers)) if s.attention == "eager" else 0
         return saved + back + eager, transient
-    h, layers, d = tc.hidden_size, tc.num_hidden_layers, s.dtype_bytes
+    other, h, layers, d = layers, tc.hidden_size, tc.num_hidden_layers, s.dtype_bytes
     i, routed = _mlp_widths(tc)
     heads = tc.num_attention_heads
     hd = getattr(tc, "head_dim", None) or h // heads
     kv = 2 * tc.num_key_value_heads * hd
     local = tp if seq_parallel else 1  # norms and residuals on 1/tp of the tokens
     norm = (4 * h + 4 + 2 * d * h) / local
-    sharded = (d * (2 * heads * hd + kv + 4 * i) + 4 * heads) / tp
+    attention = (d * (2 * heads * hd + kv) + 4 * heads) / tp
     if head_norms:  # q (heads) and k (kv heads): fp32 input + rsqrt per head + output in d
-        qk = heads + tc.num_key_value_heads
-        sharded += qk * ((4 + d) * hd + 4) / tp
-    per_block = tokens * (2 * norm + sharded + 4 * d * routed)
+        attention += (heads + tc.num_key_value_heads) * ((4 + d) * hd + 4) / tp
+    mlp = 4 * d * i / tp + 4 * d * routed
+    per_block = tokens * (2 * norm + attention + mlp)
     kept = tokens * layers * d * h / local
     # checkpointing: each block's input saved, one block recomputed at a time (transient)
     blocks, recomputed = (kept, per_block) if s.checkpointing else (layers * per_block, 0.0)
+    if other is not None:  # mixers besides attention, sparse MLPs (the largest block recomputed)
+        extra = layer_extra(other, tc, tokens, sample_tokens or tokens, tp, d, tokens * attention,
+                            tokens * 4 * d * (routed or i / tp), tokens * (norm - d * h / local),
+                            one=s.checkpointing)
+        blocks, recomputed = (blocks, recomputed + extra) if s.checkpointing else (blocks + extra, 0.0)
     once = tokens * (norm + 2 * d * hd + 16 + 4 * tc.vocab_size / tp)
     if s.attention == "eager":
         scores = 2 * heads / tp * tokens * (sample_tokens or tokens) * d
@@ -344,20 +353,20 @@ def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int,
     t_tokens, t_row = packed_text(packing, text_samples or samples, seq)
     t_act = text_activation_bytes(tc, t_tokens, tp, settings, t_row,
                                   seq_parallel=getattr(topology, "text_sequence_parallel", False),
-                                  cp=topology.text.cp, head_norms=counts.text_head_norms)
+                                  cp=topology.text.cp, head_norms=counts.text_head_norms,
+                                  layers=text_layers(config, topology, counts))
     t_work = cp_working_bytes(tc, (text_samples or samples) * seq, tp, topology.text.cp, settings)
     moments = 8 * (1 - 1 / topology.vision.size) if topology.vision.zero_stage else 0
     out = []
     for r in range(topology.world_size):
-        roles = topology.roles(r)
-        v = counts.vision if "vision" in roles else 0
-        params = v + (counts.text_per_rank(tp) if "text" in roles else 0)
+        on_v, on_t = topology.vision.hosts(r), topology.text.hosts(r)
+        v = counts.vision if on_v else 0
+        params = v + (counts.text_per_rank(tp) if on_t else 0)
         state = (rank_state(counts, topology, r, policy).device_total if policy is not None
                  else params * state_bytes - v * moments)
-        out.append(RankMemory(r, roles, params, state,
-                              v_act if "vision" in roles else 0.0,
-                              t_act if "text" in roles else 0.0,
-                              text_work=t_work if "text" in roles else 0.0))
+        out.append(RankMemory(r, topology.roles(r), params, state,
+                              v_act if on_v else 0.0, t_act if on_t else 0.0,
+                              text_work=t_work if on_t else 0.0))
     return out
 
 
@@ -372,4 +381,4 @@ def estimate_zero3(config, counts: ParamCounts, world: int, *, vision_tokens: in
     seq = text_tokens + vision_tokens // merged(config)
     state = (counts.vision + counts.text) * state_bytes / world
     return (state + vision_activation_bytes(vc, vision_tokens, 1, settings, segment_tokens)
-            + text_activation_bytes(tc, seq, 1, settings))
+            + text_activation_bytes(tc, seq, 1, settings, layers=text_layers(config, None, counts)))

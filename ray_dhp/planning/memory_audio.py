@@ -107,10 +107,9 @@ def module_rank_state(counts, audio: Optional[AudioCounts], topology, rank: int,
     a_layout = topology.encoder("audio")
     if audio is None or a_layout is None:
         return rank_state(counts, topology, rank, policy)
-    roles = topology.roles(rank)
-    if "audio" not in roles:
+    if not a_layout.hosts(rank):
         return rank_state(without_audio(counts), topology, rank, policy)
-    if not {"vision", "text"} & set(roles):
+    if topology.hosted(rank) == (a_layout,):  # no other module's state counts the largest tensor
         return audio_rank_state(audio, a_layout, rank, policy, largest=audio.largest)
     base = rank_state(without_audio(counts), topology, rank, policy)
     extra = audio_rank_state(audio, a_layout, rank, policy)
@@ -186,9 +185,9 @@ def estimate_module_ranks(config, topology, counts, audio: Optional[AudioCounts]
                           **common)
     act = audio_activation_bytes(config.audio_config, audio_samples or samples, audio_seconds,
                                  settings)
-    out = []
+    a_layout, out = topology.encoder("audio"), []
     for m in rows:
-        hosts = "audio" in m.roles
+        hosts = a_layout.hosts(m.rank)
         if policy is not None:
             state = module_rank_state(counts, audio, topology, m.rank, policy).device_total
         else:

@@ -156,6 +156,9 @@ def evaluate(config, counts, layout: Layout, w: Workload, hw: Hardware = Hardwar
                           text_sp=layout.text_sp)
             if why:
                 raise ValueError(why)
+            if config.text_config.num_attention_heads % (layout.text_tp * layout.text_cp):
+                raise ValueError(f"text.context_parallel={layout.text_cp}: beyond the attention "
+                                 "heads (keys and values gathered) is not priced by the planner")
     except ValueError as e:
         return Candidate(layout, reason=f"model dims: {e}")
     mb, dp = w.micro_batch_size, max(layout.vision_dp, layout.text_dp, layout.audio_dp)

@@ -63,13 +63,13 @@ def meta_engine(model, topology, rank: int, cfg=None, dtype: torch.dtype = torch
             safetensors headers are read).
         topology: the `ray_dhp.parallel.topology.Topology` of the run.
         rank: the world rank to build.
-        cfg: the `TrainLoopConfig` (default: one that fits any layout).
+        cfg: what the engine reads (`ray_dhp.config.views.StepConfig`; default: the defaults).
         dtype: the weight dtype.
     """
+    from ray_dhp.config.views import StepConfig
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.config.train_loop import TrainLoopConfig
 
-    cfg = cfg or TrainLoopConfig(global_batch_size=max(m.dp for m in topology.modules))
+    cfg = cfg or StepConfig()
     with _fake_world(rank, topology.world_size):
         return DHPEngine(model, _meta_groups(topology, rank), cfg, dtype=dtype)
 

@@ -45,8 +45,6 @@ def step_peak(state, policy, largest: int, reduced: int = 0, replicated: int = 0
     element count of the largest tensor the rank updates; ``foreach``: elements the foreach
     AdamW steps at once on the device (`foreach_elements`), one moment-sized temporary each."""
     from ray_dhp.parallel.data_parallel import _BUCKET_BYTES
-    from ray_dhp.step.precision import CHUNK_BYTES
-
     from ray_dhp.parallel.zero import MAX_IN_FLIGHT
 
     per_bucket = (_BUCKET_BYTES if bucket_bytes is None else bucket_bytes) // policy.grad_bytes()
@@ -83,10 +81,10 @@ def foreach_elements(policy, counts, topology, rank: int, text_updated: int,
     chunks under masters; the largest module's."""
     from ray_dhp.step.precision import CHUNK_BYTES
 
-    roles, out = topology.roles(rank), 0
+    out = 0
     chunk = (CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // 4
     for m in topology.modules:
-        if m.name not in roles or m.offload:
+        if not m.hosts(rank) or m.offload:
             continue
         text = m is topology.text
         dtensors = m.zero_stage == 3 or (text and (m.inner > 1 or topology.text_expert_parallel > 1))
@@ -134,25 +132,23 @@ def rank_step_peak(state, policy, counts, topology, rank: int, text_config,
     (FSDP2 reduce-scatters it in its backward). ``largest``: the largest local tensor of the
     modules the rank hosts (`largest_local`; a further module's unsharded). ``extra_reduced``:
     elements of a further module the rank all-reduces (an audio tower over its replicas)."""
-    roles = topology.roles(rank)
     tp = topology.text.inner
     v = topology.vision  # at stage 3 FSDP2 reduce-scatters the ViT in its backward: no buckets
-    reduced = counts.vision if "vision" in roles and v.size > 1 and v.zero_stage != 3 else 0
-    reduced += extra_reduced
     tg = topology.text  # its gradient replicas: dp x cp
-    if "text" in roles and tg.dp * tg.cp > 1 and tg.zero_stage != 3:
+    on_v, on_t = v.hosts(rank), tg.hosts(rank)
+    reduced = counts.vision if on_v and v.size > 1 and v.zero_stage != 3 else 0
+    reduced += extra_reduced
+    if on_t and tg.dp * tg.cp > 1 and tg.zero_stage != 3:
         reduced += counts.text_per_rank(tp)
         ep = topology.text_expert_parallel
         if ep > 1:  # the rank's 1/ep of the experts reduce over the dp / ep replicas holding them
             experts = sum(q.numel for q in counts.text_sizes if q.expert)
             reduced -= experts - (experts // ep if tg.dp // ep > 1 else 0)
     emb = text_config.vocab_size * text_config.hidden_size
-    replicated = emb - emb // tp if "text" in roles and tp > 1 else 0
-    v_up = (counts.vision_updated_by(rank - v.offset, v.size, v.zero_stage)
-            if "vision" in roles else 0)
-    t_up = state.updated - v_up - extra_updated if "text" in roles else 0
-    sizes = [largest_local(counts, topology, text=m == "text") for m in ("vision", "text")
-             if m in roles]
+    replicated = emb - emb // tp if on_t and tp > 1 else 0
+    v_up = counts.vision_updated_by(rank - v.offset, v.size, v.zero_stage) if on_v else 0
+    t_up = state.updated - v_up - extra_updated if on_t else 0
+    sizes = [largest_local(counts, topology, text=m is tg) for m in (v, tg) if m.hosts(rank)]
     largest = max(sizes + ([counts.largest] if extra_updated or not sizes else []))
     if cpu:
         return step_peak(state, policy, largest, reduced, replicated, fused_adamw=False)
@@ -169,7 +165,7 @@ def rank_floor(counts, audio, topology, rank: int, policy, text_config) -> int:
 
     st = module_rank_state(counts, audio, topology, rank, policy)
     ag = topology.encoder("audio")
-    hosts = audio is not None and ag is not None and "audio" in topology.roles(rank)
+    hosts = audio is not None and ag is not None and ag.hosts(rank)
     reduced = audio.params if hosts and ag.size > 1 else 0
     base = without_audio(counts) if audio is not None and ag is not None else counts
     a_up = audio_updated(audio, topology, rank, policy) if hosts else 0

@@ -14,7 +14,8 @@ from ray_dhp.parallel.topology import Topology
 
 
 COLLECTIVES = ("vision sp all-to-all", "text tp all-reduce", "boundary", "vision gradients",
-               "text dp gradients", "text expert all-to-all", "text expert gradients")
+               "text dp gradients", "text expert all-to-all", "text expert gradients",
+               "text cp all-to-all")
 
 
 def collective_bytes(config, counts, layout: Layout, w: Workload) -> dict:
@@ -24,7 +25,13 @@ def collective_bytes(config, counts, layout: Layout, w: Workload) -> dict:
     all-reduce: ``2 (n - 1) / n`` of the buffer; all-to-all: ``(n - 1) / n``). The gradient
     entries follow each module's ZeRO stage (`ray_dhp.parallel.zero.replica_bytes`: + the owners'
     broadcast at stages 1-2, reduce instead of all-reduce at 2, FSDP2's all-gathers and one
-    reduce-scatter at 3), in the dtypes the engine sends (`element_bytes`)."""
+    reduce-scatter at 3), in the dtypes the engine sends (`element_bytes`). Under the LM's
+    context parallelism each CP rank runs ``1 / cp`` of its replica's tokens outside attention
+    (the TP all-reduces shrink so), re-shards q, k, v and the output per layer by all-to-all
+    (forward, backward, and the recomputation with checkpointing: `cp_working_bytes`' send
+    buffers), and its gradients join the data-parallel sum: the text gradients are reduced over
+    the ``dp x cp`` replicas (`ray_dhp.parallel.topology.ModuleLayout.dp_groups`)."""
+    from ray_dhp.planning.memory import cp_working_bytes
     from ray_dhp.models import family_of
     from ray_dhp.parallel.zero import replica_bytes
     from ray_dhp.planning.experts import gradient_split, sent_bytes
@@ -37,7 +44,9 @@ def collective_bytes(config, counts, layout: Layout, w: Workload) -> dict:
     a2a = _vision_spans(vc)[0] * (3 * x + x) * (v.inner - 1) / v.inner  # one forward pass
     tok = st * text_tokens_per_sample(config, w.vision_tokens, w.text_tokens)
     n_ar = tc.num_hidden_layers * (6 if s.checkpointing else 4) + 1
-    ar = n_ar * 2 * (t.inner - 1) / t.inner * tok * tc.hidden_size * s.dtype_bytes
+    ar = n_ar * 2 * (t.inner - 1) / t.inner * tok / t.cp * tc.hidden_size * s.dtype_bytes
+    cp_a2a = tc.num_hidden_layers * (3 if s.checkpointing else 2) * (t.cp - 1) / t.cp \
+        * cp_working_bytes(tc, tok, t.inner, t.cp, s) / 2
     feat = (w.vision_tokens // vc.spatial_merge_size ** 2) * family_of(config).feature_dim(config) \
         * s.dtype_bytes
     boundary = 2 * max(st * feat, sv * feat / v.inner * t.inner)
@@ -47,13 +56,13 @@ def collective_bytes(config, counts, layout: Layout, w: Workload) -> dict:
     # gradients summed over EDP (+ their owners' broadcast over the expert replicas at ZeRO 1-2)
     ep = topo.text_expert_parallel
     dense, experts = gradient_split(counts, t.inner, ep)
-    t_grads = replica_bytes(t.dp, t.zero_stage, dense * g, dense * wb)
+    t_grads = replica_bytes(t.dp * t.cp, t.zero_stage, dense * g, dense * wb)
     moe_a2a = sent_bytes(config, tok, ep, m, s.checkpointing, s.dtype_bytes)
     e_reps = t.inner * (t.dp * t.cp // ep)
     e_grads = (replica_bytes(t.dp * t.cp // ep, 0, experts * g, experts * wb)
                + (replica_bytes(e_reps, 1, 0, experts * wb) if t.zero_stage in (1, 2) else 0))
     out = dict(zip(COLLECTIVES, (m * a2a * (3 if s.checkpointing else 2), m * ar,
-                                 m * boundary, v_grads, t_grads, moe_a2a, e_grads)))
+                                 m * boundary, v_grads, t_grads, moe_a2a, e_grads, m * cp_a2a)))
     a = topo.encoder("audio")
     if a is not None:  # the audio rows to the LM both ways, the audio gradients
         from ray_dhp.planning.memory_audio import clip_shape
@@ -104,8 +113,9 @@ def collective_groups(topology: Topology, micro_batch_size: int) -> dict:
 
     out = dict(zip(COLLECTIVES, (
         v.inner_groups() if v.inner > 1 else [], t.inner_groups() if t.inner > 1 else [],
-        pairs("vision"), [v.ranks] if v.size > 1 else [], t.dp_groups() if t.dp > 1 else [],
-        *_expert_groups(topology))))
+        pairs("vision"), [v.ranks] if v.size > 1 else [],
+        t.dp_groups() if t.dp * t.cp > 1 else [],  # the gradient replicas: dp x cp ranks
+        *_expert_groups(topology), t.cp_groups() if t.cp > 1 else [])))
     a = topology.encoder("audio")
     if a is not None:
         out.update({"audio boundary": pairs("audio"),

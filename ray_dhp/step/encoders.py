@@ -125,7 +125,7 @@ class EncoderPhases:
     def _needed_rows(self, lay: MicroBatchLayout, name: str, samples: list) -> dict:
         """Text world rank -> the rows of encoder ``name`` its replica's samples consume; with
         context parallelism only those whose tokens fall in the rank's slice of the replica's
-        padded batch (`ray_dhp.parallel.context.local_rows`)."""
+        padded or packed rows (`ray_dhp.parallel.context.local_rows`)."""
         t = self.groups.topology.text
         if t.cp == 1:
             return {t.rank_at(j, k): lay.rows_of(idx, name)
@@ -136,10 +136,10 @@ class EncoderPhases:
         ops, out = self.family.encoder_spec(name).operations(), {}
         for j, idx in enumerate(lay.text_samples):
             mine_s = [samples[i] for i in idx]
-            length = self._padded_length(mine_s)  # as `_text_batch` pads (`ray_dhp.step.text`)
+            length, starts = self._context_layout(mine_s)  # as `_text_batch` lays them out
             rows = _ids(lay.rows_of(idx, name))
             for c in range(t.cp):
-                mine = rows[local_rows([ops.row_tokens(s) for s in mine_s], length, t.cp, c)]
+                mine = rows[local_rows([ops.row_tokens(s) for s in mine_s], length, t.cp, c, starts)]
                 out.update({t.rank_at(j, k, c): mine for k in range(t.inner)})
         return out
 

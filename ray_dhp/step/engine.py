@@ -53,8 +53,9 @@ from ray_dhp.step.updates import UpdateMixin
 class DHPEngine(EncoderPhases, TextPhase, UpdateMixin):
     """Holds this rank's shard(s) of the model and runs exact DHP training steps.
 
-    ``cfg``: the loop's configuration tree (`ray_dhp.config.train_loop.TrainLoopConfig`); the
-    engine reads its ``optim`` and ``data`` sections and hands each part its own.
+    ``cfg``: what the engine reads of the run's configuration (`ray_dhp.config.views.StepConfig`:
+    the ``optim`` section and the text rows' ``packing`` / ``max_tokens``; from the tree,
+    ``TrainLoopConfig.step_config()``); it hands each part its own.
     """
 
     def __init__(self, model, groups: DHPGroups, cfg,
@@ -74,12 +75,12 @@ class DHPEngine(EncoderPhases, TextPhase, UpdateMixin):
         check_transformers(self.family)
         topo = groups.topology
         self.family.validate_layout(self.config, sp=topo.vision.inner, tp=topo.text.inner,
-                                    text_sp=topo.text_sequence_parallel, packing=cfg.data.packing)
+                                    text_sp=topo.text_sequence_parallel, packing=cfg.packing)
         self.family.validate_expert_parallel(self.config, topo.text_expert_parallel)
         check_encoders(self.family, topo)
         from ray_dhp.parallel.context import refusal
 
-        why = refusal(self.family, self.config, topo.text.cp, topo.text.inner, cfg.data.packing,
+        why = refusal(self.family, self.config, topo.text.cp, topo.text.inner,
                       tuple(self.family.encoder_spec(m.name).operations() for m in topo.encoders),
                       text_sp=topo.text_sequence_parallel)
         if why:
@@ -95,7 +96,8 @@ class DHPEngine(EncoderPhases, TextPhase, UpdateMixin):
             install_context_parallel(self.family.language_model(self.text_model), groups.text_cp,
                                      topo.text.cp, groups.text_cp_rank, self.comm,
                                      self.family.cp_mixers(self.config.text_config)
-                                     if self.family.stateful_mixers else (), topo.text.inner)
+                                     if self.family.stateful_mixers else (), topo.text.inner,
+                                     packed=cfg.packing)
         self.tuning = tuning_of(cfg.optim)  # per-module choices: frozen parameters are left out below
         if self.tuning.lora is not None and self.text_model is not None:  # PEFT LoRA, TP-exact
             from ray_dhp.models.lora import add_lora
@@ -104,7 +106,8 @@ class DHPEngine(EncoderPhases, TextPhase, UpdateMixin):
             tp = topo.text.inner > 1
             add_lora(self.text_model, self.tuning.lora, cfg.optim.seed, groups.text_mesh["tp"] if tp else None,
                      self.family.text_tp_plan(self.config.text_config) if tp else None)
-        if cfg.data.packing and self.family.stateful_mixers and self.text_model is not None:
+        if cfg.packing and self.family.stateful_mixers and self.text_model is not None \
+                and topo.text.cp == 1:  # under CP the head-sharded mixers take the segments
             from ray_dhp.models.segments import install_segment_rows  # after TP and LoRA
 
             install_segment_rows(self.family.language_model(self.text_model), self.family.stateful_mixers,
@@ -259,7 +262,7 @@ class DHPEngine(EncoderPhases, TextPhase, UpdateMixin):
     def balancer(self) -> Balancer:
         """The run's `Balancer` (``cfg.optim.balance``), built on first use from the model config."""
         if getattr(self, "_balancer", None) is None:
-            self._balancer = balancer_for(self.cfg.optim.balance, self.config, packing=self.cfg.data.packing)
+            self._balancer = balancer_for(self.cfg.optim.balance, self.config, packing=self.cfg.packing)
         return self._balancer
 
     def _text_plan(self, full) -> dict:

@@ -111,7 +111,7 @@ def _text_loss_sum(engine, samples: list, feats) -> torch.Tensor:
     return value.detach().double().cpu()
 
 
-def check_eval_setup(data, checkpoint, *, has_validation: bool, score_attribute=None, name=None,
+def check_eval_setup(data, checkpoint, *, has_validation: bool, name, score_attribute=None,
                      validation_key: str = 'datasets["validation"]',
                      score_key: str = "run_config.checkpoint_config.checkpoint_score_attribute"
                      ) -> None:
@@ -130,13 +130,12 @@ def check_eval_setup(data, checkpoint, *, has_validation: bool, score_attribute=
             (`ray_dhp.config.data_section.DataConfig`, `ray_dhp.config.sections.CheckpointConfig`).
         has_validation: whether the run has a dataset named "validation".
         score_attribute: ``CheckpointConfig.checkpoint_score_attribute`` (None: by recency).
-        name: how a loop key is called in messages (default ``train_loop_config.<key>``).
+        name: how a loop key is called in messages (``name("eval_every")``: the tree's
+            `TrainLoopConfig.key` from Python, the key's path in a run file).
         validation_key, score_key: how the validation set and the score attribute are called.
     """
     from ray_dhp.config.checks import ConfigError
-    from ray_dhp.config.train_loop import loop_key
 
-    name = name or loop_key
     if data.eval_every > 0 and not has_validation:
         raise ConfigError(f"{name('eval_every')}={data.eval_every} evaluates on a validation set, "
                           f"but there is none: set {validation_key} (or eval_every=0).")

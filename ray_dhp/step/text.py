@@ -1,7 +1,7 @@
 """The language model's phase of `ray_dhp.step.engine.DHPEngine` (see `ray_dhp.step.schedule`):
 the text forward/backward of a micro-batch on the text ranks, with the encoders' feature rows
 in the text layout, and the feature gradients it hands back to the encoders (`EncoderPhases`,
-`ray_dhp.step.encoders`). The text batch is padded, or packed with ``cfg.data.packing``; `TextPhase`
+`ray_dhp.step.encoders`). The text batch is padded, or packed with ``cfg.packing``; `TextPhase`
 holds no state: it works on the engine's ``groups``, ``family``, ``text_model`` and micro-batch
 states."""
 
@@ -26,7 +26,7 @@ class TextPhase:
             one = fsdp is not None or self.family.moe is not None or g.topology.text.cp > 1
             groups = mb.lay.text_groups[j] if mb.lay.text_groups and not one \
                 else [mb.lay.text_samples[j]]  # FSDP, MoE: the same number of forwards per replica
-            # (CP: one padded batch, whose slices the boundary planned the rows of)
+            # (CP: one padded or packed batch, whose slices the boundary planned the rows of)
             if fsdp is not None:  # reduce-scatter in the step's last backward only
                 fsdp.sync(mb is self._states[-1])
             mb.loss_sum, mb.grad_feats = self._text_groups(mb, mb.lay.text_samples[j], groups, n_targets)
@@ -62,8 +62,8 @@ class TextPhase:
         return loss_sum, grads
 
     def _text_batch(self, samples) -> dict:
-        """Padded (one sample per row) or, with ``cfg.data.packing``, packed rows of at most
-        ``cfg.data.max_tokens`` tokens with per-sample positions, attention and targets. With text
+        """Padded (one sample per row) or, with ``cfg.packing``, packed rows of at most
+        ``cfg.max_tokens`` tokens with per-sample positions, attention and targets. With text
         sequence parallelism the length is padded to a multiple of the TP degree (`_pad_tail`:
         pad tokens come last and have no target, so the loss and gradients are unchanged)."""
         from ray_dhp.data.collate import pack_text_batch, pad_text_batch
@@ -72,13 +72,14 @@ class TextPhase:
         pad_id = self.config.text_config.pad_token_id or 0
         topo = self.groups.topology
         multiple = pad_multiple(topo.text.inner, topo.text_sequence_parallel) * topo.text.cp
-        if not self.cfg.data.packing:
+        if not self.cfg.packing:
             return _pad_tail(pad_text_batch(samples, pad_id), multiple, pad_id)
         rope = self.family.rope_index(self.text_model)  # the family's position rule
-        batch = pack_text_batch(samples, pad_id, self.cfg.data.max_tokens, rope_index=rope,
+        batch = pack_text_batch(samples, pad_id, self.cfg.max_tokens, rope_index=rope,
                                 one_dimensional=rope is None, pad_to_multiple_of=multiple)
         impl = self.family.language_model(self.text_model).config._attn_implementation
-        if batch["input_ids"].shape[0] > 1 and impl not in _MASKED_ATTENTION:
+        if batch["input_ids"].shape[0] > 1 and impl not in _MASKED_ATTENTION and topo.text.cp == 1:
+            # (CP's attention takes the segments themselves, `ray_dhp.parallel.context`)
             raise ValueError(
                 f"packing into several rows needs a mask-based attention ({_MASKED_ATTENTION}); "
                 f"{impl!r} detects packed samples from positions only in a single row: set "
@@ -111,8 +112,8 @@ class TextPhase:
         seconds = self.family.video_seconds_key  # families with absolute-time M-RoPE name it
         if batch.get("second_per_grid_ts") is not None and _accepts(self.text_model, seconds):
             videos[seconds] = to_device(batch["second_per_grid_ts"], dev)
-        if batch.get("cu_seqlens") is not None and self.family.stateful_mixers:
-            extra[SEGMENTS_KWARG] = batch["cu_seqlens"]  # the mixers' segments (host: index building)
+        if batch.get("cu_seqlens") is not None and (self.family.stateful_mixers or cp > 1):
+            extra[SEGMENTS_KWARG] = batch["cu_seqlens"]  # the mixers' (and CP attention's) segments
         with self._autocast():
             out = self.text_model(**self.family.lm_inputs(self.config, dict(
                 input_ids=to_device(batch["input_ids"], dev),
@@ -142,20 +143,31 @@ class TextPhase:
 
 
     # -- the LM's context parallelism (`ray_dhp.parallel.context`): this CP rank's slice of a
-    # padded batch, positions computed on the whole sequence
+    # padded or packed batch, positions computed per sample on the whole row
 
     def _context_slice(self, batch: dict, samples) -> dict:
-        """The rank's contiguous ``1/cp`` of every per-token tensor of the padded ``batch``:
-        tokens, token types, next-token targets (shifted on the whole sequence), sample ids and
-        positions (each sample's own, by the family's rope rule, then sliced); no attention mask
-        (causal over the whole sequence, `cp_attention`), no grids (positions are given)."""
+        """The rank's contiguous ``1/cp`` of every per-token tensor of the padded or packed
+        ``batch`` (each row sliced): tokens, token types, next-token targets (shifted within each
+        sample on the whole row), sample ids and positions (each sample's own, by the family's
+        rope rule, then sliced); no attention mask (causal over the whole sequence, or per
+        packed segment, `cp_attention`), no grids (positions are given); a packed batch keeps
+        its ``cu_seqlens`` over the whole rows."""
         from ray_dhp.data.collate import sample_positions
         from ray_dhp.parallel.context import slice_sequence
 
         cp, c = self.groups.topology.text.cp, self.groups.text_cp_rank
         rows, length = batch["input_ids"].shape
-        if length != self._padded_length(samples):  # the boundary planned the rows for it
-            raise RuntimeError(f"text batch of length {length}, planned {self._padded_length(samples)}")
+        planned, _ = self._context_layout(samples)
+        if length != planned:  # the boundary planned the rows for it
+            raise RuntimeError(f"text batch of length {length}, planned {planned}")
+        cut = lambda t: slice_sequence(t, cp, c)  # noqa: E731
+        if batch.get("cu_seqlens") is not None:  # packed: positions per sample on the whole row
+            pos = batch["position_ids"]
+            pos = pos[1:] if pos.dim() == 3 else pos  # M-RoPE: no text row (no packed mask built)
+            return {"input_ids": cut(batch["input_ids"]), "mm_token_type_ids": cut(batch["mm_token_type_ids"]),
+                    "targets": cut(batch["targets"]), "sample_ids": cut(batch["sample_ids"]),
+                    "position_ids": cut(pos), "attention_mask": None, "image_grid_thw": None,
+                    "full_length": length, "cu_seqlens": batch["cu_seqlens"]}
         rope = self.family.rope_index(self.text_model)
         if rope is None:  # 1-D positions
             pos = torch.arange(length).expand(rows, length)
@@ -163,28 +175,40 @@ class TextPhase:
             pos = torch.zeros(3, rows, length, dtype=torch.long)
             for i, s in enumerate(samples):
                 pos[:, i, :s.num_tokens] = sample_positions(s, rope, False)
-        cut = lambda t: slice_sequence(t, cp, c)  # noqa: E731
         return {"input_ids": cut(batch["input_ids"]), "mm_token_type_ids": cut(batch["mm_token_type_ids"]),
                 "targets": cut(shift_labels(batch["labels"])),
                 "sample_ids": cut(sample_ids_of(batch, samples)), "position_ids": cut(pos),
                 "attention_mask": None, "image_grid_thw": None, "full_length": length}
 
-    def _padded_length(self, samples) -> int:
-        """The length `_text_batch` pads ``samples`` to (one row each): the longest, rounded up
-        to the sequence-parallel x context-parallel multiple."""
+    def _context_layout(self, samples) -> tuple:
+        """``(length, starts)``: the row length `_text_batch` gives ``samples`` (padded: the
+        longest; packed: the fullest row of `pack_rows`), rounded up to the sequence-parallel x
+        context-parallel multiple, and each sample's first column in its row."""
+        from ray_dhp.data.collate import pack_rows
         from ray_dhp.parallel.text_sp import pad_multiple
 
         topo = self.groups.topology
         multiple = pad_multiple(topo.text.inner, topo.text_sequence_parallel) * topo.text.cp
-        return -(-max(s.num_tokens for s in samples) // multiple) * multiple
+        sizes = [int(s.num_tokens) for s in samples]
+        if not self.cfg.packing:
+            return -(-max(sizes) // multiple) * multiple, [0] * len(samples)
+        starts, longest = [], 0
+        for r in pack_rows(sizes, self.cfg.max_tokens):
+            used = 0
+            for i in r:
+                starts.append(used)
+                used += sizes[i]
+            longest = max(longest, used)
+        return -(-longest // multiple) * multiple, starts
 
     def _context_rows(self, ops, samples, length: int) -> torch.Tensor:
         """Which of ``samples``' feature rows of an encoder (``ops``) fall in this CP rank's
-        slice of a padded batch of ``length`` (the rows the boundary delivered here)."""
+        slice of the rows of ``length`` (the rows the boundary delivered here)."""
         from ray_dhp.parallel.context import local_rows
 
+        _, starts = self._context_layout(samples)
         return local_rows([ops.row_tokens(s) for s in samples], length,
-                          self.groups.topology.text.cp, self.groups.text_cp_rank)
+                          self.groups.topology.text.cp, self.groups.text_cp_rank, starts)
 
 
 def _pad_tail(batch: dict, multiple: int, pad_id: int) -> dict:

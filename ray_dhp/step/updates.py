@@ -50,7 +50,7 @@ class UpdateMixin:
                 offload=m.offload)
         self.expert_params = []  # expert parallelism: reduced over EDP, own partition (parallel/expert.py)
         if self.text_model is not None:
-            t, (j, k) = topo.text, g.text_coord
+            t, (_, k) = topo.text, g.text_coord
             named = [(n, p) for n, p in self.text_model.named_parameters() if p.requires_grad]
             if topo.text_expert_parallel > 1:
                 ids = {id(p) for p in expert_params(self.text_model, self.family.moe)}
@@ -99,7 +99,7 @@ class UpdateMixin:
         leaves them (and their moments) untouched, weight decay included. The LM always has
         input; a module at ZeRO-3 (the vision tower) runs its collectives in every step and
         steps always."""
-        if name == "text" or name in self.sharding:
+        if self.groups.topology.encoder(name) is None or name in self.sharding:  # not input-gated
             return True
         return self._had_input.get(name, False)
 

@@ -55,7 +55,7 @@ def build_engine(config: Union[TrainLoopConfig, dict], ctx=None, *, comm=None,
     from ray_dhp.step.engine import DHPEngine
 
     ctx = _ctx(ctx)
-    return DHPEngine(ctx.dhp_config.model, ctx.groups, _cfg(config), comm=comm,
+    return DHPEngine(ctx.dhp_config.model, ctx.groups, _cfg(config).step_config(), comm=comm,
                      schedule=ctx.dhp_config.schedule,
                      init="checkpoint" if from_checkpoint else "source")
 
@@ -103,7 +103,7 @@ def build_loader(config: Union[TrainLoopConfig, dict], engine=None, ctx=None, pr
         balancer = balancer_for(cfg.optim.balance, load_model_config(ctx.dhp_config.model),
                                 packing=cfg.data.packing)
     processor = build_processor(ctx, cfg) if processor is None else processor
-    return StepLoader(make_sampler(cfg, processor), ctx.groups, prefetch=cfg.data.prefetch,
+    return StepLoader(make_sampler(cfg.sampler_config(), processor), ctx.groups, prefetch=cfg.data.prefetch,
                       num_workers=cfg.data.data_workers, balancer=balancer)
 
 

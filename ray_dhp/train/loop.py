@@ -60,7 +60,7 @@ def train_loop(config: dict, *, hook: Optional[Callable] = None) -> dict:
     loader = build_loader(cfg, ctx=ctx, processor=processor)  # the engine's balancer, from the config
     from ray_dhp.data.eval_loader import make_eval_loader
 
-    eval_loader = make_eval_loader(cfg, processor, ctx.groups, loader.balancer)  # None: no validation set
+    eval_loader = make_eval_loader(cfg.sampler_config(), processor, ctx.groups, loader.balancer)  # None: no validation set
     import ray.train
 
     trackers = WorkerTrackers(mlflow=cfg.tracking.mlflow, wandb=cfg.tracking.wandb, rank=ctx.rank,

@@ -103,34 +103,23 @@ class DisaggregatedTrainer(DataParallelTrainer):
             if paths:
                 config["dataset_paths"] = paths
             loop_cfg = TrainLoopConfig.from_dict(config)  # fail here, before any worker starts
+            from ray_dhp.data.audio import refuse_audio
             from ray_dhp.models import family_of
 
-            family = family_of(dhp_config.model_config())
-            family.check_packing(loop_cfg.data.packing, loop_cfg.key("data.packing"))
-            from ray_dhp.parallel.context import check_packing
-
-            check_packing(dhp_config.text.context_parallel, loop_cfg.data.packing,
-                          loop_cfg.key("data.packing"))
-            from ray_dhp.data.audio import refuse_audio
-
             if getattr(dhp_config, "audio", None) is None:  # no audio group: audio cannot train
+                family = family_of(dhp_config.model_config())
                 refuse_audio(paths.values(), family.name, family.audio)
-            _check_training_datasets(loop_cfg, set(ray_datasets) | set(paths))
-            _check_evaluation(loop_cfg, set(ray_datasets) | set(paths), run_config)
-            from ray_dhp.data.pixels import check_run_pixels
+            names = set(ray_datasets) | set(paths)
+            _check_training_datasets(loop_cfg, names)
+            from ray_dhp.train.run_checks import check_run
 
-            check_run_pixels(loop_cfg.processor.min_pixels, loop_cfg.processor.max_pixels, dhp_config,
-                             loop_cfg.key)
-            from ray_dhp.config.tuning import check_layout, tuning_of
-
-            check_layout(tuning_of(loop_cfg.optim), dhp_config.text.sequence_parallel is True,
-                         key=loop_cfg.key("optim.modules"))
+            ckpt = getattr(run_config, "checkpoint_config", None)
+            notes = check_run(dhp_config, loop_cfg, datasets=names, name=loop_cfg.key,
+                              score_attribute=getattr(ckpt, "checkpoint_score_attribute", None))
             if dhp_config.processor is None and not isinstance(dhp_config.model, str):
                 raise ValueError("the built-in loop needs DHPConfig(processor=...) when the model "
                                  "is a config object (with a model directory it is loaded from there).")
-            from ray_dhp.data.compat import check_run_processor
-
-            for note in check_run_processor(dhp_config):  # it fits the model; said once, here
+            for note in notes:  # the processor fits the model; said once, here
                 logger.warning(note)
             from ray_dhp.train.callbacks import MetricsHistory
             from ray_dhp.train.tracking import TensorBoardLogger
@@ -248,15 +237,6 @@ def _check_training_datasets(cfg: TrainLoopConfig, names: set) -> None:
         raise ValueError('the built-in loop needs datasets={"train": <Dataset or path>}'
                          + (f' (got {sorted(names)}; to mix several, set train_loop_config['
                             '"dataset_weights"] = {name: weight})' if names else "") + ".")
-
-
-def _check_evaluation(cfg: TrainLoopConfig, names: set, run_config) -> None:
-    """Evaluation settings against ``datasets=`` and the checkpoint ranking (ConfigError)."""
-    from ray_dhp.step.evaluation import VALIDATION, check_eval_setup
-
-    ckpt = getattr(run_config, "checkpoint_config", None)
-    check_eval_setup(cfg.data, cfg.checkpoint, has_validation=VALIDATION in names, name=cfg.key,
-                     score_attribute=getattr(ckpt, "checkpoint_score_attribute", None))
 
 
 def _checkpoint_source(resume_from):

@@ -30,7 +30,7 @@ def _sampler(data, cfg):
     from ray_dhp.data.reading import read_annotations, resolve_data_root
     from ray_dhp.data.sampler import StepSampler
 
-    return StepSampler(read_annotations(data), demo.tiny_processor(FAMILY), resolve_data_root(data), cfg)
+    return StepSampler(read_annotations(data), demo.tiny_processor(FAMILY), resolve_data_root(data), cfg.sampler_config())
 
 
 def _text_logits(engine, sample):
@@ -57,7 +57,7 @@ def _train_body(rank, world, layout, cfg, data, model, resume_from, stop, save_a
     from ray_dhp.parallel.topology import Topology
 
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
-    engine = DHPEngine(model if model is not None else demo.tiny_model_config(FAMILY), groups, cfg,
+    engine = DHPEngine(model if model is not None else demo.tiny_model_config(FAMILY), groups, cfg.step_config(),
                        dtype=DTYPE, init="checkpoint" if resume_from else "source")
     sampler = _sampler(data, cfg)
     first = checkpoint.load(resume_from, engine, sampler) if resume_from else 0

@@ -31,6 +31,6 @@ def omni_records(root, cfg, audio_first: bool = False) -> list:
         record["conversations"][0]["value"] = "<audio>\n<image>\nDescribe the sound and the image."
         path.write_text("\n".join(lines + [json.dumps(record)]) + "\n")
     sampler = StepSampler(read_annotations(path), demo.tiny_processor("qwen2_5_omni"),
-                          resolve_data_root(path), cfg)
+                          resolve_data_root(path), cfg.sampler_config())
     sampler.allow_audio = True
     return [sampler.process(i) for i in range(len(path.read_text().splitlines()))]

@@ -53,7 +53,7 @@ def make_steps(tmp_path, family: str, cfg: TrainLoopConfig, *, num_samples=16, t
     path = demo.make_dataset(tmp_path / f"data_{family}", num_samples=num_samples, seed=cfg.optim.seed,
                              text_only_every=text_only_every, image_sizes=image_sizes)
     processor = demo.tiny_processor(family) if processor is None else processor
-    sampler = StepSampler(read_annotations(path), processor, resolve_data_root(path), cfg)
+    sampler = StepSampler(read_annotations(path), processor, resolve_data_root(path), cfg.sampler_config())
     return [sampler.next_step() for _ in range(cfg.optim.num_steps)]
 
 
@@ -117,7 +117,7 @@ def _engine_body(rank, world, family, layout, cfg, steps, dtype, schedule, grads
     groups = build_groups(topo, torch.device("cpu"))
     comm = CommCounter()
     model = demo.tiny_model_config(family) if model is None else model
-    engine = DHPEngine(model, groups, cfg, comm=comm, dtype=dtype, schedule=schedule)
+    engine = DHPEngine(model, groups, cfg.step_config(), comm=comm, dtype=dtype, schedule=schedule)
     params0 = engine.named_full_parameters()
     seen = capture_grads(engine) if grads else None
     history = [engine.step(mbs) for mbs in steps]
@@ -186,9 +186,9 @@ def _directory_body(rank, world, family, layout, cfg, data, model_dir, ckpt):
     from ray_dhp.parallel.mesh import build_groups
 
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
-    engine = DHPEngine(model_dir, groups, cfg, dtype=torch.float64)
+    engine = DHPEngine(model_dir, groups, cfg.step_config(), dtype=torch.float64)
     processor = demo.tiny_processor(family)
-    sampler = StepSampler(read_annotations(data), processor, resolve_data_root(data), cfg)
+    sampler = StepSampler(read_annotations(data), processor, resolve_data_root(data), cfg.sampler_config())
     params0 = engine.named_full_parameters()
     history = [engine.step(sampler.next_step()) for _ in range(cfg.optim.num_steps)]
     writer = BackgroundWriter(groups.device)

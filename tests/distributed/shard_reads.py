@@ -62,7 +62,7 @@ def _holdings_body(rank, world, layout, model):
 
     reads = _probe_reads()
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
-    engine = DHPEngine(model, groups, TrainLoopConfig(global_batch_size=2, seed=5))
+    engine = DHPEngine(model, groups, TrainLoopConfig(global_batch_size=2, seed=5).step_config())
     held = {}
     for prefix, mod in (("model.visual.", engine.visual), ("", engine.text_model)):
         for n, p in (mod.named_parameters() if mod is not None else []):

@@ -34,14 +34,17 @@ def _mixed_steps(tmp_path, cfg):
     path = demo.make_dataset(tmp_path / "mixed", num_samples=24, seed=3, text_only_every=4,
                              image_sizes=SIZES)
     sampler = StepSampler(read_annotations(path), demo.tiny_processor(FAMILY, max_side=448),
-                          resolve_data_root(path), cfg)
+                          resolve_data_root(path), cfg.sampler_config())
     sampler.balancer = balancer_for(cfg.optim.balance, demo.tiny_model_config(FAMILY))
     return [sampler.next_step() for _ in range(cfg.optim.num_steps)], sampler.balancer
 
 
 LAYOUTS = [
-    ("collocated-sp2dp2-tp2dp2", dict(placement="collocated", vision_dp=2, vision_sp=2,
-                                      text_dp=2, text_tp=2), "sequential"),
+    ("collocated-dp2-dp2", dict(placement="collocated", vision_dp=2, vision_sp=1, text_dp=2,
+                                text_tp=1), "sequential"),  # the default case: 2 ranks
+    pytest.param("collocated-sp2dp2-tp2dp2", dict(placement="collocated", vision_dp=2,
+                                                  vision_sp=2, text_dp=2, text_tp=2),
+                 "sequential", marks=pytest.mark.slow),
     pytest.param("collocated-sp2dp2-tp2dp2-text-sp", dict(placement="collocated", vision_dp=2,
                                                           vision_sp=2, text_dp=2, text_tp=2,
                                                           text_sequence_parallel=True),

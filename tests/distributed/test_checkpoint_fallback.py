@@ -48,7 +48,7 @@ def _body(rank, world, data, root):
     from tests.distributed.checkpoint_cases import _sampler
 
     groups = build_groups(Topology.build(**LAYOUT), torch.device("cpu"))
-    engine = DHPEngine(demo.tiny_model_config(FAMILY), groups, CFG)
+    engine = DHPEngine(demo.tiny_model_config(FAMILY), groups, CFG.step_config())
     sampler = _sampler(data, CFG)
     for _ in range(2):
         engine.step(sampler.next_step())

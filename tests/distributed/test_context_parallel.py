@@ -182,7 +182,7 @@ def _activation_body(rank, world, steps):
 
     topo = Topology.build(placement="collocated", vision_dp=1, vision_sp=world, text_dp=1,
                           text_tp=1, text_cp=world)
-    engine = DHPEngine(demo.tiny_model_config("qwen2_5_vl"), build_groups(topo, torch.device("cpu")), CFG)
+    engine = DHPEngine(demo.tiny_model_config("qwen2_5_vl"), build_groups(topo, torch.device("cpu")), CFG.step_config())
     counter, seen, inner = ActivationCounter(), [], engine._text_forward_backward
 
     def counted(samples, feats, n_targets):
@@ -251,3 +251,84 @@ def test_long_video_under_cp2_is_exact_fp64(tmp_path, placement, vision):
     at = ops.row_tokens(video).nonzero().flatten()
     half = -(-max(int(s.num_tokens) for s in steps[0][0]) // 2)  # the CP2 cut of the padded row
     assert at.numel() == 144 and at[0] < half <= at[-1]  # the video spans both slices
+
+
+LORA = {"llm": {"lora": {"r": 4, "alpha": 8}}}  # the gated attention's q/k/v/o and every MLP
+
+
+@pytest.mark.slow
+def test_qwen3_5_lora_under_cp2_is_exact_fp64(reference):
+    """PEFT LoRA on Qwen3.5 at CP2 (collocated SP2) against the single-process PEFT model: the
+    adapters (the gated attention's and the MLPs'; the Gated DeltaNet's projections are not
+    LoRA targets for this family, `target_modules` refuses them) run on the rank's slice, the
+    attention's all-to-alls live in the attention function and the frozen Gated DeltaNet layers
+    stay head-sharded. 1e-10 on everything (the frozen base, fp32-summed norms included, stays
+    bit-identical)."""
+    cfg, steps, ref = reference("qwen3_5", modules=LORA)
+    got = run_engine("qwen3_5", _layout("collocated", (2, 1), (1, 1), 2), cfg, steps,
+                     torch.float64, grads=True)
+    worst = assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10,
+                          grad_tol=1e-10)  # the base (its fp32-summed norms too) is frozen
+    print(f"qwen3_5 LoRA cp2: worst update error {worst[0]:.1e} ({worst[2]})")
+    assert any(".lora_B." in n for n in ref["grads"][0])
+    comm = got["per_rank"][-1]["comm"]
+    assert any(k.endswith("/text.cp.mixer") for k in comm), comm
+
+
+def _packed_cfg(cfg):
+    from dataclasses import replace
+
+    return replace(cfg, packing=True, max_tokens=80)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_heads, packed", [(4, False), (2, False), (4, True)],
+                         ids=["cp3", "cp3-kv2", "cp3-packed"])
+def test_cp_beyond_the_heads_is_exact_fp64(tmp_path, kv_heads, packed):
+    """CP3 with 4 attention heads (disjoint: 1 vision + 3 text ranks): the heads do not split
+    over CP, so `gathered_kv_attention` keeps every head on the rank's query slice and gathers
+    the other slices' keys and values (its backward sums their gradients back to the owners);
+    with 2 KV heads (repeated to the query heads after the gather), and on packed rows
+    (per-sample positions on the whole row, the causal mask also within each sample; the
+    padded reference). The sequences are padded to a multiple of 3. Tolerance as above."""
+    from tests.distributed.parity import CFG, make_steps, run_reference
+
+    model = _gqa_model(kv_heads)
+    cfg = _packed_cfg(CFG) if packed else CFG
+    steps = make_steps(tmp_path, "qwen2_5_vl", cfg)
+    ref = run_reference("qwen2_5_vl", cfg, steps, torch.float64, model=model)
+    got = run_engine("qwen2_5_vl", _layout("disjoint", (1, 1), (1, 1), 3), cfg, steps,
+                     torch.float64, grads=True, model=model)
+    worst = assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10, grad_tol=1e-10)
+    print(f"cp3 beyond the heads (kv {kv_heads}, packed {packed}): worst update {worst[0]:.1e} ({worst[2]})")
+    comm = got["per_rank"][-1]["comm"]
+    assert any(k.endswith("/text.cp.kv") for k in comm), comm  # the K/V gathers ran
+    assert not any(k.endswith("/text.cp") for k in comm), comm  # and no head all-to-all
+
+
+@pytest.mark.slow
+def test_planned_text_gradient_traffic_under_cp_equals_sent_bytes(tmp_path):
+    """`planning.traffic.collective_bytes` at CP2 (one text replica, ZeRO-2): the text gradients
+    are reduced over the 2 CP ranks and the new weights broadcast back; the plan charges
+    ``(n - 1) / n`` of each buffer the engine's `CommCounter` records (n = 2: exact), as
+    tests/distributed/test_zero_traffic.py does over data-parallel replicas. (Before: 0 bytes.)"""
+    from ray_dhp.config.train_loop import TrainLoopConfig
+    from ray_dhp.models.sizes import count_params
+    from ray_dhp.planning.cost_types import Layout, Workload
+    from ray_dhp.planning.traffic import collective_bytes
+    from ray_dhp.step.precision import policy_of
+    from tests.distributed.parity import make_steps
+
+    cfg = TrainLoopConfig(lr=1e-3, global_batch_size=4, num_steps=1, seed=0, precision="fp32")
+    layout = dict(_layout("collocated", (2, 1), (1, 1), 2), vision_zero=1, text_zero=2)
+    got = run_engine("qwen2_5_vl", layout, cfg, make_steps(tmp_path, "qwen2_5_vl", cfg), None)
+    config, policy = demo_config("qwen2_5_vl"), policy_of(cfg.optim)
+    plan = collective_bytes(config, count_params(config),
+                            Layout("collocated", "sequential", 2, 1, 1, 1, vision_zero=1, text_zero=2,
+                                   text_cp=2),
+                            Workload(1024, 64, 4, policy=policy, state_bytes=policy.state_bytes()))
+    for rank, out in enumerate(got["per_rank"]):
+        sent = {k: v["bytes"] for k, v in out["comm"].items()}
+        assert plan["text dp gradients"] == (sent["reduce/text.grads"] + sent["broadcast/text.zero"]) / 2, \
+            (rank, plan["text dp gradients"], sent)
+    print(f"text gradients at CP2: planned {plan['text dp gradients']:.0f} B per rank = sent")

@@ -56,13 +56,13 @@ def _body(rank, world, steps):
     for name, make in (("old_signature", _old_forward), ("ignored", _ignoring_forward)):
         cls.forward = make(real)
         try:
-            engine = DHPEngine(demo.tiny_model_config(FAMILY), groups, CFG)
+            engine = DHPEngine(demo.tiny_model_config(FAMILY), groups, CFG.step_config())
             engine.step(steps[0])
         except RuntimeError as e:
             errors[name] = str(e)
         finally:
             cls.forward = real
-    engine = DHPEngine(demo.tiny_model_config(FAMILY), groups, CFG)  # the real seam: no error
+    engine = DHPEngine(demo.tiny_model_config(FAMILY), groups, CFG.step_config())  # the real seam: no error
     errors["real_loss"] = engine.step(steps[0])["loss"]
     return errors
 

@@ -47,7 +47,7 @@ def data(tmp_path_factory):
 
 
 def _val_sampler(path, cfg=CFG):
-    return StepSampler(read_annotations(path), demo.tiny_processor(FAMILY), resolve_data_root(path), cfg)
+    return StepSampler(read_annotations(path), demo.tiny_processor(FAMILY), resolve_data_root(path), cfg.sampler_config())
 
 
 def _reference(steps, val) -> dict:
@@ -90,8 +90,8 @@ def _body(rank, world, layout, steps, val, val_cfg):
 
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
     model = demo.tiny_model_config(FAMILY)
-    with_eval = DHPEngine(model, groups, CFG, dtype=torch.float64)
-    plain = DHPEngine(model, groups, CFG, dtype=torch.float64)
+    with_eval = DHPEngine(model, groups, CFG.step_config(), dtype=torch.float64)
+    plain = DHPEngine(model, groups, CFG.step_config(), dtype=torch.float64)
     loader = EvalLoader(_val_sampler(val, val_cfg), groups, batch_size=val_cfg.eval_batch(),
                         balancer=with_eval.balancer())
     modes = [_modes(with_eval)]  # every sub-module's `training` flag, before/after each evaluation

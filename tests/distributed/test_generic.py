@@ -28,7 +28,7 @@ LAYOUTS = {
     "disjoint-1v-tp2": dense_layout("disjoint", (1, 1), (2, 1)),
     "collocated-text-zero3-dp2": dict(dense_layout("collocated", (1, 2), (1, 2)), text_zero=3),
 }
-DEFAULT = {("gemma3", "collocated-dp2-tp2"), ("llava", "disjoint-1v-tp2"),
+DEFAULT = {("gemma3", "collocated-dp2-tp2"), ("gemma3", "disjoint-1v-tp2"),  # one reference
            ("paligemma", "collocated-text-zero3-dp2")}
 
 

@@ -63,7 +63,7 @@ def _engine_body(rank, world, mbs):
     for kind in ("fp32", "bf16"):
         if kind == "bf16":
             engine_mod.accumulate_in_fp32 = lambda params, policy: None
-        engine = DHPEngine(demo.tiny_model_config(FAMILY), groups, CFG)
+        engine = DHPEngine(demo.tiny_model_config(FAMILY), groups, CFG.step_config())
         named = list(engine.visual.named_parameters()) + list(engine.text_model.named_parameters())
         sums, _ = _exact_sums(named)
         engine.forward_backward(mbs)

@@ -17,7 +17,7 @@ BAD = [(2, "missing_image"), (5, "malformed_json"), (9, "corrupt_image")]
 
 def _sampler(path, **cfg):
     return StepSampler(read_annotations(path), demo.tiny_processor(), resolve_data_root(path),
-                       TrainLoopConfig(**cfg))
+                       TrainLoopConfig(**cfg).sampler_config())
 
 
 def _balancer(cfg):

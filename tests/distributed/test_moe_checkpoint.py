@@ -27,7 +27,7 @@ def _sampler(data, cfg=CFG):
     from ray_dhp.data.reading import read_annotations, resolve_data_root
     from ray_dhp.data.sampler import StepSampler
 
-    return StepSampler(read_annotations(data), demo.tiny_processor(FAMILY), resolve_data_root(data), cfg)
+    return StepSampler(read_annotations(data), demo.tiny_processor(FAMILY), resolve_data_root(data), cfg.sampler_config())
 
 
 def _body(rank, world, layout, data, root, resume, stop, cfg=CFG):
@@ -37,7 +37,7 @@ def _body(rank, world, layout, data, root, resume, stop, cfg=CFG):
     from ray_dhp.parallel.topology import Topology
 
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
-    engine = DHPEngine(demo.tiny_model_config(FAMILY), groups, cfg, dtype=torch.float64,
+    engine = DHPEngine(demo.tiny_model_config(FAMILY), groups, cfg.step_config(), dtype=torch.float64,
                        init="checkpoint" if resume else "source")
     sampler = _sampler(data, cfg)
     first = checkpoint.load(os.path.join(root, "ckpt"), engine, sampler) if resume else 0

@@ -26,8 +26,8 @@ def _body(rank, world, family, layout, data, ckpt):
     from ray_dhp.parallel.topology import Topology
 
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
-    engine = DHPEngine(demo.tiny_model_config(family), groups, CFG, dtype=torch.float64)
-    sampler = StepSampler(read_annotations(data), demo.tiny_processor(family), resolve_data_root(data), CFG)
+    engine = DHPEngine(demo.tiny_model_config(family), groups, CFG.step_config(), dtype=torch.float64)
+    sampler = StepSampler(read_annotations(data), demo.tiny_processor(family), resolve_data_root(data), CFG.sampler_config())
     params0 = engine.named_full_parameters()
     engine.step(sampler.next_step())
     checkpoint.save(ckpt, engine, sampler)

@@ -29,7 +29,7 @@ def _body(rank, world, cfg, steps):
 
     groups = build_groups(Topology.build(**EP2), torch.device("cpu"))
     comm = CommCounter()
-    engine = DHPEngine(demo.tiny_model_config(FAMILY), groups, cfg, comm=comm, dtype=torch.float64)
+    engine = DHPEngine(demo.tiny_model_config(FAMILY), groups, cfg.step_config(), comm=comm, dtype=torch.float64)
     router = next(m for n, m in engine.text_model.named_modules() if n.endswith("mlp.gate"))
     rows = []
     router.register_forward_hook(lambda m, args, out: rows.append(args[0].numel() // args[0].shape[-1]))

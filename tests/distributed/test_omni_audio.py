@@ -138,7 +138,7 @@ def _resume_body(rank, world, layout, cfg, steps, ckpt, first):
     from ray_dhp.parallel.topology import Topology
 
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
-    engine = DHPEngine(demo.tiny_model_config("qwen2_5_omni"), groups, cfg, dtype=torch.float64,
+    engine = DHPEngine(demo.tiny_model_config("qwen2_5_omni"), groups, cfg.step_config(), dtype=torch.float64,
                        init="checkpoint" if first else "source")
     if first:
         assert checkpoint.load(ckpt, engine) == first
@@ -202,9 +202,9 @@ def _loader_body(rank, world, path, layout, cfg):
     from ray_dhp.parallel.topology import Topology
 
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
-    engine = DHPEngine(demo.tiny_model_config("qwen2_5_omni"), groups, cfg, dtype=torch.float64)
+    engine = DHPEngine(demo.tiny_model_config("qwen2_5_omni"), groups, cfg.step_config(), dtype=torch.float64)
     sampler = StepSampler(read_annotations(path), demo.tiny_processor("qwen2_5_omni"),
-                          resolve_data_root(path), cfg)
+                          resolve_data_root(path), cfg.sampler_config())
     loader = StepLoader(sampler, groups, prefetch=False, balancer=engine.balancer())
     seen, losses = [], []
     for _ in range(2):

@@ -38,7 +38,7 @@ LAYOUT = dict(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1, text_
 
 
 def _sampler(path) -> StepSampler:
-    s = StepSampler(read_annotations(path), demo.tiny_processor(FAMILY), resolve_data_root(path), CFG)
+    s = StepSampler(read_annotations(path), demo.tiny_processor(FAMILY), resolve_data_root(path), CFG.sampler_config())
     s.allow_audio = True
     return s
 
@@ -68,7 +68,7 @@ def _body(rank, world, path, step):
     from ray_dhp.parallel.mesh import build_groups
 
     groups = build_groups(Topology.build(**LAYOUT), torch.device("cpu"))
-    engine = DHPEngine(demo.tiny_model_config(FAMILY), groups, CFG, dtype=torch.float64)
+    engine = DHPEngine(demo.tiny_model_config(FAMILY), groups, CFG.step_config(), dtype=torch.float64)
     loader = EvalLoader(_sampler(path), groups, batch_size=CFG.eval_batch(), balancer=engine.balancer())
     hosted = {**engine.shards, "text": engine.text_model}
     seen = []  # (module, sub-module, training flag) at every sub-module forward of an evaluation

@@ -69,7 +69,7 @@ def _open_loop_body(rank, world, layout, cfg, steps, loss_fn):
     from ray_dhp.parallel.mesh import build_groups
 
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
-    engine = DHPEngine(demo.tiny_model_config(FAMILY), groups, cfg, dtype=torch.float64)
+    engine = DHPEngine(demo.tiny_model_config(FAMILY), groups, cfg.step_config(), dtype=torch.float64)
     params0 = engine.named_full_parameters()
     seen = capture_grads(engine)
     history = []
@@ -115,7 +115,7 @@ def _step_vs_open_loop_body(rank, world, layout, cfg, steps):
     from ray_dhp.parallel.mesh import build_groups
 
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
-    engines = [DHPEngine(demo.tiny_model_config(FAMILY), groups, cfg, dtype=torch.float64)
+    engines = [DHPEngine(demo.tiny_model_config(FAMILY), groups, cfg.step_config(), dtype=torch.float64)
                for _ in range(3)]
     grads = [capture_grads(e) for e in engines]
     hist = [[], [], []]
@@ -155,7 +155,7 @@ def test_forward_backward_plus_optimizer_step_is_step(steps):
 CASES = [
     # (id, layout, loss, packing, default run?)
     ("image-weighted-sp2-tp2", _layout((2, 1), (2, 1)), image_weighted_loss, False, True),
-    ("smoothed-sp2-tp2", _layout((2, 1), (2, 1)), smoothed_loss, False, True),
+    ("smoothed-sp2-tp2", _layout((2, 1), (2, 1)), smoothed_loss, False, False),  # test_smoothed_loss_is_torchs
     ("image-weighted-sp2dp2-tp2dp2", _layout((2, 2), (2, 2)), image_weighted_loss, False, False),
     ("image-weighted-packed-textsp-tp2", _layout((2, 1), (2, 1), text_sp=True), image_weighted_loss,
      True, False),

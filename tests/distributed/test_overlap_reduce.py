@@ -91,7 +91,7 @@ def _engine_body(rank, world, steps, cfg):
     layout = dict(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1, text_tp=2)
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
     comm = CommCounter()
-    engine = DHPEngine(demo.tiny_model_config("qwen2_5_vl"), groups, cfg, comm=comm,
+    engine = DHPEngine(demo.tiny_model_config("qwen2_5_vl"), groups, cfg.step_config(), comm=comm,
                        dtype=torch.float64)
     out = {}
     for last in (False, True):

@@ -37,7 +37,7 @@ def _engine(layout, cfg):
     from ray_dhp.parallel.mesh import build_groups
 
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
-    return DHPEngine(demo.tiny_model_config(FAMILY), groups, cfg), groups
+    return DHPEngine(demo.tiny_model_config(FAMILY), groups, cfg.step_config()), groups
 
 
 def _bytes_body(rank, world, layout, steps):
@@ -235,7 +235,7 @@ def _resume_body(rank, world, layout, cfg, data, ckpt, mode):
 
     engine, _ = _engine(layout, cfg)
     sampler = StepSampler(read_annotations(data), demo.tiny_processor(FAMILY),
-                          resolve_data_root(data), cfg)
+                          resolve_data_root(data), cfg.sampler_config())
     if mode == "resume":
         checkpoint.load(ckpt, engine, sampler)
     losses = []

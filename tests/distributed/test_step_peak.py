@@ -68,7 +68,7 @@ def _body(rank, world, steps):
 
     precision.CHUNK_BYTES, dp._BUCKET_BYTES = CHUNK, BUCKET
     groups = build_groups(Topology.build(**SP2_TP2), torch.device("cpu"))
-    engine = DHPEngine(_config(), groups, CFG)
+    engine = DHPEngine(_config(), groups, CFG.step_config())
     engine.step(steps[0])  # AdamW moments exist from here on
     base = _live_state(engine)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

@@ -111,7 +111,7 @@ def _bf16_body(rank, world, layout, cfg, steps):
     from ray_dhp.parallel.mesh import build_groups
 
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
-    engine = DHPEngine(_tied(), groups, cfg)
+    engine = DHPEngine(_tied(), groups, cfg.step_config())
     out = {"is_text": groups.is_text}
     if engine.text_model is not None:
         lm = engine.family.language_model(engine.text_model)

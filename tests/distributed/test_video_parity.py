@@ -39,7 +39,7 @@ def video_steps(tmp_path, family: str, cfg: TrainLoopConfig):
     unit = 32 if family == "qwen3_vl" else 28
     proc = demo.tiny_processor(family).configured(
         video=VideoSettings(min_pixels=(2 * unit) ** 2, max_pixels=(2 * unit) ** 2))
-    sampler = StepSampler(read_annotations(path), proc, resolve_data_root(path), cfg)
+    sampler = StepSampler(read_annotations(path), proc, resolve_data_root(path), cfg.sampler_config())
     steps = [sampler.next_step() for _ in range(cfg.optim.num_steps)]
     kinds = [[s.modalities.tolist() if s.modalities is not None else [] for mb in mbs for s in mb]
              for mbs in steps]

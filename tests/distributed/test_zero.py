@@ -171,7 +171,7 @@ def _bytes_body(rank, world, layout, steps, precision):
     out = {}
     for vz, tz in STAGES:
         groups = build_groups(Topology.build(**layout, vision_zero=vz, text_zero=tz), torch.device("cpu"))
-        engine = DHPEngine(demo.tiny_model_config(FAMILY), groups, replace(CFG, precision=precision))
+        engine = DHPEngine(demo.tiny_model_config(FAMILY), groups, replace(CFG, precision=precision).step_config())
         with CollectiveDeviceCheck(groups.device, host_groups=[groups.data]) as check:
             engine.step(steps[0])
         out[(vz, tz)] = {**engine.state_bytes(), "checked_calls": check.calls}

@@ -26,7 +26,7 @@ def long_video_steps(tmp_path, cfg: TrainLoopConfig):
     side = 112 * 112
     proc = demo.tiny_processor("qwen2_5_vl").configured(
         video=VideoSettings(min_pixels=side, max_pixels=side))
-    sampler = StepSampler(read_annotations(path), proc, resolve_data_root(path), cfg)
+    sampler = StepSampler(read_annotations(path), proc, resolve_data_root(path), cfg.sampler_config())
     return [sampler.next_step() for _ in range(cfg.optim.num_steps)]
 
 

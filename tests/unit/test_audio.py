@@ -155,7 +155,7 @@ def test_audio_records_are_refused_before_training(tmp_path, audio_set):
         refuse_audio([tmp_path], "qwen2_5_vl", False)
     cfg = TrainLoopConfig(global_batch_size=2, micro_batches=1, num_steps=1)
     sampler = StepSampler(read_annotations(audio_set[0]), demo.tiny_processor("qwen2_5_omni"),
-                          resolve_data_root(audio_set[0]), cfg)
+                          resolve_data_root(audio_set[0]), cfg.sampler_config())
     with pytest.raises(ValueError, match="no group: add an 'audio:' section"):
         sampler.next_step()
     sampler.allow_audio = True  # a layout with an audio group (the loader sets it from the topology)

@@ -256,7 +256,7 @@ def test_sampler_cuts_equal_count_micro_batches_of_even_cost():
 
     config = demo.tiny_model_config("qwen2_5_vl")
     s = StepSampler.__new__(StepSampler)
-    s.cfg = TrainLoopConfig(global_batch_size=8, micro_batches=2)
+    s.cfg = TrainLoopConfig(global_batch_size=8, micro_batches=2).sampler_config()
     samples = [_sample(0, (32, 32)), _sample(1, (32, 32)), _sample(2, (8, 8)), _sample(3, (8, 8)),
                _sample(4), _sample(5), _sample(6, (8, 8)), _sample(7, (8, 8))]
     assert [[x.index for x in mb] for mb in s.cut(samples)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -277,7 +277,7 @@ def test_loader_decode_owners_balance_image_pixels(tmp_path):
     path = demo.make_dataset(tmp_path / "d", num_samples=8, text_only_every=4,
                              image_sizes=((448, 448), (56, 56), (56, 56)))
     sampler = StepSampler(read_annotations(path), demo.tiny_processor(), resolve_data_root(path),
-                          TrainLoopConfig(global_batch_size=8))
+                          TrainLoopConfig(global_batch_size=8).sampler_config())
     costs = decode_costs(sampler, list(range(8)))
     assert costs[3] == costs[7] == 1024  # text-only
     assert costs[0] == 1024 + 448 * 448 and costs[1] == 1024 + 56 * 56

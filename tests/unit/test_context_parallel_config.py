@@ -43,9 +43,10 @@ def test_config_and_run_file_take_the_key(tmp_path):
 
 
 @pytest.mark.parametrize("family, kw, match", [
-    ("qwen2_5_vl", dict(vision=ModuleParallel(sequence_parallel=4),
-                        text=ModuleParallel(tensor_parallel=2, context_parallel=4), placement="disjoint"),
-     r"text.context_parallel=4: text.tensor_parallel x text.context_parallel = 8 does not divide"),
+    ("qwen3_5", dict(vision=ModuleParallel(sequence_parallel=4),
+                     text=ModuleParallel(tensor_parallel=2, context_parallel=4), placement="disjoint"),
+     r"text.context_parallel=4: text.tensor_parallel x text.context_parallel = 8 does not divide "
+     r"the 4 linear-attention key heads"),
     ("qwen2_5_vl", dict(vision=ModuleParallel(context_parallel=2), text=ModuleParallel(data_parallel=2)),
      "vision.context_parallel"),
     ("qwen3_5_moe", dict(vision=ModuleParallel(sequence_parallel=2), text=ModuleParallel(context_parallel=2)),
@@ -79,16 +80,15 @@ def test_deepstack_moe_and_linear_attention_families_are_accepted(family):
     assert cfg.topology().text.cp == 2
 
 
-def test_packing_with_cp_is_refused_in_the_driver(tmp_path):
-    from ray_dhp.cli.schema import ConfigError
+def test_packing_with_cp_passes_the_driver(tmp_path):
+    """``data.packing`` with ``text.context_parallel`` is accepted (exact: the slow
+    tests/distributed/test_context_parallel_packing.py)."""
     from ray_dhp.run_file import load_run_file
 
     path = tmp_path / "run.yaml"
     path.write_text("model: {demo: qwen2_5_vl}\nvision: {sequence_parallel: 2}\n"
                     "text: {context_parallel: 2}\ndata: {packing: true}\n")
-    with pytest.raises((ConfigError, ValueError), match="data.packing=true is not covered with "
-                                                        "text.context_parallel=2"):
-        load_run_file(str(path), []).validate()
+    load_run_file(str(path), []).validate()
 
 
 def test_slices_and_their_feature_rows():
@@ -100,6 +100,29 @@ def test_slices_and_their_feature_rows():
     masks = [torch.tensor([0, 1, 1, 0, 1, 0], dtype=torch.bool), torch.tensor([1, 0, 0, 1], dtype=torch.bool)]
     assert local_rows(masks, 6, 2, 0).tolist() == [0, 1, 3]  # tokens 0-2
     assert local_rows(masks, 6, 2, 1).tolist() == [2, 4]     # tokens 3-5
+    # packed: a sample with rows at its tokens 0, 1 lies at column 2 of its row: the cut at 3
+    # falls between its rows (one padded row each, both would be in the first slice)
+    two = [torch.tensor([1, 1, 0], dtype=torch.bool)]
+    assert local_rows(two, 6, 2, 0).tolist() == [0, 1]
+    assert local_rows(two, 6, 2, 0, starts=[2]).tolist() == [0]
+    assert local_rows(two, 6, 2, 1, starts=[2]).tolist() == [1]
+
+
+def test_segment_attention_keeps_samples_apart():
+    """`segment_attention` on packed rows equals causal attention of each segment alone."""
+    from ray_dhp.parallel.context import segment_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 8, 4, dtype=torch.float64) for _ in range(3))
+    cu = torch.tensor([0, 3, 8, 13, 16])  # row 0: [0, 3) [3, 8); row 1: [0, 5) [5, 8)
+    out = segment_attention(q, k, v, cu)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for r, lo, hi in [(0, 0, 3), (0, 3, 8), (1, 0, 5), (1, 5, 8)]:
+        alone = sdpa(q[r:r + 1, :, lo:hi], k[r:r + 1, :, lo:hi], v[r:r + 1, :, lo:hi], is_causal=True)
+        assert torch.equal(out[r:r + 1, :, lo:hi], alone)
+    assert not torch.allclose(out, sdpa(q, k, v, is_causal=True))
+    with pytest.raises(ValueError, match="crosses the end of row"):
+        segment_attention(q, k, v, torch.tensor([0, 10, 16]))
 
 
 def test_planner_divides_lm_activations_by_cp():
@@ -217,3 +240,34 @@ def test_recommend_ranks_context_parallel_degrees():
     assert one and two and one.phases.text_comm == 0 < two.phases.text_comm
     compute = [c.phases.text - c.phases.text_comm for c in (one, two)]
     assert abs(compute[0] - compute[1]) < 1e-9 * compute[0]
+
+
+def test_traffic_reduces_text_gradients_over_dp_x_cp():
+    """`planning.traffic`: each CP rank back-propagates its slice, so the text gradients are
+    reduced over the dp x cp replicas (the engine's ``dp_groups``): CP2 x DP1 sends what DP2
+    does (it sent nothing before), per ZeRO stage; the groups are the dp x cp ranks; the TP
+    all-reduces carry the rank's ``1 / cp`` of the tokens; the q/k/v/output all-to-alls appear
+    under CP only (the engine's bytes: the slow tests/distributed/test_context_parallel.py)."""
+    from ray_dhp.models.sizes import count_params
+    from ray_dhp.parallel.zero import replica_bytes
+    from ray_dhp.planning.cost_types import Layout, Workload
+    from ray_dhp.planning.traffic import collective_bytes, collective_groups
+
+    config = demo.tiny_model_config("qwen2_5_vl")
+    counts = count_params(config)
+
+    def plan(tp=1, dp=1, cp=1, zero=0):
+        layout = Layout("collocated", "sequential", tp * dp * cp, 1, tp, dp, text_zero=zero, text_cp=cp)
+        return collective_bytes(config, counts, layout, Workload(1024, 64, 4)), layout.topology()
+
+    for zero in (0, 1, 2, 3):
+        (cp2, topo), (dp2, _) = plan(cp=2, zero=zero), plan(dp=2, zero=zero)
+        assert cp2["text dp gradients"] == dp2["text dp gradients"] > 0
+        assert cp2["text dp gradients"] == replica_bytes(2, zero, counts.text * 4, counts.text * 4)
+    assert plan()[0]["text dp gradients"] == 0 and plan()[0]["text cp all-to-all"] == 0
+    groups = collective_groups(topo, 4)
+    assert groups["text dp gradients"] == topo.text.dp_groups() == [[0, 1]]
+    assert groups["text cp all-to-all"] == topo.text.cp_groups() == [[0, 1]]
+    assert cp2["text cp all-to-all"] > 0
+    tp2, tp2cp2 = plan(tp=2)[0], plan(tp=2, cp=2)[0]
+    assert tp2cp2["text tp all-reduce"] == tp2["text tp all-reduce"] / 2

@@ -135,7 +135,7 @@ def test_eval_loader_covers_each_valid_record_once_in_order(tmp_path):
 
     path = demo.make_dataset(tmp_path, num_samples=5, bad_lines=[(1, "corrupt_image")])
     sampler = StepSampler(read_annotations(path), demo.tiny_processor(), resolve_data_root(path),
-                          TrainLoopConfig())
+                          TrainLoopConfig().sampler_config())
     loader = EvalLoader(sampler, None, batch_size=2)
     for _ in range(2):
         got = [[[s.index for s in mb] for mb in step] for step in loader.batches()]
@@ -143,7 +143,7 @@ def test_eval_loader_covers_each_valid_record_once_in_order(tmp_path):
     assert loader.skipped == 1 and loader.processed_here == 5 + 4  # record 1 decoded once only
     with pytest.raises(ValueError, match="bad sample at .*data.jsonl:2"):
         strict = StepSampler(read_annotations(path), demo.tiny_processor(), resolve_data_root(path),
-                             TrainLoopConfig(bad_data="strict"))
+                             TrainLoopConfig(bad_data="strict").sampler_config())
         list(EvalLoader(strict, None, batch_size=2).batches())
 
 

@@ -16,10 +16,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # their data (docs/data.md), not a fact about a model.
 FAMILY_ALLOWED = {"ray_dhp/data/bad_data.py": 2, "ray_dhp/data/spool.py": 1}
 
-# Module-name comparisons still in mechanism code (issue 40 item 2, modules as data, removes
-# them): none may be added.
-BRANCH_ALLOWED = {"ray_dhp/data/audio.py": 1, "ray_dhp/planning/memory.py": 3,
-                  "ray_dhp/planning/memory_audio.py": 2, "ray_dhp/planning/step_peak.py": 3}
+# Module-name comparisons in mechanism code: none (issue 40 item 2, modules as data; a rank
+# hosts a module when the module's layout covers it, `ModuleLayout.hosts`).
+BRANCH_ALLOWED: dict = {}
 
 
 def _tool():

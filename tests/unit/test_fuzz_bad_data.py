@@ -29,7 +29,7 @@ def hostile(tmp_path_factory):
 def _sampler(path, data_root=None, **cfg):
     cfg = {"global_batch_size": 8, "max_tokens": 2048, "max_bad_fraction": 0.5, **cfg}
     return StepSampler(read_annotations(path), demo.tiny_processor(),
-                       resolve_data_root(path, data_root), TrainLoopConfig(**cfg))
+                       resolve_data_root(path, data_root), TrainLoopConfig(**cfg).sampler_config())
 
 
 @pytest.mark.parametrize("feed", ["sampler", "loader_with_a_decoding_process"])

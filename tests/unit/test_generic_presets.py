@@ -14,7 +14,7 @@ _SLOW = pytest.mark.slow  # meta builds of 12-27B models: seconds each; one size
     ("gemma3", "4b", 4.30), pytest.param("gemma3", "12b", 12.19, marks=_SLOW),
     pytest.param("gemma3", "27b", 27.43, marks=_SLOW),
     ("llava", "1.5-7b", 7.06), pytest.param("llava", "1.5-13b", 13.35, marks=_SLOW),
-    ("mistral3", "24b", 24.01), ("idefics3", "8b", 8.46), ("glm4v", "9b", 10.29),
+    pytest.param("mistral3", "24b", 24.01, marks=_SLOW), ("idefics3", "8b", 8.46), ("glm4v", "9b", 10.29),
 ])
 def test_generic_presets_have_the_published_sizes(family, preset, billions):
     """Totals as the model cards give them (Gemma 3 4.3B/12.2B/27.4B with tied embeddings,

@@ -13,7 +13,7 @@ from ray_dhp.config.train_loop import TrainLoopConfig
 
 def _sampler(path, **cfg):
     return StepSampler(read_annotations(path), demo.tiny_processor(), resolve_data_root(path),
-                       TrainLoopConfig(**cfg))
+                       TrainLoopConfig(**cfg).sampler_config())
 
 
 def _ids(micro_batches):

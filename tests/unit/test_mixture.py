@@ -38,7 +38,7 @@ def _mix(sizes: dict, weights: dict, seed=0, bad=None, **cfg):
     bad = bad or {}
     sources = [DataSource(n, _records(n, k, bad.get(n, ())), f"/data/{n}", weights.get(n))
                for n, k in sizes.items()]
-    return StepSampler.from_sources(sources, _Echo(), TrainLoopConfig(seed=seed, **cfg))
+    return StepSampler.from_sources(sources, _Echo(), TrainLoopConfig(seed=seed, **cfg).sampler_config())
 
 
 def _draws(sampler, k):
@@ -134,8 +134,8 @@ def test_a_dataset_with_no_valid_record_is_named():
 def test_a_single_dataset_is_the_mixture_of_it_alone():
     """No second order for one dataset: the same draws and state as the mixture {"train": 1}."""
     recs = _records("t", 11)
-    s = StepSampler(recs, _Echo(), "/r", TrainLoopConfig(seed=5))
-    t = StepSampler.from_sources([DataSource("train", recs, "/r")], _Echo(), TrainLoopConfig(seed=5))
+    s = StepSampler(recs, _Echo(), "/r", TrainLoopConfig(seed=5).sampler_config())
+    t = StepSampler.from_sources([DataSource("train", recs, "/r")], _Echo(), TrainLoopConfig(seed=5).sampler_config())
     u = _mix({"train": 11}, {"train": 0.25}, seed=5)
     draws = _draws(s, 11 * 3)
     assert draws == _draws(t, 11 * 3) == _draws(u, 11 * 3)
@@ -170,7 +170,7 @@ def test_mixture_checkpoint_of_the_previous_sampler_resumes_exactly():
 def test_single_dataset_checkpoint_of_the_previous_sampler_is_a_clear_error():
     old = _fixture()["single"]
     s = StepSampler(_records("t", old["size"], set(old["bad"])), _Echo(), "/r",
-                    TrainLoopConfig(seed=old["seed"], global_batch_size=old["global_batch_size"]))
+                    TrainLoopConfig(seed=old["seed"], global_batch_size=old["global_batch_size"]).sampler_config())
     with pytest.raises(OldSamplerState, match=r"single-dataset form.*da3a5fe.*cannot resume "
                                               r"exactly.*ray-dhp export.*model\.path"):
         s.load_state_dict(old["state"])
@@ -213,7 +213,7 @@ def test_path_datasets_resolve_images_against_their_own_folder(tmp_path):
     sources = load_sources(cfg.data)
     assert [(s.name, s.root, s.weight) for s in sources] == [
         ("large", resolve_data_root(large), 2.0), ("small", resolve_data_root(small), 1.0)]
-    s = StepSampler.from_sources(sources, demo.tiny_processor(), cfg)
+    s = StepSampler.from_sources(sources, demo.tiny_processor(), cfg.sampler_config())
     for _ in range(4):  # 24 draws: 8 from small (2 epochs), 16 from large (~2 epochs)
         assert sum(len(mb) for mb in s.next_step()) == 6
     # large's images 004..008 exist only in its own folder: resolved per dataset, none were bad

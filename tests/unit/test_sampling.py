@@ -13,7 +13,7 @@ from ray_dhp.config.train_loop import TrainLoopConfig
 def _sampler(tmp_path, n=16, bad=(), **cfg):
     path = demo.make_dataset(tmp_path / "d", num_samples=n, text_only_every=5, bad_lines=bad)
     return StepSampler(read_annotations(path), demo.tiny_processor(), resolve_data_root(path),
-                       TrainLoopConfig(**cfg)), path
+                       TrainLoopConfig(**cfg).sampler_config()), path
 
 
 @pytest.mark.parametrize("vdp, tdp", [(2, 1), (1, 2), (2, 2), (4, 2)])
