@@ -16,15 +16,42 @@ read nothing written for the family: transformers' default config of the model t
 `tiny_generic_processor` is the demo tokenizer with transformers' PIL SigLIP image processor
 (fixed 56-px images, normalised as SigLIP does) behind `ray_dhp.data.tiles.TileImageProcessor`
 (one tile per image); a tower on patch rows (GLM-4V's) gets Qwen2-VL's PIL processor at its
-patch, merge and temporal sizes (56..112-px images).
+patch, merge and temporal sizes (56..112-px images), and a tower on padded rows per image
+(SigLIP 2's NaFlex, LFM2-VL's) or on patch rows without Qwen's ``spatial_merge_size``
+(Kimi-K2.5's, whose processor patchifies in raster order) the same with one frame per image
+and raster-ordered rows.
 """
 
 from __future__ import annotations
+
+import torch
 
 from ray_dhp.demo.tokenizer import _token_ids, build_tokenizer
 from ray_dhp.models.shrink import IMAGE_SIDE, PATCH
 
 __all__ = ["tiny_generic_config", "tiny_generic_processor", "IMAGE_SIDE", "PATCH"]
+
+
+def _raster_processor():
+    """Qwen2-VL's PIL processor (one frame per image) with each image's patch rows in raster
+    order, the order `ray_dhp.data.tiles` and a tower on padded rows per image take (Qwen2-VL's
+    own order groups them by merge square)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    class RasterRowsImageProcessor(Qwen2VLImageProcessorPil):
+        def preprocess(self, *args, **kwargs):
+            out = super().preprocess(*args, **kwargs)
+            if out.get("pixel_values") is None:
+                return out
+            m, blocks = self.merge_size, []
+            rows = out["pixel_values"].split(out["image_grid_thw"].prod(-1).tolist())
+            for x, (t, h, w) in zip(rows, out["image_grid_thw"].tolist()):
+                x = x.reshape(t, h // m, w // m, m, m, -1).permute(0, 1, 3, 2, 4, 5)
+                blocks.append(x.reshape(t * h * w, -1))
+            out["pixel_values"] = torch.cat(blocks)
+            return out
+
+    return RasterRowsImageProcessor
 
 _TOKEN_IDS = {  # config key -> the demo tokenizer's token (`_token_ids`)
     "image_token_id": "image_token_id", "image_token_index": "image_token_id",
@@ -61,14 +88,18 @@ def tiny_generic_processor(model_type: str):
 
     config = tiny_generic_config(model_type)
     family = family_of(config)
-    if family.grid_input:  # a tower on patch rows: Qwen2-VL's PIL processor at its geometry
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
+    if family.grid_input or family.padded_input:  # any size: Qwen2-VL's PIL processor
         vc = config.vision_config
-        rows = Qwen2VLImageProcessorPil(min_pixels=IMAGE_SIDE ** 2, max_pixels=(2 * IMAGE_SIDE) ** 2,
-                                        patch_size=vc.patch_size, merge_size=vc.spatial_merge_size,
-                                        temporal_patch_size=vc.temporal_patch_size)
-        return VLProcessor(build_tokenizer(), rows)
+        limits = dict(min_pixels=IMAGE_SIDE ** 2, max_pixels=(2 * IMAGE_SIDE) ** 2,
+                      patch_size=vc.patch_size, merge_size=family.merge_size(config))
+        from ray_dhp.models.generic import grid_geometry
+
+        if family.grid_input and grid_geometry(vc)[2]:  # Qwen's merge-square order (GLM-4V's)
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+            return VLProcessor(build_tokenizer(), Qwen2VLImageProcessorPil(
+                temporal_patch_size=grid_geometry(vc)[1], **limits))
+        return VLProcessor(build_tokenizer(), _raster_processor()(temporal_patch_size=1, **limits))
     images = SiglipImageProcessorPil(size={"height": IMAGE_SIDE, "width": IMAGE_SIDE})
     return VLProcessor(build_tokenizer(),
                        TileImageProcessor(images, patch_size=PATCH, merge_size=family.merge_size(None)))

@@ -255,6 +255,10 @@ class FamilySpec:
     def language_model(model) -> torch.nn.Module:
         return model.model.language_model
 
+    def vision_owner(self, model) -> torch.nn.Module:
+        """The module whose attributes `vision_parts` are (``model.model``)."""
+        return model.model
+
     def rope_index(self, model):
         """What `ray_dhp.data.collate.pack_text_batch` takes as ``rope_index`` for ``model``:
         its ``get_rope_index`` for M-RoPE families, None for 1-D positions (`packed_positions`)."""

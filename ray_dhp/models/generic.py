@@ -29,7 +29,10 @@ What is read, and from where:
   image tokens, as the family's processor writes them.
 
 Covered today: towers on fixed-size images (one tile per image: ``image_size`` from the vision
-config), vision data parallelism (sequence parallelism needs a tower file, and is refused with
+config) and towers that take each image at its own size: patch rows with an ``image_grid_thw``
+(GLM-4V's; Kimi-K2.5's as ``[N, C, P, P]`` patch images, its merge read from the probe's rows)
+or padded patch rows per image with their ``spatial_shapes`` (`padded_inputs`: SigLIP 2's
+NaFlex, LFM2-VL's), vision data parallelism (sequence parallelism needs a tower file, and is refused with
 the reason), text TP, ZeRO 1-3 for the text side. Packing where it is exact
 (`ray_dhp.models.generic_packing`). A mixture-of-experts language model: its router loss and
 expert parallelism read from its own metadata (`ray_dhp.models.generic_moe`). Refused in the
@@ -56,7 +59,9 @@ from ray_dhp.models.contract import SEAM
 from ray_dhp.models.generic_moe import dense_plan, moe_spec
 from ray_dhp.models.generic_packing import packing_rule
 from ray_dhp.models.segments import SEGMENTS_KWARG
-from ray_dhp.models.generic_probe import LM_ATTRS, UnsupportedModel, grid_input, image_inputs, probe  # noqa: F401 (re-exported)
+from ray_dhp.models.generic_probe import (LM_ATTRS, PADDED_SIDE, UnsupportedModel,  # noqa: F401 (re-exported)
+                                          grid_geometry, grid_input,
+                                          image_inputs, padded_input, padded_inputs, probe)
 from ray_dhp.models.text_plans import HF_STYLES, hf_text_plan
 
 __all__ = ["GenericFamily", "ShellEncoder", "generic_family", "seam_class", "UnsupportedModel"]
@@ -89,8 +94,13 @@ class ShellEncoder(EncoderSpec):
     encoder's parts (the same module objects, names ``<part>.<name>``), so the model's own
     ``get_image_features`` runs on it unchanged."""
 
+    root: str = "model"  # where the parts live: ``model.model``, or "" (the model's top)
+
+    def _owner(self, model) -> torch.nn.Module:
+        return model.get_submodule(self.root) if self.root else model
+
     def module(self, model) -> torch.nn.Module:
-        inner = model.model
+        inner = self._owner(model)
         shell = type(inner).__new__(type(inner))
         torch.nn.Module.__init__(shell)
         shell.__dict__.update({k: v for k, v in vars(inner).items()  # plain attributes the
@@ -102,7 +112,11 @@ class ShellEncoder(EncoderSpec):
 
     @property
     def prefix(self) -> str:
-        return "model."
+        return f"{self.root}." if self.root else ""
+
+    def part_modules(self, model) -> dict:
+        inner = self._owner(model)
+        return {f"{self.prefix}{p}.": getattr(inner, p) for p in self.parts}
 
 
 @dataclass(frozen=True)
@@ -117,19 +131,25 @@ class GenericFamily(FamilySpec):
     image_kwargs: tuple = ()           # further get_image_features keywords (`image_inputs`)
     pixel_dims: int = 4                # 4: [n, C, H, W]; 5: [1, n, C, H, W]
     grid_input: bool = False           # the tower takes patch rows + image_grid_thw (GLM-4V's)
+    padded_input: bool = False         # the tower takes padded rows per image + spatial_shapes
     vision_unused: tuple = ()          # vision parameters no gradient reaches (names under model.)
     pooled_dims: int = 2               # a pooled tensor's dims: 3 = [images, rows, d] (VideoLLaVA)
+    root: str = "model"                # the module holding the parts: model.model, or "" (Llama 4)
+    lm_path: str = ""                  # the decoder's path (embed_tokens, layers), if not model.<lm_attr>
 
     # -- model access ---------------------------------------------------------------------------
 
     def language_model(self, model) -> torch.nn.Module:  # noqa: D102 - FamilySpec's
-        return getattr(model.model, self.lm_attr)
+        return model.get_submodule(self.lm_path) if self.lm_path else getattr(model.model, self.lm_attr)
+
+    def vision_owner(self, model) -> torch.nn.Module:  # noqa: D102 - FamilySpec's
+        return model.get_submodule(self.root) if self.root else model
 
     @property
     def vision_encoder(self) -> EncoderSpec:
         """The vision side as a `ShellEncoder` (the parameters no gradient reaches held frozen)."""
         return ShellEncoder("vision", self.vision_parts, "ray_dhp.models.vision_encoder",
-                            unused=self.vision_unused, tuned_as=("vision", "merger"))
+                            unused=self.vision_unused, tuned_as=("vision", "merger"), root=self.root)
 
     def _wrap(self, config, feats: torch.Tensor):
         if self.pooled_dims == 3:  # the stock forward takes the rows image by image
@@ -148,7 +168,16 @@ class GenericFamily(FamilySpec):
 
     def stock_inputs(self, config, kwargs: dict) -> dict:
         kwargs = super().stock_inputs(config, kwargs)
-        if kwargs.get("pixel_values") is not None and not self.grid_input:
+        if kwargs.get("pixel_values") is not None and self.grid_input and self.pixel_dims == 4:
+            vc = config.vision_config  # patch images [N, C, P, P] (Kimi-K2.5's tower)
+            kwargs["pixel_values"] = kwargs["pixel_values"].reshape(
+                -1, getattr(vc, "num_channels", 3), vc.patch_size, vc.patch_size)
+        elif kwargs.get("pixel_values") is not None and self.padded_input:
+            vc = config.vision_config
+            kwargs.update(padded_inputs(self.image_kwargs, kwargs["pixel_values"],
+                                        kwargs["image_grid_thw"], vc.patch_size,
+                                        getattr(vc, "num_channels", 3)))
+        elif kwargs.get("pixel_values") is not None and not self.grid_input:
             kwargs.update(image_inputs(self.image_kwargs, self.pixel_dims, kwargs["pixel_values"]))
         return self.lm_inputs(config, kwargs)
 
@@ -185,18 +214,21 @@ def _family(cls, config_json: str) -> GenericFamily:
         raise UnsupportedModel(f"model_type {model_type!r} has no vision_config")
     _check_covered(cls, config)
     grid = grid_input(cls, vc)
-    pooled, inner, unused, (image_kwargs, pixel_dims), probed = probe(config, cls, grid)
+    padded = not grid and padded_input(cls)
+    pooled, inner, unused, (image_kwargs, pixel_dims), probed = probe(config, cls, grid, padded)
     is_sequence = isinstance(pooled, (list, tuple))
     pooled_dims = 2 if is_sequence else pooled.dim()
     if is_sequence:
         pooled = torch.cat([p.reshape(-1, p.shape[-1]) for p in pooled])
     rows = int(pooled.reshape(-1, pooled.shape[-1]).shape[0])
     size = patch = 0  # a fixed image size's geometry (none with a grid: any size)
-    if grid:  # patch rows with a (t, h, w) grid: rows per spatial_merge_size² patches
-        m = vc.spatial_merge_size
-        if rows != 4:
+    if grid or padded:  # any size: rows per m x m patches of the probe's square image
+        _, _, m0, side = grid_geometry(vc) if grid else (0, 0, None, PADDED_SIDE)
+        m = math.isqrt(side * side // rows) if rows and (side * side) % rows == 0 else 0
+        if not m or m * m * rows != side * side or side % m or m0 not in (None, m):
             raise UnsupportedModel(f"model_type {model_type!r}: {rows} feature rows for a "
-                                   f"{2 * m}x{2 * m}-patch image, not 4 ({m}x{m} patches a row)")
+                                   f"{side}x{side}-patch image do not tile it in squares"
+                                   + (f" of {m0}x{m0} (its spatial_merge_size)" if m0 else ""))
     else:
         size, patch = _image_geometry(vc)
         side = probed // patch  # the probe's image: the tower's, or smaller on CPU
@@ -207,26 +239,35 @@ def _family(cls, config_json: str) -> GenericFamily:
                 f"its {side}x{side} patch grid in squares (the generic family counts rows per "
                 "patch square)")
     parts, lm_attr, tower = _parts(inner, model_type)
+    root, lm_path, head_path, decoder = _layout(cls, inner, lm_attr)
+    if not root:
+        raise UnsupportedModel(
+            f"model_type {model_type!r}: {cls.__name__} keeps its vision tower and language model "
+            f"at its top (not under `model`) with the decoder inside a {type(getattr(inner, lm_attr)).__name__}: "
+            "read by the generic family (`_layout`), not yet verified exact (no consistent tiny "
+            "config: its vision intermediate size must equal hidden / pixel_shuffle_ratio²)")
     try:
-        moe, experts = moe_spec(cls, config, type(getattr(inner, lm_attr)))
+        moe, experts = moe_spec(cls, config, type(decoder))
     except ValueError as e:
         raise UnsupportedModel(f"model_type {model_type!r}: {e}") from None
-    plan = dense_plan(dict(getattr(config.get_text_config(), "base_model_tp_plan", None) or {}), experts)
+    plan = _present(dense_plan(dict(getattr(config.get_text_config(), "base_model_tp_plan", None)
+                                    or {}), experts), type(decoder), config)
     refusal = next((f"its base_model_tp_plan uses {style!r} ({key})" for key, style in plan.items()
                     if style not in HF_STYLES), "")
     partial = tuple(f"{key.split('*.')[-1]}.weight" for key, style in plan.items()
                     if style == "replicated_with_grad_allreduce")
-    prefix, params = f"model.{lm_attr}", tuple(inspect.signature(cls.forward).parameters)
+    params = tuple(inspect.signature(cls.forward).parameters)
+    top = f"{root}." if root else ""
     return GenericFamily(
         name=model_type, model_type=model_type, model_class=cls.__name__,
-        text_tp_plan=lambda text_config: hf_text_plan(plan, prefix),
+        text_tp_plan=lambda text_config: hf_text_plan(plan, lm_path, text_config, head_path),
         tp_partial_grad_suffixes=partial,
-        **packing_rule(inner, getattr(inner, lm_attr), config.get_text_config(), params),
+        **packing_rule(inner, decoder, config.get_text_config(), params),
         vision_module="ray_dhp.models.vision_generic",
         vision_parts=parts,
-        merger_prefixes=tuple(f"model.{p}." for p in parts if p != tower),
+        merger_prefixes=tuple(f"{top}{p}." for p in parts if p != tower),
         merge_size=lambda config, _m=m: _m,
-        image_patches=lambda config, _n=0 if grid else (size // patch) ** 2: _n,
+        image_patches=lambda config, _n=0 if grid or padded else (size // patch) ** 2: _n,
         vision_heads=lambda vision_config: vision_config.num_attention_heads,
         vision_depth=lambda vision_config: vision_config.num_hidden_layers,
         projector_dim=lambda config: config.get_text_config().hidden_size,
@@ -234,9 +275,37 @@ def _family(cls, config_json: str) -> GenericFamily:
         vision_zero3=False,
         model_processor=True,
         vision_unused=unused, image_kwargs=image_kwargs, pixel_dims=pixel_dims, grid_input=grid,
-        lm_attr=lm_attr, tower=tower, rows_per_image=rows, text_plan_refusal=refusal,
+        padded_input=padded,
+        lm_attr=lm_attr, tower=tower, root=root, lm_path=lm_path, rows_per_image=rows, text_plan_refusal=refusal,
         forward_params=params, moe=moe,
     )
+
+
+def _layout(cls, inner, lm_attr: str) -> tuple:
+    """``(root, decoder path, head path, decoder)``: where ``inner`` (the probe's module holding
+    the parts) sits in the model ("model", or "" where the model keeps the parts at its top), the
+    decoder (``embed_tokens``, ``layers``): the language-model child itself, or its base model
+    where the child is a ``*ForCausalLM`` with its own head (Llama 4's), and the output head."""
+    root = "" if isinstance(inner, cls) else "model"
+    lm = getattr(inner, lm_attr)
+    decoder = getattr(lm, "base_model", lm)
+    inner_path = f"{lm_attr}.{lm.base_model_prefix}" if decoder is not lm else lm_attr
+    lm_path = f"{root}.{inner_path}" if root else inner_path
+    head, head_path = inner.get_output_embeddings() if root == "" else None, "lm_head"
+    if head is not None:
+        head_path = next(n for n, m in inner.named_modules() if m is head)
+    return root, lm_path, head_path, decoder
+
+
+def _present(plan: dict, lm_cls, config) -> dict:
+    """``plan`` less the entries that match no module of the language model (built on the meta
+    device): a plan covers its family's variants (DeepSeek-V3's ``q_proj``, absent where the
+    config gives queries a low-rank ``q_a_proj`` / ``q_b_proj``), as transformers skips them."""
+    import fnmatch
+
+    with torch.device("meta"):
+        names = [n for n, _ in lm_cls._from_config(config.get_text_config()).named_modules()]
+    return {k: v for k, v in plan.items() if any(fnmatch.fnmatchcase(n, k) for n in names)}
 
 
 def _check_covered(cls, config) -> None:

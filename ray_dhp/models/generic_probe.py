@@ -10,7 +10,8 @@ import inspect
 
 import torch
 
-__all__ = ["LM_ATTRS", "UnsupportedModel", "grid_input", "image_inputs", "probe"]
+__all__ = ["LM_ATTRS", "UnsupportedModel", "grid_geometry", "grid_input", "image_inputs", "padded_input",
+           "padded_inputs", "probe", "root_of"]
 
 LM_ATTRS = ("language_model", "text_model")
 
@@ -30,6 +31,44 @@ def image_inputs(names: tuple, pixel_dims: int, images: torch.Tensor) -> dict:
     return out
 
 
+def padded_input(cls) -> bool:
+    """Whether the tower takes each image as its own patch rows, padded to the batch's longest,
+    with the image's ``(h, w)`` patch grid (``spatial_shapes``, SigLIP 2's NaFlex input): its
+    ``get_image_features`` names ``spatial_shapes``. Such a tower takes any image size."""
+    return "spatial_shapes" in inspect.signature(cls.get_image_features).parameters
+
+
+def padded_inputs(names: tuple, rows: torch.Tensor, grid: torch.LongTensor, patch: int,
+                  channels: int) -> dict:
+    """``get_image_features``'s keywords for a `padded_input` tower, from ray_dhp's patch rows
+    ``[n*h*w, C*P*P]`` (raster order per image, each row ``(C, P, P)``) and one ``(1, h, w)``
+    grid row per image: ``pixel_values [n, max h*w, P*P*C]`` (each row ``(P, P, C)``, as
+    transformers' NaFlex processors patchify; zeros past an image's patches),
+    ``spatial_shapes [n, 2]`` and, where named, ``pixel_attention_mask [n, max h*w]`` (1 on an
+    image's patches)."""
+    grid = torch.as_tensor(grid, dtype=torch.long).cpu()
+    rows = rows.reshape(-1, channels, patch, patch).permute(0, 2, 3, 1).reshape(rows.shape[0], -1)
+    counts = grid.prod(-1).tolist()
+    longest = max(counts)
+    pixels = rows.new_zeros(len(counts), longest, rows.shape[-1])
+    mask = torch.zeros(len(counts), longest, dtype=torch.int32, device=rows.device)
+    for k, (block, n) in enumerate(zip(rows.split(counts), counts)):
+        pixels[k, :n] = block
+        mask[k, :n] = 1
+    out = {"pixel_values": pixels, "spatial_shapes": grid[:, 1:].to(rows.device)}
+    if "pixel_attention_mask" in names:
+        out["pixel_attention_mask"] = mask
+    return out
+
+
+def root_of(model) -> torch.nn.Module:
+    """The module that holds the tower, projector and language model: ``model.model`` (the
+    layout most seam families share), or the model itself where it keeps them at its top with
+    ``get_image_features`` there (Llama 4's ``vision_model``, ``language_model``)."""
+    inner = getattr(model, "model", None)
+    return inner if isinstance(inner, torch.nn.Module) else model
+
+
 def _call_probe(model, names: tuple, images: torch.Tensor):
     """``(pooled, pixel_dims)``: ``get_image_features`` on ``images`` as ``[n, C, H, W]``, or
     as ``[1, n, C, H, W]`` where the model takes a batch of image lists (``images``: not all
@@ -37,7 +76,7 @@ def _call_probe(model, names: tuple, images: torch.Tensor):
     errors = []
     for dims in (4, 5):
         try:
-            out = model.model.get_image_features(**image_inputs(names, dims, images), return_dict=True)
+            out = model.get_image_features(**image_inputs(names, dims, images), return_dict=True)
             _check_no_deepstack(out)
             return out.pooler_output, dims
         except (ValueError, TypeError, RuntimeError, IndexError, NotImplementedError) as e:
@@ -57,31 +96,64 @@ def _check_no_deepstack(out) -> None:
                                "language model yet")
 
 
+_IMAGE_KEYWORDS = ("image_sizes", "pixel_attention_mask")  # further keywords `image_inputs` and
+#                                                          `padded_inputs` pass where named
 _PLAIN_OUTPUTS = ("pooler_output", "last_hidden_state", "hidden_states", "attentions")
 
 
 def grid_input(cls, vc) -> bool:
-    """Whether the tower takes Qwen-style patch rows with an ``image_grid_thw`` (GLM-4V's): its
-    ``get_image_features`` names ``image_grid_thw`` and its config has the patch geometry."""
+    """Whether the tower takes patch rows with an ``image_grid_thw``: its
+    ``get_image_features`` names ``image_grid_thw`` and its config has an integer
+    ``patch_size`` (GLM-4V's, with Qwen's ``spatial_merge_size`` and ``temporal_patch_size``;
+    Kimi-K2.5's, whose merge the probe reads from the rows: `grid_geometry`)."""
     if not hasattr(cls, "get_image_features"):
         raise UnsupportedModel(f"{cls.__name__} has no get_image_features (the seam the generic "
                                "family runs the vision side through)")
     names = inspect.signature(cls.get_image_features).parameters
-    return "image_grid_thw" in names and all(
-        isinstance(getattr(vc, k, None), int) for k in ("patch_size", "spatial_merge_size",
-                                                        "temporal_patch_size"))
+    return "image_grid_thw" in names and isinstance(getattr(vc, "patch_size", None), int)
+
+
+def grid_geometry(vc) -> tuple:
+    """``(patch, temporal patch, merge or None, probe side)`` of a `grid_input` tower: the
+    config's ``spatial_merge_size`` / ``temporal_patch_size`` where it has them (Qwen's names),
+    else one frame a patch row and the merge read from the probe's rows."""
+    m = getattr(vc, "spatial_merge_size", None)
+    m = m if isinstance(m, int) else None
+    t = getattr(vc, "temporal_patch_size", None)
+    return vc.patch_size, t if isinstance(t, int) else 1, m, 2 * m if m else PADDED_SIDE
+
+
+def _grid_probe(model, vc, channels: int, device: str) -> tuple:
+    """``(pooled, pixel dims)`` of one square image as patch rows ``[N, C*T*P*P]`` (dims 2) or,
+    where the tower takes them so (Kimi-K2.5's), patch images ``[N, C, P, P]`` (dims 4)."""
+    p, t, _, side = grid_geometry(vc)
+    errors = []
+    for dims in (2, 4):
+        rows = torch.ones(side * side, channels * t * p * p)
+        try:
+            out = model.get_image_features(
+                pixel_values=rows if dims == 2 else rows.reshape(-1, channels, p, p),
+                image_grid_thw=torch.tensor([[1, side, side]]), return_dict=True)
+            _check_no_deepstack(out)
+            return out.pooler_output, dims
+        except (ValueError, TypeError, RuntimeError, IndexError, NotImplementedError) as e:
+            errors.append(f"as {'patch rows' if dims == 2 else 'patch images'}: {type(e).__name__}: {e}")
+        if t != 1:
+            break
+    raise UnsupportedModel(f"get_image_features fails on one {side}x{side}-patch image "
+                           f"({device}); " + "; ".join(errors))
 
 
 class _LayoutRefusal(UnsupportedModel):
     """A refusal read from the model's layout or config (the same on any device)."""
 
 
-def probe(config, cls, grid: bool = False):
+def probe(config, cls, grid: bool = False, padded: bool = False):
     """`_probe_on` the meta device; where ``get_image_features`` cannot run there (shapes that
     depend on values), on CPU with a copy of the config of small widths (`shrink_config`: the
     same depths and image geometry, so the same rows and the same unused parameters)."""
     try:
-        return _probe_on(config, cls, "meta", grid)
+        return _probe_on(config, cls, "meta", grid, padded=padded)
     except _LayoutRefusal:
         raise  # the model's layout, not the meta device: a CPU probe would say the same
     except UnsupportedModel as meta_error:
@@ -96,7 +168,7 @@ def probe(config, cls, grid: bool = False):
         errors = []
         for side in _cpu_sides(config.vision_config):  # a small image first: a real backward
             try:
-                return _probe_on(small, cls, "cpu", grid, side)
+                return _probe_on(small, cls, "cpu", grid, side, padded=padded)
             except UnsupportedModel as e:
                 errors.append(str(e))
         raise UnsupportedModel(f"{meta_error}; on CPU at small widths: {'; '.join(errors)}")
@@ -111,7 +183,12 @@ def _cpu_sides(vc) -> list:
     return [16 * patch, size] if size > 16 * patch else [size]
 
 
-def _probe_on(config, cls, device: str, grid: bool = False, side=None):
+#: patches a side of a `padded_input` tower's probe image (a multiple of any merge size up to 4
+#: but 3, whose towers would be refused with the counts)
+PADDED_SIDE = 8
+
+
+def _probe_on(config, cls, device: str, grid: bool = False, side=None, padded: bool = False):
     """``(pooler_output, inner model, unused, (image keywords, pixel dims), image side)`` of one
     image (``side`` px a side, default the tower's ``image_size``) through the model's own
     ``get_image_features``, built and run on the meta device (shapes only, no memory);
@@ -125,21 +202,24 @@ def _probe_on(config, cls, device: str, grid: bool = False, side=None):
     with torch.device(device):
         try:
             model = cls._from_config(config)
+            root = root_of(model)
         except Exception as e:  # noqa: BLE001 - e.g. a tower that needs timm
             raise UnsupportedModel(f"{cls.__name__} cannot be built ({device}): "
                                    f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
-        if grid:  # one image of 2m x 2m patches, as patch rows
-            m, p, t = vc.spatial_merge_size, vc.patch_size, vc.temporal_patch_size
+        if grid:  # one image of 2m x 2m patches (PADDED_SIDE a side without a merge size)
+            pooled, dims = _grid_probe(root, vc, channels, device)
+        elif padded:  # one image of PADDED_SIDE x PADDED_SIDE patches, padded rows
+            n, p = PADDED_SIDE, vc.patch_size
             try:
-                out = model.model.get_image_features(
-                    pixel_values=torch.ones(4 * m * m, channels * t * p * p),
-                    image_grid_thw=torch.tensor([[1, 2 * m, 2 * m]]), return_dict=True)
+                out = root.get_image_features(
+                    **padded_inputs(names, torch.ones(n * n, channels * p * p),
+                                    torch.tensor([[1, n, n]]), p, channels), return_dict=True)
                 _check_no_deepstack(out)
                 pooled = out.pooler_output
             except (ValueError, TypeError, RuntimeError, IndexError, NotImplementedError) as e:
-                raise UnsupportedModel(f"get_image_features fails on one {2 * m}x{2 * m}-patch "
-                                       f"image ({device}): {type(e).__name__}: {e}") from None
-            dims = 2
+                raise UnsupportedModel(f"get_image_features fails on one {n}x{n}-patch image "
+                                       f"as padded patch rows ({device}): {type(e).__name__}: {e}") from None
+            dims = 3
         else:
             size = side or getattr(vc, "image_size", None)
             if not isinstance(size, int):
@@ -147,16 +227,11 @@ def _probe_on(config, cls, device: str, grid: bool = False, side=None):
                     f"its vision config ({type(vc).__name__}) has no fixed image_size and its "
                     "tower takes no image_grid_thw: a variable-resolution tower (rows from each "
                     "image's own size), which the generic family does not cover yet")
-            if not isinstance(getattr(model, "model", None), torch.nn.Module):
-                raise _LayoutRefusal(
-                    f"{cls.__name__} keeps its vision tower and language model outside "
-                    "`model` (the generic family reads them as model.<tower> and "
-                    "model.<language model>, the layout the mm_encoder_outputs families share)")
-            pooled, dims = _call_probe(model, names, torch.ones(1, channels, size, size))
+            pooled, dims = _call_probe(root_of(model), names, torch.ones(1, channels, size, size))
         total = sum(p.sum() for p in pooled) if isinstance(pooled, (list, tuple)) else pooled.sum()
-        named = [(n, p) for n, p in model.model.named_parameters()
+        named = [(n, p) for n, p in root.named_parameters()
                  if not n.startswith(LM_ATTRS) and p.requires_grad]
         grads = torch.autograd.grad(total, [p for _, p in named], allow_unused=True)
     unused = tuple(n for (n, _), g in zip(named, grads) if g is None)
-    probed = None if grid else size
-    return pooled, model.model, unused, (tuple(n for n in names if n == "image_sizes"), dims), probed
+    probed = None if grid or padded else size
+    return pooled, root, unused, (tuple(n for n in names if n in _IMAGE_KEYWORDS), dims), probed

@@ -16,7 +16,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-__all__ = ["Status", "seam_model_types", "survey", "markdown"]
+__all__ = ["Status", "seam_model_types", "survey", "markdown", "with_vision"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,16 @@ def seam_model_types() -> list[tuple[str, str]]:
     return out
 
 
+def with_vision(config):
+    """``config``, or where its class makes the vision sub-config optional and the default
+    leaves it out (Gemma 4's), a copy with the sub-config's defaults: the model type's
+    vision-language variant is what the table is about."""
+    sub = getattr(type(config), "sub_configs", {}).get("vision_config")
+    if getattr(config, "vision_config", 0) is not None or sub is None:
+        return config
+    return type(config).from_dict({**config.to_dict(), "vision_config": sub().to_dict()})
+
+
 def _first_line(e: BaseException) -> str:
     text = " ".join(str(e).split())
     return text if len(text) <= 240 else text[:237] + "..."
@@ -73,7 +83,7 @@ def survey() -> list[Status]:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                family: GenericFamily = generic_family(AutoConfig.for_model(model_type))
+                family: GenericFamily = generic_family(with_vision(AutoConfig.for_model(model_type)))
             where = ""
         except Exception as e:  # noqa: BLE001 - whatever the driver would raise is the reason
             # transformers' default config is sometimes not a consistent model (Gemma 3's
@@ -81,7 +91,7 @@ def survey() -> list[Status]:
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    family = generic_family(tiny_config(AutoConfig.for_model(model_type)))
+                    family = generic_family(tiny_config(with_vision(AutoConfig.for_model(model_type))))
                 where = f" (at tiny dims; transformers' default config: {_first_line(e)})"
             except Exception as e2:  # noqa: BLE001
                 # the driver's own refusal at the published dims says why; the retry's error
@@ -91,7 +101,10 @@ def survey() -> list[Status]:
                 continue
         tp = ("text TP " + ("refused: " + family.text_plan_refusal if family.text_plan_refusal
                             else "from base_model_tp_plan"))
-        images = "patch rows + grid" if family.grid_input else f"{family.rows_per_image} rows per image"
+        m = family.merge_size(None)
+        images = ("patch rows + grid" if family.grid_input else
+                  f"padded patch rows per image + spatial_shapes, a row per {m}x{m} patches"
+                  if family.padded_input else f"{family.rows_per_image} rows per image")
         out.append(Status(model_type, cls_name, "generic",
                           f"vision DP ({images}); {tp}; text ZeRO 1-3{_moe(family)}{where}"))
     return out

@@ -6,7 +6,11 @@ plan (the generic family's, `ray_dhp.models.generic`)."""
 
 from __future__ import annotations
 
-__all__ = ["standard_text_plan", "sequence_parallel_text_plan", "hf_text_plan", "HF_STYLES"]
+import torch
+from torch.distributed.tensor.parallel import ParallelStyle
+
+__all__ = ["standard_text_plan", "sequence_parallel_text_plan", "hf_text_plan", "HF_STYLES",
+           "TailGradAllReduce"]
 
 
 def standard_text_plan(prefix: str = "model.language_model") -> dict:
@@ -81,12 +85,14 @@ def sequence_parallel_text_plan(prefix: str = "model.language_model") -> dict:
 
 #: the ``base_model_tp_plan`` styles `hf_text_plan` translates
 HF_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input",
-             "replicated_with_grad_allreduce", "embedding_rowwise")
+             "replicated_with_grad_allreduce", "embedding_rowwise", "mla_kv_a_proj")
 
 
-def hf_text_plan(plan: dict, prefix: str) -> dict:
+def hf_text_plan(plan: dict, prefix: str, text_config=None, head: str = "lm_head") -> dict:
     """``base_model_tp_plan`` (keys relative to the language model) -> ``{full path: style}``,
-    with the vocabulary-parallel embedding and ``lm_head`` (logits sharded over the vocabulary)."""
+    with the vocabulary-parallel embedding and ``lm_head`` (logits sharded over the vocabulary).
+    ``mla_kv_a_proj`` (an MLA's joint KV projection, kept whole: `TailGradAllReduce` over its
+    last ``qk_rope_head_dim`` outputs) reads ``text_config``; ``head``: the output head's path."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -104,5 +110,32 @@ def hf_text_plan(plan: dict, prefix: str) -> dict:
         elif style == "embedding_rowwise":      # a vocabulary-parallel embedding
             out[f"{prefix}.{key}"] = RowwiseParallel(input_layouts=Replicate(),
                                                      output_layouts=Replicate())
-    out["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+        elif style == "mla_kv_a_proj":
+            out[f"{prefix}.{key}"] = TailGradAllReduce(text_config.qk_rope_head_dim)
+    out[head] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     return out
+
+
+
+class TailGradAllReduce(ParallelStyle):
+    """A replicated linear whose last ``tail`` outputs feed only the local heads (an MLA's rotary
+    key part, which bypasses the column-parallel ``kv_b_proj``): their gradient is partial on
+    each TP rank, so it is all-reduced (identity forward), as transformers' ``mla_kv_a_proj``
+    does. The other outputs reach the column-parallel projection, whose input gradient DTensor
+    already sums."""
+
+    shards_parameters = False  # the weight stays whole (`ray_dhp.planning.memory`)
+
+    def __init__(self, tail: int):
+        super().__init__()
+        self.tail = tail
+
+    def _apply(self, module, device_mesh):
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        def hook(_m, _a, out):
+            head, tail = out.split([out.shape[-1] - self.tail, self.tail], dim=-1)
+            tail = DTensor.from_local(tail, device_mesh, [Replicate()], run_check=False)
+            return torch.cat([head, tail.to_local(grad_placements=[Partial()])], dim=-1)
+        module.register_forward_hook(hook)
+        return module

@@ -86,8 +86,9 @@ def forward(family, module, inputs: dict, plan, dtype: torch.dtype, *, sp_rank: 
 def install_slot(family, model) -> None:
     """Detach the vision parts from ``model`` (a text shard takes the rows through
     ``mm_encoder_outputs``, so it needs no stand-in)."""
+    owner = family.vision_owner(model)
     for p in family.vision_parts:
-        setattr(model.model, p, None)
+        setattr(owner, p, None)
 
 
 def text_inputs(family, config, model, samples, feats: torch.Tensor, device,

@@ -4,7 +4,10 @@
 A sample's ``pixel_values`` are patch rows ``[n * h * w, C * P * P]`` with one grid row
 ``(1, h, w)`` per image (`ray_dhp.data.tiles`: the layout every data mechanism handles);
 `stock_pixels` turns them back into the ``[n, C, h*P, w*P]`` images the stock model takes, and
-`vision_forward` runs ``get_image_features`` on them (the vision parts' shell,
+`vision_forward` runs ``get_image_features`` on them (a tower on patch rows gets the rows with
+their grid; one on padded rows per image, SigLIP 2's NaFlex, `padded_inputs`' padding of the
+rank's own images: the padded patches are masked out of every image's attention, so the rows
+do not depend on which images share a rank) (the vision parts' shell,
 `GenericFamily.visual`). Its ``pooler_output`` — ``[n, rows, D]``, ``[n * rows, D]`` or one
 block per image — becomes ``[n * rows, D]`` feature rows in image order: exactly the rows the
 stock forward scatters into the image tokens.
@@ -73,7 +76,8 @@ def stock_pixels(config, pixel_values: torch.Tensor, grid_thw: torch.LongTensor)
     that takes patch rows gets them unchanged)."""
     from ray_dhp.models import family_of
 
-    if family_of(config).grid_input:
+    family = family_of(config)
+    if family.grid_input or family.padded_input:  # `GenericFamily.stock_inputs` pads the latter
         return pixel_values
     vc = config.vision_config
     return _images(pixel_values, grid_thw, vc.patch_size, getattr(vc, "num_channels", 3))
@@ -82,11 +86,15 @@ def stock_pixels(config, pixel_values: torch.Tensor, grid_thw: torch.LongTensor)
 def vision_forward(family: str, visual: torch.nn.Module, pixel_values: torch.Tensor, plan: ImagePlan,
                    sp_rank: int, sp_group, comm: Optional[CommCounter] = None) -> torch.Tensor:
     """The replica's feature rows ``[rows, D]`` in image order (``visual``: the parts' shell)."""
-    from ray_dhp.models.generic import image_inputs
+    from ray_dhp.models.generic import image_inputs, padded_inputs
 
     spec = plan.family
     if spec.grid_input:  # the tower takes the patch rows and their grid as they are
+        if spec.pixel_dims == 4:  # as patch images [N, C, P, P] (Kimi-K2.5's tower)
+            pixel_values = pixel_values.reshape(-1, plan.channels, plan.patch, plan.patch)
         inputs = {"pixel_values": pixel_values, "image_grid_thw": plan.grid_thw.to(pixel_values.device)}
+    elif spec.padded_input:  # each image's rows, padded to this rank's longest image
+        inputs = padded_inputs(spec.image_kwargs, pixel_values, plan.grid_thw, plan.patch, plan.channels)
     else:
         images = _images(pixel_values, plan.grid_thw, plan.patch, plan.channels)
         inputs = image_inputs(spec.image_kwargs, spec.pixel_dims, images)

@@ -25,12 +25,27 @@ GLM = dict(loss_tol=1e-7, param_tol=1e-6, update_tol=1e-6, grad_tol=1e-6)
 # tolerance `tests.distributed.parity.FP32_TOL` derives (1e-5); leaving the router loss out is
 # 2.8e-1 on the router's gradient, 3.9e-5 on the loss (test_generic_moe.py's negative control).
 GLM_MOE = dict(loss_tol=1e-7, param_tol=1e-5, update_tol=1e-5, grad_tol=1e-5)
+# Kimi-K2.5 (a DeepSeek-V3 LM) likewise: its router's logits are fp32 (``F.linear(x.type(
+# torch.float32), w.type(torch.float32))``). Measured with text ZeRO-3 DP2 (3 steps): router
+# gradient 7.7e-8 at step 1, 1.4e-7 at step 3, update 1.1e-7; the rest it reaches at step 3 up to
+# 6.2e-8 (vision biases); text TP2 (routers replicated) within 1e-10.
+# LFM2-VL's SigLIP 2 NaFlex tower resizes its position table to each image's grid in fp32 even in
+# an fp64 model (``weights @ table.float()``, one matmul over the batch's padded positions), so
+# the table's gradient is an fp32 sum whose order and blocking follow which images share a
+# call: the stock model's own gradient for three images in one call vs split 2 + 1 differs by
+# 4.7e-8 (patch embedding: 8.5e-16). With vision DP2 (measured, 3 steps, both layouts with it):
+# that gradient 4.6e-8 at step 1, the tower's others it reaches by step 3 up to 1.3e-7, updates
+# 1.0e-7, parameters 1.1e-8, grad-norm 5.1e-9, loss 6.4e-11; disjoint 1 + TP2 (one vision rank)
+# within 2.2e-15. Held to about ten times that, as GLM-4V's interpolated table. Cosmos3-Edge's
+# SigLIP 2 tower (on patch rows + grid) likewise: that table's gradient 2.4e-8 at step 1 with
+# vision DP2 (4.6e-8 at step 3), its update 4.9e-8, parameter 4.4e-9; the rest within 1e-10.
+LFM2_VL = dict(loss_tol=1e-7, param_tol=1e-6, update_tol=1e-6, grad_tol=1e-6)
 # GOT-OCR2's SAM tower (PP-Chart2Table's too): the relative-position tables' gradients are off
 # by 1.9e-9 with vision DP2 (the updates stay within 5.2e-14, the loss 1.6e-16): its gradients
 # are held to 1e-8. ShieldGemma 2 is a Gemma 3 (its norms as above).
 TOLS = {"gemma3": GEMMA, "paligemma": GEMMA, "shieldgemma2": GEMMA, "aya_vision": COHERE,
         "cohere2_vision": COHERE, "glm4v": GLM, "glm46v": GLM, "glmga": GLM, "glm4v_moe": GLM_MOE,
-        "got_ocr2": dict(TOL, grad_tol=1e-8), "pp_chart2table": dict(TOL, grad_tol=1e-8)}
+        "lfm2_vl": LFM2_VL, "cosmos3_edge": LFM2_VL, "kimi_k25": GLM_MOE, "got_ocr2": dict(TOL, grad_tol=1e-8), "pp_chart2table": dict(TOL, grad_tol=1e-8)}
 # A key projection's bias in a tower without rotary positions (CLIP's, SigLIP's) has an exact
 # gradient of 0 (it adds ``q . b`` to every logit of a query, which the softmax cancels): both
 # runs' gradients are rounding noise, and AdamW turns noise into O(lr) steps of either sign.
@@ -41,7 +56,9 @@ ZERO_GRAD = ("vision_tower.encoder.layers.0.self_attn.k_proj.bias",
              "vision_model.encoder.layers.0.self_attn.k_proj.bias",
              "vision_model.encoder.layers.1.self_attn.k_proj.bias",
              "image_tower.encoder.layers.0.self_attn.k_proj.bias",  # VideoLLaVA's CLIP
-             "image_tower.encoder.layers.1.self_attn.k_proj.bias")
+             "image_tower.encoder.layers.1.self_attn.k_proj.bias",
+             "visual.encoder.layers.0.self_attn.k_proj.bias",  # Cosmos3-Edge's SigLIP 2
+             "visual.encoder.layers.1.self_attn.k_proj.bias")
 
 
 def reference_getter(tmp_path_factory):

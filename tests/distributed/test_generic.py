@@ -54,7 +54,8 @@ def test_generic_family_is_exact(family, layout, references):
 
 @pytest.mark.parametrize("family", [pytest.param("gemma3"),
                                     pytest.param("glm4v", marks=pytest.mark.slow),
-                                    pytest.param("glm4v_moe", marks=pytest.mark.slow)])
+                                    pytest.param("glm4v_moe", marks=pytest.mark.slow),
+                                    pytest.param("lfm2_vl", marks=pytest.mark.slow)])
 def test_generic_directory_loads_sharded_and_exports(family, tmp_path):
     """A generic family's ``save_pretrained`` directory, really sharded (100 KB files): the engine
     at collocated vision DP2 + text TP2 reads only its slices, its first step equals the stock

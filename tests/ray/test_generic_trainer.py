@@ -21,7 +21,10 @@ from tests.distributed.parity import GENERIC_FAMILIES as FAMILIES
 
 DEFAULT: set = set()  # the default case is the model-directory one below (the same trainer path)
 TOL = {"gemma3": 1e-7, "paligemma": 1e-7, "shieldgemma2": 1e-7, "aya_vision": 1e-7, "cohere2_vision": 1e-7,
-       "glm4v": 1e-7, "glm46v": 1e-7, "glmga": 1e-7, "glm4v_moe": 1e-7}
+       "glm4v": 1e-7, "glm46v": 1e-7, "glmga": 1e-7, "glm4v_moe": 1e-7,
+       # fp32 inside the stock models (SigLIP 2's position-table resize, DeepSeek-V3's router):
+       # tests/distributed/generic_cases.py
+       "lfm2_vl": 1e-7, "cosmos3_edge": 1e-7, "kimi_k25": 1e-7}
 
 
 def _trainer(family: str, data: str, storage: str, model_dir: str = None):
