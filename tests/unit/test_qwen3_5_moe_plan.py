@@ -84,7 +84,7 @@ def test_presets_have_the_published_sizes(preset, total):
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", FAMILY, "qwen2_5_omni"])
-def test_driver_takes_packing_and_refuses_it_for_gemma3(family):
+def test_driver_takes_packing_and_refuses_it_for_gemma3(family, tmp_path):
     """The recurrent families pack (their Gated DeltaNet layers run one row per packed sample,
     tests/distributed/test_packing.py), so does the Qwen2.5-Omni thinker (its own
     get_rope_index, tests/distributed/test_omni_packing.py); a family that cannot pack (Gemma 3,
@@ -101,7 +101,10 @@ def test_driver_takes_packing_and_refuses_it_for_gemma3(family):
     with pytest.raises(ValueError, match=r"data.packing=true is not covered for the gemma3 "):
         load_run_file(None, ["model.demo=gemma3", "data.packing=true"]).validate()
     refused = "gemma3"
+    data = tmp_path / "data.jsonl"  # the datasets are checked first: one that exists
+    data.write_text("")
     dhp = DHPConfig(model=demo.tiny_model_config(refused), processor=demo.tiny_processor(refused))
     with pytest.raises(ValueError, match=r"set train_loop_config.packing=false"):
         DisaggregatedTrainer(dhp_config=dhp, train_loop_config={"packing": True},
+                             datasets={"train": str(data)},
                              scaling_config=ray.train.ScalingConfig(num_workers=1))
