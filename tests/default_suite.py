@@ -19,9 +19,9 @@ DEMOTED = {
     "tests/ray/test_evaluation.py::test_fit_with_validation_keeps_the_best_checkpoint_by_eval_loss":
         "distributed/test_evaluation.py, distributed/test_omni_eval.py",
     "tests/ray/test_cli_tune_job.py::test_cli_train_with_overrides_end_to_end":
-        "ray/test_shared_machine.py::test_an_interrupted_cli_run_stops_cleanly_and_resumes_exactly[sigterm]",
+        "ray/test_shared_machine.py::test_an_interrupted_cli_run_stops_cleanly_and_resumes[sigterm]",
     "tests/ray/test_trainer.py::test_collocated_sp2_tp2_trains_and_reports":
-        "ray/test_shared_machine.py::test_an_interrupted_cli_run_stops_cleanly_and_resumes_exactly[sigterm] "
+        "ray/test_shared_machine.py::test_an_interrupted_cli_run_stops_cleanly_and_resumes[sigterm] "
         "(examples/tiny.yaml: collocated SP2 + TP2 through DisaggregatedTrainer)",
     # a neighbour Ray started mid-run: under CI (.ci/run) another Ray's dashboard holds :8265
     # from before the suite starts, so this case's neighbour cannot take :8265 mid-run there (it

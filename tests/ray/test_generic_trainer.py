@@ -3,8 +3,12 @@ with nothing written for the model (vision DP2 + text TP2 collocated on 2 worker
 every step's loss equal to the single-process stock model's on the same samples (rel 1e-10;
 1e-7 for the Gemma and Cohere rows, whose norm gradients are ill-conditioned in fp64: see
 ``tests/distributed/test_generic.py``). The driver's checks (the model, the processor, the
-layout) run on the generic family as on a hand-written one. One family by default, the others
-with ``-m slow``.
+layout) run on the generic family as on a hand-written one. Every case is ``-m slow`` (a Ray fit
+each, ~30 s on 2 cores); the default run keeps their parts: the generic families' fp64 parity and
+a model directory loaded sharded with its own processor through the engine
+(``tests/distributed/test_generic.py``), the driver's processor checks
+(``tests/unit/test_model_processor.py``, ``test_processor_fit.py``) and the trainer's own path
+(``tests/ray/test_mixture.py``, ``test_fault_tolerance.py``).
 
 `test_trainer_trains_a_model_directory_with_its_own_processor`: what a user does with a downloaded
 checkpoint — ``DHPConfig(model=<directory>)`` and nothing else: the weights, and the samples made
@@ -19,7 +23,7 @@ import torch
 
 from tests.distributed.parity import GENERIC_FAMILIES as FAMILIES
 
-DEFAULT: set = set()  # the default case is the model-directory one below (the same trainer path)
+DEFAULT: set = set()  # all slow: see the module docstring
 TOL = {"gemma3": 1e-7, "paligemma": 1e-7, "shieldgemma2": 1e-7, "aya_vision": 1e-7, "cohere2_vision": 1e-7,
        "glm4v": 1e-7, "glm46v": 1e-7, "glmga": 1e-7, "glm4v_moe": 1e-7,
        # fp32 inside the stock models (SigLIP 2's position-table resize, DeepSeek-V3's router):
@@ -67,7 +71,8 @@ def test_trainer_trains_a_generic_family_exactly(family, tmp_path, ray_start):
     assert max(errs) < TOL.get(family, 1e-10), (got, ref, errs)
 
 
-@pytest.mark.parametrize("family", [pytest.param("gemma3"), pytest.param("llava", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", [pytest.param("gemma3", marks=pytest.mark.slow),
+                                    pytest.param("llava", marks=pytest.mark.slow)])
 def test_trainer_trains_a_model_directory_with_its_own_processor(family, tmp_path, ray_start):
     from ray_dhp.config.train_loop import TrainLoopConfig
     from ray_dhp.data.model_processor import ModelProcessor, run_processor

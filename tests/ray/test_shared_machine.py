@@ -14,14 +14,15 @@ that folder (Ray's session logs and torch's compile cache are by design, `machin
 Losses: every step's against the same layout trained by the engine on spawned gloo ranks
 (fp64, relative 1e-10), i.e. the run alone.
 
-Default: a CLI run stopped with SIGTERM then resumed exactly. Slow (tests/default_suite.py says
-why: under `.ci/run` another Ray holds :8265 before the suite starts): the fault's order (run first, neighbour with a
-dashboard started mid-run), the other order, a run whose own Ray has a dashboard, a neighbour
-without one, two CLI runs with private Rays at once, SIGINT.
+Default: a CLI run stopped with SIGTERM, then resumed by the same command. Slow (tests/default_suite.py says why: under `.ci/run` another Ray holds
+:8265 before the suite starts): the fault's order (run first, neighbour with a dashboard
+started mid-run), the other order, a run whose own Ray has a dashboard, a neighbour without
+one, two CLI runs with private Rays at once, SIGINT with every step against the run alone.
 """
 
 from __future__ import annotations
 
+import math
 import signal
 import subprocess
 import sys
@@ -94,7 +95,7 @@ def test_neighbour_mid_run_other_dashboards(tmp_path, alone, own_dashboard, thei
 def _cli(tmp: Path, name: str, tmpdir: Path, *extra) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "ray_dhp", "train", str(TINY), f"run.name={name}",
            f"run.storage_path={tmp / 'runs'}", "run.ray_address=local", "optim.num_steps=12",
-           "optim.log_every=1", "checkpoint.checkpoint_every=2", "data.demo_samples=16", *extra]
+           "optim.log_every=1", "checkpoint.checkpoint_every=4", "data.demo_samples=16", *extra]
     log = open(tmp / f"{name}.log", "a")
     return subprocess.Popen(cmd, env=env_for(tmpdir), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 
@@ -106,9 +107,9 @@ def _losses(run_dir: Path) -> dict:
 
 
 class _AloneRun:
-    """The CLI run alone, uninterrupted, started in the background when the module's first CLI
-    test starts, so it trains while that test's own runs do (two private Rays at once, as users
-    run them); `losses()` waits for it and returns every step's loss."""
+    """The CLI run alone, uninterrupted, started in the background when the first CLI test that
+    needs it starts, so it trains while that test's own runs do (two private Rays at once, as
+    users run them); `losses()` waits for it and returns every step's loss."""
 
     def __init__(self, tmp: Path):
         self.tmp, self.proc, self._losses = tmp, _cli(tmp, "alone", short_tmp()), None
@@ -138,11 +139,20 @@ def _same(got: dict, want: dict):
 
 @pytest.mark.parametrize("sig", [pytest.param(signal.SIGTERM, id="sigterm"),
                                  pytest.param(signal.SIGINT, id="sigint", marks=pytest.mark.slow)])
-def test_an_interrupted_cli_run_stops_cleanly_and_resumes_exactly(tmp_path, cli_alone, sig):
+def test_an_interrupted_cli_run_stops_cleanly_and_resumes(tmp_path, request, sig):
+    """The run stops within 30 s leaving nothing behind, and the same command resumes it from its
+    last kept checkpoint and finishes; a step both runs reported has the same loss (the
+    interrupted run usually stops before reporting a step past its last checkpoint, so this is
+    seldom checked). SIGINT (slow) compares every step with the same command run alone,
+    uninterrupted (`cli_alone`: a third private Ray, ~55 s of a 2-core machine, so not in the
+    default run; resumes are exact by default at the engine, distributed/test_checkpoint.py, and
+    through Ray Train, ray/test_fault_tolerance.py in fp64)."""
+    cli_alone = request.getfixturevalue("cli_alone") if sig == signal.SIGINT else None
     run_dir, tmpdir = tmp_path / "runs" / "intr", short_tmp()
     proc = _cli(tmp_path, "intr", tmpdir)
     deadline = time.monotonic() + 900
-    while not (run_dir / "checkpoint_000002").exists():  # early: 10 steps left to interrupt
+    # signalled as the step-4 checkpoint appears: 8 steps left to interrupt
+    while not (run_dir / "checkpoint_000004").exists():
         assert proc.poll() is None, (tmp_path / "intr.log").read_text()[-4000:]
         assert time.monotonic() < deadline
         time.sleep(0.2)
@@ -156,19 +166,26 @@ def test_an_interrupted_cli_run_stops_cleanly_and_resumes_exactly(tmp_path, cli_
     assert processes_with_tmpdir(str(tmpdir)) == []  # the CLI waited for its Ray's processes
     assert temp_leftovers(str(tmpdir)) == []
     kept = sorted(p.name for p in run_dir.glob("checkpoint_0*"))
-    assert kept and kept[-1] >= "checkpoint_000002", kept
+    assert kept and kept[-1] >= "checkpoint_000004", kept
     assert kept[-1] < "checkpoint_000012", "the run finished before the signal took effect"
     resumed_at = int(kept[-1].rpartition("_")[2])
+    before = {k: v for k, v in _losses(run_dir).items() if k > resumed_at}  # to be re-trained
 
     proc = _cli(tmp_path, "intr", tmpdir)  # the same command again
     assert proc.wait(timeout=900) == 0, (tmp_path / "intr.log").read_text()[-4000:]
     log = (tmp_path / "intr.log").read_text()
     assert f"resuming run 'intr' from its checkpoint at step {resumed_at}" in log
-    got, alone = _losses(run_dir), cli_alone.losses()
+    got = _losses(run_dir)
     # every step after the resume is reported; a step before it may lack its line (the abort can
-    # lose the last report of a step whose checkpoint was registered): every loss present = alone
-    assert set(range(resumed_at + 1, max(alone) + 1)) <= set(got) <= set(alone), sorted(got)
-    _same(got, {k: alone[k] for k in got})
+    # lose the last report of a step whose checkpoint was registered)
+    assert set(range(resumed_at + 1, 13)) <= set(got) <= set(range(1, 13)), sorted(got)
+    assert all(math.isfinite(v) for v in got.values()), got
+    _same({k: got[k] for k in before}, before)  # the re-trained steps: the same losses
+    print(f"resumed at step {resumed_at}; re-trained steps compared: {sorted(before)}")
+    if cli_alone is not None:  # every loss present = the run alone
+        alone = cli_alone.losses()
+        assert max(alone) == 12
+        _same(got, {k: alone[k] for k in got})
     assert wait_no_processes(str(tmpdir)) == [] and temp_leftovers(str(tmpdir)) == []
 
 
