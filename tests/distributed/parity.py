@@ -368,3 +368,14 @@ PARITY_DEFAULT = {
     ("qwen3_vl", "collocated", (2, 1), (2, 1)),
     ("qwen3_vl", "disjoint", (1, 1), (2, 2)),
 }
+
+
+def packable_steps(tmp_path, fam, cfg):
+    """`make_steps` for the packing cases, checked meaningful: several packed rows per
+    micro-batch and several samples in some row (a ``reference_fixture`` ``make``)."""
+    from ray_dhp.data.collate import pack_rows
+
+    steps = make_steps(tmp_path, fam, cfg)
+    rows = [pack_rows([s.num_tokens for s in mb], cfg.data.max_tokens) for st in steps for mb in st]
+    assert all(len(r) > 1 for r in rows) and any(len(x) > 1 for r in rows for x in r)
+    return steps

@@ -30,7 +30,7 @@ import torch
 
 from ray_dhp.config.train_loop import TrainLoopConfig
 from ray_dhp.data.collate import pack_rows
-from tests.distributed.parity import (assert_parity, copy_errors, make_steps, reference_fixture,
+from tests.distributed.parity import (packable_steps, assert_parity, copy_errors, reference_fixture,
                                       run_engine)
 
 CFG = TrainLoopConfig(lr=1e-3, global_batch_size=8, micro_batches=2, num_steps=3,
@@ -41,15 +41,8 @@ FP32 = ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "input_layernorm.w
         "post_attention_layernorm.weight", "language_model.norm.weight", "linear_attn.A_log")
 
 
-def _packable_steps(tmp_path, fam, cfg):
-    steps = make_steps(tmp_path, fam, cfg)
-    rows = [pack_rows([s.num_tokens for s in mb], cfg.data.max_tokens) for st in steps for mb in st]
-    # several rows per micro-batch, several samples per row
-    assert all(len(r) > 1 for r in rows) and any(len(x) > 1 for r in rows for x in r)
-    return steps
 
-
-padded_reference = reference_fixture(cfg=CFG, make=_packable_steps, name="padded_reference")
+padded_reference = reference_fixture(cfg=CFG, make=packable_steps, name="padded_reference")
 
 
 def assert_packed_parity(family, got, ref) -> tuple:

@@ -49,9 +49,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ray_dhp.data.collate import pack_rows
 from ray_dhp.config.train_loop import TrainLoopConfig
-from tests.distributed.parity import (GENERIC_FAMILIES, assert_parity, copy_errors, make_steps,
+from tests.distributed.parity import (packable_steps, GENERIC_FAMILIES, assert_parity, copy_errors,
                                       reference_fixture, run_engine, run_reference)
 from tests.distributed.generic_cases import TOL, TOLS, ZERO_GRAD
 
@@ -124,15 +123,8 @@ LOSS_TOL = {"qwen3_vl_moe": 1e-8}
 TWO_STEPS = {("qwen3_5", "sp2-tp2-text-sp"), ("qwen3_5_moe", "sp2-tp2-text-sp")}
 
 
-def _packable_steps(tmp_path, fam, cfg):
-    steps = make_steps(tmp_path, fam, cfg)
-    rows = [pack_rows([s.num_tokens for s in mb], cfg.data.max_tokens) for st in steps for mb in st]
-    # the case is meaningful: several rows per micro-batch, several samples per row
-    assert all(len(r) > 1 for r in rows) and any(len(x) > 1 for r in rows for x in r)
-    return steps
 
-
-padded_reference = reference_fixture(cfg=CFG, make=_packable_steps, name="padded_reference")
+padded_reference = reference_fixture(cfg=CFG, make=packable_steps, name="padded_reference")
 
 
 @pytest.mark.parametrize(
