@@ -13,7 +13,7 @@ of each all-to-all is the other one (its adjoint). DeepSpeed-Ulysses (Jacobs et 
 * Beyond the heads (``tp x cp`` does not divide the attention heads, e.g. CP4 with 2 heads per
   TP rank): `gathered_kv_attention` keeps every head and the rank's query slice and gathers the
   other slices' keys and values over the CP group (ring attention's result without its
-  overlap; the Llama 3 form). Exact; its last rank carries the largest causal share (no
+  overlap; an all-gather form). Exact; its last rank carries the largest causal share (no
   zigzag in this form) and the planner prices the Ulysses form only. Stateful mixers still
   need ``tp x cp`` to divide their heads.
 * KV heads: where the rank's KV heads do not divide by ``cp`` (grouped-query attention with few

@@ -1,10 +1,10 @@
 """What an LM's layers save for backward beyond softmax attention and a dense MLP, for
 `ray-dhp plan`'s text activations (`ray_dhp.planning.memory.text_activation_parts`):
 
-* **other token mixers** (the family's `FamilySpec.text_mixer_saved`, e.g. Qwen3.5's Gated
-  DeltaNet): those layers save the mixer's bytes in place of attention's q, k, v, output,
+* **other token mixers** (the family's `FamilySpec.text_mixer_saved`, e.g. a gated
+  delta-rule mixer): those layers save the mixer's bytes in place of attention's q, k, v, output,
   log-sum-exp and per-head norms;
-* **more norms** than the pre-norm block's two (Gemma 3's post-attention and post-MLP norms):
+* **more norms** than the pre-norm block's two (post-attention and post-MLP norms, counted from the weights):
   each its fp32 input, ``rsqrt`` and normalised output;
 * **sparse MLPs** (a `MoESpec`): in place of the dense ``intermediate_size`` MLP (or the
   replicated top-k width of an LM without one), per sparse layer and token on the rank, the
@@ -16,7 +16,7 @@
   transformers' loop over the hit experts: the down projection's output and the weighted
   one; the engine's expert-parallel path, `ray_dhp.parallel.expert`: the rows the all-to-all
   returns and the weighted ones) and the int64 row indices (two per row, four under EP: the
-  sorts and their inverses). Measured with ``saved_tensors_hooks`` on Qwen3-VL-MoE's layer,
+  sorts and their inverses). Measured with ``saved_tensors_hooks`` on a sparse layer of the tiny families,
   stock and EP2 (exact for the router and per routed row), and in the plan-accuracy matrix
   (``benchmarks/plan_accuracy.py``).
 """
@@ -72,7 +72,7 @@ def layer_extra(layers: TextLayers, tc, tokens: float, row_tokens: float, tp: in
     """What the LM's layers save beyond ``layers x (two norms + attention + mlp)``:
     ``attention`` and ``mlp``, the bytes one attention mixer and one sparse layer's MLP were
     counted with; ``norm``: one norm's own (its output is not an input a projection keeps:
-    the residual's post-norms, Gemma 3's). ``one``: what the largest single layer saves beyond
+    the residual's post-norms). ``one``: what the largest single layer saves beyond
     one such layer (the block recomputed at a time under activation checkpointing)."""
     norms = (layers.norms - 2) * norm
     mixer = sparse = 0.0
