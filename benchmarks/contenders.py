@@ -38,7 +38,7 @@ def _autocast(cfg, device):
 
     from ray_dhp.step.precision import policy_of
 
-    dtype = policy_of(cfg.optim).autocast_dtype
+    dtype = policy_of(cfg.precision).autocast_dtype
     return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
@@ -224,7 +224,7 @@ class Zero3(_DataParallel):
 
 
 def build(name: str, config, cfg, device, comm=None):
-    """Build contender ``name``; ``cfg.optim.precision="bf16_autocast"`` runs every forward under bf16 autocast."""
+    """Build contender ``name``; ``cfg.precision.policy="bf16_autocast"`` runs every forward under bf16 autocast."""
     world = dist.get_world_size()
     if name == "dhp":
         return DHP(config, cfg, device, sp=world, tp=world, comm=comm)

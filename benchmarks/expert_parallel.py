@@ -97,13 +97,13 @@ def body(rank, world, opts: dict):
     counts = count_params(config)
     no_experts = _without_experts(counts)
     for name, e in engines.items():
-        want = rank_state(counts, topos[name], rank, policy_of(cfg.optim))
+        want = rank_state(counts, topos[name], rank, policy_of(cfg.precision))
         out[name]["state_measured"] = e.state_bytes()["total"]
         out[name]["state_plan"] = want.total
         out[name]["expert_bytes_measured"] = sum(local(p).numel() * local(p).element_size()
                                                  for p in expert_params(e.text_model, e.family.moe))
         out[name]["expert_bytes_plan"] = want.weights - rank_state(no_experts, topos[name], rank,
-                                                                   policy_of(cfg.optim)).weights
+                                                                   policy_of(cfg.precision)).weights
     return out
 
 

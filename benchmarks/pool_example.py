@@ -5,7 +5,7 @@ the summary table; ``--write`` puts the reports into docs/placement.md and the t
 docs/cluster.md between their markers (``tests/unit/test_pool_example_docs.py`` checks that the
 committed text is this output).
 
-The run: ``examples/qwen2_5_vl_32b_8gpu.yaml`` with ``optim.precision=bf16`` (bf16 weights and
+The run: ``examples/qwen2_5_vl_32b_8gpu.yaml`` with ``precision.policy=bf16`` (bf16 weights and
 AdamW moments, 10 B/param: at the example's 16 B/param no layout of the 32B LM fits 80 GB
 devices less their margin), a global batch of 16 in 4 micro-batches, 16384 vision + 512 text
 tokens per sample (a large image: the vision tower's share of the step grows with it). Prices
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN = ["examples/qwen2_5_vl_32b_8gpu.yaml", "optim.precision=bf16",
+RUN = ["examples/qwen2_5_vl_32b_8gpu.yaml", "precision.policy=bf16",
        "optim.global_batch_size=16", "optim.micro_batches=4"]
 FLAGS = ["--vision-tokens", "16384", "--recommend"]
 POOLS = {"8 x H100": "examples/pools/h100x8.yaml",

@@ -18,15 +18,6 @@ NODE_LOCAL = ("warn", "strict")
 # its name, laid out after the vision encoder in this order; a family hosts encoder ``name`` when
 # its `FamilySpec` has it (``FamilySpec.encoder_spec(name)``).
 FURTHER_ENCODERS = ("audio",)
-# What an encoder's group does not cover yet: {name: {what: reason}} (checked by `DHPConfig`).
-_NOT_COVERED = {
-    "audio": {
-        "sequence_parallel": "the audio encoder trains data parallel only; sequence parallelism "
-                             "over long audio (its chunked attention) is not covered yet",
-        "zero_stage": "ZeRO-3 (FSDP2) of the audio encoder is not covered yet; use "
-                      "audio.zero_stage 0-2",
-    },
-}
 
 
 @dataclass
@@ -279,29 +270,12 @@ class DHPConfig(BackendConfig):
         return load_model_config(self.model)
 
     def validate_model(self) -> None:
-        """Check the degrees against the model's dimensions; raises ValueError saying what to change."""
+        """Check the degrees against the model's dimensions and the family's coverage
+        (`ray_dhp.models.layout_fit.check_layout_fits`); raises ValueError saying what to change."""
         from ray_dhp.models import family_of
+        from ray_dhp.models.layout_fit import check_layout_fits
 
-        family = family_of(self.model_config())
-        family.validate_layout(self.model_config(), sp=self.vision.sequence_parallel,
-                               tp=self.text.tensor_parallel, text_sp=self.text.sequence_parallel is True)
-        for name in self.encoder_parallel():
-            if family.encoder_spec(name) is None:
-                raise ValueError(f"{name}: the {family.name} family has no {name} encoder; remove "
-                                 f"the {name} section (DHPConfig({name}=None)).")
-        family.validate_expert_parallel(self.model_config(), self.text.expert_parallel)
-        from ray_dhp.parallel.context import refusal
-
-        why = refusal(family, self.model_config(), self.text.context_parallel,
-                      self.text.tensor_parallel, encoder_ops=tuple(
-                          family.encoder_spec(n).operations() for n in self.encoder_parallel()),
-                      text_sp=self.text.sequence_parallel is True)
-        if why:
-            raise ValueError(why)
-        if self.text.expert_tensor_parallel:
-            from ray_dhp.parallel.expert_tp import validate
-
-            validate(family, self.model_config(), self.text.tensor_parallel)
+        check_layout_fits(family_of(self.model_config()), self.model_config(), self.topology())
         if isinstance(self.model, str):  # every shard there, shapes and dtypes as config.json says
             from ray_dhp.models.loading import check_model_directory
 
@@ -361,7 +335,8 @@ ModelSpec = Union[str, Any]
 
 def _check_encoder(name: str, m: ModuleParallel) -> None:
     """An encoder's degrees: Ulysses ``sequence_parallel`` (an integer), no tensor or expert
-    parallelism, and nothing `_NOT_COVERED` for it; errors name the key ``<name>.<field>``."""
+    parallelism; errors name the key ``<name>.<field>`` (what the encoder's family covers is
+    checked with the model, `ray_dhp.models.layout_fit.check_encoders`)."""
     if m.tensor_parallel != 1:
         raise ValueError(f"{name}.tensor_parallel: the {name} group uses sequence_parallel and "
                          "data_parallel, not tensor_parallel; leave it at 1.")
@@ -376,9 +351,3 @@ def _check_encoder(name: str, m: ModuleParallel) -> None:
     if m.expert_tensor_parallel:
         raise ValueError(f"{name}.expert_tensor_parallel: the {name} encoder has no experts; "
                          "leave it false.")
-    limits = _NOT_COVERED.get(name, {})
-    if m.sequence_parallel > 1 and "sequence_parallel" in limits:
-        raise ValueError(f"{name}.sequence_parallel={m.sequence_parallel}: "
-                         f"{limits['sequence_parallel']}; set {name}.sequence_parallel=1.")
-    if m.zero_stage == 3 and "zero_stage" in limits:
-        raise ValueError(f"{name}.zero_stage=3: {limits['zero_stage']}.")

@@ -18,6 +18,7 @@ current directory when the file is loaded (Ray workers change directory).
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -26,12 +27,14 @@ from typing import Optional
 
 from ray_dhp.cli.schema import ConfigError, apply_overrides, file_fields, from_dict, section
 from ray_dhp.config.data_section import check_dataset_weights
-from ray_dhp.config.sections import OptimConfig, TrackingConfig
+from ray_dhp.config.sections import OptimConfig, PrecisionConfig, TrackingConfig
 from ray_dhp.config.train_loop import FLAT_KEYS, TrainLoopConfig
 from ray_dhp.layout import FURTHER_ENCODERS, DHPConfig, ModuleParallel
 from ray_dhp.run_sections import (AudioSection, CheckpointSection, DataSection, HardwareSection,
                                   ModelSection, PlacementSection, ProcessorSection, RunSection,
                                   ScalingSection, TextSection, VisionSection)
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["RunFile", "ConfigError", "load_run_file", "run_file_from_dict", "loop_key_in_file",
            "SHORTHANDS"]
@@ -54,6 +57,8 @@ class RunFile:
                                           shorthand="mode")
     data: DataSection = section(DataSection, "training data")
     optim: OptimConfig = section(OptimConfig, "optimizer and loop hyper-parameters")
+    precision: PrecisionConfig = section(PrecisionConfig, "precision policy and TF32",
+                                         shorthand="policy")
     checkpoint: CheckpointSection = section(CheckpointSection, "checkpointing")
     tracking: TrackingConfig = section(TrackingConfig, "experiment tracking and console")
     scaling: ScalingSection = section(ScalingSection, "Ray Train workers")
@@ -156,10 +161,12 @@ class RunFile:
         from ray_dhp.train.run_checks import check_run
 
         dhp.processor = self.processor_spec()  # processor.path must exist
-        check_run(dhp, loop, datasets=names, name=loop_key_in_file,
-                  score_attribute=self.checkpoint.score_attribute,
-                  validation_key="data.validation", score_key="checkpoint.score_attribute",
-                  processor_key="processor.path", model_key="model.path")
+        for note in check_run(dhp, loop, datasets=names, name=loop_key_in_file,
+                              score_attribute=self.checkpoint.score_attribute,
+                              validation_key="data.validation",
+                              score_key="checkpoint.score_attribute",
+                              processor_key="processor.path", model_key="model.path"):
+            logger.warning(note)  # said once, as the file is loaded
         return self
 
     def check_device(self) -> None:
@@ -238,7 +245,8 @@ def _plain(x):
     return x
 
 
-SHORTHANDS = {"placement": "mode"}
+# the sections a scalar may stand for (``placement: disjoint``, ``precision: bf16``): {section: field}
+SHORTHANDS = {f.name: f.metadata["shorthand"] for f in fields(RunFile) if f.metadata.get("shorthand")}
 
 
 def loop_key_in_file(key: str) -> str:

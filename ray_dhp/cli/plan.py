@@ -33,11 +33,11 @@ def _meshes(topology) -> list:
 
 
 def policy_of_run(rf):
-    """The `PrecisionPolicy` of the run file (optim.precision): the same
+    """The `PrecisionPolicy` of the run file (precision.policy): the same
     object the engine builds from its train_loop_config."""
     from ray_dhp.step.precision import policy_of
 
-    return policy_of(rf.optim)
+    return policy_of(rf.precision)
 
 
 def settings_of(rf, attention: str) -> ActivationSettings:
@@ -184,7 +184,7 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
         f"workers: {num_workers} (scaling.use_gpu={rf.scaling.use_gpu})",
         "layout:", topo.describe(), *_labels_lines(rf, topo), "meshes:", *_meshes(topo),
         "",
-        f"precision (optim.precision): {policy.describe()}",
+        f"precision (precision.policy): {policy.describe()}",
         "per-rank model state (held by the rank; masters and AdamW moments only for what it "
         f"updates; ZeRO stages: {_stages(topo, ', ')}); "
         "start-up peak = weights "

@@ -110,6 +110,6 @@ def pool_recommend_text(rf, pools, where: str, *, micro_batches, vision_tokens: 
             out.append("  (none: " + ("no layout fits the pools)" if not ok else
                                       "no pool has a price_per_device_hour)"))
     if not ok:
-        out += ["", "no layout fits: use optim.precision=bf16 (10 B/param), turn on activation "
+        out += ["", "no layout fits: use precision.policy=bf16 (10 B/param), turn on activation "
                     "checkpointing, shorten the samples, or add devices to the pools."]
     return "\n".join(out), bool(ok)

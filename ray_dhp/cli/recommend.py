@@ -106,7 +106,7 @@ def build_workload(rf, *, micro_batches, vision_tokens: list, text_tokens: int, 
     config = load_model_config(rf.model_spec())
     counts = count_params(config)
     settings = settings_of(rf, attention)
-    policy = policy_of_run(rf)  # the engine's precision policy (optim.precision)
+    policy = policy_of_run(rf)  # the engine's precision policy (precision.policy)
     vt, segment, line = max(vision_tokens), None, None
     if videos:
         from ray_dhp.cli.plan import vision_cases
@@ -192,6 +192,6 @@ def recommend_text(rf, *, gpus, micro_batches, vision_tokens: list, text_tokens:
                     f"{best.peak_memory_gib:.3g} GiB per GPU). Run-file fragment:", "",
                 _fragment_yaml(best, micro_batches).rstrip()]
     else:
-        out += ["", "no layout fits: use optim.precision=bf16 (10 B/param), turn on activation "
+        out += ["", "no layout fits: use precision.policy=bf16 (10 B/param), turn on activation "
                     "checkpointing or bf16 autocast, shorten the samples, or add GPUs."]
     return "\n".join(out), bool(ok)

@@ -37,14 +37,16 @@ def _demo_data(rf) -> str:
 
 
 def build_trainer(rf, *, datasets: dict, name: Optional[str] = None,
-                  callbacks: Sequence = ()):
-    """The `DisaggregatedTrainer` the run file describes, on ``datasets`` (from `prepare_data`);
-    validated before any worker starts."""
+                  callbacks: Sequence = (), dhp=None):
+    """The `DisaggregatedTrainer` the run file describes, on ``datasets`` (from `prepare_data`).
+    ``rf`` was validated as it was loaded (`ray_dhp.run_file.load_run_file` and
+    `run_file_from_dict` call `RunFile.validate`), so the trainer does not check the run again;
+    ``dhp``: the run file's `DHPConfig`, if the caller built it already."""
     import ray.train
 
     from ray_dhp.train.trainer import DisaggregatedTrainer
 
-    dhp = rf.dhp_config()
+    dhp = dhp or rf.dhp_config()
     checkpoint = ray.train.CheckpointConfig(num_to_keep=rf.checkpoint.num_to_keep,
                                             checkpoint_score_attribute=rf.checkpoint.score_attribute,
                                             checkpoint_score_order=rf.checkpoint.score_order)
@@ -57,7 +59,8 @@ def build_trainer(rf, *, datasets: dict, name: Optional[str] = None,
                                       resources_per_worker=rf.scaling.resources_per_worker)
     return DisaggregatedTrainer(train_loop_config=rf.train_loop_config(), dhp_config=dhp,
                                 scaling_config=scaling, run_config=run_config,
-                                datasets=datasets, placement_timeout_s=rf.run.placement_timeout_s)
+                                datasets=datasets, placement_timeout_s=rf.run.placement_timeout_s,
+                                run_checked=True)
 
 
 def local_num_cpus(rf, num_workers: int) -> int:
@@ -209,8 +212,7 @@ def train(rf) -> dict:
 
     from ray_dhp.cli.runs import check_run_folder
 
-    named = rf.run.name is not None
-    rf.validate()
+    named = rf.run.name is not None  # ``rf`` was validated as it was loaded
     dhp = rf.dhp_config()
     num_workers = rf.num_workers(dhp)
     start = check_run_folder(rf) or 0  # a finished run of the same name is refused here
@@ -219,7 +221,7 @@ def train(rf) -> dict:
         print(f"[ray_dhp] resuming run {rf.run_name()!r} from its checkpoint at step {start} "
               f"(to start afresh, give another run.name)", flush=True)
     datasets = prepare_data(rf)
-    trainer = build_trainer(rf, datasets=datasets)  # validates before Ray starts workers
+    trainer = build_trainer(rf, datasets=datasets, dhp=dhp)
     init_ray(rf, num_workers)
     try:
         with sigterm_as_sigint():

@@ -1,7 +1,7 @@
 """The sections of the default loop's configuration: one dataclass per run-file section.
 
-`ray_dhp.config.train_loop.TrainLoopConfig` is the tree of these (``optim``, ``data`` with its
-``video``, ``processor``, ``checkpoint``, ``tracking``); each part of the loop receives only its
+`ray_dhp.config.train_loop.TrainLoopConfig` is the tree of these (``optim``, ``precision``,
+``data`` with its ``video``, ``processor``, ``checkpoint``, ``tracking``); each part of the loop receives only its
 own section (`ray_dhp.step.optim.build_optimizer` takes ``cfg.optim``, the sampler ``cfg.data``
 and ``cfg.optim``...). The run file's sections are these classes (`ray_dhp.run_sections` adds the
 keys only a file has, such as ``data.train``), so defaults, help strings (each class's ``Args:``)
@@ -17,7 +17,7 @@ from typing import Optional
 from ray_dhp.config.checks import ConfigError, check_fields, checked, coerce, keyed
 from ray_dhp.config.tuning import parse_tuning_named
 
-__all__ = ["Section", "OptimConfig", "ProcessorConfig", "CheckpointConfig", "TrackingConfig",
+__all__ = ["Section", "OptimConfig", "PrecisionConfig", "ProcessorConfig", "CheckpointConfig", "TrackingConfig",
            "subsection", "LR_SCHEDULES", "POLICY_NAMES", "BALANCE"]
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
@@ -97,14 +97,6 @@ class OptimConfig(Section):
             groups of similar length; "count" splits into contiguous equal counts, one padded
             batch per text replica. The update is the same either way (each sample is
             computed once).
-        precision: the precision policy (`ray_dhp.step.precision`): "fp32" (fp32 weights, grads and
-            AdamW state: 16 B/param), "bf16_autocast" (the same state, matmuls under bf16
-            autocast), "bf16_mixed" (bf16 weights, gradients accumulated in fp32, fp32 master
-            weights and AdamW moments that the optimizer steps; 18 B/param, half-size weights
-            and activations; checkpoints hold the masters) or "bf16" (bf16 weights and
-            moments, gradients accumulated in fp32, no masters: 10 B/param).
-        tf32: TF32 for fp32 matmuls and convolutions on CUDA (`ray_dhp.step.gpu`; ignored on
-            CPU). Matters for the fp32 and bf16_autocast policies' fp32 matmuls.
         activation_checkpointing: recompute transformer blocks in backward.
         modules: per-module training choices (`ray_dhp.config.tuning`), a mapping of ``vision`` (the
             vision tower), ``merger``, ``audio`` (Qwen2.5-Omni's audio tower) and ``llm`` (the
@@ -129,8 +121,6 @@ class OptimConfig(Section):
     eps: float = checked(1e-8, gt=0)
     micro_batch_tokens: Optional[int] = checked(None, ge=1)
     balance: str = checked("cost", choices=BALANCE)
-    precision: str = checked("fp32", choices=POLICY_NAMES)
-    tf32: bool = True
     activation_checkpointing: bool = False
     modules: Optional[dict] = None
 
@@ -147,6 +137,27 @@ class OptimConfig(Section):
 
     def micro_batch_size(self) -> int:
         return self.global_batch_size // self.micro_batches
+
+
+@dataclass
+class PrecisionConfig(Section):
+    """Numerics of the step: the precision policy of weights, gradients, optimizer state and
+    matmuls, and TF32. A policy name alone stands for the section (``precision: bf16`` in a
+    run file, ``train_loop_config["precision"] = "bf16"`` from Python).
+
+    Args:
+        policy: the precision policy (`ray_dhp.step.precision`): "fp32" (fp32 weights, grads and
+            AdamW state: 16 B/param), "bf16_autocast" (the same state, matmuls under bf16
+            autocast), "bf16_mixed" (bf16 weights, gradients accumulated in fp32, fp32 master
+            weights and AdamW moments that the optimizer steps; 18 B/param, half-size weights
+            and activations; checkpoints hold the masters) or "bf16" (bf16 weights and
+            moments, gradients accumulated in fp32, no masters: 10 B/param).
+        tf32: TF32 for fp32 matmuls and convolutions on CUDA (`ray_dhp.step.gpu`; ignored on
+            CPU). Matters for the fp32 and bf16_autocast policies' fp32 matmuls.
+    """
+
+    policy: str = checked("fp32", choices=POLICY_NAMES)
+    tf32: bool = True
 
 
 @dataclass

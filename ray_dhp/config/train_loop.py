@@ -1,6 +1,6 @@
 """`train_loop_config` of the default VLM loop: one tree of sections (`TrainLoopConfig`).
 
-The tree's sections are the run file's: ``optim``, ``data`` (with ``data.video``),
+The tree's sections are the run file's: ``optim``, ``precision``, ``data`` (with ``data.video``),
 ``processor``, ``checkpoint``, ``tracking`` (`ray_dhp.config.sections`,
 `ray_dhp.config.data_section`); each part of the loop receives its own section.
 
@@ -26,8 +26,8 @@ from typing import Callable, Optional
 
 from ray_dhp.config.checks import ConfigError
 from ray_dhp.config.data_section import DataConfig, check_dataset_weights
-from ray_dhp.config.sections import (CheckpointConfig, OptimConfig, ProcessorConfig, Section,
-                                     TrackingConfig)
+from ray_dhp.config.sections import (CheckpointConfig, OptimConfig, PrecisionConfig,
+                                     ProcessorConfig, Section, TrackingConfig)
 from ray_dhp.config.views import SamplerConfig, StepConfig
 
 __all__ = ["TrainLoopConfig", "FLAT_KEYS", "loop_key", "check_dataset_weights"]  # + the sections:
@@ -44,7 +44,8 @@ def _paths(section: str, names: str, prefix: str = "", sub: str = "") -> dict:
 FLAT_KEYS = {
     **_paths("optim", "lr global_batch_size num_steps seed log_every max_grad_norm micro_batches "
                       "lr_schedule warmup_steps weight_decay betas eps micro_batch_tokens balance "
-                      "precision tf32 activation_checkpointing modules"),
+                      "activation_checkpointing modules"),
+    "precision": "precision.policy", **_paths("precision", "tf32"),
     **_paths("data", "data_root max_tokens packing bad_data dataset_weights prefetch data_workers "
                      "max_text_chars max_image_pixels max_bad_fraction eval_every eval_batch_size "
                      "index_dir dataset_paths"),
@@ -85,8 +86,10 @@ def _section(cls, value, where: str):
     return cls(**kwargs)
 
 
-def _field(cls, help: str):
-    return field(default_factory=cls, metadata={"section": cls, "help": help})
+def _field(cls, help: str, shorthand: Optional[str] = None):
+    """A section of the tree; a scalar given for it stands for its ``shorthand`` field."""
+    return field(default_factory=cls, metadata={"section": cls, "help": help,
+                                                "shorthand": shorthand})
 
 
 @dataclass(init=False)
@@ -94,8 +97,10 @@ class TrainLoopConfig:
     """Hyper-parameters of the default loop (``train_loop_config``), one section per part.
 
     Args:
-        optim: `OptimConfig`: AdamW, its schedule, the batch and step, precision, per-module
-            choices.
+        optim: `OptimConfig`: AdamW, its schedule, the batch and step, activation
+            checkpointing, per-module choices.
+        precision: `PrecisionConfig`: the precision policy and TF32 (a policy name alone:
+            ``precision="bf16"``).
         data: `DataConfig`: reading, limits, packing, evaluation, video (`VideoConfig`).
         processor: `ProcessorConfig`: the system prompt and the image area range.
         checkpoint: `CheckpointConfig`: when and how checkpoints are written, where to resume.
@@ -104,17 +109,22 @@ class TrainLoopConfig:
     """
 
     optim: OptimConfig = _field(OptimConfig, "optimizer and loop hyper-parameters")
+    precision: PrecisionConfig = _field(PrecisionConfig, "precision policy and TF32",
+                                        shorthand="policy")
     data: DataConfig = _field(DataConfig, "training data")
     processor: ProcessorConfig = _field(ProcessorConfig, "processor settings")
     checkpoint: CheckpointConfig = _field(CheckpointConfig, "checkpointing")
     tracking: TrackingConfig = _field(TrackingConfig, "experiment tracking")
 
-    def __init__(self, optim=None, data=None, processor=None, checkpoint=None, tracking=None,
-                 **flat):
-        given = dict(optim=optim, data=data, processor=processor, checkpoint=checkpoint,
-                     tracking=tracking)
+    def __init__(self, optim=None, precision=None, data=None, processor=None, checkpoint=None,
+                 tracking=None, **flat):
+        given = dict(optim=optim, precision=precision, data=data, processor=processor,
+                     checkpoint=checkpoint, tracking=tracking)
         for f in fields(self):
             cls, value = f.metadata["section"], given[f.name]
+            short = f.metadata.get("shorthand")
+            if short and value is not None and not isinstance(value, (dict, cls)):
+                value = {short: value}  # ``precision="bf16"``: the flat key of that field
             setattr(self, f.name, cls() if value is None
                     else _section(cls, value, f"train_loop_config.{f.name}"))
         for key, value in flat.items():
@@ -164,8 +174,9 @@ class TrainLoopConfig:
         return self.sampler_config().eval_batch()
 
     def step_config(self) -> StepConfig:
-        """What the step engine reads (`StepConfig`: ``optim``, ``data.packing`` / ``max_tokens``)."""
-        return StepConfig.of(self.optim, self.data)
+        """What the step engine reads (`StepConfig`: ``optim``, ``precision``, ``data.packing`` /
+        ``max_tokens``)."""
+        return StepConfig.of(self.optim, self.data, self.precision)
 
     def sampler_config(self) -> SamplerConfig:
         """What the step sampler reads (`SamplerConfig`: ``data`` and the batch keys of ``optim``)."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ray_dhp.config.data_section import DataConfig
-from ray_dhp.config.sections import OptimConfig
+from ray_dhp.config.sections import OptimConfig, PrecisionConfig
 
 __all__ = ["StepConfig", "SamplerConfig"]
 
@@ -29,17 +29,20 @@ _OPTIM = OptimConfig()  # the defaults below are the section's
 
 @dataclass(frozen=True)
 class StepConfig:
-    """What the step engine (`ray_dhp.step.engine.DHPEngine`) reads: the ``optim`` section, and
-    from ``data`` how text rows are made: ``packing`` (several samples per row) and
-    ``max_tokens`` (a packed row's length)."""
+    """What the step engine (`ray_dhp.step.engine.DHPEngine`) reads: the ``optim`` and
+    ``precision`` sections, and from ``data`` how text rows are made: ``packing`` (several
+    samples per row) and ``max_tokens`` (a packed row's length)."""
 
     optim: OptimConfig = field(default_factory=OptimConfig)
     packing: bool = False
     max_tokens: Optional[int] = None
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
 
     @classmethod
-    def of(cls, optim: OptimConfig, data: DataConfig) -> "StepConfig":
-        return cls(optim, packing=data.packing, max_tokens=data.max_tokens)
+    def of(cls, optim: OptimConfig, data: DataConfig,
+           precision: Optional[PrecisionConfig] = None) -> "StepConfig":
+        return cls(optim, packing=data.packing, max_tokens=data.max_tokens,
+                   precision=precision or PrecisionConfig())
 
 
 @dataclass(frozen=True)

@@ -95,7 +95,8 @@ def forward(family, tower, inputs: dict, plan, dtype: torch.dtype, *, sp_rank: i
 
 
 def zero3_refusal(family) -> str:
-    return "audio.zero_stage=3 is not covered for the audio encoder; use audio.zero_stage 0-2."
+    return ("audio.zero_stage=3: ZeRO-3 (FSDP2) of the audio encoder is not covered yet; use "
+            "audio.zero_stage 0-2.")
 
 
 class AudioSlot(torch.nn.Module):

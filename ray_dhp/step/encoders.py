@@ -9,9 +9,6 @@ then e.g. an audio tower — is reached through its `EncoderSpec` operations (it
 shard plans, inputs and forward) and its ZeRO-3 sharding, if any (``sharding[name]``).
 `EncoderPhases` holds no state: it works on the engine's ``groups``, ``family``, ``shards``,
 ``sharding`` and micro-batch states.
-
-`check_encoders`: which encoders a layout may give groups of their own (any the family has, with
-the sequence parallelism and ZeRO stage its operations cover).
 """
 
 from __future__ import annotations
@@ -143,20 +140,3 @@ class EncoderPhases:
                 out.update({t.rank_at(j, k, c): mine for k in range(t.inner)})
         return out
 
-
-def check_encoders(family, topology) -> None:
-    """ValueError naming the run-file section for an encoder the layout cannot take."""
-    for m in topology.encoders:
-        spec = family.encoder_spec(m.name)
-        if spec is None:
-            have = [e.name for e in family.encoders]
-            raise ValueError(f"{m.name}: the {family.name} family has no {m.name} encoder "
-                             f"(its encoders besides vision: {have or 'none'}); drop the "
-                             f"'{m.name}:' section.")
-        ops = spec.operations()
-        if m.inner > 1 and not ops.SEQUENCE_PARALLEL:
-            raise ValueError(f"{m.name}.sequence_parallel={m.inner}: the {m.name} encoder trains "
-                             f"data parallel only; set {m.name}.sequence_parallel=1.")
-        refusal = ops.zero3_refusal(family) if m.zero_stage == 3 else None
-        if refusal:
-            raise ValueError(refusal)

@@ -44,8 +44,8 @@ from ray_dhp.parallel.balance import Balancer
 from ray_dhp.parallel.comm import CommCounter
 from ray_dhp.parallel.fsdp import reduce_dtype_of, shard_text
 from ray_dhp.parallel.tensor import apply_tp_plan, partial_grad_params
-from ray_dhp.config.tuning import check_layout, tuning_of
-from ray_dhp.step.encoders import EncoderPhases, check_encoders
+from ray_dhp.config.tuning import tuning_of
+from ray_dhp.step.encoders import EncoderPhases
 from ray_dhp.step.text import TextPhase
 from ray_dhp.step.updates import UpdateMixin
 
@@ -54,7 +54,7 @@ class DHPEngine(EncoderPhases, TextPhase, UpdateMixin):
     """Holds this rank's shard(s) of the model and runs exact DHP training steps.
 
     ``cfg``: what the engine reads of the run's configuration (`ray_dhp.config.views.StepConfig`:
-    the ``optim`` section and the text rows' ``packing`` / ``max_tokens``; from the tree,
+    the ``optim`` and ``precision`` sections and the text rows' ``packing`` / ``max_tokens``; from the tree,
     ``TrainLoopConfig.step_config()``); it hands each part its own.
     """
 
@@ -63,32 +63,16 @@ class DHPEngine(EncoderPhases, TextPhase, UpdateMixin):
                  schedule: str = "sequential", init: str = "source"):
         if init not in ("source", "checkpoint"):
             raise ValueError(f"init must be 'source' or 'checkpoint', got {init!r}")
-        self.policy = policy_of(cfg.optim)
+        self.policy = policy_of(cfg.precision)
         dtype = weight_dtype(self.policy, dtype)
         self.source_model = str(model) if isinstance(model, (str, os.PathLike)) else None
         self.groups, self.cfg, self.comm, self.dtype = groups, cfg, comm, dtype
-        apply_tf32(cfg.optim.tf32, groups.device)
-        self.schedule = schedule
-        order_for(schedule, 1)  # validates the name
+        apply_tf32(cfg.precision.tf32, groups.device)
+        self.schedule = schedule  # the layout was checked against the model by DHPConfig
         self.config = load_model_config(model)
         self.family = family_of(self.config)
-        check_transformers(self.family)
+        check_transformers(self.family)  # this worker's transformers, not the driver's
         topo = groups.topology
-        self.family.validate_layout(self.config, sp=topo.vision.inner, tp=topo.text.inner,
-                                    text_sp=topo.text_sequence_parallel, packing=cfg.packing)
-        self.family.validate_expert_parallel(self.config, topo.text_expert_parallel)
-        check_encoders(self.family, topo)
-        from ray_dhp.parallel.context import refusal
-
-        why = refusal(self.family, self.config, topo.text.cp, topo.text.inner,
-                      tuple(self.family.encoder_spec(m.name).operations() for m in topo.encoders),
-                      text_sp=topo.text_sequence_parallel)
-        if why:
-            raise ValueError(why)
-        if topo.text_expert_tp:
-            from ray_dhp.parallel.expert_tp import validate
-
-            validate(self.family, self.config, topo.text.inner)
         self._build_shards(model, dtype, fill=init == "source")
         if topo.text.cp > 1 and self.text_model is not None:  # Ulysses CP around the LM's attention
             from ray_dhp.parallel.context import install_context_parallel
@@ -102,7 +86,6 @@ class DHPEngine(EncoderPhases, TextPhase, UpdateMixin):
         if self.tuning.lora is not None and self.text_model is not None:  # PEFT LoRA, TP-exact
             from ray_dhp.models.lora import add_lora
 
-            check_layout(self.tuning, topo.text_sequence_parallel)
             tp = topo.text.inner > 1
             add_lora(self.text_model, self.tuning.lora, cfg.optim.seed, groups.text_mesh["tp"] if tp else None,
                      self.family.text_tp_plan(self.config.text_config) if tp else None)

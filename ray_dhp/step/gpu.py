@@ -1,7 +1,7 @@
 """GPU defaults of the step, each a small decision that the CPU tests exercise with a CUDA
 ``torch.device`` (constructing one needs no GPU):
 
-* `tf32_flags`: TF32 for fp32 matmuls and convolutions on CUDA (run file ``optim.tf32``, on by
+* `tf32_flags`: TF32 for fp32 matmuls and convolutions on CUDA (run file ``precision.tf32``, on by
   default; ~8x the fp32 matmul rate on Hopper). Only CUDA's flags are touched: on CPU
   ``torch.set_float32_matmul_precision("high")`` may switch oneDNN to reduced precision, which
   would break the fp32/fp64 exactness tests.

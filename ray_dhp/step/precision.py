@@ -1,6 +1,6 @@
 """Precision policies: which dtype the weights, gradients and optimizer state of a rank have.
 
-One setting (``train_loop_config["precision"]``, run file ``optim.precision``) drives the
+One setting (``train_loop_config["precision"]``, run file ``precision.policy``, or ``precision: <name>``) drives the
 engine, the single-process reference, `ray-dhp plan`'s memory estimate and the checkpoint:
 
 ==================  =========  ==========  ============  ===========  ====================
@@ -107,9 +107,10 @@ POLICIES = {
 
 
 def policy_of(cfg) -> PrecisionPolicy:
-    """The `PrecisionPolicy` of the run's ``optim`` section (`ray_dhp.config.sections.OptimConfig`,
-    or anything with a ``precision`` attribute; None: fp32)."""
-    name = (None if cfg is None else cfg.precision) or "fp32"
+    """The `PrecisionPolicy` of the run's ``precision`` section
+    (`ray_dhp.config.sections.PrecisionConfig`, or anything with a ``policy`` attribute; None:
+    fp32)."""
+    name = (None if cfg is None else cfg.policy) or "fp32"
     if name not in POLICIES:
         raise ValueError(f"precision must be one of {POLICY_NAMES}, got {name!r}")
     return POLICIES[name]

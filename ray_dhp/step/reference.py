@@ -33,6 +33,7 @@ import contextlib
 import inspect
 import math
 import zlib
+from typing import Optional
 
 import torch
 
@@ -43,15 +44,16 @@ from ray_dhp.step.microbatch import count_targets, shift_labels, upcast
 from ray_dhp.step.optim import lr_factor
 from ray_dhp.step.precision import policy_of, weight_dtype
 from ray_dhp.config.tuning import tuning_of
-from ray_dhp.config.sections import OptimConfig
+from ray_dhp.config.sections import OptimConfig, PrecisionConfig
 
 ADAPTER = "default"  # PEFT's default adapter name
 
 
 class ReferenceTrainer:
-    def __init__(self, model, cfg: OptimConfig, device="cpu", dtype=None):
+    def __init__(self, model, cfg: OptimConfig, device="cpu", dtype=None,
+                 precision: Optional[PrecisionConfig] = None):
         self.cfg = cfg  # the run's ``optim`` section
-        self.policy = policy_of(cfg)
+        self.policy = policy_of(precision)  # its ``precision`` section (None: fp32)
         dtype = weight_dtype(self.policy, dtype)
         self.config = load_model_config(model)
         self.model = build_model(model, seed=cfg.seed, dtype=dtype).to(device)

@@ -53,6 +53,10 @@ class DisaggregatedTrainer(DataParallelTrainer):
             ``result.checkpoint``, or a path: one checkpoint or a folder of them), written at any
             layout; passed to the workers as ``train_loop_config["resume_from"]``. After a failure
             the run resumes from its own latest checkpoint instead.
+        run_checked: the caller already ran `ray_dhp.train.run_checks.check_run` on exactly
+            this layout and loop configuration and said its notes (``ray-dhp train`` and
+            ``ray_dhp.tune.sweep`` do, through `ray_dhp.run_file.RunFile.validate`, whose errors
+            name the run file's keys); the trainer then does not run it again.
 
     Example:
         >>> import ray.train
@@ -80,6 +84,7 @@ class DisaggregatedTrainer(DataParallelTrainer):
         dataset_config=None,
         resume_from=None,
         placement_timeout_s: Optional[float] = DEFAULT_PLACEMENT_TIMEOUT_S,
+        run_checked: bool = False,
     ):
         import ray.train
 
@@ -111,16 +116,17 @@ class DisaggregatedTrainer(DataParallelTrainer):
                 refuse_audio(paths.values(), family.name, family.audio)
             names = set(ray_datasets) | set(paths)
             _check_training_datasets(loop_cfg, names)
-            from ray_dhp.train.run_checks import check_run
+            if not run_checked:  # `ray_dhp.run_file.RunFile.validate` ran it, naming its keys
+                from ray_dhp.train.run_checks import check_run
 
-            ckpt = getattr(run_config, "checkpoint_config", None)
-            notes = check_run(dhp_config, loop_cfg, datasets=names, name=loop_cfg.key,
-                              score_attribute=getattr(ckpt, "checkpoint_score_attribute", None))
+                ckpt = getattr(run_config, "checkpoint_config", None)
+                for note in check_run(dhp_config, loop_cfg, datasets=names, name=loop_cfg.key,
+                                      score_attribute=getattr(ckpt, "checkpoint_score_attribute",
+                                                              None)):
+                    logger.warning(note)  # the processor fits the model; said once, here
             if dhp_config.processor is None and not isinstance(dhp_config.model, str):
                 raise ValueError("the built-in loop needs DHPConfig(processor=...) when the model "
                                  "is a config object (with a model directory it is loaded from there).")
-            for note in notes:  # the processor fits the model; said once, here
-                logger.warning(note)
             from ray_dhp.train.callbacks import MetricsHistory
             from ray_dhp.train.tracking import TensorBoardLogger
 

@@ -118,7 +118,7 @@ def assert_resume_is_exact(before, after, tmp_path, tmp_path_factory):
     from ray_dhp.step.reference import ReferenceTrainer
 
     sampler = _sampler(data, CFG)
-    trainer = ReferenceTrainer(demo.tiny_model_config(FAMILY), CFG.optim, dtype=DTYPE)
+    trainer = ReferenceTrainer(demo.tiny_model_config(FAMILY), CFG.optim, precision=CFG.precision, dtype=DTYPE)
     ref = {"history": [trainer.step(sampler.next_step()) for _ in range(CFG.optim.num_steps)],
            "params": trainer.named_parameters()}
     first = run(before, data, stop=3, save_at=(3,), ckpt_root=str(tmp_path))

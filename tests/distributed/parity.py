@@ -171,7 +171,7 @@ def run_engine(family: str, layout: dict, cfg: TrainLoopConfig, steps, dtype=Non
 
 
 def run_reference(family: str, cfg: TrainLoopConfig, steps, dtype=None, model=None) -> dict:
-    ref = ReferenceTrainer(demo.tiny_model_config(family) if model is None else model, cfg.optim, dtype=dtype)
+    ref = ReferenceTrainer(demo.tiny_model_config(family) if model is None else model, cfg.optim, precision=cfg.precision, dtype=dtype)
     params0 = ref.named_parameters()
     grads = []
     ref.opt.register_step_pre_hook(lambda opt, args, kwargs: grads.append(

@@ -45,7 +45,7 @@ def reference(data):
     from ray_dhp.step.reference import ReferenceTrainer
 
     sampler = _sampler(data, CFG)
-    ref = ReferenceTrainer(demo.tiny_model_config(FAMILY), CFG.optim, dtype=DTYPE)
+    ref = ReferenceTrainer(demo.tiny_model_config(FAMILY), CFG.optim, precision=CFG.precision, dtype=DTYPE)
     history = [ref.step(sampler.next_step()) for _ in range(CFG.optim.num_steps)]
     return {"history": history, "params": ref.named_parameters(), "model": ref.model}
 
@@ -180,7 +180,7 @@ def test_pretrained_directory_loads_into_a_dhp_layout(data, tmp_path):
     build_model(demo.tiny_model_config(FAMILY), seed=1234).save_pretrained(model_dir)
     cfg = TrainLoopConfig(lr=1e-3, global_batch_size=4, num_steps=1, max_grad_norm=1.0, seed=0)
     got = run(COLLOCATED_SP2_TP2, data, model=model_dir, cfg=cfg)
-    ref = ReferenceTrainer(model_dir, cfg.optim, dtype=DTYPE)
+    ref = ReferenceTrainer(model_dir, cfg.optim, precision=cfg.precision, dtype=DTYPE)
     saved = ref.named_parameters()  # the fp32 weights, exactly representable in fp64
     for out in got["per_rank"]:
         for name, p in out["params0"].items():
@@ -265,7 +265,7 @@ def test_packed_resume_mid_epoch_matches_uninterrupted(data, tmp_path):
 
     cfg = replace(CFG, packing=True, max_tokens=80)
     sampler = _sampler(data, cfg)
-    trainer = ReferenceTrainer(demo.tiny_model_config(FAMILY), cfg.optim, dtype=DTYPE)
+    trainer = ReferenceTrainer(demo.tiny_model_config(FAMILY), cfg.optim, precision=cfg.precision, dtype=DTYPE)
     steps = [sampler.next_step() for _ in range(cfg.optim.num_steps)]
     ref = {"history": [trainer.step(s) for s in steps], "params": trainer.named_parameters()}
     rows = [pack_rows([s.num_tokens for s in mb], cfg.data.max_tokens) for st in steps for mb in st]

@@ -322,7 +322,7 @@ def test_planned_text_gradient_traffic_under_cp_equals_sent_bytes(tmp_path):
     cfg = TrainLoopConfig(lr=1e-3, global_batch_size=4, num_steps=1, seed=0, precision="fp32")
     layout = dict(_layout("collocated", (2, 1), (1, 1), 2), vision_zero=1, text_zero=2)
     got = run_engine("qwen2_5_vl", layout, cfg, make_steps(tmp_path, "qwen2_5_vl", cfg), None)
-    config, policy = demo_config("qwen2_5_vl"), policy_of(cfg.optim)
+    config, policy = demo_config("qwen2_5_vl"), policy_of(cfg.precision)
     plan = collective_bytes(config, count_params(config),
                             Layout("collocated", "sequential", 2, 1, 1, 1, vision_zero=1, text_zero=2,
                                    text_cp=2),

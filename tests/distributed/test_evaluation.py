@@ -55,7 +55,7 @@ def _reference(steps, val) -> dict:
     s = _val_sampler(val)
     samples = [x for x in (s.process(i) for i in range(len(s.records))) if not isinstance(x, Exception)]
     assert len(samples) == 6  # one bad record left out
-    ref = ReferenceTrainer(demo.tiny_model_config(FAMILY), CFG.optim, dtype=torch.float64)
+    ref = ReferenceTrainer(demo.tiny_model_config(FAMILY), CFG.optim, precision=CFG.precision, dtype=torch.float64)
     losses, history = [_ref_eval(ref, samples)], []
     for mbs in steps:
         history.append(ref.step(mbs))

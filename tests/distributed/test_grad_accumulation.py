@@ -89,7 +89,8 @@ def test_bf16_gradients_accumulate_in_fp32(tmp_path):
     assert fp32["worst"] <= 1e-5, fp32
     assert bf16["worst"] > 100 * fp32["worst"], (fp32, bf16)
 
-    ref = ReferenceTrainer(demo.tiny_model_config(FAMILY), replace(CFG, num_steps=1).optim)
+    ref = ReferenceTrainer(demo.tiny_model_config(FAMILY), replace(CFG, num_steps=1).optim,
+                           precision=CFG.precision)
     named = list(ref.model.named_parameters())
     sums, _ = _exact_sums(named)
     seen = {}

@@ -72,7 +72,7 @@ def test_moe_parity_fp64(placement, vision, text, ep, moe_reference):
     topo = Topology.build(**_layout(placement, vision, text, ep))
     counts = count_params(demo.tiny_model_config(FAMILY))
     for rank, o in enumerate(got["per_rank"]):
-        want = rank_state(counts, topo, rank, policy_of(CFG.optim))
+        want = rank_state(counts, topo, rank, policy_of(CFG.precision))
         st = o["state"]
         assert (st["weights"], st["grads"], st["optimizer"]) == \
             (2 * want.weights, 2 * want.grads, 2 * want.optimizer), (rank, st, want)
@@ -111,7 +111,7 @@ def test_bf16_mixed_expert_partition_state_equals_the_plan(tmp_path):
     topo, counts = Topology.build(**layout), count_params(demo.tiny_model_config(FAMILY))
     masters = set()
     for rank, o in enumerate(got["per_rank"]):
-        want = rank_state(counts, topo, rank, policy_of(cfg.optim))
+        want = rank_state(counts, topo, rank, policy_of(cfg.precision))
         st = o["state"]
         assert (st["weights"], st["grads"], st["masters"], st["optimizer"]) == \
             (want.weights, want.grads, want.masters, want.optimizer), (rank, st, want)
@@ -150,15 +150,15 @@ def test_moe_experts_tp_parity_fp64(placement, vision, text, moe_reference):
         # forward: the partial outputs' all-reduce and the gate/up all-gather, every sparse layer
         assert o["comm"]["all_reduce/text.experts_tp"]["calls"] == layers * CFG.optim.micro_batches * CFG.optim.num_steps
         assert o["comm"]["all_gather/text.experts_tp"]["calls"] == layers * CFG.optim.micro_batches * CFG.optim.num_steps
-        want = rank_state(counts, topo, rank, policy_of(CFG.optim))
+        want = rank_state(counts, topo, rank, policy_of(CFG.precision))
         st = o["state"]
         assert (st["weights"], st["grads"], st["optimizer"]) == \
             (2 * want.weights, 2 * want.grads, 2 * want.optimizer), (rank, st, want)
     # the plan: the experts' bytes halve on each TP rank against the replicated layout
     replicated = rank_state(counts, Topology.build(**_layout(placement, vision, text)), topo.world_size - 1,
-                            policy_of(CFG.optim))
+                            policy_of(CFG.precision))
     experts = 3 * tc.num_experts * tc.moe_intermediate_size * tc.hidden_size * layers
-    assert replicated.weights - rank_state(counts, topo, topo.world_size - 1, policy_of(CFG.optim)).weights \
+    assert replicated.weights - rank_state(counts, topo, topo.world_size - 1, policy_of(CFG.precision)).weights \
         == experts // 2 * 4
 
 

@@ -59,7 +59,7 @@ def test_resume_at_another_expert_parallel_degree(first, tmp_path):
     cfg = dataclasses.replace(CFG, global_batch_size=2 * CFG.optim.micro_batches * first["text_dp"] // 2)
     data = str(demo.make_dataset(tmp_path / "data", num_samples=16, seed=0, text_only_every=4))
     sampler = _sampler(data, cfg)
-    ref = ReferenceTrainer(demo.tiny_model_config(FAMILY), cfg.optim, dtype=torch.float64)
+    ref = ReferenceTrainer(demo.tiny_model_config(FAMILY), cfg.optim, precision=cfg.precision, dtype=torch.float64)
     ref_history = [ref.step(sampler.next_step()) for _ in range(cfg.optim.num_steps)]
     root = str(tmp_path)
     a = run_on_ranks(_body, Topology.build(**first).world_size,

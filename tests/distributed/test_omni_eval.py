@@ -88,8 +88,8 @@ def _body(rank, world, path, step):
 
 def test_omni_eval_loss_three_modules(omni_eval):
     path, samples, step = omni_eval
-    ref_before = _ref_eval(ReferenceTrainer(demo.tiny_model_config(FAMILY), CFG.optim, dtype=torch.float64), samples)
-    ref = ReferenceTrainer(demo.tiny_model_config(FAMILY), CFG.optim, dtype=torch.float64)
+    ref_before = _ref_eval(ReferenceTrainer(demo.tiny_model_config(FAMILY), CFG.optim, precision=CFG.precision, dtype=torch.float64), samples)
+    ref = ReferenceTrainer(demo.tiny_model_config(FAMILY), CFG.optim, precision=CFG.precision, dtype=torch.float64)
     ref.step(step)
     ref_after = _ref_eval(ref, samples)
     outs = run_on_ranks(_body, 2, args=(path, step))

@@ -82,7 +82,7 @@ def _open_loop_body(rank, world, layout, cfg, steps, loss_fn):
 
 
 def _reference(cfg, steps, loss_fn):
-    ref = ReferenceTrainer(demo.tiny_model_config(FAMILY), cfg.optim, dtype=torch.float64)
+    ref = ReferenceTrainer(demo.tiny_model_config(FAMILY), cfg.optim, precision=cfg.precision, dtype=torch.float64)
     params0, grads = ref.named_parameters(), []
     ref.opt.register_step_pre_hook(lambda opt, args, kwargs: grads.append(
         {n: p.grad.detach().clone() for n, p in ref.model.named_parameters()}))

@@ -69,7 +69,7 @@ def test_32b_tp8_rank_state_matches_plan():
 
     measured = run_on_ranks(_meta_rank0_body, 1, args=(EXAMPLE, POLICIES_CHECKED))[0]
     for precision in POLICIES_CHECKED:
-        rf = load_run_file(EXAMPLE, [f"optim.precision={precision}"])
+        rf = load_run_file(EXAMPLE, [f"precision.policy={precision}"])
         dhp = rf.dhp_config()
         want = rank_state(count_params(dhp.model_config()), dhp.topology(), 0,
                           POLICIES[precision])
@@ -77,5 +77,5 @@ def test_32b_tp8_rank_state_matches_plan():
             got, plan = measured[precision][key], getattr(want, key)
             assert abs(got - plan) <= 0.02 * max(plan, 1), (precision, key, got, plan)
         text = plan_text(rf, vision_tokens=[1024], text_tokens=512)
-        assert f"precision (optim.precision): {precision}" in text
+        assert f"precision (precision.policy): {precision}" in text
         assert f"state {want.total / 2**30:7.2f} GiB" in text and "start-up peak" in text

@@ -121,7 +121,7 @@ def _full(engine) -> dict:
 def _reference(cfg, steps):
     from ray_dhp.step.reference import ReferenceTrainer
 
-    ref = ReferenceTrainer(demo.tiny_model_config(FAMILY), cfg.optim)
+    ref = ReferenceTrainer(demo.tiny_model_config(FAMILY), cfg.optim, precision=cfg.precision)
     seen = {}
     _capture_grads(ref.opt, ref.masters.items, "", seen)
     m0 = ref.named_masters()

@@ -146,7 +146,7 @@ def test_bf16_mixed_one_master_and_the_plans_bytes(steps_cache):
     for rank, o in enumerate(outs):
         assert o["tied"] and o["tied_after"] and o["rounded"], rank
         assert EMBED in o["master_names"] and not any("lm_head" in n for n in o["master_names"])
-        want = rank_state(counts, topo, rank, policy_of(cfg.optim))
+        want = rank_state(counts, topo, rank, policy_of(cfg.precision))
         st = o["state"]
         assert (st["weights"], st["grads"], st["masters"], st["optimizer"]) == \
             (want.weights, want.grads, want.masters, want.optimizer), (rank, st, want)
@@ -176,7 +176,7 @@ def test_tied_directory_resume_at_another_layout_and_export(tmp_path):
         assert "model.embed_tokens.weight" in f.keys() and not any("lm_head" in k for k in f.keys())
     data = str(demo.make_dataset(tmp_path / "data", num_samples=16, seed=0, text_only_every=4,
                                  image_sizes=((56, 56), (84, 56), (112, 84))))
-    trainer = ReferenceTrainer(model_dir, CKPT_CFG.optim, dtype=DTYPE)
+    trainer = ReferenceTrainer(model_dir, CKPT_CFG.optim, precision=CKPT_CFG.precision, dtype=DTYPE)
     assert trainer.model.lm_head.weight is trainer.model.model.language_model.embed_tokens.weight
     sampler = _sampler(data, CKPT_CFG)
     ref = {"history": [trainer.step(sampler.next_step()) for _ in range(CKPT_CFG.optim.num_steps)],

@@ -91,7 +91,7 @@ def _assert_state_is_the_plan(got: dict, cfg: TrainLoopConfig, layout: dict) -> 
 
     topo = Topology.build(**layout)
     counts = count_params(demo.tiny_model_config(FAMILY), tuning_of(cfg.optim))
-    policy = policy_of(cfg.optim)
+    policy = policy_of(cfg.precision)
     for rank, out in enumerate(got["per_rank"]):
         want = rank_state(counts, topo, rank, policy)
         st = out["state"]
@@ -109,7 +109,7 @@ def _resume_data_and_reference(tmp_path, cfg):
     data = str(demo.make_dataset(tmp_path / "data", num_samples=16, seed=0, text_only_every=4,
                                  image_sizes=((56, 56), (84, 56), (112, 84))))
     sampler = _sampler(data, cfg)
-    trainer = ReferenceTrainer(demo.tiny_model_config(FAMILY), cfg.optim, dtype=DTYPE)
+    trainer = ReferenceTrainer(demo.tiny_model_config(FAMILY), cfg.optim, precision=cfg.precision, dtype=DTYPE)
     ref = {"history": [trainer.step(sampler.next_step()) for _ in range(cfg.optim.num_steps)],
            "params": trainer.named_parameters()}
     return data, ref, trainer

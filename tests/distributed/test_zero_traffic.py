@@ -29,7 +29,7 @@ WEIGHT_BYTES = {"bf16_mixed": 2, "bf16": 2, "fp32": 4}  # what the modules hold 
 def test_planned_zero_traffic_equals_sent_bytes(tmp_path, precision):
     cfg = TrainLoopConfig(lr=1e-3, global_batch_size=4, num_steps=1, seed=0, precision=precision)
     got = run_engine(FAMILY, LAYOUT, cfg, make_steps(tmp_path, FAMILY, cfg), None)
-    config, policy = demo.tiny_model_config(FAMILY), policy_of(cfg.optim)
+    config, policy = demo.tiny_model_config(FAMILY), policy_of(cfg.precision)
     counts = count_params(config)
     layout = Layout("collocated", "sequential", 1, 2, 1, 2, vision_zero=1, text_zero=2)
     plan = collective_bytes(config, counts, layout, Workload(1024, 64, 4, policy=policy,

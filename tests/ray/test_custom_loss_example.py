@@ -38,7 +38,7 @@ def _reference_losses(ex, data_dir, steps):
     path = os.path.join(data_dir, "data.jsonl")
     cfg = TrainLoopConfig.from_dict({**ex.train_config(steps), "dataset_paths": {"train": path}})
     sampler = make_sampler(cfg.sampler_config(), demo.tiny_processor())
-    ref = ReferenceTrainer(demo.tiny_model_config(), cfg.optim)
+    ref = ReferenceTrainer(demo.tiny_model_config(), cfg.optim, precision=cfg.precision)
     return [ref.step(sampler.next_step(), loss_fn=ex.weighted_smoothed_loss)["loss"]
             for _ in range(steps)]
 

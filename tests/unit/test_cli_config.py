@@ -222,3 +222,36 @@ def test_an_empty_inline_config_means_the_familys_defaults_not_the_demo():
     assert spec.model_type == "llava"
     assert spec.get_text_config().hidden_size == 4096  # LlavaConfig's default Llama text config
     assert run_file_from_dict({}).model_spec().model_type == "qwen2_5_vl"  # the demo, unchanged
+
+
+def test_each_entry_point_checks_a_run_once(tmp_path, monkeypatch, forbid_ray_init):
+    """The run checks (`check_run`) and the layout-against-model check (`check_layout_fits`)
+    run once per entry point: the run file checks as it is loaded and the trainer it builds
+    trusts it; the Python API's trainer checks itself. The engine checks neither."""
+    import ray_dhp.models.layout_fit as fit
+    import ray_dhp.train.run_checks as checks
+    from ray_dhp import DHPConfig, DisaggregatedTrainer, demo
+    from ray_dhp.cli.train import build_trainer, prepare_data
+
+    calls = {"run": 0, "layout": 0}
+
+    def counted(key, f):
+        def wrapper(*args, **kwargs):
+            calls[key] += 1
+            return f(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(checks, "check_run", counted("run", checks.check_run))
+    monkeypatch.setattr(fit, "check_layout_fits", counted("layout", fit.check_layout_fits))
+    rf = load_run_file("examples/tiny.yaml", [f"run.storage_path={tmp_path}"])
+    assert calls == {"run": 1, "layout": 1}
+    dhp = rf.dhp_config()  # the trainer's layout, built once more by `ray-dhp train`
+    build_trainer(rf, datasets=prepare_data(rf), dhp=dhp)
+    assert calls == {"run": 1, "layout": 2}
+    path = demo.make_dataset(str(tmp_path / "d"), num_samples=2)
+    DisaggregatedTrainer(dhp_config=DHPConfig(model=demo.tiny_model_config(),
+                                              processor=demo.tiny_processor()),
+                         datasets={"train": path},
+                         train_loop_config={"global_batch_size": 1, "num_steps": 1})
+    assert calls == {"run": 2, "layout": 3}
+    assert not forbid_ray_init

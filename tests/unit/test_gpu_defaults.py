@@ -14,7 +14,7 @@ CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 
 
 def test_tf32_is_on_by_default_for_cuda_only():
-    assert TrainLoopConfig().optim.tf32 is True
+    assert TrainLoopConfig().precision.tf32 is True
     assert gpu.tf32_flags(True, CUDA) == {"matmul.allow_tf32": True, "cudnn.allow_tf32": True}
     assert gpu.tf32_flags(False, CUDA) == {"matmul.allow_tf32": False, "cudnn.allow_tf32": False}
     before = torch.backends.cuda.matmul.allow_tf32

@@ -84,7 +84,7 @@ def test_audio_parameters_of_the_preset_match_the_closed_form():
 
 
 def test_audio_state_by_zero_stage_and_collocated_sum():
-    policy = policy_of(load_run_file(OMNI).optim)  # bf16_autocast: fp32 weights, no masters
+    policy = policy_of(load_run_file(OMNI).precision)  # bf16_autocast: fp32 weights, no masters
     a = AudioCounts(params=1000, sizes=(400, 300, 300), largest=400)
     t0 = Topology.build(placement="disjoint", vision_dp=1, vision_sp=1, text_dp=1, text_tp=1,
                         encoders={"audio": EncoderDegrees(dp=2, zero=0)})
@@ -118,7 +118,7 @@ def test_module_ranks_move_the_tower_off_the_text_ranks():
     dhp = rf.dhp_config(with_processor=False)
     topo, config = dhp.topology(), dhp.model_config()
     counts, a = count_params(config), count_audio(config)
-    policy = policy_of(rf.optim)
+    policy = policy_of(rf.precision)
     st = module_rank_state(counts, a, topo, 0, policy)
     base = rank_state(without_audio(counts), topo, 0, policy)
     extra = audio_rank_state(a, topo.encoder("audio"), 0, policy)

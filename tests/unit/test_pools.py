@@ -85,7 +85,8 @@ def model():
     from ray_dhp.planning.cost_types import Workload
 
     rf = run_file_from_dict({"model": {"family": "qwen2_5_vl", "preset": "7b"},
-                             "optim": {"precision": "bf16", "activation_checkpointing": True,
+                             "precision": "bf16",
+                             "optim": {"activation_checkpointing": True,
                                        "global_batch_size": 4, "micro_batches": 2}})
     policy = policy_of_run(rf)
     config = load_model_config(rf.model_spec())

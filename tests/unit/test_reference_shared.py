@@ -35,7 +35,7 @@ def test_reference_loss_is_transformers_loss(tmp_path):
     cfg = TrainLoopConfig(lr=1e-3, global_batch_size=4, num_steps=1)
     (micro_batches,) = make_steps(tmp_path, FAMILY, cfg)
     assert len(micro_batches) == 1 and len(micro_batches[0]) == 4
-    ref = ReferenceTrainer(demo.tiny_model_config(FAMILY), cfg.optim, dtype=torch.float64)
+    ref = ReferenceTrainer(demo.tiny_model_config(FAMILY), cfg.optim, precision=cfg.precision, dtype=torch.float64)
     batch = pad_text_batch(micro_batches[0], ref.config.text_config.pad_token_id or 0)
     assert (batch["attention_mask"] == 0).any()  # really padded
     kwargs = {k: v for k, v in batch.items() if v is not None}

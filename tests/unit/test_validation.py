@@ -32,7 +32,7 @@ BAD = [  # (override, message): numbers finite and in range, choices, cross-key 
     ("data.max_tokens=0", "data.max_tokens: must be >= 1"),
     ("data.demo_samples=0", "data.demo_samples: must be >= 1"),
     ("optim.lr_schedule=exp", "optim.lr_schedule: must be one of constant, cosine, linear"),
-    ("optim.precision=float16", "optim.precision: must be one of fp32, bf16_autocast"),
+    ("precision.policy=float16", "precision.policy: must be one of fp32, bf16_autocast"),
     ("optim.autocast_dtype=bfloat16", "optim.autocast_dtype"),
     ("data.bad_data=lenient", "data.bad_data: must be one of skip, strict"),
     ("optim.micro_batches=2|optim.micro_batch_tokens=100",
