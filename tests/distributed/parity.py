@@ -359,17 +359,6 @@ def assert_parity(got: dict, ref: dict, **tols) -> tuple:
 FP32_TOL = 1e-5
 
 
-# The layout matrix cases `test_parity.py` runs by default (the rest: -m slow), as (family,
-# placement, (vision sp, dp), (text tp, dp)); the NCCL twin's ordering test runs them too.
-PARITY_DEFAULT = {
-    ("qwen2_5_vl", "collocated", (2, 1), (2, 1)),
-    ("qwen2_5_vl", "disjoint", (2, 2), (2, 1)),
-    ("qwen2_vl", "collocated", (2, 2), (2, 2)),
-    ("qwen3_vl", "collocated", (2, 1), (2, 1)),
-    ("qwen3_vl", "disjoint", (1, 1), (2, 2)),
-}
-
-
 def packable_steps(tmp_path, fam, cfg):
     """`make_steps` for the packing cases, checked meaningful: several packed rows per
     micro-batch and several samples in some row (a ``reference_fixture`` ``make``)."""
