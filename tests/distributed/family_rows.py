@@ -223,7 +223,3 @@ def cases() -> list:
     assert len(set(ids)) == len(ids), "a (family, layout) id repeats"
     return out
 
-
-def reference_key(row: Row) -> tuple:
-    """Rows with the same family, configuration and steps share one reference run."""
-    return row.family, repr(row.cfg), row.make

@@ -61,20 +61,3 @@ ZERO_GRAD = ("vision_tower.encoder.layers.0.self_attn.k_proj.bias",
              "visual.encoder.layers.0.self_attn.k_proj.bias",  # Cosmos3-Edge's SigLIP 2
              "visual.encoder.layers.1.self_attn.k_proj.bias")
 
-
-def reference_getter(tmp_path_factory):
-    """``get(family)`` -> (steps, fp64 single-process reference), each family made once (a
-    module-scoped ``references`` fixture)."""
-    import torch
-
-    from tests.distributed.parity import CFG, make_steps, run_reference
-
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            steps = make_steps(tmp_path_factory.mktemp(family), family, CFG)
-            cache[family] = steps, run_reference(family, CFG, steps, torch.float64)
-        return cache[family]
-    return get
-

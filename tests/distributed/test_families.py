@@ -16,21 +16,17 @@ import dataclasses
 import pytest
 import torch
 
-from tests.distributed.family_rows import cases, reference_key
-from tests.distributed.parity import assert_parity, run_engine, run_reference
+from tests.distributed.family_rows import cases
+from tests.distributed.parity import assert_parity, run_engine, shared_reference
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """``get(row)`` -> (steps, fp64 single-process reference), made once per `reference_key`."""
-    cache = {}
-
+    """``get(row)`` -> (steps, fp64 single-process reference) of the row's family, configuration
+    and steps (shared with the family's own file: `parity.shared_reference`)."""
     def get(row):
-        key = reference_key(row)
-        if key not in cache:
-            steps = row.make(tmp_path_factory.mktemp(row.family), row.family, row.cfg)
-            cache[key] = steps, run_reference(row.family, row.cfg, steps, torch.float64)
-        return cache[key]
+        _, steps, ref = shared_reference(tmp_path_factory, row.family, row.cfg, make=row.make)
+        return steps, ref
 
     return get
 

@@ -11,13 +11,10 @@ import pytest
 import torch
 
 from tests.distributed.family_rows import GENERIC_MOE_LAYOUTS
-from tests.distributed.generic_cases import TOLS, reference_getter
-from tests.distributed.parity import CFG, run_engine
+from tests.distributed.generic_cases import TOLS
+from tests.distributed.parity import CFG, reference_fixture, run_engine
 
-
-@pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    return reference_getter(tmp_path_factory)
+reference = reference_fixture("glm4v_moe")
 
 
 def _drop_router_loss():
@@ -29,12 +26,12 @@ def _drop_router_loss():
 
 
 @pytest.mark.slow
-def test_generic_moe_without_its_router_loss_is_caught(references):
+def test_generic_moe_without_its_router_loss_is_caught(reference):
     """Negative control: the same run without the load-balancing loss fails the comparison (the
     stock forward's loss has it)."""
     from tests.distributed.parity import parity_failures
 
-    steps, ref = references("glm4v_moe")
+    _, steps, ref = reference()
     got = run_engine("glm4v_moe", GENERIC_MOE_LAYOUTS["collocated-dp2-ep2"][0], CFG, steps, torch.float64,
                      grads=True, prepare=_drop_router_loss)
     bad = {what.split()[0] for what, *_ in parity_failures(got, ref, **TOLS["glm4v_moe"])}
