@@ -11,7 +11,6 @@ AdamW is the CPU's single-tensor loop (two temporaries of one parameter at a tim
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 import torch
 
