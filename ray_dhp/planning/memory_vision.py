@@ -13,7 +13,8 @@ width. Per block and token:
 * attention (SDPA/flash): the qkv projection's input ``h`` and output ``3h``, the rotated q and k
   and the attention output (``3h``) in ``d`` bytes, plus the kernel's fp32 log-sum-exp (one per
   head); a tower that does not rotate q and k (`FamilySpec.vision_rotary`: InternViT, CLIP,
-  SigLIP) keeps ``2h`` less and no rotary tables. Under Ulysses (SP > 1, the full-attention
+  SigLIP) keeps ``2h`` less and no rotary tables, one that rotates them but projects q, k and v
+  apart (`FamilySpec.vision_fused_qkv`: Qwen2.5-Omni's) ``2h`` less (v alone, not the ``3h``). Under Ulysses (SP > 1, the full-attention
   blocks) ``6h``: the qkv input, the all-to-all's head-sharded q, k, v (``3h``), the attention
   output and the projection's input (the output all-to-all's result; measured on the Qwen2.5-VL
   tower, taken as the same for a tower without rotary);
@@ -70,8 +71,13 @@ def _rotary(vc) -> bool:
 
 
 def _attention_widths(vc) -> int:
-    """``h``-wide tensors an attention block keeps per token off Ulysses (module docstring)."""
-    return 7 if _rotary(vc) else 5
+    """``h``-wide tensors an attention block keeps per token off Ulysses (module docstring): its
+    input and output, the rotated q and k, and the projections' outputs the kernel or the
+    rotation does not replace (a fused qkv's ``3h``; apart, v alone when q and k are rotated)."""
+    from ray_dhp.models import vision_fused_qkv
+
+    rotary = _rotary(vc)
+    return 2 + 2 * rotary + (3 if vision_fused_qkv(vc) or not rotary else 1)
 
 
 def _norm_bytes(vc, h: int, d: int) -> int:
