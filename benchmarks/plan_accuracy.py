@@ -76,7 +76,10 @@ CASES = (
     Case("demo ZeRO-3 DP2", layout=_lay(vision=(1, 2), text=(1, 2), vision_zero=3, text_zero=3)),
     Case("demo offload DP2", layout=_lay(vision=(1, 2), text=(1, 2), vision_offload=True,
                                           text_offload=True)),
-    Case("demo checkpointing", checkpointing=True),
+    Case("demo checkpointing", checkpointing=True,
+         tolerance={"activations": (TOLERANCE, "the plan counts the rotary cos / sin of the LM "
+                                    "and the ViT, which the recompute closures hold: no saved-"
+                                    "tensor hook sees them (9,984 B; the row is 9,910 B over)")}),
     Case("demo bf16_mixed", precision="bf16_mixed"),
     Case("demo packing", packing=True),
     Case("demo CP2", layout=_lay(vision=(2, 1), text=(1, 1), text_cp=2)),
