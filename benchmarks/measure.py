@@ -28,6 +28,8 @@ from collections import defaultdict
 
 import torch
 
+from benchmarks.alloc_events import STEP_MARK, python_storages, step_peak_bytes  # noqa: F401
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
@@ -270,25 +272,6 @@ class RssSampler:
 
 # -- one engine step, measured at the plan's three points ------------------------------------
 
-STEP_MARK = "ray_dhp.measure.optimizer_step"
-
-
-def step_peak_bytes(prof, base: int, mark: str = STEP_MARK) -> int:
-    """``base`` + the highest running sum of the CPU allocator's allocations and frees recorded
-    by ``prof`` (``profile(profile_memory=True)``) inside the ``record_function(mark)`` region,
-    summed from the start of the profile. Frees of blocks allocated before the profile started
-    are not recorded (torch warns): the figure can only be too high by those."""
-    events = list(prof.profiler.kineto_results.events())
-    (m,) = [e for e in events if e.name() == mark]
-    t0, t1 = m.start_ns(), m.start_ns() + m.duration_ns()
-    cur, peak = 0, None
-    for e in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
-        cur += e.nbytes()
-        if t0 <= e.start_ns() <= t1:
-            peak = cur if peak is None else max(peak, cur)
-    return base + (peak or 0)
-
-
 def measure_engine_step(engine, first: list, second: list) -> dict:
     """The plan's three points on this rank of a `ray_dhp.step.engine.DHPEngine`, measured over
     its second step (``first`` makes the AdamW moments):
@@ -317,7 +300,7 @@ def measure_engine_step(engine, first: list, second: list) -> dict:
     if engine.text_model is not None:
         handles.append(engine.text_model.register_forward_pre_hook(
             lambda _m, args, kw: rows.append(_rows(args, kw)), with_kwargs=True))
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
         with counter.count(params=_parameters(engine)):
             engine.forward_backward(second, last=True)
         with record_function(STEP_MARK):
@@ -325,8 +308,9 @@ def measure_engine_step(engine, first: list, second: list) -> dict:
     for h in handles:
         h.remove()
     st = engine.state_bytes()
+    peak = step_peak_bytes(prof, base, alive=python_storages())
     return {"state": st["total"] - st["host"], "state_parts": st, "saved": counter.as_dict(),
-            "step_peak": step_peak_bytes(prof, base), "lm_rows": rows[0] if rows else None}
+            "step_peak": peak, "lm_rows": rows[0] if rows else None}
 
 
 def _parameters(engine) -> list:

@@ -15,10 +15,10 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "supported_models.md"
 BEGIN, END = "<!-- survey:begin -->", "<!-- survey:end -->"
 VERIFIED = ("fp64 exact: collocated vision DP2 + text TP2, disjoint 1 + TP2, text ZeRO-3 DP2 "
-            "(`tests/distributed/test_generic.py`); `DisaggregatedTrainer` "
+            "(`tests/distributed/test_families.py`); `DisaggregatedTrainer` "
             "(`tests/ray/test_generic_trainer.py`)")
 EXPERTS = ("; expert parallelism EP2 collocated DP2 and disjoint 1 + DP2, experts TP-sharded, "
-           "the router loss incl. (`tests/distributed/test_generic_moe.py`)")
+           "the router loss incl. (`tests/distributed/test_families.py`)")
 
 
 def generated() -> str:

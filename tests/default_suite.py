@@ -51,7 +51,7 @@ DEMOTED = {
         "tests/unit/test_vision_memory.py::...[qwen2_5_vl-512-fp32]",
     # the Omni thinker: its three-module case trains the thinker with images, clips and text-only
     # records (collocated vision SP2 + audio DP2 + text TP2)
-    "tests/distributed/test_omni_parity.py::test_omni_thinker_parity_fp64":
+    "tests/distributed/test_families.py::test_family_is_exact[qwen2_5_omni-collocated-sp2-tp2]":
         "distributed/test_omni_audio.py::test_omni_three_modules_collocated",
     "tests/distributed/test_omni_eval.py::test_omni_eval_loss_three_modules":
         "distributed/test_evaluation.py (eval loss = reference, training unchanged) + "
@@ -61,10 +61,10 @@ DEMOTED = {
         "distributed/test_packing.py::test_packed_equals_padded_fp64[qwen3_5-sp2-tp2] (+ the "
         "negative control without the state reset)",
     # the fp64 layout matrix: one row per family by default
-    "tests/distributed/test_parity.py::test_layout_matrix_fp64[qwen3_vl-disjoint-sp1dp1-tp2dp2]":
-        "test_layout_matrix_fp64[qwen3_vl-collocated-sp2dp1-tp2dp1]",
-    "tests/distributed/test_parity.py::test_layout_matrix_fp64[qwen2_5_vl-disjoint-sp2dp2-tp2dp1]":
-        "test_layout_matrix_fp64[qwen2_5_vl-collocated-sp2dp1-tp2dp1], test_pipelined_schedule_is_exact",
+    "tests/distributed/test_families.py::test_family_is_exact[qwen3_vl-disjoint-sp1dp1-tp2dp2]":
+        "test_family_is_exact[qwen3_vl-collocated-sp2dp1-tp2dp1]",
+    "tests/distributed/test_families.py::test_family_is_exact[qwen2_5_vl-disjoint-sp2dp2-tp2dp1]":
+        "test_family_is_exact[qwen2_5_vl-collocated-sp2dp1-tp2dp1], test_pipelined_schedule_is_exact",
     "tests/distributed/test_parity.py::test_same_loss_and_gradients_fp32[disjoint-2v-1t]":
         "test_same_loss_and_gradients_fp32[disjoint-1v-2t]",
     "tests/distributed/test_parity.py::test_same_loss_and_gradients_fp32[collocated-sp2-tp2]":

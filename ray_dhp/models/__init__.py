@@ -51,6 +51,25 @@ def vision_norm(vision_config) -> str:
     return family.vision_norm if family is not None else "layer_norm"
 
 
+def vision_rotary(vision_config) -> bool:
+    """Whether the tower of ``vision_config`` rotates q and k: `FamilySpec.vision_rotary` of the
+    family whose vision config it is; for any other tower, whether its config names rotary
+    parameters (CLIP / SigLIP towers add learned absolute positions and name none)."""
+    family = _vision_model_types().get(getattr(vision_config, "model_type", None))
+    if family is not None:
+        return family.vision_rotary
+    return any(getattr(vision_config, k, None) is not None
+               for k in ("rope_theta", "rope_parameters", "rope_scaling"))
+
+
+def vision_fused_qkv(vision_config) -> bool:
+    """Whether the tower of ``vision_config`` projects q, k and v with one linear:
+    `FamilySpec.vision_fused_qkv` of the family whose vision config it is; any other tower is
+    taken to have them apart (transformers' CLIP, SigLIP, Pixtral towers)."""
+    family = _vision_model_types().get(getattr(vision_config, "model_type", None))
+    return family.vision_fused_qkv if family is not None else False
+
+
 def load_model_config(model):
     """A transformers config from a config object or a local model directory."""
     if isinstance(model, (str, os.PathLike)):

@@ -162,6 +162,10 @@ class FamilySpec:
     # the tower's norm kind, for the activation estimate of `ray-dhp plan`: "layer_norm" or
     # "rms_norm" (fp32 compute: keeps an fp32 copy of its input; `ray_dhp.planning.memory_vision`)
     vision_norm: str = "layer_norm"
+    # whether the tower rotates q and k (rotary positions: two more ``h``-wide tensors saved per
+    # block and the ``cos`` / ``sin`` tables), for the same estimate
+    vision_rotary: bool = True
+    vision_fused_qkv: bool = True  # one qkv linear (its 3h output saved), else q, k, v apart
     projector_dim: Optional[Callable] = None  # (config) -> width of a feature row, if not the tower's
     # The seam's ``pooler_output``: a tuple of row blocks (the Qwen-VL models) or one
     # ``[rows, width]`` tensor (models that ``masked_scatter`` it whole, e.g. InternVL).

@@ -37,4 +37,5 @@ SPEC = FamilySpec(
     projector_dim=lambda config: config.text_config.hidden_size,  # the projector's linear_2
     pooled_tuple=False,
     vision_zero3=False,  # models/fsdp_vision.py units the Qwen towers' sub-modules only
+    vision_rotary=False,  # InternViT adds learned absolute positions
 )

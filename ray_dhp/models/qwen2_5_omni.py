@@ -24,6 +24,7 @@ SPEC = FamilySpec(
     rope_index_adapter=lambda model: packed_rope_index(model),  # its own get_rope_index
     video_seconds_key="video_second_per_grid",
     vision_norm="rms_norm",  # Qwen2.5-VL's tower
+    vision_fused_qkv=False,  # but q, k and v are projected apart
     encoders=(EncoderSpec("audio", parts=("audio_tower",), ops="ray_dhp.models.audio_omni",
                           unused=("audio_bos_eos_token.",)),),
 )

@@ -12,9 +12,12 @@ width. Per block and token:
   towers' LayerNorm keeps its input and fp32 mean and rstd: ``d·h + 8``;
 * attention (SDPA/flash): the qkv projection's input ``h`` and output ``3h``, the rotated q and k
   and the attention output (``3h``) in ``d`` bytes, plus the kernel's fp32 log-sum-exp (one per
-  head). Under Ulysses (SP > 1, the full-attention blocks) ``6h``: the qkv input, the all-to-all's
-  head-sharded q, k, v (``3h``), the attention output and the projection's input (the output
-  all-to-all's result);
+  head); a tower that does not rotate q and k (`FamilySpec.vision_rotary`: InternViT, CLIP,
+  SigLIP) keeps ``2h`` less and no rotary tables, one that rotates them but projects q, k and v
+  apart (`FamilySpec.vision_fused_qkv`: Qwen2.5-Omni's) ``2h`` less (v alone, not the ``3h``). Under Ulysses (SP > 1, the full-attention
+  blocks) ``6h``: the qkv input, the all-to-all's head-sharded q, k, v (``3h``), the attention
+  output and the projection's input (the output all-to-all's result; measured on the Qwen2.5-VL
+  tower, taken as the same for a tower without rotary);
 * the MLP: its input ``h`` and ``m·i``, where ``m`` counts the ``i``-wide tensors its activation
   path keeps: Qwen2.5-VL's gated SiLU 4 (gate, SiLU output, up, product), Qwen2-VL's QuickGELU 3
   (fc1 output, sigmoid, product: ``x·sigmoid(1.702x)`` is three ops), a one-op GELU 2 (fc1 output,
@@ -60,13 +63,30 @@ def _rms_norm(vc) -> bool:
     return vision_norm(vc) == "rms_norm"
 
 
+def _rotary(vc) -> bool:
+    """Whether the tower rotates q and k (`ray_dhp.models.vision_rotary`)."""
+    from ray_dhp.models import vision_rotary
+
+    return vision_rotary(vc)
+
+
+def _attention_widths(vc) -> int:
+    """``h``-wide tensors an attention block keeps per token off Ulysses (module docstring): its
+    input and output, the rotated q and k, and the projections' outputs the kernel or the
+    rotation does not replace (a fused qkv's ``3h``; apart, v alone when q and k are rotated)."""
+    from ray_dhp.models import vision_fused_qkv
+
+    rotary = _rotary(vc)
+    return 2 + 2 * rotary + (3 if vision_fused_qkv(vc) or not rotary else 1)
+
+
 def _norm_bytes(vc, h: int, d: int) -> int:
     return 4 * h + 4 + d * h if _rms_norm(vc) else d * h + 8
 
 
 def _block_bytes(vc, h: int, i: int, d: int) -> float:
     """Bytes one block keeps per token (module docstring)."""
-    attention = 7 * d * h + 4 * _heads(vc)
+    attention = _attention_widths(vc) * d * h + 4 * _heads(vc)
     mlp = d * h + _MLP_KEPT.get(getattr(vc, "hidden_act", "quick_gelu"), 2) * d * i
     return 2 * _norm_bytes(vc, h, d) + attention + mlp
 
@@ -75,7 +95,7 @@ def _once_bytes(vc, h: int, d: int) -> float:
     """Bytes per token kept once per tower: patches, rotary tables, position indices, mergers."""
     channels = getattr(vc, "in_channels", None) or getattr(vc, "in_chans", 3)
     patches = channels * getattr(vc, "temporal_patch_size", 1) * _patch_side(vc) ** 2 * d
-    rotary = 2 * (h // _heads(vc)) * 4
+    rotary = 2 * (h // _heads(vc)) * 4 if _rotary(vc) else 0
     positions = 4 * 8 if getattr(vc, "num_position_embeddings", None) else 0
     merger = _norm_bytes(vc, h, d) + 3 * d * h
     n_deep = len(getattr(vc, "deepstack_visual_indexes", None) or ())
@@ -119,7 +139,8 @@ def vision_activation_parts(vc, tokens: int, sp: int, s,
     if s.checkpointing:
         blocks, transient = depth * local * h * d, per_block
     else:
-        blocks, transient = depth * per_block - _ulysses_blocks(vc, sp) * local * h * d, 0.0
+        ulysses = _ulysses_blocks(vc, sp) * (6 - _attention_widths(vc)) * local * h * d
+        blocks, transient = depth * per_block + ulysses, 0.0
     total = blocks + local * _once_bytes(vc, h, d)
     if s.attention == "eager":
         seg = image_tokens or tokens

@@ -40,8 +40,9 @@ def step_peak(state, policy, largest: int, reduced: int = 0, replicated: int = 0
     plus the larger transient of its two phases: the gradient all-reduce (`MAX_IN_FLIGHT` flat
     buckets in the reduce dtype; ``reduced``: elements this rank all-reduces over replicas), while the
     gradients DTensor hands back whole for a TP-sharded weight (the vocab-parallel embedding's,
-    ``replicated``: the elements beyond this rank's shard; sliced by
-    `ray_dhp.parallel.data_parallel.ensure_grads`) are still held, and the update (above). ``largest``:
+    ``replicated``: all its elements, held whole while `ray_dhp.parallel.data_parallel.ensure_grads`
+    copies this rank's shard out of it, the shard being the state's gradient) are still held,
+    and the update (above). ``largest``:
     element count of the largest tensor the rank updates; ``foreach``: elements the foreach
     AdamW steps at once on the device (`foreach_elements`), one moment-sized temporary each."""
     from ray_dhp.parallel.data_parallel import _BUCKET_BYTES
@@ -145,7 +146,7 @@ def rank_step_peak(state, policy, counts, topology, rank: int, text_config,
             experts = sum(q.numel for q in counts.text_sizes if q.expert)
             reduced -= experts - (experts // ep if tg.dp // ep > 1 else 0)
     emb = text_config.vocab_size * text_config.hidden_size
-    replicated = emb - emb // tp if on_t and tp > 1 else 0
+    replicated = emb if on_t and tp > 1 else 0  # the whole gradient beside its shard's copy
     v_up = counts.vision_updated_by(rank - v.offset, v.size, v.zero_stage) if on_v else 0
     t_up = state.updated - v_up - extra_updated if on_t else 0
     sizes = [largest_local(counts, topology, text=m is tg) for m in (v, tg) if m.hosts(rank)]

@@ -1,5 +1,6 @@
 """The generic families' parity tolerances and the parameters left out of their comparisons,
-shared by `test_generic.py` and `test_packing.py` (the reasons and measurements are below)."""
+shared by `family_rows.py` (their rows of the fp64 matrix, `test_families.py`), `test_generic.py`,
+`test_generic_moe.py` and `test_packing.py` (the reasons and measurements are below)."""
 
 TOL = dict(loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10, grad_tol=1e-10)
 # Some language models' norm weights get a gradient that is the small remainder of large
@@ -60,29 +61,3 @@ ZERO_GRAD = ("vision_tower.encoder.layers.0.self_attn.k_proj.bias",
              "visual.encoder.layers.0.self_attn.k_proj.bias",  # Cosmos3-Edge's SigLIP 2
              "visual.encoder.layers.1.self_attn.k_proj.bias")
 
-
-def reference_getter(tmp_path_factory):
-    """``get(family)`` -> (steps, fp64 single-process reference), each family made once (the
-    generic matrices' module-scoped ``references`` fixtures)."""
-    import torch
-
-    from tests.distributed.parity import CFG, make_steps, run_reference
-
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            steps = make_steps(tmp_path_factory.mktemp(family), family, CFG)
-            cache[family] = steps, run_reference(family, CFG, steps, torch.float64)
-        return cache[family]
-    return get
-
-
-def matrix_cases(families, layouts, default) -> list:
-    """family x layout parameters; the ``default`` (family, layout) pairs run by default, the rest
-    with ``-m slow``."""
-    import pytest
-
-    return [pytest.param(f, lay, id=f"{f}-{lay}",
-                         marks=() if (f, lay) in default else (pytest.mark.slow,))
-            for f in families for lay in layouts]

@@ -238,26 +238,42 @@ class Reference(NamedTuple):
     ref: dict
 
 
+#: every reference built in this test process, by `reference_key`: the matrix
+#: (`test_families.py`) and a family's own file (`test_parity.py`'s Qwen2.5-VL cases, ...) ask for
+#: the same fp64 run, which is deterministic; built once, it is shared (a tiny model's run, ~10 MB)
+_REFERENCES: dict = {}
+
+
+def reference_key(family: str, cfg: TrainLoopConfig, dtype, make) -> tuple:
+    return family, repr(cfg), str(dtype), make
+
+
+def shared_reference(tmp_path_factory, family: str, cfg: TrainLoopConfig = CFG, *,
+                     dtype=torch.float64, make=make_steps) -> Reference:
+    """``Reference(cfg, steps, ref)``: the steps ``make(tmp, family, cfg)`` and the stock
+    single-process model's trajectory on them (`run_reference` in ``dtype``), built once per test
+    process for each ``(family, cfg, dtype, make)`` (``tmp_path_factory``: pytest's, session-wide)."""
+    key = reference_key(family, cfg, dtype, make)
+    if key not in _REFERENCES:
+        steps = make(tmp_path_factory.mktemp(family), family, cfg)
+        _REFERENCES[key] = Reference(cfg, steps, run_reference(family, cfg, steps, dtype))
+    return _REFERENCES[key]
+
+
 def reference_fixture(family: str | None = None, cfg: TrainLoopConfig = CFG, *,
                       dtype=torch.float64, make=make_steps, name: str = "reference"):
     """A module-scoped pytest fixture named ``name`` whose value is
     ``get(family=family, **changes) -> Reference(cfg, steps, ref)``: ``cfg`` with ``changes``
     (`dataclasses.replace`), the steps ``make(tmp_path, family, cfg)`` made of it and the stock
     single-process model's trajectory on them (`run_reference` in ``dtype``), built once per
-    ``(family, changes)`` in the module. Assign it in a test module:
-    ``reference = reference_fixture("qwen3_5")``."""
+    ``(family, cfg, dtype, make)`` in the test process (`shared_reference`). Assign it in a test
+    module: ``reference = reference_fixture("qwen3_5")``."""
 
     @pytest.fixture(scope="module", name=name)
     def fixture(tmp_path_factory):
-        cache = {}
-
         def get(fam: str | None = family, **changes) -> Reference:
-            key = (fam, repr(sorted(changes.items())))  # values may be dicts (module choices)
-            if key not in cache:
-                run_cfg = dataclasses.replace(cfg, **changes)
-                steps = make(tmp_path_factory.mktemp(fam), fam, run_cfg)
-                cache[key] = Reference(run_cfg, steps, run_reference(fam, run_cfg, steps, dtype))
-            return cache[key]
+            return shared_reference(tmp_path_factory, fam, dataclasses.replace(cfg, **changes),
+                                    dtype=dtype, make=make)
 
         return get
 
@@ -357,17 +373,6 @@ def assert_parity(got: dict, ref: dict, **tols) -> tuple:
 # the later steps through the loss and grad-norm (insensitive to those tiny-gradient entries) and,
 # exactly, by the fp64 cases.
 FP32_TOL = 1e-5
-
-
-# The layout matrix cases `test_parity.py` runs by default (the rest: -m slow), as (family,
-# placement, (vision sp, dp), (text tp, dp)); the NCCL twin's ordering test runs them too.
-PARITY_DEFAULT = {
-    ("qwen2_5_vl", "collocated", (2, 1), (2, 1)),
-    ("qwen2_5_vl", "disjoint", (2, 2), (2, 1)),
-    ("qwen2_vl", "collocated", (2, 2), (2, 2)),
-    ("qwen3_vl", "collocated", (2, 1), (2, 1)),
-    ("qwen3_vl", "disjoint", (1, 1), (2, 2)),
-}
 
 
 def packable_steps(tmp_path, fam, cfg):

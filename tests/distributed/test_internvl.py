@@ -1,17 +1,9 @@
-"""InternVL (InternViT on fixed tiles + pixel shuffle + MLP projector, Qwen2 LM with 1-D RoPE) is
-exact under every layout: loss, grad-norm, every clipped gradient, every parameter and every
-update of every rank's copy equal the single-process stock ``InternVLForConditionalGeneration``'s
-(fp64, 3 steps, 2 micro-batches, clipping active; the parity batches of ``test_parity.py`` cut
-into 1-4 tiles per image by InternVL's own tiling).
+"""InternVL's extra cases (its fp64 layout matrix is a row of `test_families.py`,
+`family_rows.INTERNVL`): the parity batches really exercise the tile path, a sharded
+``save_pretrained`` directory loads and exports, and InternVL3.5 (a Qwen3 LM) is exact.
 
-Tolerance 1e-10 relative, as in ``test_parity.py``: in fp64 only summation orders differ (the
-Ulysses attention per tile segment, the projector on a rank's rows, TP partial sums), each an
-error of a few ulp (1e-16) of the terms, amplified at most ~1e3 by AdamW's normalisation of the
-updates; a wrong split (a CLS token dropped, a unit's patches in the wrong channel order, a
-missing all-to-all) is an O(1) error.
-
-Layouts: collocated SP2/TP2 in the default run; disjoint 1+2, disjoint 1+4, text sequence
-parallelism and activation checkpointing in the slow run.
+Tolerance 1e-10 relative, as the matrix (fp64: only summation orders differ; reasons in
+`family_rows.py`).
 """
 
 from __future__ import annotations
@@ -21,49 +13,21 @@ import dataclasses
 import pytest
 import torch
 
-from tests.distributed.parity import dense_layout as _layout
+from tests.distributed.family_rows import EXACT_GRADS as TOL
+from tests.distributed.family_rows import INTERNVL
 from tests.distributed.parity import CFG, assert_parity, make_steps, run_engine, run_reference
 
 FAMILY = "internvl"
-TOL = dict(loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10, grad_tol=1e-10)
+CASES = INTERNVL.layouts
 
 
-CASES = {  # id: (layout, config changes)
-    "collocated-sp2-tp2": (_layout("collocated", (2, 1), (2, 1)), {}),
-    "disjoint-1v-2t": (_layout("disjoint", (1, 1), (2, 1)), {}),
-    "disjoint-1v-4t": (_layout("disjoint", (1, 1), (4, 1)), {}),
-    "collocated-sp4-tp4": (_layout("collocated", (4, 1), (4, 1)), {}),
-    "collocated-sp2-tp2-text-sp": (_layout("collocated", (2, 1), (2, 1), text_sp=True), {}),
-    "collocated-sp2-tp2-checkpointing": (_layout("collocated", (2, 1), (2, 1)),
-                                         {"activation_checkpointing": True}),
-    "disjoint-2v-2t-text-sp-checkpointing": (_layout("disjoint", (2, 1), (2, 1), text_sp=True),
-                                             {"activation_checkpointing": True}),
-}
-DEFAULT = {"collocated-sp2-tp2"}
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    steps = make_steps(tmp_path_factory.mktemp(FAMILY), FAMILY, CFG)
-    return steps, run_reference(FAMILY, CFG, steps, torch.float64)
-
-
-def test_samples_have_tiles(reference):
-    """The parity batches exercise the tile path: several images with more than one tile."""
-    steps, _ = reference
+def test_samples_have_tiles(tmp_path):
+    """The parity batches (the matrix's, `parity.make_steps`) exercise the tile path: several
+    images with more than one tile."""
+    steps = make_steps(tmp_path, FAMILY, CFG)
     grids = [s.image_grid_thw for st in steps for mb in st for s in mb if s.image_grid_thw is not None]
     tiles = torch.cat(grids)[:, 0]
     assert len(grids) >= 6 and int(tiles.max()) > 1 and int(tiles.min()) == 1
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c in DEFAULT else (pytest.mark.slow,), id=c)
-                                  for c in CASES])
-def test_internvl_is_exact(case, reference):
-    steps, ref = reference
-    layout, changes = CASES[case]
-    got = run_engine(FAMILY, layout, dataclasses.replace(CFG, **changes), steps, torch.float64,
-                     grads=True)
-    assert_parity(got, ref, **TOL)
 
 
 # -- a saved Hugging Face directory: sharded load, first step ------------------------------------
@@ -114,7 +78,7 @@ def _internvl3_5_config():
 def test_internvl3_5_with_a_qwen3_lm_is_exact(case, tmp_path):
     """The q/k norms see only the local heads under TP: their gradients are summed over the TP
     group (`FamilySpec.tp_partial_grad_suffixes`); everything else as InternVL3. Slow only: the
-    default run keeps InternVL at collocated SP2/TP2 (`test_internvl_is_exact`) and per-head q/k
+    default run keeps InternVL at collocated SP2/TP2 (`test_families.py`'s internvl row) and per-head q/k
     norms under TP (Qwen3-VL's row of `test_parity.py`)."""
     config = _internvl3_5_config()
     assert config.text_config.model_type == "qwen3"

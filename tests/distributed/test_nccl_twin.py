@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from ray_dhp.parallel.comm import record
 from tests.distributed.parity import make_steps
-from tests.distributed.parity import CFG, PARITY_DEFAULT as DEFAULT, dense_layout
+from tests.distributed.family_rows import PARITY_DEFAULT as DEFAULT
+from tests.distributed.parity import CFG, dense_layout
 from tests.spawn import run_on_ranks
 
 
@@ -160,7 +161,7 @@ def _old_engine_body(rank, world, *args):
 def test_old_exchange_under_the_twin_on_the_parity_layouts(case, tmp_path):
     """Collocated layouts deadlock (every one in the matrix has SP or TP > 1, so some pair
     exchanges rows both ways); disjoint ones only send one way per pair and pass also with the
-    old order. The fixed rule passes them all in test_parity.py (which runs under the twin)."""
+    old order. The fixed rule passes them all in test_families.py (which runs under the twin)."""
     from ray_dhp.parallel.topology import Topology
     from tests.distributed.parity import make_steps
 

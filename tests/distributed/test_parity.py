@@ -8,8 +8,12 @@ every rank's copy of every parameter and every parameter update with the referen
 held by several ranks, e.g. the vision tower on each SP/DP rank or a text norm on each TP rank,
 is checked once per holder, so a drifting replica fails; see `test_a_drifting_replica_is_caught`).
 
+The fp64 family x layout matrix (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and every other family) is
+`test_families.py` (its rows: `family_rows.py`); here are Qwen2.5-VL's other cases: fp32, the
+harness's negative control, activation checkpointing, bf16 autocast, the pipelined schedule.
+
 Tolerances:
-* fp64 (the layout matrix): 1e-10 relative. In fp64 the only differences are the summation
+* fp64: 1e-10 relative. In fp64 the only differences are the summation
   orders of sharded matmuls and all-reduces (~1e-14 measured). fp64 is where parameters after
   AdamW are comparable: Adam divides each gradient entry by its own magnitude, so an entry with a
   small gradient turns summation-order noise into a change of up to ``lr``. In fp64 that noise
@@ -25,7 +29,7 @@ import pytest
 import torch
 
 from ray_dhp.config.train_loop import TrainLoopConfig
-from tests.distributed.parity import (CFG, FP32_TOL, PARITY_DEFAULT, assert_parity, parity_failures, reference_fixture,
+from tests.distributed.parity import (CFG, FP32_TOL, assert_parity, parity_failures, reference_fixture,
                                       rel_err, run_engine)
 
 
@@ -34,40 +38,7 @@ def _layout(placement, vision, text):
     return dict(placement=placement, vision_dp=vdp, vision_sp=sp, text_dp=tdp, text_tp=tp)
 
 
-VISION = [(1, 1), (2, 1), (4, 1), (2, 2)]   # (sp, dp)
-TEXT = [(1, 1), (2, 1), (4, 1), (2, 2)]     # (tp, dp)
-FAMILIES = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl"]
-
-
-def _matrix():
-    for fam in FAMILIES:
-        for v in VISION:
-            for t in TEXT:
-                for placement in ("collocated", "disjoint"):
-                    if placement == "collocated" and v[0] * v[1] != t[0] * t[1]:
-                        continue
-                    yield fam, placement, v, t
-
-
-# Representative subset in the default run: every family, both placements, SP, TP and DP in
-# each module, asymmetric disjoint groups, Qwen3's partial q/k-norm gradients.
-DEFAULT = PARITY_DEFAULT  # the default cases of the layout matrix (tests/distributed/parity.py)
-
-def _params():
-    for case in _matrix():
-        marks = () if case in DEFAULT else (pytest.mark.slow,)
-        fam, placement, v, t = case
-        yield pytest.param(*case, marks=marks, id=f"{fam}-{placement}-sp{v[0]}dp{v[1]}-tp{t[0]}dp{t[1]}")
-
-
 reference = reference_fixture()
-
-
-@pytest.mark.parametrize("family, placement, vision, text", list(_params()))
-def test_layout_matrix_fp64(family, placement, vision, text, reference):
-    _, steps, ref = reference(family)
-    got = run_engine(family, _layout(placement, vision, text), CFG, steps, torch.float64)
-    assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10)
 
 
 FP32_LAYOUTS = [

@@ -11,7 +11,6 @@ AdamW is the CPU's single-tensor loop (two temporaries of one parameter at a tim
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 import torch
 
@@ -79,9 +78,9 @@ def _body(rank, world, steps):
                   for _, m in ms.pairs)
     # elements this rank all-reduces over replicas: the ViT over the SP group (text: TP1 x DP1)
     reduced = sum(p.numel() for p in engine.vision_params)
-    # the vocab-parallel embedding's gradient comes back whole (Replicate) from backward
-    emb = engine.text_model.get_input_embeddings().weight
-    replicated = emb.numel() - emb.to_local().numel()
+    # the vocab-parallel embedding's gradient comes back whole (Replicate) from backward and is
+    # held whole while this rank's shard is copied out of it
+    replicated = engine.text_model.get_input_embeddings().weight.numel()
     return {"measured": _optimizer_peak(prof, base), "state": engine.state_bytes(),
             "largest": largest, "reduced": reduced, "replicated": replicated}
 
