@@ -275,7 +275,8 @@ class DHPConfig(BackendConfig):
         from ray_dhp.models import family_of
         from ray_dhp.models.layout_fit import check_layout_fits
 
-        check_layout_fits(family_of(self.model_config()), self.model_config(), self.topology())
+        config = self.model_config()  # read once (a directory's config.json)
+        check_layout_fits(family_of(config), config, self.topology())
         if isinstance(self.model, str):  # every shard there, shapes and dtypes as config.json says
             from ray_dhp.models.loading import check_model_directory
 

@@ -44,10 +44,15 @@ def _vision_model_types() -> dict:
             for s in FAMILIES.values()}
 
 
+def _vision_family(vision_config):
+    """The hand-written family whose vision config ``vision_config`` is, or None."""
+    return _vision_model_types().get(getattr(vision_config, "model_type", None))
+
+
 def vision_norm(vision_config) -> str:
     """The norm kind of the tower of ``vision_config`` (`FamilySpec.vision_norm` of the family
     whose vision config it is; "layer_norm" for any other tower)."""
-    family = _vision_model_types().get(getattr(vision_config, "model_type", None))
+    family = _vision_family(vision_config)
     return family.vision_norm if family is not None else "layer_norm"
 
 
@@ -55,7 +60,7 @@ def vision_rotary(vision_config) -> bool:
     """Whether the tower of ``vision_config`` rotates q and k: `FamilySpec.vision_rotary` of the
     family whose vision config it is; for any other tower, whether its config names rotary
     parameters (CLIP / SigLIP towers add learned absolute positions and name none)."""
-    family = _vision_model_types().get(getattr(vision_config, "model_type", None))
+    family = _vision_family(vision_config)
     if family is not None:
         return family.vision_rotary
     return any(getattr(vision_config, k, None) is not None
@@ -66,7 +71,7 @@ def vision_fused_qkv(vision_config) -> bool:
     """Whether the tower of ``vision_config`` projects q, k and v with one linear:
     `FamilySpec.vision_fused_qkv` of the family whose vision config it is; any other tower is
     taken to have them apart (transformers' CLIP, SigLIP, Pixtral towers)."""
-    family = _vision_model_types().get(getattr(vision_config, "model_type", None))
+    family = _vision_family(vision_config)
     return family.vision_fused_qkv if family is not None else False
 
 

@@ -12,12 +12,13 @@ width. Per block and token:
   towers' LayerNorm keeps its input and fp32 mean and rstd: ``d·h + 8``;
 * attention (SDPA/flash): the qkv projection's input ``h`` and output ``3h``, the rotated q and k
   and the attention output (``3h``) in ``d`` bytes, plus the kernel's fp32 log-sum-exp (one per
-  head); a tower that does not rotate q and k (`FamilySpec.vision_rotary`: InternViT, CLIP,
-  SigLIP) keeps ``2h`` less and no rotary tables, one that rotates them but projects q, k and v
-  apart (`FamilySpec.vision_fused_qkv`: Qwen2.5-Omni's) ``2h`` less (v alone, not the ``3h``). Under Ulysses (SP > 1, the full-attention
-  blocks) ``6h``: the qkv input, the all-to-all's head-sharded q, k, v (``3h``), the attention
-  output and the projection's input (the output all-to-all's result; measured on the Qwen2.5-VL
-  tower, taken as the same for a tower without rotary);
+  head); a tower that does not rotate q and k (`FamilySpec.vision_rotary` False: towers with
+  learned absolute positions) keeps ``2h`` less and no rotary tables, one that rotates them but
+  projects q, k and v apart (`FamilySpec.vision_fused_qkv` False) ``2h`` less (v alone, not the
+  ``3h``). Under Ulysses (SP > 1, the full-attention blocks) ``6h``: the qkv input, the
+  all-to-all's head-sharded q, k, v (``3h``), the attention output and the projection's input
+  (the output all-to-all's result; measured on a rotary tower with a fused qkv, taken as the same
+  for a tower without rotary);
 * the MLP: its input ``h`` and ``m·i``, where ``m`` counts the ``i``-wide tensors its activation
   path keeps: Qwen2.5-VL's gated SiLU 4 (gate, SiLU output, up, product), Qwen2-VL's QuickGELU 3
   (fc1 output, sigmoid, product: ``x·sigmoid(1.702x)`` is three ops), a one-op GELU 2 (fc1 output,
