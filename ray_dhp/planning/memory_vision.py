@@ -40,7 +40,7 @@ from typing import Optional
 
 from ray_dhp.models.sizes import vision_width
 
-__all__ = ["vision_activation_bytes", "vision_activation_parts"]
+__all__ = ["vision_activation_bytes", "vision_activation_parts", "vision_block_weights"]
 
 # ``i``-wide tensors an MLP keeps per token, by activation (the gated SiLU MLP counts its up
 # branch); another activation counts as a one-op one (2)
@@ -48,8 +48,10 @@ _MLP_KEPT = {"silu": 4, "quick_gelu": 3, "gelu": 2, "gelu_pytorch_tanh": 2}
 
 
 def _vision_mlp(vc) -> int:
-    i = getattr(vc, "intermediate_size", None)
-    return i if i else int(vc.embed_dim * getattr(vc, "mlp_ratio", 4))
+    """The MLP width: ``intermediate_size`` (``mlp_dim``: SAM-style towers), else the width
+    times ``mlp_ratio`` (Qwen2-VL's)."""
+    i = getattr(vc, "intermediate_size", None) or getattr(vc, "mlp_dim", None)
+    return i if i else int(vision_width(vc) * getattr(vc, "mlp_ratio", 4))
 
 
 def _heads(vc) -> int:
@@ -90,6 +92,15 @@ def _block_bytes(vc, h: int, i: int, d: int) -> float:
     attention = _attention_widths(vc) * d * h + 4 * _heads(vc)
     mlp = d * h + _MLP_KEPT.get(getattr(vc, "hidden_act", "quick_gelu"), 2) * d * i
     return 2 * _norm_bytes(vc, h, d) + attention + mlp
+
+
+def vision_block_weights(vc) -> int:
+    """Weights and biases one ViT block's matmuls take: q, k, v and the output projection
+    (``4h² + 4h``) and the MLP (a gated one's three ``h × i`` matrices, else two); the norms'
+    few ``h`` are left out (autocast does not cast them, `ray_dhp.planning.memory.weight_cast_bytes`)."""
+    h, i = vision_width(vc), _vision_mlp(vc)
+    gated = _MLP_KEPT.get(getattr(vc, "hidden_act", "quick_gelu"), 2) == 4
+    return 4 * h * h + 4 * h + (3 * h * i + 2 * i + h if gated else 2 * h * i + i + h)
 
 
 def _once_bytes(vc, h: int, d: int) -> float:
