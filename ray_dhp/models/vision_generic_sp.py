@@ -155,7 +155,11 @@ def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
     if query.shape[2] != ctx.local_len:
         raise RuntimeError(f"{type(module).__name__}: attention over {query.shape[2]} tokens, this "
                            f"SP rank holds {ctx.local_len}: the layer splits its tokens itself")
-    q, k, v = (seq_to_heads(t.permute(2, 0, 1, 3), ctx).permute(1, 2, 0, 3) for t in (query, key, value))
+    if query.shape == key.shape == value.shape:  # one all-to-all for the three
+        q, k, v = seq_to_heads(torch.stack([query, key, value], 1).permute(3, 0, 1, 2, 4), ctx) \
+            .permute(2, 1, 3, 0, 4).unbind(0)
+    else:  # fewer key/value heads: each its own
+        q, k, v = (seq_to_heads(t.permute(2, 0, 1, 3), ctx).permute(1, 2, 0, 3) for t in (query, key, value))
     out, _ = fn(module, q, k, v, attention_mask, **kwargs)  # [B, T, H/sp, d]
     return heads_to_seq(out.transpose(0, 1), ctx).transpose(0, 1), None
 
