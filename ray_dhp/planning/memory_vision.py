@@ -29,7 +29,8 @@ Once per token: the patch input of the Conv3d (``C·T·P²`` values), the rotary
 int64), the merger (its norm, then its two linears' inputs and the GELU's: ``3·d·h`` per token,
 the merged rows being ``merge²·h`` wide) and each deepstack merger (the same without re-keeping
 its norm input, the block output the next block keeps already). Under Ulysses SP every term is
-``1/sp`` of the tokens. With ``attention="eager"`` the ``heads × s²`` score and probability
+``1/sp`` of the tokens, but for a tower that runs its once-per-token parts whole on every SP rank
+(`ray_dhp.models.vision_once_split`: a generic family's, whose layers alone split) those. With ``attention="eager"`` the ``heads × s²`` score and probability
 matrices are added; with activation checkpointing each block keeps only its input, plus one block
 recomputed.
 """
@@ -115,6 +116,13 @@ def _once_bytes(vc, h: int, d: int) -> float:
     return patches + rotary + positions + merger + deepstack
 
 
+def _once_split(vc) -> bool:
+    """Whether the once-per-token parts are split over SP ranks (`ray_dhp.models.vision_once_split`)."""
+    from ray_dhp.models import vision_once_split
+
+    return vision_once_split(vc)
+
+
 def _depth(vc) -> int:
     """ViT blocks: ``depth`` (Qwen towers) or ``num_hidden_layers`` (InternViT)."""
     return getattr(vc, "depth", None) or vc.num_hidden_layers
@@ -153,7 +161,7 @@ def vision_activation_parts(vc, tokens: int, sp: int, s,
     else:
         ulysses = _ulysses_blocks(vc, sp) * (6 - _attention_widths(vc)) * local * h * d
         blocks, transient = depth * per_block + ulysses, 0.0
-    total = blocks + local * _once_bytes(vc, h, d)
+    total = blocks + (local if _once_split(vc) else tokens) * _once_bytes(vc, h, d)
     if s.attention == "eager":
         seg = image_tokens or tokens
         full = len(getattr(vc, "fullatt_block_indexes", None) or range(depth))

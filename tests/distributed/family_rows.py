@@ -26,7 +26,7 @@ from typing import Callable, NamedTuple
 from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.generic_cases import TOL as GENERIC_TOL
 from tests.distributed.generic_cases import TOLS as GENERIC_TOLS
-from tests.distributed.generic_cases import ZERO_GRAD
+from tests.distributed.generic_cases import VISION_SP, ZERO_GRAD
 from tests.distributed.parity import (CFG, GENERIC_FAMILIES, GENERIC_MOE_FAMILIES, dense_layout,
                                       make_steps, moe_layout)
 from tests.distributed import family_checks as checks
@@ -179,12 +179,16 @@ GENERIC_LAYOUTS = {
     "disjoint-1v-tp2": (dense_layout("disjoint", (1, 1), (2, 1)), {}),
     "collocated-text-zero3-dp2": (dict(dense_layout("collocated", (1, 2), (1, 2)), text_zero=3), {}),
 }
-GENERIC_DEFAULT = {("gemma3", "collocated-dp2-tp2"), ("gemma3", "disjoint-1v-tp2"),  # one reference
+GENERIC_DEFAULT = {("gemma3", "collocated-sp2-tp2"), ("gemma3", "disjoint-1v-tp2"),  # one reference
                    ("paligemma", "collocated-text-zero3-dp2")}
+# vision SP2 in place of DP2 where the tower splits (`generic_cases.VISION_SP`)
+GENERIC_SP = {"collocated-sp2-tp2": (dense_layout("collocated", (2, 1), (2, 1)), {}),
+              **{k: v for k, v in GENERIC_LAYOUTS.items() if k != "collocated-dp2-tp2"}}
 
 
 def _generic_row(family: str) -> Row:
-    return Row(family, GENERIC_LAYOUTS, frozenset(lay for f, lay in GENERIC_DEFAULT if f == family),
+    return Row(family, GENERIC_SP if family in VISION_SP else GENERIC_LAYOUTS,
+               frozenset(lay for f, lay in GENERIC_DEFAULT if f == family),
                dict(GENERIC_TOLS.get(family, GENERIC_TOL), skip=ZERO_GRAD), grads=True,
                check=checks.zero_grad_is_noise)
 
