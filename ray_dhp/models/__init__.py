@@ -82,6 +82,25 @@ def vision_once_split(vision_config) -> bool:
     return _vision_family(vision_config) is not None
 
 
+def vision_saved_per_token(config, dtype_bytes: int):
+    """``(layers, rest)`` bytes per patch token a generic family's vision side saves for backward
+    at ``dtype_bytes`` per element, measured from its own code on the meta device
+    (`ray_dhp.models.vision_saved`: ``layers`` inside the encoder's layers, which vision SP
+    divides; ``rest`` whole on every SP rank); None for a hand-written family (its block formula
+    holds) or where the meta probe cannot run."""
+    from ray_dhp.models.generic import GenericFamily
+
+    try:
+        family = family_of(config)
+    except ValueError:
+        return None
+    if not isinstance(family, GenericFamily):
+        return None
+    from ray_dhp.models.vision_saved import vision_saved_per_token as measured
+
+    return measured(config, family, dtype_bytes)
+
+
 def load_model_config(model):
     """A transformers config from a config object or a local model directory."""
     if isinstance(model, (str, os.PathLike)):

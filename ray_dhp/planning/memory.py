@@ -267,7 +267,7 @@ def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int,
     sp, tp = topology.vision.inner, topology.text.inner
     seq = text_tokens + vision_tokens // merge
     v_act = vision_activation_bytes(vc, samples * vision_tokens, sp, settings,
-                                    segment_tokens or vision_tokens)
+                                    segment_tokens or vision_tokens, config)
     t_tokens, t_row = packed_text(packing, text_samples or samples, seq)
     t_act = text_activation_bytes(tc, t_tokens, tp, settings, t_row,
                                   seq_parallel=getattr(topology, "text_sequence_parallel", False),
@@ -302,5 +302,5 @@ def estimate_zero3(config, counts: ParamCounts, world: int, *, vision_tokens: in
     seq = text_tokens + vision_tokens // merged(config)
     state = (counts.vision + counts.text) * state_bytes / world
     return (state + sum(weight_cast_bytes(config, counts, 1, settings))
-            + vision_activation_bytes(vc, vision_tokens, 1, settings, segment_tokens)
+            + vision_activation_bytes(vc, vision_tokens, 1, settings, segment_tokens, config)
             + text_activation_bytes(tc, seq, 1, settings, layers=text_layers(config, None, counts)))

@@ -33,6 +33,13 @@ its norm input, the block output the next block keeps already). Under Ulysses SP
 (`ray_dhp.models.vision_once_split`: a generic family's, whose layers alone split) those. With ``attention="eager"`` the ``heads × s²`` score and probability
 matrices are added; with activation checkpointing each block keeps only its input, plus one block
 recomputed.
+
+A generic family's tower (`ray_dhp.models.vision_saved_per_token`, given the model's config)
+takes measured bytes for the formula's: what its own ``get_image_features`` saves on the meta
+device per patch token, split into the encoder layers' (``1/sp`` of the tokens) and the rest
+(whole on every SP rank); the formula's Ulysses buffers, eager scores and checkpointing (each
+block keeps its input, one block recomputed: the measured layers' bytes over the depth) stay.
+Where the meta call cannot run, the formula stands.
 """
 
 from __future__ import annotations
@@ -123,6 +130,13 @@ def _once_split(vc) -> bool:
     return vision_once_split(vc)
 
 
+def _probed(config, d: int):
+    """`ray_dhp.models.vision_saved_per_token` of ``config`` at ``d`` bytes, or None."""
+    from ray_dhp.models import vision_saved_per_token
+
+    return vision_saved_per_token(config, d)
+
+
 def _depth(vc) -> int:
     """ViT blocks: ``depth`` (Qwen towers) or ``num_hidden_layers`` (InternViT)."""
     return getattr(vc, "depth", None) or vc.num_hidden_layers
@@ -143,25 +157,31 @@ def _ulysses_blocks(vc, sp: int) -> int:
 
 
 def vision_activation_bytes(vc, tokens: int, sp: int, s,
-                            image_tokens: Optional[int] = None) -> float:
+                            image_tokens: Optional[int] = None, config=None) -> float:
     """Activation bytes of one vision SP rank for ``tokens`` patch tokens of its replica
     (``s``: an `ActivationSettings`): saved plus transient (`vision_activation_parts`)."""
-    return sum(vision_activation_parts(vc, tokens, sp, s, image_tokens))
+    return sum(vision_activation_parts(vc, tokens, sp, s, image_tokens, config))
 
 
 def vision_activation_parts(vc, tokens: int, sp: int, s,
-                            image_tokens: Optional[int] = None) -> tuple:
+                            image_tokens: Optional[int] = None, config=None) -> tuple:
     """``(saved, transient)`` bytes of one vision SP rank: what the forward saves for backward
-    and, with activation checkpointing, the one block recomputed at a time in backward."""
+    and, with activation checkpointing, the one block recomputed at a time in backward.
+    ``config`` (the model's, optional): where `ray_dhp.models.vision_saved_per_token` measures
+    its tower (a generic family's), the measured bytes stand for the block formula."""
     h, i, depth, d = vision_width(vc), _vision_mlp(vc), _depth(vc), s.dtype_bytes
     local = tokens / sp
-    per_block = local * _block_bytes(vc, h, i, d)
+    probed = _probed(config, d) if config is not None else None
+    if probed is None:
+        per_block, once = local * _block_bytes(vc, h, i, d), _once_bytes(vc, h, d)
+    else:  # measured from the model's own code: all layers' bytes per token, then the rest
+        per_block, once = local * probed[0] / depth, probed[1]
     if s.checkpointing:
         blocks, transient = depth * local * h * d, per_block
     else:
         ulysses = _ulysses_blocks(vc, sp) * (6 - _attention_widths(vc)) * local * h * d
         blocks, transient = depth * per_block + ulysses, 0.0
-    total = blocks + (local if _once_split(vc) else tokens) * _once_bytes(vc, h, d)
+    total = blocks + (local if _once_split(vc) else tokens) * once
     if s.attention == "eager":
         seg = image_tokens or tokens
         full = len(getattr(vc, "fullatt_block_indexes", None) or range(depth))
