@@ -178,13 +178,20 @@ GENERIC_LAYOUTS = {
     "collocated-dp2-tp2": (dense_layout("collocated", (1, 2), (2, 1)), {}),
     "disjoint-1v-tp2": (dense_layout("disjoint", (1, 1), (2, 1)), {}),
     "collocated-text-zero3-dp2": (dict(dense_layout("collocated", (1, 2), (1, 2)), text_zero=3), {}),
+    # Megatron text sequence parallelism derived from the LM's plan (`ray_dhp.models.text_sp_plans`)
+    "collocated-dp2-tp2-text-sp": (dense_layout("collocated", (1, 2), (2, 1), text_sp=True), {}),
 }
+#: the generic families whose LM plan refuses text sequence parallelism (the driver says why:
+#: LFM2's plan shards only the embedding; `tests/unit/test_text_sp_plans.py` keeps this current)
+GENERIC_NO_TEXT_SP = ("lfm2_vl", "lfm3_vl")
 GENERIC_DEFAULT = {("gemma3", "collocated-dp2-tp2"), ("gemma3", "disjoint-1v-tp2"),  # one reference
                    ("paligemma", "collocated-text-zero3-dp2")}
 
 
 def _generic_row(family: str) -> Row:
-    return Row(family, GENERIC_LAYOUTS, frozenset(lay for f, lay in GENERIC_DEFAULT if f == family),
+    layouts = {k: v for k, v in GENERIC_LAYOUTS.items()
+               if not (k.endswith("-text-sp") and family in GENERIC_NO_TEXT_SP)}
+    return Row(family, layouts, frozenset(lay for f, lay in GENERIC_DEFAULT if f == family),
                dict(GENERIC_TOLS.get(family, GENERIC_TOL), skip=ZERO_GRAD), grads=True,
                check=checks.zero_grad_is_noise)
 
