@@ -33,11 +33,12 @@ config) and towers that take each image at its own size: patch rows with an ``im
 (GLM-4V's; Kimi-K2.5's as ``[N, C, P, P]`` patch images, its merge read from the probe's rows)
 or padded patch rows per image with their ``spatial_shapes`` (`padded_inputs`: SigLIP 2's
 NaFlex, LFM2-VL's), vision data parallelism (sequence parallelism needs a tower file, and is refused with
-the reason), text TP, ZeRO 1-3 for the text side. Packing where it is exact
+the reason), text TP, Megatron text sequence parallelism where the plan and the decoder layers
+allow it (`ray_dhp.models.text_sp_plans`), ZeRO 1-3 for the text side. Packing where it is exact
 (`ray_dhp.models.generic_packing`). A mixture-of-experts language model: its router loss and
 expert parallelism read from its own metadata (`ray_dhp.models.generic_moe`). Refused in the
-driver, with the reason: text sequence parallelism, vision ZeRO-3; and the whole model where it
-has an audio encoder (not covered yet).
+driver, with the reason: text sequence parallelism where it cannot be derived, vision ZeRO-3;
+and the whole model where it has an audio encoder (not covered yet).
 
 Example::
 

@@ -100,8 +100,9 @@ def sp_layout(lm, plan: dict, experts: tuple, hidden: int):
     for i, layer in enumerate(layers):
         norms, regs = [], []
         for name, child in layer.named_children():
-            kind, entries = (_region(layer, i, lst, name, plan, experts) if name in regions
-                             else ("norm", ()))
+            sparse = any(n.startswith(f"{lst}.{i}.{name}.") for n in experts)
+            kind, entries = (_region(layer, i, lst, name, plan, experts)
+                             if name in regions or sparse else ("norm", ()))
             if kind == "refused":
                 return None, entries
             if kind != "norm":

@@ -184,6 +184,12 @@ GENERIC_LAYOUTS = {
 #: the generic families whose LM plan refuses text sequence parallelism (the driver says why:
 #: LFM2's plan shards only the embedding; `tests/unit/test_text_sp_plans.py` keeps this current)
 GENERIC_NO_TEXT_SP = ("lfm2_vl", "lfm3_vl")
+#: text SP with activation checkpointing, disjoint (recomputed sharded blocks; `AfterLayers`'s
+#: check across the recompute) where the derived plan has each kind of region: Gemma 3 (four
+#: norms, Megatron regions), Kimi-K2.5 (MLA attention gathered, a sparse block sliced)
+GENERIC_TEXT_SP_CHECKPOINTING = ("gemma3", "kimi_k25")
+TEXT_SP_CHECKPOINTING = {"disjoint-1v-tp2-text-sp-checkpointing": (
+    dense_layout("disjoint", (1, 1), (2, 1), text_sp=True), {"activation_checkpointing": True})}
 GENERIC_DEFAULT = {("gemma3", "collocated-dp2-tp2"), ("gemma3", "disjoint-1v-tp2"),  # one reference
                    ("paligemma", "collocated-text-zero3-dp2")}
 
@@ -191,6 +197,8 @@ GENERIC_DEFAULT = {("gemma3", "collocated-dp2-tp2"), ("gemma3", "disjoint-1v-tp2
 def _generic_row(family: str) -> Row:
     layouts = {k: v for k, v in GENERIC_LAYOUTS.items()
                if not (k.endswith("-text-sp") and family in GENERIC_NO_TEXT_SP)}
+    if family in GENERIC_TEXT_SP_CHECKPOINTING:
+        layouts.update(TEXT_SP_CHECKPOINTING)
     return Row(family, layouts, frozenset(lay for f, lay in GENERIC_DEFAULT if f == family),
                dict(GENERIC_TOLS.get(family, GENERIC_TOL), skip=ZERO_GRAD), grads=True,
                check=checks.zero_grad_is_noise)

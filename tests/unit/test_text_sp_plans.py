@@ -18,8 +18,15 @@ def _kinds(config) -> dict:
 
 def test_text_sp_is_derived_from_the_plan_or_refused_with_the_reason():
     """Gemma 3: its four per-block norms on the local tokens, both regions Megatron (saved-shard
-    column-parallel projections), the final norm after the layers; GLM-4V's MLP (a fused
-    ``gate_up_proj`` the forward chunks whole) on the gathered sequence; LFM2-VL refused."""
+    column-parallel projections), the final norm after the layers. LFM2 (only its embedding in
+    the plan, a short convolution in its layers) refused, and the driver says why."""
+    import dataclasses
+
+    import torch
+    from transformers import AutoConfig
+
+    from ray_dhp.models.text_sp_plans import sp_layout
+
     gemma = _kinds(demo.tiny_model_config("gemma3"))
     norms = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
              "post_feedforward_layernorm")
@@ -27,20 +34,34 @@ def test_text_sp_is_derived_from_the_plan_or_refused_with_the_reason():
     assert gemma["layers.*.self_attn"] == gemma["layers.*.mlp"] == "GatheredColwise"
     assert gemma["layers.0"] == "ShardSequence" and gemma["norm"] == "AfterLayers"
     assert gemma["lm_head"] == "GatheredColwise"
-    glm = _kinds(demo.tiny_model_config("glm4v"))
-    assert glm["layers.*.mlp"] == "GatheredRegion" and glm["layers.*.self_attn"] == "GatheredColwise"
-    config = demo.tiny_model_config("lfm2_vl")
-    family_of(config).validate_layout(config, sp=1, tp=2)  # text TP alone is fine
+    tc = AutoConfig.for_model("lfm2", num_hidden_layers=2)
+    with torch.device("meta"):
+        from transformers import AutoModel
+
+        lm = AutoModel.from_config(tc)
+    layout, why = sp_layout(lm, dict(tc.base_model_tp_plan), (), tc.hidden_size)
+    assert layout is None and "shards nothing in the decoder layers" in why
+    config = demo.tiny_model_config("llava")
+    family = dataclasses.replace(family_of(config), text_sp_refusal=why)
+    family.validate_layout(config, sp=1, tp=2)  # text TP alone is fine
     with pytest.raises(ValueError, match="text sequence_parallel=true is not covered for "
-                                         "'lfm2_vl': its base_model_tp_plan shards nothing"):
-        family_of(config).validate_layout(config, sp=1, tp=2, text_sp=True)
+                                         "'llava': its base_model_tp_plan shards nothing"):
+        family.validate_layout(config, sp=1, tp=2, text_sp=True)
 
 
 @pytest.mark.slow
 def test_the_matrix_runs_text_sp_for_every_generic_family_that_admits_it():
-    """`family_rows.GENERIC_NO_TEXT_SP` is exactly the generic families whose plan refuses it."""
+    """`family_rows.GENERIC_NO_TEXT_SP` is exactly the generic families whose plan refuses it
+    (LFM2-VL refused in the driver); GLM-4V's MLP (a fused ``gate_up_proj`` the forward chunks
+    whole) runs on the gathered sequence."""
     from tests.distributed.family_rows import GENERIC_NO_TEXT_SP
     from tests.distributed.parity import GENERIC_FAMILIES
 
     refused = {f: family_of(demo.tiny_model_config(f)).text_sp_refusal for f in GENERIC_FAMILIES}
     assert {f for f, why in refused.items() if why} == set(GENERIC_NO_TEXT_SP), refused
+    glm = _kinds(demo.tiny_model_config("glm4v"))
+    assert glm["layers.*.mlp"] == "GatheredRegion" and glm["layers.*.self_attn"] == "GatheredColwise"
+    config = demo.tiny_model_config("lfm2_vl")
+    with pytest.raises(ValueError, match="text sequence_parallel=true is not covered for "
+                                         "'lfm2_vl': its base_model_tp_plan shards nothing"):
+        family_of(config).validate_layout(config, sp=1, tp=2, text_sp=True)
