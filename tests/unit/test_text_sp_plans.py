@@ -6,6 +6,7 @@ with the reason. The plans' fp64 parity is the ``*-collocated-dp2-tp2-text-sp`` 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ray_dhp import demo
 from ray_dhp.models import family_of
@@ -22,7 +23,6 @@ def test_text_sp_is_derived_from_the_plan_or_refused_with_the_reason():
     the plan, a short convolution in its layers) refused, and the driver says why."""
     import dataclasses
 
-    import torch
     from transformers import AutoConfig
 
     from ray_dhp.models.text_sp_plans import sp_layout
@@ -65,3 +65,45 @@ def test_the_matrix_runs_text_sp_for_every_generic_family_that_admits_it():
     with pytest.raises(ValueError, match="text sequence_parallel=true is not covered for "
                                          "'lfm2_vl': its base_model_tp_plan shards nothing"):
         family_of(config).validate_layout(config, sp=1, tp=2, text_sp=True)
+
+
+class _Layer(torch.nn.Module):
+    def forward(self, hidden_states):
+        return hidden_states
+
+
+def _guard_body(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ray_dhp.parallel.seq_gather import AfterLayers, LayersDone, ShardSequence
+
+    mesh = init_device_mesh("cpu", (world,))
+    marker = LayersDone()
+    norm = AfterLayers(marker)._apply(torch.nn.LayerNorm(4), mesh)
+    first = ShardSequence(input_kwarg="hidden_states", marker=marker)._apply(_Layer(), mesh)
+    x = torch.randn(1, 2 * world, 4)
+    try:
+        norm(x)
+        before = "ran"
+    except RuntimeError as e:
+        before = str(e)
+    shard = first(hidden_states=x)
+    after = tuple(norm(shard).shape)
+    try:  # the next forward's norm before the layers again: the marker was reset
+        norm(x)
+        again = "ran"
+    except RuntimeError as e:
+        again = str(e)
+    return before, after, again
+
+
+@pytest.mark.slow
+def test_a_final_norm_the_model_calls_before_the_layers_is_refused():
+    """`AfterLayers`: the LM-level norm runs on the shard only after the sharded layers; called on
+    the whole sequence (a norm before the layers) it raises instead of summing its gradient over
+    ranks that each saw every token."""
+    from tests.spawn import run_on_ranks
+
+    for before, after, again in run_on_ranks(_guard_body, 2):
+        assert "runs before the sequence-sharded decoder layers" in before
+        assert after == (1, 2, 4) and "runs before" in again
