@@ -26,7 +26,7 @@ from typing import Callable, NamedTuple
 from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.generic_cases import TOL as GENERIC_TOL
 from tests.distributed.generic_cases import TOLS as GENERIC_TOLS
-from tests.distributed.generic_cases import ZERO_GRAD
+from tests.distributed.generic_cases import VISION_SP, ZERO_GRAD
 from tests.distributed.parity import (CFG, GENERIC_FAMILIES, GENERIC_MOE_FAMILIES, dense_layout,
                                       make_steps, moe_layout)
 from tests.distributed import family_checks as checks
@@ -190,12 +190,15 @@ GENERIC_NO_TEXT_SP = ("lfm2_vl", "lfm3_vl")
 GENERIC_TEXT_SP_CHECKPOINTING = ("gemma3", "kimi_k25")
 TEXT_SP_CHECKPOINTING = {"disjoint-1v-tp2-text-sp-checkpointing": (
     dense_layout("disjoint", (1, 1), (2, 1), text_sp=True), {"activation_checkpointing": True})}
-GENERIC_DEFAULT = {("gemma3", "collocated-dp2-tp2"), ("gemma3", "disjoint-1v-tp2"),  # one reference
+GENERIC_DEFAULT = {("gemma3", "collocated-sp2-tp2"), ("gemma3", "disjoint-1v-tp2"),  # one reference
                    ("paligemma", "collocated-text-zero3-dp2")}
+# vision SP2 in place of DP2 where the tower splits (`generic_cases.VISION_SP`)
+GENERIC_SP = {"collocated-sp2-tp2": (dense_layout("collocated", (2, 1), (2, 1)), {}),
+              **{k: v for k, v in GENERIC_LAYOUTS.items() if k != "collocated-dp2-tp2"}}
 
 
 def _generic_row(family: str) -> Row:
-    layouts = {k: v for k, v in GENERIC_LAYOUTS.items()
+    layouts = {k: v for k, v in (GENERIC_SP if family in VISION_SP else GENERIC_LAYOUTS).items()
                if not (k.endswith("-text-sp") and family in GENERIC_NO_TEXT_SP)}
     if family in GENERIC_TEXT_SP_CHECKPOINTING:
         layouts.update(TEXT_SP_CHECKPOINTING)

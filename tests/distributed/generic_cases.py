@@ -61,3 +61,10 @@ ZERO_GRAD = ("vision_tower.encoder.layers.0.self_attn.k_proj.bias",
              "visual.encoder.layers.0.self_attn.k_proj.bias",  # Cosmos3-Edge's SigLIP 2
              "visual.encoder.layers.1.self_attn.k_proj.bias")
 
+
+# The generic families whose tower runs Ulysses SP (`ray_dhp.models.vision_generic_sp`): their
+# collocated row is vision SP2 + text TP2, the others' vision DP2 + text TP2 (the driver refuses
+# SP for them, with the reason: `GenericFamily.vision_sp_refusal`; `test_generic_sp.py` checks
+# this list against it).
+VISION_SP = ("gemma3", "llava", "paligemma", "aya_vision", "cohere2_vision", "mistral3", "idefics3",
+             "smolvlm", "lighton_ocr", "shieldgemma2", "video_llava", "lfm2_vl")
