@@ -190,6 +190,10 @@ GENERIC_NO_TEXT_SP = ("lfm2_vl", "lfm3_vl")
 GENERIC_TEXT_SP_CHECKPOINTING = ("gemma3", "kimi_k25")
 TEXT_SP_CHECKPOINTING = {"disjoint-1v-tp2-text-sp-checkpointing": (
     dense_layout("disjoint", (1, 1), (2, 1), text_sp=True), {"activation_checkpointing": True})}
+#: both sequence parallelisms at once, vision Ulysses SP2 (`ray_dhp.models.vision_generic_sp`)
+#: and text SP over the same two ranks: LLaVA (CLIP tower, Llama LM)
+GENERIC_BOTH_SP = {"llava": {"collocated-sp2-tp2-text-sp": (
+    dense_layout("collocated", (2, 1), (2, 1), text_sp=True), {})}}
 GENERIC_DEFAULT = {("gemma3", "collocated-sp2-tp2"), ("gemma3", "disjoint-1v-tp2"),  # one reference
                    ("paligemma", "collocated-text-zero3-dp2")}
 # vision SP2 in place of DP2 where the tower splits (`generic_cases.VISION_SP`)
@@ -202,6 +206,7 @@ def _generic_row(family: str) -> Row:
                if not (k.endswith("-text-sp") and family in GENERIC_NO_TEXT_SP)}
     if family in GENERIC_TEXT_SP_CHECKPOINTING:
         layouts.update(TEXT_SP_CHECKPOINTING)
+    layouts.update(GENERIC_BOTH_SP.get(family, {}))
     return Row(family, layouts, frozenset(lay for f, lay in GENERIC_DEFAULT if f == family),
                dict(GENERIC_TOLS.get(family, GENERIC_TOL), skip=ZERO_GRAD), grads=True,
                check=checks.zero_grad_is_noise)
