@@ -140,6 +140,9 @@ CASES = (
          layout=_lay(audio=2)),
     Case("qwen2_vl SP2 / TP2", family="qwen2_vl"),
     Case("qwen3_5_moe SP2 / TP2", family="qwen3_5_moe"),
+    # text SP: the sparse block runs on the gathered sequence (`ray_dhp/models/qwen3_5_moe.py`)
+    Case("qwen3_5_moe text SP (TP2)", family="qwen3_5_moe",
+         layout=_lay(text_sequence_parallel=True)),
     Case("qwen3_5_moe EP2 (DP2)", family="qwen3_5_moe",
          layout=_lay(vision=(1, 2), text=(1, 2), text_ep=2)),
     # InternViT rotates nothing: the Ulysses count of a tower without rotary q / k, measured

@@ -163,7 +163,7 @@ def text_activation_parts(tc, tokens: int, tp: int, s: ActivationSettings,
     if other is not None:  # mixers besides attention, sparse MLPs (the largest block recomputed)
         extra = layer_extra(other, tc, tokens, sample_tokens or tokens, tp, d, tokens * attention,
                             tokens * 4 * d * (routed or i / tp), tokens * (norm - d * h / local),
-                            one=s.checkpointing)
+                            one=s.checkpointing, gathered=tokens * h * d if seq_parallel else 0.0)
         blocks, recomputed = (blocks, recomputed + extra) if s.checkpointing else (blocks + extra, 0.0)
     once = tokens * (norm + cast_norm + 2 * d * hd + 16 + 4 * tc.vocab_size / tp)
     if s.attention == "eager":
