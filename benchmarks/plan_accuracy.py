@@ -134,6 +134,8 @@ CASES = (
     Case("demo video SP2 / TP2", video=True),
     Case("llava (generic) DP2 / TP2", family="llava", layout=_lay(vision=(1, 2), text=(2, 1))),
     Case("gemma3 (generic) DP2 / TP2", family="gemma3", layout=_lay(vision=(1, 2), text=(2, 1))),
+    Case("gemma3 (generic) DP2 / TP2 text SP", family="gemma3",
+         layout=_lay(vision=(1, 2), text=(2, 1), text_sequence_parallel=True)),
     # the thinker's three modules collocated on 2 ranks; each sample an image and a 1 s clip
     Case("omni audio DP2 / vision SP2 / TP2", family="qwen2_5_omni", audio=1.0,
          layout=_lay(audio=2)),

@@ -34,11 +34,13 @@ config) and towers that take each image at its own size: patch rows with an ``im
 or padded patch rows per image with their ``spatial_shapes`` (`padded_inputs`: SigLIP 2's
 NaFlex, LFM2-VL's), vision data parallelism, vision Ulysses sequence parallelism where the
 tower's layers call attention through transformers' interface (`ray_dhp.models.vision_generic_sp`;
-refused with the reason where they do not: ``vision_sp_refusal``), text TP, ZeRO 1-3 for the text side. Packing where it is exact
+refused with the reason where they do not: ``vision_sp_refusal``), text TP, Megatron text
+sequence parallelism where the plan and the decoder layers allow it
+(`ray_dhp.models.text_sp_plans`), ZeRO 1-3 for the text side. Packing where it is exact
 (`ray_dhp.models.generic_packing`). A mixture-of-experts language model: its router loss and
 expert parallelism read from its own metadata (`ray_dhp.models.generic_moe`). Refused in the
-driver, with the reason: text sequence parallelism, vision ZeRO-3; and the whole model where it
-has an audio encoder (not covered yet).
+driver, with the reason: text sequence parallelism where it cannot be derived, vision ZeRO-3;
+and the whole model where it has an audio encoder (not covered yet).
 
 Example::
 
@@ -57,13 +59,14 @@ import torch
 
 from ray_dhp.models.base import EncoderSpec, FamilySpec
 from ray_dhp.models.contract import SEAM
-from ray_dhp.models.generic_moe import dense_plan, moe_spec
+from ray_dhp.models.generic_moe import _meta_lm, dense_plan, moe_spec
 from ray_dhp.models.generic_packing import packing_rule
 from ray_dhp.models.segments import SEGMENTS_KWARG
 from ray_dhp.models.generic_probe import (LM_ATTRS, PADDED_SIDE, UnsupportedModel,  # noqa: F401 (re-exported)
                                           grid_geometry, grid_input,
                                           image_inputs, padded_input, padded_inputs, probe)
 from ray_dhp.models.text_plans import HF_STYLES, hf_text_plan
+from ray_dhp.models.text_sp_plans import hf_sp_plan, sp_layout
 from ray_dhp.models.vision_generic_sp import refusal as sp_refusal_of
 
 __all__ = ["GenericFamily", "ShellEncoder", "generic_family", "seam_class", "UnsupportedModel"]
@@ -138,6 +141,7 @@ class GenericFamily(FamilySpec):
     pooled_dims: int = 2               # a pooled tensor's dims: 3 = [images, rows, d] (VideoLLaVA)
     root: str = "model"                # the module holding the parts: model.model, or "" (Llama 4)
     lm_path: str = ""                  # the decoder's path (embed_tokens, layers), if not model.<lm_attr>
+    text_sp_refusal: str = ""          # why text SP is refused (`ray_dhp.models.text_sp_plans`)
     vision_sp_refusal: str = ""        # why vision SP > 1 is refused ("" when the tower splits)
 
     # -- model access ---------------------------------------------------------------------------
@@ -195,6 +199,9 @@ class GenericFamily(FamilySpec):
         if tp > 1 and self.text_plan_refusal:
             raise ValueError(f"text tensor_parallel={tp} is not covered for {self.model_type!r}: "
                              f"{self.text_plan_refusal}; use text data_parallel or ZeRO.")
+        if text_sp and self.text_sp_refusal:
+            raise ValueError(f"text sequence_parallel=true is not covered for {self.model_type!r}: "
+                             f"{self.text_sp_refusal}; set text.sequence_parallel=false.")
         super().validate_layout(config, sp=sp, tp=tp, text_sp=text_sp, packing=packing)
 
 
@@ -259,11 +266,17 @@ def _family(cls, config_json: str) -> GenericFamily:
                     if style not in HF_STYLES), "")
     partial = tuple(f"{key.split('*.')[-1]}.weight" for key, style in plan.items()
                     if style == "replicated_with_grad_allreduce")
+    text_sp, text_sp_refusal = sp_layout(_meta_lm(type(decoder), config.get_text_config(
+    ).to_json_string(use_diff=False)), plan, experts, config.get_text_config().hidden_size) \
+        if not refusal else (None, f"text TP is refused ({refusal})")
     params = tuple(inspect.signature(cls.forward).parameters)
     top = f"{root}." if root else ""
     return GenericFamily(
         name=model_type, model_type=model_type, model_class=cls.__name__,
         text_tp_plan=lambda text_config: hf_text_plan(plan, lm_path, text_config, head_path),
+        text_sp_plan=None if text_sp is None else (
+            lambda text_config: hf_sp_plan(text_sp, lm_path, text_config, head_path)),
+        text_sp_refusal=text_sp_refusal,
         tp_partial_grad_suffixes=partial,
         **packing_rule(inner, decoder, config.get_text_config(), params),
         vision_module="ray_dhp.models.vision_generic",
