@@ -56,7 +56,7 @@ import torch
 
 from ray_dhp.models.base import EncoderSpec, FamilySpec
 from ray_dhp.models.contract import SEAM
-from ray_dhp.models.generic_moe import dense_plan, moe_spec
+from ray_dhp.models.generic_moe import _meta_lm, dense_plan, moe_spec
 from ray_dhp.models.generic_packing import packing_rule
 from ray_dhp.models.segments import SEGMENTS_KWARG
 from ray_dhp.models.generic_probe import (LM_ATTRS, PADDED_SIDE, UnsupportedModel,  # noqa: F401 (re-exported)
@@ -133,6 +133,7 @@ class GenericFamily(FamilySpec):
     grid_input: bool = False           # the tower takes patch rows + image_grid_thw (GLM-4V's)
     padded_input: bool = False         # the tower takes padded rows per image + spatial_shapes
     vision_unused: tuple = ()          # vision parameters no gradient reaches (names under model.)
+    fixed_params: tuple = ()           # LM parameters its class makes with requires_grad=False
     pooled_dims: int = 2               # a pooled tensor's dims: 3 = [images, rows, d] (VideoLLaVA)
     root: str = "model"                # the module holding the parts: model.model, or "" (Llama 4)
     lm_path: str = ""                  # the decoder's path (embed_tokens, layers), if not model.<lm_attr>
@@ -147,9 +148,14 @@ class GenericFamily(FamilySpec):
 
     @property
     def vision_encoder(self) -> EncoderSpec:
-        """The vision side as a `ShellEncoder` (the parameters no gradient reaches held frozen)."""
+        """The vision side as a `ShellEncoder` (the parameters no gradient reaches held frozen).
+        Its ``unused`` also names `fixed_params` (statistics the model's class makes with
+        ``requires_grad=False``, ERNIE-4.5-VL's ``e_score_correction_bias``): the engine and the
+        planner hold every name there frozen wherever it lives (the text shard), as the stock
+        model never steps them."""
         return ShellEncoder("vision", self.vision_parts, "ray_dhp.models.vision_encoder",
-                            unused=self.vision_unused, tuned_as=("vision", "merger"), root=self.root)
+                            unused=self.vision_unused + self.fixed_params,
+                            tuned_as=("vision", "merger"), root=self.root)
 
     def _wrap(self, config, feats: torch.Tensor):
         if self.pooled_dims == 3:  # the stock forward takes the rows image by image
@@ -240,6 +246,7 @@ def _family(cls, config_json: str) -> GenericFamily:
                 "patch square)")
     parts, lm_attr, tower = _parts(inner, model_type)
     root, lm_path, head_path, decoder = _layout(cls, inner, lm_attr)
+    top = f"{root}." if root else ""
     if not root:
         raise UnsupportedModel(
             f"model_type {model_type!r}: {cls.__name__} keeps its vision tower and language model "
@@ -250,6 +257,9 @@ def _family(cls, config_json: str) -> GenericFamily:
         moe, experts = moe_spec(cls, config, type(decoder))
     except ValueError as e:
         raise UnsupportedModel(f"model_type {model_type!r}: {e}") from None
+    fixed = tuple(f"{lm_path}.{n}"[len(top):] for n, p in
+                  _meta_lm(type(decoder), config.get_text_config().to_json_string(use_diff=False))
+                  .named_parameters() if not p.requires_grad)
     plan = _present(dense_plan(dict(getattr(config.get_text_config(), "base_model_tp_plan", None)
                                     or {}), experts), type(decoder), config)
     refusal = next((f"its base_model_tp_plan uses {style!r} ({key})" for key, style in plan.items()
@@ -257,7 +267,6 @@ def _family(cls, config_json: str) -> GenericFamily:
     partial = tuple(f"{key.split('*.')[-1]}.weight" for key, style in plan.items()
                     if style == "replicated_with_grad_allreduce")
     params = tuple(inspect.signature(cls.forward).parameters)
-    top = f"{root}." if root else ""
     return GenericFamily(
         name=model_type, model_type=model_type, model_class=cls.__name__,
         text_tp_plan=lambda text_config: hf_text_plan(plan, lm_path, text_config, head_path),
@@ -274,7 +283,7 @@ def _family(cls, config_json: str) -> GenericFamily:
         pooled_tuple=is_sequence, pooled_dims=pooled_dims,
         vision_zero3=False,
         model_processor=True,
-        vision_unused=unused, image_kwargs=image_kwargs, pixel_dims=pixel_dims, grid_input=grid,
+        vision_unused=unused, fixed_params=fixed, image_kwargs=image_kwargs, pixel_dims=pixel_dims, grid_input=grid,
         padded_input=padded,
         lm_attr=lm_attr, tower=tower, root=root, lm_path=lm_path, rows_per_image=rows, text_plan_refusal=refusal,
         forward_params=params, moe=moe,
@@ -303,8 +312,8 @@ def _present(plan: dict, lm_cls, config) -> dict:
     config gives queries a low-rank ``q_a_proj`` / ``q_b_proj``), as transformers skips them."""
     import fnmatch
 
-    with torch.device("meta"):
-        names = [n for n, _ in lm_cls._from_config(config.get_text_config()).named_modules()]
+    names = [n for n, _ in _meta_lm(lm_cls, config.get_text_config().to_json_string(use_diff=False))
+             .named_modules()]
     return {k: v for k, v in plan.items() if any(fnmatch.fnmatchcase(n, k) for n in names)}
 
 
