@@ -56,7 +56,7 @@ import torch
 
 from ray_dhp.models.base import EncoderSpec, FamilySpec
 from ray_dhp.models.contract import SEAM
-from ray_dhp.models.generic_moe import _meta_lm, dense_plan, moe_spec
+from ray_dhp.models.generic_moe import _meta_lm, dense_plan, moe_spec, unreached
 from ray_dhp.models.generic_packing import packing_rule
 from ray_dhp.models.segments import SEGMENTS_KWARG
 from ray_dhp.models.generic_probe import (LM_ATTRS, PADDED_SIDE, UnsupportedModel,  # noqa: F401 (re-exported)
@@ -133,7 +133,7 @@ class GenericFamily(FamilySpec):
     grid_input: bool = False           # the tower takes patch rows + image_grid_thw (GLM-4V's)
     padded_input: bool = False         # the tower takes padded rows per image + spatial_shapes
     vision_unused: tuple = ()          # vision parameters no gradient reaches (names under model.)
-    fixed_params: tuple = ()           # LM parameters its class makes with requires_grad=False
+    fixed_params: tuple = ()           # LM parameters the stock model never steps (below)
     pooled_dims: int = 2               # a pooled tensor's dims: 3 = [images, rows, d] (VideoLLaVA)
     root: str = "model"                # the module holding the parts: model.model, or "" (Llama 4)
     lm_path: str = ""                  # the decoder's path (embed_tokens, layers), if not model.<lm_attr>
@@ -149,10 +149,11 @@ class GenericFamily(FamilySpec):
     @property
     def vision_encoder(self) -> EncoderSpec:
         """The vision side as a `ShellEncoder` (the parameters no gradient reaches held frozen).
-        Its ``unused`` also names `fixed_params` (statistics the model's class makes with
-        ``requires_grad=False``, ERNIE-4.5-VL's ``e_score_correction_bias``): the engine and the
-        planner hold every name there frozen wherever it lives (the text shard), as the stock
-        model never steps them."""
+        Its ``unused`` also names `fixed_params`, language-model parameters the stock model
+        never steps: statistics its class makes with ``requires_grad=False`` (ERNIE-4.5-VL's
+        ``e_score_correction_bias``) and, for a mixture-of-experts LM, those its text forward
+        never reaches (`ray_dhp.models.generic_moe.unreached`: ERNIE's vision experts); the
+        engine and the planner hold every name there frozen wherever it lives (the text shard)."""
         return ShellEncoder("vision", self.vision_parts, "ray_dhp.models.vision_encoder",
                             unused=self.vision_unused + self.fixed_params,
                             tuned_as=("vision", "merger"), root=self.root)
@@ -257,9 +258,13 @@ def _family(cls, config_json: str) -> GenericFamily:
         moe, experts = moe_spec(cls, config, type(decoder))
     except ValueError as e:
         raise UnsupportedModel(f"model_type {model_type!r}: {e}") from None
+    import fnmatch
+
+    never = unreached(config, type(decoder), experts) if moe is not None else ()
     fixed = tuple(f"{lm_path}.{n}"[len(top):] for n, p in
                   _meta_lm(type(decoder), config.get_text_config().to_json_string(use_diff=False))
-                  .named_parameters() if not p.requires_grad)
+                  .named_parameters()
+                  if not p.requires_grad or any(fnmatch.fnmatchcase(n, k) for k in never))
     plan = _present(dense_plan(dict(getattr(config.get_text_config(), "base_model_tp_plan", None)
                                     or {}), experts), type(decoder), config)
     refusal = next((f"its base_model_tp_plan uses {style!r} ({key})" for key, style in plan.items()

@@ -42,7 +42,7 @@ import torch
 
 from ray_dhp.models.base import MoESpec
 
-__all__ = ["COUNT_KEYS", "expert_count", "moe_spec", "dense_plan"]
+__all__ = ["COUNT_KEYS", "expert_count", "moe_spec", "dense_plan", "unreached"]
 
 #: the text-config keys transformers names the number of routed experts with
 COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -107,6 +107,40 @@ def moe_spec(cls, config, lm_cls):
                    router_output=getattr(recorder, "index", 0) or 0, experts_key=key,
                    aux_loss=aux, ep_refusal=_ep_refusal(lm, experts))
     return spec, patterns
+
+
+def unreached(config, lm_cls, patterns: tuple) -> tuple:
+    """Parameter names (``layers.*.`` for any layer) of the language model that its text forward
+    never reaches: in a module it never calls and with no gradient after a backward, on a copy of
+    small widths and two layers run on CPU (ERNIE-4.5-VL's vision experts, called only on the
+    tokens a ``moe_mm_token_type_ids`` marks, which the engine does not pass). The stock model
+    never steps them (AdamW skips a parameter without a gradient), so the engine holds them
+    frozen. An experts module (``patterns``) that is called counts as reached whole (the experts
+    a batch routes no token to are its parts, or slices of its fused weights)."""
+    from ray_dhp.models.shrink import shrink_config
+
+    small = shrink_config(config, text={"num_hidden_layers": 2}).get_text_config()
+    small._attn_implementation = "eager"
+    torch.manual_seed(0)
+    lm = lm_cls._from_config(small, dtype=torch.float32)
+    called = set()
+    for name, m in lm.named_modules():
+        m.register_forward_hook(lambda mod, args, out, _n=name: called.add(_n))
+    ids = torch.arange(8).reshape(1, 8) % small.vocab_size
+    out = lm(input_ids=ids, use_cache=False).last_hidden_state
+    out.float().square().sum().backward()
+    experts = set(_matching(lm, patterns))
+
+    def key(name: str) -> str:
+        return re.sub(r"^layers\.\d+\.", "layers.*.", name)
+
+    seen, missed = set(), set()
+    for name, p in lm.named_parameters():
+        owner = name.rsplit(".", 1)[0]
+        hit = p.grad is not None or owner in called or not p.requires_grad \
+            or any(owner.startswith(e + ".") for e in experts)
+        (seen if hit else missed).add(key(name))
+    return tuple(sorted(missed - seen))
 
 
 def sparse_layers(lm_cls, patterns: tuple, text_config) -> list:
