@@ -122,13 +122,15 @@ def unreached(config, lm_cls, patterns: tuple) -> tuple:
     small = shrink_config(config, text={"num_hidden_layers": 2}).get_text_config()
     small._attn_implementation = "eager"
     torch.manual_seed(0)
-    lm = lm_cls._from_config(small, dtype=torch.float32)
     called = set()
-    for name, m in lm.named_modules():
-        m.register_forward_hook(lambda mod, args, out, _n=name: called.add(_n))
-    ids = torch.arange(8).reshape(1, 8) % small.vocab_size
-    out = lm(input_ids=ids, use_cache=False).last_hidden_state
-    out.float().square().sum().backward()
+    try:
+        lm = lm_cls._from_config(small, dtype=torch.float32)
+        for name, m in lm.named_modules():
+            m.register_forward_hook(lambda mod, args, out, _n=name: called.add(_n))
+        ids = torch.arange(8).reshape(1, 8) % small.vocab_size
+        lm(input_ids=ids, use_cache=False).last_hidden_state.float().square().sum().backward()
+    except Exception:  # noqa: BLE001 - no small copy runs: nothing is known unreached (the
+        return ()      # engine then steps every parameter, as before this check)
     experts = set(_matching(lm, patterns))
 
     def key(name: str) -> str:

@@ -74,7 +74,8 @@ def shrink_config(config, *, text: dict = None, vision: dict = None, top: dict =
     `VISION`: widths only, depths and image geometry kept) and every other number equal to a
     replaced width replaced alike; a tower's ``out_hidden_size`` and a top-level ``hidden_size``
     (what feeds the language model) become the text width. The config class recomputes what it
-    derives."""
+    derives; M-RoPE sections the modeling code defaults scaled to the new head
+    (`_mrope_sections`)."""
     from transformers import AutoConfig
 
     text0, vision0 = config.get_text_config(), config.vision_config
@@ -97,6 +98,7 @@ def shrink_config(config, *, text: dict = None, vision: dict = None, top: dict =
     out = AutoConfig.for_model(config.model_type, **{**top_d, "text_config": text_d,
                                                      "vision_config": vision_d})
     out._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+    _mrope_sections(config, out.get_text_config())
     return out
 
 
@@ -125,7 +127,6 @@ def tiny_config(base, *, text: dict = None, top: dict = None):
     top = {**{k: (IMAGE_SIDE // PATCH // 2) ** 2 for k in _IMAGE_TOKEN_COUNTS if hasattr(base, k)},
            "tie_word_embeddings": False, **(top or {})}
     config = shrink_config(base, text=text, vision=vision, top=top)
-    _mrope_sections(base, config.get_text_config())
     for sub in (config, config.get_text_config(), config.vision_config):
         sub.dtype = "float32"
     config._attn_implementation = "sdpa" if _supports_sdpa(config) else "eager"

@@ -43,7 +43,7 @@ GENERIC_FAMILIES = ("gemma3", "llava", "paligemma", "aya_vision", "cohere2_visio
                     "kimi_k25", "cosmos3_edge", "paddleocr_vl", "llava_onevision1_5", "ernie4_5_vl_moe")
 #: the generic families with a mixture-of-experts LM among them, verified with expert parallelism
 #: too (`tests/distributed/test_generic_moe.py`)
-GENERIC_MOE_FAMILIES = ("glm4v_moe",)
+GENERIC_MOE_FAMILIES = ("glm4v_moe", "ernie4_5_vl_moe")
 
 
 def make_steps(tmp_path, family: str, cfg: TrainLoopConfig, *, num_samples=16, text_only_every=4,

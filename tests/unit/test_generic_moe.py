@@ -83,7 +83,7 @@ def test_ernie_tiny_copy_keeps_its_rope_and_router_reads():
     interleaved, so equal), which the tiny copy scales to its 16-wide head (3:3:2, not Qwen's
     proportion 2:3:3, which its rotary cannot split); its dense layer's ``mlp`` (named like the
     sparse layers' router block) is no router; the gate statistics its class makes with
-    ``requires_grad=False`` are held frozen."""
+    ``requires_grad=False`` and the experts its text forward never reaches are held frozen."""
     import torch
 
     from ray_dhp.models.moe import RouterTap
@@ -97,5 +97,10 @@ def test_ernie_tiny_copy_keeps_its_rope_and_router_reads():
         model = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]._from_config(config)
     lm = family.language_model(model)
     assert RouterTap(lm, family.moe, sparse).routers == [lm.layers[1].mlp]
-    assert family.fixed_params and all(n.endswith("e_score_correction_bias") and
-                                       n in family.vision_encoder.unused for n in family.fixed_params)
+    fixed = set(family.fixed_params)  # held frozen: the statistics, and the vision experts its
+    # text forward never calls without moe_mm_token_type_ids (which the engine does not pass)
+    assert fixed == {f"language_model.layers.1.mlp.{m}" for m in (
+        "text_moe.gate.moe_statics.e_score_correction_bias", "vision_moe.gate.weight",
+        "vision_moe.gate.moe_statics.e_score_correction_bias", "vision_moe.experts.gate_up_proj",
+        "vision_moe.experts.down_proj")}
+    assert fixed <= set(family.vision_encoder.unused)
