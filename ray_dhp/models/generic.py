@@ -61,7 +61,8 @@ from ray_dhp.models.generic_packing import packing_rule
 from ray_dhp.models.segments import SEGMENTS_KWARG
 from ray_dhp.models.generic_probe import (LM_ATTRS, PADDED_SIDE, UnsupportedModel,  # noqa: F401 (re-exported)
                                           grid_geometry, grid_input,
-                                          image_inputs, padded_input, padded_inputs, probe)
+                                          image_inputs, padded_input, padded_inputs, probe,
+                                          text_reads_vision)
 from ray_dhp.models.text_plans import HF_STYLES, hf_text_plan
 
 __all__ = ["GenericFamily", "ShellEncoder", "generic_family", "seam_class", "UnsupportedModel"]
@@ -246,6 +247,11 @@ def _family(cls, config_json: str) -> GenericFamily:
                 f"its {side}x{side} patch grid in squares (the generic family counts rows per "
                 "patch square)")
     parts, lm_attr, tower = _parts(inner, model_type)
+    reads = text_reads_vision(type(inner), parts)
+    if reads:
+        raise UnsupportedModel(f"model_type {model_type!r}: its text forward reads a vision part "
+                               f"outside get_image_features ({reads}), which a text shard does not "
+                               "hold: not covered by the generic family yet")
     root, lm_path, head_path, decoder = _layout(cls, inner, lm_attr)
     top = f"{root}." if root else ""
     if not root:
