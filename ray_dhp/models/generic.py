@@ -37,7 +37,8 @@ the reason), text TP, ZeRO 1-3 for the text side. Packing where it is exact
 (`ray_dhp.models.generic_packing`). A mixture-of-experts language model: its router loss and
 expert parallelism read from its own metadata (`ray_dhp.models.generic_moe`). Refused in the
 driver, with the reason: text sequence parallelism, vision ZeRO-3; and the whole model where it
-has an audio encoder (not covered yet).
+has an audio encoder or its text forward reads a vision part (`text_reads_vision`; not covered
+yet). Language-model parameters the stock model never steps are held frozen (`fixed_params`).
 
 Example::
 
