@@ -111,36 +111,33 @@ def moe_spec(cls, config, lm_cls):
 
 def unreached(config, lm_cls, patterns: tuple) -> tuple:
     """Parameter names (``layers.*.`` for any layer) of the language model that its text forward
-    never reaches: in a module it never calls and with no gradient after a backward, on a copy of
-    small widths and two layers run on CPU (ERNIE-4.5-VL's vision experts, called only on the
-    tokens a ``moe_mm_token_type_ids`` marks, which the engine does not pass). The stock model
-    never steps them (AdamW skips a parameter without a gradient), so the engine holds them
-    frozen. An experts module (``patterns``) that is called counts as reached whole (the experts
-    a batch routes no token to are its parts, or slices of its fused weights)."""
+    gives no gradient: none after a backward of a copy of small widths and two layers run on CPU
+    (ERNIE-4.5-VL's vision experts, called only on the tokens a ``moe_mm_token_type_ids`` marks,
+    which the engine does not pass; Mistral Large 4's attention indexer, which only picks keys).
+    The stock model never steps them (AdamW skips a parameter without a gradient), so the engine
+    holds them frozen. An experts module (``patterns``) with a gradient counts as reached whole
+    (the experts a batch routes no token to are its parts, or slices of its fused weights)."""
     from ray_dhp.models.shrink import shrink_config
 
     small = shrink_config(config, text={"num_hidden_layers": 2}).get_text_config()
     small._attn_implementation = "eager"
     torch.manual_seed(0)
-    called = set()
     try:
         lm = lm_cls._from_config(small, dtype=torch.float32)
-        for name, m in lm.named_modules():
-            m.register_forward_hook(lambda mod, args, out, _n=name: called.add(_n))
         ids = torch.arange(8).reshape(1, 8) % small.vocab_size
         lm(input_ids=ids, use_cache=False).last_hidden_state.float().square().sum().backward()
     except Exception:  # noqa: BLE001 - no small copy runs: nothing is known unreached (the
         return ()      # engine then steps every parameter, as before this check)
-    experts = set(_matching(lm, patterns))
+    experts = [lm.get_submodule(e) for e in _matching(lm, patterns)]
+    reached = {id(p) for e in experts if any(q.grad is not None for q in e.parameters())
+               for p in e.parameters()}
 
     def key(name: str) -> str:
         return re.sub(r"^layers\.\d+\.", "layers.*.", name)
 
     seen, missed = set(), set()
     for name, p in lm.named_parameters():
-        owner = name.rsplit(".", 1)[0]
-        hit = p.grad is not None or owner in called or not p.requires_grad \
-            or any(owner.startswith(e + ".") for e in experts)
+        hit = p.grad is not None or not p.requires_grad or id(p) in reached
         (seen if hit else missed).add(key(name))
     return tuple(sorted(missed - seen))
 
