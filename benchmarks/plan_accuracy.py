@@ -64,6 +64,44 @@ def _lay(placement="collocated", vision=(2, 1), text=(2, 1), audio=None, **kw) -
     return dict(placement=placement, vision_dp=vdp, vision_sp=sp, text_dp=tdp, text_tp=tp, **kw)
 
 
+def _generic_rows() -> tuple:
+    """The verified generic families (the fp64 matrix's list) less the two rows above."""
+    try:
+        from tests.distributed.parity import GENERIC_FAMILIES
+    except ImportError:  # outside a checkout: the benchmark's own rows only
+        return ()
+    return tuple(f for f in GENERIC_FAMILIES if f not in ("llava", "gemma3"))
+
+
+GENERIC_ROWS = _generic_rows()
+
+# Generic families whose activations (or step peak) the planner's block models miss by more than
+# 5%: the state is exact for every one; each gap is what is left to model (measured 2026-12-03).
+_GLM = {"activations": (0.2, "text 0.85: GLM-4's four norms per block and fused gate_up; "
+                              "vision 0.83: GLM-4V's tower (post-conv norm, downsampling conv, "
+                              "its merger) counted as a Qwen tower: not modelled yet")}
+_SAM = {"activations": (0.6, "vision 0.34: a SAM-style ViT (windowed attention with relative "
+                              "position tables, neck convolutions) counted as a plain ViT: not "
+                              "modelled yet")}
+_LFM = {"activations": (0.5, "text 0.52-0.71: LFM2's short-convolution blocks counted as "
+                             "attention blocks: not modelled yet; LFM3-VL's vision 0.48: not "
+                             "explained yet")}
+GENERIC_GAPS = {
+    "aya_vision": {"activations": (0.12, "text 1.12: Cohere's parallel block (one LayerNorm "
+                                         "feeding attention and MLP) counted as two pre-norms")},
+    "cohere2_vision": {"activations": (0.7, "vision 0.08: not explained yet"),
+                       "step_peak": (0.2, "1.17 on the rank without the vision tower's "
+                                           "gradient: not explained yet")},
+    "glm4v": _GLM, "glm46v": _GLM, "glmga": _GLM, "glm_ocr": _GLM, "glm4v_moe": _GLM,
+    "got_ocr2": _SAM, "pp_chart2table": _SAM, "lfm2_vl": _LFM, "lfm3_vl": _LFM,
+    "kimi_k25": {"activations": (0.9, "text 0.14: multi-head latent attention and the MoE "
+                                       "layers counted as plain attention and MLP: not "
+                                       "modelled yet")},
+    "cosmos3_edge": {"activations": (0.4, "vision 0.21: not explained yet"),
+                     "step_peak": (0.1, "1.08: not explained yet")},
+    "video_llava": {"step_peak": (0.1, "1.085: not explained yet")},
+}
+
 CASES = (
     Case("demo SP2 / TP2", slow=False),
     Case("demo SP2xDP2 / TP2xDP2 ZeRO-1", layout=_lay(vision=(2, 2), text=(2, 2), vision_zero=1,
@@ -95,10 +133,28 @@ CASES = (
     Case("demo video SP2 / TP2", video=True),
     Case("llava (generic) DP2 / TP2", family="llava", layout=_lay(vision=(1, 2), text=(2, 1))),
     Case("gemma3 (generic) DP2 / TP2", family="gemma3", layout=_lay(vision=(1, 2), text=(2, 1))),
+    Case("gemma3 (generic) DP2 / TP2 text SP", family="gemma3",
+         layout=_lay(vision=(1, 2), text=(2, 1), text_sequence_parallel=True)),
     # the thinker's three modules collocated on 2 ranks; each sample an image and a 1 s clip
     Case("omni audio DP2 / vision SP2 / TP2", family="qwen2_5_omni", audio=1.0,
          layout=_lay(audio=2)),
-)
+    Case("qwen2_vl SP2 / TP2", family="qwen2_vl"),
+    Case("qwen3_5_moe SP2 / TP2", family="qwen3_5_moe"),
+    # text SP: the sparse block runs on the gathered sequence (`ray_dhp/models/qwen3_5_moe.py`)
+    Case("qwen3_5_moe text SP (TP2)", family="qwen3_5_moe",
+         layout=_lay(text_sequence_parallel=True)),
+    Case("qwen3_5_moe EP2 (DP2)", family="qwen3_5_moe",
+         layout=_lay(vision=(1, 2), text=(1, 2), text_ep=2)),
+    # InternViT rotates nothing: the Ulysses count of a tower without rotary q / k, measured
+    Case("internvl SP2 / TP2", family="internvl"),
+    Case("demo bf16", precision="bf16"),
+    Case("demo bf16_autocast", precision="bf16_autocast"),
+    Case("demo checkpointing bf16_autocast", precision="bf16_autocast", checkpointing=True),
+    # text ZeRO-3 over DP2 with TP2 inside each replica: the whole embedding gradient at the step
+    Case("demo ZeRO-3 TP2xDP2", layout=_lay(vision=(1, 4), text=(2, 2), vision_zero=3,
+                                             text_zero=3), samples=4),
+) + tuple(Case(f"{f} (generic) DP2 / TP2", family=f, layout=_lay(vision=(1, 2), text=(2, 1)),
+                tolerance=GENERIC_GAPS.get(f, {})) for f in GENERIC_ROWS)
 
 
 def case_named(name: str) -> Case:
@@ -218,12 +274,11 @@ def _sample_shape(micro_batch: list) -> dict:
 def planned(case: Case, got: list) -> list:
     """Per rank, what the planner gives for the shapes ``got`` (`measure`) ran: state (on the
     device), saved activations, the CPU step peak."""
-    import torch
-
     from ray_dhp import demo
     from ray_dhp.models.sizes import count_params
     from ray_dhp.parallel.topology import Topology
-    from ray_dhp.planning.memory import ActivationSettings, merged, text_activation_parts
+    from ray_dhp.planning.memory import (ActivationSettings, merged, text_activation_parts,
+                                         weight_cast_bytes)
     from ray_dhp.planning.memory_vision import vision_activation_parts
     from ray_dhp.planning.memory_audio import (count_audio, estimate_module_ranks,
                                                module_rank_state, without_audio)
@@ -233,8 +288,7 @@ def planned(case: Case, got: list) -> list:
     config = demo.tiny_model_config(case.family)
     topo = Topology.build(**case.layout)
     counts, policy = count_params(config), POLICIES[case.precision]
-    bf16 = torch.bfloat16 in (policy.param_dtype, policy.autocast_dtype)
-    settings = ActivationSettings(2 if bf16 else 4, "flash", case.checkpointing)  # CPU SDPA
+    settings = ActivationSettings.of(policy, "flash", case.checkpointing)  # CPU SDPA
     vt, n = got[0]["vision_tokens"], got[0]["samples"]
     rows, seq = next(g["lm_rows"] for g in got if g["lm_rows"] is not None)
     seq *= topo.text.cp  # the LM sees its CP slice of each row
@@ -254,6 +308,9 @@ def planned(case: Case, got: list) -> list:
         seq_parallel=topo.text_sequence_parallel, cp=topo.text.cp, head_norms=counts.text_head_norms)
     _, v_transient = vision_activation_parts(config.vision_config, v_samples * vt,
                                              topo.vision.inner, settings, got[0]["segment"] or vt)
+    casts = weight_cast_bytes(config, counts, topo.text.inner, settings)  # recomputed: transient
+    transient += casts.text_recomputed
+    v_transient += casts.vision_recomputed
     out = []
     for r, m in enumerate(est):
         st = module_rank_state(counts, audio, topo, r, policy)

@@ -42,12 +42,7 @@ def policy_of_run(rf):
 
 def settings_of(rf, attention: str) -> ActivationSettings:
     """Activation settings implied by the run file (precision policy, checkpointing)."""
-    import torch
-
-    p = policy_of_run(rf)
-    bf16 = torch.bfloat16 in (p.param_dtype, p.autocast_dtype)
-    return ActivationSettings(dtype_bytes=2 if bf16 else 4,
-                              attention=attention, checkpointing=rf.optim.activation_checkpointing)
+    return ActivationSettings.of(policy_of_run(rf), attention, rf.optim.activation_checkpointing)
 
 
 def samples_per_replica(rf, topology) -> dict:

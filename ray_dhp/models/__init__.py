@@ -75,6 +75,13 @@ def vision_fused_qkv(vision_config) -> bool:
     return family.vision_fused_qkv if family is not None else False
 
 
+def vision_once_split(vision_config) -> bool:
+    """Whether the tower of ``vision_config`` splits its once-per-token parts (patch embedding,
+    merger) over vision SP ranks: the hand-written towers do; a generic family's tower
+    (`ray_dhp.models.vision_generic_sp`) runs them whole on every SP rank, only its layers split."""
+    return _vision_family(vision_config) is not None
+
+
 def load_model_config(model):
     """A transformers config from a config object or a local model directory."""
     if isinstance(model, (str, os.PathLike)):

@@ -32,13 +32,17 @@ Covered today: towers on fixed-size images (one tile per image: ``image_size`` f
 config) and towers that take each image at its own size: patch rows with an ``image_grid_thw``
 (GLM-4V's; Kimi-K2.5's as ``[N, C, P, P]`` patch images, its merge read from the probe's rows)
 or padded patch rows per image with their ``spatial_shapes`` (`padded_inputs`: SigLIP 2's
-NaFlex, LFM2-VL's), vision data parallelism (sequence parallelism needs a tower file, and is refused with
-the reason), text TP, ZeRO 1-3 for the text side. Packing where it is exact
+NaFlex, LFM2-VL's), vision data parallelism, vision Ulysses sequence parallelism where the
+tower's layers call attention through transformers' interface (`ray_dhp.models.vision_generic_sp`;
+refused with the reason where they do not: ``vision_sp_refusal``), text TP, Megatron text
+sequence parallelism where the plan and the decoder layers allow it
+(`ray_dhp.models.text_sp_plans`), ZeRO 1-3 for the text side. Packing where it is exact
 (`ray_dhp.models.generic_packing`). A mixture-of-experts language model: its router loss and
 expert parallelism read from its own metadata (`ray_dhp.models.generic_moe`). Refused in the
-driver, with the reason: text sequence parallelism, vision ZeRO-3; and the whole model where it
-has an audio encoder or its text forward reads a vision part (`text_reads_vision`; not covered
-yet). Language-model parameters the stock model never steps are held frozen (`fixed_params`).
+driver, with the reason: text sequence parallelism where it cannot be derived, vision ZeRO-3;
+and the whole model where it has an audio encoder or its text forward reads a vision part
+(`text_reads_vision`; not covered yet). Language-model parameters the stock model never steps
+are held frozen (`fixed_params`).
 
 Example::
 
@@ -65,6 +69,8 @@ from ray_dhp.models.generic_probe import (LM_ATTRS, PADDED_SIDE, UnsupportedMode
                                           image_inputs, padded_input, padded_inputs, probe,
                                           text_reads_vision)
 from ray_dhp.models.text_plans import HF_STYLES, hf_text_plan
+from ray_dhp.models.text_sp_plans import hf_sp_plan, sp_layout
+from ray_dhp.models.vision_generic_sp import refusal as sp_refusal_of
 
 __all__ = ["GenericFamily", "ShellEncoder", "generic_family", "seam_class", "UnsupportedModel"]
 
@@ -139,6 +145,8 @@ class GenericFamily(FamilySpec):
     pooled_dims: int = 2               # a pooled tensor's dims: 3 = [images, rows, d] (VideoLLaVA)
     root: str = "model"                # the module holding the parts: model.model, or "" (Llama 4)
     lm_path: str = ""                  # the decoder's path (embed_tokens, layers), if not model.<lm_attr>
+    text_sp_refusal: str = ""          # why text SP is refused (`ray_dhp.models.text_sp_plans`)
+    vision_sp_refusal: str = ""        # why vision SP > 1 is refused ("" when the tower splits)
 
     # -- model access ---------------------------------------------------------------------------
 
@@ -194,14 +202,16 @@ class GenericFamily(FamilySpec):
 
     def validate_layout(self, config, *, sp: int, tp: int, text_sp: bool = False,
                         packing: bool = False) -> None:
-        if sp > 1:
+        if sp > 1 and self.vision_sp_refusal:
             raise ValueError(
-                f"vision sequence_parallel={sp} is not covered for {self.model_type!r}: its tower "
-                "runs whole through the model's own get_image_features (generic family); use "
-                "vision data_parallel instead.")
+                f"vision sequence_parallel={sp} is not covered for {self.model_type!r}: "
+                f"{self.vision_sp_refusal}; use vision data_parallel instead.")
         if tp > 1 and self.text_plan_refusal:
             raise ValueError(f"text tensor_parallel={tp} is not covered for {self.model_type!r}: "
                              f"{self.text_plan_refusal}; use text data_parallel or ZeRO.")
+        if text_sp and self.text_sp_refusal:
+            raise ValueError(f"text sequence_parallel=true is not covered for {self.model_type!r}: "
+                             f"{self.text_sp_refusal}; set text.sequence_parallel=false.")
         super().validate_layout(config, sp=sp, tp=tp, text_sp=text_sp, packing=packing)
 
 
@@ -253,6 +263,7 @@ def _family(cls, config_json: str) -> GenericFamily:
         raise UnsupportedModel(f"model_type {model_type!r}: its text forward reads a vision part "
                                f"outside get_image_features ({reads}), which a text shard does not "
                                "hold: not covered by the generic family yet")
+    sp_refusal = sp_refusal_of(getattr(inner, tower), vc)
     root, lm_path, head_path, decoder = _layout(cls, inner, lm_attr)
     top = f"{root}." if root else ""
     if not root:
@@ -278,10 +289,16 @@ def _family(cls, config_json: str) -> GenericFamily:
                     if style not in HF_STYLES), "")
     partial = tuple(f"{key.split('*.')[-1]}.weight" for key, style in plan.items()
                     if style == "replicated_with_grad_allreduce")
+    text_sp, text_sp_refusal = sp_layout(_meta_lm(type(decoder), config.get_text_config(
+    ).to_json_string(use_diff=False)), plan, experts, config.get_text_config().hidden_size) \
+        if not refusal else (None, f"text TP is refused ({refusal})")
     params = tuple(inspect.signature(cls.forward).parameters)
     return GenericFamily(
         name=model_type, model_type=model_type, model_class=cls.__name__,
         text_tp_plan=lambda text_config: hf_text_plan(plan, lm_path, text_config, head_path),
+        text_sp_plan=None if text_sp is None else (
+            lambda text_config: hf_sp_plan(text_sp, lm_path, text_config, head_path)),
+        text_sp_refusal=text_sp_refusal,
         tp_partial_grad_suffixes=partial,
         **packing_rule(inner, decoder, config.get_text_config(), params),
         vision_module="ray_dhp.models.vision_generic",
@@ -298,7 +315,7 @@ def _family(cls, config_json: str) -> GenericFamily:
         vision_unused=unused, fixed_params=fixed, image_kwargs=image_kwargs, pixel_dims=pixel_dims, grid_input=grid,
         padded_input=padded,
         lm_attr=lm_attr, tower=tower, root=root, lm_path=lm_path, rows_per_image=rows, text_plan_refusal=refusal,
-        forward_params=params, moe=moe,
+        forward_params=params, moe=moe, vision_sp_refusal=sp_refusal,
     )
 
 

@@ -101,12 +101,17 @@ def survey() -> list[Status]:
                 continue
         tp = ("text TP " + ("refused: " + family.text_plan_refusal if family.text_plan_refusal
                             else "from base_model_tp_plan"))
+        if not family.text_plan_refusal:  # Megatron text SP (`ray_dhp.models.text_sp_plans`)
+            tp += "; text SP " + ("refused: " + family.text_sp_refusal if family.text_sp_refusal
+                                  else "from the plan's regions")
         m = family.merge_size(None)
         images = ("patch rows + grid" if family.grid_input else
                   f"padded patch rows per image + spatial_shapes, a row per {m}x{m} patches"
                   if family.padded_input else f"{family.rows_per_image} rows per image")
+        vision = ("vision Ulysses SP + DP" if not family.vision_sp_refusal
+                  else f"vision DP (SP refused: {family.vision_sp_refusal})")
         out.append(Status(model_type, cls_name, "generic",
-                          f"vision DP ({images}); {tp}; text ZeRO 1-3{_moe(family)}{where}"))
+                          f"{vision} ({images}); {tp}; text ZeRO 1-3{_moe(family)}{where}"))
     return out
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor.parallel import ParallelStyle
 
-__all__ = ["standard_text_plan", "sequence_parallel_text_plan", "hf_text_plan", "HF_STYLES",
-           "TailGradAllReduce"]
+__all__ = ["standard_text_plan", "sequence_parallel_text_plan", "hf_text_plan", "hf_style",
+           "HF_STYLES", "TailGradAllReduce"]
 
 
 def standard_text_plan(prefix: str = "model.language_model") -> dict:
@@ -92,29 +92,40 @@ def hf_text_plan(plan: dict, prefix: str, text_config=None, head: str = "lm_head
     """``base_model_tp_plan`` (keys relative to the language model) -> ``{full path: style}``,
     with the vocabulary-parallel embedding and ``lm_head`` (logits sharded over the vocabulary).
     ``mla_kv_a_proj`` (an MLA's joint KV projection, kept whole: `TailGradAllReduce` over its
-    last ``qk_rope_head_dim`` outputs) reads ``text_config``; ``head``: the output head's path."""
+    last ``qk_rope_head_dim`` outputs) reads ``text_config``; ``head``: the output head's path.
+    With Megatron sequence parallelism: `ray_dhp.models.text_sp_plans.hf_sp_plan`."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     out = {f"{prefix}.embed_tokens": RowwiseParallel(input_layouts=Replicate(),
                                                      output_layouts=Replicate())}
     for key, style in plan.items():
-        if style == "colwise":
-            out[f"{prefix}.{key}"] = ColwiseParallel()
-        elif style == "rowwise":
-            out[f"{prefix}.{key}"] = RowwiseParallel()
-        elif style == "colwise_gather_output":  # a fused gate_up the forward chunks whole
-            out[f"{prefix}.{key}"] = ColwiseParallel(output_layouts=Replicate())
-        elif style == "rowwise_split_input":    # ... so the next linear takes its slice
-            out[f"{prefix}.{key}"] = RowwiseParallel(input_layouts=Replicate())
-        elif style == "embedding_rowwise":      # a vocabulary-parallel embedding
-            out[f"{prefix}.{key}"] = RowwiseParallel(input_layouts=Replicate(),
-                                                     output_layouts=Replicate())
-        elif style == "mla_kv_a_proj":
-            out[f"{prefix}.{key}"] = TailGradAllReduce(text_config.qk_rope_head_dim)
+        got = hf_style(style, text_config)
+        if got is not None:
+            out[f"{prefix}.{key}"] = got
     out[head] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     return out
 
+
+def hf_style(style: str, text_config=None):
+    """One ``base_model_tp_plan`` style as a DTensor style (None: ``replicated_with_grad_allreduce``,
+    whose gradients the engine sums, `FamilySpec.tp_partial_grad_suffixes`)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if style == "colwise":
+        return ColwiseParallel()
+    if style == "rowwise":
+        return RowwiseParallel()
+    if style == "colwise_gather_output":  # a fused gate_up the forward chunks whole
+        return ColwiseParallel(output_layouts=Replicate())
+    if style == "rowwise_split_input":    # ... so the next linear takes its slice
+        return RowwiseParallel(input_layouts=Replicate())
+    if style == "embedding_rowwise":      # a vocabulary-parallel embedding
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if style == "mla_kv_a_proj":
+        return TailGradAllReduce(text_config.qk_rope_head_dim)
+    return None
 
 
 class TailGradAllReduce(ParallelStyle):

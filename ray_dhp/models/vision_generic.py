@@ -12,8 +12,10 @@ do not depend on which images share a rank) (the vision parts' shell,
 block per image — becomes ``[n * rows, D]`` feature rows in image order: exactly the rows the
 stock forward scatters into the image tokens.
 
-There is no sequence parallelism here (the plan has one rank); the driver refuses
-``vision.sequence_parallel > 1`` for a generic family.
+With ``vision.sequence_parallel > 1`` the same forward runs with the tower's encoder split over
+the SP ranks (`ray_dhp.models.vision_generic_sp`; the driver refuses it, with the reason, for a
+tower that cannot be split so): the plan cuts the replica's rows over the ranks, each returns
+its cut.
 """
 
 from __future__ import annotations
@@ -39,11 +41,10 @@ class ImagePlan(VisionShardPlan):
 
 
 def plan_for(family: str, config, grid_thw: torch.LongTensor, sp: int) -> ImagePlan:
-    """All of one replica's images on its one rank (``sp`` must be 1)."""
-    if sp != 1:
-        raise ValueError(f"vision sequence_parallel={sp}: the generic family runs each image "
-                         "whole (use vision data_parallel)")
+    """One replica's images, their rows cut in ``sp`` contiguous, balanced pieces (the tower's
+    tokens are split by `ray_dhp.models.vision_generic_sp`, the rows after the gather)."""
     from ray_dhp.models import family_of
+    from ray_dhp.models.vision_generic_sp import token_split
 
     grid = torch.as_tensor(grid_thw, dtype=torch.long).cpu()
     family = family_of(config)
@@ -51,16 +52,30 @@ def plan_for(family: str, config, grid_thw: torch.LongTensor, sp: int) -> ImageP
     rows = int((grid.prod(-1) // (merge * merge)).sum())
     patches = grid.prod(-1).to(torch.int32)
     vc = config.vision_config
-    return ImagePlan(grid_thw=grid, order=torch.arange(rows), cuts=[0, rows], merge_unit=merge * merge,
+    cuts = [0]
+    for n in token_split(rows, sp):
+        cuts.append(cuts[-1] + n)
+    return ImagePlan(grid_thw=grid, order=torch.arange(rows), cuts=cuts, merge_unit=merge * merge,
                      cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.int32), patches.cumsum(0, dtype=torch.int32)]),
                      patch=vc.patch_size, channels=getattr(vc, "num_channels", 3), family=family)
 
 
 
 def install_for(family: str, visual: torch.nn.Module, sp: int = 1) -> None:
-    """Nothing to install: the tower runs as it is (``sp`` must be 1)."""
-    if sp != 1:
-        raise ValueError(f"vision sequence_parallel={sp} is not covered by the generic family")
+    """Nothing at ``sp`` 1 (the tower runs as it is); else `vision_generic_sp.install`."""
+    if sp > 1:
+        from ray_dhp.models import family_of
+        from ray_dhp.models.vision_generic_sp import install
+
+        for tower in _towers(visual, family_of(visual.config)):
+            install(tower, tower.config)
+
+
+def _towers(visual: torch.nn.Module, spec) -> list:
+    """The vision parts built from a vision config of the tower's type (VideoLLaVA: two)."""
+    kind = type(getattr(visual, spec.tower).config)
+    return [m for m in (getattr(visual, p) for p in spec.vision_parts)
+            if isinstance(getattr(m, "config", None), kind)]
 
 
 def _images(pixel_rows: torch.Tensor, grid: torch.LongTensor, patch: int, channels: int) -> torch.Tensor:
@@ -85,7 +100,18 @@ def stock_pixels(config, pixel_values: torch.Tensor, grid_thw: torch.LongTensor)
 
 def vision_forward(family: str, visual: torch.nn.Module, pixel_values: torch.Tensor, plan: ImagePlan,
                    sp_rank: int, sp_group, comm: Optional[CommCounter] = None) -> torch.Tensor:
-    """The replica's feature rows ``[rows, D]`` in image order (``visual``: the parts' shell)."""
+    """SP rank ``sp_rank``'s feature rows (its cut of the replica's rows in image order;
+    ``visual``: the parts' shell)."""
+    if plan.sp > 1:
+        from ray_dhp.models.vision_generic_sp import forward
+
+        return forward(_towers(visual, plan.family), lambda: _whole(visual, pixel_values, plan),
+                       (plan.cuts[sp_rank], plan.cuts[sp_rank + 1]), sp_rank, sp_group, plan.sp, comm)
+    return _whole(visual, pixel_values, plan)
+
+
+def _whole(visual: torch.nn.Module, pixel_values: torch.Tensor, plan: ImagePlan) -> torch.Tensor:
+    """The replica's feature rows ``[rows, D]`` in image order, through ``get_image_features``."""
     from ray_dhp.models.generic import image_inputs, padded_inputs
 
     spec = plan.family

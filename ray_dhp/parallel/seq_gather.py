@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-__all__ = ["GatheredColwise", "ShardSequence"]
+__all__ = ["GatheredColwise", "GatheredRegion", "ShardSequence", "LayersDone", "AfterLayers"]
 
 
 def _gather(shard: torch.Tensor, mesh) -> torch.Tensor:
@@ -146,14 +146,97 @@ def _clear(module, *_):
 
 
 class ShardSequence(ParallelStyle):
-    """The module's first positional input, whole on every TP rank, continues as this rank's
-    sequence slice (dim 1), a fresh tensor: the whole input's storage is not kept alive by the
-    slice (activation checkpointing keeps the block input). Backward all-gathers the gradient."""
+    """The module's first positional input (or keyword ``input_kwarg``), whole on every TP rank,
+    continues as this rank's sequence slice (dim 1), a fresh tensor: the whole input's storage is
+    not kept alive by the slice (activation checkpointing keeps the block input). Backward
+    all-gathers the gradient. ``marker`` (a `LayersDone`) is told the sequence is now sharded."""
+
+    def __init__(self, input_kwarg: Optional[str] = None, marker=None):
+        super().__init__()
+        self.input_kwarg, self.marker = input_kwarg, marker
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        def hook(_module, args):
-            full = DTensor.from_local(_local(args[0]), device_mesh, [Replicate()], run_check=False)
-            return (full.redistribute(device_mesh, [Shard(1)]).to_local().clone(), *args[1:])
+        key, marker = self.input_kwarg, self.marker
 
-        module.register_forward_pre_hook(hook)
+        def hook(_module, args, kwargs):
+            use_kw = key is not None and key in kwargs
+            full = DTensor.from_local(_local(kwargs[key] if use_kw else args[0]), device_mesh,
+                                      [Replicate()], run_check=False)
+            shard = full.redistribute(device_mesh, [Shard(1)]).to_local().clone()
+            if marker is not None:
+                marker.sharded = True
+            return (args, {**kwargs, key: shard}) if use_kw else ((shard, *args[1:]), kwargs)
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+class GatheredRegion(ParallelStyle):
+    """A module that runs on the whole sequence under Megatron sequence parallelism: its
+    sequence-sharded input (first positional, or keyword ``input_kwarg``) is all-gathered along
+    dim 1 before its forward. The styles inside (DTensor's ``ColwiseParallel`` et al.) make each
+    rank's gradient of that input whole already (as under plain TP), so backward keeps this
+    rank's slice of it (no communication). Its output is either sharded by its own row-parallel
+    linear (``RowwiseParallel(output_layouts=Shard(1))``) or, ``shard_output``, whole on every
+    rank (a sparse block's: replicated experts + an all-reduced shared expert) and then sliced to
+    this rank's tokens (backward all-gathers)."""
+
+    def __init__(self, input_kwarg: Optional[str] = None, shard_output: bool = False):
+        super().__init__()
+        self.input_kwarg, self.shard_output = input_kwarg, shard_output
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        key = self.input_kwarg
+
+        def pre(_module, args, kwargs):
+            use_kw = key is not None and key in kwargs
+            shard = _local(kwargs[key] if use_kw else args[0])
+            full = DTensor.from_local(shard, device_mesh, [Shard(1)], run_check=False).redistribute(
+                device_mesh, [Replicate()]).to_local()
+            return (args, {**kwargs, key: full}) if use_kw else ((full, *args[1:]), kwargs)
+
+        def post(_module, _args, out):
+            first = out[0] if isinstance(out, tuple) else out
+            first = DTensor.from_local(_local(first), device_mesh, [Replicate()], run_check=False
+                                       ).redistribute(device_mesh, [Shard(1)]).to_local()
+            return (first, *out[1:]) if isinstance(out, tuple) else first
+
+        module.register_forward_pre_hook(pre, with_kwargs=True)
+        if self.shard_output:
+            module.register_forward_hook(post)
+        return module
+
+
+class LayersDone:
+    """Shared by `ShardSequence` (sets ``sharded``) and `AfterLayers` (checks it)."""
+    sharded = False
+
+
+class AfterLayers(ParallelStyle):
+    """DTensor's ``SequenceParallel(use_local_output=True)`` (a per-token norm on this rank's
+    tokens, its weight replicated, its gradient summed over the TP ranks) for a module the model
+    must call *after* the sharded decoder layers (a final norm): it raises if called while the
+    sequence is whole (``marker``, a `LayersDone`, not set), which would sum its weight's gradient
+    over ranks that each saw every token."""
+
+    def __init__(self, marker: LayersDone):
+        super().__init__()
+        self.marker = marker
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        from torch.distributed.tensor.parallel import SequenceParallel
+
+        marker = self.marker
+
+        def check(m, _args):
+            if not marker.sharded:
+                raise RuntimeError(f"{type(m).__name__} runs before the sequence-sharded decoder "
+                                   "layers: text sequence parallelism does not cover this model")
+
+        def done(*_):
+            marker.sharded = False
+
+        module.register_forward_pre_hook(check)
+        SequenceParallel(use_local_output=True)._apply(module, device_mesh)
+        module.register_forward_hook(done)
         return module

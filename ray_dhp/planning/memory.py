@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
-from ray_dhp.models.sizes import ParamCounts, owned
+from ray_dhp.models.sizes import ParamCounts
 from ray_dhp.planning.memory_layers import layer_extra, text_layers
+from ray_dhp.planning.memory_state import rank_state
 from ray_dhp.planning.memory_vision import vision_activation_bytes  # noqa: F401
 from ray_dhp.planning.packing import text_tokens as packed_text
 
@@ -41,152 +42,27 @@ STATE_BYTES_PER_PARAM = 16  # fp32 weight + grad + AdamW exp_avg + exp_avg_sq (p
 
 
 @dataclass(frozen=True)
-class RankState:
-    """Model-state bytes of one rank under a precision policy (see the module docstring)."""
-
-    params: int        # parameters held (local shards)
-    updated: int       # parameters this rank's optimizer steps (its ZeRO partition)
-    weights: int
-    grads: int
-    masters: int
-    optimizer: int     # AdamW moments
-    startup_peak: int  # at engine construction: weights + masters + one full fp32 tensor
-    staging: int = 0   # host memory: one copy of the checkpoint state (checkpoint.async_save)
-    host: int = 0      # host memory: the offloaded masters and moments (part of ``total``)
-    upcast: int = 0    # updated parameters whose gradients keep the weights' dtype (FSDP2 shards)
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.grads + self.masters + self.optimizer
-
-    @property
-    def device_total(self) -> int:
-        """What stays on the device: ``total`` less the offloaded host part."""
-        return self.total - self.host
-
-
-def rank_state(counts: ParamCounts, topology, rank: int, policy) -> RankState:
-    """Exact model-state bytes of ``rank`` under ``policy`` (a `PrecisionPolicy`) and the
-    modules' ZeRO stages (``topology.vision.zero_stage``, ``topology.text.zero_stage``).
-
-    Gradients are counted at their peak, during backward, where every trained parameter of the
-    rank has one (stage 2 frees the others' only when it reduces them, at the end of the step).
-
-    The start-up peak is what the rank holds once its engine is built (its weights and fp32
-    masters; AdamW moments appear at the first step; at text stage 3 at least its whole TP
-    shard's weights, which exist before FSDP2 shards them) plus one full parameter in fp32, the most
-    a rank materialises beyond what it keeps while building (the largest tensor, e.g. the
-    embedding, before it is sliced).
-    """
-    tg, vg = topology.text, topology.vision  # the modules `counts` counts, by their layouts
-    on_t, on_v = tg.hosts(rank), vg.hosts(rank)
-    ep = topology.text_expert_parallel
-    if ep > 1 and on_t:  # experts: 1/ep of them, their own partition; the rest as without EP
-        counts, experts = _split_experts(counts, ep, topology, rank)
-        base = rank_state(counts, dataclasses.replace(topology, text_expert_parallel=1), rank, policy)
-        return _plus_experts(base, *experts, policy)
-    if topology.text_expert_tp and on_t:  # experts TP-sharded like the dense MLP
-        counts = _experts_tp_sharded(counts)
-        topology = dataclasses.replace(topology, text_expert_tp=False)
-    tp = tg.inner
-    v = counts.vision_held_by(rank - vg.offset, vg.size, vg.zero_stage) if on_v else 0
-    # the text state is partitioned over the gradient replicas: dp x cp (CP ranks replicate it)
-    j, reps = (tg.grad_index(rank), tg.dp * tg.cp) if on_t else (0, 1)
-    t = counts.text_held_by(j, reps, tp, tg.zero_stage) if on_t else 0
-    vu = tu = 0
-    if v:
-        vu = counts.vision_updated_by(rank - vg.offset, vg.size, vg.zero_stage)
-    if t:
-        tu = counts.text_updated_by(j, reps, tp, tg.zero_stage)
-    held, updated = v + t, vu + tu
-    v_trained = (vu if vg.zero_stage == 3 else v - counts.vision_frozen) if v else 0
-    t_trained = ((counts.text_updated_by(j, reps, tp, 0) if tg.zero_stage != 3
-                  else tu) if t else 0)
-    # gradients accumulate in the policy's grad dtype (fp32 for bf16 weights), except FSDP2's
-    # shards of a module at stage 3, which keep the weights' dtype (FSDP2 sums in fp32 itself)
-    fsdp = (t_trained if tg.zero_stage == 3 else 0) + (v_trained if vg.zero_stage == 3 else 0)
-    grads = (v_trained + t_trained - fsdp) * policy.grad_bytes() + fsdp * policy.weight_bytes()
-    # host optimizer offload (`ray_dhp.step.offload`): the module's masters (without fp32 masters:
-    # copies in the weights' dtype) and moments of what the rank updates live on the host
-    off = vu * topology.vision.offload + tu * tg.offload
-    copy_bytes = 4 if policy.master else policy.weight_bytes()
-    masters = 4 * updated if policy.master else copy_bytes * off
-    weights = held * policy.weight_bytes()
-    optimizer = updated * 2 * _bytes(policy.moment_dtype)
-    host = off * (copy_bytes + 2 * _bytes(policy.moment_dtype))
-    # a checkpoint holds the fp32 masters of what the rank updates, the weights of the rest
-    saved = masters + (held - (updated if policy.master else off)) * policy.weight_bytes()
-    # stage 3 shards the weights after they are built: the whole (TP shard of the) module first
-    built = ((counts.vision if v else 0) + (counts.text_per_rank(tp) if t else 0)) * policy.weight_bytes()
-    return RankState(params=held, updated=updated, weights=weights,
-                     grads=grads, masters=masters, optimizer=optimizer,
-                     startup_peak=max(weights + masters - off * copy_bytes, built) + 4 * counts.largest,
-                     staging=saved + optimizer, host=host,
-                     upcast=fsdp if policy.master and policy.grad_dtype != policy.param_dtype else 0)
-
-
-def _split_experts(counts: ParamCounts, ep: int, topology, rank: int):
-    """``counts`` without the experts' tensors, and (elements held, trained, updated) of the
-    experts of ``rank`` under expert parallelism ``ep`` (replicated over TP; at text ZeRO stages
-    1-2 the trained ones' updates split over the ranks holding them as the engine's
-    `ray_dhp.parallel.expert.expert_partition` splits them)."""
-    from ray_dhp.parallel.expert import replica_index
-
-    experts = [q for q in counts.text_sizes if q.expert]
-    held = sum(q.numel for q in experts) // ep
-    t = topology.text
-    replicas = t.inner * (t.dp * t.cp // ep)  # the experts over the dp x cp replicas
-    sizes = [q.numel // ep for q in experts if q.trained]
-    trained = updated = sum(sizes)
-    if t.zero_stage in (1, 2) and replicas > 1:
-        updated = owned(sizes, replica_index(t, ep, rank), replicas)
-    frozen = sum(q.numel for q in experts if not q.trained)
-    rest = dataclasses.replace(
-        counts, text=counts.text - sum(q.numel for q in experts),
-        text_frozen=counts.text_frozen - frozen,
-        text_sizes=tuple(q for q in counts.text_sizes if not q.expert))
-    return rest, (held, trained, updated)
-
-
-def _experts_tp_sharded(counts: ParamCounts) -> ParamCounts:
-    """``counts`` with the experts' tensors TP-sharded (`ray_dhp.parallel.expert_tp`; neither
-    along dim 0)."""
-    moved = [q for q in counts.text_sizes if q.expert and not q.sharded]
-    frozen = sum(q.numel for q in moved if not q.trained)
-    return dataclasses.replace(
-        counts, text_sharded=counts.text_sharded + sum(q.numel for q in moved),
-        text_frozen_sharded=counts.text_frozen_sharded + frozen,
-        text_sizes=tuple(dataclasses.replace(q, sharded=True) if q.expert else q
-                         for q in counts.text_sizes))
-
-
-def _plus_experts(base: RankState, held: int, trained: int, updated: int, policy) -> RankState:
-    """``base`` plus the experts: ``held`` weights, gradients of the ``trained`` ones (in full
-    until the step), masters and moments of the ``updated`` ones (this rank's partition)."""
-    masters = 4 * updated if policy.master else 0
-    optimizer = updated * 2 * _bytes(policy.moment_dtype)
-    weights = held * policy.weight_bytes()
-    saved = masters + (held - updated) * policy.weight_bytes() if policy.master else weights
-    return dataclasses.replace(
-        base, params=base.params + held, updated=base.updated + updated,
-        weights=base.weights + weights, grads=base.grads + trained * policy.grad_bytes(),
-        masters=base.masters + masters, optimizer=base.optimizer + optimizer,
-        startup_peak=base.startup_peak + weights + masters, staging=base.staging + saved + optimizer)
-
-
-def _bytes(dtype) -> int:
-    import torch
-
-    return torch.empty((), dtype=dtype).element_size()
-
-
-@dataclass(frozen=True)
 class ActivationSettings:
     """How activations are kept: element bytes, attention kernel, activation checkpointing."""
 
-    dtype_bytes: int = 4           # 4: fp32 (default loop), 2: autocast bfloat16
+    dtype_bytes: int = 4           # 4: fp32 (default loop), 2: bfloat16 (weights or autocast)
     attention: str = "flash"       # "flash" (no s² term) or "eager"
     checkpointing: bool = False
+    # fp32 weights under bf16 autocast (`bf16_autocast`): every matmul keeps the bf16 copy of its
+    # weight it was given (`weight_cast_bytes`) and of its input; the LM's residual stream and
+    # norms stay fp32 (`text_activation_parts`)
+    autocast: bool = False
+
+    @classmethod
+    def of(cls, policy, attention: str = "flash", checkpointing: bool = False) -> "ActivationSettings":
+        """The settings a `PrecisionPolicy` implies: 2-byte activations under bf16 weights or
+        autocast, `autocast` for fp32 weights under an autocast dtype."""
+        import torch
+
+        bf16 = torch.bfloat16 in (policy.param_dtype, policy.autocast_dtype)
+        return cls(2 if bf16 else 4, attention, checkpointing,
+                   autocast=policy.autocast_dtype is not None
+                   and policy.param_dtype != policy.autocast_dtype)
 
 
 def vision_depth(vc) -> int:
@@ -272,25 +148,67 @@ def text_activation_parts(tc, tokens: int, tp: int, s: ActivationSettings,
     kv = 2 * tc.num_key_value_heads * hd
     local = tp if seq_parallel else 1  # norms and residuals on 1/tp of the tokens
     norm = (4 * h + 4 + 2 * d * h) / local
+    # autocast over fp32 weights: each norm's normalised input stays fp32, and each projection
+    # reading a norm's output keeps its own bf16 copy (q, k and v: 3; the MLP's gate and up: 2)
+    cast_norm = (4 - d) * h / local if s.autocast else 0.0
     attention = (d * (2 * heads * hd + kv) + 4 * heads) / tp
     if head_norms:  # q (heads) and k (kv heads): fp32 input + rsqrt per head + output in d
         attention += (heads + tc.num_key_value_heads) * ((4 + d) * hd + 4) / tp
     mlp = 4 * d * i / tp + 4 * d * routed
-    per_block = tokens * (2 * norm + attention + mlp)
-    kept = tokens * layers * d * h / local
+    per_block = tokens * (2 * norm + attention + mlp
+                          + (2 * cast_norm + 3 * d * h / local if s.autocast else 0.0))
+    kept = tokens * layers * (4 if s.autocast else d) * h / local  # the residual stream
     # checkpointing: each block's input saved, one block recomputed at a time (transient)
     blocks, recomputed = (kept, per_block) if s.checkpointing else (layers * per_block, 0.0)
     if other is not None:  # mixers besides attention, sparse MLPs (the largest block recomputed)
         extra = layer_extra(other, tc, tokens, sample_tokens or tokens, tp, d, tokens * attention,
                             tokens * 4 * d * (routed or i / tp), tokens * (norm - d * h / local),
-                            one=s.checkpointing)
+                            one=s.checkpointing, gathered=tokens * h * d if seq_parallel else 0.0)
         blocks, recomputed = (blocks, recomputed + extra) if s.checkpointing else (blocks + extra, 0.0)
-    once = tokens * (norm + 2 * d * hd + 16 + 4 * tc.vocab_size / tp)
+    once = tokens * (norm + cast_norm + 2 * d * hd + 16 + 4 * tc.vocab_size / tp)
     if s.attention == "eager":
         scores = 2 * heads / tp * tokens * (sample_tokens or tokens) * d
         blocks, recomputed = (blocks, recomputed + scores) if s.checkpointing else (
             blocks + scores * layers, recomputed)
     return blocks + once, recomputed + tokens * 4 * tc.vocab_size / tp
+
+
+class WeightCasts(NamedTuple):
+    """Bytes of the bf16 weight copies autocast keeps on one rank (`weight_cast_bytes`): saved
+    for backward, and made again with each block recomputed under activation checkpointing."""
+
+    vision: float = 0.0
+    vision_recomputed: float = 0.0
+    text: float = 0.0
+    text_recomputed: float = 0.0
+
+
+def weight_cast_bytes(config, counts: ParamCounts, tp: int, s: ActivationSettings) -> WeightCasts:
+    """The bf16 weight copies autocast keeps for backward on one rank
+    (`ActivationSettings.autocast`; none otherwise): 2 B per weight a matmul or convolution
+    takes, the whole module's (a ZeRO-3 rank casts each all-gathered weight), the text side's
+    TP shard; not the input embedding (a lookup, not cast) nor the norms (fp32 multiplies).
+    With activation checkpointing the blocks' copies are not kept: each is made again as its
+    block is recomputed (one block's at a time); the parts outside the blocks (``lm_head``, the
+    tower's patch embedding and merger) keep theirs. Measured on the tiny Qwen2.5-VL
+    (`benchmarks/plan_accuracy.py`, the ``bf16_autocast`` rows)."""
+    if not s.autocast:
+        return WeightCasts()
+    from ray_dhp.planning.memory_vision import vision_block_weights
+
+    tc = config.text_config
+    h, layers = tc.hidden_size, tc.num_hidden_layers
+    tied = getattr(config, "tie_word_embeddings", None) or getattr(tc, "tie_word_embeddings", False)
+    head = tc.vocab_size * h / tp  # the vocabulary-parallel lm_head's shard
+    norms = h * (layers * counts.text_block_norms + 1)
+    text = counts.text_per_rank(tp) - norms - (0 if tied else head)
+    vc = config.vision_config
+    vision, v_block = counts.vision, vision_block_weights(vc)
+    if not s.checkpointing:
+        return WeightCasts(2.0 * vision, 0.0, 2.0 * text, 0.0)
+    depth = vision_depth(vc)
+    return WeightCasts(2.0 * max(vision - depth * v_block, 0), 2.0 * v_block,
+                       2.0 * head, 2.0 * (text - head) / layers)
 
 
 def cp_working_bytes(tc, tokens: float, tp: int, cp: int, s: ActivationSettings) -> float:
@@ -356,6 +274,9 @@ def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int,
                                   cp=topology.text.cp, head_norms=counts.text_head_norms,
                                   layers=text_layers(config, topology, counts))
     t_work = cp_working_bytes(tc, (text_samples or samples) * seq, tp, topology.text.cp, settings)
+    casts = weight_cast_bytes(config, counts, tp, settings)
+    v_act += casts.vision + casts.vision_recomputed
+    t_act += casts.text + casts.text_recomputed
     moments = 8 * (1 - 1 / topology.vision.size) if topology.vision.zero_stage else 0
     out = []
     for r in range(topology.world_size):
@@ -380,5 +301,6 @@ def estimate_zero3(config, counts: ParamCounts, world: int, *, vision_tokens: in
     vc, tc = config.vision_config, config.text_config
     seq = text_tokens + vision_tokens // merged(config)
     state = (counts.vision + counts.text) * state_bytes / world
-    return (state + vision_activation_bytes(vc, vision_tokens, 1, settings, segment_tokens)
+    return (state + sum(weight_cast_bytes(config, counts, 1, settings))
+            + vision_activation_bytes(vc, vision_tokens, 1, settings, segment_tokens)
             + text_activation_bytes(tc, seq, 1, settings, layers=text_layers(config, None, counts)))

@@ -36,7 +36,8 @@ from typing import Optional
 
 from ray_dhp.models.sizes import owned
 from ray_dhp.planning.memory import (STATE_BYTES_PER_PARAM, ActivationSettings,  # noqa: F401
-                                     RankState, _bytes, estimate_ranks, rank_state)
+                                     estimate_ranks)
+from ray_dhp.planning.memory_state import RankState, _bytes, rank_state
 
 FRAMES_PER_SECOND = 100  # Whisper log-mel frames (hop 160 at 16 kHz)
 

@@ -29,7 +29,8 @@ Once per token: the patch input of the Conv3d (``C·T·P²`` values), the rotary
 int64), the merger (its norm, then its two linears' inputs and the GELU's: ``3·d·h`` per token,
 the merged rows being ``merge²·h`` wide) and each deepstack merger (the same without re-keeping
 its norm input, the block output the next block keeps already). Under Ulysses SP every term is
-``1/sp`` of the tokens. With ``attention="eager"`` the ``heads × s²`` score and probability
+``1/sp`` of the tokens, but for a tower that runs its once-per-token parts whole on every SP rank
+(`ray_dhp.models.vision_once_split`: a generic family's, whose layers alone split) those. With ``attention="eager"`` the ``heads × s²`` score and probability
 matrices are added; with activation checkpointing each block keeps only its input, plus one block
 recomputed.
 """
@@ -40,7 +41,7 @@ from typing import Optional
 
 from ray_dhp.models.sizes import vision_width
 
-__all__ = ["vision_activation_bytes", "vision_activation_parts"]
+__all__ = ["vision_activation_bytes", "vision_activation_parts", "vision_block_weights"]
 
 # ``i``-wide tensors an MLP keeps per token, by activation (the gated SiLU MLP counts its up
 # branch); another activation counts as a one-op one (2)
@@ -48,8 +49,10 @@ _MLP_KEPT = {"silu": 4, "quick_gelu": 3, "gelu": 2, "gelu_pytorch_tanh": 2}
 
 
 def _vision_mlp(vc) -> int:
-    i = getattr(vc, "intermediate_size", None)
-    return i if i else int(vc.embed_dim * getattr(vc, "mlp_ratio", 4))
+    """The MLP width: ``intermediate_size`` (``mlp_dim``: SAM-style towers), else the width
+    times ``mlp_ratio`` (Qwen2-VL's)."""
+    i = getattr(vc, "intermediate_size", None) or getattr(vc, "mlp_dim", None)
+    return i if i else int(vision_width(vc) * getattr(vc, "mlp_ratio", 4))
 
 
 def _heads(vc) -> int:
@@ -92,6 +95,15 @@ def _block_bytes(vc, h: int, i: int, d: int) -> float:
     return 2 * _norm_bytes(vc, h, d) + attention + mlp
 
 
+def vision_block_weights(vc) -> int:
+    """Weights and biases one ViT block's matmuls take: q, k, v and the output projection
+    (``4h² + 4h``) and the MLP (a gated one's three ``h × i`` matrices, else two); the norms'
+    few ``h`` are left out (autocast does not cast them, `ray_dhp.planning.memory.weight_cast_bytes`)."""
+    h, i = vision_width(vc), _vision_mlp(vc)
+    gated = _MLP_KEPT.get(getattr(vc, "hidden_act", "quick_gelu"), 2) == 4
+    return 4 * h * h + 4 * h + (3 * h * i + 2 * i + h if gated else 2 * h * i + i + h)
+
+
 def _once_bytes(vc, h: int, d: int) -> float:
     """Bytes per token kept once per tower: patches, rotary tables, position indices, mergers."""
     channels = getattr(vc, "in_channels", None) or getattr(vc, "in_chans", 3)
@@ -102,6 +114,13 @@ def _once_bytes(vc, h: int, d: int) -> float:
     n_deep = len(getattr(vc, "deepstack_visual_indexes", None) or ())
     deepstack = n_deep * (3 * d * h + 8 / vc.spatial_merge_size ** 2) if n_deep else 0
     return patches + rotary + positions + merger + deepstack
+
+
+def _once_split(vc) -> bool:
+    """Whether the once-per-token parts are split over SP ranks (`ray_dhp.models.vision_once_split`)."""
+    from ray_dhp.models import vision_once_split
+
+    return vision_once_split(vc)
 
 
 def _depth(vc) -> int:
@@ -142,7 +161,7 @@ def vision_activation_parts(vc, tokens: int, sp: int, s,
     else:
         ulysses = _ulysses_blocks(vc, sp) * (6 - _attention_widths(vc)) * local * h * d
         blocks, transient = depth * per_block + ulysses, 0.0
-    total = blocks + local * _once_bytes(vc, h, d)
+    total = blocks + (local if _once_split(vc) else tokens) * _once_bytes(vc, h, d)
     if s.attention == "eager":
         seg = image_tokens or tokens
         full = len(getattr(vc, "fullatt_block_indexes", None) or range(depth))

@@ -74,7 +74,8 @@ class TextPhase:
         topo = self.groups.topology
         multiple = pad_multiple(topo.text.inner, topo.text_sequence_parallel) * topo.text.cp
         if not self.cfg.packing:
-            return _pad_tail(pad_text_batch(samples, pad_id), multiple, pad_id)
+            return _pad_tail(pad_text_batch(samples, pad_id), multiple, pad_id,
+                             attended=self.family.segment_attention)
         rope = self.family.rope_index(self.text_model)  # the family's position rule
         batch = pack_text_batch(samples, pad_id, self.cfg.max_tokens, rope_index=rope,
                                 one_dimensional=rope is None, pad_to_multiple_of=multiple)
@@ -212,17 +213,20 @@ class TextPhase:
                           self.groups.topology.text.cp, self.groups.text_cp_rank, starts)
 
 
-def _pad_tail(batch: dict, multiple: int, pad_id: int) -> dict:
+def _pad_tail(batch: dict, multiple: int, pad_id: int, attended: bool = True) -> dict:
     """Right-pad a padded batch to a length that is a multiple of ``multiple`` (text sequence
     parallelism). The tail is *attended* (mask 1): under causal attention no real token sees a
     later one, and the tail has no targets, so the loss and gradients are unchanged — and a batch
     without padding keeps an all-ones mask, so attention stays mask-free (``is_causal``) instead
-    of materialising an ``S x S`` mask."""
+    of materialising an ``S x S`` mask. Not ``attended`` (mask 0): a family whose attention is
+    not plain causal (`FamilySpec.segment_attention` False: PaliGemma's bidirectional prefix
+    would let the real tokens see an attended tail)."""
     length = batch["input_ids"].shape[1]
     extra = -length % multiple
     if not extra:
         return batch
-    fill = {"input_ids": pad_id, "attention_mask": 1, "labels": -100, "mm_token_type_ids": 0}
+    fill = {"input_ids": pad_id, "attention_mask": int(attended), "labels": -100,
+            "mm_token_type_ids": 0}
     out = dict(batch)
     for key, value in fill.items():
         t = batch[key]

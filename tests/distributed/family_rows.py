@@ -26,7 +26,7 @@ from typing import Callable, NamedTuple
 from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.generic_cases import TOL as GENERIC_TOL
 from tests.distributed.generic_cases import TOLS as GENERIC_TOLS
-from tests.distributed.generic_cases import ROTARY_KEY_BIAS, ZERO_GRAD
+from tests.distributed.generic_cases import ROTARY_KEY_BIAS, VISION_SP, ZERO_GRAD
 from tests.distributed.parity import (CFG, GENERIC_FAMILIES, GENERIC_MOE_FAMILIES, dense_layout,
                                       make_steps, moe_layout)
 from tests.distributed import family_checks as checks
@@ -178,14 +178,37 @@ GENERIC_LAYOUTS = {
     "collocated-dp2-tp2": (dense_layout("collocated", (1, 2), (2, 1)), {}),
     "disjoint-1v-tp2": (dense_layout("disjoint", (1, 1), (2, 1)), {}),
     "collocated-text-zero3-dp2": (dict(dense_layout("collocated", (1, 2), (1, 2)), text_zero=3), {}),
+    # Megatron text sequence parallelism derived from the LM's plan (`ray_dhp.models.text_sp_plans`)
+    "collocated-dp2-tp2-text-sp": (dense_layout("collocated", (1, 2), (2, 1), text_sp=True), {}),
 }
-GENERIC_DEFAULT = {("gemma3", "collocated-dp2-tp2"), ("gemma3", "disjoint-1v-tp2"),  # one reference
+#: the generic families whose LM plan refuses text sequence parallelism (the driver says why:
+#: LFM2's plan shards only the embedding; `tests/unit/test_text_sp_plans.py` keeps this current)
+GENERIC_NO_TEXT_SP = ("lfm2_vl", "lfm3_vl")
+#: text SP with activation checkpointing, disjoint (recomputed sharded blocks; `AfterLayers`'s
+#: check across the recompute) where the derived plan has each kind of region: Gemma 3 (four
+#: norms, Megatron regions), Kimi-K2.5 (MLA attention gathered, a sparse block sliced)
+GENERIC_TEXT_SP_CHECKPOINTING = ("gemma3", "kimi_k25")
+TEXT_SP_CHECKPOINTING = {"disjoint-1v-tp2-text-sp-checkpointing": (
+    dense_layout("disjoint", (1, 1), (2, 1), text_sp=True), {"activation_checkpointing": True})}
+#: both sequence parallelisms at once, vision Ulysses SP2 (`ray_dhp.models.vision_generic_sp`)
+#: and text SP over the same two ranks: LLaVA (CLIP tower, Llama LM)
+GENERIC_BOTH_SP = {"llava": {"collocated-sp2-tp2-text-sp": (
+    dense_layout("collocated", (2, 1), (2, 1), text_sp=True), {})}}
+GENERIC_DEFAULT = {("gemma3", "collocated-sp2-tp2"), ("gemma3", "disjoint-1v-tp2"),  # one reference
                    ("paligemma", "collocated-text-zero3-dp2")}
+# vision SP2 in place of DP2 where the tower splits (`generic_cases.VISION_SP`)
+GENERIC_SP = {"collocated-sp2-tp2": (dense_layout("collocated", (2, 1), (2, 1)), {}),
+              **{k: v for k, v in GENERIC_LAYOUTS.items() if k != "collocated-dp2-tp2"}}
 
 
 def _generic_row(family: str) -> Row:
+    layouts = {k: v for k, v in (GENERIC_SP if family in VISION_SP else GENERIC_LAYOUTS).items()
+               if not (k.endswith("-text-sp") and family in GENERIC_NO_TEXT_SP)}
+    if family in GENERIC_TEXT_SP_CHECKPOINTING:
+        layouts.update(TEXT_SP_CHECKPOINTING)
+    layouts.update(GENERIC_BOTH_SP.get(family, {}))
     rotary = family in ROTARY_KEY_BIAS  # its key biases have a real gradient: compared too
-    return Row(family, GENERIC_LAYOUTS, frozenset(lay for f, lay in GENERIC_DEFAULT if f == family),
+    return Row(family, layouts, frozenset(lay for f, lay in GENERIC_DEFAULT if f == family),
                dict(GENERIC_TOLS.get(family, GENERIC_TOL), skip=() if rotary else ZERO_GRAD),
                grads=True, check=None if rotary else checks.zero_grad_is_noise)
 

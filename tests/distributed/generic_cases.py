@@ -77,3 +77,10 @@ ZERO_GRAD = ("vision_tower.encoder.layers.0.self_attn.k_proj.bias",
 # . R b`` differs per key position): nothing is left out of their comparisons.
 ROTARY_KEY_BIAS = ("paddleocr_vl",)
 
+
+# The generic families whose tower runs Ulysses SP (`ray_dhp.models.vision_generic_sp`): their
+# collocated row is vision SP2 + text TP2, the others' vision DP2 + text TP2 (the driver refuses
+# SP for them, with the reason: `GenericFamily.vision_sp_refusal`; `test_generic_sp.py` checks
+# this list against it).
+VISION_SP = ("gemma3", "llava", "paligemma", "aya_vision", "cohere2_vision", "mistral3", "idefics3",
+             "smolvlm", "lighton_ocr", "shieldgemma2", "video_llava", "lfm2_vl")

@@ -94,11 +94,13 @@ CASES = [
     ("llava", "dp2v-tp2", GENERIC_TP2, 80, True),
     ("llava", "disjoint-1v-tp2", DISJOINT_TP2, 80, False),
     ("llava", "dp2-zero3", ZERO3, 80, False),  # text ZeRO-3 over 2 replicas of packed rows
+    ("llava", "dp2v-tp2-text-sp", dict(GENERIC_TP2, text_sequence_parallel=True), 80, False),
     ("mistral3", "dp2v-tp2", GENERIC_TP2, 80, False),
     ("idefics3", "dp2v-tp2", GENERIC_TP2, 80, False),
     ("glm4v", "dp2v-tp2", GENERIC_TP2, 80, False),  # M-RoPE from its get_rope_index
     ("glm4v_moe", "dp2v-dp2-ep2", dict(_layout("collocated", (1, 2), (1, 2)), text_ep=2), 80, False),
     ("paligemma", "dp2v-tp2", GENERIC_TP2, 80, False),  # bidirectional image prefix blocks
+    ("paligemma", "dp2v-tp2-text-sp", dict(GENERIC_TP2, text_sequence_parallel=True), 80, False),
     ("aya_vision", "dp2v-tp2", GENERIC_TP2, 80, False),  # sliding-window layers
     # every other generic family that packs (unit/test_packing.py's per-sample logits), one row
     *[(f, "dp2v-tp2", GENERIC_TP2, 80, False)

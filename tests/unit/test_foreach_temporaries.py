@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ray_dhp.planning.memory import RankState
+from ray_dhp.planning.memory_state import RankState
 from ray_dhp.planning.step_peak import step_peak
 from ray_dhp.step.optim import param_groups
 from ray_dhp.step.precision import POLICIES, MasterWeights

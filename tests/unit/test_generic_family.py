@@ -36,9 +36,14 @@ def test_llava_holds_the_tower_layer_it_never_reads_frozen():
                                         "vision_tower.post_layernorm.")) for n in unused)
 
 
-def test_vision_sequence_parallel_is_refused_with_the_reason():
+def test_vision_sequence_parallel_is_read_from_the_towers_code():
+    """CLIP's layers call attention through transformers' interface: SP2 is admitted (its fp64
+    parity: the generic rows' collocated-sp2-tp2); GLM-4V's attention splits its tokens per
+    image itself: refused in the driver, naming why."""
     config = demo.tiny_model_config("llava")
-    with pytest.raises(ValueError, match="sequence_parallel=2 is not covered.*get_image_features"):
+    family_of(config).validate_layout(config, sp=2, tp=1)
+    config = demo.tiny_model_config("glm4v")
+    with pytest.raises(ValueError, match="sequence_parallel=2 is not covered.*splits the tokens per image"):
         family_of(config).validate_layout(config, sp=2, tp=1)
 
 

@@ -35,11 +35,16 @@ def test_packed_rows_of_uniform_samples():
     assert Packing(8192).rows(1, 1536) == (1, 1536)
 
 
-@pytest.mark.parametrize("attention, padded_gib, packed_gib", [("flash", 6.88, 8.25),
-                                                               ("eager", 7.10, 8.78)])
+# the example runs bf16_autocast with activation checkpointing: each block's fp32 input is kept
+@pytest.mark.parametrize("attention, padded_gib, packed_gib", [("flash", 12.00, 14.41),
+                                                               ("eager", 12.22, 14.93)])
 def test_plan_counts_the_packed_rows(attention, padded_gib, packed_gib):
     """The printed text activations are the memory model's bytes for the packed rows (figures
-    pinned); padded samples keep their own figure."""
+    pinned) plus autocast's bf16 weight copies (the same for both); padded samples keep their
+    own figure."""
+    from ray_dhp.models.sizes import count_params
+    from ray_dhp.planning.memory import weight_cast_bytes
+
     rf, padded = load_run_file(EXAMPLE, PACKED), load_run_file(EXAMPLE, FIVE)
     config = rf.dhp_config(with_processor=False).model_config()
     s = settings_of(rf, attention)
@@ -47,11 +52,16 @@ def test_plan_counts_the_packed_rows(attention, padded_gib, packed_gib):
     want = text_activation_bytes(tc, 9216, tp, s, 3072)
     assert round(want / GIB, 2) == packed_gib
     assert round(text_activation_bytes(tc, 5 * 1536, tp, s, 1536) / GIB, 2) == padded_gib
+    casts = weight_cast_bytes(config, count_params(config), tp, s)
+    cast_gib = (casts.text + casts.text_recomputed) / GIB  # lm_head's shard + one block's
+    assert round(cast_gib, 2) == 0.29
     kw = dict(vision_tokens=[4096], text_tokens=512, attention=attention)
     text = plan_text(rf, **kw)
-    assert _text_acts(text) == {packed_gib}
+    (printed,) = _text_acts(text)  # two decimals
+    assert abs(printed - (want / GIB + cast_gib)) < 0.006
     assert "packed (data.packing, rows of at most 4096 tokens)" in text
-    assert _text_acts(plan_text(padded, **kw)) == {padded_gib}
+    (printed,) = _text_acts(plan_text(padded, **kw))
+    assert abs(printed - (text_activation_bytes(tc, 5 * 1536, tp, s, 1536) / GIB + cast_gib)) < 0.006
 
 
 def test_recommend_takes_the_packed_rows():
@@ -71,7 +81,7 @@ def test_recommend_takes_the_packed_rows():
     tc = config.text_config
     grown = (text_activation_bytes(tc, 9216, 8, s, 3072)
              - text_activation_bytes(tc, 7680, 8, s, 1536)) / GIB
-    assert round(grown, 2) == 1.38
+    assert round(grown, 2) == 2.40
     assert abs(mem[1] - mem[0] - grown) < 1e-9
 
 
