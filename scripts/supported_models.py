@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "supported_models.md"
 BEGIN, END = "<!-- survey:begin -->", "<!-- survey:end -->"
-VERIFIED = ("fp64 exact: collocated vision {vision} + text TP2, disjoint 1 + TP2, text ZeRO-3 DP2 "
+VERIFIED = ("fp64 exact: collocated vision {vision} + text TP2{text_sp}, disjoint 1 + TP2, text ZeRO-3 DP2 "
             "(`tests/distributed/test_families.py`); `DisaggregatedTrainer` "
             "(`tests/ray/test_generic_trainer.py`)")
 EXPERTS = ("; expert parallelism EP2 collocated DP2 and disjoint 1 + DP2, experts TP-sharded, "
@@ -24,10 +24,13 @@ EXPERTS = ("; expert parallelism EP2 collocated DP2 and disjoint 1 + DP2, expert
 def generated() -> str:
     sys.path.insert(0, str(ROOT))
     from ray_dhp.models.survey import markdown, survey
+    from tests.distributed.family_rows import GENERIC_NO_TEXT_SP
     from tests.distributed.generic_cases import VISION_SP
     from tests.distributed.parity import GENERIC_FAMILIES, GENERIC_MOE_FAMILIES
 
-    return markdown(survey(), {f: VERIFIED.format(vision="SP2" if f in VISION_SP else "DP2")
+    return markdown(survey(), {f: VERIFIED.format(
+        vision="SP2" if f in VISION_SP else "DP2",
+        text_sp="" if f in GENERIC_NO_TEXT_SP else " (and with text SP)")
                                + (EXPERTS if f in GENERIC_MOE_FAMILIES else "")
                                for f in GENERIC_FAMILIES})
 
