@@ -40,7 +40,9 @@ sequence parallelism where the plan and the decoder layers allow it
 (`ray_dhp.models.generic_packing`). A mixture-of-experts language model: its router loss and
 expert parallelism read from its own metadata (`ray_dhp.models.generic_moe`). Refused in the
 driver, with the reason: text sequence parallelism where it cannot be derived, vision ZeRO-3;
-and the whole model where it has an audio encoder (not covered yet).
+and the whole model where it has an audio encoder or its text forward reads a vision part
+(`text_reads_vision`; not covered yet). Language-model parameters the stock model never steps
+are held frozen (`fixed_params`).
 
 Example::
 
@@ -59,12 +61,13 @@ import torch
 
 from ray_dhp.models.base import EncoderSpec, FamilySpec
 from ray_dhp.models.contract import SEAM
-from ray_dhp.models.generic_moe import _meta_lm, dense_plan, moe_spec
+from ray_dhp.models.generic_moe import _meta_lm, dense_plan, moe_spec, unreached
 from ray_dhp.models.generic_packing import packing_rule
 from ray_dhp.models.segments import SEGMENTS_KWARG
 from ray_dhp.models.generic_probe import (LM_ATTRS, PADDED_SIDE, UnsupportedModel,  # noqa: F401 (re-exported)
                                           grid_geometry, grid_input,
-                                          image_inputs, padded_input, padded_inputs, probe)
+                                          image_inputs, padded_input, padded_inputs, probe,
+                                          text_reads_vision)
 from ray_dhp.models.text_plans import HF_STYLES, hf_text_plan
 from ray_dhp.models.text_sp_plans import hf_sp_plan, sp_layout
 from ray_dhp.models.vision_generic_sp import refusal as sp_refusal_of
@@ -138,6 +141,7 @@ class GenericFamily(FamilySpec):
     grid_input: bool = False           # the tower takes patch rows + image_grid_thw (GLM-4V's)
     padded_input: bool = False         # the tower takes padded rows per image + spatial_shapes
     vision_unused: tuple = ()          # vision parameters no gradient reaches (names under model.)
+    fixed_params: tuple = ()           # LM parameters the stock model never steps (below)
     pooled_dims: int = 2               # a pooled tensor's dims: 3 = [images, rows, d] (VideoLLaVA)
     root: str = "model"                # the module holding the parts: model.model, or "" (Llama 4)
     lm_path: str = ""                  # the decoder's path (embed_tokens, layers), if not model.<lm_attr>
@@ -154,9 +158,15 @@ class GenericFamily(FamilySpec):
 
     @property
     def vision_encoder(self) -> EncoderSpec:
-        """The vision side as a `ShellEncoder` (the parameters no gradient reaches held frozen)."""
+        """The vision side as a `ShellEncoder` (the parameters no gradient reaches held frozen).
+        Its ``unused`` also names `fixed_params`, language-model parameters the stock model
+        never steps: statistics its class makes with ``requires_grad=False`` (ERNIE-4.5-VL's
+        ``e_score_correction_bias``) and, for a mixture-of-experts LM, those its text forward
+        never reaches (`ray_dhp.models.generic_moe.unreached`: ERNIE's vision experts); the
+        engine and the planner hold every name there frozen wherever it lives (the text shard)."""
         return ShellEncoder("vision", self.vision_parts, "ray_dhp.models.vision_encoder",
-                            unused=self.vision_unused, tuned_as=("vision", "merger"), root=self.root)
+                            unused=self.vision_unused + self.fixed_params,
+                            tuned_as=("vision", "merger"), root=self.root)
 
     def _wrap(self, config, feats: torch.Tensor):
         if self.pooled_dims == 3:  # the stock forward takes the rows image by image
@@ -248,8 +258,14 @@ def _family(cls, config_json: str) -> GenericFamily:
                 f"its {side}x{side} patch grid in squares (the generic family counts rows per "
                 "patch square)")
     parts, lm_attr, tower = _parts(inner, model_type)
+    reads = text_reads_vision(type(inner), parts)
+    if reads:
+        raise UnsupportedModel(f"model_type {model_type!r}: its text forward reads a vision part "
+                               f"outside get_image_features ({reads}), which a text shard does not "
+                               "hold: not covered by the generic family yet")
     sp_refusal = sp_refusal_of(getattr(inner, tower), vc)
     root, lm_path, head_path, decoder = _layout(cls, inner, lm_attr)
+    top = f"{root}." if root else ""
     if not root:
         raise UnsupportedModel(
             f"model_type {model_type!r}: {cls.__name__} keeps its vision tower and language model "
@@ -260,6 +276,13 @@ def _family(cls, config_json: str) -> GenericFamily:
         moe, experts = moe_spec(cls, config, type(decoder))
     except ValueError as e:
         raise UnsupportedModel(f"model_type {model_type!r}: {e}") from None
+    import fnmatch
+
+    never = unreached(config, type(decoder), experts) if moe is not None else ()
+    fixed = tuple(f"{lm_path}.{n}"[len(top):] for n, p in
+                  _meta_lm(type(decoder), config.get_text_config().to_json_string(use_diff=False))
+                  .named_parameters()
+                  if not p.requires_grad or any(fnmatch.fnmatchcase(n, k) for k in never))
     plan = _present(dense_plan(dict(getattr(config.get_text_config(), "base_model_tp_plan", None)
                                     or {}), experts), type(decoder), config)
     refusal = next((f"its base_model_tp_plan uses {style!r} ({key})" for key, style in plan.items()
@@ -270,7 +293,6 @@ def _family(cls, config_json: str) -> GenericFamily:
     ).to_json_string(use_diff=False)), plan, experts, config.get_text_config().hidden_size) \
         if not refusal else (None, f"text TP is refused ({refusal})")
     params = tuple(inspect.signature(cls.forward).parameters)
-    top = f"{root}." if root else ""
     return GenericFamily(
         name=model_type, model_type=model_type, model_class=cls.__name__,
         text_tp_plan=lambda text_config: hf_text_plan(plan, lm_path, text_config, head_path),
@@ -290,7 +312,7 @@ def _family(cls, config_json: str) -> GenericFamily:
         pooled_tuple=is_sequence, pooled_dims=pooled_dims,
         vision_zero3=False,
         model_processor=True,
-        vision_unused=unused, image_kwargs=image_kwargs, pixel_dims=pixel_dims, grid_input=grid,
+        vision_unused=unused, fixed_params=fixed, image_kwargs=image_kwargs, pixel_dims=pixel_dims, grid_input=grid,
         padded_input=padded,
         lm_attr=lm_attr, tower=tower, root=root, lm_path=lm_path, rows_per_image=rows, text_plan_refusal=refusal,
         forward_params=params, moe=moe, vision_sp_refusal=sp_refusal,
@@ -319,8 +341,8 @@ def _present(plan: dict, lm_cls, config) -> dict:
     config gives queries a low-rank ``q_a_proj`` / ``q_b_proj``), as transformers skips them."""
     import fnmatch
 
-    with torch.device("meta"):
-        names = [n for n, _ in lm_cls._from_config(config.get_text_config()).named_modules()]
+    names = [n for n, _ in _meta_lm(lm_cls, config.get_text_config().to_json_string(use_diff=False))
+             .named_modules()]
     return {k: v for k, v in plan.items() if any(fnmatch.fnmatchcase(n, k) for n in names)}
 
 

@@ -42,7 +42,7 @@ import torch
 
 from ray_dhp.models.base import MoESpec
 
-__all__ = ["COUNT_KEYS", "expert_count", "moe_spec", "dense_plan"]
+__all__ = ["COUNT_KEYS", "expert_count", "moe_spec", "dense_plan", "unreached"]
 
 #: the text-config keys transformers names the number of routed experts with
 COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -107,6 +107,39 @@ def moe_spec(cls, config, lm_cls):
                    router_output=getattr(recorder, "index", 0) or 0, experts_key=key,
                    aux_loss=aux, ep_refusal=_ep_refusal(lm, experts))
     return spec, patterns
+
+
+def unreached(config, lm_cls, patterns: tuple) -> tuple:
+    """Parameter names (``layers.*.`` for any layer) of the language model that its text forward
+    gives no gradient: none after a backward of a copy of small widths and two layers run on CPU
+    (ERNIE-4.5-VL's vision experts, called only on the tokens a ``moe_mm_token_type_ids`` marks,
+    which the engine does not pass; Mistral Large 4's attention indexer, which only picks keys).
+    The stock model never steps them (AdamW skips a parameter without a gradient), so the engine
+    holds them frozen. An experts module (``patterns``) with a gradient counts as reached whole
+    (the experts a batch routes no token to are its parts, or slices of its fused weights)."""
+    from ray_dhp.models.shrink import shrink_config
+
+    small = shrink_config(config, text={"num_hidden_layers": 2}).get_text_config()
+    small._attn_implementation = "eager"
+    torch.manual_seed(0)
+    try:
+        lm = lm_cls._from_config(small, dtype=torch.float32)
+        ids = torch.arange(8).reshape(1, 8) % small.vocab_size
+        lm(input_ids=ids, use_cache=False).last_hidden_state.float().square().sum().backward()
+    except Exception:  # noqa: BLE001 - no small copy runs: nothing is known unreached (the
+        return ()      # engine then steps every parameter, as before this check)
+    experts = [lm.get_submodule(e) for e in _matching(lm, patterns)]
+    reached = {id(p) for e in experts if any(q.grad is not None for q in e.parameters())
+               for p in e.parameters()}
+
+    def key(name: str) -> str:
+        return re.sub(r"^layers\.\d+\.", "layers.*.", name)
+
+    seen, missed = set(), set()
+    for name, p in lm.named_parameters():
+        hit = p.grad is not None or not p.requires_grad or id(p) in reached
+        (seen if hit else missed).add(key(name))
+    return tuple(sorted(missed - seen))
 
 
 def sparse_layers(lm_cls, patterns: tuple, text_config) -> list:

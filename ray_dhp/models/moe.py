@@ -36,14 +36,18 @@ __all__ = ["RouterTap", "aux_contribution"]
 
 
 class RouterTap:
-    """Forward hooks on every router of ``model`` (modules named ``*.<spec.router_suffix>``):
+    """Forward hooks on every router of ``model`` (modules named ``*.<spec.router_suffix>``; with
+    ``layers``, only those under ``layers.<i>.`` for ``i`` in it: a dense layer's module of the
+    same name, ERNIE-4.5-VL's ``mlp``, is no router):
     while ``recording``, each call's router logits ``[tokens, E]`` (its output
     ``spec.router_output``) are appended to ``logits`` (layer order: the order of the forward)."""
 
-    def __init__(self, model: torch.nn.Module, spec):
+    def __init__(self, model: torch.nn.Module, spec, layers=None):
         self.logits: list = []
         self.recording, self.index = False, spec.router_output
-        self.routers = [m for n, m in model.named_modules() if n.endswith("." + spec.router_suffix)]
+        sparse = None if layers is None else {int(i) for i in layers}
+        self.routers = [m for n, m in model.named_modules() if n.endswith("." + spec.router_suffix)
+                        and (sparse is None or _layer_of(n, spec.router_suffix) in sparse)]
         for m in self.routers:
             m.register_forward_hook(self._hook)
 
@@ -54,6 +58,12 @@ class RouterTap:
     def take(self) -> list:
         out, self.logits = self.logits, []
         return out
+
+
+def _layer_of(name: str, suffix: str):
+    """``...layers.3.mlp.gate`` -> 3 (None where the module is not ``layers.<i>.<suffix>``)."""
+    head = name[:-len(suffix) - 1].rsplit(".", 2)
+    return int(head[-1]) if len(head) >= 2 and head[-2] == "layers" and head[-1].isdigit() else None
 
 
 def aux_contribution(logits: list, token_mask: torch.Tensor, num_experts: int, top_k: int,
@@ -91,7 +101,7 @@ class RouterLoss:
 
     def __init__(self, language_model: torch.nn.Module, spec, text_config,
                  group: Optional[dist.ProcessGroup]):
-        self.tap = RouterTap(language_model, spec)
+        self.tap = RouterTap(language_model, spec, spec.sparse_layers(text_config))
         self.num_experts = getattr(text_config, spec.experts_key)
         self.top_k = text_config.num_experts_per_tok
         self.coef, self.group = float(text_config.router_aux_loss_coef), group

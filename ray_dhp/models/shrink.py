@@ -11,6 +11,8 @@ Idefics3's and Mistral 3's), and the demo's tiny configs (`ray_dhp.demo.generic`
 
 from __future__ import annotations
 
+import functools
+
 __all__ = ["shrink_config", "tiny_config", "TEXT", "VISION", "IMAGE_SIDE", "PATCH"]
 
 IMAGE_SIDE, PATCH = 56, 14  # tiny images: 4x4 patches
@@ -72,7 +74,8 @@ def shrink_config(config, *, text: dict = None, vision: dict = None, top: dict =
     `VISION`: widths only, depths and image geometry kept) and every other number equal to a
     replaced width replaced alike; a tower's ``out_hidden_size`` and a top-level ``hidden_size``
     (what feeds the language model) become the text width. The config class recomputes what it
-    derives."""
+    derives; M-RoPE sections the modeling code defaults scaled to the new head
+    (`_mrope_sections`)."""
     from transformers import AutoConfig
 
     text0, vision0 = config.get_text_config(), config.vision_config
@@ -95,6 +98,7 @@ def shrink_config(config, *, text: dict = None, vision: dict = None, top: dict =
     out = AutoConfig.for_model(config.model_type, **{**top_d, "text_config": text_d,
                                                      "vision_config": vision_d})
     out._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+    _mrope_sections(config, out.get_text_config())
     return out
 
 
@@ -113,7 +117,7 @@ def tiny_config(base, *, text: dict = None, top: dict = None):
     as `shrink_config`, 2 text and 2 vision layers, 56-px images of 14-px patches, per-image token
     counts 4 (2x2 squares of the 4x4 patch grid), a tower's optional pooling head off (SigLIP's
     ``vision_use_head``: ``get_image_features`` never reads it), M-RoPE sections for the tiny
-    head where the config leaves them to the modeling code, no tied embeddings, fp32, ``sdpa``
+    head where the config leaves them to the modeling code (its default, scaled), no tied embeddings, fp32, ``sdpa``
     (``eager`` for a class that has no ``sdpa`` path).
     ``text`` / ``top``: further keys (the demo's vocabulary and special tokens)."""
     vision = {"num_hidden_layers": 2, "image_size": IMAGE_SIDE, "patch_size": PATCH,
@@ -123,7 +127,6 @@ def tiny_config(base, *, text: dict = None, top: dict = None):
     top = {**{k: (IMAGE_SIDE // PATCH // 2) ** 2 for k in _IMAGE_TOKEN_COUNTS if hasattr(base, k)},
            "tie_word_embeddings": False, **(top or {})}
     config = shrink_config(base, text=text, vision=vision, top=top)
-    _mrope_sections(config.get_text_config())
     for sub in (config, config.get_text_config(), config.vision_config):
         sub.dtype = "float32"
     config._attn_implementation = "sdpa" if _supports_sdpa(config) else "eager"
@@ -140,16 +143,39 @@ def _supports_sdpa(config) -> bool:
     return cls is None or getattr(cls, "_supports_sdpa", True) is not False
 
 
-def _mrope_sections(text) -> None:
-    """An M-RoPE language model whose config may leave ``mrope_section`` to the modeling code's
-    default (its config class lists the key among those its rope validation ignores, GLM-4V's):
-    sections for the tiny head, 1/4 : 3/8 : 3/8 of its rotary half (Qwen's 16:24:24 proportion)."""
+def _mrope_sections(base, text) -> None:
+    """An M-RoPE language model whose config leaves ``mrope_section`` to the modeling code's
+    default (GLM-4V's, ERNIE-4.5-VL's, PaddleOCR-VL's): that default, read from the rotary
+    module the model's own class builds from ``base`` (on the meta device), scaled to the tiny
+    head's rotary half as `_scaled_rope` scales a config's own sections. The default's
+    proportions are the family's (ERNIE's interleaved h / w sections must stay equal)."""
     rope = dict(getattr(text, "rope_parameters", None) or {})
-    if "mrope_section" in rope or "mrope_section" not in getattr(
-            type(text), "ignore_keys_at_rope_validation", ()):
+    if "mrope_section" in rope:
+        return
+    default = _modeling_mrope_section(base.to_json_string(use_diff=False), type(base))
+    if not default:
         return
     factor = rope.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", 1.0)) or 1.0
     half = int(text.head_dim * factor) // 2
-    first = half // 4
-    second = (half - first) // 2
-    text.rope_parameters = {**rope, "mrope_section": [first, second, half - first - second]}
+    text.rope_parameters = _scaled_rope({**rope, "mrope_section": default}, half / sum(default))
+
+
+@functools.lru_cache(maxsize=None)
+def _modeling_mrope_section(config_json: str, config_cls):
+    """The ``mrope_section`` a module of the model's own class keeps when the config gives none
+    (the modeling code's default), or None (no M-RoPE, or the class cannot be built here)."""
+    import json
+
+    import torch
+    from transformers import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    cls = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.get(config_cls, None)
+    if cls is None:
+        return None
+    try:
+        with torch.device("meta"):
+            model = cls._from_config(config_cls.from_dict(json.loads(config_json)))
+    except Exception:  # noqa: BLE001 - a class that cannot be built: the probe says why
+        return None
+    return next((list(m.mrope_section) for m in model.modules()
+                 if isinstance(getattr(m, "mrope_section", None), (list, tuple))), None)

@@ -122,7 +122,10 @@ def _moe(family) -> str:
         return ""
     loss = "router loss as the stock forward's" if moe.aux_loss else "no router loss (none in the stock forward)"
     ep = f"EP refused: {moe.ep_refusal}" if moe.ep_refusal else "expert parallelism"
-    return f"; mixture of experts: {loss}, {ep}"
+    fixed = family.fixed_params  # `GenericFamily.fixed_params`: held frozen, as the stock model
+    held = (f"; {len(fixed)} LM parameters the stock model never steps held frozen (not trained: "
+            f"`{fixed[-1]}`, ...)" if fixed else "")
+    return f"; mixture of experts: {loss}, {ep}{held}"
 
 
 def markdown(rows: list[Status], verified: dict) -> str:

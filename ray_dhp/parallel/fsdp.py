@@ -126,15 +126,20 @@ def _odd_dtype(units: list) -> list:
     """The sub-modules of ``units`` whose own parameters have another dtype than the rest of
     their unit (a router kept in fp32 in a model of another dtype): each is a unit of its own
     (FSDP2 gathers one dtype per unit), sharded before its parent and gathered by its own
-    pre-forward (outside the prefetch chain)."""
+    pre-forward (outside the prefetch chain); the outermost such module only, where one holds
+    another (a router's fp32 statistics under the fp32 router: one unit)."""
     out = []
     for unit in units:
         counts: dict = {}
         for p in unit.parameters():
             counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
         main = max(counts, key=counts.get, default=None)
-        out += [m for m in unit.modules() if m is not unit and m._parameters
-                and all(p is None or p.dtype != main for p in m._parameters.values())]
+        inside: set = set()  # modules under one already taken
+        for m in unit.modules():
+            if m is not unit and id(m) not in inside and m._parameters \
+                    and all(p is None or p.dtype != main for p in m._parameters.values()):
+                out.append(m)
+                inside.update(id(s) for s in m.modules())
     return out
 
 

@@ -30,6 +30,11 @@ GLM_MOE = dict(loss_tol=1e-7, param_tol=1e-5, update_tol=1e-5, grad_tol=1e-5)
 # torch.float32), w.type(torch.float32))``). Measured with text ZeRO-3 DP2 (3 steps): router
 # gradient 7.7e-8 at step 1, 1.4e-7 at step 3, update 1.1e-7; the rest it reaches at step 3 up to
 # 6.2e-8 (vision biases); text TP2 (routers replicated) within 1e-10.
+# ERNIE-4.5-VL (``ernie4_5_vl_moe``) likewise: its router's logits are fp32 (``F.linear(
+# hidden_states.float(), self.weight.float())``). Measured with text ZeRO-3 DP2 (3 steps): only the
+# router gradient is off at step 1 (1.1e-7), by step 3 the rest it reaches up to 8e-8, the router's
+# update 3.6e-7, parameter 3.3e-8, loss 3.3e-10, grad-norm 1.6e-9; text TP2 (routers replicated,
+# collocated vision DP2 and disjoint 1 + TP2) within 3.7e-14.
 # LFM2-VL's SigLIP 2 NaFlex tower resizes its position table to each image's grid in fp32 even in
 # an fp64 model (``weights @ table.float()``, one matmul over the batch's padded positions), so
 # the table's gradient is an fp32 sum whose order and blocking follow which images share a
@@ -44,9 +49,17 @@ LFM2_VL = dict(loss_tol=1e-7, param_tol=1e-6, update_tol=1e-6, grad_tol=1e-6)
 # GOT-OCR2's SAM tower (PP-Chart2Table's too): the relative-position tables' gradients are off
 # by 1.9e-9 with vision DP2 (the updates stay within 5.2e-14, the loss 1.6e-16): its gradients
 # are held to 1e-8. ShieldGemma 2 is a Gemma 3 (its norms as above).
+# LLaVA-OneVision-1.5's RICE tower prepends a class token whose rotary angles are a parameter
+# (``class_pos_emb``), cast to the fp32 rotary tables (``.to(cos.dtype)``, cos / sin computed in
+# fp32) and applied to q and k in fp32 (``apply_rotary_pos_emb_vision``): its gradient is an fp32
+# sum over every image's class token, taken in another order when the images are split over two
+# vision replicas. Measured with vision DP2 (3 steps): its gradient 5.2e-8 at step 1, 6.9e-8 at
+# step 3, update 6.2e-8, parameter 1.0e-10; every other tensor within 1e-10; disjoint 1 + TP2
+# (one vision rank) 1.1e-14. Held to the tolerance of LFM2-VL's fp32 position table.
 TOLS = {"gemma3": GEMMA, "paligemma": GEMMA, "shieldgemma2": GEMMA, "aya_vision": COHERE,
         "cohere2_vision": COHERE, "glm4v": GLM, "glm46v": GLM, "glmga": GLM, "glm4v_moe": GLM_MOE,
-        "lfm2_vl": LFM2_VL, "cosmos3_edge": LFM2_VL, "kimi_k25": GLM_MOE, "got_ocr2": dict(TOL, grad_tol=1e-8), "pp_chart2table": dict(TOL, grad_tol=1e-8)}
+        "lfm2_vl": LFM2_VL, "cosmos3_edge": LFM2_VL, "kimi_k25": GLM_MOE, "got_ocr2": dict(TOL, grad_tol=1e-8), "pp_chart2table": dict(TOL, grad_tol=1e-8),
+        "llava_onevision1_5": LFM2_VL, "ernie4_5_vl_moe": GLM_MOE}
 # A key projection's bias in a tower without rotary positions (CLIP's, SigLIP's) has an exact
 # gradient of 0 (it adds ``q . b`` to every logit of a query, which the softmax cancels): both
 # runs' gradients are rounding noise, and AdamW turns noise into O(lr) steps of either sign.
@@ -60,6 +73,9 @@ ZERO_GRAD = ("vision_tower.encoder.layers.0.self_attn.k_proj.bias",
              "image_tower.encoder.layers.1.self_attn.k_proj.bias",
              "visual.encoder.layers.0.self_attn.k_proj.bias",  # Cosmos3-Edge's SigLIP 2
              "visual.encoder.layers.1.self_attn.k_proj.bias")
+# Towers that rotate q and k (2-D RoPE: PaddleOCR-VL's SigLIP) give a key bias a real gradient (``q
+# . R b`` differs per key position): nothing is left out of their comparisons.
+ROTARY_KEY_BIAS = ("paddleocr_vl",)
 
 
 # The generic families whose tower runs Ulysses SP (`ray_dhp.models.vision_generic_sp`): their

@@ -74,3 +74,33 @@ def test_tiny_copies_trim_per_layer_lists_and_shrink_the_experts():
     tc = kimi.get_text_config()
     assert (expert_count(tc), tc.num_experts_per_tok, tc.first_k_dense_replace, tc.n_group) == (4, 2, 1, 1)
     assert kimi._experts_implementation == "eager"  # grouped_mm has no fp64 kernel
+
+
+@pytest.mark.slow
+def test_ernie_tiny_copy_keeps_its_rope_and_router_reads():
+    """ERNIE-4.5-VL (`ray_dhp.models.shrink`, `ray_dhp.models.moe`, `ray_dhp.models.generic`):
+    its config leaves ``mrope_section`` to the modeling code (default 22:22:20, h and w
+    interleaved, so equal), which the tiny copy scales to its 16-wide head (3:3:2, not Qwen's
+    proportion 2:3:3, which its rotary cannot split); its dense layer's ``mlp`` (named like the
+    sparse layers' router block) is no router; the gate statistics its class makes with
+    ``requires_grad=False`` and the experts its text forward never reaches are held frozen."""
+    import torch
+
+    from ray_dhp.models.moe import RouterTap
+
+    config = demo.tiny_model_config("ernie4_5_vl_moe")
+    assert config.get_text_config().rope_parameters["mrope_section"] == [3, 3, 2]
+    family = family_of(config)
+    sparse = family.moe.sparse_layers(config.text_config)
+    assert sparse == [1] and family.moe.router_suffix == "mlp"
+    with torch.device("meta"):
+        model = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]._from_config(config)
+    lm = family.language_model(model)
+    assert RouterTap(lm, family.moe, sparse).routers == [lm.layers[1].mlp]
+    fixed = set(family.fixed_params)  # held frozen: the statistics, and the vision experts its
+    # text forward never calls without moe_mm_token_type_ids (which the engine does not pass)
+    assert fixed == {f"language_model.layers.1.mlp.{m}" for m in (
+        "text_moe.gate.moe_statics.e_score_correction_bias", "vision_moe.gate.weight",
+        "vision_moe.gate.moe_statics.e_score_correction_bias", "vision_moe.experts.gate_up_proj",
+        "vision_moe.experts.down_proj")}
+    assert fixed <= set(family.vision_encoder.unused)
