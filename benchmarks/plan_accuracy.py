@@ -9,8 +9,8 @@ with what `ray-dhp plan` computes for the same shapes and layout, from the same 
 The planned activations compared are the *saved* part (`text_activation_parts`): the logits'
 gradient and CP's all-to-all buffers are transient working set, counted by the plan on top.
 ``python -m benchmarks.plan_accuracy [--slow] [--write] [ROW ...]`` runs the rows (default:
-the default suite's; ``ROW``: a row's name, re-measured into the newest results, the other rows
-kept), writes ``benchmarks/results/plan-accuracy-cpu2-<date>.json`` and, with
+the default suite's; ``ROW``: a row's name; the rows measured replace theirs in the newest
+results, the other rows kept), writes ``benchmarks/results/plan-accuracy-cpu2-<date>.json`` and, with
 ``--write``, the table into docs/plan_accuracy.md between its markers (``--from-results``: the
 table of the newest JSON, nothing run; ``tests/unit/test_plan_accuracy_doc.py`` checks that the
 doc shows it).
@@ -395,10 +395,14 @@ def main(argv=None) -> int:
     import tempfile
 
     argv = sys.argv[1:] if argv is None else argv
+    flags = {a for a in argv if a.startswith("-")}
+    if flags - {"--slow", "--write", "--from-results"}:
+        print(__doc__.split("\n\n")[-1].strip(), file=sys.stderr)
+        return 0 if flags & {"-h", "--help"} else 2
     if "--from-results" in argv:
         _write(json.loads(newest_results().read_text())["rows"])
         return 0
-    names = [a for a in argv if not a.startswith("--")]
+    names = [a for a in argv if not a.startswith("-")]
     cases = ([case_named(n) for n in names] if names
              else [c for c in CASES if "--slow" in argv or not c.slow])
     rows = []
@@ -407,7 +411,7 @@ def main(argv=None) -> int:
             row = compare(case, measure(case, tmp))
             rows.append(row)
             print(table([row]).splitlines()[-1], flush=True)
-    if names and newest_results() is not None:  # re-measured rows replace theirs, the rest stay
+    if newest_results() is not None:  # re-measured rows replace theirs, the rest stay
         rows = _merged(json.loads(newest_results().read_text())["rows"], rows)
     out = RESULTS / f"plan-accuracy-cpu2-{datetime.date.today().isoformat()}.json"
     out.write_text(json.dumps({"rows": rows}, indent=1) + "\n")

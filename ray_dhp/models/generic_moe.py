@@ -42,7 +42,7 @@ import torch
 
 from ray_dhp.models.base import MoESpec
 
-__all__ = ["COUNT_KEYS", "expert_count", "moe_spec", "dense_plan", "unreached"]
+__all__ = ["COUNT_KEYS", "expert_count", "expert_widths", "moe_spec", "dense_plan", "unreached"]
 
 #: the text-config keys transformers names the number of routed experts with
 COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -53,6 +53,17 @@ def expert_count(text_config) -> int:
     """The number of routed experts of ``text_config`` (0: a dense model)."""
     return max((getattr(text_config, k, 0) or 0 for k in COUNT_KEYS
                 if isinstance(getattr(text_config, k, 0) or 0, int)), default=0)
+
+
+def expert_widths(text_config) -> tuple:
+    """The routed experts' intermediate widths, one per group of experts: ``moe_intermediate_size``
+    is an int, or a list where the model routes each modality's tokens to its own group (ERNIE-4.5-
+    VL's ``[text, vision]``: ``text_moe`` / ``vision_moe``, each ``num_experts`` wide); ``()`` for
+    a dense model."""
+    width = getattr(text_config, "moe_intermediate_size", None)
+    if width is None:
+        return ()
+    return tuple(width) if isinstance(width, (list, tuple)) else (width,)
 
 
 def expert_patterns(text_config) -> tuple:

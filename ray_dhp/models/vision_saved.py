@@ -20,6 +20,7 @@ fails (the family's probe then ran on CPU at small widths): the planner keeps it
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from typing import Optional
@@ -88,7 +89,17 @@ class _FusedAttention(torch.overrides.TorchFunctionMode):
                     attn_mask=mask, scale=kwargs.get("scale"))[0]
             except (RuntimeError, TypeError, NotImplementedError):
                 pass
-        return func(*args, **kwargs)
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as e:  # integers kept on CPU (values read) meeting meta tensors
+            if "device" not in str(e):
+                raise
+            from torch.utils._pytree import tree_map
+
+            def to_meta(x):
+                return x.to("meta") if isinstance(x, torch.Tensor) and x.device.type == "cpu" else x
+
+            return func(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
 
 
 @functools.lru_cache(maxsize=None)
@@ -137,8 +148,10 @@ def _measure(cls, config_json: str, family, dtype) -> Optional[tuple]:
         kwargs = {k: v if cpu_ints and not v.is_floating_point() else v.to("meta")
                   for k, v in kwargs.items()}
         try:
-            with torch.device("meta"), _FusedAttention(), \
-                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            # values read: factories without a device stay on CPU (moved to meta where they meet
+            # the model's tensors, `_FusedAttention`)
+            with (contextlib.nullcontext() if cpu_ints else torch.device("meta")), \
+                    _FusedAttention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 root.get_image_features(**kwargs, return_dict=True)
         except (ValueError, TypeError, RuntimeError, IndexError, NotImplementedError):
             continue  # shapes that depend on values: the meta device cannot run it

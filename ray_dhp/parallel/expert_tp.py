@@ -52,8 +52,10 @@ def validate(family, config, tp: int) -> None:
     if family.moe.ep_refusal:
         raise ValueError(f"text.expert_tensor_parallel=true is not covered for {family.name!r}: "
                          f"{family.moe.ep_refusal}; set it false.")
-    i = config.text_config.moe_intermediate_size
-    if i % tp:
+    from ray_dhp.models.generic_moe import expert_widths
+
+    i = expert_widths(config.text_config)
+    if any(w % tp for w in i):
         raise ValueError(f"text.expert_tensor_parallel=true: the experts' intermediate size ({i}) "
                          f"is not divisible by text.tensor_parallel={tp}.")
 

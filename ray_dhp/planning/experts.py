@@ -37,10 +37,12 @@ def inactive_expert_params(config) -> int:
     layers = sparse_layer_count(config)
     if not layers:
         return 0
-    from ray_dhp.models.generic_moe import expert_count
+    from ray_dhp.models.generic_moe import expert_count, expert_widths
 
-    tc = config.text_config
-    return layers * (expert_count(tc) - tc.num_experts_per_tok) * 3 * tc.moe_intermediate_size * tc.hidden_size
+    tc = config.text_config  # one token passes top-k of one group (`expert_widths`)
+    widths = expert_widths(tc)
+    return layers * 3 * tc.hidden_size * (expert_count(tc) * sum(widths)
+                                          - tc.num_experts_per_tok * max(widths))
 
 
 def buffer_bytes(config, tokens: float, micro_batches: int, checkpointing: bool,

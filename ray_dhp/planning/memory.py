@@ -83,8 +83,10 @@ def _mlp_widths(tc) -> tuple:
     top-k routed experts' (replicated on the TP ranks, `ray_dhp.models.qwen3_5_moe`)."""
     if getattr(tc, "intermediate_size", None):
         return tc.intermediate_size, 0
+    from ray_dhp.models.generic_moe import expert_widths
+
     return (getattr(tc, "shared_expert_intermediate_size", 0),
-            tc.num_experts_per_tok * tc.moe_intermediate_size)
+            tc.num_experts_per_tok * max(expert_widths(tc)))
 
 
 def text_activation_bytes(tc, tokens: int, tp: int, s: ActivationSettings,

@@ -45,6 +45,7 @@ def text_layers(config, topology=None, counts=None) -> TextLayers:
     """`TextLayers` of ``config`` (a model config) under ``topology`` (expert parallelism and
     experts TP-sharded: their width ``1/tp``); ``counts`` (`ParamCounts`): its norms per layer."""
     from ray_dhp.models import family_of
+    from ray_dhp.models.generic_moe import expert_widths
 
     family, tc = family_of(config), config.text_config
     moe = family.moe
@@ -55,7 +56,7 @@ def text_layers(config, topology=None, counts=None) -> TextLayers:
     tp = topology.text.inner if topology is not None and topology.text_expert_tp else 1
     return TextLayers(mixers, family.text_mixer_saved, len(moe.sparse_layers(tc)),
                       getattr(tc, moe.experts_key), tc.num_experts_per_tok,
-                      tc.moe_intermediate_size // tp,
+                      max(expert_widths(tc)) // tp,  # a token's group: counted the widest
                       topology.text_expert_parallel if topology is not None else 1, norms)
 
 
