@@ -279,7 +279,7 @@ def planned(case: Case, got: list) -> list:
     from ray_dhp.models.sizes import count_params
     from ray_dhp.parallel.topology import Topology
     from ray_dhp.planning.memory import (ActivationSettings, merged, text_activation_parts,
-                                         weight_cast_bytes)
+                                         text_layers, text_probe, weight_cast_bytes)
     from ray_dhp.planning.memory_vision import vision_activation_parts
     from ray_dhp.planning.memory_audio import (count_audio, estimate_module_ranks,
                                                module_rank_state, without_audio)
@@ -304,9 +304,11 @@ def planned(case: Case, got: list) -> list:
                                 segment_tokens=got[0]["segment"], lm_tokens_included=True,
                                 audio_samples=-(-n // ag.dp) if ag is not None else None)
     base = without_audio(counts) if audio is not None else counts
+    probed = text_probe(config, settings)  # a generic family's measured layers (or None)
     _, transient = text_activation_parts(
         config.text_config, rows * seq, topo.text.inner, settings, seq,
-        seq_parallel=topo.text_sequence_parallel, cp=topo.text.cp, head_norms=counts.text_head_norms)
+        seq_parallel=topo.text_sequence_parallel, cp=topo.text.cp, head_norms=counts.text_head_norms,
+        layers=text_layers(config, topo, counts) if probed is not None else None, probed=probed)
     _, v_transient = vision_activation_parts(config.vision_config, v_samples * vt,
                                              topo.vision.inner, settings, got[0]["segment"] or vt,
                                              config)

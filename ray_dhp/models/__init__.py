@@ -101,6 +101,24 @@ def vision_saved_per_token(config, dtype_bytes: int):
     return measured(config, family, dtype_bytes)
 
 
+def text_saved_per_token(config, dtype_bytes: int):
+    """``((replicated, sharded), ...)`` bytes per token each decoder layer of a generic family's
+    language model saves for backward at ``dtype_bytes`` per element, measured from its own code
+    on the meta device (`ray_dhp.models.text_saved`: split as its text TP plan shards them);
+    None for a hand-written family (its formula holds) or where the meta probe cannot run."""
+    from ray_dhp.models.generic import GenericFamily
+
+    try:
+        family = family_of(config)
+    except ValueError:
+        return None
+    if not isinstance(family, GenericFamily):
+        return None
+    from ray_dhp.models.text_saved import text_saved_per_token as measured
+
+    return measured(config, family, dtype_bytes)
+
+
 def load_model_config(model):
     """A transformers config from a config object or a local model directory."""
     if isinstance(model, (str, os.PathLike)):

@@ -74,21 +74,36 @@ def _inputs(family, root, vc, names: tuple) -> tuple:
 class _FusedAttention(torch.overrides.TorchFunctionMode):
     """SDPA as the fused CPU kernel (``_scaled_dot_product_flash_attention_for_cpu``: saves q,
     k, v, the output and the log-sum-exp, as on CPU and as CUDA's flash kernels do), where the
-    meta device would take the math path (which saves the ``s²`` probabilities)."""
+    meta device would take the math path (which saves the ``s²`` probabilities); with value
+    heads narrower than the query's (multi-head latent attention) CUDA's memory-efficient kernel,
+    which saves the same (CPU's SDPA takes the math path there)."""
+
+    def fused(self, args, kwargs):
+        """The fused kernel's outputs for an SDPA call (the output first) and the k, v it was
+        given (repeated to the query heads under ``enable_gqa``), or None where it cannot run."""
+        q, k, v = args[:3]
+        mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+        if kwargs.get("enable_gqa") and k.shape[-3] != q.shape[-3]:
+            k, v = (x.repeat_interleave(q.shape[-3] // x.shape[-3], -3) for x in (k, v))
+        try:
+            if v.shape[-1] != q.shape[-1]:  # value heads narrower (MLA): CUDA's efficient
+                if mask is not None and mask.dtype == torch.bool:  # kernel, which saves the same
+                    mask = torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, float("-inf"))
+                return torch.ops.aten._scaled_dot_product_efficient_attention(
+                    q, k, v, mask, True, kwargs.get("dropout_p", 0.0),
+                    kwargs.get("is_causal", False), scale=kwargs.get("scale")) + (k, v)
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False),
+                attn_mask=mask, scale=kwargs.get("scale")) + (k, v)
+        except (RuntimeError, TypeError, NotImplementedError):
+            return None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.nn.functional.scaled_dot_product_attention:
-            q, k, v = args[:3]
-            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
-            if kwargs.get("enable_gqa") and k.shape[-3] != q.shape[-3]:
-                k, v = (x.repeat_interleave(q.shape[-3] // x.shape[-3], -3) for x in (k, v))
-            try:
-                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    q, k, v, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False),
-                    attn_mask=mask, scale=kwargs.get("scale"))[0]
-            except (RuntimeError, TypeError, NotImplementedError):
-                pass
+            got = self.fused(args, kwargs)
+            if got is not None:
+                return got[0]
         try:
             return func(*args, **kwargs)
         except RuntimeError as e:  # integers kept on CPU (values read) meeting meta tensors

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 from ray_dhp.models.sizes import ParamCounts
-from ray_dhp.planning.memory_layers import layer_extra, text_layers
+from ray_dhp.planning.memory_layers import layer_extra, routed_rows_bytes, text_layers
 from ray_dhp.planning.memory_state import rank_state
 from ray_dhp.planning.memory_vision import vision_activation_bytes  # noqa: F401
 from ray_dhp.planning.packing import text_tokens as packed_text
@@ -91,16 +91,18 @@ def _mlp_widths(tc) -> tuple:
 
 def text_activation_bytes(tc, tokens: int, tp: int, s: ActivationSettings,
                           sample_tokens: Optional[int] = None, seq_parallel: bool = False,
-                          cp: int = 1, head_norms: bool = False, layers=None) -> float:
+                          cp: int = 1, head_norms: bool = False, layers=None,
+                          probed=None) -> float:
     """Activation bytes of one text TP rank for ``tokens`` tokens of its replica (incl. logits):
     the saved-for-backward bytes plus the transient working set (`text_activation_parts`)."""
     return sum(text_activation_parts(tc, tokens, tp, s, sample_tokens, seq_parallel, cp, head_norms,
-                                     layers))
+                                     layers, probed))
 
 
 def text_activation_parts(tc, tokens: int, tp: int, s: ActivationSettings,
                           sample_tokens: Optional[int] = None, seq_parallel: bool = False,
-                          cp: int = 1, head_norms: bool = False, layers=None) -> tuple:
+                          cp: int = 1, head_norms: bool = False, layers=None,
+                          probed=None) -> tuple:
     """``(saved, transient)`` bytes of one text TP rank for ``tokens`` tokens of its replica.
 
     ``saved``: what autograd keeps from the forward for the backward, per token (``d`` the
@@ -132,13 +134,19 @@ def text_activation_parts(tc, tokens: int, tp: int, s: ActivationSettings,
     (the stock path's ``o_proj`` input is SDPA's saved output itself); the slice's own transient
     part. The all-to-all send and receive buffers are CP's transient working set, counted apart
     (`cp_working_bytes`, `RankMemory.text_work`). Measured: within 5% at CP 1/2/4
-    (tests/distributed/test_context_parallel.py) and in the plan-accuracy matrix."""
+    (tests/distributed/test_context_parallel.py) and in the plan-accuracy matrix.
+
+    ``probed`` (`text_probe`: a generic family's decoder layers measured from the model's own
+    code, ``(replicated, sharded)`` bytes per token each): the layers' saved bytes in place of
+    the block formula (a sparse layer's routed rows still by formula, `routed_rows_bytes`); the
+    once-per-token part, eager scores and the recomputed block's transient as above."""
     if cp > 1:
         seq = sample_tokens or tokens
         padded = -(-seq // cp) * cp
         mine = tokens / seq * padded / cp  # the rank's tokens
         saved, transient = text_activation_parts(tc, mine, tp, _sdpa(s), padded / cp, seq_parallel,
-                                                 head_norms=head_norms, layers=layers)
+                                                 head_norms=head_norms, layers=layers,
+                                                 probed=probed)
         back = mine * tc.hidden_size / tp * s.dtype_bytes * (1 if s.checkpointing else tc.num_hidden_layers)
         eager = (2 * tc.num_attention_heads / (tp * cp) * tokens * seq * s.dtype_bytes
                  * (1 if s.checkpointing else tc.num_hidden_layers)) if s.attention == "eager" else 0
@@ -162,7 +170,10 @@ def text_activation_parts(tc, tokens: int, tp: int, s: ActivationSettings,
     kept = tokens * layers * (4 if s.autocast else d) * h / local  # the residual stream
     # checkpointing: each block's input saved, one block recomputed at a time (transient)
     blocks, recomputed = (kept, per_block) if s.checkpointing else (layers * per_block, 0.0)
-    if other is not None:  # mixers besides attention, sparse MLPs (the largest block recomputed)
+    if probed is not None:  # measured per layer (docstring); kept: the residual stream
+        measured = _probed_layers(probed, other, tc, tokens, tp, d, seq_parallel)
+        blocks, recomputed = (kept, max(measured)) if s.checkpointing else (sum(measured), 0.0)
+    elif other is not None:  # mixers besides attention, sparse MLPs (the largest recomputed)
         extra = layer_extra(other, tc, tokens, sample_tokens or tokens, tp, d, tokens * attention,
                             tokens * 4 * d * (routed or i / tp), tokens * (norm - d * h / local),
                             one=s.checkpointing, gathered=tokens * h * d if seq_parallel else 0.0)
@@ -173,6 +184,33 @@ def text_activation_parts(tc, tokens: int, tp: int, s: ActivationSettings,
         blocks, recomputed = (blocks, recomputed + scores) if s.checkpointing else (
             blocks + scores * layers, recomputed)
     return blocks + once, recomputed + tokens * 4 * tc.vocab_size / tp
+
+
+def text_probe(config, s: ActivationSettings):
+    """A generic family's decoder layers as measured from the model's own code
+    (`ray_dhp.models.text_saved_per_token`, the ``probed`` of `text_activation_parts`), or None:
+    a hand-written family (its formula is exact), a probe that cannot run, or bf16 autocast over
+    fp32 weights (the probe runs in one dtype: the formula's fp32 residual and casts hold)."""
+    if s.autocast:
+        return None
+    from ray_dhp.models import text_saved_per_token
+
+    return text_saved_per_token(config, s.dtype_bytes)
+
+
+def _probed_layers(probed, other, tc, tokens: float, tp: int, d: int, seq_parallel: bool) -> list:
+    """Per layer, the bytes one TP rank keeps of the probe's (``replicated + sharded / tp``, all
+    ``1/tp`` under text SP), plus a sparse layer's routed rows (`routed_rows_bytes`: the whole
+    sequence's under text SP, with its gathered ``h``-wide copy, `layer_extra`)."""
+    sparse = set(other.sparse_layers) if other is not None and other.sparse else set()
+    out = []
+    for i, (rep, shard) in enumerate(probed):
+        own = tokens * ((rep + shard) / tp if seq_parallel else rep + shard / tp)
+        if i in sparse:
+            own += routed_rows_bytes(other, tc.hidden_size, tokens, d) + (
+                tokens * tc.hidden_size * d if seq_parallel else 0.0)
+        out.append(own)
+    return out
 
 
 class WeightCasts(NamedTuple):
@@ -274,7 +312,8 @@ def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int,
     t_act = text_activation_bytes(tc, t_tokens, tp, settings, t_row,
                                   seq_parallel=getattr(topology, "text_sequence_parallel", False),
                                   cp=topology.text.cp, head_norms=counts.text_head_norms,
-                                  layers=text_layers(config, topology, counts))
+                                  layers=text_layers(config, topology, counts),
+                                  probed=text_probe(config, settings))
     t_work = cp_working_bytes(tc, (text_samples or samples) * seq, tp, topology.text.cp, settings)
     casts = weight_cast_bytes(config, counts, tp, settings)
     v_act += casts.vision + casts.vision_recomputed
@@ -305,4 +344,5 @@ def estimate_zero3(config, counts: ParamCounts, world: int, *, vision_tokens: in
     state = (counts.vision + counts.text) * state_bytes / world
     return (state + sum(weight_cast_bytes(config, counts, 1, settings))
             + vision_activation_bytes(vc, vision_tokens, 1, settings, segment_tokens, config)
-            + text_activation_bytes(tc, seq, 1, settings, layers=text_layers(config, None, counts)))
+            + text_activation_bytes(tc, seq, 1, settings, layers=text_layers(config, None, counts),
+                                    probed=text_probe(config, settings)))

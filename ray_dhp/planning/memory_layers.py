@@ -39,6 +39,7 @@ class TextLayers:
     width: int = 0                          # an expert's intermediate width on the rank
     ep: int = 1                             # expert parallelism (1: the stock experts)
     norms: int = 2                          # RMSNorms per layer (`ParamCounts.text_block_norms`)
+    sparse_layers: tuple = ()               # the sparse layers' indices
 
 
 def text_layers(config, topology=None, counts=None) -> TextLayers:
@@ -57,15 +58,20 @@ def text_layers(config, topology=None, counts=None) -> TextLayers:
     return TextLayers(mixers, family.text_mixer_saved, len(moe.sparse_layers(tc)),
                       getattr(tc, moe.experts_key), tc.num_experts_per_tok,
                       max(expert_widths(tc)) // tp,  # a token's group: counted the widest
-                      topology.text_expert_parallel if topology is not None else 1, norms)
+                      topology.text_expert_parallel if topology is not None else 1, norms,
+                      tuple(moe.sparse_layers(tc)))
 
 
 def routed_bytes(layers: TextLayers, h: int, tokens: float, d: int) -> float:
     """Bytes one sparse layer's router and routed experts save for ``tokens`` tokens."""
-    e, k, i = layers.experts, layers.top_k, layers.width
-    router = tokens * (4 * e + 12 * k + 4)
-    per_row = (32 if layers.ep > 1 else 16) + 3 * h * d + 4 * i * d + d
-    return router + tokens * k * per_row
+    e, k = layers.experts, layers.top_k
+    return tokens * (4 * e + 12 * k + 4) + routed_rows_bytes(layers, h, tokens, d)
+
+
+def routed_rows_bytes(layers: TextLayers, h: int, tokens: float, d: int) -> float:
+    """The routed rows' part of `routed_bytes` (``top_k`` rows per token, module docstring)."""
+    per_row = (32 if layers.ep > 1 else 16) + 3 * h * d + 4 * layers.width * d + d
+    return tokens * layers.top_k * per_row
 
 
 def layer_extra(layers: TextLayers, tc, tokens: float, row_tokens: float, tp: int, d: int,

@@ -1,0 +1,194 @@
+"""What a generic family's language model saves for backward per decoder layer, measured from its
+own code (`ray_dhp.models.generic`): the decoder (``embed_tokens`` .. ``layers`` .. ``norm``) built
+on the meta device (shapes only, no memory, at any width) in the activation dtype, one forward of
+``PROBE_TOKENS`` input embeddings under ``torch.autograd.graph.saved_tensors_hooks``, each saved
+storage counted once at its full size (identity: the storage's ``_cdata``), parameters and views
+of them excluded, as `benchmarks/measure.py` counts a real step's, and given to the decoder layer
+running when it was first saved: bytes per token of each layer (every layer type measured:
+dense / sparse / other token mixers, extra norms, parallel blocks, latent attention).
+
+Per text TP rank: each saved tensor is *sharded* (``1/tp`` of it on a TP rank) or *replicated*,
+as the language model's ``base_model_tp_plan`` makes it (the styles `ray_dhp.models.text_plans`
+translates), followed through the forward: a column-parallel module's output is sharded, so is
+every tensor computed from a sharded one (a `torch.overrides.TorchFunctionMode` sees every op),
+until a row-parallel module's output (its all-reduce) makes it replicated again; a fused gate_up
+whose output is gathered (``colwise_gather_output``) stays replicated, and the row-parallel
+module after it (``rowwise_split_input``) keeps its input's local slice (sharded). A layer the
+plan does not shard (LFM2's short-convolution blocks) is whole on every TP rank. Under text
+sequence parallelism every per-token activation is ``1/tp`` of the whole
+(`ray_dhp.planning.memory.text_activation_parts`).
+
+What it cannot see (kept by formula in the planner): the tensors a layer is handed rather than
+makes (the rotary ``cos`` / ``sin``, masks: the planner's once-per-token part), everything outside
+the layers (final norm, logits), the routed experts' rows (the probe runs each experts module as
+a stub that saves nothing: the stock loop's per-expert gathers depend on the routing's values,
+which the meta device has none of; `ray_dhp.planning.memory_layers.routed_rows_bytes` counts
+them, stock and expert-parallel), autocast's casts, an eager attention's ``s²`` scores (the probe
+runs attention as the fused CPU kernel, `ray_dhp.models.vision_saved._FusedAttention`), and
+kernels whose meta implementation saves other tensors than their CPU / CUDA one.
+`text_saved_per_token` returns None where the meta forward fails: the planner keeps its block
+formula.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import functools
+import json
+from typing import Optional
+
+import torch
+
+from ray_dhp.models.vision_saved import _FusedAttention
+
+__all__ = ["text_saved_per_token", "PROBE_TOKENS"]
+
+PROBE_TOKENS = 64
+_DTYPES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
+
+
+def text_saved_per_token(config, family, dtype_bytes: int) -> Optional[tuple]:
+    """``((replicated, sharded), ...)``: bytes per token each decoder layer of ``config``'s
+    language model (a `GenericFamily` ``family``'s) saves for backward at ``dtype_bytes`` per
+    activation element, split as the text TP plan shards them (a text TP rank of ``tp`` keeps
+    ``replicated + sharded / tp``; a sparse layer's routed experts not included), or None where
+    the meta probe cannot run (module docstring). Cached per (config, dtype)."""
+    import transformers
+
+    cls = getattr(transformers, family.model_class)
+    return _measure(cls, config.to_json_string(use_diff=False), family, _DTYPES[dtype_bytes])
+
+
+class _Sharding(_FusedAttention):
+    """Marks the storages of the outputs of every op that reads a sharded tensor as sharded
+    (module docstring; SDPA's as its fused kernel, `_FusedAttention`, with every tensor that kernel
+    keeps); the plan's modules mark and unmark by their forward hooks."""
+
+    def __init__(self):
+        super().__init__()
+        self.sharded, self.keep = set(), []
+
+    def mark(self, x, on: bool = True) -> None:
+        for t in _tensors(x):
+            st = t.untyped_storage()
+            if on:
+                self.sharded.add(st._cdata)
+                self.keep.append(st)  # its id stays this storage's
+            else:
+                self.sharded.discard(st._cdata)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        got = (self.fused(args, kwargs)
+               if func is torch.nn.functional.scaled_dot_product_attention else None)
+        out = super().__torch_function__(func, types, args, kwargs) if got is None else got[0]
+        if any(t.untyped_storage()._cdata in self.sharded for t in _tensors((args, kwargs))):
+            self.mark(out if got is None else got)
+        return out
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            yield from _tensors(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _tensors(y)
+
+
+def _hook_plan(decoder, plan: dict, mode: _Sharding) -> list:
+    """Forward hooks by the plan's styles (keys relative to the decoder, module docstring)."""
+    hooks = []
+    for name, module in decoder.named_modules():
+        style = next((s for k, s in plan.items() if fnmatch.fnmatchcase(name, k)), None)
+        if style == "colwise":
+            hooks.append(module.register_forward_hook(lambda _m, _a, out: mode.mark(out)))
+        elif style in ("rowwise", "rowwise_split_input"):
+            if style == "rowwise_split_input":
+                hooks.append(module.register_forward_pre_hook(lambda _m, args: mode.mark(args)))
+            hooks.append(module.register_forward_hook(lambda _m, _a, out: mode.mark(out, False)))
+    return hooks
+
+
+def _is_param(t: torch.Tensor) -> bool:
+    while t is not None:
+        if isinstance(t, torch.nn.Parameter):
+            return True
+        t = t._base
+    return False
+
+
+def _storages(x, out: set) -> None:
+    out.update(t.untyped_storage()._cdata for t in _tensors(x))
+
+
+def _stub(module) -> None:
+    """The experts module as an identity-shaped forward that saves nothing (module docstring)."""
+    module.forward = lambda hidden_states, *args, **kwargs: hidden_states * 0.0
+
+
+@functools.lru_cache(maxsize=None)
+def _measure(cls, config_json: str, family, dtype) -> Optional[tuple]:
+    config = cls.config_class.from_dict(json.loads(config_json))
+    with torch.device("meta"):
+        model = cls._from_config(config, dtype=dtype)
+    decoder = family.language_model(model)
+    decoder = getattr(decoder, "base_model", decoder)
+    plan = dict(getattr(decoder.config, "base_model_tp_plan", None) or {})
+    if family.moe is not None:
+        for name, module in decoder.named_modules():
+            if fnmatch.fnmatchcase(name, f"layers.*.{family.moe.experts_suffix}"):
+                _stub(module)
+    layers = decoder.layers
+    current, handed = [None], set()
+    saved: list = [[] for _ in layers]
+    params = {p.untyped_storage()._cdata for p in decoder.parameters()}
+
+    def enter(i):
+        def hook(_m, args, kwargs):
+            current[0] = i
+            _storages(args[1:], handed)  # what the layer is handed besides the hidden states
+            _storages({k: v for k, v in kwargs.items() if k != "hidden_states"}, handed)
+        return hook
+
+    for i, layer in enumerate(layers):
+        layer.register_forward_pre_hook(enter(i), with_kwargs=True)
+        layer.register_forward_hook(lambda *_: current.__setitem__(0, None))
+    seen: dict = {}
+
+    def pack(t):
+        if current[0] is not None and not _is_param(t):
+            st = t.untyped_storage()
+            if st._cdata not in seen and st._cdata not in params and st._cdata not in handed:
+                seen[st._cdata] = st  # the id stays this storage's while counting
+                saved[current[0]].append(st)
+        return t
+
+    for cpu_ints in (False, True):  # positions on CPU where the code reads their values
+        for s in saved:
+            s.clear()
+        seen.clear()
+        handed.clear()
+        mode = _Sharding()
+        hooks = _hook_plan(decoder, plan, mode)
+        embeds = torch.ones(1, PROBE_TOKENS, decoder.config.hidden_size, dtype=dtype,
+                            device="meta", requires_grad=True)
+        try:
+            with (contextlib.nullcontext() if cpu_ints else torch.device("meta")), \
+                    mode, \
+                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                positions = torch.arange(PROBE_TOKENS)[None] if cpu_ints else None
+                decoder(inputs_embeds=embeds, position_ids=positions, use_cache=False)
+        except (ValueError, TypeError, RuntimeError, IndexError, NotImplementedError,
+                AttributeError):
+            continue
+        finally:
+            for h in hooks:
+                h.remove()
+        return tuple((sum(st.nbytes() for st in s if st._cdata not in mode.sharded) / PROBE_TOKENS,
+                      sum(st.nbytes() for st in s if st._cdata in mode.sharded) / PROBE_TOKENS)
+                     for s in saved)
+    return None

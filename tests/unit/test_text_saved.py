@@ -1,0 +1,66 @@
+"""A generic family's decoder layers measured on the meta device (`ray_dhp.models.text_saved`) save
+what the same language model saves on CPU, split as its text TP plan shards them, and the planner
+takes them for the block formula (`ray_dhp.planning.memory.text_activation_parts`)."""
+
+import pytest
+import torch
+
+
+def _cpu_saved(config, family) -> list:
+    """Per decoder layer, the bytes the CPU forward saves for backward (storages once, parameters
+    and what the layer is handed — rotary tables, masks — excluded)."""
+    import transformers
+
+    from ray_dhp.models.text_saved import PROBE_TOKENS, _is_param, _storages
+
+    model = getattr(transformers, family.model_class)._from_config(config, dtype=torch.float32)
+    decoder = family.language_model(model)
+    per, current, seen, handed = [0] * len(decoder.layers), [None], set(), set()
+
+    def enter(i):
+        def hook(_m, _args, kwargs):
+            current[0] = i
+            _storages({k: v for k, v in kwargs.items() if k != "hidden_states"}, handed)
+        return hook
+
+    for i, layer in enumerate(decoder.layers):
+        layer.register_forward_pre_hook(enter(i), with_kwargs=True)
+        layer.register_forward_hook(lambda *_: current.__setitem__(0, None))
+    keep = []
+
+    def pack(t):
+        st = t.untyped_storage()
+        if current[0] is not None and not _is_param(t) and st._cdata not in seen | handed:
+            seen.add(st._cdata)
+            keep.append(st)
+            per[current[0]] += st.nbytes()
+        return t
+
+    embeds = torch.ones(1, PROBE_TOKENS, config.get_text_config().hidden_size, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        decoder(inputs_embeds=embeds, use_cache=False)
+    return [b / PROBE_TOKENS for b in per]
+
+
+def test_meta_probe_matches_cpu_splits_by_the_tp_plan_and_feeds_the_plan():
+    from ray_dhp import demo
+    from ray_dhp.models import family_of, text_saved_per_token
+    from ray_dhp.planning.memory import ActivationSettings, text_activation_parts
+
+    config = demo.tiny_model_config("aya_vision")  # Cohere's parallel block: one norm per layer
+    probed = text_saved_per_token(config, 4)
+    assert [r + s for r, s in probed] == pytest.approx(_cpu_saved(config, family_of(config)))
+    tc = config.get_text_config()
+    h, i, heads = tc.hidden_size, tc.intermediate_size, tc.num_attention_heads
+    # sharded: q, k, v, the attention output, its fp32 log-sum-exp, the gated MLP's four
+    # i-wide tensors (fp32); the rest (the norm's, the residual) replicated
+    assert all(s == 4 * (4 * h + heads + 4 * i) for _, s in probed)
+    s = ActivationSettings(4, "flash", False)
+    base = text_activation_parts(tc, 100, 2, s, probed=((0.0, 0.0),) * len(probed))[0]
+    assert text_activation_parts(tc, 100, 2, s, probed=probed)[0] == pytest.approx(
+        base + 100 * sum(r + s / 2 for r, s in probed))
+    # a layer the TP plan leaves whole (LFM2's short convolutions): nothing sharded
+    assert all(s == 0 for _, s in text_saved_per_token(demo.tiny_model_config("lfm2_vl"), 4))
+    # a hand-written family keeps its formula
+    assert text_saved_per_token(demo.tiny_model_config("qwen2_5_vl"), 4) is None
+
