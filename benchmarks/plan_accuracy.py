@@ -77,29 +77,13 @@ GENERIC_ROWS = _generic_rows()
 
 # Generic families whose activations (or step peak) the planner's block models miss by more than
 # 5%: the state is exact for every one; each gap is what is left to model (measured 2026-12-03/04).
-# A tower's activations are measured from its own code on the meta device where that runs
-# (`ray_dhp.models.vision_saved`: exact on every such row); the others keep the block formula.
-_GLM = {"activations": (0.2, "text 0.85: GLM-4's four norms per block and fused gate_up; "
-                              "vision 0.83: GLM-4V's tower (post-conv norm, downsampling conv, "
-                              "its merger) counted as a Qwen tower: its code reads the grid's "
-                              "values, so no meta probe")}
-_LFM = {"activations": (0.5, "text 0.52-0.71: LFM2's short-convolution blocks counted as "
-                             "attention blocks: not modelled yet; LFM3-VL's vision 0.48: block formula, "
-                             "its code reads values, so no meta probe")}
+# Both sides' activations are measured from the model's own code on the meta device where that
+# runs (the tower: `ray_dhp.models.vision_saved`; the decoder layers: `ray_dhp.models.text_saved`);
+# the others keep the block formulas.
 GENERIC_GAPS = {
-    "aya_vision": {"activations": (0.12, "text 1.12: Cohere's parallel block (one LayerNorm "
-                                         "feeding attention and MLP) counted as two pre-norms")},
-    "cohere2_vision": {"activations": (TOLERANCE, "text 1.12: Cohere's parallel block, as "
-                                              "aya_vision's"),
-                       "step_peak": (0.2, "1.17 on the rank without the vision tower's "
-                                           "gradient: not explained yet")},
-    "glm4v": _GLM, "glm46v": _GLM, "glmga": _GLM, "glm_ocr": _GLM, "glm4v_moe": _GLM,
-    "lfm2_vl": _LFM, "lfm3_vl": _LFM,
-    "kimi_k25": {"activations": (0.9, "text 0.14: multi-head latent attention and the MoE "
-                                       "layers counted as plain attention and MLP: not "
-                                       "modelled yet")},
-    "cosmos3_edge": {"activations": (0.1, "text 1.15: not explained yet"),
-                     "step_peak": (0.1, "1.08: not explained yet")},
+    "cohere2_vision": {"step_peak": (0.2, "1.17 on the rank without the vision tower's "
+                                          "gradient: not explained yet")},
+    "cosmos3_edge": {"step_peak": (0.1, "1.07-1.08: not explained yet")},
     "video_llava": {"step_peak": (0.1, "1.085: not explained yet")},
 }
 
