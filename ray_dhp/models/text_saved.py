@@ -18,14 +18,18 @@ plan does not shard (LFM2's short-convolution blocks) is whole on every TP rank.
 sequence parallelism every per-token activation is ``1/tp`` of the whole
 (`ray_dhp.planning.memory.text_activation_parts`).
 
-What it cannot see (kept by formula in the planner): the tensors a layer is handed rather than
-makes (the rotary ``cos`` / ``sin``, masks: the planner's once-per-token part), everything outside
-the layers (final norm, logits), the routed experts' rows (the probe runs each experts module as
-a stub that saves nothing: the stock loop's per-expert gathers depend on the routing's values,
-which the meta device has none of; `ray_dhp.planning.memory_layers.routed_rows_bytes` counts
-them, stock and expert-parallel), autocast's casts, an eager attention's ``s²`` scores (the probe
-runs attention as the fused CPU kernel, `ray_dhp.models.vision_saved._FusedAttention`), and
-kernels whose meta implementation saves other tensors than their CPU / CUDA one.
+Besides the layers: the per-token tensors the layers are handed and save (the rotary ``cos`` /
+``sin`` tables: float, fewer than four dims, one of them the probe's tokens; a mask, ``s²``, is
+not counted) and what the decoder saves outside its layers (the final norm, an embedding scale).
+
+What it cannot see (kept by formula in the planner): the input ids, labels and logits (the
+engine's vocabulary-parallel loss, not the stock head), the routed experts' rows (the probe runs
+each experts module as a stub that saves nothing: the stock loop's per-expert gathers depend on
+the routing's values, which the meta device has none of;
+`ray_dhp.planning.memory_layers.routed_rows_bytes` counts them, stock and expert-parallel),
+autocast's casts, an eager attention's ``s²`` scores (the probe runs attention as the fused CPU
+kernel, `ray_dhp.models.vision_saved._FusedAttention`), and kernels whose meta implementation
+saves other tensors than their CPU / CUDA one.
 `text_saved_per_token` returns None where the meta forward fails: the planner keeps its block
 formula.
 """
@@ -36,24 +40,32 @@ import contextlib
 import fnmatch
 import functools
 import json
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from ray_dhp.models.vision_saved import _FusedAttention
 
-__all__ = ["text_saved_per_token", "PROBE_TOKENS"]
+__all__ = ["text_saved_per_token", "TextSaved", "PROBE_TOKENS"]
 
 PROBE_TOKENS = 64
 _DTYPES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
 
 
-def text_saved_per_token(config, family, dtype_bytes: int) -> Optional[tuple]:
-    """``((replicated, sharded), ...)``: bytes per token each decoder layer of ``config``'s
-    language model (a `GenericFamily` ``family``'s) saves for backward at ``dtype_bytes`` per
-    activation element, split as the text TP plan shards them (a text TP rank of ``tp`` keeps
-    ``replicated + sharded / tp``; a sparse layer's routed experts not included), or None where
-    the meta probe cannot run (module docstring). Cached per (config, dtype)."""
+class TextSaved(NamedTuple):
+    """Bytes per token a decoder saves for backward (`text_saved_per_token`)."""
+
+    layers: tuple    # per decoder layer (replicated, sharded): a TP rank keeps rep + sharded/tp
+    tables: float    # what the layers are handed and save (the rotary cos / sin; masks not)
+    outside: float   # saved outside the layers (the final norm, an embedding scale): replicated;
+    #                  not the norm's output, which the head keeps (the planner's ``d h``)
+
+
+def text_saved_per_token(config, family, dtype_bytes: int) -> Optional[TextSaved]:
+    """The `TextSaved` of ``config``'s language model (a `GenericFamily` ``family``'s) at
+    ``dtype_bytes`` per activation element, its layers' bytes split as the text TP plan shards
+    them (a sparse layer's routed experts not included), or None where the meta probe cannot
+    run (module docstring). Cached per (config, dtype)."""
     import transformers
 
     cls = getattr(transformers, family.model_class)
@@ -143,15 +155,17 @@ def _measure(cls, config_json: str, family, dtype) -> Optional[tuple]:
             if fnmatch.fnmatchcase(name, f"layers.*.{family.moe.experts_suffix}"):
                 _stub(module)
     layers = decoder.layers
-    current, handed = [None], set()
+    current, handed = [None], {}  # storage id -> per token (module docstring)
     saved: list = [[] for _ in layers]
     params = {p.untyped_storage()._cdata for p in decoder.parameters()}
 
     def enter(i):
         def hook(_m, args, kwargs):
             current[0] = i
-            _storages(args[1:], handed)  # what the layer is handed besides the hidden states
-            _storages({k: v for k, v in kwargs.items() if k != "hidden_states"}, handed)
+            for t in _tensors((args[1:], {k: v for k, v in kwargs.items()
+                                          if k != "hidden_states"})):  # what the layer is handed
+                handed.setdefault(t.untyped_storage()._cdata, t.is_floating_point()
+                                  and t.dim() < 4 and PROBE_TOKENS in t.shape)
         return hook
 
     for i, layer in enumerate(layers):
@@ -160,16 +174,21 @@ def _measure(cls, config_json: str, family, dtype) -> Optional[tuple]:
     seen: dict = {}
 
     def pack(t):
-        if current[0] is not None and not _is_param(t):
+        if not _is_param(t):
             st = t.untyped_storage()
-            if st._cdata not in seen and st._cdata not in params and st._cdata not in handed:
+            if st._cdata not in seen and st._cdata not in params:
                 seen[st._cdata] = st  # the id stays this storage's while counting
-                saved[current[0]].append(st)
+                if st._cdata in handed:
+                    if handed[st._cdata]:
+                        tables.append(st)  # per token (rotary tables), not a mask (s²)
+                else:
+                    (outside if current[0] is None else saved[current[0]]).append(st)
         return t
 
     for cpu_ints in (False, True):  # positions on CPU where the code reads their values
         for s in saved:
             s.clear()
+        tables, outside = [], []
         seen.clear()
         handed.clear()
         mode = _Sharding()
@@ -188,7 +207,10 @@ def _measure(cls, config_json: str, family, dtype) -> Optional[tuple]:
         finally:
             for h in hooks:
                 h.remove()
-        return tuple((sum(st.nbytes() for st in s if st._cdata not in mode.sharded) / PROBE_TOKENS,
-                      sum(st.nbytes() for st in s if st._cdata in mode.sharded) / PROBE_TOKENS)
-                     for s in saved)
+        def per_token(storages, sharded=None) -> float:
+            return sum(st.nbytes() for st in storages
+                       if sharded is None or (st._cdata in mode.sharded) == sharded) / PROBE_TOKENS
+
+        return TextSaved(tuple((per_token(s, False), per_token(s, True)) for s in saved),
+                         per_token(tables), per_token(outside))
     return None

@@ -136,10 +136,11 @@ def text_activation_parts(tc, tokens: int, tp: int, s: ActivationSettings,
     (`cp_working_bytes`, `RankMemory.text_work`). Measured: within 5% at CP 1/2/4
     (tests/distributed/test_context_parallel.py) and in the plan-accuracy matrix.
 
-    ``probed`` (`text_probe`: a generic family's decoder layers measured from the model's own
-    code, ``(replicated, sharded)`` bytes per token each): the layers' saved bytes in place of
-    the block formula (a sparse layer's routed rows still by formula, `routed_rows_bytes`); the
-    once-per-token part, eager scores and the recomputed block's transient as above."""
+    ``probed`` (`text_probe`: a generic family's decoder measured from the model's own code,
+    `ray_dhp.models.text_saved.TextSaved`): the layers' saved bytes in place of the block
+    formula (a sparse layer's routed rows still by formula, `routed_rows_bytes`), the measured
+    final norm and rotary tables in place of theirs; ids, labels, logits, eager scores and the
+    recomputed block's transient as above."""
     if cp > 1:
         seq = sample_tokens or tokens
         padded = -(-seq // cp) * cp
@@ -178,7 +179,10 @@ def text_activation_parts(tc, tokens: int, tp: int, s: ActivationSettings,
                             tokens * 4 * d * (routed or i / tp), tokens * (norm - d * h / local),
                             one=s.checkpointing, gathered=tokens * h * d if seq_parallel else 0.0)
         blocks, recomputed = (blocks, recomputed + extra) if s.checkpointing else (blocks + extra, 0.0)
-    once = tokens * (norm + cast_norm + 2 * d * hd + 16 + 4 * tc.vocab_size / tp)
+    # once: the final norm, the rotary tables, ids and labels, the fp32 logits
+    final = (norm + 2 * d * hd) if probed is None else (
+        (probed.outside + d * h) / local + probed.tables)  # + the head's input
+    once = tokens * (final + cast_norm + 16 + 4 * tc.vocab_size / tp)
     if s.attention == "eager":
         scores = 2 * heads / tp * tokens * (sample_tokens or tokens) * d
         blocks, recomputed = (blocks, recomputed + scores) if s.checkpointing else (
@@ -204,7 +208,7 @@ def _probed_layers(probed, other, tc, tokens: float, tp: int, d: int, seq_parall
     sequence's under text SP, with its gathered ``h``-wide copy, `layer_extra`)."""
     sparse = set(other.sparse_layers) if other is not None and other.sparse else set()
     out = []
-    for i, (rep, shard) in enumerate(probed):
+    for i, (rep, shard) in enumerate(probed.layers):
         own = tokens * ((rep + shard) / tp if seq_parallel else rep + shard / tp)
         if i in sparse:
             own += routed_rows_bytes(other, tc.hidden_size, tokens, d) + (

@@ -49,18 +49,22 @@ def test_meta_probe_matches_cpu_splits_by_the_tp_plan_and_feeds_the_plan():
 
     config = demo.tiny_model_config("aya_vision")  # Cohere's parallel block: one norm per layer
     probed = text_saved_per_token(config, 4)
-    assert [r + s for r, s in probed] == pytest.approx(_cpu_saved(config, family_of(config)))
+    assert [r + s for r, s in probed.layers] == pytest.approx(_cpu_saved(config, family_of(config)))
     tc = config.get_text_config()
     h, i, heads = tc.hidden_size, tc.intermediate_size, tc.num_attention_heads
     # sharded: q, k, v, the attention output, its fp32 log-sum-exp, the gated MLP's four
     # i-wide tensors (fp32); the rest (the norm's, the residual) replicated
-    assert all(s == 4 * (4 * h + heads + 4 * i) for _, s in probed)
+    assert all(s == 4 * (4 * h + heads + 4 * i) for _, s in probed.layers)
     s = ActivationSettings(4, "flash", False)
-    base = text_activation_parts(tc, 100, 2, s, probed=((0.0, 0.0),) * len(probed))[0]
+    # the rotary cos and sin (fp32, head_dim wide); the final norm (Cohere's LayerNorm)
+    assert probed.tables == 2 * 4 * (getattr(tc, "head_dim", None) or h // heads)
+    assert probed.outside > 0
+    base = text_activation_parts(tc, 100, 2, s, probed=probed._replace(
+        layers=((0.0, 0.0),) * len(probed.layers)))[0]
     assert text_activation_parts(tc, 100, 2, s, probed=probed)[0] == pytest.approx(
-        base + 100 * sum(r + s / 2 for r, s in probed))
+        base + 100 * sum(r + s / 2 for r, s in probed.layers))
     # a layer the TP plan leaves whole (LFM2's short convolutions): nothing sharded
-    assert all(s == 0 for _, s in text_saved_per_token(demo.tiny_model_config("lfm2_vl"), 4))
+    assert all(s == 0 for _, s in text_saved_per_token(demo.tiny_model_config("lfm2_vl"), 4).layers)
     # a hand-written family keeps its formula
     assert text_saved_per_token(demo.tiny_model_config("qwen2_5_vl"), 4) is None
 
