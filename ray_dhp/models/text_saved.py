@@ -28,8 +28,11 @@ each experts module as a stub that saves nothing: the stock loop's per-expert ga
 the routing's values, which the meta device has none of;
 `ray_dhp.planning.memory_layers.routed_rows_bytes` counts them, stock and expert-parallel),
 autocast's casts, an eager attention's ``s²`` scores (the probe runs attention as the fused CPU
-kernel, `ray_dhp.models.vision_saved._FusedAttention`), and kernels whose meta implementation
-saves other tensors than their CPU / CUDA one.
+kernel, `ray_dhp.models.vision_saved._FusedAttention`), an attention mask the stock forward builds
+from its inputs and SDPA keeps (``rows x s²``: Gemma's and PaliGemma's image tokens attending
+both ways; the probe's causal run has none), rotary tables shared by a micro-batch's rows
+(counted per token), and kernels whose meta implementation saves other tensors than their CPU /
+CUDA one.
 `text_saved_per_token` returns None where the meta forward fails: the planner keeps its block
 formula.
 """
