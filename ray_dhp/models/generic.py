@@ -266,12 +266,6 @@ def _family(cls, config_json: str) -> GenericFamily:
     sp_refusal = sp_refusal_of(getattr(inner, tower), vc)
     root, lm_path, head_path, decoder = _layout(cls, inner, lm_attr)
     top = f"{root}." if root else ""
-    if not root:
-        raise UnsupportedModel(
-            f"model_type {model_type!r}: {cls.__name__} keeps its vision tower and language model "
-            f"at its top (not under `model`) with the decoder inside a {type(getattr(inner, lm_attr)).__name__}: "
-            "read by the generic family (`_layout`), not yet verified exact (no consistent tiny "
-            "config: its vision intermediate size must equal hidden / pixel_shuffle_ratio²)")
     try:
         moe, experts = moe_spec(cls, config, type(decoder))
     except ValueError as e:
@@ -327,7 +321,13 @@ def _layout(cls, inner, lm_attr: str) -> tuple:
     root = "" if isinstance(inner, cls) else "model"
     lm = getattr(inner, lm_attr)
     decoder = getattr(lm, "base_model", lm)
-    inner_path = f"{lm_attr}.{lm.base_model_prefix}" if decoder is not lm else lm_attr
+    if decoder is lm and not isinstance(getattr(lm, "layers", None), torch.nn.ModuleList):
+        # a base_model_prefix naming no child (Llama 4's ``language_model``): the child that
+        # holds the decoder layers
+        decoder = next((m for m in lm.children()
+                        if isinstance(getattr(m, "layers", None), torch.nn.ModuleList)), lm)
+    inner_path = lm_attr if decoder is lm else \
+        f"{lm_attr}.{next(n for n, m in lm.named_children() if m is decoder)}"
     lm_path = f"{root}.{inner_path}" if root else inner_path
     head, head_path = inner.get_output_embeddings() if root == "" else None, "lm_head"
     if head is not None:
