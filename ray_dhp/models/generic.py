@@ -66,7 +66,8 @@ from ray_dhp.models.generic_packing import packing_rule
 from ray_dhp.models.segments import SEGMENTS_KWARG
 from ray_dhp.models.generic_probe import (LM_ATTRS, PADDED_SIDE, UnsupportedModel,  # noqa: F401 (re-exported)
                                           grid_geometry, grid_input,
-                                          image_inputs, padded_input, padded_inputs, probe,
+                                          image_inputs, packed_input, packed_inputs,
+                                          padded_input, padded_inputs, probe,
                                           text_reads_vision)
 from ray_dhp.models.text_plans import HF_STYLES, hf_text_plan
 from ray_dhp.models.text_sp_plans import hf_sp_plan, sp_layout
@@ -140,6 +141,7 @@ class GenericFamily(FamilySpec):
     pixel_dims: int = 4                # 4: [n, C, H, W]; 5: [1, n, C, H, W]
     grid_input: bool = False           # the tower takes patch rows + image_grid_thw (GLM-4V's)
     padded_input: bool = False         # the tower takes padded rows per image + spatial_shapes
+    packed_input: bool = False         # the tower takes one NaViT strip + target_sizes (MiniCPM-V)
     vision_unused: tuple = ()          # vision parameters no gradient reaches (names under model.)
     fixed_params: tuple = ()           # LM parameters the stock model never steps (below)
     pooled_dims: int = 2               # a pooled tensor's dims: 3 = [images, rows, d] (VideoLLaVA)
@@ -189,6 +191,10 @@ class GenericFamily(FamilySpec):
             vc = config.vision_config  # patch images [N, C, P, P] (Kimi-K2.5's tower)
             kwargs["pixel_values"] = kwargs["pixel_values"].reshape(
                 -1, getattr(vc, "num_channels", 3), vc.patch_size, vc.patch_size)
+        elif kwargs.get("pixel_values") is not None and self.packed_input:
+            vc = config.vision_config
+            kwargs.update(packed_inputs(kwargs["pixel_values"], kwargs["image_grid_thw"],
+                                        vc.patch_size, getattr(vc, "num_channels", 3)))
         elif kwargs.get("pixel_values") is not None and self.padded_input:
             vc = config.vision_config
             kwargs.update(padded_inputs(self.image_kwargs, kwargs["pixel_values"],
@@ -234,14 +240,16 @@ def _family(cls, config_json: str) -> GenericFamily:
     _check_covered(cls, config)
     grid = grid_input(cls, vc)
     padded = not grid and padded_input(cls)
-    pooled, inner, unused, (image_kwargs, pixel_dims), probed = probe(config, cls, grid, padded)
+    packed = not grid and not padded and packed_input(cls, model_type)
+    pooled, inner, unused, (image_kwargs, pixel_dims), probed = probe(config, cls, grid, padded,
+                                                                      packed)
     is_sequence = isinstance(pooled, (list, tuple))
     pooled_dims = 2 if is_sequence else pooled.dim()
     if is_sequence:
         pooled = torch.cat([p.reshape(-1, p.shape[-1]) for p in pooled])
     rows = int(pooled.reshape(-1, pooled.shape[-1]).shape[0])
     size = patch = 0  # a fixed image size's geometry (none with a grid: any size)
-    if grid or padded:  # any size: rows per m x m patches of the probe's square image
+    if grid or padded or packed:  # any size: rows per m x m patches of the probe's square image
         _, _, m0, side = grid_geometry(vc) if grid else (0, 0, None, PADDED_SIDE)
         m = math.isqrt(side * side // rows) if rows and (side * side) % rows == 0 else 0
         if not m or m * m * rows != side * side or side % m or m0 not in (None, m):
@@ -299,7 +307,7 @@ def _family(cls, config_json: str) -> GenericFamily:
         vision_parts=parts,
         merger_prefixes=tuple(f"{top}{p}." for p in parts if p != tower),
         merge_size=lambda config, _m=m: _m,
-        image_patches=lambda config, _n=0 if grid or padded else (size // patch) ** 2: _n,
+        image_patches=lambda config, _n=0 if grid or padded or packed else (size // patch) ** 2: _n,
         vision_heads=lambda vision_config: vision_config.num_attention_heads,
         vision_depth=lambda vision_config: vision_config.num_hidden_layers,
         projector_dim=lambda config: config.get_text_config().hidden_size,
@@ -307,7 +315,7 @@ def _family(cls, config_json: str) -> GenericFamily:
         vision_zero3=False,
         model_processor=True,
         vision_unused=unused, fixed_params=fixed, image_kwargs=image_kwargs, pixel_dims=pixel_dims, grid_input=grid,
-        padded_input=padded,
+        padded_input=padded, packed_input=packed,
         lm_attr=lm_attr, tower=tower, root=root, lm_path=lm_path, rows_per_image=rows, text_plan_refusal=refusal,
         forward_params=params, moe=moe, vision_sp_refusal=sp_refusal,
     )

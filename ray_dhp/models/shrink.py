@@ -96,6 +96,11 @@ def shrink_config(config, *, text: dict = None, vision: dict = None, top: dict =
         if isinstance(d.get(key), int):
             d[key] = text_d["hidden_size"]
     _pixel_shuffle_widths(vision_d, text_d["hidden_size"])
+    depth = vision_d.get("num_hidden_layers")
+    for d in (vision_d, top_d):  # a tower layer's index past the new depth (MiniCPM-V 4.6's
+        for k, v in d.items():   # ``insert_layer_id``, its merger): after the first half
+            if k.endswith("layer_id") and isinstance(v, int) and isinstance(depth, int) and v >= depth:
+                d[k] = max(depth // 2 - 1, 0)
     out = AutoConfig.for_model(config.model_type, **{**top_d, "text_config": text_d,
                                                      "vision_config": vision_d})
     out._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
