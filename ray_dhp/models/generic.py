@@ -65,7 +65,7 @@ from ray_dhp.models.generic_moe import _meta_lm, dense_plan, moe_spec, unreached
 from ray_dhp.models.generic_packing import packing_rule
 from ray_dhp.models.segments import SEGMENTS_KWARG
 from ray_dhp.models.generic_probe import (LM_ATTRS, PADDED_SIDE, UnsupportedModel,  # noqa: F401 (re-exported)
-                                          grid_geometry, grid_input,
+                                          anyres_refusal, grid_geometry, grid_input,
                                           image_inputs, packed_input, packed_inputs,
                                           padded_input, padded_inputs, probe,
                                           text_reads_vision)
@@ -240,7 +240,7 @@ def _family(cls, config_json: str) -> GenericFamily:
     _check_covered(cls, config)
     grid = grid_input(cls, vc)
     padded = not grid and padded_input(cls)
-    packed = not grid and not padded and packed_input(cls, model_type)
+    packed = not grid and not padded and packed_input(cls, config)
     pooled, inner, unused, (image_kwargs, pixel_dims), probed = probe(config, cls, grid, padded,
                                                                       packed)
     is_sequence = isinstance(pooled, (list, tuple))
@@ -362,6 +362,8 @@ def _check_covered(cls, config) -> None:
         raise UnsupportedModel(f"model_type {mt!r}: {cls.__name__}.forward takes no pixel_values "
                                "(its images go by another name): the stock model the engine is "
                                "exact against could not be run")
+    if anyres_refusal(config):
+        raise UnsupportedModel(anyres_refusal(config))
     if hasattr(cls, "get_audio_features"):
         raise UnsupportedModel(f"model_type {mt!r} has an audio encoder, which the generic family "
                                "does not cover yet")

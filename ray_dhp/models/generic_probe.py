@@ -10,7 +10,7 @@ import inspect
 
 import torch
 
-__all__ = ["LM_ATTRS", "UnsupportedModel", "grid_geometry", "grid_input", "image_inputs", "packed_input",
+__all__ = ["LM_ATTRS", "anyres_refusal", "UnsupportedModel", "grid_geometry", "grid_input", "image_inputs", "packed_input",
            "packed_inputs", "padded_input", "processor_inputs", "padded_inputs", "probe", "root_of", "text_reads_vision"]
 
 LM_ATTRS = ("language_model", "text_model")
@@ -79,13 +79,18 @@ def processor_inputs(model_type: str) -> tuple:
     return ()
 
 
-def packed_input(cls, model_type: str = "") -> bool:
+def packed_input(cls, config) -> bool:
     """Whether the tower takes every image's patches packed side by side in one NaViT strip with
     each image's ``(h, w)`` patch grid (``target_sizes``, MiniCPM-V 4.6's): its
-    ``get_image_features`` or its image processor's inputs (`processor_inputs`; the class's
-    own method may only forward ``*args``) name ``target_sizes``. Such a tower takes any size."""
-    return "target_sizes" in inspect.signature(cls.get_image_features).parameters or \
-        "target_sizes" in processor_inputs(model_type)
+    ``get_image_features``, the base model's (``AutoModel``'s class: the top one may only pass
+    ``*args`` on) or its image processor's inputs (`processor_inputs`) name ``target_sizes``.
+    Such a tower takes any image size."""
+    from transformers import MODEL_MAPPING
+
+    base = MODEL_MAPPING.get(type(config), None)
+    methods = [m for m in (cls.get_image_features, getattr(base, "get_image_features", None)) if m]
+    return any("target_sizes" in inspect.signature(m).parameters for m in methods) or \
+        "target_sizes" in processor_inputs(config.model_type)
 
 
 def packed_inputs(rows: torch.Tensor, grid: torch.LongTensor, patch: int, channels: int) -> dict:
@@ -98,6 +103,20 @@ def packed_inputs(rows: torch.Tensor, grid: torch.LongTensor, patch: int, channe
     x = rows.reshape(-1, channels, patch, patch).permute(1, 2, 0, 3)
     return {"pixel_values": x.reshape(1, channels, patch, -1),
             "target_sizes": grid[:, 1:].to(device=rows.device, dtype=torch.int32)}
+
+
+def anyres_refusal(config) -> str:
+    """Why a model whose rows per image depend on the image's own size beyond a patch grid is
+    not covered, or "": a config with ``image_grid_pinpoints`` (LLaVA-NeXT's and -OneVision's
+    "anyres": a base tile plus the tiles of the pinpoint that fits the image best, their rows
+    unpadded to the image's aspect ratio, an ``image_newline`` row after each row of rows; the
+    processor's ``image_sizes`` carry the original size)."""
+    if getattr(config, "image_grid_pinpoints", None) is None:
+        return ""
+    return (f"model_type {config.model_type!r}: its feature rows per image depend on the image's "
+            "original size (image_grid_pinpoints: anyres tiles unpadded to the aspect ratio of the "
+            "processor's image_sizes, plus image_newline rows), which the generic family's row "
+            "count (patches per m x m square of each image's (tiles, h, w) grid) cannot express yet")
 
 
 def root_of(model) -> torch.nn.Module:
