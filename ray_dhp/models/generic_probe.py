@@ -284,10 +284,13 @@ def _probe_on(config, cls, device: str, grid: bool = False, side=None, padded: b
         else:
             size = side or getattr(vc, "image_size", None)
             if not isinstance(size, int):
+                made = processor_inputs(config.model_type)
                 raise _LayoutRefusal(
                     f"its vision config ({type(vc).__name__}) has no fixed image_size and its "
-                    "tower takes no image_grid_thw: a variable-resolution tower (rows from each "
-                    "image's own size), which the generic family does not cover yet")
+                    "tower takes no image_grid_thw, spatial_shapes or target_sizes: a "
+                    "variable-resolution tower (rows from each image's own size) in a form the "
+                    "generic family does not cover yet" + (
+                        f" (its image processor makes {', '.join(made)})" if made else ""))
             pooled, dims = _call_probe(root_of(model), names, torch.ones(1, channels, size, size))
         total = sum(p.sum() for p in pooled) if isinstance(pooled, (list, tuple)) else pooled.sum()
         named = [(n, p) for n, p in root.named_parameters()
