@@ -79,13 +79,11 @@ GENERIC_ROWS = _generic_rows()
 # 5%: the state is exact for every one; each gap is what is left to model (measured 2026-12-03/04).
 # A tower's activations are measured from its own code on the meta device where that runs
 # (`ray_dhp.models.vision_saved`: exact on every such row); the others keep the block formula.
-_GLM = {"activations": (0.2, "text 0.85: GLM-4's four norms per block and fused gate_up; "
-                              "vision 0.83: GLM-4V's tower (post-conv norm, downsampling conv, "
-                              "its merger) counted as a Qwen tower: its code reads the grid's "
-                              "values, so no meta probe")}
+_GLM = {"activations": (0.2, "text 0.85: GLM-4's four norms per block and fused gate_up "
+                              "counted as a two-norm block (its tower: measured, 1.000)")}
 _LFM = {"activations": (0.5, "text 0.52-0.71: LFM2's short-convolution blocks counted as "
-                             "attention blocks: not modelled yet; LFM3-VL's vision 0.48: block formula, "
-                             "its code reads values, so no meta probe")}
+                             "attention blocks: not modelled yet; LFM2-VL's vision 0.85: block "
+                             "formula (its meta probe does not run)")}
 GENERIC_GAPS = {
     "aya_vision": {"activations": (0.12, "text 1.12: Cohere's parallel block (one LayerNorm "
                                          "feeding attention and MLP) counted as two pre-norms")},

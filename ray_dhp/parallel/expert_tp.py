@@ -52,10 +52,8 @@ def validate(family, config, tp: int) -> None:
     if family.moe.ep_refusal:
         raise ValueError(f"text.expert_tensor_parallel=true is not covered for {family.name!r}: "
                          f"{family.moe.ep_refusal}; set it false.")
-    from ray_dhp.models.generic_moe import expert_widths
-
-    i = expert_widths(config.text_config)
-    if any(w % tp for w in i):
+    i = config.text_config.moe_intermediate_size  # a list: one width per group of experts
+    if any(w % tp for w in (i if isinstance(i, (list, tuple)) else (i,))):
         raise ValueError(f"text.expert_tensor_parallel=true: the experts' intermediate size ({i}) "
                          f"is not divisible by text.tensor_parallel={tp}.")
 
