@@ -31,8 +31,9 @@ What is read, and from where:
 Covered today: towers on fixed-size images (one tile per image: ``image_size`` from the vision
 config) and towers that take each image at its own size: patch rows with an ``image_grid_thw``
 (GLM-4V's; Kimi-K2.5's as ``[N, C, P, P]`` patch images, its merge read from the probe's rows)
-or padded patch rows per image with their ``spatial_shapes`` (`padded_inputs`: SigLIP 2's
-NaFlex, LFM2-VL's), vision data parallelism, vision Ulysses sequence parallelism where the
+padded patch rows per image with their ``spatial_shapes`` (`padded_inputs`: SigLIP 2's
+NaFlex, LFM2-VL's) or one NaViT strip with ``target_sizes`` (`packed_inputs`: MiniCPM-V's, as
+its image processor lays it out), vision data parallelism, vision Ulysses sequence parallelism where the
 tower's layers call attention through transformers' interface (`ray_dhp.models.vision_generic_sp`;
 refused with the reason where they do not: ``vision_sp_refusal``), text TP, Megatron text
 sequence parallelism where the plan and the decoder layers allow it
@@ -40,8 +41,9 @@ sequence parallelism where the plan and the decoder layers allow it
 (`ray_dhp.models.generic_packing`). A mixture-of-experts language model: its router loss and
 expert parallelism read from its own metadata (`ray_dhp.models.generic_moe`). Refused in the
 driver, with the reason: text sequence parallelism where it cannot be derived, vision ZeRO-3;
-and the whole model where it has an audio encoder or its text forward reads a vision part
-(`text_reads_vision`; not covered yet). Language-model parameters the stock model never steps
+and the whole model where it has an audio encoder, its text forward reads a vision part
+(`text_reads_vision`) or its rows depend on the original image size (`anyres_refusal`); not
+covered yet. Language-model parameters the stock model never steps
 are held frozen (`fixed_params`).
 
 Example::
