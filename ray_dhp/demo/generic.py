@@ -88,7 +88,7 @@ def tiny_generic_processor(model_type: str):
 
     config = tiny_generic_config(model_type)
     family = family_of(config)
-    if family.grid_input or family.padded_input:  # any size: Qwen2-VL's PIL processor
+    if family.grid_input or family.padded_input or family.packed_input:  # any size: Qwen2-VL's
         vc = config.vision_config
         limits = dict(min_pixels=IMAGE_SIDE ** 2, max_pixels=(2 * IMAGE_SIDE) ** 2,
                       patch_size=vc.patch_size, merge_size=family.merge_size(config))

@@ -31,8 +31,9 @@ What is read, and from where:
 Covered today: towers on fixed-size images (one tile per image: ``image_size`` from the vision
 config) and towers that take each image at its own size: patch rows with an ``image_grid_thw``
 (GLM-4V's; Kimi-K2.5's as ``[N, C, P, P]`` patch images, its merge read from the probe's rows)
-or padded patch rows per image with their ``spatial_shapes`` (`padded_inputs`: SigLIP 2's
-NaFlex, LFM2-VL's), vision data parallelism, vision Ulysses sequence parallelism where the
+padded patch rows per image with their ``spatial_shapes`` (`padded_inputs`: SigLIP 2's
+NaFlex, LFM2-VL's) or one NaViT strip with ``target_sizes`` (`packed_inputs`: MiniCPM-V's, as
+its image processor lays it out), vision data parallelism, vision Ulysses sequence parallelism where the
 tower's layers call attention through transformers' interface (`ray_dhp.models.vision_generic_sp`;
 refused with the reason where they do not: ``vision_sp_refusal``), text TP, Megatron text
 sequence parallelism where the plan and the decoder layers allow it
@@ -40,8 +41,9 @@ sequence parallelism where the plan and the decoder layers allow it
 (`ray_dhp.models.generic_packing`). A mixture-of-experts language model: its router loss and
 expert parallelism read from its own metadata (`ray_dhp.models.generic_moe`). Refused in the
 driver, with the reason: text sequence parallelism where it cannot be derived, vision ZeRO-3;
-and the whole model where it has an audio encoder or its text forward reads a vision part
-(`text_reads_vision`; not covered yet). Language-model parameters the stock model never steps
+and the whole model where it has an audio encoder, its text forward reads a vision part
+(`text_reads_vision`) or its rows depend on the original image size (`anyres_refusal`); not
+covered yet. Language-model parameters the stock model never steps
 are held frozen (`fixed_params`).
 
 Example::
@@ -65,8 +67,9 @@ from ray_dhp.models.generic_moe import _meta_lm, dense_plan, moe_spec, unreached
 from ray_dhp.models.generic_packing import packing_rule
 from ray_dhp.models.segments import SEGMENTS_KWARG
 from ray_dhp.models.generic_probe import (LM_ATTRS, PADDED_SIDE, UnsupportedModel,  # noqa: F401 (re-exported)
-                                          grid_geometry, grid_input,
-                                          image_inputs, padded_input, padded_inputs, probe,
+                                          anyres_refusal, grid_geometry, grid_input,
+                                          image_inputs, packed_input, packed_inputs,
+                                          padded_input, padded_inputs, probe,
                                           text_reads_vision)
 from ray_dhp.models.text_plans import HF_STYLES, hf_text_plan
 from ray_dhp.models.text_sp_plans import hf_sp_plan, sp_layout
@@ -140,6 +143,7 @@ class GenericFamily(FamilySpec):
     pixel_dims: int = 4                # 4: [n, C, H, W]; 5: [1, n, C, H, W]
     grid_input: bool = False           # the tower takes patch rows + image_grid_thw (GLM-4V's)
     padded_input: bool = False         # the tower takes padded rows per image + spatial_shapes
+    packed_input: bool = False         # the tower takes one NaViT strip + target_sizes (MiniCPM-V)
     vision_unused: tuple = ()          # vision parameters no gradient reaches (names under model.)
     fixed_params: tuple = ()           # LM parameters the stock model never steps (below)
     pooled_dims: int = 2               # a pooled tensor's dims: 3 = [images, rows, d] (VideoLLaVA)
@@ -189,6 +193,10 @@ class GenericFamily(FamilySpec):
             vc = config.vision_config  # patch images [N, C, P, P] (Kimi-K2.5's tower)
             kwargs["pixel_values"] = kwargs["pixel_values"].reshape(
                 -1, getattr(vc, "num_channels", 3), vc.patch_size, vc.patch_size)
+        elif kwargs.get("pixel_values") is not None and self.packed_input:
+            vc = config.vision_config
+            kwargs.update(packed_inputs(kwargs["pixel_values"], kwargs["image_grid_thw"],
+                                        vc.patch_size, getattr(vc, "num_channels", 3)))
         elif kwargs.get("pixel_values") is not None and self.padded_input:
             vc = config.vision_config
             kwargs.update(padded_inputs(self.image_kwargs, kwargs["pixel_values"],
@@ -234,14 +242,16 @@ def _family(cls, config_json: str) -> GenericFamily:
     _check_covered(cls, config)
     grid = grid_input(cls, vc)
     padded = not grid and padded_input(cls)
-    pooled, inner, unused, (image_kwargs, pixel_dims), probed = probe(config, cls, grid, padded)
+    packed = not grid and not padded and packed_input(cls, config)
+    pooled, inner, unused, (image_kwargs, pixel_dims), probed = probe(config, cls, grid, padded,
+                                                                      packed)
     is_sequence = isinstance(pooled, (list, tuple))
     pooled_dims = 2 if is_sequence else pooled.dim()
     if is_sequence:
         pooled = torch.cat([p.reshape(-1, p.shape[-1]) for p in pooled])
     rows = int(pooled.reshape(-1, pooled.shape[-1]).shape[0])
     size = patch = 0  # a fixed image size's geometry (none with a grid: any size)
-    if grid or padded:  # any size: rows per m x m patches of the probe's square image
+    if grid or padded or packed:  # any size: rows per m x m patches of the probe's square image
         _, _, m0, side = grid_geometry(vc) if grid else (0, 0, None, PADDED_SIDE)
         m = math.isqrt(side * side // rows) if rows and (side * side) % rows == 0 else 0
         if not m or m * m * rows != side * side or side % m or m0 not in (None, m):
@@ -266,12 +276,6 @@ def _family(cls, config_json: str) -> GenericFamily:
     sp_refusal = sp_refusal_of(getattr(inner, tower), vc)
     root, lm_path, head_path, decoder = _layout(cls, inner, lm_attr)
     top = f"{root}." if root else ""
-    if not root:
-        raise UnsupportedModel(
-            f"model_type {model_type!r}: {cls.__name__} keeps its vision tower and language model "
-            f"at its top (not under `model`) with the decoder inside a {type(getattr(inner, lm_attr)).__name__}: "
-            "read by the generic family (`_layout`), not yet verified exact (no consistent tiny "
-            "config: its vision intermediate size must equal hidden / pixel_shuffle_ratio²)")
     try:
         moe, experts = moe_spec(cls, config, type(decoder))
     except ValueError as e:
@@ -305,7 +309,7 @@ def _family(cls, config_json: str) -> GenericFamily:
         vision_parts=parts,
         merger_prefixes=tuple(f"{top}{p}." for p in parts if p != tower),
         merge_size=lambda config, _m=m: _m,
-        image_patches=lambda config, _n=0 if grid or padded else (size // patch) ** 2: _n,
+        image_patches=lambda config, _n=0 if grid or padded or packed else (size // patch) ** 2: _n,
         vision_heads=lambda vision_config: vision_config.num_attention_heads,
         vision_depth=lambda vision_config: vision_config.num_hidden_layers,
         projector_dim=lambda config: config.get_text_config().hidden_size,
@@ -313,7 +317,7 @@ def _family(cls, config_json: str) -> GenericFamily:
         vision_zero3=False,
         model_processor=True,
         vision_unused=unused, fixed_params=fixed, image_kwargs=image_kwargs, pixel_dims=pixel_dims, grid_input=grid,
-        padded_input=padded,
+        padded_input=padded, packed_input=packed,
         lm_attr=lm_attr, tower=tower, root=root, lm_path=lm_path, rows_per_image=rows, text_plan_refusal=refusal,
         forward_params=params, moe=moe, vision_sp_refusal=sp_refusal,
     )
@@ -327,7 +331,13 @@ def _layout(cls, inner, lm_attr: str) -> tuple:
     root = "" if isinstance(inner, cls) else "model"
     lm = getattr(inner, lm_attr)
     decoder = getattr(lm, "base_model", lm)
-    inner_path = f"{lm_attr}.{lm.base_model_prefix}" if decoder is not lm else lm_attr
+    if decoder is lm and not isinstance(getattr(lm, "layers", None), torch.nn.ModuleList):
+        # a base_model_prefix naming no child (Llama 4's ``language_model``): the child that
+        # holds the decoder layers
+        decoder = next((m for m in lm.children()
+                        if isinstance(getattr(m, "layers", None), torch.nn.ModuleList)), lm)
+    inner_path = lm_attr if decoder is lm else \
+        f"{lm_attr}.{next(n for n, m in lm.named_children() if m is decoder)}"
     lm_path = f"{root}.{inner_path}" if root else inner_path
     head, head_path = inner.get_output_embeddings() if root == "" else None, "lm_head"
     if head is not None:
@@ -354,6 +364,8 @@ def _check_covered(cls, config) -> None:
         raise UnsupportedModel(f"model_type {mt!r}: {cls.__name__}.forward takes no pixel_values "
                                "(its images go by another name): the stock model the engine is "
                                "exact against could not be run")
+    if anyres_refusal(config):
+        raise UnsupportedModel(anyres_refusal(config))
     if hasattr(cls, "get_audio_features"):
         raise UnsupportedModel(f"model_type {mt!r} has an audio encoder, which the generic family "
                                "does not cover yet")

@@ -10,8 +10,8 @@ import inspect
 
 import torch
 
-__all__ = ["LM_ATTRS", "UnsupportedModel", "grid_geometry", "grid_input", "image_inputs", "padded_input",
-           "padded_inputs", "probe", "root_of", "text_reads_vision"]
+__all__ = ["LM_ATTRS", "anyres_refusal", "UnsupportedModel", "grid_geometry", "grid_input", "image_inputs", "packed_input",
+           "packed_inputs", "padded_input", "processor_inputs", "padded_inputs", "probe", "root_of", "text_reads_vision"]
 
 LM_ATTRS = ("language_model", "text_model")
 
@@ -59,6 +59,64 @@ def padded_inputs(names: tuple, rows: torch.Tensor, grid: torch.LongTensor, patc
     if "pixel_attention_mask" in names:
         out["pixel_attention_mask"] = mask
     return out
+
+
+def processor_inputs(model_type: str) -> tuple:
+    """The ``model_input_names`` of the image processor class transformers maps ``model_type``
+    to (its PIL one where it has both; ``()`` where none is mapped or it cannot be imported):
+    the input contract of the family's own processor."""
+    try:
+        from transformers.models.auto.image_processing_auto import (
+            IMAGE_PROCESSOR_MAPPING_NAMES, get_image_processor_class_from_name)
+
+        names = IMAGE_PROCESSOR_MAPPING_NAMES.get(model_type) or {}
+        names = names if isinstance(names, dict) else {"": names}
+        for key in ("pil", *names):
+            if names.get(key):
+                return tuple(get_image_processor_class_from_name(names[key]).model_input_names)
+    except Exception:  # noqa: BLE001 - a backend the processor needs is not installed
+        pass
+    return ()
+
+
+def packed_input(cls, config) -> bool:
+    """Whether the tower takes every image's patches packed side by side in one NaViT strip with
+    each image's ``(h, w)`` patch grid (``target_sizes``, MiniCPM-V 4.6's): its
+    ``get_image_features``, the base model's (``AutoModel``'s class: the top one may only pass
+    ``*args`` on) or its image processor's inputs (`processor_inputs`) name ``target_sizes``.
+    Such a tower takes any image size."""
+    from transformers import MODEL_MAPPING
+
+    base = MODEL_MAPPING.get(type(config), None)
+    methods = [m for m in (cls.get_image_features, getattr(base, "get_image_features", None)) if m]
+    return any("target_sizes" in inspect.signature(m).parameters for m in methods) or \
+        "target_sizes" in processor_inputs(config.model_type)
+
+
+def packed_inputs(rows: torch.Tensor, grid: torch.LongTensor, patch: int, channels: int) -> dict:
+    """``get_image_features``'s keywords for a `packed_input` tower, from ray_dhp's patch rows
+    ``[N, C*P*P]`` (raster order per image, each row ``(C, P, P)``) and one ``(1, h, w)`` grid
+    row per image: ``pixel_values [1, C, P, N*P]`` (patch ``k`` in columns ``k*P .. k*P+P``, as
+    the family's image processor's ``reshape_by_patch`` lays an image out) and ``target_sizes
+    [n, 2]`` (int32, as the processor makes them)."""
+    grid = torch.as_tensor(grid, dtype=torch.long).cpu()
+    x = rows.reshape(-1, channels, patch, patch).permute(1, 2, 0, 3)
+    return {"pixel_values": x.reshape(1, channels, patch, -1),
+            "target_sizes": grid[:, 1:].to(device=rows.device, dtype=torch.int32)}
+
+
+def anyres_refusal(config) -> str:
+    """Why a model whose rows per image depend on the image's own size beyond a patch grid is
+    not covered, or "": a config with ``image_grid_pinpoints`` (LLaVA-NeXT's and -OneVision's
+    "anyres": a base tile plus the tiles of the pinpoint that fits the image best, their rows
+    unpadded to the image's aspect ratio, an ``image_newline`` row after each row of rows; the
+    processor's ``image_sizes`` carry the original size)."""
+    if getattr(config, "image_grid_pinpoints", None) is None:
+        return ""
+    return (f"model_type {config.model_type!r}: its feature rows per image depend on the image's "
+            "original size (image_grid_pinpoints: anyres tiles unpadded to the aspect ratio of the "
+            "processor's image_sizes, plus image_newline rows), which the generic family's row "
+            "count (patches per m x m square of each image's (tiles, h, w) grid) cannot express yet")
 
 
 def root_of(model) -> torch.nn.Module:
@@ -148,12 +206,12 @@ class _LayoutRefusal(UnsupportedModel):
     """A refusal read from the model's layout or config (the same on any device)."""
 
 
-def probe(config, cls, grid: bool = False, padded: bool = False):
+def probe(config, cls, grid: bool = False, padded: bool = False, packed: bool = False):
     """`_probe_on` the meta device; where ``get_image_features`` cannot run there (shapes that
     depend on values), on CPU with a copy of the config of small widths (`shrink_config`: the
     same depths and image geometry, so the same rows and the same unused parameters)."""
     try:
-        return _probe_on(config, cls, "meta", grid, padded=padded)
+        return _probe_on(config, cls, "meta", grid, padded=padded, packed=packed)
     except _LayoutRefusal:
         raise  # the model's layout, not the meta device: a CPU probe would say the same
     except UnsupportedModel as meta_error:
@@ -168,7 +226,7 @@ def probe(config, cls, grid: bool = False, padded: bool = False):
         errors = []
         for side in _cpu_sides(config.vision_config):  # a small image first: a real backward
             try:
-                return _probe_on(small, cls, "cpu", grid, side, padded=padded)
+                return _probe_on(small, cls, "cpu", grid, side, padded=padded, packed=packed)
             except UnsupportedModel as e:
                 errors.append(str(e))
         raise UnsupportedModel(f"{meta_error}; on CPU at small widths: {'; '.join(errors)}")
@@ -188,7 +246,8 @@ def _cpu_sides(vc) -> list:
 PADDED_SIDE = 8
 
 
-def _probe_on(config, cls, device: str, grid: bool = False, side=None, padded: bool = False):
+def _probe_on(config, cls, device: str, grid: bool = False, side=None, padded: bool = False,
+              packed: bool = False):
     """``(pooler_output, inner model, unused, (image keywords, pixel dims), image side)`` of one
     image (``side`` px a side, default the tower's ``image_size``) through the model's own
     ``get_image_features``, built and run on the meta device (shapes only, no memory);
@@ -208,32 +267,37 @@ def _probe_on(config, cls, device: str, grid: bool = False, side=None, padded: b
                                    f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
         if grid:  # one image of 2m x 2m patches (PADDED_SIDE a side without a merge size)
             pooled, dims = _grid_probe(root, vc, channels, device)
-        elif padded:  # one image of PADDED_SIDE x PADDED_SIDE patches, padded rows
+        elif padded or packed:  # one image of PADDED_SIDE x PADDED_SIDE patches
             n, p = PADDED_SIDE, vc.patch_size
+            rows, one = torch.ones(n * n, channels * p * p), torch.tensor([[1, n, n]])
             try:
                 out = root.get_image_features(
-                    **padded_inputs(names, torch.ones(n * n, channels * p * p),
-                                    torch.tensor([[1, n, n]]), p, channels), return_dict=True)
+                    **(packed_inputs(rows, one, p, channels) if packed else
+                       padded_inputs(names, rows, one, p, channels)), return_dict=True)
                 _check_no_deepstack(out)
                 pooled = out.pooler_output
             except (ValueError, TypeError, RuntimeError, IndexError, NotImplementedError) as e:
                 raise UnsupportedModel(f"get_image_features fails on one {n}x{n}-patch image "
-                                       f"as padded patch rows ({device}): {type(e).__name__}: {e}") from None
+                                       f"as {'packed' if packed else 'padded'} patch rows ({device}): "
+                                       f"{type(e).__name__}: {e}") from None
             dims = 3
         else:
             size = side or getattr(vc, "image_size", None)
             if not isinstance(size, int):
+                made = processor_inputs(config.model_type)
                 raise _LayoutRefusal(
                     f"its vision config ({type(vc).__name__}) has no fixed image_size and its "
-                    "tower takes no image_grid_thw: a variable-resolution tower (rows from each "
-                    "image's own size), which the generic family does not cover yet")
+                    "tower takes no image_grid_thw, spatial_shapes or target_sizes: a "
+                    "variable-resolution tower (rows from each image's own size) in a form the "
+                    "generic family does not cover yet" + (
+                        f" (its image processor makes {', '.join(made)})" if made else ""))
             pooled, dims = _call_probe(root_of(model), names, torch.ones(1, channels, size, size))
         total = sum(p.sum() for p in pooled) if isinstance(pooled, (list, tuple)) else pooled.sum()
         named = [(n, p) for n, p in root.named_parameters()
                  if not n.startswith(LM_ATTRS) and p.requires_grad]
         grads = torch.autograd.grad(total, [p for _, p in named], allow_unused=True)
     unused = tuple(n for (n, _), g in zip(named, grads) if g is None)
-    probed = None if grid or padded else size
+    probed = None if grid or padded or packed else size
     return pooled, root, unused, (tuple(n for n in names if n in _IMAGE_KEYWORDS), dims), probed
 
 

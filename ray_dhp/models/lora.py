@@ -101,7 +101,7 @@ def lora_tp_plan(base_plan: dict, targets) -> dict:
             continue
         if type(style) is ColwiseParallel:
             plan[f"{pattern}.lora_B.{ADAPTER}"] = ColwiseParallel()
-        elif type(style) is RowwiseParallel:
+        elif type(style) is RowwiseParallel or type(style).__name__ == "OwnedRowwise":
             plan[f"{pattern}.lora_A.{ADAPTER}"] = RowwiseParallel()
         else:
             raise ValueError(f"LoRA on {pattern}: no adapter plan for {type(style).__name__}")

@@ -137,6 +137,13 @@ class _Recorder(TorchDispatchMode):
                 self._record(func, args, {**kwargs, "dtype": out.dtype}, None)
             elif name in RANDOM_OPS:
                 self.foreign_random.append(str(func))
+            elif isinstance(out, torch.Tensor) and written is None:
+                # a draw scaled out of place (``nn.Parameter(scale * torch.randn(d))``, Llama 4's
+                # class embedding): the result is what must become a parameter
+                src = next((storage_key(a) for a in leaves if isinstance(a, torch.Tensor)
+                            and storage_key(a) in self.foreign), None)
+                if src is not None:
+                    self.foreign[storage_key(out)] = (self.foreign.pop(src)[0], out)
             return out
         target = _written_arg(func, args, kwargs, meta=True)
         if target is not None or name in RANDOM_OPS:

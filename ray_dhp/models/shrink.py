@@ -95,11 +95,32 @@ def shrink_config(config, *, text: dict = None, vision: dict = None, top: dict =
     for d, key in ((vision_d, "out_hidden_size"), (top_d, "hidden_size")):
         if isinstance(d.get(key), int):
             d[key] = text_d["hidden_size"]
+    _pixel_shuffle_widths(vision_d, text_d["hidden_size"])
+    depth = vision_d.get("num_hidden_layers")
+    for d in (vision_d, top_d):  # a tower layer's index past the new depth (MiniCPM-V 4.6's
+        for k, v in d.items():   # ``insert_layer_id``, its merger): after the first half
+            if k.endswith("layer_id") and isinstance(v, int) and isinstance(depth, int) and v >= depth:
+                d[k] = max(depth // 2 - 1, 0)
     out = AutoConfig.for_model(config.model_type, **{**top_d, "text_config": text_d,
                                                      "vision_config": vision_d})
     out._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
     _mrope_sections(config, out.get_text_config())
     return out
+
+
+def _pixel_shuffle_widths(vision_d: dict, width: int) -> None:
+    """A tower whose projector MLP follows a pixel shuffle (Llama 4's ``pixel_shuffle_ratio``,
+    ``projector_input_dim`` / ``projector_output_dim``, ``vision_output_dim``) takes the
+    shuffled width ``hidden / ratio²`` under the name ``intermediate_size`` and hands
+    ``vision_output_dim`` on: made consistent (transformers' default config is not: 768 / 0.25 is
+    not its 5632), the projector widths the language model's."""
+    ratio = vision_d.get("pixel_shuffle_ratio")
+    if not isinstance(ratio, float) or not isinstance(vision_d.get("projector_input_dim"), int):
+        return
+    vision_d["intermediate_size"] = round(vision_d["hidden_size"] / ratio ** 2)
+    for key in ("projector_input_dim", "projector_output_dim", "vision_output_dim"):
+        if key in vision_d:
+            vision_d[key] = width
 
 
 def _fit(text0, key: str, value):

@@ -192,6 +192,9 @@ def _head_norms(model, vision_names: set, tc) -> bool:
     return len(found) >= 2
 
 
+_ROWWISE = ("RowwiseParallel", "OwnedRowwise")  # `ray_dhp.models.text_plans.OwnedRowwise`
+
+
 def _dim0_sharded(param_name: str, plan: dict) -> bool:
     """The TP split of ``param_name`` is along its dim 0: column-parallel weights and biases, the
     vocab-parallel (row-parallel) embedding."""
@@ -199,7 +202,7 @@ def _dim0_sharded(param_name: str, plan: dict) -> bool:
     for pattern, style in plan.items():
         if fnmatch.fnmatchcase(module, pattern):
             kind = type(style).__name__
-            return kind == "ColwiseParallel" or (kind == "RowwiseParallel" and module.endswith("embed_tokens"))
+            return kind == "ColwiseParallel" or (kind in _ROWWISE and module.endswith("embed_tokens"))
     return False
 
 
@@ -209,7 +212,7 @@ def _is_sharded(param_name: str, plan: dict) -> bool:
         if fnmatch.fnmatchcase(module, pattern):  # a style may keep its module's own parameters whole
             if not getattr(style, "shards_parameters", True):
                 return False
-            return not (leaf == "bias" and type(style).__name__ == "RowwiseParallel")
+            return not (leaf == "bias" and type(style).__name__ in _ROWWISE)
     return False
 
 

@@ -7,7 +7,7 @@ plan (the generic family's, `ray_dhp.models.generic`)."""
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
 __all__ = ["standard_text_plan", "sequence_parallel_text_plan", "hf_text_plan", "hf_style",
            "HF_STYLES", "TailGradAllReduce"]
@@ -116,7 +116,7 @@ def hf_style(style: str, text_config=None):
     if style == "colwise":
         return ColwiseParallel()
     if style == "rowwise":
-        return RowwiseParallel()
+        return OwnedRowwise()
     if style == "colwise_gather_output":  # a fused gate_up the forward chunks whole
         return ColwiseParallel(output_layouts=Replicate())
     if style == "rowwise_split_input":    # ... so the next linear takes its slice
@@ -126,6 +126,19 @@ def hf_style(style: str, text_config=None):
     if style == "mla_kv_a_proj":
         return TailGradAllReduce(text_config.qk_rope_head_dim)
     return None
+
+
+class OwnedRowwise(RowwiseParallel):
+    """``RowwiseParallel`` whose replicated output is a tensor of its own, not DTensor's
+    ``to_local`` view: a forward that adds into a linear's output in place (Llama 4's shared
+    expert: ``out.add_(routed)``) is refused by autograd on such a view. One copy of the output,
+    freed with it; the values are the same."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        out = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs,
+                                                 device_mesh)
+        return out.clone() if use_local_output else out
 
 
 class TailGradAllReduce(ParallelStyle):

@@ -7,7 +7,8 @@ A sample's ``pixel_values`` are patch rows ``[n * h * w, C * P * P]`` with one g
 `vision_forward` runs ``get_image_features`` on them (a tower on patch rows gets the rows with
 their grid; one on padded rows per image, SigLIP 2's NaFlex, `padded_inputs`' padding of the
 rank's own images: the padded patches are masked out of every image's attention, so the rows
-do not depend on which images share a rank) (the vision parts' shell,
+do not depend on which images share a rank; one on a NaViT strip, MiniCPM-V 4.6's, the rank's
+images side by side with their ``target_sizes``: `packed_inputs`) (the vision parts' shell,
 `GenericFamily.visual`). Its ``pooler_output`` — ``[n, rows, D]``, ``[n * rows, D]`` or one
 block per image — becomes ``[n * rows, D]`` feature rows in image order: exactly the rows the
 stock forward scatters into the image tokens.
@@ -92,7 +93,8 @@ def stock_pixels(config, pixel_values: torch.Tensor, grid_thw: torch.LongTensor)
     from ray_dhp.models import family_of
 
     family = family_of(config)
-    if family.grid_input or family.padded_input:  # `GenericFamily.stock_inputs` pads the latter
+    if family.grid_input or family.padded_input or family.packed_input:  # `stock_inputs` lays
+        # out the latter two (padded rows per image, one NaViT strip)
         return pixel_values
     vc = config.vision_config
     return _images(pixel_values, grid_thw, vc.patch_size, getattr(vc, "num_channels", 3))
@@ -112,13 +114,15 @@ def vision_forward(family: str, visual: torch.nn.Module, pixel_values: torch.Ten
 
 def _whole(visual: torch.nn.Module, pixel_values: torch.Tensor, plan: ImagePlan) -> torch.Tensor:
     """The replica's feature rows ``[rows, D]`` in image order, through ``get_image_features``."""
-    from ray_dhp.models.generic import image_inputs, padded_inputs
+    from ray_dhp.models.generic import image_inputs, packed_inputs, padded_inputs
 
     spec = plan.family
     if spec.grid_input:  # the tower takes the patch rows and their grid as they are
         if spec.pixel_dims == 4:  # as patch images [N, C, P, P] (Kimi-K2.5's tower)
             pixel_values = pixel_values.reshape(-1, plan.channels, plan.patch, plan.patch)
         inputs = {"pixel_values": pixel_values, "image_grid_thw": plan.grid_thw.to(pixel_values.device)}
+    elif spec.packed_input:  # this rank's images side by side in one strip, their grids
+        inputs = packed_inputs(pixel_values, plan.grid_thw, plan.patch, plan.channels)
     elif spec.padded_input:  # each image's rows, padded to this rank's longest image
         inputs = padded_inputs(spec.image_kwargs, pixel_values, plan.grid_thw, plan.patch, plan.channels)
     else:

@@ -5,7 +5,8 @@ with nothing written for the model: the tower's own code runs, hooked at two sea
   by that count): a forward pre-hook cuts its input hidden states ``[images, T, D]`` to this
   SP rank's contiguous share of each image's ``T`` tokens (``T`` need not divide by SP: the
   shares differ by at most one token), slices the rotary ``position_embeddings`` (cos, sin) it
-  is handed to the same tokens, and hands the layers an `UlyssesContext` as a keyword
+  is handed to the same tokens (and any other keyword tensor with the tokens first: Llama 4's
+  complex rotary table ``freqs_ci [T, 1, d]``), and hands the layers an `UlyssesContext` as a keyword
   (``CTX_KWARG``), which the layers pass on to attention as transformers passes any keyword
   argument; the masks stay whole (only attention reads them, after the all-to-all, over the whole
   sequence). A forward hook gathers the encoder's output back to all ``T`` tokens.
@@ -200,6 +201,13 @@ def _pre(encoder, args, kwargs):
     if pos is not None:
         kwargs["position_embeddings"] = tuple(p.narrow(-2, lo, ctx.local_len) if p.shape[-2] == total
                                               else p for p in pos)
+    for k, v in kwargs.items():  # a per-token table with the tokens first (Llama 4's freqs_ci)
+        if k not in (key, "position_embeddings") and "mask" not in k and torch.is_tensor(v) \
+                and v.dim() >= 2 and v.shape[0] == total:
+            if hidden.shape[0] == total:
+                raise RuntimeError(f"{type(encoder).__name__}: {k} {tuple(v.shape)} may be per image "
+                                   f"or per token ({total} images of {total} tokens)")
+            kwargs[k] = v.narrow(0, lo, ctx.local_len)
     if _takes_kwargs(encoder):
         kwargs[CTX_KWARG] = ctx
     else:  # it hands its layers no keywords: its attention modules hold the context meanwhile

@@ -179,7 +179,8 @@ class GatheredRegion(ParallelStyle):
     rank's slice of it (no communication). Its output is either sharded by its own row-parallel
     linear (``RowwiseParallel(output_layouts=Shard(1))``) or, ``shard_output``, whole on every
     rank (a sparse block's: replicated experts + an all-reduced shared expert) and then sliced to
-    this rank's tokens (backward all-gathers)."""
+    this rank's tokens (backward all-gathers); an output ``[tokens, d]`` of a ``[b, s, d]`` input
+    (a block that flattens the tokens, Llama 4's) is sliced as ``[b, s, d]``."""
 
     def __init__(self, input_kwarg: Optional[str] = None, shard_output: bool = False):
         super().__init__()
@@ -187,16 +188,20 @@ class GatheredRegion(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         key = self.input_kwarg
+        shapes: list = []  # the gathered input's shape, to undo a block's flattening of tokens
 
         def pre(_module, args, kwargs):
             use_kw = key is not None and key in kwargs
             shard = _local(kwargs[key] if use_kw else args[0])
             full = DTensor.from_local(shard, device_mesh, [Shard(1)], run_check=False).redistribute(
                 device_mesh, [Replicate()]).to_local()
+            shapes[:] = [full.shape]
             return (args, {**kwargs, key: full}) if use_kw else ((full, *args[1:]), kwargs)
 
         def post(_module, _args, out):
             first = out[0] if isinstance(out, tuple) else out
+            if first.dim() == 2 and len(shapes[0]) == 3:  # tokens flattened (Llama 4's MoE block)
+                first = first.view(*shapes[0][:2], first.shape[-1])
             first = DTensor.from_local(_local(first), device_mesh, [Replicate()], run_check=False
                                        ).redistribute(device_mesh, [Shard(1)]).to_local()
             return (first, *out[1:]) if isinstance(out, tuple) else first

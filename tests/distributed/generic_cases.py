@@ -56,7 +56,24 @@ LFM2_VL = dict(loss_tol=1e-7, param_tol=1e-6, update_tol=1e-6, grad_tol=1e-6)
 # vision replicas. Measured with vision DP2 (3 steps): its gradient 5.2e-8 at step 1, 6.9e-8 at
 # step 3, update 6.2e-8, parameter 1.0e-10; every other tensor within 1e-10; disjoint 1 + TP2
 # (one vision rank) 1.1e-14. Held to the tolerance of LFM2-VL's fp32 position table.
-TOLS = {"gemma3": GEMMA, "paligemma": GEMMA, "shieldgemma2": GEMMA, "aya_vision": COHERE,
+# Llama 4 runs parts of its text model in fp32 even in an fp64 model: its RMSNorms
+# (``self._norm(x.float())``), the rotary embedding of q and k (``view_as_complex(xq.float())``)
+# and the router's sigmoid; its tower's rotary likewise. A last-bit difference of the fp64 inputs
+# (another summation order) then flips an fp32 rounding. Measured (3 steps): collocated DP2 + TP2,
+# disjoint 1 + TP2 and text ZeRO-3 DP2 within 1e-10; with Megatron text SP (reduce-scatter in
+# place of the all-reduce) steps 1-2 within 1e-10, step 3's gradients 3.7e-8 (experts), updates
+# and parameters 3.5e-9, grad-norm 1.2e-10. Held to the tolerance of LFM2-VL's fp32 table.
+# MiniCPM-V 4.6's language model is a Qwen3.5 (`family_checks`' Qwen3.5 notes): its zero-centred
+# RMSNorms and the Gated DeltaNet's ``A_log`` compute in fp32 even in an fp64 model, so with two
+# text replicas (text ZeRO-3 DP2) those weights' gradients are fp32 sums over each replica's
+# tokens, added in another order. Measured (3 steps): steps 1-2 only those gradients are off (6.4e-8);
+# from step 3 every forward sees norm weights off by ~1e-7 and every gradient follows (1.3e-5,
+# the tower's key projection), updates 8.1e-6 (the embedding: AdamW passes a small entry's
+# relative error on), parameters 1.0e-6, loss 1.6e-10, grad-norm 9.5e-10. Collocated DP2 + TP2 and
+# disjoint 1 + TP2 (one text replica) within 1e-10. Held to 1e-4 (as Cohere's norms). MiniCPM-V
+# 4.7 and MiniCPM-OCR (the same LM): the same figures (their step-1 norm gradients up to 8.2e-8).
+TOLS = {"llama4": LFM2_VL, "minicpmv4_6": COHERE, "minicpmv4_7": COHERE, "minicpm_ocr": COHERE,
+        "gemma3": GEMMA, "paligemma": GEMMA, "shieldgemma2": GEMMA, "aya_vision": COHERE,
         "cohere2_vision": COHERE, "glm4v": GLM, "glm46v": GLM, "glmga": GLM, "glm4v_moe": GLM_MOE,
         "lfm2_vl": LFM2_VL, "cosmos3_edge": LFM2_VL, "kimi_k25": GLM_MOE, "got_ocr2": dict(TOL, grad_tol=1e-8), "pp_chart2table": dict(TOL, grad_tol=1e-8),
         "llava_onevision1_5": LFM2_VL, "ernie4_5_vl_moe": GLM_MOE}
@@ -72,7 +89,8 @@ ZERO_GRAD = ("vision_tower.encoder.layers.0.self_attn.k_proj.bias",
              "image_tower.encoder.layers.0.self_attn.k_proj.bias",  # VideoLLaVA's CLIP
              "image_tower.encoder.layers.1.self_attn.k_proj.bias",
              "visual.encoder.layers.0.self_attn.k_proj.bias",  # Cosmos3-Edge's SigLIP 2
-             "visual.encoder.layers.1.self_attn.k_proj.bias")
+             "visual.encoder.layers.1.self_attn.k_proj.bias",
+             "vision_tower.vit_merger.self_attn.k_proj.bias")  # MiniCPM-V 4.6's window merger
 # Towers that rotate q and k (2-D RoPE: PaddleOCR-VL's SigLIP) give a key bias a real gradient (``q
 # . R b`` differs per key position): nothing is left out of their comparisons.
 ROTARY_KEY_BIAS = ("paddleocr_vl",)
@@ -83,4 +101,4 @@ ROTARY_KEY_BIAS = ("paddleocr_vl",)
 # SP for them, with the reason: `GenericFamily.vision_sp_refusal`; `test_generic_sp.py` checks
 # this list against it).
 VISION_SP = ("gemma3", "llava", "paligemma", "aya_vision", "cohere2_vision", "mistral3", "idefics3",
-             "smolvlm", "lighton_ocr", "shieldgemma2", "video_llava", "lfm2_vl")
+             "smolvlm", "lighton_ocr", "shieldgemma2", "video_llava", "lfm2_vl", "llama4")

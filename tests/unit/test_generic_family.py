@@ -66,3 +66,29 @@ def test_sharded_random_init_replays_the_stock_init(family):
     meta.init.replay(3, set(meta.init.params), lambda names, t: got.update({n: t for n in names}))
     assert set(got) == set(ref)
     assert all(torch.equal(got[n], ref[n].detach()) for n in ref)
+
+
+@pytest.mark.slow
+def test_a_navit_strip_is_laid_out_as_the_family_processor_lays_it():
+    """MiniCPM-V 4.6's tower takes one strip of every image's patches with ``target_sizes``
+    (`packed_inputs`): from ray_dhp's patch rows it is exactly what transformers' own image
+    processor of the family makes of the same images (two sizes, no resize or normalisation)."""
+    import numpy as np
+    from PIL import Image
+    from transformers.models.minicpmv4_6.image_processing_pil_minicpmv4_6 import (
+        MiniCPMV4_6ImageProcessorPil)
+
+    from ray_dhp.data.tiles import tile_rows
+    from ray_dhp.models.generic_probe import packed_inputs
+
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 255, (h, w, 3), dtype=np.uint8) for h, w in ((56, 84), (112, 56))]
+    out = MiniCPMV4_6ImageProcessorPil(slice_mode=False)(
+        images=[Image.fromarray(a) for a in images], return_tensors="pt", do_resize=False,
+        do_rescale=False, do_normalize=False)
+    rows = torch.cat([tile_rows(torch.tensor(a, dtype=torch.float32).permute(2, 0, 1)[None], 14)
+                      for a in images])
+    grid = torch.tensor([[1, a.shape[0] // 14, a.shape[1] // 14] for a in images])
+    ours = packed_inputs(rows, grid, 14, 3)
+    assert torch.equal(ours["pixel_values"], out["pixel_values"].float())
+    assert torch.equal(ours["target_sizes"], out["target_sizes"])
