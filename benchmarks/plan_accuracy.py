@@ -288,7 +288,7 @@ def planned(case: Case, got: list) -> list:
                                 segment_tokens=got[0]["segment"], lm_tokens_included=True,
                                 audio_samples=-(-n // ag.dp) if ag is not None else None)
     base = without_audio(counts) if audio is not None else counts
-    probed = text_probe(config, settings)  # a generic family's measured layers (or None)
+    probed = text_probe(config, settings, seq)  # a generic family's measured layers (or None)
     _, transient = text_activation_parts(
         config.text_config, rows * seq, topo.text.inner, settings, seq,
         seq_parallel=topo.text_sequence_parallel, cp=topo.text.cp, head_norms=counts.text_head_norms,

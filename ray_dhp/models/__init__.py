@@ -88,35 +88,37 @@ def vision_saved_per_token(config, dtype_bytes: int):
     (`ray_dhp.models.vision_saved`: ``layers`` inside the encoder's layers, which vision SP
     divides; ``rest`` whole on every SP rank); None for a hand-written family (its block formula
     holds) or where the meta probe cannot run."""
-    from ray_dhp.models.generic import GenericFamily
-
-    try:
-        family = family_of(config)
-    except ValueError:
-        return None
-    if not isinstance(family, GenericFamily):
+    family = _generic(config)
+    if family is None:
         return None
     from ray_dhp.models.vision_saved import vision_saved_per_token as measured
 
     return measured(config, family, dtype_bytes)
 
 
-def text_saved_per_token(config, dtype_bytes: int):
+def text_saved_per_token(config, dtype_bytes: int, tokens: int = 64):
     """``((replicated, sharded), ...)`` bytes per token each decoder layer of a generic family's
-    language model saves for backward at ``dtype_bytes`` per element, measured from its own code
-    on the meta device (`ray_dhp.models.text_saved`: split as its text TP plan shards them);
+    language model saves for backward at ``dtype_bytes`` per element in rows of ``tokens``
+    tokens, measured from its own code on the meta device (`ray_dhp.models.text_saved`: split as
+    its text TP plan shards them);
     None for a hand-written family (its formula holds) or where the meta probe cannot run."""
+    family = _generic(config)
+    if family is None:
+        return None
+    from ray_dhp.models.text_saved import text_saved_per_token as measured
+
+    return measured(config, family, dtype_bytes, tokens)
+
+
+def _generic(config):
+    """``config``'s `GenericFamily`, or None (a hand-written family, or none at all)."""
     from ray_dhp.models.generic import GenericFamily
 
     try:
         family = family_of(config)
     except ValueError:
         return None
-    if not isinstance(family, GenericFamily):
-        return None
-    from ray_dhp.models.text_saved import text_saved_per_token as measured
-
-    return measured(config, family, dtype_bytes)
+    return family if isinstance(family, GenericFamily) else None
 
 
 def load_model_config(model):

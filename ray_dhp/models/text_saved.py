@@ -1,7 +1,7 @@
 """What a generic family's language model saves for backward per decoder layer, measured from its
 own code (`ray_dhp.models.generic`): the decoder (``embed_tokens`` .. ``layers`` .. ``norm``) built
 on the meta device (shapes only, no memory, at any width) in the activation dtype, one forward of
-``PROBE_TOKENS`` input embeddings under ``torch.autograd.graph.saved_tensors_hooks``, each saved
+a row's input embeddings (its length: what a token saves can depend on it) under ``torch.autograd.graph.saved_tensors_hooks``, each saved
 storage counted once at its full size (identity: the storage's ``_cdata``), parameters and views
 of them excluded, as `benchmarks/measure.py` counts a real step's, and given to the decoder layer
 running when it was first saved: bytes per token of each layer (every layer type measured:
@@ -23,10 +23,11 @@ Besides the layers: the per-token tensors the layers are handed and save (the ro
 not counted) and what the decoder saves outside its layers (the final norm, an embedding scale).
 
 What it cannot see (kept by formula in the planner): the input ids, labels and logits (the
-engine's vocabulary-parallel loss, not the stock head), the routed experts' rows (the probe runs
-each experts module as a stub that saves nothing: the stock loop's per-expert gathers depend on
-the routing's values, which the meta device has none of;
-`ray_dhp.planning.memory_layers.routed_rows_bytes` counts them, stock and expert-parallel),
+engine's vocabulary-parallel loss, not the stock head), the routed experts' rows where the experts
+module is handed the routing (the probe runs it as a stub that saves nothing: the stock loop's
+per-expert gathers depend on the routing's values, which the meta device has none of;
+`ray_dhp.planning.memory_layers.routed_rows_bytes` counts them, stock and expert-parallel; an
+experts module handed the hidden rows alone, Llama 4's every expert on every token, is measured),
 autocast's casts, an eager attention's ``s²`` scores (the probe runs attention as the fused CPU
 kernel, `ray_dhp.models.vision_saved._FusedAttention`), an attention mask the stock forward builds
 from its inputs and SDPA keeps (``rows x s²``: Gemma's and PaliGemma's image tokens attending
@@ -49,9 +50,13 @@ import torch
 
 from ray_dhp.models.vision_saved import _FusedAttention
 
-__all__ = ["text_saved_per_token", "TextSaved", "PROBE_TOKENS"]
+__all__ = ["text_saved_per_token", "TextSaved", "PROBE_TOKENS", "PROBE_MAX_TOKENS"]
 
-PROBE_TOKENS = 64
+PROBE_TOKENS = 64  # a row's length where the caller names none
+# the longest row probed: a longer one is probed at this length (what a token saves is then
+# within a chunk's padding of its value at any longer length: a chunked linear-attention
+# kernel's 64-token chunks, 3% at 2048; the meta forward's time grows with the chunks)
+PROBE_MAX_TOKENS = 2048
 _DTYPES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
 
 
@@ -62,17 +67,22 @@ class TextSaved(NamedTuple):
     tables: float    # what the layers are handed and save (the rotary cos / sin; masks not)
     outside: float   # saved outside the layers (the final norm, an embedding scale): replicated;
     #                  not the norm's output, which the head keeps (the planner's ``d h``)
+    stubbed: frozenset = frozenset()  # the layers whose routed rows are not in ``layers``
 
 
-def text_saved_per_token(config, family, dtype_bytes: int) -> Optional[TextSaved]:
+def text_saved_per_token(config, family, dtype_bytes: int,
+                         tokens: int = PROBE_TOKENS) -> Optional[TextSaved]:
     """The `TextSaved` of ``config``'s language model (a `GenericFamily` ``family``'s) at
-    ``dtype_bytes`` per activation element, its layers' bytes split as the text TP plan shards
-    them (a sparse layer's routed experts not included), or None where the meta probe cannot
-    run (module docstring). Cached per (config, dtype)."""
+    ``dtype_bytes`` per activation element, for rows of ``tokens`` tokens (at most
+    `PROBE_MAX_TOKENS`: a chunked kernel pads each row to its chunks, so what a token saves
+    depends on the row's length), its layers' bytes split as the text TP plan shards them (a
+    stubbed experts module's routed rows not included), or None where the meta probe cannot run
+    (module docstring). Cached per (config, dtype, tokens)."""
     import transformers
 
     cls = getattr(transformers, family.model_class)
-    return _measure(cls, config.to_json_string(use_diff=False), family, _DTYPES[dtype_bytes])
+    return _measure(cls, config.to_json_string(use_diff=False), family, _DTYPES[dtype_bytes],
+                    max(1, min(int(tokens), PROBE_MAX_TOKENS)))
 
 
 class _Sharding(_FusedAttention):
@@ -140,25 +150,34 @@ def _storages(x, out: set) -> None:
     out.update(t.untyped_storage()._cdata for t in _tensors(x))
 
 
-def _stub(module) -> None:
-    """The experts module as an identity-shaped forward that saves nothing (module docstring)."""
-    module.forward = lambda hidden_states, *args, **kwargs: hidden_states * 0.0
+def _stub(module, current: list, stubbed: set) -> None:
+    """The experts module handed the routing as an identity-shaped forward that saves nothing, its
+    layer recorded in ``stubbed``; one handed the hidden rows alone runs (module docstring)."""
+    real = module.forward
+
+    def forward(hidden_states, *args, **kwargs):
+        if next(_tensors((args, kwargs)), None) is None:
+            return real(hidden_states, *args, **kwargs)
+        stubbed.add(current[0])
+        return hidden_states * 0.0
+
+    module.forward = forward
 
 
 @functools.lru_cache(maxsize=None)
-def _measure(cls, config_json: str, family, dtype) -> Optional[tuple]:
+def _measure(cls, config_json: str, family, dtype, tokens: int) -> Optional[tuple]:
     config = cls.config_class.from_dict(json.loads(config_json))
     with torch.device("meta"):
         model = cls._from_config(config, dtype=dtype)
     decoder = family.language_model(model)
     decoder = getattr(decoder, "base_model", decoder)
     plan = dict(getattr(decoder.config, "base_model_tp_plan", None) or {})
+    layers = decoder.layers
+    current, handed, stubbed = [None], {}, set()  # handed: storage id -> per token (docstring)
     if family.moe is not None:
         for name, module in decoder.named_modules():
             if fnmatch.fnmatchcase(name, f"layers.*.{family.moe.experts_suffix}"):
-                _stub(module)
-    layers = decoder.layers
-    current, handed = [None], {}  # storage id -> per token (module docstring)
+                _stub(module, current, stubbed)
     saved: list = [[] for _ in layers]
     params = {p.untyped_storage()._cdata for p in decoder.parameters()}
 
@@ -168,7 +187,7 @@ def _measure(cls, config_json: str, family, dtype) -> Optional[tuple]:
             for t in _tensors((args[1:], {k: v for k, v in kwargs.items()
                                           if k != "hidden_states"})):  # what the layer is handed
                 handed.setdefault(t.untyped_storage()._cdata, t.is_floating_point()
-                                  and t.dim() < 4 and PROBE_TOKENS in t.shape)
+                                  and t.dim() < 4 and tokens in t.shape)
         return hook
 
     for i, layer in enumerate(layers):
@@ -191,18 +210,19 @@ def _measure(cls, config_json: str, family, dtype) -> Optional[tuple]:
     for cpu_ints in (False, True):  # positions on CPU where the code reads their values
         for s in saved:
             s.clear()
+        stubbed.clear()
         tables, outside = [], []
         seen.clear()
         handed.clear()
         mode = _Sharding()
         hooks = _hook_plan(decoder, plan, mode)
-        embeds = torch.ones(1, PROBE_TOKENS, decoder.config.hidden_size, dtype=dtype,
+        embeds = torch.ones(1, tokens, decoder.config.hidden_size, dtype=dtype,
                             device="meta", requires_grad=True)
         try:
             with (contextlib.nullcontext() if cpu_ints else torch.device("meta")), \
                     mode, \
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                positions = torch.arange(PROBE_TOKENS)[None] if cpu_ints else None
+                positions = torch.arange(tokens)[None] if cpu_ints else None
                 decoder(inputs_embeds=embeds, position_ids=positions, use_cache=False)
         except (ValueError, TypeError, RuntimeError, IndexError, NotImplementedError,
                 AttributeError):
@@ -212,8 +232,8 @@ def _measure(cls, config_json: str, family, dtype) -> Optional[tuple]:
                 h.remove()
         def per_token(storages, sharded=None) -> float:
             return sum(st.nbytes() for st in storages
-                       if sharded is None or (st._cdata in mode.sharded) == sharded) / PROBE_TOKENS
+                       if sharded is None or (st._cdata in mode.sharded) == sharded) / tokens
 
         return TextSaved(tuple((per_token(s, False), per_token(s, True)) for s in saved),
-                         per_token(tables), per_token(outside))
+                         per_token(tables), per_token(outside), frozenset(stubbed))
     return None

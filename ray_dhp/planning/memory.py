@@ -138,7 +138,8 @@ def text_activation_parts(tc, tokens: int, tp: int, s: ActivationSettings,
 
     ``probed`` (`text_probe`: a generic family's decoder measured from the model's own code,
     `ray_dhp.models.text_saved.TextSaved`): the layers' saved bytes in place of the block
-    formula (a sparse layer's routed rows still by formula, `routed_rows_bytes`), the measured
+    formula (the routed rows of a sparse layer whose experts the probe stubbed still by formula,
+    `routed_rows_bytes`), the measured
     final norm and rotary tables in place of theirs; ids, labels, logits, eager scores and the
     recomputed block's transient as above."""
     if cp > 1:
@@ -190,29 +191,31 @@ def text_activation_parts(tc, tokens: int, tp: int, s: ActivationSettings,
     return blocks + once, recomputed + tokens * 4 * tc.vocab_size / tp
 
 
-def text_probe(config, s: ActivationSettings):
-    """A generic family's decoder layers as measured from the model's own code
-    (`ray_dhp.models.text_saved_per_token`, the ``probed`` of `text_activation_parts`), or None:
+def text_probe(config, s: ActivationSettings, row_tokens: float = 64):
+    """A generic family's decoder layers as measured from the model's own code in rows of
+    ``row_tokens`` tokens (`ray_dhp.models.text_saved_per_token`, the ``probed`` of
+    `text_activation_parts`), or None:
     a hand-written family (its formula is exact), a probe that cannot run, or bf16 autocast over
     fp32 weights (the probe runs in one dtype: the formula's fp32 residual and casts hold)."""
     if s.autocast:
         return None
     from ray_dhp.models import text_saved_per_token
 
-    return text_saved_per_token(config, s.dtype_bytes)
+    return text_saved_per_token(config, s.dtype_bytes, int(row_tokens))
 
 
 def _probed_layers(probed, other, tc, tokens: float, tp: int, d: int, seq_parallel: bool) -> list:
     """Per layer, the bytes one TP rank keeps of the probe's (``replicated + sharded / tp``, all
-    ``1/tp`` under text SP), plus a sparse layer's routed rows (`routed_rows_bytes`: the whole
-    sequence's under text SP, with its gathered ``h``-wide copy, `layer_extra`)."""
+    ``1/tp`` under text SP), plus the routed rows of a sparse layer whose experts the probe stubbed
+    (`routed_rows_bytes`: the whole sequence's under text SP, with its gathered ``h``-wide copy,
+    `layer_extra`)."""
     sparse = set(other.sparse_layers) if other is not None and other.sparse else set()
     out = []
     for i, (rep, shard) in enumerate(probed.layers):
         own = tokens * ((rep + shard) / tp if seq_parallel else rep + shard / tp)
         if i in sparse:
-            own += routed_rows_bytes(other, tc.hidden_size, tokens, d) + (
-                tokens * tc.hidden_size * d if seq_parallel else 0.0)
+            own += (routed_rows_bytes(other, tc.hidden_size, tokens, d) if i in probed.stubbed
+                    else 0.0) + (tokens * tc.hidden_size * d if seq_parallel else 0.0)
         out.append(own)
     return out
 
@@ -317,7 +320,7 @@ def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int,
                                   seq_parallel=getattr(topology, "text_sequence_parallel", False),
                                   cp=topology.text.cp, head_norms=counts.text_head_norms,
                                   layers=text_layers(config, topology, counts),
-                                  probed=text_probe(config, settings))
+                                  probed=text_probe(config, settings, t_row))
     t_work = cp_working_bytes(tc, (text_samples or samples) * seq, tp, topology.text.cp, settings)
     casts = weight_cast_bytes(config, counts, tp, settings)
     v_act += casts.vision + casts.vision_recomputed
@@ -349,4 +352,4 @@ def estimate_zero3(config, counts: ParamCounts, world: int, *, vision_tokens: in
     return (state + sum(weight_cast_bytes(config, counts, 1, settings))
             + vision_activation_bytes(vc, vision_tokens, 1, settings, segment_tokens, config)
             + text_activation_bytes(tc, seq, 1, settings, layers=text_layers(config, None, counts),
-                                    probed=text_probe(config, settings)))
+                                    probed=text_probe(config, settings, seq)))

@@ -6,12 +6,13 @@ import pytest
 import torch
 
 
-def _cpu_saved(config, family) -> list:
-    """Per decoder layer, the bytes the CPU forward saves for backward (storages once, parameters
-    and what the layer is handed — rotary tables, masks — excluded)."""
+def _cpu_saved(config, family, tokens: int = 64) -> list:
+    """Per decoder layer, the bytes per token the CPU forward of a ``tokens``-token row saves for
+    backward (storages once, parameters and what the layer is handed — rotary tables, masks —
+    excluded)."""
     import transformers
 
-    from ray_dhp.models.text_saved import PROBE_TOKENS, _is_param, _storages
+    from ray_dhp.models.text_saved import _is_param, _storages
 
     model = getattr(transformers, family.model_class)._from_config(config, dtype=torch.float32)
     decoder = family.language_model(model)
@@ -36,10 +37,10 @@ def _cpu_saved(config, family) -> list:
             per[current[0]] += st.nbytes()
         return t
 
-    embeds = torch.ones(1, PROBE_TOKENS, config.get_text_config().hidden_size, requires_grad=True)
+    embeds = torch.ones(1, tokens, config.get_text_config().hidden_size, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         decoder(inputs_embeds=embeds, use_cache=False)
-    return [b / PROBE_TOKENS for b in per]
+    return [b / tokens for b in per]
 
 
 def test_meta_probe_matches_cpu_splits_by_the_tp_plan_and_feeds_the_plan():
@@ -58,6 +59,7 @@ def test_meta_probe_matches_cpu_splits_by_the_tp_plan_and_feeds_the_plan():
     s = ActivationSettings(4, "flash", False)
     # the rotary cos and sin (fp32, head_dim wide); the final norm (Cohere's LayerNorm)
     assert probed.tables == 2 * 4 * (getattr(tc, "head_dim", None) or h // heads)
+    assert text_saved_per_token(config, 4, 40).tables == probed.tables  # at any row length
     assert probed.outside > 0
     base = text_activation_parts(tc, 100, 2, s, probed=probed._replace(
         layers=((0.0, 0.0),) * len(probed.layers)))[0]
@@ -68,3 +70,24 @@ def test_meta_probe_matches_cpu_splits_by_the_tp_plan_and_feeds_the_plan():
     # a hand-written family keeps its formula
     assert text_saved_per_token(demo.tiny_model_config("qwen2_5_vl"), 4) is None
 
+
+
+def test_probe_follows_the_row_length_and_measures_experts_not_handed_the_routing():
+    """A chunked linear-attention kernel pads a row to its 64-token chunks (MiniCPM-V 4.6's
+    Qwen3.5 decoder, the torch fallback): what a token saves depends on the row's length, and
+    the probe runs at the planner's row length. Llama 4's experts module is handed the hidden
+    rows alone (every expert on every token): the probe runs it and measures its rows, where a
+    module handed the routing is a stub whose rows the planner counts by formula."""
+    from ray_dhp import demo
+    from ray_dhp.models import family_of, text_saved_per_token
+
+    config = demo.tiny_model_config("minicpmv4_6")
+    short, long = (text_saved_per_token(config, 4, n) for n in (40, 64))
+    assert [r + s for r, s in short.layers] == pytest.approx(
+        _cpu_saved(config, family_of(config), 40))
+    assert short.layers[0][0] > 1.2 * long.layers[0][0]  # 40 tokens padded to a 64-token chunk
+    llama4 = demo.tiny_model_config("llama4")
+    probed = text_saved_per_token(llama4, 4)
+    assert probed.stubbed == frozenset()
+    assert [r + s for r, s in probed.layers] == pytest.approx(_cpu_saved(llama4, family_of(llama4)))
+    assert text_saved_per_token(demo.tiny_model_config("glm4v_moe"), 4).stubbed  # its sparse layer
