@@ -75,17 +75,13 @@ def _generic_rows() -> tuple:
 
 GENERIC_ROWS = _generic_rows()
 
-# Generic families whose activations (or step peak) the planner's block models miss by more than
-# 5%: the state is exact for every one; each gap is what is left to model (measured 2026-12-03/04).
+# Generic families whose activations (or step peak) the planner misses by more than 5%, with the
+# reason (none since 2026-12-04: the last three, step peaks, were ZeRO-1's freed gradients and the
+# frozen parameters' buckets, now modelled); the state is exact for every one.
 # Both sides' activations are measured from the model's own code on the meta device where that
 # runs (the tower: `ray_dhp.models.vision_saved`; the decoder layers: `ray_dhp.models.text_saved`);
 # the others keep the block formulas.
-GENERIC_GAPS = {
-    "cohere2_vision": {"step_peak": (0.2, "1.17 on the rank without the vision tower's "
-                                          "gradient: not explained yet")},
-    "cosmos3_edge": {"step_peak": (0.1, "1.07-1.08: not explained yet")},
-    "video_llava": {"step_peak": (0.1, "1.085: not explained yet")},
-}
+GENERIC_GAPS: dict = {}
 
 CASES = (
     Case("demo SP2 / TP2", slow=False),

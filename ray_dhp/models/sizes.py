@@ -100,19 +100,26 @@ class TextParam:
 
 
 def owned(sizes: list, index: int, world: int) -> int:
-    return _owner_loads(tuple(sizes), world)[index]
+    return _owner_loads(tuple(sizes), world)[0][index]
+
+
+def owned_largest(sizes: list, index: int, world: int) -> int:
+    """Elements of the largest tensor rank ``index`` of ``world`` owns (`owned`'s partition)."""
+    return _owner_loads(tuple(sizes), world)[1][index]
 
 
 @functools.lru_cache(maxsize=512)
 def _owner_loads(sizes: tuple, world: int) -> tuple:
-    """Elements each of ``world`` ranks owns under `ray_dhp.parallel.zero.owners` (computed once
-    per partition: the planner asks for every rank of every candidate layout)."""
+    """Elements each of ``world`` ranks owns under `ray_dhp.parallel.zero.owners`, and the largest
+    tensor each owns (computed once per partition: the planner asks for every rank of every
+    candidate layout)."""
     from ray_dhp.parallel.zero import owners
 
-    loads = [0] * world
+    loads, largest = [0] * world, [0] * world
     for n, o in zip(sizes, owners(list(sizes), world)):
         loads[o] += n
-    return tuple(loads)
+        largest[o] = max(largest[o], n)
+    return tuple(loads), tuple(largest)
 
 
 def count_params(config, tuning=None) -> ParamCounts:

@@ -96,6 +96,7 @@ def audio_rank_state(a: AudioCounts, layout, rank: int, policy, largest: int = 0
     saved = masters + (a.params - (updated if policy.master else off)) * policy.weight_bytes()
     return RankState(params=a.params, updated=updated, weights=weights,
                      grads=trained * policy.grad_bytes(), masters=masters, optimizer=optimizer,
+                     released=(trained - updated) * policy.grad_bytes(),
                      startup_peak=weights + masters - off * copy_bytes + 4 * largest,
                      staging=saved + optimizer, host=off * (copy_bytes + 2 * moment))
 

@@ -32,6 +32,7 @@ class RankState:
     staging: int = 0   # host memory: one copy of the checkpoint state (checkpoint.async_save)
     host: int = 0      # host memory: the offloaded masters and moments (part of ``total``)
     upcast: int = 0    # updated parameters whose gradients keep the weights' dtype (FSDP2 shards)
+    released: int = 0  # gradient bytes freed before the update: another replica's (ZeRO 1-2)
 
     @property
     def total(self) -> int:
@@ -96,8 +97,12 @@ def rank_state(counts: ParamCounts, topology, rank: int, policy) -> RankState:
     saved = masters + (held - (updated if policy.master else off)) * policy.weight_bytes()
     # stage 3 shards the weights after they are built: the whole (TP shard of the) module first
     built = ((counts.vision if v else 0) + (counts.text_per_rank(tp) if t else 0)) * policy.weight_bytes()
+    # ZeRO 1-2: the gradients another replica updates are freed before the update
+    # (`ray_dhp.step.updates`' release of the unowned gradients)
+    released = ((v_trained - vu if vg.zero_stage in (1, 2) else 0)
+                + (t_trained - tu if tg.zero_stage in (1, 2) else 0)) * policy.grad_bytes()
     return RankState(params=held, updated=updated, weights=weights,
-                     grads=grads, masters=masters, optimizer=optimizer,
+                     grads=grads, masters=masters, optimizer=optimizer, released=released,
                      startup_peak=max(weights + masters - off * copy_bytes, built) + 4 * counts.largest,
                      staging=saved + optimizer, host=host,
                      upcast=fsdp if policy.master and policy.grad_dtype != policy.param_dtype else 0)
@@ -149,7 +154,8 @@ def _plus_experts(base: RankState, held: int, trained: int, updated: int, policy
         base, params=base.params + held, updated=base.updated + updated,
         weights=base.weights + weights, grads=base.grads + trained * policy.grad_bytes(),
         masters=base.masters + masters, optimizer=base.optimizer + optimizer,
-        startup_peak=base.startup_peak + weights + masters, staging=base.staging + saved + optimizer)
+        startup_peak=base.startup_peak + weights + masters, staging=base.staging + saved + optimizer,
+        released=base.released + (trained - updated) * policy.grad_bytes())
 
 
 def _bytes(dtype) -> int:

@@ -2,7 +2,9 @@
 ``step peak`` and what the engine's step reaches (measured by ``tests/distributed/test_step_peak.py``
 on CPU and by ``benchmarks/gpu/precision_check.py`` with CUDA's allocator counters).
 
-During the step a rank holds its `RankState` (weights, gradients, masters, AdamW moments) plus:
+During the step a rank holds its `RankState` (weights, gradients, masters, AdamW moments; at
+ZeRO stages 1-2 the update starts by freeing the gradients another replica updates,
+``RankState.released``, and the largest tensor it steps is the largest it owns) plus:
 
 * ``bf16_mixed``: nothing for the gradients accumulated in fp32 (they become the masters'
   gradients as they are); for FSDP2's bf16 gradient shards (stage 3, ``state.upcast``
@@ -30,6 +32,7 @@ During the step a rank holds its `RankState` (weights, gradients, masters, AdamW
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 
@@ -62,8 +65,10 @@ def _size(dtype) -> int:
 
 def _update_peak(state, policy, largest, chunk_bytes, fused_adamw, foreach=0) -> int:
     if not state.updated:
-        return state.device_total
+        return state.device_total - state.released
     from ray_dhp.step.precision import CHUNK_BYTES
+
+    state = dataclasses.replace(state, grads=state.grads - state.released)  # ZeRO 1-2's freed
 
     moment = 4 if policy.master else policy.optimizer_bytes() // 2
     temps = max(0 if fused_adamw else 2 * moment * largest, moment * foreach)
@@ -97,20 +102,30 @@ def foreach_elements(policy, counts, topology, rank: int, text_updated: int,
             n = counts.vision_updated_by(rank - m.offset, m.size, m.zero_stage)
         else:
             continue  # further encoders: ZeRO 0-2, plain tensors (fused)
-        out = max(out, min(n, max(chunk, largest_local(counts, topology, text))) if policy.master
+        out = max(out, min(n, max(chunk, largest_local(counts, topology, text, rank))) if policy.master
                   else n)
     return out
 
 
-def largest_local(counts, topology, text: bool) -> int:
+def largest_local(counts, topology, text: bool, rank: Optional[int] = None) -> int:
     """Elements of the largest local tensor of the text module (``text``) or the ViT on a rank:
-    its TP shard, 1/ep of an experts tensor, its FSDP2 share at ZeRO stage 3."""
+    its TP shard, 1/ep of an experts tensor, its FSDP2 share at ZeRO stage 3; with ``rank``, at
+    ZeRO stage 1-2 the largest of the tensors that rank owns (updates: the partition gives the
+    largest tensors out first, one to each replica)."""
+    from ray_dhp.models.sizes import owned_largest
+
     if not text:
         v = topology.vision
         if v.zero_stage == 3 and counts.vision_params:
             return max(q.fsdp_share(0, v.size, 1) for q in counts.vision_params)
+        if rank is not None and v.zero_stage and v.size > 1 and counts.vision_sizes:
+            return owned_largest(list(counts.vision_sizes), rank - v.offset, v.size)
         return max((q.numel for q in counts.vision_params), default=counts.largest)
     t, ep = topology.text, topology.text_expert_parallel
+    if (rank is not None and t.zero_stage in (1, 2) and t.dp * t.cp > 1 and ep == 1
+            and counts.text_sizes):
+        return owned_largest([q.local(t.inner) for q in counts.text_sizes if q.trained],
+                             t.grad_index(rank), t.dp * t.cp)
     sizes = []
     for q in counts.text_sizes:
         if q.expert and ep > 1:
@@ -137,10 +152,11 @@ def rank_step_peak(state, policy, counts, topology, rank: int, text_config,
     v = topology.vision  # at stage 3 FSDP2 reduce-scatters the ViT in its backward: no buckets
     tg = topology.text  # its gradient replicas: dp x cp
     on_v, on_t = v.hosts(rank), tg.hosts(rank)
-    reduced = counts.vision if on_v and v.size > 1 and v.zero_stage != 3 else 0
+    # the trained parameters' gradients (the frozen have none: a video tower an image run leaves)
+    reduced = counts.vision - counts.vision_frozen if on_v and v.size > 1 and v.zero_stage != 3 else 0
     reduced += extra_reduced
     if on_t and tg.dp * tg.cp > 1 and tg.zero_stage != 3:
-        reduced += counts.text_per_rank(tp)
+        reduced += counts.text_per_rank(tp) - counts.text_frozen_per_rank(tp)
         ep = topology.text_expert_parallel
         if ep > 1:  # the rank's 1/ep of the experts reduce over the dp / ep replicas holding them
             experts = sum(q.numel for q in counts.text_sizes if q.expert)
@@ -149,7 +165,7 @@ def rank_step_peak(state, policy, counts, topology, rank: int, text_config,
     replicated = emb if on_t and tp > 1 else 0  # the whole gradient beside its shard's copy
     v_up = counts.vision_updated_by(rank - v.offset, v.size, v.zero_stage) if on_v else 0
     t_up = state.updated - v_up - extra_updated if on_t else 0
-    sizes = [largest_local(counts, topology, text=m is tg) for m in (v, tg) if m.hosts(rank)]
+    sizes = [largest_local(counts, topology, m is tg, rank) for m in (v, tg) if m.hosts(rank)]
     largest = max(sizes + ([counts.largest] if extra_updated or not sizes else []))
     if cpu:
         return step_peak(state, policy, largest, reduced, replicated, fused_adamw=False)

@@ -163,3 +163,35 @@ def test_the_plan_counts_foreach_temporaries_where_the_engine_uses_foreach():
     assert local == config.text_config.vocab_size * config.text_config.hidden_size // 2
     # chunks of 4 KiB of masters: at least the largest local tensor at once, not the whole module
     assert foreach_elements(mixed, counts, topo, 0, text_up, chunk_bytes=4096) == local < text_up
+
+
+def test_zero_1_update_frees_the_unowned_gradients_and_steps_the_owned_largest():
+    """At ZeRO stages 1-2 the engine frees the gradients another replica updates before the
+    update (`ray_dhp.step.updates`), and a rank steps only the tensors the partition gives it
+    (`ray_dhp.parallel.zero.owners`: largest first, one to each replica): the step peak's update
+    phase counts that (Cohere2-Vision's row, vision DP2 ZeRO-1: 1.166 -> measured in
+    docs/plan_accuracy.md)."""
+    from ray_dhp import demo
+    from ray_dhp.models.sizes import count_params
+    from ray_dhp.parallel.topology import Topology
+    from ray_dhp.parallel.zero import owners
+    from ray_dhp.planning.memory_state import rank_state
+    from ray_dhp.planning.step_peak import _update_peak, largest_local
+
+    config = demo.tiny_model_config("qwen2_5_vl")
+    counts = count_params(config)
+    topo = Topology.build(placement="collocated", vision_dp=2, vision_sp=1, text_dp=1, text_tp=2,
+                          vision_zero=1)
+    policy = POLICIES["fp32"]
+    sizes = list(counts.vision_sizes)
+    own = owners(sizes, 2)
+    released = [rank_state(counts, topo, r, policy).released for r in (0, 1)]
+    for r in (0, 1):
+        assert released[r] == 4 * sum(n for n, o in zip(sizes, own) if o != r)
+        assert largest_local(counts, topo, False, r) == max(n for n, o in zip(sizes, own) if o == r)
+    assert sum(released) == 4 * sum(sizes)  # each gradient freed on the one replica not owning it
+    assert largest_local(counts, topo, False, 1) < largest_local(counts, topo, False)
+    state = rank_state(counts, topo, 1, policy)
+    mine = largest_local(counts, topo, False, 1)
+    update = _update_peak(state, policy, mine, None, fused_adamw=False)  # the update phase alone
+    assert update == state.device_total - state.released + 2 * 4 * mine
