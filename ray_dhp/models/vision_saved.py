@@ -108,7 +108,7 @@ class _FusedAttention(torch.overrides.TorchFunctionMode):
             if got is not None:
                 return got[0]
         try:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
         except RuntimeError as e:  # integers kept on CPU (values read) meeting meta tensors
             if "device" not in str(e):
                 raise
@@ -118,6 +118,11 @@ class _FusedAttention(torch.overrides.TorchFunctionMode):
                 return x.to("meta") if isinstance(x, torch.Tensor) and x.device.type == "cpu" else x
 
             return func(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+        if func is torch.Tensor.to and isinstance(out, torch.Tensor) and out.is_meta:
+            x = args[0]  # integers kept on CPU stay there when sent to the model's device (the
+            if x.device.type == "cpu" and not x.is_floating_point():  # code reads their values:
+                return x.to(out.dtype)  # MiniCPM-V's window lengths, ``.tolist()``)
+        return out
 
 
 @functools.lru_cache(maxsize=None)

@@ -50,3 +50,16 @@ def test_meta_probe_matches_cpu_and_feeds_the_plan():
         (2 * tokens * (layers + rest), 0.0))
     # a hand-written family keeps its block formula
     assert vision_saved_per_token(demo.tiny_model_config("qwen2_5_vl"), 4) is None
+
+
+def test_meta_probe_runs_where_the_tower_reads_values_sent_to_its_device():
+    """MiniCPM-V 4.6's tower sends its window lengths (from ``target_sizes``) to the hidden
+    states' device and reads them (``.tolist()``): kept on CPU there, the probe runs and saves
+    what the CPU forward saves."""
+    from ray_dhp import demo
+    from ray_dhp.models import family_of, vision_saved_per_token
+
+    config = demo.tiny_model_config("minicpmv4_6")
+    layers, rest = vision_saved_per_token(config, 4)
+    cpu, tokens = _cpu_saved(config, family_of(config))
+    assert layers > 0 and (layers + rest) * tokens == pytest.approx(cpu, rel=1e-9)
