@@ -180,7 +180,7 @@ class GatheredRegion(ParallelStyle):
     linear (``RowwiseParallel(output_layouts=Shard(1))``) or, ``shard_output``, whole on every
     rank (a sparse block's: replicated experts + an all-reduced shared expert) and then sliced to
     this rank's tokens (backward all-gathers); an output ``[tokens, d]`` of a ``[b, s, d]`` input
-    (a block that flattens the tokens, Llama 4's) is sliced as ``[b, s, d]``."""
+    (a block that returns its tokens flattened to ``[b s, d]``) is sliced as ``[b, s, d]``."""
 
     def __init__(self, input_kwarg: Optional[str] = None, shard_output: bool = False):
         super().__init__()
@@ -200,7 +200,7 @@ class GatheredRegion(ParallelStyle):
 
         def post(_module, _args, out):
             first = out[0] if isinstance(out, tuple) else out
-            if first.dim() == 2 and len(shapes[0]) == 3:  # tokens flattened (Llama 4's MoE block)
+            if first.dim() == 2 and len(shapes[0]) == 3:  # tokens flattened (a sparse block's)
                 first = first.view(*shapes[0][:2], first.shape[-1])
             first = DTensor.from_local(_local(first), device_mesh, [Replicate()], run_check=False
                                        ).redistribute(device_mesh, [Shard(1)]).to_local()
