@@ -290,8 +290,11 @@ def measure_engine_step(engine, first: list, second: list, repeats: int = 2) -> 
       profiler misses such a free and the address is handed out again the sum can drop a
       bucket's bytes early (seen: a rank's step peak measured at its state plus 0.4%, the next
       run's 35% higher, its plan 1.000), never add them;
-    * ``lm_rows``: ``[rows, tokens]`` of the language model's input (its padded or packed rows).
+    * ``lm_rows``: ``[rows, tokens]`` of the language model's input (its padded or packed rows);
+    * ``fsdp_work``: at ZeRO stage 3, the most FSDP2 holds unsharded during the forward and
+      backward (`benchmarks.fsdp_sampling`); None without a stage-3 module.
     """
+    from benchmarks.fsdp_sampling import fsdp_groups, sampling
     from torch.profiler import ProfilerActivity, profile, record_function
 
     engine.step(first)
@@ -304,11 +307,16 @@ def measure_engine_step(engine, first: list, second: list, repeats: int = 2) -> 
     if engine.text_model is not None:
         handles.append(engine.text_model.register_forward_pre_hook(
             lambda _m, args, kw: rows.append(_rows(args, kw)), with_kwargs=True))
-    peak = 0
+    peak, groups = 0, fsdp_groups(_modules(engine))
+    fsdp_samples: list = []
     for i in range(repeats):
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True,
                      record_shapes=True) as prof:
-            with counter.count(params=_parameters(engine)) if i == 0 else contextlib.nullcontext():
+            with contextlib.ExitStack() as stack:
+                if i == 0:
+                    stack.enter_context(counter.count(params=_parameters(engine)))
+                    if groups:
+                        fsdp_samples = stack.enter_context(sampling(groups))
                 engine.forward_backward(second, last=True)
             with record_function(STEP_MARK):
                 engine.optimizer_step()
@@ -319,12 +327,16 @@ def measure_engine_step(engine, first: list, second: list, repeats: int = 2) -> 
         st = engine.state_bytes()
         base = st["weights"] + st["masters"] + st["optimizer"] - st["host"]
     return {"state": st["total"] - st["host"], "state_parts": st, "saved": counter.as_dict(),
-            "step_peak": peak, "lm_rows": rows[0] if rows else None}
+            "step_peak": peak, "lm_rows": rows[0] if rows else None,
+            "fsdp_work": max(fsdp_samples) if fsdp_samples else None}
+
+
+def _modules(engine) -> list:
+    return list(engine.shards.values()) + ([engine.text_model] if engine.text_model is not None else [])
 
 
 def _parameters(engine) -> list:
-    modules = list(engine.shards.values()) + ([engine.text_model] if engine.text_model is not None else [])
-    return [p for m in modules for p in m.parameters()]
+    return [p for m in _modules(engine) for p in m.parameters()]
 
 
 def _rows(args, kw) -> list:

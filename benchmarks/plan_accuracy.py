@@ -1,7 +1,8 @@
 """Measured vs planned per-rank memory (issue #42): for each row of a family x feature matrix, the
 engine runs on spawned gloo ranks (CPU, tiny models, fp32 unless the row says otherwise) and
 each rank's three points are measured (`benchmarks.measure.measure_engine_step`: model state,
-bytes saved for backward by one micro-batch's forward, the optimizer step's peak) and compared
+bytes saved for backward by one micro-batch's forward, the optimizer step's peak; at ZeRO stage
+3 a fourth, what FSDP2 holds unsharded during the forward and backward) and compared
 with what `ray-dhp plan` computes for the same shapes and layout, from the same functions
 (`ray_dhp.planning.memory_audio.module_rank_state`, `estimate_module_ranks`,
 `ray_dhp.planning.step_peak.rank_step_peak` with CPU's AdamW: the single-tensor loop).
@@ -31,6 +32,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 BEGIN, END = "<!-- accuracy table: begin -->", "<!-- accuracy table: end -->"
 TOLERANCE = 0.05  # issue #42: every planned figure within 5% of the measured one
 POINTS = ("state", "activations", "step_peak")
+FSDP_POINT = "fsdp_work"  # rows with a module at ZeRO stage 3: what FSDP2 holds unsharded
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,8 @@ class Case:
     packing: bool = False
     video: bool = False       # each sample one clip (8 frames at 4 fps: 2 temporal patches)
     audio: float = 0.0        # seconds of one audio clip per sample (besides its image; 0: none)
-    samples: int = 2          # the micro-batch (one per step)
+    samples: int = 2          # the step's samples
+    micro_batches: int = 1    # the step's micro-batches (the rows: one, the micro-batch is the step)
     slow: bool = True
     tolerance: dict = field(default_factory=dict)  # point -> (tolerance, reason) where not 5%
 
@@ -134,6 +137,14 @@ CASES = (
     # text ZeRO-3 over DP2 with TP2 inside each replica: the whole embedding gradient at the step
     Case("demo ZeRO-3 TP2xDP2", layout=_lay(vision=(1, 4), text=(2, 2), vision_zero=3,
                                              text_zero=3), samples=4),
+    # FSDP2 gathers bf16 weights, makes bf16 gradients and reduce-scatters them in fp32
+    Case("demo ZeRO-3 DP2 bf16_mixed", precision="bf16_mixed",
+         layout=_lay(vision=(1, 2), text=(1, 2), vision_zero=3, text_zero=3)),
+    Case("qwen3_5_moe ZeRO-3 DP2 (text)", family="qwen3_5_moe",
+         layout=_lay(vision=(1, 2), text=(1, 2), text_zero=3)),
+    # offloaded bf16 gradients pass through a fp32 staging buffer on their way to the host
+    Case("demo offload DP2 bf16_mixed", precision="bf16_mixed",
+         layout=_lay(vision=(1, 2), text=(1, 2), vision_offload=True, text_offload=True)),
 ) + tuple(Case(f"{f} (generic) DP2 / TP2", family=f, layout=_lay(vision=(1, 2), text=(2, 1)),
                 tolerance=GENERIC_GAPS.get(f, {})) for f in GENERIC_ROWS)
 
@@ -148,7 +159,8 @@ def case_named(name: str) -> Case:
 def train_config(case: Case):
     from ray_dhp.config.train_loop import TrainLoopConfig
 
-    return TrainLoopConfig(lr=1e-3, global_batch_size=case.samples, micro_batches=1, num_steps=2,
+    return TrainLoopConfig(lr=1e-3, global_batch_size=case.samples, micro_batches=case.micro_batches,
+                           num_steps=2,
                            seed=0, weight_decay=0.1, max_grad_norm=1.0, precision=case.precision,
                            activation_checkpointing=case.checkpointing, packing=case.packing)
 
@@ -263,6 +275,7 @@ def planned(case: Case, got: list) -> list:
     from ray_dhp.planning.memory_vision import vision_activation_parts
     from ray_dhp.planning.memory_audio import (count_audio, estimate_module_ranks,
                                                module_rank_state, without_audio)
+    from ray_dhp.planning.fsdp_working import fsdp_working_bytes
     from ray_dhp.planning.step_peak import audio_updated, rank_step_peak
     from ray_dhp.step.precision import POLICIES
 
@@ -308,7 +321,8 @@ def planned(case: Case, got: list) -> list:
                                   "audio": m.audio_act},
                     "step_peak": rank_step_peak(st, policy, base, topo, r, config.text_config,
                                                 a if ag is not None and ag.size > 1 else 0,
-                                                a_up, cpu=True)})
+                                                a_up, cpu=True),
+                    FSDP_POINT: fsdp_working_bytes(base, topo, r, policy)})
     return out
 
 
@@ -317,26 +331,32 @@ def compare(case: Case, got: list) -> dict:
     deviation per point over the ranks."""
     plan = planned(case, got)
     ranks = []
+    points = _points(got)
     for r, (g, p) in enumerate(zip(got, plan)):
-        meas = {"state": g["state"], "activations": g["saved"]["total"], "step_peak": g["step_peak"]}
-        ranks.append({pt: {"planned": float(p[pt]), "measured": float(meas[pt]),
-                           "ratio": p[pt] / meas[pt] if meas[pt] else None} for pt in POINTS})
+        meas = {"state": g["state"], "activations": g["saved"]["total"], "step_peak": g["step_peak"],
+                FSDP_POINT: g.get(FSDP_POINT)}
+        ranks.append({pt: {"planned": float(p[pt]), "measured": float(meas[pt] or 0),
+                           "ratio": p[pt] / meas[pt] if meas[pt] else None} for pt in points})
         ranks[-1]["activations"]["by_module"] = {  # planned, measured per module
             k: [float(v), float(g["saved"].get(k, 0))] for k, v in p["by_module"].items()
             if v or g["saved"].get(k)}
     worst = {pt: max((rk[pt] for rk in ranks if rk[pt]["ratio"] is not None),
-                     key=lambda x: abs(x["ratio"] - 1)) for pt in POINTS}
+                     key=lambda x: abs(x["ratio"] - 1)) for pt in points}
     layout = {k: ({e: dataclasses.asdict(d) for e, d in v.items()} if k == "encoders" else v)
               for k, v in case.layout.items()}  # JSON
     return {"name": case.name, "family": case.family, "layout": layout,
             "precision": case.precision, "ranks": ranks, "worst": worst,
-            "tolerance": {pt: list(case.tolerance.get(pt, (TOLERANCE, ""))) for pt in POINTS}}
+            "tolerance": {pt: list(case.tolerance.get(pt, (TOLERANCE, ""))) for pt in points}}
+
+
+def _points(got: list) -> tuple:
+    """The points measured: the three, and ``fsdp_work`` where a rank runs FSDP2."""
+    return POINTS + ((FSDP_POINT,) if any(g.get(FSDP_POINT) for g in got) else ())
 
 
 def off_points(row: dict, case: Case) -> list:
     """Points of ``row`` outside the case's tolerance."""
-    return [(pt, row["worst"][pt]["ratio"]) for pt in POINTS
-            if abs(row["worst"][pt]["ratio"] - 1) > case.tol(pt)]
+    return [(pt, w["ratio"]) for pt, w in row["worst"].items() if abs(w["ratio"] - 1) > case.tol(pt)]
 
 
 # -- the table ----------------------------------------------------------------------------------
@@ -348,14 +368,16 @@ def _kib(b: float) -> str:
 def table(rows: list) -> str:
     """The markdown table: per row and point the rank whose ratio is the furthest from 1."""
     head = ("| row | family | precision | " + " | ".join(
-        f"{p} planned / measured (KiB), ratio" for p in ("state", "activations (saved)", "step peak"))
+        f"{p} planned / measured (KiB), ratio" for p in ("state", "activations (saved)", "step peak",
+                                                          "ZeRO-3 working set"))
         + " | note |")
-    out = [head, "|---|---|---|---:|---:|---:|---|"]
+    out = [head, "|---|---|---|---:|---:|---:|---:|---|"]
     for row in rows:
         cells = []
-        for pt in POINTS:
-            w = row["worst"][pt]
-            cells.append(f"{_kib(w['planned'])} / {_kib(w['measured'])}, {w['ratio']:.3f}")
+        for pt in POINTS + (FSDP_POINT,):
+            w = row["worst"].get(pt)
+            cells.append("–" if w is None else
+                         f"{_kib(w['planned'])} / {_kib(w['measured'])}, {w['ratio']:.3f}")
         note = "; ".join(f"{pt}: ±{t:.0%} ({why})" for pt, (t, why) in row["tolerance"].items() if why)
         out.append(f"| {row['name']} | {row['family']} | {row['precision']} | "
                    + " | ".join(cells) + f" | {note} |")

@@ -242,13 +242,15 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
                                        vision_tokens=vt, text_tokens=text_tokens,
                                        samples=samples["vision"],
                                        text_samples=samples["text"], settings=settings,
-                                       policy=policy, segment_tokens=seg, packing=packing):
+                                       policy=policy, segment_tokens=seg, packing=packing,
+                                       micro_batches=rf.optim.micro_batches):
             peaks[m.rank] = max(m.total, floor[m.rank])
             out.append(f"  rank {m.rank} memory: state {_gib(m.state_bytes)} + vision act "
                        f"{_gib(m.vision_act)} + "
                        + (f"audio act {_gib(m.audio_act)} + " if audio is not None else "")
                        + f"text act {_gib(m.text_act)} "
                        + (f"+ CP all-to-all buffers {_gib(m.text_work)} " if m.text_work else "")
+                       + (f"+ ZeRO-3 working set {_gib(m.fsdp_work)} " if m.fsdp_work else "")
                        + f"= {_gib(m.total)}"
                        + (f" (peak: step or start-up {_gib(floor[m.rank])})"
                           if floor[m.rank] > m.total else "")

@@ -37,6 +37,10 @@ class ParamCounts:
     text_head_norms: bool = False
     # RMSNorms per decoder layer of the LM (``hidden``-wide norm weights: 2 pre-norm, Gemma 3's 4)
     text_block_norms: int = 2
+    # ZeRO-3's FSDP2 units in forward order (`ray_dhp.parallel.fsdp`), each the indices of its
+    # parameters in ``text_sizes`` / ``vision_params``; the rest is the root's
+    text_units: tuple = ()
+    vision_units: tuple = ()
 
     def text_per_rank(self, tp: int) -> int:
         return self.text - self.text_sharded + self.text_sharded // tp
@@ -178,7 +182,31 @@ def count_params(config, tuning=None) -> ParamCounts:
                        text_frozen_sharded=t_frozen_sharded, text_sizes=tuple(text_sizes),
                        vision_params=tuple(vision_params),
                        text_head_norms=_head_norms(model, vision_names, config.text_config),
-                       text_block_norms=_block_norms(model, vision_names, config.text_config))
+                       text_block_norms=_block_norms(model, vision_names, config.text_config),
+                       **_fsdp_units(model, family, vision_names))
+
+
+def _fsdp_units(model, family, vision_names: set) -> dict:
+    """``text_units`` / ``vision_units`` of `ParamCounts`: the FSDP2 units the engine shards at
+    ZeRO stage 3 (`ray_dhp.parallel.fsdp.text_units`, `ray_dhp.models.fsdp_vision.vision_units`),
+    each as the indices of its parameters among the text / vision parameters."""
+    from ray_dhp.models.fsdp_vision import vision_units
+    from ray_dhp.parallel.fsdp import text_units
+
+    order = {"text": {}, "vision": {}}
+    for name, p in model.named_parameters():
+        side = order["vision" if name in vision_names else "text"]
+        side[id(p)] = len(side)
+
+    def indices(units, side):
+        return tuple(tuple(sorted({side[id(p)] for p in u.parameters() if id(p) in side}))
+                     for u in units)
+    try:
+        vision = indices(vision_units(family.visual(model)), order["vision"])
+    except (AttributeError, TypeError):  # a tower without children holding parameters
+        vision = ()
+    return {"text_units": indices(text_units(model, family), order["text"]),
+            "vision_units": vision}
 
 
 def _block_norms(model, vision_names: set, tc) -> int:

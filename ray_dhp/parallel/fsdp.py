@@ -29,7 +29,7 @@ from ray_dhp.parallel import data_parallel as dp
 from ray_dhp.parallel.tensor import local
 
 
-def _units(model, family) -> list:
+def text_units(model, family) -> list:
     """The FSDP units of a language model, in forward order: embedding, decoder layers, head."""
     lm = family.language_model(model)
     units = [lm.embed_tokens, *lm.layers]
@@ -117,7 +117,7 @@ def shard_text(model, family, dp_mesh, reduce_dtype, tp_first: bool) -> FSDPShar
     text mesh), one unit per decoder layer, the embedding and the head (``family``: its
     `FamilySpec`). Call it after the TP plan and LoRA and before the parameter lists are taken
     (``fully_shard`` replaces the parameters with their sharded DTensors)."""
-    units = _units(model, family)
+    units = text_units(model, family)
     return FSDPShards(_odd_dtype(units) + units, model, dp_mesh, reduce_dtype, tp_first=tp_first,
                       chain=units)
 

@@ -288,17 +288,19 @@ class RankMemory:
     text_act: float
     audio_act: float = 0.0  # `ray_dhp.planning.memory_audio.estimate_module_ranks`
     text_work: float = 0.0  # CP's transient all-to-all buffers (`cp_working_bytes`)
+    fsdp_work: float = 0.0  # ZeRO-3's unsharded units (`ray_dhp.planning.fsdp_working`)
 
     @property
     def total(self) -> float:
-        return self.state_bytes + self.vision_act + self.text_act + self.audio_act + self.text_work
+        return (self.state_bytes + self.vision_act + self.text_act + self.audio_act + self.text_work
+                + self.fsdp_work)
 
 
 def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int, text_tokens: int,
                    samples: int, settings: ActivationSettings,
                    state_bytes: float = STATE_BYTES_PER_PARAM, policy=None,
                    segment_tokens: Optional[int] = None,
-                   text_samples: Optional[int] = None, packing=None) -> list:
+                   text_samples: Optional[int] = None, packing=None, micro_batches: int = 1) -> list:
     """Per-rank `RankMemory` for micro-batches of ``samples`` samples per vision replica and
     ``text_samples`` (default ``samples``) per text replica (each group splits the micro-batch
     over its own data-parallel degree), each with
@@ -308,7 +310,12 @@ def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int,
     are sharded over the whole vision group (the cost model's approximation). ``segment_tokens``:
     patch tokens per attention segment (a video's frame, `ray_dhp.planning.video`; None: the
     sample is one image). ``packing`` (`ray_dhp.planning.packing.Packing`, ``data.packing``):
-    the text activations are the replica's packed rows', not its padded samples'."""
+    the text activations are the replica's packed rows', not its padded samples'. With a
+    ``policy``, a rank hosting a module at ZeRO stage 3 also holds that module's unsharded units
+    (`ray_dhp.planning.fsdp_working`; ``micro_batches``: the step's, > 1 keeps the unsharded
+    gradients between micro-batches)."""
+    from ray_dhp.planning.fsdp_working import fsdp_working_bytes
+
     vc, tc = config.vision_config, config.text_config
     merge = merged(config)
     sp, tp = topology.vision.inner, topology.text.inner
@@ -333,9 +340,11 @@ def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int,
         params = v + (counts.text_per_rank(tp) if on_t else 0)
         state = (rank_state(counts, topology, r, policy).device_total if policy is not None
                  else params * state_bytes - v * moments)
+        fsdp = (fsdp_working_bytes(counts, topology, r, policy, micro_batches)
+                if policy is not None else 0)
         out.append(RankMemory(r, topology.roles(r), params, state,
                               v_act if on_v else 0.0, t_act if on_t else 0.0,
-                              text_work=t_work if on_t else 0.0))
+                              text_work=t_work if on_t else 0.0, fsdp_work=fsdp))
     return out
 
 

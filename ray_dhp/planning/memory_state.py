@@ -31,7 +31,8 @@ class RankState:
     startup_peak: int  # at engine construction: weights + masters + one full fp32 tensor
     staging: int = 0   # host memory: one copy of the checkpoint state (checkpoint.async_save)
     host: int = 0      # host memory: the offloaded masters and moments (part of ``total``)
-    upcast: int = 0    # updated parameters whose gradients keep the weights' dtype (FSDP2 shards)
+    upcast: int = 0    # of the module stepped with the most: updated parameters whose gradients
+    # keep the weights' dtype (FSDP2 shards), upcast chunk by chunk in its step
     released: int = 0  # gradient bytes freed before the update: another replica's (ZeRO 1-2)
 
     @property
@@ -84,6 +85,8 @@ def rank_state(counts: ParamCounts, topology, rank: int, policy) -> RankState:
     # gradients accumulate in the policy's grad dtype (fp32 for bf16 weights), except FSDP2's
     # shards of a module at stage 3, which keep the weights' dtype (FSDP2 sums in fp32 itself)
     fsdp = (t_trained if tg.zero_stage == 3 else 0) + (v_trained if vg.zero_stage == 3 else 0)
+    # the modules step one after another, each upcasting its own shards chunk by chunk
+    upcast = max(tu if tg.zero_stage == 3 else 0, vu if vg.zero_stage == 3 else 0)
     grads = (v_trained + t_trained - fsdp) * policy.grad_bytes() + fsdp * policy.weight_bytes()
     # host optimizer offload (`ray_dhp.step.offload`): the module's masters (without fp32 masters:
     # copies in the weights' dtype) and moments of what the rank updates live on the host
@@ -105,7 +108,7 @@ def rank_state(counts: ParamCounts, topology, rank: int, policy) -> RankState:
                      grads=grads, masters=masters, optimizer=optimizer, released=released,
                      startup_peak=max(weights + masters - off * copy_bytes, built) + 4 * counts.largest,
                      staging=saved + optimizer, host=host,
-                     upcast=fsdp if policy.master and policy.grad_dtype != policy.param_dtype else 0)
+                     upcast=upcast if policy.master and policy.grad_dtype != policy.param_dtype else 0)
 
 
 def _split_experts(counts: ParamCounts, ep: int, topology, rank: int):

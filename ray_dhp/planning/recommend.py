@@ -112,7 +112,7 @@ def memory_gib(config, counts, layout: Layout, w: Workload) -> dict:
     topo = layout.topology()
     kw = dict(vision_tokens=w.vision_tokens, text_tokens=w.text_tokens, settings=w.settings,
               state_bytes=w.state_bytes, policy=w.policy, segment_tokens=w.vision_segment,
-              packing=w.packing)
+              packing=w.packing, micro_batches=w.micro_batches)
     mb = w.micro_batch_size
     if layout.audio_dp:
         from functools import partial
@@ -131,7 +131,8 @@ def memory_gib(config, counts, layout: Layout, w: Workload) -> dict:
     out: dict = {}
     for a in rows:
         role = "+".join(a.roles)
-        total = a.state_bytes + alive * (a.vision_act + a.audio_act) + a.text_act + a.text_work
+        total = (a.state_bytes + alive * (a.vision_act + a.audio_act) + a.text_act + a.text_work
+                 + a.fsdp_work)
         if w.policy is not None:  # the step and start-up peaks, as `ray-dhp plan` counts them
             from ray_dhp.planning.step_peak import rank_floor
 
