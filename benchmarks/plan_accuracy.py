@@ -122,6 +122,8 @@ CASES = (
     # the thinker's three modules collocated on 2 ranks; each sample an image and a 1 s clip
     Case("omni audio DP2 / vision SP2 / TP2", family="qwen2_5_omni", audio=1.0,
          layout=_lay(audio=2)),
+    Case("omni audio DP2 bf16_autocast", family="qwen2_5_omni", audio=1.0,
+         precision="bf16_autocast", layout=_lay(audio=2)),
     Case("qwen2_vl SP2 / TP2", family="qwen2_vl"),
     Case("qwen3_5_moe SP2 / TP2", family="qwen3_5_moe"),
     # text SP: the sparse block runs on the gathered sequence (`ray_dhp/models/qwen3_5_moe.py`)
