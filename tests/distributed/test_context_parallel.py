@@ -286,11 +286,13 @@ def _packed_cfg(cfg):
                          ids=["cp3", "cp3-kv2", "cp3-packed"])
 def test_cp_beyond_the_heads_is_exact_fp64(tmp_path, kv_heads, packed):
     """CP3 with 4 attention heads (disjoint: 1 vision + 3 text ranks): the heads do not split
-    over CP, so `gathered_kv_attention` keeps every head on the rank's query slice and gathers
-    the other slices' keys and values (its backward sums their gradients back to the owners);
-    with 2 KV heads (repeated to the query heads after the gather), and on packed rows
+    over CP, so ring attention (`ray_dhp.parallel.ring`) keeps every head on the rank's query
+    slice, swaps half of it with the mirror rank for the causal balance and passes the K/V
+    blocks around the ring (its backward the dK/dV accumulators); with 2 KV heads (the blocks
+    carry the KV heads, broadcast over each group in the kernel), and on packed rows
     (per-sample positions on the whole row, the causal mask also within each sample; the
-    padded reference). The sequences are padded to a multiple of 3. Tolerance as above."""
+    padded reference). The sequences are padded to a multiple of 3 only: most slices are odd,
+    so not divisible by 2 x CP (the halves are unequal). Tolerance as above."""
     from tests.distributed.parity import CFG, make_steps, run_reference
 
     model = _gqa_model(kv_heads)
@@ -302,8 +304,10 @@ def test_cp_beyond_the_heads_is_exact_fp64(tmp_path, kv_heads, packed):
     worst = assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10, grad_tol=1e-10)
     print(f"cp3 beyond the heads (kv {kv_heads}, packed {packed}): worst update {worst[0]:.1e} ({worst[2]})")
     comm = got["per_rank"][-1]["comm"]
-    assert any(k.endswith("/text.cp.kv") for k in comm), comm  # the K/V gathers ran
+    assert "p2p/text.cp.ring" in comm and "p2p/text.cp.swap" in comm, comm  # the ring ran
     assert not any(k.endswith("/text.cp") for k in comm), comm  # and no head all-to-all
+    lengths = {max(int(s.num_tokens) for s in mb) for st in steps for mb in st}
+    assert any(-(-n // 3) % 2 for n in lengths), lengths  # an odd slice: S not divisible by 2 x CP
 
 
 @pytest.mark.slow
