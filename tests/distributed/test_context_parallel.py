@@ -282,21 +282,26 @@ def _packed_cfg(cfg):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_heads, packed", [(4, False), (2, False), (4, True)],
-                         ids=["cp3", "cp3-kv2", "cp3-packed"])
-def test_cp_beyond_the_heads_is_exact_fp64(tmp_path, kv_heads, packed):
+@pytest.mark.parametrize("kv_heads, packed, ckpt", [(4, False, False), (2, False, False),
+                                                    (4, True, False), (2, False, True)],
+                         ids=["cp3", "cp3-kv2", "cp3-packed", "cp3-kv2-checkpointing"])
+def test_cp_beyond_the_heads_is_exact_fp64(tmp_path, kv_heads, packed, ckpt):
     """CP3 with 4 attention heads (disjoint: 1 vision + 3 text ranks): the heads do not split
     over CP, so ring attention (`ray_dhp.parallel.ring`) keeps every head on the rank's query
     slice, swaps half of it with the mirror rank for the causal balance and passes the K/V
     blocks around the ring (its backward the dK/dV accumulators); with 2 KV heads (the blocks
     carry the KV heads, broadcast over each group in the kernel), and on packed rows
     (per-sample positions on the whole row, the causal mask also within each sample; the
-    padded reference). The sequences are padded to a multiple of 3 only: most slices are odd,
-    so not divisible by 2 x CP (the halves are unequal). Tolerance as above."""
+    padded reference), and with every block recomputed in backward (the recomputation runs the
+    swap and the ring again, in the same order on every CP rank). The sequences are padded to a
+    multiple of 3 only: most slices are odd, so not divisible by 2 x CP (the halves are
+    unequal). Tolerance as above."""
     from tests.distributed.parity import CFG, make_steps, run_reference
 
+    from dataclasses import replace
+
     model = _gqa_model(kv_heads)
-    cfg = _packed_cfg(CFG) if packed else CFG
+    cfg = replace(_packed_cfg(CFG) if packed else CFG, activation_checkpointing=ckpt)
     steps = make_steps(tmp_path, "qwen2_5_vl", cfg)
     ref = run_reference("qwen2_5_vl", cfg, steps, torch.float64, model=model)
     got = run_engine("qwen2_5_vl", _layout("disjoint", (1, 1), (1, 1), 3), cfg, steps,

@@ -132,7 +132,7 @@ def _check(case, got, world):
             assert err < 1e-12, (case, world, rank, name, err)
 
 
-@pytest.mark.parametrize("cp", [2, 3])
+@pytest.mark.parametrize("cp", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_ring_attention_is_exact_and_balanced(cp):
     got = run_on_ranks(_body, cp, (CASES,))
     for i, case in enumerate(CASES):
@@ -186,6 +186,7 @@ def _memory_body(rank, world, case):
     return step_peak_bytes(prof, 0, mark="ring", alive=python_storages()), 2 * k.numel() * 8
 
 
+@pytest.mark.slow
 def test_ring_kv_bytes_stay_two_blocks():
     """A fixed slice (32 tokens, 4 heads of 32, fp64: one K/V block = k + v = 64 KiB) at CP 3
     and 6: the peak the ring allocates (forward + backward, torch's profiler) is the same, where
@@ -223,6 +224,7 @@ def _facing_receives(rank, world):
     return ring.ring_attention(q, k, v, dist.group.WORLD, world, rank)
 
 
+@pytest.mark.slow
 def test_ring_receives_first_on_both_sides_fail_under_the_twin():
     """The twin sees the ring's point-to-point: with every receive posted first, rank 0 and rank 1
     both wait on a receive (a hang under NCCL) and the twin names it."""
