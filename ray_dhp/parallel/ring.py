@@ -50,24 +50,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ray_dhp.parallel.comm import CommCounter, record
+from ray_dhp.parallel.comm import CommCounter, exchange_order, record
 
-__all__ = ["RingContext", "exchange_order", "mirror_chunks", "ring_attention"]
+__all__ = ["RingContext", "mirror_chunks", "ring_attention"]
 
 _TAG = "text.cp.ring"
 _SWAP_TAG = "text.cp.swap"
-
-
-def exchange_order(rank: int, sends: dict, recv_rows: dict) -> list:
-    """The point-to-point rule: ``[(kind, peer)]`` in posting order, peers ascending; with a
-    lower peer I receive first, with a higher peer I send first (`ray_dhp.parallel.boundary`)."""
-    order = []
-    for peer in sorted((set(sends) | set(recv_rows)) - {rank}):
-        pair = [("send", peer)] if peer in sends else []
-        if peer in recv_rows:
-            pair = pair + [("recv", peer)] if peer > rank else [("recv", peer)] + pair
-        order += pair
-    return order
 
 
 @dataclass
