@@ -282,18 +282,20 @@ def _packed_cfg(cfg):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_heads, packed, ckpt", [(4, False, False), (2, False, False),
-                                                    (4, True, False), (2, False, True)],
-                         ids=["cp3", "cp3-kv2", "cp3-packed", "cp3-kv2-checkpointing"])
-def test_cp_beyond_the_heads_is_exact_fp64(tmp_path, kv_heads, packed, ckpt):
+@pytest.mark.parametrize("kv_heads, packed, ckpt, tp", [(4, False, False, 1), (2, False, False, 1),
+                                                        (4, True, False, 1), (2, False, True, 1),
+                                                        (2, False, False, 2)],
+                         ids=["cp3", "cp3-kv2", "cp3-packed", "cp3-kv2-checkpointing", "tp2-cp3-kv2"])
+def test_cp_beyond_the_heads_is_exact_fp64(tmp_path, kv_heads, packed, ckpt, tp):
     """CP3 with 4 attention heads (disjoint: 1 vision + 3 text ranks): the heads do not split
     over CP, so ring attention (`ray_dhp.parallel.ring`) keeps every head on the rank's query
     slice, swaps half of it with the mirror rank for the causal balance and passes the K/V
     blocks around the ring (its backward the dK/dV accumulators); with 2 KV heads (the blocks
     carry the KV heads, broadcast over each group in the kernel), and on packed rows
     (per-sample positions on the whole row, the causal mask also within each sample; the
-    padded reference), and with every block recomputed in backward (the recomputation runs the
-    swap and the ring again, in the same order on every CP rank). The sequences are padded to a
+    padded reference), with every block recomputed in backward (the recomputation runs the
+    swap and the ring again, in the same order on every CP rank), and at TP2 x CP3 (2 heads and
+    1 KV head per TP rank; each CP group strided over the global ranks, 1 + 6 ranks). The sequences are padded to a
     multiple of 3 only: most slices are odd, so not divisible by 2 x CP (the halves are
     unequal). Tolerance as above."""
     from tests.distributed.parity import CFG, make_steps, run_reference
@@ -304,10 +306,10 @@ def test_cp_beyond_the_heads_is_exact_fp64(tmp_path, kv_heads, packed, ckpt):
     cfg = replace(_packed_cfg(CFG) if packed else CFG, activation_checkpointing=ckpt)
     steps = make_steps(tmp_path, "qwen2_5_vl", cfg)
     ref = run_reference("qwen2_5_vl", cfg, steps, torch.float64, model=model)
-    got = run_engine("qwen2_5_vl", _layout("disjoint", (1, 1), (1, 1), 3), cfg, steps,
+    got = run_engine("qwen2_5_vl", _layout("disjoint", (1, 1), (tp, 1), 3), cfg, steps,
                      torch.float64, grads=True, model=model)
     worst = assert_parity(got, ref, loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10, grad_tol=1e-10)
-    print(f"cp3 beyond the heads (kv {kv_heads}, packed {packed}): worst update {worst[0]:.1e} ({worst[2]})")
+    print(f"tp{tp} cp3 beyond the heads (kv {kv_heads}, packed {packed}): worst update {worst[0]:.1e} ({worst[2]})")
     comm = got["per_rank"][-1]["comm"]
     assert "p2p/text.cp.ring" in comm and "p2p/text.cp.swap" in comm, comm  # the ring ran
     assert not any(k.endswith("/text.cp") for k in comm), comm  # and no head all-to-all
