@@ -149,8 +149,9 @@ def test_ring_attention_is_exact_and_balanced(cp):
         dense = [sum(d for d, _ in g[i]["work"]) for g in got]
         print(f"cp{cp} case {i}: causal pairs per rank {causal}, computed entries {dense}")
         assert len(set(dense)) == 1, dense
-        if not CASES[i][5]:
+        if not CASES[i][5]:  # and call by call: every ring step costs every rank the same
             assert len(set(causal)) == 1, causal
+            assert len({tuple(g[i]["work"]) for g in got}) == 1, [g[i]["work"] for g in got]
 
 
 @pytest.mark.slow
@@ -166,6 +167,7 @@ def test_ring_attention_cp4_and_the_contiguous_control():
     # the same total; contiguous: rank r has r whole blocks and half its diagonal ((2r + 1) / 2)
     assert len(set(balanced)) == 1 and sum(causal) == sum(balanced), (balanced, causal)
     assert causal[-1] > 6 * causal[0], causal
+    assert len({tuple(g[0]["work"]) for g in got}) == 1  # mirror: step by step the same
 
 
 def _memory_body(rank, world, case):
