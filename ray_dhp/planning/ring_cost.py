@@ -6,12 +6,14 @@ element size, ``a`` the kernel's accumulator size (fp32 at least), ``q`` the que
 ``kv`` one of the key/value widths of the TP rank (``heads x hd / tp``, ``kv heads x hd / tp``):
 
 * working set (`ring_working_bytes`, transient; the swapped q, k, v, the output and the
-  log-sum-exp are the saved activations, the same bytes Ulysses' all-to-all outputs are): the
+  log-sum-exp are the saved activations, the same bytes Ulysses' all-to-all outputs are;
+  measured within 0.1% at CP3, tests/distributed/test_context_parallel.py): the
   mirror swap's send and receive halves of q, k and v (``n d (q + 2 kv)``), then in the
   backward two K/V blocks and two dK/dV accumulators in flight (``4 x 2 n kv`` at ``a``), the
   dq accumulator (``n q a``) and one tile pair's scores, probabilities and their gradient
-  (``3 x rows x heads/tp x min(TILE, S_l / 2)^2 x a``, `ray_dhp.parallel.ring.TILE`). Measured against torch's profiler on the ring
-  alone (tests/distributed/test_ring_attention.py).
+  (``3 x rows x heads/tp x min(TILE, S_l / 2)^2 x a``, `ray_dhp.parallel.ring.TILE`). Against
+  torch's profiler on the ring alone, with the saved bytes: 13% under the measured peak (the
+  swap's backward buffers; tests/distributed/test_ring_attention.py).
 * bytes sent (`ring_sent_bytes`): the forward passes ``cp - 1`` K/V blocks, the backward
   ``cp - 1`` K/V blocks and ``cp`` dK/dV blocks (at ``a``), each way the swap sends half of q,
   k, v and half of the output (their gradients in the backward); the recomputation under
