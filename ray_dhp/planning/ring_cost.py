@@ -13,8 +13,7 @@ element size, ``a`` the kernel's accumulator size (fp32 at least), ``q`` the que
   dq accumulator (``n q a``) and one tile pair's scores, probabilities and their gradient
   (``3 x rows x heads/tp x min(TILE, S_l / 2)^2 x a``, `ray_dhp.parallel.ring.TILE`). Against
   torch's profiler on the ring alone, with the saved bytes: 13% under the measured peak (the
-  ranks that both send and receive hold about one block more than the end ranks; not
-  attributed yet; tests/distributed/test_ring_attention.py).
+  interior ranks peak about one K/V block above ranks 0 and cp - 1; not attributed yet; tests/distributed/test_ring_attention.py).
 * bytes sent (`ring_sent_bytes`): the forward passes ``cp - 1`` K/V blocks, the backward
   ``cp - 1`` K/V blocks and ``cp`` dK/dV blocks (at ``a``), each way the swap sends half of q,
   k, v and half of the output (their gradients in the backward); the recomputation under
