@@ -36,9 +36,9 @@ class ModuleParallel:
             contiguous slices, one per block of tensor_parallel workers (workers: tensor_parallel
             x context_parallel x data_parallel); around attention an all-to-all gives each
             worker the whole sequence for its share of the heads (Ulysses, where tensor_parallel
-            x context_parallel divides the attention heads; beyond them each worker keeps its
-            slice of the queries and gathers the keys and values). For sequences one TP group
-            cannot hold (`ray_dhp.parallel.context`; docs/placement.md, "Context parallelism").
+            x context_parallel divides the attention heads; beyond them ring attention: each
+            worker keeps its queries and the keys and values pass around the CP ring). For
+            sequences one TP group cannot hold (`ray_dhp.parallel.context`; docs/placement.md, "Context parallelism").
         zero_stage: how the module's state is split over the ranks that replicate it (text: its
             data_parallel ranks; an encoder (vision, audio): its whole group, whose SP ranks hold
             the tower too), as in DeepSpeed: 0 replicated; 1 fp32 masters and AdamW moments partitioned;

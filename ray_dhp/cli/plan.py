@@ -249,7 +249,7 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
                        f"{_gib(m.vision_act)} + "
                        + (f"audio act {_gib(m.audio_act)} + " if audio is not None else "")
                        + f"text act {_gib(m.text_act)} "
-                       + (f"+ CP all-to-all buffers {_gib(m.text_work)} " if m.text_work else "")
+                       + (f"+ CP {_cp_form(config, topo)} buffers {_gib(m.text_work)} " if m.text_work else "")
                        + (f"+ ZeRO-3 working set {_gib(m.fsdp_work)} " if m.fsdp_work else "")
                        + f"= {_gib(m.total)}"
                        + (f" (peak: step or start-up {_gib(floor[m.rank])})"
@@ -365,3 +365,10 @@ def nodes_text(rf, *, nodes: int, gpus_per_node: int, vision_tokens: int, text_t
     out.append(f"over the network per step: {_gib(crossing)} per rank at most "
                f"(~{crossing / internode_bw * 1e3:.3g} ms at {internode_bw / 1e9:g} GB/s per GPU)")
     return "\n".join(out)
+
+
+def _cp_form(config, topo) -> str:
+    """Which buffers CP's working set is: Ulysses' all-to-all, or the ring's (beyond the heads)."""
+    from ray_dhp.planning.ring_cost import ring_form
+
+    return "ring" if ring_form(config.text_config, topo.text.inner, topo.text.cp) else "all-to-all"

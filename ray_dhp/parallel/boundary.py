@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ray_dhp.parallel.comm import CommCounter, record
+from ray_dhp.parallel.comm import CommCounter, exchange_order, record
 from ray_dhp.parallel.topology import Topology
 
 
@@ -128,18 +128,6 @@ class InFlight:
         for work, _ in self._works:
             work.wait()
         self._works.clear()
-
-
-def exchange_order(rank: int, sends: dict, recv_rows: dict) -> list:
-    """The point-to-point rule (see the module docstring): ``[(kind, peer)]`` in posting order,
-    peers ascending; with a lower peer I receive first, with a higher peer I send first."""
-    order = []
-    for peer in sorted((set(sends) | set(recv_rows)) - {rank}):
-        pair = [("send", peer)] if peer in sends else []
-        if peer in recv_rows:
-            pair = pair + [("recv", peer)] if peer > rank else [("recv", peer)] + pair
-        order += pair
-    return order
 
 
 def _exchange(sends: dict, recv_rows: dict, dim: int, like: torch.Tensor, rank: int, group,

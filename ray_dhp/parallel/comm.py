@@ -58,3 +58,17 @@ def record(counter: Optional[CommCounter], op: str, tag: str, tensor_or_bytes) -
         return
     n = tensor_or_bytes if isinstance(tensor_or_bytes, int) else nbytes(tensor_or_bytes)
     counter.record(op, tag, n)
+
+
+def exchange_order(rank: int, sends: dict, recv_rows: dict) -> list:
+    """The point-to-point rule that keeps a pair's operations deadlock-free under NCCL
+    (`ray_dhp.parallel.boundary`'s module docstring; the ring attention's exchanges too):
+    ``[(kind, peer)]`` in posting order, peers ascending; with a lower peer I receive first,
+    with a higher peer I send first."""
+    order = []
+    for peer in sorted((set(sends) | set(recv_rows)) - {rank}):
+        pair = [("send", peer)] if peer in sends else []
+        if peer in recv_rows:
+            pair = pair + [("recv", peer)] if peer > rank else [("recv", peer)] + pair
+        order += pair
+    return order

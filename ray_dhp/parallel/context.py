@@ -11,11 +11,19 @@ of each all-to-all is the other one (its adjoint). DeepSpeed-Ulysses (Jacobs et 
 * Load balance: every CP rank runs attention over the whole sequence for an equal share of the
   heads, so the causal triangle is split evenly without zigzag chunking.
 * Beyond the heads (``tp x cp`` does not divide the attention heads, e.g. CP4 with 2 heads per
-  TP rank): `gathered_kv_attention` keeps every head and the rank's query slice and gathers the
-  other slices' keys and values over the CP group (ring attention's result without its
-  overlap; an all-gather form). Exact; its last rank carries the largest causal share (no
-  zigzag in this form) and the planner prices the Ulysses form only. Stateful mixers still
-  need ``tp x cp`` to divide their heads.
+  TP rank, or CP3 with 4): ring attention (`ray_dhp.parallel.ring`). Every rank keeps all of its
+  heads and its queries; the key/value blocks pass around the CP group by paired point-to-point
+  (send to the next rank, receive from the previous, posted together before each step's
+  compute), merged by log-sum-exp; the backward recomputes each block and passes the dK/dV
+  accumulators around the ring. A rank holds ~2 K/V blocks, never ``cp`` copies. Causal load
+  balance inside attention only: each rank swaps the second half of its slice with rank
+  ``cp - 1 - r`` (one message per direction), so every rank's queries are a low and a high
+  half-slice and every ring step costs every rank the same (zigzag's balance, without
+  re-laying the sequence out: everything outside attention keeps the contiguous slice). The
+  planner prices the ring where the heads run out (`ray_dhp.planning.memory.cp_working_bytes`,
+  `cp_ring_bytes`). Ulysses stays the form where the heads divide: one all-to-all of q, k, v
+  and one of the output per layer against the ring's ``cp - 1`` K/V blocks. Stateful mixers
+  still need ``tp x cp`` to divide their heads.
 * KV heads: where the rank's KV heads do not divide by ``cp`` (grouped-query attention with few
   KV heads) they are repeated to the query heads before the all-to-all (exact: each query head
   meets the KV head it always used; the repeat's backward sums the copies' gradients).
@@ -55,7 +63,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ray_dhp.parallel.ulysses import UlyssesContext, all_to_all_rows, heads_to_seq, seq_to_heads
+from ray_dhp.parallel.ulysses import UlyssesContext, heads_to_seq, seq_to_heads
 
 __all__ = ["ATTN_NAME", "check_context_parallel", "install_context_parallel", "local_rows",
            "refusal", "slice_sequence"]
@@ -169,8 +177,8 @@ def cp_attention(module, query, key, value, attention_mask=None, dropout: float 
         raise ValueError("context parallelism does not cover sliding-window attention")
     p = dropout if module.training else 0.0
     segments = kwargs.get(SEGMENTS_KWARG)
-    if query.shape[1] % ctx.cp:  # the heads run out: K and V gathered instead
-        out = gathered_kv_attention(query, key, value, ctx, segments, scaling, p)
+    if query.shape[1] % ctx.cp:  # the heads run out: ring attention instead
+        out = _ring(query, key, value, ctx, segments, scaling, p)
         return out.transpose(1, 2).contiguous(), None
     s = query.shape[2]
     uc = UlyssesContext(group=ctx.group, seq_lens=[s] * ctx.cp, rank=ctx.rank, comm=ctx.comm, tag=_TAG)
@@ -217,45 +225,20 @@ def segment_attention(q, k, v, cu_seqlens: torch.Tensor, scale: Optional[float] 
     return torch.cat([torch.cat(parts, dim=2) for parts in by_row], dim=0)
 
 
-# -- beyond the heads: K and V gathered over the CP group ----------------------------------------
+# -- beyond the heads: ring attention (`ray_dhp.parallel.ring`) ----------------------------------
 
-def gathered_kv_attention(q, k, v, ctx: "CPContext", segments=None, scale=None,
-                          dropout: float = 0.0) -> torch.Tensor:
-    """Causal attention of the rank's query slice ``[B, H, S_l, hd]`` against the keys and values
-    of the whole sequence up to the slice's end, gathered over the CP group (``[B, Hkv, S_l,
-    hd]`` each in; ``[B, H, S_l, hd]`` out). The form for CP degrees the heads do not divide
-    (`cp_attention`): every rank keeps all of its heads and its query slice, and receives every
-    other rank's K and V slices; the backward of the gather sums each rank's K/V gradients back
-    onto the slice's owner (the all-to-all's adjoint). Exact: each query meets exactly the keys
-    it meets in one process (the causal offset of its slice; per packed segment with
-    ``segments``). It moves ``(cp - 1) / cp`` of the sequence's K and V to every rank and holds
-    them for the layer (ring attention would pass the same slices one at a time, overlapped
-    with compute; the result is the same). Contiguous slices: the last rank's triangle is the
-    largest (no zigzag balance in this form)."""
-    b, _, s, _ = q.shape
-    lo, hi = ctx.rank * s, (ctx.rank + 1) * s
-    uc = UlyssesContext(group=ctx.group, seq_lens=[s] * ctx.cp, rank=ctx.rank, comm=ctx.comm,
-                        tag=_TAG + ".kv")
+def _ring(query, key, value, ctx: "CPContext", segments=None, scale=None, dropout: float = 0.0):
+    """`ray_dhp.parallel.ring.ring_attention` of the rank's slice (``[B, H, S_l, hd]`` q,
+    ``[B, Hkv, S_l, hd]`` k and v; ``[B, H, S_l, hd]`` out): the form where the heads do not
+    split over cp. Packed rows: each token's sample number (``segments`` over the B x S tokens)."""
+    from ray_dhp.parallel.ring import ring_attention
 
-    def gather(x):  # [B, Hkv, S_l, hd] -> [B, Hkv, hi, hd]: every rank's slice, up to ours
-        rows = x.permute(2, 0, 1, 3)  # [S_l, B, Hkv, hd]
-        full = all_to_all_rows(torch.cat([rows] * ctx.cp), [s] * ctx.cp, [s] * ctx.cp, uc.group,
-                               uc.comm, uc.tag)  # [S, B, Hkv, hd], rank by rank
-        return full[:hi].permute(1, 2, 0, 3)
-
-    k, v = gather(k), gather(v)
-    if k.shape[1] != q.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    rows = torch.arange(lo, hi, device=q.device)
-    cols = torch.arange(hi, device=q.device)
-    mask = (cols[None, :] <= rows[:, None])[None, None]  # [1, 1, S_l, hi]
-    if segments is not None:  # packed rows: the same sample only (segments over the B x S tokens)
-        length = s * ctx.cp
-        seg = _segment_ids(segments, b, length).to(q.device)  # [B, S]
-        same = seg[:, lo:hi, None] == seg[:, None, :hi]  # [B, S_l, hi]
-        mask = mask & same[:, None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, dropout_p=dropout)
+    if dropout:
+        raise ValueError("context parallelism beyond the attention heads (ring attention) does "
+                         "not cover attention dropout; set the model's attention_dropout to 0")
+    b, _, s, _ = query.shape
+    ids = None if segments is None else _segment_ids(segments, b, s * ctx.cp)
+    return ring_attention(query, key, value, ctx.group, ctx.cp, ctx.rank, ids, scale, ctx.comm)
 
 
 def _segment_ids(cu_seqlens: torch.Tensor, rows: int, length: int) -> torch.Tensor:

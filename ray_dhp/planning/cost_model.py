@@ -195,9 +195,17 @@ def phase_times(config, counts, layout: Layout, w: Workload, hw: Hardware) -> Ph
                                 _bw(hw, t.inner_groups(), nodes))
     if t.cp > 1:  # CP: q, k, v and the output re-sharded per layer, forward + backward (+ recompute)
         from ray_dhp.planning.memory import cp_working_bytes
+        from ray_dhp.planning.ring_cost import ring_form, ring_sent_bytes
 
-        t_comm += tc.num_hidden_layers * (3 if ckpt else 2) * _all_to_all(
-            hw, cp_working_bytes(tc, t_tokens, t.inner, t.cp, s) / 2, t.cp, _bw(hw, t.cp_groups(), nodes))
+        bw_cp = _bw(hw, t.cp_groups(), nodes)
+        if ring_form(tc, t.inner, t.cp):  # ring attention: its point-to-point, not overlapped
+            steps = (3 if ckpt else 2) * (t.cp + 1)  # the ring's steps and the swaps, each a latency
+            t_comm += tc.num_hidden_layers * (ring_sent_bytes(tc, t_tokens, t.inner, t.cp,
+                                                              s.dtype_bytes, ckpt) / bw_cp
+                                              + steps * hw.latency_s)
+        else:
+            t_comm += tc.num_hidden_layers * (3 if ckpt else 2) * _all_to_all(
+                hw, cp_working_bytes(tc, t_tokens, t.inner, t.cp, s) / 2, t.cp, bw_cp)
     ep = topo.text_expert_parallel
     if ep > 1:  # the experts' dispatch / combine all-to-alls (`ray_dhp.planning.experts`)
         from ray_dhp.parallel.expert import ep_groups

@@ -258,13 +258,21 @@ def weight_cast_bytes(config, counts: ParamCounts, tp: int, s: ActivationSetting
                        2.0 * head, 2.0 * (text - head) / layers)
 
 
-def cp_working_bytes(tc, tokens: float, tp: int, cp: int, s: ActivationSettings) -> float:
+def cp_working_bytes(tc, tokens: float, tp: int, cp: int, s: ActivationSettings,
+                     sample_tokens: Optional[float] = None) -> float:
     """The transient per-layer working set of context parallelism on one rank (`ray_dhp.parallel.
     context`): one layer's all-to-all send and receive buffers of q, k, v and the output (KV
-    heads repeated to the query heads where they do not split over cp). Counted in the rank's
-    peak (`RankMemory.total`), not among the saved activations. 0 without CP."""
+    heads repeated to the query heads where they do not split over cp); where the heads do not
+    split over ``tp x cp``, ring attention's (`ray_dhp.planning.ring_cost.ring_working_bytes`:
+    the K/V blocks and dK/dV accumulators in flight, the swap buffers; ``sample_tokens`` per
+    row). Counted in the rank's peak (`RankMemory.total`), not among the saved activations. 0
+    without CP."""
+    from ray_dhp.planning.ring_cost import ring_form, ring_working_bytes
+
     if cp == 1:
         return 0.0
+    if ring_form(tc, tp, cp):
+        return ring_working_bytes(tc, tokens, tp, cp, s.dtype_bytes, sample_tokens)
     hd = tc.hidden_size // tc.num_attention_heads
     kv = tc.num_key_value_heads
     kv = tc.num_attention_heads if (kv // tp) % cp else kv
@@ -287,7 +295,7 @@ class RankMemory:
     vision_act: float
     text_act: float
     audio_act: float = 0.0  # `ray_dhp.planning.memory_audio.estimate_module_ranks`
-    text_work: float = 0.0  # CP's transient all-to-all buffers (`cp_working_bytes`)
+    text_work: float = 0.0  # CP's transient buffers (`cp_working_bytes`: all-to-all or ring)
     fsdp_work: float = 0.0  # ZeRO-3's unsharded units (`ray_dhp.planning.fsdp_working`)
 
     @property
@@ -328,7 +336,8 @@ def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int,
                                   cp=topology.text.cp, head_norms=counts.text_head_norms,
                                   layers=text_layers(config, topology, counts),
                                   probed=text_probe(config, settings, t_row))
-    t_work = cp_working_bytes(tc, (text_samples or samples) * seq, tp, topology.text.cp, settings)
+    t_work = cp_working_bytes(tc, (text_samples or samples) * seq, tp, topology.text.cp, settings,
+                              t_row)
     casts = weight_cast_bytes(config, counts, tp, settings)
     v_act += casts.vision + casts.vision_recomputed
     t_act += casts.text + casts.text_recomputed

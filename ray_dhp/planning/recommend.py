@@ -155,11 +155,8 @@ def evaluate(config, counts, layout: Layout, w: Workload, hw: Hardware = Hardwar
 
             why = refusal(family_of(config), config, layout.text_cp, layout.text_tp,
                           text_sp=layout.text_sp)
-            if why:
+            if why:  # beyond the heads: ring attention, priced (`ray_dhp.planning.ring_cost`)
                 raise ValueError(why)
-            if config.text_config.num_attention_heads % (layout.text_tp * layout.text_cp):
-                raise ValueError(f"text.context_parallel={layout.text_cp}: beyond the attention "
-                                 "heads (keys and values gathered) is not priced by the planner")
     except ValueError as e:
         return Candidate(layout, reason=f"model dims: {e}")
     mb, dp = w.micro_batch_size, max(layout.vision_dp, layout.text_dp, layout.audio_dp)

@@ -15,7 +15,7 @@ from ray_dhp.parallel.topology import Topology
 
 COLLECTIVES = ("vision sp all-to-all", "text tp all-reduce", "boundary", "vision gradients",
                "text dp gradients", "text expert all-to-all", "text expert gradients",
-               "text cp all-to-all")
+               "text cp all-to-all", "text cp ring")
 
 
 def collective_bytes(config, counts, layout: Layout, w: Workload) -> dict:
@@ -29,9 +29,12 @@ def collective_bytes(config, counts, layout: Layout, w: Workload) -> dict:
     context parallelism each CP rank runs ``1 / cp`` of its replica's tokens outside attention
     (the TP all-reduces shrink so), re-shards q, k, v and the output per layer by all-to-all
     (forward, backward, and the recomputation with checkpointing: `cp_working_bytes`' send
-    buffers), and its gradients join the data-parallel sum: the text gradients are reduced over
-    the ``dp x cp`` replicas (`ray_dhp.parallel.topology.ModuleLayout.dp_groups`)."""
+    buffers) or, where ``tp x cp`` does not divide the heads, passes the K/V blocks around the
+    ring (``text cp ring``: `ray_dhp.planning.ring_cost.ring_sent_bytes`), and its gradients
+    join the data-parallel sum: the text gradients are reduced over the ``dp x cp`` replicas
+    (`ray_dhp.parallel.topology.ModuleLayout.dp_groups`)."""
     from ray_dhp.planning.memory import cp_working_bytes
+    from ray_dhp.planning.ring_cost import ring_form, ring_sent_bytes
     from ray_dhp.models import family_of
     from ray_dhp.parallel.zero import replica_bytes
     from ray_dhp.planning.experts import gradient_split, sent_bytes
@@ -45,8 +48,13 @@ def collective_bytes(config, counts, layout: Layout, w: Workload) -> dict:
     tok = st * text_tokens_per_sample(config, w.vision_tokens, w.text_tokens)
     n_ar = tc.num_hidden_layers * (6 if s.checkpointing else 4) + 1
     ar = n_ar * 2 * (t.inner - 1) / t.inner * tok / t.cp * tc.hidden_size * s.dtype_bytes
-    cp_a2a = tc.num_hidden_layers * (3 if s.checkpointing else 2) * (t.cp - 1) / t.cp \
-        * cp_working_bytes(tc, tok, t.inner, t.cp, s) / 2
+    cp_a2a, cp_ring = 0.0, 0.0
+    if ring_form(tc, t.inner, t.cp):  # beyond the heads: ring attention's point-to-point
+        cp_ring = tc.num_hidden_layers * ring_sent_bytes(tc, tok, t.inner, t.cp, s.dtype_bytes,
+                                                         s.checkpointing)
+    elif t.cp > 1:
+        cp_a2a = tc.num_hidden_layers * (3 if s.checkpointing else 2) * (t.cp - 1) / t.cp \
+            * cp_working_bytes(tc, tok, t.inner, t.cp, s) / 2
     feat = (w.vision_tokens // vc.spatial_merge_size ** 2) * family_of(config).feature_dim(config) \
         * s.dtype_bytes
     boundary = 2 * max(st * feat, sv * feat / v.inner * t.inner)
@@ -62,7 +70,8 @@ def collective_bytes(config, counts, layout: Layout, w: Workload) -> dict:
     e_grads = (replica_bytes(t.dp * t.cp // ep, 0, experts * g, experts * wb)
                + (replica_bytes(e_reps, 1, 0, experts * wb) if t.zero_stage in (1, 2) else 0))
     out = dict(zip(COLLECTIVES, (m * a2a * (3 if s.checkpointing else 2), m * ar,
-                                 m * boundary, v_grads, t_grads, moe_a2a, e_grads, m * cp_a2a)))
+                                 m * boundary, v_grads, t_grads, moe_a2a, e_grads, m * cp_a2a,
+                                 m * cp_ring)))
     a = topo.encoder("audio")
     if a is not None:  # the audio rows to the LM both ways, the audio gradients
         from ray_dhp.planning.memory_audio import clip_shape
@@ -115,7 +124,7 @@ def collective_groups(topology: Topology, micro_batch_size: int) -> dict:
         v.inner_groups() if v.inner > 1 else [], t.inner_groups() if t.inner > 1 else [],
         pairs("vision"), [v.ranks] if v.size > 1 else [],
         t.dp_groups() if t.dp * t.cp > 1 else [],  # the gradient replicas: dp x cp ranks
-        *_expert_groups(topology), t.cp_groups() if t.cp > 1 else [])))
+        *_expert_groups(topology), *[t.cp_groups() if t.cp > 1 else []] * 2)))
     a = topology.encoder("audio")
     if a is not None:
         out.update({"audio boundary": pairs("audio"),

@@ -146,8 +146,14 @@ def test_planner_divides_lm_activations_by_cp():
         back = 65536 / cp * 64 / 2 * 2 * 2  # tokens x h / tp x bytes x layers
         assert got == text_activation_bytes(tc, 65536 / cp, 2, s) + back
         assert full / cp < got < full / cp * 1.1
-        buffers = 2 * (65536 / cp) * (2 * 64 + 2 * 4 * 16) / 2 * 2  # qkvo / tp, x2 (send, recv)
-        assert cp_working_bytes(tc, 65536, 2, cp, s) == buffers
+    buffers = 2 * (65536 / 2) * (2 * 64 + 2 * 4 * 16) / 2 * 2  # qkvo / tp, x2 (send, recv)
+    assert cp_working_bytes(tc, 65536, 2, 2, s) == buffers
+    # TP2 x CP4 on 4 heads: beyond the heads, ring attention (`ray_dhp.planning.ring_cost`): the
+    # swap halves of q, k, v (2 bytes), 2 K/V blocks + 2 dK/dV accumulators and dq (fp32), one
+    # tile pair's scores (3 x 2 heads x 1024^2 x 4 bytes), for 16,384 tokens per rank
+    n = 65536 / 4
+    ring = n * 2 * (32 + 2 * 32) + n * 4 * (8 * 32 + 32) + 3 * 2 * 1024 ** 2 * 4
+    assert cp_working_bytes(tc, 65536, 2, 4, s) == ring
     assert cp_working_bytes(tc, 65536, 2, 1, s) == 0
     # a sample padded to a multiple of cp: 43 tokens -> 2 slices of 22
     assert text_activation_bytes(tc, 43, 2, s, 43, cp=2) == text_activation_bytes(tc, 44, 2, s, 44, cp=2)
@@ -217,8 +223,8 @@ def test_linear_attention_heads_bound_the_cp_degree():
 def test_recommend_ranks_context_parallel_degrees():
     """`recommend(..., context_parallel=True)` (``ray-dhp plan --recommend --context-parallel``)
     adds every text CP degree: each candidate's run-file fragment builds the same workers, the
-    cost model divides the LM's compute by CP and adds its all-to-alls, and a CP degree the
-    heads do not admit is dropped with the driver's reason."""
+    cost model divides the LM's compute by CP and adds its all-to-alls, and a CP degree beyond
+    the heads is priced as ring attention (`ray_dhp.planning.ring_cost`)."""
     from ray_dhp.planning.recommend import Workload, enumerate_layouts, recommend
 
     config = demo.tiny_model_config()  # 4 heads
@@ -231,8 +237,9 @@ def test_recommend_ranks_context_parallel_degrees():
         frag = c.layout.run_file_fragment()
         assert frag["text"]["context_parallel"] == c.layout.text_cp
         assert c.layout.num_workers == 4
-    three = [c for c in cp if c.layout.text_cp == 3]  # disjoint 1 + 3: 3 does not divide 4 heads
-    assert three and all(not c.feasible and "text.context_parallel=3" in c.reason for c in three)
+    # disjoint 1 + 3: 3 does not divide 4 heads: ring attention, priced (its point-to-point)
+    three = [c for c in cp if c.layout.text_cp == 3]
+    assert three and all(c.feasible and c.phases.text_comm > 0 for c in three), three
     by = {(c.layout.placement, c.layout.vision_sp, c.layout.text_tp, c.layout.text_cp, c.layout.text_sp,
            c.layout.text_zero): c for c in cands if c.feasible}
     one, two = by.get(("collocated", 4, 1, 1, False, None)), by.get(("collocated", 4, 1, 2, False, None))
@@ -271,3 +278,24 @@ def test_traffic_reduces_text_gradients_over_dp_x_cp():
     assert cp2["text cp all-to-all"] > 0
     tp2, tp2cp2 = plan(tp=2)[0], plan(tp=2, cp=2)[0]
     assert tp2cp2["text tp all-reduce"] == tp2["text tp all-reduce"] / 2
+
+
+def test_ring_traffic_is_priced_beyond_the_heads():
+    """CP3 on 4 heads runs ring attention: `planning.traffic` lists its point-to-point under
+    ``text cp ring`` (none under the all-to-all), the CP group its ranks; CP2 the reverse. The
+    ring's bytes per layer are `ring_sent_bytes`, which tests/distributed/test_ring_attention.py
+    checks against the bytes the ring records."""
+    from ray_dhp.models.sizes import count_params
+    from ray_dhp.planning.cost_types import Layout, Workload
+    from ray_dhp.planning.ring_cost import ring_form
+    from ray_dhp.planning.traffic import collective_bytes, collective_groups
+
+    config = demo.tiny_model_config("qwen2_5_vl")
+    tc = config.text_config
+    assert ring_form(tc, 1, 3) and ring_form(tc, 2, 4) and not ring_form(tc, 2, 2)
+    for cp, ring in ((3, True), (2, False)):
+        layout = Layout("disjoint", "sequential", 1, 1, 1, 1, text_cp=cp)
+        got = collective_bytes(config, count_params(config), layout, Workload(1024, 64, 4))
+        assert (got["text cp ring"] > 0) == ring and (got["text cp all-to-all"] > 0) != ring, got
+        groups = collective_groups(layout.topology(), 4)
+        assert groups["text cp ring"] == groups["text cp all-to-all"] == layout.topology().text.cp_groups()
