@@ -22,9 +22,8 @@ samples, fewer images than replicas) runs `VisionStage3.idle` instead: the tower
 zero-filled merge unit (the smallest image, ``1 x merge x merge`` patches, without SP: no
 all-to-all on its SP group, whose ranks are all idle alike) of which it keeps no row, like an SP
 rank with no rows; its backward adds exact zeros to every gradient. A micro-batch with no image
-anywhere runs the tower on no rank. With several micro-batches the gradients are reduce-scattered
-once per step, in the backward of its last micro-batch with images (the engine's
-``sharding["vision"].sync``); the earlier ones accumulate unsharded gradients. The engine builds it
+anywhere runs the tower on no rank. Every micro-batch with images reduce-scatters its gradients
+into the shards (the engine's ``sharding["vision"].sync``, `ray_dhp.parallel.fsdp`). The engine builds it
 through the vision side's operations (`ray_dhp.models.vision_encoder.shard`).
 """
 

@@ -8,8 +8,13 @@ placement): a rank holds ``1/dp`` of its TP shard's weights, gradients, fp32 mas
 moments. A unit's weights are all-gathered before its forward (the next unit's are prefetched)
 and again before its backward; its gradients are reduce-scattered (SUM: the loss is normalised by
 the step's global token count, `ray_dhp.parallel.data_parallel`) right after its backward, in fp32 for
-bf16 gradients. With several micro-batches the reduce-scatter runs once per step, in the last
-micro-batch's backward (`FSDPShards.sync`); the others accumulate the unsharded gradients.
+bf16 gradients, in every micro-batch: the gradient shards accumulate over the micro-batches, so
+no rank ever holds a module's unsharded gradients beyond the unit running (deferring the
+reduce-scatter to the last micro-batch, FSDP2's ``set_requires_gradient_sync(False)``, would keep
+every unit's unsharded gradients between micro-batches: 35 GiB per rank for a 72B text shard).
+Under the bf16 policies the shards accumulate in fp32 (`FSDPShards.sync`: an fp32 gradient per
+shard from the step's first micro-batch, into which FSDP2 adds each reduced bf16 shard), as
+plain parameters do; a step of one micro-batch keeps FSDP2's bf16 shard.
 
 The global gradient norm counts each entry once: every rank adds its local shard, the entries of
 TP-replicated parameters only on TP rank 0 (`FSDPShards.norm_share`).
@@ -82,11 +87,36 @@ class FSDPShards:
         if self.cpu:  # torch's private setter (no public one); never called on CUDA
             self.root._set_unshard_async_op(on)
 
-    def sync(self, last: bool) -> None:
-        """Reduce-scatter the gradients in the coming backward (``last``: the step's last
-        micro-batch) or accumulate them unsharded (the others)."""
-        self.root.set_requires_gradient_sync(last)
-        self.root.set_is_last_backward(last)
+    accumulate_dtype = None  # `accumulate_in`
+
+    def accumulate_in(self, dtype) -> None:
+        """Accumulate the gradient shards over micro-batches in ``dtype`` (fp32 for bf16
+        weights; None: the weights' dtype, FSDP2's own)."""
+        self.accumulate_dtype = dtype
+
+    @torch.no_grad()
+    def sync(self, first: bool, last: bool) -> None:
+        """Before a micro-batch's backward (``first`` / ``last``: the step's first / last with
+        work for this module): every backward reduce-scatters (module docstring); with an
+        `accumulate_dtype` and more than one backward in the step, each shard's gradient is held
+        in it from the first, and FSDP2 adds each micro-batch's reduced shard into it."""
+        self.root.set_requires_gradient_sync(True)
+        self.root.set_is_last_backward(True)
+        acc = self.accumulate_dtype
+        if acc is None:
+            return
+        for p in self.params:
+            g = p.grad
+            if g is None:
+                if first and last:  # one backward: FSDP2's shard in the weights' dtype
+                    p.grad_dtype = None
+                    continue
+                p.grad_dtype = acc
+                p.grad = torch.zeros_like(p, dtype=acc)
+            elif g.dtype != acc:  # an earlier call's shard, accumulated further
+                p.grad = None
+                p.grad_dtype = acc
+                p.grad = g.to(acc)
 
     def norm_share(self, device) -> torch.Tensor:
         """This rank's share of the global squared gradient norm (fp64 on ``device``)."""

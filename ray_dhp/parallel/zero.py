@@ -275,16 +275,19 @@ def _unflatten(flat: torch.Tensor, tensors: list) -> None:
         off += t.numel()
 
 
-def replica_bytes(n: int, stage: int, grad_bytes: float, weight_bytes: float) -> float:
+def replica_bytes(n: int, stage: int, grad_bytes: float, weight_bytes: float,
+                  micro_batches: int = 1) -> float:
     """Bytes one replica sends per optimizer step to keep a module of ``grad_bytes`` gradients
     and ``weight_bytes`` weights (its local TP shard) in sync over ``n`` replicas (ring
     collectives: an all-reduce sends ``2 (n-1)/n`` of the buffer, a reduce, reduce-scatter,
     broadcast or all-gather ``(n-1)/n``): stage 0 all-reduces the gradients; stage 1 adds the
     owners' broadcast of the new weights; stage 2 reduces instead of all-reducing; stage 3
     (FSDP2) all-gathers the weights in forward and again in backward and reduce-scatters the
-    gradients, once per step."""
+    gradients, in each of the step's ``micro_batches`` (`ray_dhp.parallel.fsdp`)."""
     if n <= 1:
         return 0.0
     f = (n - 1) / n
+    if stage == 3:
+        return micro_batches * (f * grad_bytes + 2 * f * weight_bytes)
     return {0: 2 * f * grad_bytes, 1: 2 * f * grad_bytes + f * weight_bytes,
-            2: f * grad_bytes + f * weight_bytes, 3: f * grad_bytes + 2 * f * weight_bytes}[stage]
+            2: f * grad_bytes + f * weight_bytes}[stage]

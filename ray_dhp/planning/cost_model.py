@@ -243,9 +243,9 @@ def phase_times(config, counts, layout: Layout, w: Workload, hw: Hardware) -> Ph
     # ZeRO stages 2-3 (chosen by `ray_dhp.planning.recommend` where the default does not fit):
     # their traffic beyond the all-reduce above (`ray_dhp.parallel.zero.replica_bytes`)
     v_end += _zero_extra(v.size, v.zero_stage, counts.vision * g, counts.vision * s.dtype_bytes,
-                         bw_v)
+                         bw_v, w.micro_batches)
     t_end += _zero_extra(t.dp * t.cp, t.zero_stage, t_rank * g, t_rank * s.dtype_bytes,
-                         _bw(hw, t.dp_groups(), nodes))
+                         _bw(hw, t.dp_groups(), nodes), w.micro_batches)
     from ray_dhp.planning.cost_audio import audio_phases
 
     return PhaseTimes(vision_fwd=v_comp * fwd_share + a2a, vision_bwd=v_comp * (1 - fwd_share)

@@ -17,17 +17,14 @@ and the reduce dtype):
 * the root's parameters (those no unit holds: the final norm) stay gathered from its forward to
   the end of the backward (FSDP2 does not reshard the root after the forward), with their
   gradients: ``R (pb + gb)``;
-* with several micro-batches the engine reduce-scatters in the last one only: from the first
-  backward on, every unit's gradients stay unsharded, in the reduce dtype (``sum P_i rb + R rb``
-  per ZeRO-3 module on the rank, the vision tower's through the text phase too), and each later
-  backward adds into them (in place where the dtypes agree; beside them, ``P_i gb``, where they
-  do not). So ZeRO-3 with gradient accumulation holds the whole unsharded gradients of the
-  rank's TP shard: e.g. 35 GiB per rank for the 72B example's text shard (fp32, 9.1 B elements).
+* every micro-batch reduce-scatters (`ray_dhp.parallel.fsdp`), so gradient accumulation adds
+  no unsharded gradients; under the bf16 policies with several micro-batches the shards
+  accumulate in fp32: ``2 B`` more per trained shard element than the state's bf16 shard.
 
 A rank hosting two ZeRO-3 modules (collocated vision and text) runs them one after the other:
 the larger working set counts, plus the other's root weights. Measured on CPU by sampling what
-FSDP2 holds at every one of its hooks (`benchmarks.measure.FSDPWorkingSet`, the plan-accuracy
-rows at ZeRO-3): equal to this. The sum with the activations is an upper bound (the backward
+FSDP2 holds at every one of its hooks (`benchmarks.fsdp_sampling`, the plan-accuracy rows
+at ZeRO-3): equal to this. The sum with the activations is an upper bound (the backward
 frees activations as it makes these gradients). Not modelled: a sub-module kept as a unit of its
 own for another dtype (an fp32 router, `ray_dhp.parallel.fsdp._odd_dtype`), gathered by its own
 pre-forward: it counts with its parent unit here.
@@ -36,28 +33,19 @@ pre-forward: it counts with its parent unit here.
 from __future__ import annotations
 
 
-def unit_peak(units: list, root: int, pb: int, gb: int, rb: int, accumulating: bool = False) -> int:
-    """Bytes one ZeRO-3 module holds unsharded at its peak beyond its kept gradients (module
-    docstring): ``units``, its units' elements in forward order; ``root``, the root's;
-    ``accumulating``: several micro-batches, whose unsharded gradients (counted apart, see
-    `fsdp_working_bytes`) a backward adds into (in place where ``gb == rb``)."""
-    differ = gb != rb  # an accumulating backward's fresh gradients, beside the accumulated
+def unit_peak(units: list, root: int, pb: int, gb: int, rb: int) -> int:
+    """Bytes one ZeRO-3 module holds unsharded at its peak (module docstring): ``units``, its
+    units' elements in forward order; ``root``, the root's."""
     if not units:
-        return root * (pb + (gb * differ if accumulating else gb))
+        return root * (pb + gb)
     p = list(units) + [0]  # p[n] = p[-1 of the list] = 0: no unit after the last, before the first
     fwd = max(max((p[i] + p[i + 1]) * pb, 2 * p[i] * pb) for i in range(len(units)))
     bwd = 0
     for i in range(len(units)):
         before, pending = p[i - 1] if i else 0, p[i + 1]
-        if accumulating:  # the fresh gradients are added in before the reduce-scatter's input
-            bwd = max(bwd, 2 * p[i] * pb, (p[i] + before) * pb + p[i] * gb * differ,
-                      before * pb + p[i] * rb)
-        else:
-            bwd = max(bwd, 2 * p[i] * pb + pending * rb,
-                      (p[i] + before) * pb + p[i] * gb + pending * rb,
-                      before * pb + p[i] * (gb + rb))
-    if accumulating:
-        return max(fwd + root * pb, bwd + root * (pb + gb * differ))
+        bwd = max(bwd, 2 * p[i] * pb + pending * rb,
+                  (p[i] + before) * pb + p[i] * gb + pending * rb,
+                  before * pb + p[i] * (gb + rb))
     return max(fwd + root * pb, bwd + root * (pb + gb))
 
 
@@ -82,15 +70,18 @@ def fsdp_working_bytes(counts, topology, rank: int, policy, micro_batches: int =
 
     pb = gb = policy.weight_bytes()
     rb = torch.empty((), dtype=policy.reduce_dtype).element_size()
-    accumulating = micro_batches > 1
     peaks, roots, held = [], [], 0
     for mod, text in ((topology.vision, False), (topology.text, True)):
         if not mod.hosts(rank) or mod.zero_stage != 3:
             continue
         units, root = module_units(counts, topology, text)
-        peaks.append(unit_peak(units, root, pb, gb, rb, accumulating))
+        peaks.append(unit_peak(units, root, pb, gb, rb))
         roots.append(root * pb)
-        held += (sum(units) + root) * rb if accumulating else 0
+        if micro_batches > 1 and policy.grad_dtype != policy.param_dtype:
+            t = topology.text
+            trained = (counts.text_updated_by(t.grad_index(rank), t.dp * t.cp, t.inner, 3) if text else
+                       counts.vision_updated_by(rank - mod.offset, mod.size, 3))
+            held += trained * (rb - gb)  # the fp32 shard gradients beside the state's bf16 ones
     if not peaks:
         return 0
     top = peaks.index(max(peaks))

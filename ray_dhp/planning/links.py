@@ -21,14 +21,15 @@ def all_reduce_s(hw, nbytes, n, bw) -> float:
     return 0.0 if n <= 1 else 2 * (n - 1) / n * nbytes / bw + hw.latency_s
 
 
-def zero_extra_s(n, stage, grad_bytes, weight_bytes, bw) -> float:
-    """Seconds of a stage-2/3 module's synchronisation beyond an all-reduce of its gradients
-    (may be negative: stage 2 reduces instead of all-reducing); 0 at stages 0-1."""
+def zero_extra_s(n, stage, grad_bytes, weight_bytes, bw, micro_batches: int = 1) -> float:
+    """Seconds of a stage-2/3 module's synchronisation per step beyond an all-reduce of its
+    gradients (may be negative: stage 2 reduces instead of all-reducing; stage 3 gathers and
+    reduce-scatters in each of the ``micro_batches``); 0 at stages 0-1."""
     from ray_dhp.parallel.zero import replica_bytes
 
     if stage < 2 or n <= 1:
         return 0.0
-    return (replica_bytes(n, stage, grad_bytes, weight_bytes)
+    return (replica_bytes(n, stage, grad_bytes, weight_bytes, micro_batches)
             - replica_bytes(n, 0, grad_bytes, weight_bytes)) / bw
 
 

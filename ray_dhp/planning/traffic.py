@@ -24,10 +24,10 @@ def collective_bytes(config, counts, layout: Layout, w: Workload) -> dict:
     ``M`` micro-batches, the boundary both ways, and the end-of-step gradient reductions (ring
     all-reduce: ``2 (n - 1) / n`` of the buffer; all-to-all: ``(n - 1) / n``). The gradient
     entries follow each module's ZeRO stage (`ray_dhp.parallel.zero.replica_bytes`: + the owners'
-    broadcast at stages 1-2, reduce instead of all-reduce at 2, FSDP2's all-gathers and one
-    reduce-scatter at 3), in the dtypes the engine sends (`element_bytes`). Under the LM's
-    context parallelism each CP rank runs ``1 / cp`` of its replica's tokens outside attention
-    (the TP all-reduces shrink so), re-shards q, k, v and the output per layer by all-to-all
+    broadcast at stages 1-2, reduce instead of all-reduce at 2, FSDP2's all-gathers and
+    reduce-scatter in every micro-batch at 3), in the dtypes the engine sends
+    (`element_bytes`). Under the LM's context parallelism each CP rank runs ``1 / cp`` of its
+    replica's tokens outside attention (the TP all-reduces shrink so), re-shards q, k, v and the output per layer by all-to-all
     (forward, backward, and the recomputation with checkpointing: `cp_working_bytes`' send
     buffers) or, where ``tp x cp`` does not divide the heads, passes the K/V blocks around the
     ring (``text cp ring``: `ray_dhp.planning.ring_cost.ring_sent_bytes`), and its gradients
@@ -59,12 +59,12 @@ def collective_bytes(config, counts, layout: Layout, w: Workload) -> dict:
         * s.dtype_bytes
     boundary = 2 * max(st * feat, sv * feat / v.inner * t.inner)
     g, wb = element_bytes(w)
-    v_grads = replica_bytes(v.size, v.zero_stage, counts.vision * g, counts.vision * wb)
+    v_grads = replica_bytes(v.size, v.zero_stage, counts.vision * g, counts.vision * wb, m)
     # expert parallelism (`ray_dhp.planning.experts`): the token all-to-alls; the experts'
     # gradients summed over EDP (+ their owners' broadcast over the expert replicas at ZeRO 1-2)
     ep = topo.text_expert_parallel
     dense, experts = gradient_split(counts, t.inner, ep)
-    t_grads = replica_bytes(t.dp * t.cp, t.zero_stage, dense * g, dense * wb)
+    t_grads = replica_bytes(t.dp * t.cp, t.zero_stage, dense * g, dense * wb, m)
     moe_a2a = sent_bytes(config, tok, ep, m, s.checkpointing, s.dtype_bytes)
     e_reps = t.inner * (t.dp * t.cp // ep)
     e_grads = (replica_bytes(t.dp * t.cp // ep, 0, experts * g, experts * wb)

@@ -68,8 +68,8 @@ class EncoderPhases:
                 last = mb is self._last_with(name)
                 self._arm_reduce(name, last)
                 sharded = self.sharding.get(name)
-                if sharded is not None:  # stage 3: reduce-scatter in the module's last backward
-                    sharded.sync(last)   # only (the earlier ones accumulate)
+                if sharded is not None:  # stage 3: reduce-scatter in every backward
+                    sharded.sync(mb is self._first_with(name), last)
                 with self._timer(f"{name}_bwd"):
                     feats.backward(g_local.to(feats.dtype))
         mb.feats, mb.grad_feats = {}, {}
@@ -80,6 +80,10 @@ class EncoderPhases:
             if m.name not in mb.inputs:
                 ops = self.family.encoder_spec(m.name).operations()
                 mb.inputs[m.name] = any(ops.has_input(s) for s in mb.samples)
+
+    def _first_with(self, name: str):
+        """The step's first micro-batch state with input for encoder ``name``."""
+        return next((s for s in self._states if s.inputs.get(name)), None)
 
     def _last_with(self, name: str):
         """The step's last micro-batch state with input for encoder ``name``: its last backward."""

@@ -117,9 +117,12 @@ class DHPEngine(EncoderPhases, TextPhase, UpdateMixin):
 
             self._router_loss = RouterLoss(self.family.language_model(self.text_model), self.family.moe,
                                            self.config.text_config, groups.text_dp)
-        # bf16 policies: micro-batch gradients sum in fp32 (FSDP2 does it itself at stage 3)
+        # bf16 policies: micro-batch gradients sum in fp32 (at stage 3: FSDP2's shards)
         accumulate_in_fp32([p for n, ps in self.params.items() if n not in self.sharding for p in ps],
                            self.policy)
+        if self.policy.grad_dtype != self.policy.param_dtype:
+            for sharded in self.sharding.values():
+                sharded.accumulate_in(self.policy.grad_dtype)
         self.feature_dims = {m.name: self.family.encoder_dim(m.name, self.config) for m in topo.encoders}
         self.step_count = 0
         self._timer = PhaseTimer(groups.device)

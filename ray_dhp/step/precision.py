@@ -19,9 +19,10 @@ is fp32, so autograd casts each incoming bf16 gradient to fp32 and sums it into 
 that grows with M. The fp32 gradients are then summed over replicas in fp32 and become the fp32
 masters' gradients as they are (``bf16_mixed``: no copy; the clipping factor is applied there) or,
 under ``bf16``, are rounded to bf16 once, parameter by parameter, for the bf16 AdamW update
-(`round_grads_for_update`). At ZeRO stage 3, FSDP2 accumulates in fp32 itself (its
-``reduce_dtype``) and hands back bf16 gradient shards (2 B per parameter, upcast chunk by chunk
-into the masters).
+(`round_grads_for_update`). At ZeRO stage 3, FSDP2 reduce-scatters each micro-batch in fp32
+(its ``reduce_dtype``) and hands back a bf16 gradient shard: with one micro-batch it stays so
+(2 B per parameter, upcast chunk by chunk into the masters), with several the shards accumulate
+in fp32 (`ray_dhp.parallel.fsdp.FSDPShards.sync`).
 
 ``bf16_mixed`` keeps an fp32 master copy of every parameter the rank updates; AdamW steps the
 masters and the bf16 weights are refreshed from them after every step. Against fp32 it costs 2

@@ -28,8 +28,8 @@ class TextPhase:
             groups = mb.lay.text_groups[j] if mb.lay.text_groups and not one \
                 else [mb.lay.text_samples[j]]  # FSDP, MoE: the same number of forwards per replica
             # (CP: one padded or packed batch, whose slices the boundary planned the rows of)
-            if fsdp is not None:  # reduce-scatter in the step's last backward only
-                fsdp.sync(mb is self._states[-1])
+            if fsdp is not None:  # reduce-scatter in every backward, shards accumulate
+                fsdp.sync(mb is self._states[0], mb is self._states[-1])
             mb.loss_sum, mb.grad_feats = self._text_groups(mb, mb.lay.text_samples[j], groups, n_targets)
         mb.text_feats = {}
 
