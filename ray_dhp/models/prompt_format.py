@@ -77,6 +77,8 @@ class PromptFormat:
         resize_rule: ``module:function`` of the image processor's resize rule,
             ``(height, width, factor=, min_pixels=, max_pixels=) -> (height, width)``.
         video: how videos are sampled and sized (`VideoRules`).
+        audio_rows: ``module:function`` of the audio pads a clip of ``frames`` feature columns
+            takes (the rows the model's audio encoder makes of it, as its processor counts them).
     """
 
     tokenizer_kind: str
@@ -94,6 +96,11 @@ class PromptFormat:
     image_processor_fallback: str
     resize_rule: str
     video: VideoRules
+    audio_rows: str = "ray_dhp.models.qwen2_5_omni:audio_tokens"
+
+    def clip_rows(self, frames) -> int:
+        """Audio pads of a clip of ``frames`` feature columns (`audio_rows`)."""
+        return int(_attr(self.audio_rows)(frames))
 
     def token(self, name: str) -> str:
         """The special token called ``name`` (`special`)."""
