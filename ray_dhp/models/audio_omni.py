@@ -88,7 +88,8 @@ def plan(family, config, samples, sp: int, micro_batch=None):
     else the frames the stock forward pads every chunk to over the whole ``micro_batch`` (its
     longest chunk of ``2 * n_window`` frames or less; default ``samples``), which `forward`
     pads this replica's chunks to: the convs run over the padding, so the rows of a clip's
-    last, shorter chunk depend on it (Qwen3-Omni's tower; Qwen2.5-Omni's masks it)."""
+    last, shorter chunk depend on it (Qwen3-Omni's tower; Qwen2.5-Omni's makes the same rows
+    either way, `tests/distributed/test_omni_audio.py`)."""
     if not any(has_input(s) for s in samples):
         return None
     return longest_chunk(config.audio_config, [s for s in micro_batch or samples if has_input(s)])
