@@ -228,7 +228,7 @@ def plan_text(rf, *, vision_tokens: list, text_tokens: int, attention=None,
         out.append(f"audio: one {audio_seconds:g} s clip per sample (--audio-seconds), "
                    f"{_audio_samples(rf, topo)} clip(s) per audio replica per micro-batch: "
                    f"{clip.frames} mel frames, {clip.tokens} audio-encoder tokens (attention in "
-                   f"chunks of {clip.chunk_tokens}), {clip.lm_tokens} + 2 LLM tokens")
+                   f"chunks of {clip.chunk_tokens}), {lm_audio - 2} + 2 LLM tokens")
     for heading, vt, seg in vision_cases(config, vision_tokens, videos):
         out.append(heading)
         too_long = _too_long(rf, vt, text_tokens + lm_audio)

@@ -18,8 +18,8 @@ root) and its user turns hold one ``<audio>`` placeholder per clip, in order::
   spectrogram, which padding frames never raise), so they are the stock values bit for bit
   (``tests/unit/test_audio.py``) at a fraction of the work.
 * One clip becomes ``frames = ceil(samples / hop_length)`` feature columns and one audio pad
-  (`PromptFormat.pads`) per row the audio encoder makes of them (its operations' ``clip_rows``,
-  `ray_dhp.models.encoder_operations`), inside the format's audio item.
+  (`PromptFormat.pads`) per row the audio encoder makes of them (the family's
+  `PromptFormat.clip_rows`), inside the format's audio item.
 
 Bad clips are bad samples (``AudioError`` -> `ray_dhp.data.sample.BadSample`, counted and
 skipped like bad images): a missing or unreadable file, no audio stream, an empty clip, a clip
@@ -159,10 +159,11 @@ def find_audio_record(path, chunk: int = 64 << 20) -> Optional[int]:
 
 
 def record_audio(data: dict, data_root, n_placeholders: int, feature_extractor,
-                 settings: AudioSettings, pad: str):
+                 settings: AudioSettings, pad: str, clip_rows):
     """A record's clips, checked against its ``<audio>`` count: ``(features [n_mels, frames
     summed over the clips], frames per clip [n_clips], one pad string per clip: ``pad`` once per
-    row the audio encoder makes of it)``, or ``(None, None, [])`` for a record without audio."""
+    row the audio encoder makes of it, ``clip_rows(frames)``)``, or ``(None, None, [])`` for a
+    record without audio."""
     paths = audio_paths(data, data_root)
     if n_placeholders != len(paths):
         raise AudioError(f"audio count mismatch: {n_placeholders} <audio> placeholder(s) but "
@@ -175,9 +176,6 @@ def record_audio(data: dict, data_root, n_placeholders: int, feature_extractor,
                          "encoder has one)")
     feats = [encode_audio(p, feature_extractor, settings) for p in paths]
     lengths = torch.tensor([f.shape[1] for f in feats], dtype=torch.long)
-    from ray_dhp.models import encoder_operations
-
-    clip_rows = encoder_operations("audio").clip_rows
     pads = [pad * int(clip_rows(n)) for n in lengths.tolist()]
     return torch.cat(feats, dim=1), lengths, pads
 

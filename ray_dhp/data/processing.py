@@ -265,7 +265,7 @@ class VLProcessor:
 
         try:
             return record_audio(data, data_root, kinds.count("audio"), self.feature_extractor,
-                                self.audio, self.pads[2])
+                                self.audio, self.pads[2], self.format.clip_rows)
         except AudioError as exc:
             raise BadSample(str(exc)) from exc
 

@@ -22,45 +22,50 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["AUDIO_TOKENS", "omni_template", "omni_tokenizer", "omni_config", "omni_processor",
-           "tone", "write_wav", "make_audio_dataset", "SOUNDS"]
+__all__ = ["AUDIO_TOKENS", "QWEN3_OMNI_AUDIO_TOKENS", "omni_template", "omni_tokenizer",
+           "omni_config", "omni3_config", "omni_processor", "tone", "write_wav",
+           "make_audio_dataset", "SOUNDS"]
 
-#: Qwen2.5-Omni's audio tokens, appended after the demo tokenizer's vocabulary (ids 371-373).
+#: Qwen2.5-Omni's audio tokens (pad, start, end), appended after the demo tokenizer's
+#: vocabulary (ids 371-373).
 AUDIO_TOKENS = ("<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>")
-#: audio items as Qwen2.5-Omni's template renders them (``<|audio_bos|><|AUDIO|><|audio_eos|>``)
-_AUDIO_BRANCH = ("{% elif item['type'] == 'audio' or 'audio' in item %}"
-                 "<|audio_bos|><|AUDIO|><|audio_eos|>")
+#: Qwen3-Omni's (its tokenizer's names; the same ids in the demo tokenizer)
+QWEN3_OMNI_AUDIO_TOKENS = ("<|audio_pad|>", "<|audio_start|>", "<|audio_end|>")
 SOUNDS = ("low tone", "high tone", "rising chirp", "falling chirp")
 _FREQS = {"low tone": (220.0, 220.0), "high tone": (880.0, 880.0),
           "rising chirp": (200.0, 1600.0), "falling chirp": (1600.0, 200.0)}
 PROMPT = "What do you hear?"
 
 
-def omni_template(chat_template: str) -> str:
-    """The demo's chat template with an audio branch (before its text branch)."""
+def omni_template(chat_template: str, tokens: tuple = AUDIO_TOKENS) -> str:
+    """The demo's chat template with an audio branch (before its text branch), writing a clip as
+    the model's template does (start, pad, end of ``tokens``: Qwen2.5-Omni's
+    ``<|audio_bos|><|AUDIO|><|audio_eos|>``)."""
     anchor = "{% elif 'text' in item %}"
     assert chat_template.count(anchor) == 1
-    return chat_template.replace(anchor, _AUDIO_BRANCH + anchor)
+    pad, start, end = tokens
+    branch = f"{{% elif item['type'] == 'audio' or 'audio' in item %}}{start}{pad}{end}"
+    return chat_template.replace(anchor, branch + anchor)
 
 
 @functools.lru_cache(maxsize=None)
-def omni_tokenizer(base, chat_template: str):
-    """``base`` (the demo tokenizer: same ids) plus `AUDIO_TOKENS` as special tokens, with the
-    attributes ``Qwen2_5OmniProcessor`` reads (``audio_token``, ``vision_bos_token``, ...) and
-    `omni_template` of ``chat_template``. Cached: do not modify it."""
+def omni_tokenizer(base, chat_template: str, tokens: tuple = AUDIO_TOKENS):
+    """``base`` (the demo tokenizer: same ids) plus the audio ``tokens`` (pad, start, end:
+    `AUDIO_TOKENS` or `QWEN3_OMNI_AUDIO_TOKENS`) as special tokens, with the attributes the Omni
+    processors read (``audio_token``, ``vision_bos_token``, ...) and `omni_template` of
+    ``chat_template``. Cached: do not modify it."""
     from transformers import PreTrainedTokenizerFast
 
     tok = PreTrainedTokenizerFast(
         tokenizer_object=copy.deepcopy(base._tokenizer), pad_token=base.pad_token,
-        eos_token=base.eos_token, chat_template=omni_template(chat_template),
+        eos_token=base.eos_token, chat_template=omni_template(chat_template, tokens),
         model_max_length=32768,
         extra_special_tokens={
             "image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
             "vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>",
             "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>",
-            "audio_token": AUDIO_TOKENS[0], "audio_bos_token": AUDIO_TOKENS[1],
-            "audio_eos_token": AUDIO_TOKENS[2]})
-    assert [tok.convert_tokens_to_ids(t) for t in AUDIO_TOKENS] == list(range(len(base), len(base) + 3))
+            "audio_token": tokens[0], "audio_bos_token": tokens[1], "audio_eos_token": tokens[2]})
+    assert [tok.convert_tokens_to_ids(t) for t in tokens] == list(range(len(base), len(base) + 3))
     return tok
 
 
@@ -94,10 +99,42 @@ def omni_config(tok, ids: dict, text: dict, vision: dict):
     return config
 
 
-def omni_processor(tok, images, *, max_audio_seconds=None):
-    """`ray_dhp.data.VLProcessor` for `omni_config`: ``tok`` (`omni_tokenizer`), ``images`` (the
-    PIL image processor of ``demo.tiny_processor("qwen2_5_vl")``) and a Whisper feature extractor
-    (128 mel bins, 16 kHz, hop 160, n_fft 400: Qwen2.5-Omni's) with a 30 s window."""
+def omni3_config(tok, ids: dict, text: dict, vision: dict):
+    """A tiny ``Qwen3OmniMoeThinkerConfig`` from the demo's parts: ``tok`` (`omni_tokenizer` with
+    `QWEN3_OMNI_AUDIO_TOKENS`), ``ids`` (the demo's special-token ids), ``text`` (the tiny
+    Qwen3-VL-MoE LM dict: hidden 64, 4+4 heads of 16, 2 layers of 8 experts, top-2) and
+    ``vision`` (the tiny Qwen3-VL ViT dict: deepstack after blocks 1 and 2), and a Qwen3-Omni
+    audio tower of 128 mel bins, convs of 8 channels, d_model 32, 4 heads, 2 layers, output 64,
+    the released ``n_window`` 50 (chunks of 100 feature frames: 13 rows each) and
+    ``n_window_infer`` 100 (attention windows of one chunk's rows, so a clip over 1 s spans
+    several). fp32, dropout 0, sdpa, the per-expert loop."""
+    from transformers import Qwen3OmniMoeThinkerConfig
+
+    text = {k: v for k, v in text.items() if k != "dtype"}
+    audio = {"num_mel_bins": 128, "encoder_layers": 2, "encoder_attention_heads": 4,
+             "encoder_ffn_dim": 64, "d_model": 32, "output_dim": 64, "n_window": 50,
+             "n_window_infer": 100, "downsample_hidden_size": 8, "max_source_positions": 1500,
+             "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0}
+    a_id, start, _ = (tok.convert_tokens_to_ids(t) for t in QWEN3_OMNI_AUDIO_TOKENS)
+    config = Qwen3OmniMoeThinkerConfig(
+        text_config=text, vision_config=vision, audio_config=audio, audio_token_id=a_id,
+        audio_start_token_id=start, image_token_id=ids["image_token_id"],
+        video_token_id=ids["video_token_id"], user_token_id=tok.convert_tokens_to_ids("user"))
+    config.vision_start_token_id, config.vision_end_token_id = (ids["vision_start_token_id"],
+                                                                ids["vision_end_token_id"])
+    config.pad_token_id, config.eos_token_id = ids["pad_token_id"], ids["eos_token_id"]
+    for sub in (config, config.text_config, config.vision_config, config.audio_config):
+        sub.dtype = "float32"
+    config._attn_implementation = "sdpa"
+    config._experts_implementation = "eager"  # transformers' grouped_mm has no fp64
+    return config
+
+
+def omni_processor(tok, images, *, max_audio_seconds=None, prompt_format=None):
+    """`ray_dhp.data.VLProcessor` for `omni_config` (or `omni3_config` with its
+    ``prompt_format``): ``tok`` (`omni_tokenizer`), ``images`` (the PIL image processor of the
+    tiny ViT) and a Whisper feature extractor (128 mel bins, 16 kHz, hop 160, n_fft 400: the
+    Omni thinkers') with a 30 s window."""
     from transformers import WhisperFeatureExtractor
 
     from ray_dhp.data.audio import AudioSettings
@@ -106,7 +143,8 @@ def omni_processor(tok, images, *, max_audio_seconds=None):
     fe = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, hop_length=160,
                                  chunk_length=30, n_fft=400, return_attention_mask=True)
     return VLProcessor(tok, images, feature_extractor=fe,
-                       audio=AudioSettings(max_seconds=max_audio_seconds))
+                       audio=AudioSettings(max_seconds=max_audio_seconds),
+                       prompt_format=prompt_format)
 
 
 def tone(label: str, seconds: float, rate: int = 16000, amplitude: float = 0.5) -> np.ndarray:

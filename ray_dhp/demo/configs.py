@@ -9,7 +9,7 @@ __all__ = ["FAMILIES", "AUDIO_FAMILIES", "tiny_model_config"]
 
 FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "internvl")
 #: families with an audio encoder (their tiny config and processor: `ray_dhp.demo.audio`)
-AUDIO_FAMILIES = ("qwen2_5_omni",)
+AUDIO_FAMILIES = ("qwen2_5_omni", "qwen3_omni_moe")
 
 
 def _vision_geometry(family: str) -> dict:
@@ -117,7 +117,9 @@ def tiny_model_config(family: str = "qwen2_5_vl", *, tie_word_embeddings: bool =
         tie_word_embeddings: share one weight between the input embedding and ``lm_head`` (as
             Qwen2.5-VL-3B and the small Qwen3-VL models do).
 
-    ``"qwen2_5_omni"``: the Qwen2.5-Omni *thinker* (`ray_dhp.demo.audio.omni_config`).
+    ``"qwen2_5_omni"``: the Qwen2.5-Omni *thinker* (`ray_dhp.demo.audio.omni_config`);
+    ``"qwen3_omni_moe"``: the Qwen3-Omni thinker (`ray_dhp.demo.audio.omni3_config`: Qwen3-VL's
+    tiny ViT, Qwen3-VL-MoE's tiny LM, a tiny chunked-conv audio tower).
     """
     if family not in FAMILIES + AUDIO_FAMILIES:  # any other seam model: generic rules
         from ray_dhp.demo.generic import tiny_generic_config
@@ -125,6 +127,13 @@ def tiny_model_config(family: str = "qwen2_5_vl", *, tie_word_embeddings: bool =
         return tiny_generic_config(family)
     if family == "internvl":
         return _tiny_internvl(tie_word_embeddings)
+    if family == "qwen3_omni_moe":
+        from ray_dhp.demo.audio import QWEN3_OMNI_AUDIO_TOKENS, omni3_config, omni_tokenizer
+
+        tok = omni_tokenizer(build_tokenizer(), CHAT_TEMPLATE, QWEN3_OMNI_AUDIO_TOKENS)
+        text = {**_text_config(_token_ids(), -(-len(tok) // 8) * 8), "head_dim": 16, **_TINY_MOE}
+        text["rope_parameters"] = {**text["rope_parameters"], "mrope_interleaved": True}
+        return omni3_config(tok, _token_ids(), text, _vision_config("qwen3_vl"))
     if family in AUDIO_FAMILIES:
         from ray_dhp.demo.audio import omni_config, omni_tokenizer
 

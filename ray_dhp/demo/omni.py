@@ -14,17 +14,18 @@ __all__ = ["make_omni_dataset"]
 
 
 def make_omni_dataset(path, *, images: int = 6, clips: int = 4, videos: int = 0,
-                      seed: int = 0) -> Path:
-    """One LLaVA-format set mixing every input of a Qwen2.5-Omni thinker; returns its
+                      seed: int = 0, clip_seconds: tuple = (0.6, 1.0)) -> Path:
+    """One LLaVA-format set mixing every input of a Qwen-Omni thinker; returns its
     ``mixed.jsonl``. Records in this order: ``images`` shape images (every third text-only,
-    `ray_dhp.demo.make_dataset`), ``clips`` generated clips (`make_audio_dataset`), one record
-    with an image *and* a clip, then ``videos`` moving-square videos
+    `ray_dhp.demo.make_dataset`), ``clips`` generated clips (`make_audio_dataset`, lasting
+    ``clip_seconds`` in turn), one record with an image *and* a clip, then ``videos``
+    moving-square videos
     (`ray_dhp.demo.video.make_video_dataset`). Paths are relative to ``path``."""
     root = Path(path)
     parts = [("img", demo.make_dataset(root / "img", num_samples=images, seed=seed,
                                        text_only_every=3, image_sizes=((56, 56), (84, 56)))),
              ("aud", make_audio_dataset(root / "aud", num_samples=clips, seed=seed,
-                                        seconds=(0.6, 1.0)))]
+                                        seconds=clip_seconds))]
     records = []
     for sub, listing in parts:
         for line in listing.read_text().splitlines():

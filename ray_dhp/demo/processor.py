@@ -23,12 +23,21 @@ def tiny_processor(family: str = "qwen2_5_vl", *, min_side: int = 56, max_side: 
         min_side: side of the smallest image area, in pixels.
         max_side: side of the largest image area, in pixels.
 
-    ``"qwen2_5_omni"``: with an audio feature extractor (`ray_dhp.demo.audio.omni_processor`).
+    ``"qwen2_5_omni"``: with an audio feature extractor (`ray_dhp.demo.audio.omni_processor`);
+    ``"qwen3_omni_moe"``: the same with Qwen3-Omni's audio tokens and format, Qwen3-VL's images.
     """
     if family not in FAMILIES + AUDIO_FAMILIES:  # any other seam model: generic rules
         from ray_dhp.demo.generic import tiny_generic_processor
 
         return tiny_generic_processor(family)
+    if family == "qwen3_omni_moe":
+        from ray_dhp.demo.audio import QWEN3_OMNI_AUDIO_TOKENS, omni_processor, omni_tokenizer
+        from ray_dhp.models.prompt_format import QWEN3_OMNI
+
+        images = tiny_processor("qwen3_vl", min_side=min_side, max_side=max_side).image_processor
+        return omni_processor(omni_tokenizer(build_tokenizer(), CHAT_TEMPLATE,
+                                             QWEN3_OMNI_AUDIO_TOKENS), images,
+                              prompt_format=QWEN3_OMNI)
     if family in AUDIO_FAMILIES:
         from ray_dhp.demo.audio import omni_processor, omni_tokenizer
 

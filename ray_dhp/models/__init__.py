@@ -12,11 +12,12 @@ from ray_dhp.models.qwen2_5_vl import SPEC as QWEN2_5_VL
 from ray_dhp.models.qwen2_vl import SPEC as QWEN2_VL
 from ray_dhp.models.qwen3_5 import SPEC as QWEN3_5
 from ray_dhp.models.qwen3_5_moe import SPEC as QWEN3_5_MOE
+from ray_dhp.models.qwen3_omni_moe import SPEC as QWEN3_OMNI_MOE
 from ray_dhp.models.qwen3_vl import SPEC as QWEN3_VL
 from ray_dhp.models.qwen3_vl_moe import SPEC as QWEN3_VL_MOE
 
 FAMILIES = {s.name: s for s in (QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, QWEN3_5,
-                                        QWEN3_5_MOE, QWEN2_5_OMNI, INTERNVL)}
+                                        QWEN3_5_MOE, QWEN2_5_OMNI, QWEN3_OMNI_MOE, INTERNVL)}
 _BY_MODEL_TYPE = {s.model_type: s for s in FAMILIES.values()}
 
 __all__ = ["FAMILIES", "FamilySpec", "family_of", "load_model_config", "build_model"]
@@ -24,8 +25,8 @@ __all__ = ["FAMILIES", "FamilySpec", "family_of", "load_model_config", "build_mo
 
 def encoder_operations(name: str):
     """The `EncoderSpec` operations module of encoder ``name`` (the same for every family that
-    has such an encoder: "vision" is `ray_dhp.models.vision_encoder`, "audio" Qwen2.5-Omni's
-    tower)."""
+    has such an encoder: "vision" is `ray_dhp.models.vision_encoder`, "audio" the Qwen-Omni
+    thinkers' tower)."""
     ops = {e.ops for s in FAMILIES.values() for e in s.encoder_specs if e.name == name}
     if len(ops) != 1:
         raise KeyError(f"no single encoder module named {name!r}: {sorted(ops)}")

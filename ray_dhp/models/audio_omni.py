@@ -1,4 +1,6 @@
-"""Qwen2.5-Omni's audio tower as an encoder module of its own (`EncoderSpec` operations).
+"""The Qwen-Omni thinkers' audio tower as an encoder module of its own (`EncoderSpec` operations):
+Qwen2.5-Omni's Whisper-style tower and Qwen3-Omni's chunked-conv one, each the class of its
+config's own modeling module (`tower_class`), run on the same collated clips.
 
 The audio ranks run the tower on their samples' clips (`forward`: what the thinker's
 ``get_audio_features`` computes, `ray_dhp.models.qwen2_5_omni.audio_forward`); the rows cross
@@ -15,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from ray_dhp.models.qwen2_5_omni import audio_forward, audio_inputs, audio_tokens
+from ray_dhp.models.qwen2_5_omni import audio_forward, audio_inputs
 
-__all__ = ["SEQUENCE_PARALLEL", "dim", "rows", "empty_tower", "clip_rows", "collate", "cost", "has_input", "plan",
+__all__ = ["SEQUENCE_PARALLEL", "dim", "rows", "tower_class", "empty_tower", "collate", "cost", "has_input", "plan",
            "local_rows", "inputs", "forward", "AudioSlot", "install_slot", "text_inputs",
            "zero3_refusal"]
 
@@ -34,26 +36,38 @@ def has_input(sample) -> bool:
 
 
 def rows(family, config, sample) -> int:
-    """Feature rows (``<|AUDIO|>`` pads) of ``sample``'s clips."""
+    """Feature rows (audio pads) of ``sample``'s clips: the family's rule per clip
+    (`ray_dhp.models.prompt_format.PromptFormat.clip_rows`, what the data side pads a clip with)."""
     if sample.audio_lengths is None:
         return 0
-    return int(audio_tokens(sample.audio_lengths).sum())
+    return sum(family.prompt_format.clip_rows(n) for n in sample.audio_lengths.tolist())
+
+
+def tower_class(audio_config):
+    """The transformers class of the tower ``audio_config`` configures: the model class of its
+    own modeling module whose ``config_class`` it is (``Qwen2_5OmniAudioEncoder``,
+    ``Qwen3OmniMoeAudioEncoder``)."""
+    import importlib
+
+    from transformers import PreTrainedModel
+
+    module = importlib.import_module(type(audio_config).__module__.replace(".configuration_",
+                                                                           ".modeling_"))
+    found = [c for c in vars(module).values() if isinstance(c, type)
+             and issubclass(c, PreTrainedModel) and c.config_class is type(audio_config)]
+    if len(found) != 1:
+        raise ValueError(f"no single audio tower class for {type(audio_config).__name__} in "
+                         f"{module.__name__}: {[c.__name__ for c in found]}")
+    return found[0]
 
 
 def empty_tower(audio_config):
     """The tower of ``audio_config`` on the meta device (its parameters' shapes only: what
     `ray-dhp plan` counts)."""
     from accelerate import init_empty_weights
-    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniAudioEncoder
 
     with init_empty_weights():
-        return Qwen2_5OmniAudioEncoder._from_config(audio_config, dtype=torch.float32)
-
-
-def clip_rows(frames):
-    """Rows (audio pads) the tower makes of a clip of ``frames`` feature columns (int or
-    tensor; `ray_dhp.models.qwen2_5_omni.audio_tokens`): what the data side pads a clip with."""
-    return audio_tokens(frames)
+        return tower_class(audio_config)._from_config(audio_config, dtype=torch.float32)
 
 
 def collate(samples) -> dict:
@@ -69,9 +83,23 @@ def cost(sample, model=None) -> int:
     return 0 if sample.audio_lengths is None else int(sample.audio_lengths.sum())
 
 
-def plan(family, config, samples, sp: int):
-    """A replica's plan: True where any of its ``samples`` has audio (no split: ``sp`` is 1)."""
-    return True if any(has_input(s) for s in samples) else None
+def plan(family, config, samples, sp: int, micro_batch=None):
+    """A replica's plan (no split: ``sp`` is 1): None where none of its ``samples`` has audio,
+    else the frames the stock forward pads every chunk to over the whole ``micro_batch`` (its
+    longest chunk of ``2 * n_window`` frames or less; default ``samples``), which `forward`
+    pads this replica's chunks to: the convs run over the padding, so the rows of a clip's
+    last, shorter chunk depend on it (Qwen3-Omni's tower; Qwen2.5-Omni's makes the same rows
+    either way, `tests/distributed/test_omni_audio.py`)."""
+    if not any(has_input(s) for s in samples):
+        return None
+    return longest_chunk(config.audio_config, [s for s in micro_batch or samples if has_input(s)])
+
+
+def longest_chunk(audio_config, samples) -> int:
+    """The longest chunk (feature frames) the tower cuts the clips of ``samples`` into: clips
+    are cut into chunks of ``2 * n_window`` frames, the last one shorter."""
+    window = 2 * audio_config.n_window
+    return max(min(n, window) for s in samples for n in s.audio_lengths.tolist())
 
 
 def local_rows(plan, sp_rank: int, rows: torch.Tensor) -> torch.Tensor:
@@ -89,9 +117,20 @@ def inputs(samples) -> dict:
 
 def forward(family, tower, inputs: dict, plan, dtype: torch.dtype, *, sp_rank: int = 0,
             sp_group=None, comm=None, sharded=None) -> torch.Tensor:
-    """``[rows, output_dim]``: the tower on the collated clips (samples in order)."""
-    return audio_forward(tower, inputs["input_features"].to(dtype=dtype),
-                         inputs["feature_attention_mask"])
+    """``[rows, output_dim]``: the tower on the collated clips (samples in order), their chunks
+    padded as in the whole micro-batch's forward (``plan``: the frames; a zero clip of that
+    many frames runs after them where none of this replica's chunks is as long, its rows
+    dropped: chunks and attention windows never span two clips)."""
+    feats, mask = inputs["input_features"].to(dtype=dtype), inputs["feature_attention_mask"]
+    window = 2 * tower.config.n_window
+    pad = int(plan) if int(mask.sum(-1).clamp(max=window).max()) < int(plan) else 0
+    if pad:
+        frames = max(mask.shape[1], pad)
+        feats = torch.nn.functional.pad(feats, (0, frames - feats.shape[2], 0, 0, 0, 1))
+        mask = torch.nn.functional.pad(mask, (0, frames - mask.shape[1], 0, 1))
+        mask[-1, :pad] = 1
+    out = audio_forward(tower, feats, mask)
+    return out[:out.shape[0] - family.prompt_format.clip_rows(pad)] if pad else out
 
 
 def zero3_refusal(family) -> str:
@@ -101,11 +140,12 @@ def zero3_refusal(family) -> str:
 
 class AudioSlot(torch.nn.Module):
     """Stands in for the audio tower on a text shard: returns the rows received for the current
-    forward (`text_inputs`), with the tower's own length rule; holds no parameters."""
+    forward (`text_inputs`), with the tower's own length rule where it has one (Qwen2.5-Omni's
+    thinker asks its tower; Qwen3-Omni's uses a module function); holds no parameters."""
 
     def __init__(self, tower_class):
         super().__init__()
-        self._lengths = tower_class._get_feat_extract_output_lengths
+        self._lengths = getattr(tower_class, "_get_feat_extract_output_lengths", None)
         self.pending = None
 
     def _get_feat_extract_output_lengths(self, input_lengths):

@@ -46,8 +46,9 @@ class EncoderSpec:
 
     * ``has_input(sample)``, ``rows(family, config, sample)`` (rows it hands the LM),
       ``cost(sample, model)`` (balancing; ``model``: the run's `CostModel`), ``dim(family, config)``;
-    * ``plan(family, config, samples, sp)``: a replica's shard plan over its ``sp`` inner ranks
-      (None: no input); ``local_rows(plan, sp_rank, rows)``: an inner rank's rows, in its order;
+    * ``plan(family, config, samples, sp, micro_batch=)``: a replica's shard plan over its ``sp``
+      inner ranks (None: no input; ``micro_batch``: every sample of the micro-batch, for a
+      forward that must pad as the stock model pads the whole batch); ``local_rows(plan, sp_rank, rows)``: an inner rank's rows, in its order;
     * ``inputs(samples)`` (host tensors by name), ``forward(family, module, inputs, plan, dtype,
       sp_rank=, sp_group=, comm=, sharded=)`` (``sharded``: its ZeRO-3 sharding, run instead);
     * ``install_slot(family, model)``: take it out of a text shard; ``text_inputs(family, config,

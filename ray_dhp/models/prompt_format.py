@@ -14,9 +14,9 @@ it is `FamilySpec.prompt_format`'s default.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-__all__ = ["PromptFormat", "VideoRules", "QWEN_VL", "DEFAULT_PROMPT_FORMAT"]
+__all__ = ["PromptFormat", "VideoRules", "QWEN_VL", "QWEN3_OMNI", "DEFAULT_PROMPT_FORMAT"]
 
 
 def _attr(path: str):
@@ -77,6 +77,8 @@ class PromptFormat:
         resize_rule: ``module:function`` of the image processor's resize rule,
             ``(height, width, factor=, min_pixels=, max_pixels=) -> (height, width)``.
         video: how videos are sampled and sized (`VideoRules`).
+        audio_rows: ``module:function`` of the audio pads a clip of ``frames`` feature columns
+            takes (the rows the model's audio encoder makes of it, as its processor counts them).
     """
 
     tokenizer_kind: str
@@ -94,6 +96,11 @@ class PromptFormat:
     image_processor_fallback: str
     resize_rule: str
     video: VideoRules
+    audio_rows: str = "ray_dhp.models.qwen2_5_omni:audio_tokens"
+
+    def clip_rows(self, frames) -> int:
+        """Audio pads of a clip of ``frames`` feature columns (`audio_rows`)."""
+        return int(_attr(self.audio_rows)(frames))
 
     def token(self, name: str) -> str:
         """The special token called ``name`` (`special`)."""
@@ -151,6 +158,15 @@ QWEN_VL = PromptFormat(
     video=VideoRules(frame_factor=2, min_tokens=128, max_tokens=768, seq_len=128000, budget=0.9,
                      min_growth=1.05, max_ratio=200, image_factor=2, image_min=4, image_max=16384),
 )
+
+#: Qwen3-Omni's thinker: Qwen-VL's format with its own audio tokens (a clip is
+#: ``<|audio_start|><|audio_pad|>...<|audio_end|>``, as its processor writes it) and its audio
+#: encoder's row count (13 rows per 100 feature frames, the tail by the conv strides)
+QWEN3_OMNI = replace(
+    QWEN_VL, pads=("<|image_pad|>", "<|video_pad|>", "<|audio_pad|>"),
+    items=(*QWEN_VL.items[:2], ("audio", "<|audio_start|><|audio_pad|><|audio_end|>")),
+    reserved=("<|audio_pad|>", "<|audio_start|>", "<|audio_end|>"),
+    audio_rows="ray_dhp.models.qwen3_omni_moe:audio_tokens")
 
 #: the format of every hand-written family (`FamilySpec.prompt_format`'s default)
 DEFAULT_PROMPT_FORMAT = QWEN_VL

@@ -49,15 +49,20 @@ def packed_rope_index(model):
 
 def audio_forward(audio_tower, input_features, feature_attention_mask):
     """``[tokens, output_dim]``: the audio tower on collated clips (`audio_inputs`:
-    ``[clips, n_mels, frames]`` and the ``[clips, frames]`` mask), one row per
-    ``<|AUDIO|>`` pad of the clips in order — what the thinker's ``get_audio_features`` computes
-    (the masked columns concatenated along time, per-clip lengths before and after the convs),
-    for the engine to run as a module of its own."""
+    ``[clips, n_mels, frames]`` and the ``[clips, frames]`` mask), one row per audio pad of the
+    clips in order — what the thinker's ``get_audio_features`` computes (the masked columns
+    concatenated along time, per-clip lengths, and after the convs where the tower's forward
+    takes them: Qwen2.5-Omni's ``aftercnn_lens``; Qwen3-Omni's tower computes its own), for the
+    engine to run as a module of its own."""
+    import inspect
+
     lengths = feature_attention_mask.sum(-1)
     flat = input_features.permute(0, 2, 1)[feature_attention_mask.bool()].permute(1, 0)
-    after_cnn, _ = audio_tower._get_feat_extract_output_lengths(lengths)
-    flat = flat.to(audio_tower.conv1.weight.dtype)
-    return audio_tower(flat, feature_lens=lengths, aftercnn_lens=after_cnn).last_hidden_state
+    extra = {}
+    if "aftercnn_lens" in inspect.signature(type(audio_tower).forward).parameters:
+        extra["aftercnn_lens"] = audio_tower._get_feat_extract_output_lengths(lengths)[0]
+    flat = flat.to(next(audio_tower.parameters()).dtype)
+    return audio_tower(flat, feature_lens=lengths, **extra).last_hidden_state
 
 
 def audio_tokens(frames):

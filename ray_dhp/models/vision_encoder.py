@@ -52,8 +52,9 @@ def cost(sample, model) -> int:
     return model.vision(sample.image_grid_thw)
 
 
-def plan(family, config, samples, sp: int):
-    """The SP split of one replica's images and videos (None: it has none)."""
+def plan(family, config, samples, sp: int, micro_batch=None):
+    """The SP split of one replica's images and videos (None: it has none; each image's rows
+    depend on it alone: ``micro_batch`` plays no part)."""
     grids = [s.image_grid_thw for s in samples if s.image_grid_thw is not None]
     return family.plan_vision(config, torch.cat(grids), sp) if grids else None
 

@@ -59,6 +59,7 @@ _VISION_FAMILIES = {
     "qwen3_5": _FamilySpec(learned_pos_embed=True),
     "qwen3_5_moe": _FamilySpec(learned_pos_embed=True),  # Qwen3.5's ViT
     "qwen3_vl_moe": _FamilySpec(learned_pos_embed=True, deepstack=True),  # Qwen3-VL's ViT
+    "qwen3_omni_moe": _FamilySpec(learned_pos_embed=True, deepstack=True),  # Qwen3-VL's ViT
 }
 
 

@@ -195,9 +195,13 @@ def audio_activation_bytes(ac, clips: int, seconds: float, s: ActivationSettings
 
 
 def lm_audio_tokens(config, seconds: float) -> int:
-    """Tokens one clip adds to the LM's sequence: its ``<|AUDIO|>`` rows plus the
-    ``<|audio_bos|>`` / ``<|audio_eos|>`` around them."""
-    return clip_shape(config.audio_config, seconds).lm_tokens + 2
+    """Tokens one clip adds to the LM's sequence: its audio pads (the family's rule,
+    `ray_dhp.models.prompt_format.PromptFormat.clip_rows`) plus the start / end tokens around
+    them."""
+    from ray_dhp.models import family_of
+
+    frames = clip_shape(config.audio_config, seconds).frames
+    return family_of(config).prompt_format.clip_rows(frames) + 2
 
 
 def estimate_module_ranks(config, topology, counts, audio: Optional[AudioCounts], *,

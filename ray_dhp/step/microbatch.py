@@ -125,7 +125,8 @@ def _encoder_layout(m, samples, family, config, balancer) -> EncoderLayout:
     for s in samples:
         offsets.append(offsets[-1] + ops.rows(family, config, s))
     idx = encoder_replicas(m.dp, samples, ops, balancer)
-    plans = [ops.plan(family, config, [samples[i] for i in part], m.inner) for part in idx]
+    plans = [ops.plan(family, config, [samples[i] for i in part], m.inner, micro_batch=samples)
+             for part in idx]
     return EncoderLayout(idx, offsets, plans)
 
 

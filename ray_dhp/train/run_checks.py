@@ -34,8 +34,13 @@ def check_run(dhp, loop, *, datasets, name: Callable[[str], str],
     from ray_dhp.models import family_of
     from ray_dhp.step.evaluation import VALIDATION, check_eval_setup
 
+    from ray_dhp.config.checks import ConfigError
+
     packing = loop.data.packing
-    family_of(dhp.model_config()).check_packing(packing, name("data.packing"))
+    try:
+        family_of(dhp.model_config()).check_packing(packing, name("data.packing"))
+    except ValueError as e:  # the family's refusal, said as a configuration error
+        raise ConfigError(str(e)) from None
     check_eval_setup(loop.data, loop.checkpoint, has_validation=VALIDATION in datasets, name=name,
                      score_attribute=score_attribute, validation_key=validation_key,
                      score_key=score_key)

@@ -24,12 +24,14 @@ import functools
 from typing import Callable, NamedTuple
 
 from ray_dhp.config.train_loop import TrainLoopConfig
+from ray_dhp.parallel.topology import EncoderDegrees
 from tests.distributed.generic_cases import TOL as GENERIC_TOL
 from tests.distributed.generic_cases import TOLS as GENERIC_TOLS
 from tests.distributed.generic_cases import ROTARY_KEY_BIAS, VISION_SP, ZERO_GRAD
 from tests.distributed.parity import (CFG, GENERIC_FAMILIES, GENERIC_MOE_FAMILIES, dense_layout,
                                       make_steps, moe_layout)
 from tests.distributed import family_checks as checks
+from tests.distributed.omni_cases import omni_steps
 
 EXACT = dict(loss_tol=1e-10, param_tol=1e-10, update_tol=1e-10)
 EXACT_GRADS = dict(EXACT, grad_tol=1e-10)
@@ -169,6 +171,38 @@ OMNI = Row("qwen2_5_omni", {
     make=functools.partial(make_steps, num_samples=8), check=checks.omni)
 
 
+# -- Qwen3-Omni thinker (three modules: Qwen3-VL's ViT, a chunked-conv audio tower, Qwen3-VL-MoE's
+# LM), each in its own group -------------------------------------------------------------------------
+# The loss 1e-8: the stock router loss sums the routing probabilities in fp32 even in fp64, and a
+# text DP split sums them in another order (`test_moe.py`, measured there); every gradient,
+# parameter and update 1e-10, the audio attention's key biases left out (an exact gradient of 0:
+# `family_checks.omni_audio` checks it is noise). The steps of `test_omni_audio.py` (`omni_cases.omni_steps`: every
+# modality, then no audio, then no image; a 2.3 s clip spans three chunks and attention windows).
+# ``schedule`` in a layout: the disjoint schedule (`run_engine`'s, default sequential).
+
+OMNI_AUDIO_CFG = TrainLoopConfig(lr=1e-3, global_batch_size=8, micro_batches=2, num_steps=3,
+                                 max_grad_norm=0.5, weight_decay=0.1, seed=0)
+
+
+def _omni3(placement: str, vision: tuple, audio_dp: int, text: tuple, **extra) -> dict:
+    """A three-module layout: ``vision=(sp, dp)``, audio ``dp``, ``text=(tp, dp)``."""
+    (sp, vdp), (tp, tdp) = vision, text
+    return dict(placement=placement, vision_dp=vdp, vision_sp=sp, text_dp=tdp, text_tp=tp,
+                encoders={"audio": EncoderDegrees(dp=audio_dp)}, **extra)
+
+
+OMNI3 = Row("qwen3_omni_moe", {
+    "collocated-sp2-adp2-tp2": (_omni3("collocated", (2, 1), 2, (2, 1)), {}),
+    "disjoint-2v-1a-2t-pipelined": (_omni3("disjoint", (2, 1), 1, (2, 1), schedule="pipelined"), {}),
+    "disjoint-1v-1a-2t": (_omni3("disjoint", (1, 1), 1, (2, 1)), {}),
+    "collocated-dp2-adp2-text-zero3-dp2": (_omni3("collocated", (1, 2), 2, (1, 2), text_zero=3), {}),
+    # expert parallelism over the text DP replicas (all-to-all dispatch, `ray_dhp.parallel.expert`)
+    "collocated-dp2-adp2-ep2": (_omni3("collocated", (1, 2), 2, (1, 2), text_ep=2), {}),
+}, frozenset({"collocated-sp2-adp2-tp2"}), dict(loss_tol=1e-8, param_tol=1e-10, update_tol=1e-10,
+                                                grad_tol=1e-10, skip=checks.OMNI3_ZERO_GRAD),
+    grads=True, cfg=OMNI_AUDIO_CFG, make=omni_steps, check=checks.omni_audio)
+
+
 # -- generic families (`ray_dhp.models.generic`, nothing written for them) -------------------------
 # 1e-10, or the family's `generic_cases.TOLS` (fp32 sums inside some stock modules; measured
 # there); the zero-gradient key biases `generic_cases.ZERO_GRAD` are left out and checked to be
@@ -235,7 +269,7 @@ def _generic_moe_row(family: str) -> Row:
                grads=True, check=checks.experts_really_parallel)
 
 
-ROWS = ([_qwen_vl_row(f) for f in QWEN_VL_FAMILIES] + [INTERNVL, QWEN3_5, QWEN3_5_MOE, OMNI]
+ROWS = ([_qwen_vl_row(f) for f in QWEN_VL_FAMILIES] + [INTERNVL, QWEN3_5, QWEN3_5_MOE, OMNI, OMNI3]
         + [_generic_row(f) for f in GENERIC_FAMILIES] + [_generic_moe_row(f) for f in GENERIC_MOE_FAMILIES])
 
 

@@ -1,7 +1,9 @@
-"""The hand-composed steps of the tiny Qwen2.5-Omni tests (`test_omni_audio.py`,
-`test_omni_eval.py`) over the records of ``make_omni_dataset(root, videos=2)``: every modality,
-then no audio, then no image (so each module once gets no input)."""
+"""The hand-composed steps of the tiny Qwen-Omni tests (`test_omni_audio.py`,
+`test_omni_eval.py`, the Qwen3-Omni rows of `family_rows.py`) over the records of
+``make_omni_dataset(root, videos=2)``: every modality, then no audio, then no image (so each
+module once gets no input)."""
 
+import dataclasses
 import json
 
 from ray_dhp import demo
@@ -19,18 +21,32 @@ STEPS = (
 )
 
 
-def omni_records(root, cfg, audio_first: bool = False) -> list:
+#: the clips' lengths per family: Qwen3-Omni's tower cuts a clip into 1 s chunks (100 frames),
+#: so its set has a 2.3 s clip (two whole chunks and a tail, three attention windows)
+CLIP_SECONDS = {"qwen3_omni_moe": (0.6, 2.3)}
+
+
+def omni_records(root, cfg, audio_first: bool = False, family: str = "qwen2_5_omni") -> list:
     """The processed `Sample` of every record of `make_omni_dataset` under ``root`` (images with
     text-only records, clips, one record with both, two videos: the indices above), processed
     under the loop configuration ``cfg``; ``audio_first``: one more record (`AUDIO_FIRST`), the
-    image + clip record with its clip before its image."""
-    path = make_omni_dataset(root, videos=2)
+    image + clip record with its clip before its image; ``family``: whose tiny processor."""
+    path = make_omni_dataset(root, videos=2, clip_seconds=CLIP_SECONDS.get(family, (0.6, 1.0)))
     if audio_first:
         lines = path.read_text().splitlines()
         record = json.loads(lines[BOTH])
         record["conversations"][0]["value"] = "<audio>\n<image>\nDescribe the sound and the image."
         path.write_text("\n".join(lines + [json.dumps(record)]) + "\n")
-    sampler = StepSampler(read_annotations(path), demo.tiny_processor("qwen2_5_omni"),
+    sampler = StepSampler(read_annotations(path), demo.tiny_processor(family),
                           resolve_data_root(path), cfg.sampler_config())
     sampler.allow_audio = True
     return [sampler.process(i) for i in range(len(path.read_text().splitlines()))]
+
+
+def omni_steps(tmp_path, family: str, cfg) -> list:
+    """`STEPS` as `Sample` micro-batches of ``family``'s tiny processor (a `family_rows.Row`
+    ``make``): 3 steps of 2 micro-batches of 4, indices distinct per step position."""
+    samples = omni_records(tmp_path, cfg, family=family)
+    assert samples[BOTH].audio_lengths is not None and samples[BOTH].image_grid_thw is not None
+    return [[[dataclasses.replace(samples[i], index=n * 8 + k * 4 + j) for j, i in enumerate(mb)]
+             for k, mb in enumerate(step)] for n, step in enumerate(STEPS)]
