@@ -18,8 +18,8 @@ and the reduce dtype):
   the end of the backward (FSDP2 does not reshard the root after the forward), with their
   gradients: ``R (pb + gb)``;
 * every micro-batch reduce-scatters (`ray_dhp.parallel.fsdp`), so gradient accumulation adds
-  no unsharded gradients; under the bf16 policies with several micro-batches the shards
-  accumulate in fp32: ``2 B`` more per trained shard element than the state's bf16 shard.
+  no unsharded gradients (under the bf16 policies the shards then accumulate in fp32: the
+  state's, `ray_dhp.planning.memory_state.rank_state` with ``micro_batches``).
 
 A rank hosting two ZeRO-3 modules (collocated vision and text) runs them one after the other:
 the larger working set counts, plus the other's root weights. Measured on CPU by sampling what
@@ -63,26 +63,21 @@ def module_units(counts, topology, text: bool) -> tuple:
     return units, sum(sizes) - sum(units)
 
 
-def fsdp_working_bytes(counts, topology, rank: int, policy, micro_batches: int = 1) -> int:
+def fsdp_working_bytes(counts, topology, rank: int, policy) -> int:
     """The ZeRO-3 working set of ``rank`` (module docstring): 0 where it hosts no module at
     stage 3."""
     import torch
 
     pb = gb = policy.weight_bytes()
     rb = torch.empty((), dtype=policy.reduce_dtype).element_size()
-    peaks, roots, held = [], [], 0
+    peaks, roots = [], []
     for mod, text in ((topology.vision, False), (topology.text, True)):
         if not mod.hosts(rank) or mod.zero_stage != 3:
             continue
         units, root = module_units(counts, topology, text)
         peaks.append(unit_peak(units, root, pb, gb, rb))
         roots.append(root * pb)
-        if micro_batches > 1 and policy.grad_dtype != policy.param_dtype:
-            t = topology.text
-            trained = (counts.text_updated_by(t.grad_index(rank), t.dp * t.cp, t.inner, 3) if text else
-                       counts.vision_updated_by(rank - mod.offset, mod.size, 3))
-            held += trained * (rb - gb)  # the fp32 shard gradients beside the state's bf16 ones
     if not peaks:
         return 0
     top = peaks.index(max(peaks))
-    return peaks[top] + sum(roots) - roots[top] + held
+    return peaks[top] + sum(roots) - roots[top]

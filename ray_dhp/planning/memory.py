@@ -320,8 +320,8 @@ def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int,
     sample is one image). ``packing`` (`ray_dhp.planning.packing.Packing`, ``data.packing``):
     the text activations are the replica's packed rows', not its padded samples'. With a
     ``policy``, a rank hosting a module at ZeRO stage 3 also holds that module's unsharded units
-    (`ray_dhp.planning.fsdp_working`; ``micro_batches``: the step's, > 1 keeps the unsharded
-    gradients between micro-batches)."""
+    (`ray_dhp.planning.fsdp_working`); ``micro_batches``: the step's (stage 3's gradient shards
+    accumulate in fp32 over several under the bf16 policies, `rank_state`)."""
     from ray_dhp.planning.fsdp_working import fsdp_working_bytes
 
     vc, tc = config.vision_config, config.text_config
@@ -347,10 +347,9 @@ def estimate_ranks(config, topology, counts: ParamCounts, *, vision_tokens: int,
         on_v, on_t = topology.vision.hosts(r), topology.text.hosts(r)
         v = counts.vision if on_v else 0
         params = v + (counts.text_per_rank(tp) if on_t else 0)
-        state = (rank_state(counts, topology, r, policy).device_total if policy is not None
+        state = (rank_state(counts, topology, r, policy, micro_batches).device_total if policy is not None
                  else params * state_bytes - v * moments)
-        fsdp = (fsdp_working_bytes(counts, topology, r, policy, micro_batches)
-                if policy is not None else 0)
+        fsdp = fsdp_working_bytes(counts, topology, r, policy) if policy is not None else 0
         out.append(RankMemory(r, topology.roles(r), params, state,
                               v_act if on_v else 0.0, t_act if on_t else 0.0,
                               text_work=t_work if on_t else 0.0, fsdp_work=fsdp))

@@ -135,18 +135,18 @@ def audio_rank_state(a: AudioCounts, layout, rank: int, policy, largest: int = 0
 
 
 def module_rank_state(counts, audio: Optional[AudioCounts], topology, rank: int,
-                      policy) -> RankState:
+                      policy, micro_batches: int = 1) -> RankState:
     """`rank_state` of ``rank`` over every module it hosts: the vision and text state of
     `rank_state` (without the audio tower when the topology has an audio group) plus the audio
     group's (`audio_rank_state`). Without an audio group: `rank_state` itself."""
     a_layout = topology.encoder("audio")
     if audio is None or a_layout is None:
-        return rank_state(counts, topology, rank, policy)
+        return rank_state(counts, topology, rank, policy, micro_batches)
     if not a_layout.hosts(rank):
-        return rank_state(without_audio(counts), topology, rank, policy)
+        return rank_state(without_audio(counts), topology, rank, policy, micro_batches)
     if topology.hosted(rank) == (a_layout,):  # no other module's state counts the largest tensor
         return audio_rank_state(audio, a_layout, rank, policy, largest=audio.largest)
-    base = rank_state(without_audio(counts), topology, rank, policy)
+    base = rank_state(without_audio(counts), topology, rank, policy, micro_batches)
     extra = audio_rank_state(audio, a_layout, rank, policy)
     return RankState(**{f.name: getattr(base, f.name) + getattr(extra, f.name)
                         for f in dataclasses.fields(RankState)})
@@ -229,7 +229,8 @@ def estimate_module_ranks(config, topology, counts, audio: Optional[AudioCounts]
     for m in rows:
         hosts = a_layout.hosts(m.rank)
         if policy is not None:
-            state = module_rank_state(counts, audio, topology, m.rank, policy).device_total
+            state = module_rank_state(counts, audio, topology, m.rank, policy,
+                                      kw.get("micro_batches", 1)).device_total
         else:
             state = m.state_bytes + (audio.params * state_bytes if hosts else 0)
         out.append(dataclasses.replace(m, params=m.params + (audio.params if hosts else 0),

@@ -45,7 +45,7 @@ class RankState:
         return self.total - self.host
 
 
-def rank_state(counts: ParamCounts, topology, rank: int, policy) -> RankState:
+def rank_state(counts: ParamCounts, topology, rank: int, policy, micro_batches: int = 1) -> RankState:
     """Exact model-state bytes of ``rank`` under ``policy`` (a `PrecisionPolicy`) and the
     modules' ZeRO stages (``topology.vision.zero_stage``, ``topology.text.zero_stage``).
 
@@ -57,13 +57,18 @@ def rank_state(counts: ParamCounts, topology, rank: int, policy) -> RankState:
     shard's weights, which exist before FSDP2 shards them) plus one full parameter in fp32, the most
     a rank materialises beyond what it keeps while building (the largest tensor, e.g. the
     embedding, before it is sliced).
+
+    At stage 3 FSDP2's gradient shards keep the weights' dtype for a step of one micro-batch
+    and accumulate in the policy's gradient dtype (fp32 for bf16 weights) over several
+    (``micro_batches``, `ray_dhp.parallel.fsdp.FSDPShards.sync`).
     """
     tg, vg = topology.text, topology.vision  # the modules `counts` counts, by their layouts
     on_t, on_v = tg.hosts(rank), vg.hosts(rank)
     ep = topology.text_expert_parallel
     if ep > 1 and on_t:  # experts: 1/ep of them, their own partition; the rest as without EP
         counts, experts = _split_experts(counts, ep, topology, rank)
-        base = rank_state(counts, dataclasses.replace(topology, text_expert_parallel=1), rank, policy)
+        base = rank_state(counts, dataclasses.replace(topology, text_expert_parallel=1), rank, policy,
+                          micro_batches)
         return _plus_experts(base, *experts, policy)
     if topology.text_expert_tp and on_t:  # experts TP-sharded like the dense MLP
         counts = _experts_tp_sharded(counts)
@@ -87,7 +92,8 @@ def rank_state(counts: ParamCounts, topology, rank: int, policy) -> RankState:
     fsdp = (t_trained if tg.zero_stage == 3 else 0) + (v_trained if vg.zero_stage == 3 else 0)
     # the modules step one after another, each upcasting its own shards chunk by chunk
     upcast = max(tu if tg.zero_stage == 3 else 0, vu if vg.zero_stage == 3 else 0)
-    grads = (v_trained + t_trained - fsdp) * policy.grad_bytes() + fsdp * policy.weight_bytes()
+    shard_bytes = policy.grad_bytes() if micro_batches > 1 else policy.weight_bytes()
+    grads = (v_trained + t_trained - fsdp) * policy.grad_bytes() + fsdp * shard_bytes
     # host optimizer offload (`ray_dhp.step.offload`): the module's masters (without fp32 masters:
     # copies in the weights' dtype) and moments of what the rank updates live on the host
     off = vu * topology.vision.offload + tu * tg.offload
@@ -108,7 +114,7 @@ def rank_state(counts: ParamCounts, topology, rank: int, policy) -> RankState:
                      grads=grads, masters=masters, optimizer=optimizer, released=released,
                      startup_peak=max(weights + masters - off * copy_bytes, built) + 4 * counts.largest,
                      staging=saved + optimizer, host=host,
-                     upcast=upcast if policy.master and policy.grad_dtype != policy.param_dtype else 0)
+                     upcast=upcast if policy.master and shard_bytes != policy.grad_bytes() else 0)
 
 
 def _split_experts(counts: ParamCounts, ep: int, topology, rank: int):

@@ -137,7 +137,8 @@ def memory_gib(config, counts, layout: Layout, w: Workload) -> dict:
             from ray_dhp.planning.step_peak import rank_floor
 
             total = max(total, rank_floor(counts, w.audio_params if layout.audio_dp else None,
-                                          topo, a.rank, w.policy, config.text_config))
+                                          topo, a.rank, w.policy, config.text_config,
+                                          w.micro_batches))
         out[role] = max(out.get(role, 0.0), total / GIB)
     return out
 

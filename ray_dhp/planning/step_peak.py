@@ -173,14 +173,15 @@ def rank_step_peak(state, policy, counts, topology, rank: int, text_config,
                      foreach=foreach_elements(policy, counts, topology, rank, t_up))
 
 
-def rank_floor(counts, audio, topology, rank: int, policy, text_config) -> int:
+def rank_floor(counts, audio, topology, rank: int, policy, text_config,
+               micro_batches: int = 1) -> int:
     """The larger of ``rank``'s step peak (`rank_step_peak`) and start-up peak: what the rank
     reaches with no activations alive, the floor of its planned peak. ``counts``: the whole
     model's `ray_dhp.models.sizes.ParamCounts` (its audio tower, if any, leaves the text ranks
     when the topology has an audio group); ``audio``: the tower's `AudioCounts` or None."""
     from ray_dhp.planning.memory_audio import module_rank_state, without_audio
 
-    st = module_rank_state(counts, audio, topology, rank, policy)
+    st = module_rank_state(counts, audio, topology, rank, policy, micro_batches)
     ag = topology.encoder("audio")
     hosts = audio is not None and ag is not None and ag.hosts(rank)
     reduced = audio.params if hosts and ag.size > 1 else 0

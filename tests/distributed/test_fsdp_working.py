@@ -5,8 +5,8 @@ gradients, reduce-scatter inputs in flight) is one micro-batch's, as the plan co
 (`ray_dhp.planning.fsdp_working.fsdp_working_bytes`): deferring the reduce-scatter to the last
 micro-batch kept every unit's unsharded gradients between them (measured here at 2.1x (fp32)
 and 3.1x (``bf16_mixed``) this working set before the change). The gradient shards the step
-ends with are the plan's: the state's, plus under ``bf16_mixed`` the fp32 accumulation of the
-bf16 shards (2 B more per shard element). A single micro-batch's working set is a point of the
+ends with are the plan's state (`rank_state` at two micro-batches: under ``bf16_mixed`` the
+bf16 shards accumulate in fp32). A single micro-batch's working set is a point of the
 plan-accuracy rows at ZeRO-3 (`tests/distributed/test_plan_accuracy.py`)."""
 
 import dataclasses
@@ -42,9 +42,8 @@ def _rank(rank, world, case, steps):
                 for m in modules for p in m.parameters() if p.grad is not None)
     counts = count_params(demo.tiny_model_config(case.family))
     policy = POLICIES[case.precision]
-    one, two = (fsdp_working_bytes(counts, topo, rank, policy, m) for m in (1, 2))
-    return {"measured": max(samples), "planned": one, "grads": grads,
-            "planned_grads": rank_state(counts, topo, rank, policy).grads + two - one}
+    return {"measured": max(samples), "planned": fsdp_working_bytes(counts, topo, rank, policy),
+            "grads": grads, "planned_grads": rank_state(counts, topo, rank, policy, 2).grads}
 
 
 @pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16_mixed", marks=pytest.mark.slow)])

@@ -194,7 +194,7 @@ def test_rank_bytes_equal_the_plan_for_every_stage(steps):
     for vz, tz in STAGES:
         topo = Topology.build(**COLLOCATED, vision_zero=vz, text_zero=tz)
         for rank, got in enumerate(outs):
-            want = rank_state(counts, topo, rank, POLICIES["bf16_mixed"])
+            want = rank_state(counts, topo, rank, POLICIES["bf16_mixed"], CFG.optim.micro_batches)
             g = got[(vz, tz)]
             assert (g["weights"], g["grads"], g["masters"], g["optimizer"]) == \
                 (want.weights, want.grads, want.masters, want.optimizer), (vz, tz, rank, g, want)
