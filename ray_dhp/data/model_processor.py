@@ -21,7 +21,9 @@ What is read from the processor (nothing is written per model):
 Pixels: fixed-size images ``[n, C, S, S]`` become patch rows with the grid ``(1, S/P, S/P)``
 (`ray_dhp.data.tiles.tile_rows`; the tower's shell turns them back into images), the layout
 every data mechanism counts feature rows in; a processor that gives patch rows with an
-``image_grid_thw`` is taken as it is. Records with videos or audio are bad samples
+``image_grid_thw`` is taken as it is, one that gives padded patch rows with each patch's
+position (``image_position_ids``) becomes patch rows and grids (`positioned_rows`), its own
+placeholder counts (``num_soft_tokens_per_image``) checked against them. Records with videos or audio are bad samples
 here (the reason is named): this path covers images.
 
 `run_processor` is how a run gets its processor: for a family whose samples its own processor
@@ -131,6 +133,10 @@ class ModelProcessor(VLProcessor):
                              "fixed-size image per image")
         if out.get("image_grid_thw") is not None:  # patch rows with their grid already
             return pixels, out["image_grid_thw"].to(torch.long), reps
+        if out.get("image_position_ids") is not None:  # padded patch rows with their positions
+            rows, grid = positioned_rows(pixels, out["image_position_ids"], self.patch_size)
+            _check_counts(out, grid, self.merge_size, type(self.image_processor).__name__)
+            return rows, grid, reps
         side, p = pixels.shape[-1], self.patch_size
         if pixels.dim() != 4 or pixels.shape[-2] != side or side % (p * self.merge_size):
             raise ValueError(f"{type(self.image_processor).__name__} gives pixels of shape "
@@ -159,6 +165,39 @@ class ModelProcessor(VLProcessor):
     def save_pretrained(self, directory) -> None:
         """Write the whole transformers processor (``AutoProcessor`` reads it back)."""
         self.processor.save_pretrained(directory)
+
+
+def positioned_rows(pixels: torch.Tensor, positions: torch.Tensor, patch: int) -> tuple:
+    """ray_dhp's patch rows ``[N, C*P*P]`` (raster order per image, each row ``(C, P, P)``) and
+    ``(1, h, w)`` grids from padded patch rows ``[n, L, P*P*C]`` (each row ``(P, P, C)``) with
+    each patch's ``(x, y)`` (``image_position_ids [n, L, 2]``, -1 on padding: Gemma 4's image
+    processor); the inverse of `ray_dhp.models.generic_probe.padded_inputs`. Raises ValueError
+    where an image's patches are not its whole raster grid in raster order."""
+    blocks, grid = [], []
+    for x, pos in zip(pixels, torch.as_tensor(positions, dtype=torch.long)):
+        pos = pos[(pos >= 0).all(-1)]
+        h, w = (int(pos[:, 1].max()) + 1, int(pos[:, 0].max()) + 1) if len(pos) else (0, 0)
+        raster = torch.stack([torch.arange(w).repeat(h), torch.arange(h).repeat_interleave(w)], -1)
+        if not len(pos) or pos.shape != raster.shape or not torch.equal(pos, raster):
+            raise ValueError("image_position_ids that are not one image's whole patch grid in "
+                             "raster order, first: the model processor path cannot lay them out")
+        c = x.shape[-1] // (patch * patch)
+        blocks.append(x[:len(pos)].reshape(-1, patch, patch, c).permute(0, 3, 1, 2).reshape(len(pos), -1))
+        grid.append([1, h, w])
+    return torch.cat(blocks), torch.tensor(grid, dtype=torch.long)
+
+
+def _check_counts(out, grid: torch.Tensor, merge: int, name: str) -> None:
+    """The processor's own count of each image's placeholder rows (``num_soft_tokens_per_image``,
+    where it gives one) must be the rows ray_dhp counts: ``h * w / merge**2`` per image."""
+    given = out.get("num_soft_tokens_per_image")
+    if given is None:
+        return
+    ours = (grid[:, 1] * grid[:, 2] // (merge * merge)).tolist()
+    if [int(n) for n in torch.as_tensor(given).reshape(-1).tolist()] != ours:
+        raise ValueError(f"{name} counts {list(map(int, torch.as_tensor(given).reshape(-1)))} "
+                         f"soft tokens per image, the patch grids {grid[:, 1:].tolist()} give "
+                         f"{ours} rows of {merge}x{merge} patches")
 
 
 def run_processor(spec, model) -> VLProcessor:

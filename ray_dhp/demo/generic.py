@@ -66,8 +66,9 @@ def tiny_generic_config(model_type: str):
     from transformers import AutoConfig
 
     from ray_dhp.models.shrink import tiny_config
+    from ray_dhp.models.survey import with_vision
 
-    base = AutoConfig.for_model(model_type)
+    base = with_vision(AutoConfig.for_model(model_type))
     ids = _token_ids()
     vocab = -(-len(build_tokenizer()) // 8) * 8
     text = {"vocab_size": vocab, "pad_token_id": ids["pad_token_id"],

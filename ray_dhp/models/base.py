@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ray_dhp.models.layer_config import layer_values
 from ray_dhp.models.prompt_format import DEFAULT_PROMPT_FORMAT, PromptFormat
 
 
@@ -336,7 +337,7 @@ class FamilySpec:
             )
         dense_mlp = self.moe is None or len(self.moe.sparse_layers(tc)) < tc.num_hidden_layers
         for what, n in (("attention heads", tc.num_attention_heads),
-                        ("KV heads", tc.num_key_value_heads),
+                        *(("KV heads", kv) for kv in sorted(set(layer_values(tc, "num_key_value_heads")))),
                         ("MLP intermediate size", tc.intermediate_size if dense_mlp else tp),
                         ("vocabulary size", tc.vocab_size), *self.tp_divisors(tc)):
             if n % tp:

@@ -31,8 +31,8 @@ What is read, and from where:
 Covered today: towers on fixed-size images (one tile per image: ``image_size`` from the vision
 config) and towers that take each image at its own size: patch rows with an ``image_grid_thw``
 (GLM-4V's; Kimi-K2.5's as ``[N, C, P, P]`` patch images, its merge read from the probe's rows)
-padded patch rows per image with their ``spatial_shapes`` (`padded_inputs`: SigLIP 2's
-NaFlex, LFM2-VL's) or one NaViT strip with ``target_sizes`` (`packed_inputs`: MiniCPM-V's, as
+padded patch rows per image with their ``spatial_shapes`` or each patch's ``image_position_ids``
+(`padded_inputs`: SigLIP 2's NaFlex, LFM2-VL's; Gemma 4's) or one NaViT strip with ``target_sizes`` (`packed_inputs`: MiniCPM-V's, as
 its image processor lays it out), vision data parallelism, vision Ulysses sequence parallelism where the
 tower's layers call attention through transformers' interface (`ray_dhp.models.vision_generic_sp`;
 refused with the reason where they do not: ``vision_sp_refusal``), text TP, Megatron text
@@ -44,7 +44,9 @@ driver, with the reason: text sequence parallelism where it cannot be derived, v
 and the whole model where it has an audio encoder, its text forward reads a vision part
 (`text_reads_vision`) or its rows depend on the original image size (`anyres_refusal`); not
 covered yet. Language-model parameters the stock model never steps
-are held frozen (`fixed_params`).
+are held frozen (`fixed_params`); a text forward that reads rows of its embedding table outside
+the embedding (`text_reads_table`: Gemma 4's pad row) has them served row by row from a
+vocabulary-parallel or ZeRO-3 table (`ray_dhp.parallel.table_rows`).
 
 Example::
 
@@ -66,11 +68,11 @@ from ray_dhp.models.contract import SEAM
 from ray_dhp.models.generic_moe import _meta_lm, dense_plan, moe_spec, unreached
 from ray_dhp.models.generic_packing import packing_rule
 from ray_dhp.models.segments import SEGMENTS_KWARG
-from ray_dhp.models.generic_probe import (LM_ATTRS, PADDED_SIDE, UnsupportedModel,  # noqa: F401 (re-exported)
+from ray_dhp.models.generic_probe import (LM_ATTRS, UnsupportedModel,  # noqa: F401 (re-exported)
                                           anyres_refusal, grid_geometry, grid_input,
                                           image_inputs, packed_input, packed_inputs,
                                           padded_input, padded_inputs, probe,
-                                          text_reads_vision)
+                                          text_reads_table, text_reads_vision)
 from ray_dhp.models.text_plans import HF_STYLES, hf_text_plan
 from ray_dhp.models.text_sp_plans import hf_sp_plan, sp_layout
 from ray_dhp.models.vision_generic_sp import refusal as sp_refusal_of
@@ -151,6 +153,7 @@ class GenericFamily(FamilySpec):
     lm_path: str = ""                  # the decoder's path (embed_tokens, layers), if not model.<lm_attr>
     text_sp_refusal: str = ""          # why text SP is refused (`ray_dhp.models.text_sp_plans`)
     vision_sp_refusal: str = ""        # why vision SP > 1 is refused ("" when the tower splits)
+    text_reads_table: str = ""         # where the text forward reads an embedding row (`ShardedRowReads`)
 
     # -- model access ---------------------------------------------------------------------------
 
@@ -252,7 +255,7 @@ def _family(cls, config_json: str) -> GenericFamily:
     rows = int(pooled.reshape(-1, pooled.shape[-1]).shape[0])
     size = patch = 0  # a fixed image size's geometry (none with a grid: any size)
     if grid or padded or packed:  # any size: rows per m x m patches of the probe's square image
-        _, _, m0, side = grid_geometry(vc) if grid else (0, 0, None, PADDED_SIDE)
+        _, _, m0, side = grid_geometry(vc) if grid else (0, 0, None, probed)
         m = math.isqrt(side * side // rows) if rows and (side * side) % rows == 0 else 0
         if not m or m * m * rows != side * side or side % m or m0 not in (None, m):
             raise UnsupportedModel(f"model_type {model_type!r}: {rows} feature rows for a "
@@ -320,7 +323,7 @@ def _family(cls, config_json: str) -> GenericFamily:
         padded_input=padded, packed_input=packed,
         lm_attr=lm_attr, tower=tower, root=root, lm_path=lm_path, rows_per_image=rows, text_plan_refusal=refusal,
         forward_params=params, moe=moe, vision_sp_refusal=sp_refusal,
-    )
+        text_reads_table=text_reads_table(type(inner), lm_attr))
 
 
 def _layout(cls, inner, lm_attr: str) -> tuple:

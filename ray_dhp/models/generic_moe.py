@@ -97,6 +97,8 @@ def moe_spec(cls, config, lm_cls):
     if not patterns:
         raise ValueError(f"its language model has {n} experts but its base_model_ep_plan / "
                          "base_model_tp_plan names no experts module")
+    if n < 1 and not _matching(_meta_lm(lm_cls, text.to_json_string(use_diff=False)), patterns):
+        return None, ()  # a plan for the family's MoE variants; this config builds none (Gemma 4's)
     if n < 1:
         raise ValueError(f"its base_model_ep_plan / base_model_tp_plan names experts modules "
                          f"{patterns} but its config gives no number of experts ({COUNT_KEYS})")

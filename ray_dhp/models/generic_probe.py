@@ -11,7 +11,8 @@ import inspect
 import torch
 
 __all__ = ["LM_ATTRS", "anyres_refusal", "UnsupportedModel", "grid_geometry", "grid_input", "image_inputs", "packed_input",
-           "packed_inputs", "padded_input", "processor_inputs", "padded_inputs", "probe", "root_of", "text_reads_vision"]
+           "packed_inputs", "padded_input", "padded_side", "processor_inputs", "padded_inputs", "probe", "root_of", "text_reads_table",
+           "text_reads_vision"]
 
 LM_ATTRS = ("language_model", "text_model")
 
@@ -33,9 +34,14 @@ def image_inputs(names: tuple, pixel_dims: int, images: torch.Tensor) -> dict:
 
 def padded_input(cls) -> bool:
     """Whether the tower takes each image as its own patch rows, padded to the batch's longest,
-    with the image's ``(h, w)`` patch grid (``spatial_shapes``, SigLIP 2's NaFlex input): its
-    ``get_image_features`` names ``spatial_shapes``. Such a tower takes any image size."""
-    return "spatial_shapes" in inspect.signature(cls.get_image_features).parameters
+    with the image's ``(h, w)`` patch grid (``spatial_shapes``, SigLIP 2's NaFlex input) or each
+    patch's ``(x, y)`` position (``image_position_ids``, -1 on padding: Gemma 4's): its
+    ``get_image_features`` names either. Such a tower takes any image size."""
+    names = inspect.signature(cls.get_image_features).parameters
+    return any(n in names for n in _PADDED_KEYWORDS)
+
+
+_PADDED_KEYWORDS = ("spatial_shapes", "image_position_ids")
 
 
 def padded_inputs(names: tuple, rows: torch.Tensor, grid: torch.LongTensor, patch: int,
@@ -43,19 +49,28 @@ def padded_inputs(names: tuple, rows: torch.Tensor, grid: torch.LongTensor, patc
     """``get_image_features``'s keywords for a `padded_input` tower, from ray_dhp's patch rows
     ``[n*h*w, C*P*P]`` (raster order per image, each row ``(C, P, P)``) and one ``(1, h, w)``
     grid row per image: ``pixel_values [n, max h*w, P*P*C]`` (each row ``(P, P, C)``, as
-    transformers' NaFlex processors patchify; zeros past an image's patches),
-    ``spatial_shapes [n, 2]`` and, where named, ``pixel_attention_mask [n, max h*w]`` (1 on an
-    image's patches)."""
+    transformers' NaFlex processors patchify; zeros past an image's patches) and, where named
+    (``names``: the keywords `padded_input` and `image_inputs` read), ``spatial_shapes [n, 2]``,
+    ``image_position_ids [n, max h*w, 2]`` (each patch's column and row, -1 past an image's
+    patches, as Gemma 4's processor makes them) and ``pixel_attention_mask [n, max h*w]`` (1 on
+    an image's patches). ``spatial_shapes`` is given where no keyword is named."""
     grid = torch.as_tensor(grid, dtype=torch.long).cpu()
     rows = rows.reshape(-1, channels, patch, patch).permute(0, 2, 3, 1).reshape(rows.shape[0], -1)
     counts = grid.prod(-1).tolist()
     longest = max(counts)
     pixels = rows.new_zeros(len(counts), longest, rows.shape[-1])
     mask = torch.zeros(len(counts), longest, dtype=torch.int32, device=rows.device)
-    for k, (block, n) in enumerate(zip(rows.split(counts), counts)):
+    positions = torch.full((len(counts), longest, 2), -1, dtype=torch.long)
+    for k, (block, n, (_, h, w)) in enumerate(zip(rows.split(counts), counts, grid.tolist())):
         pixels[k, :n] = block
         mask[k, :n] = 1
-    out = {"pixel_values": pixels, "spatial_shapes": grid[:, 1:].to(rows.device)}
+        positions[k, :n, 0] = torch.arange(w).repeat(h)
+        positions[k, :n, 1] = torch.arange(h).repeat_interleave(w)
+    out = {"pixel_values": pixels}
+    if "spatial_shapes" in names or "image_position_ids" not in names:
+        out["spatial_shapes"] = grid[:, 1:].to(rows.device)
+    if "image_position_ids" in names:
+        out["image_position_ids"] = positions.to(rows.device)
     if "pixel_attention_mask" in names:
         out["pixel_attention_mask"] = mask
     return out
@@ -154,8 +169,8 @@ def _check_no_deepstack(out) -> None:
                                "language model yet")
 
 
-_IMAGE_KEYWORDS = ("image_sizes", "pixel_attention_mask")  # further keywords `image_inputs` and
-#                                                          `padded_inputs` pass where named
+_IMAGE_KEYWORDS = ("image_sizes", "pixel_attention_mask") + _PADDED_KEYWORDS  # further keywords
+#                                                  `image_inputs` and `padded_inputs` pass where named
 _PLAIN_OUTPUTS = ("pooler_output", "last_hidden_state", "hidden_states", "attentions")
 
 
@@ -242,8 +257,15 @@ def _cpu_sides(vc) -> list:
 
 
 #: patches a side of a `padded_input` tower's probe image (a multiple of any merge size up to 4
-#: but 3, whose towers would be refused with the counts)
+#: but 3), then the side tried where a tower refuses it (a multiple of 3: Gemma 4's 3x3 pooling)
 PADDED_SIDE = 8
+PADDED_SIDES = (PADDED_SIDE, 12)
+
+
+def padded_side(merge: int) -> int:
+    """The probe side (`PADDED_SIDES`) of a padded or packed tower whose rows pool ``merge`` x
+    ``merge`` patches."""
+    return next((n for n in PADDED_SIDES if n % merge == 0), PADDED_SIDE)
 
 
 def _probe_on(config, cls, device: str, grid: bool = False, side=None, padded: bool = False,
@@ -267,19 +289,23 @@ def _probe_on(config, cls, device: str, grid: bool = False, side=None, padded: b
                                    f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
         if grid:  # one image of 2m x 2m patches (PADDED_SIDE a side without a merge size)
             pooled, dims = _grid_probe(root, vc, channels, device)
-        elif padded or packed:  # one image of PADDED_SIDE x PADDED_SIDE patches
-            n, p = PADDED_SIDE, vc.patch_size
-            rows, one = torch.ones(n * n, channels * p * p), torch.tensor([[1, n, n]])
-            try:
-                out = root.get_image_features(
-                    **(packed_inputs(rows, one, p, channels) if packed else
-                       padded_inputs(names, rows, one, p, channels)), return_dict=True)
-                _check_no_deepstack(out)
-                pooled = out.pooler_output
-            except (ValueError, TypeError, RuntimeError, IndexError, NotImplementedError) as e:
-                raise UnsupportedModel(f"get_image_features fails on one {n}x{n}-patch image "
-                                       f"as {'packed' if packed else 'padded'} patch rows ({device}): "
-                                       f"{type(e).__name__}: {e}") from None
+        elif padded or packed:  # one image of n x n patches (`PADDED_SIDES`, the first taken)
+            p, errors = vc.patch_size, []
+            for n in PADDED_SIDES:
+                rows, one = torch.ones(n * n, channels * p * p), torch.tensor([[1, n, n]])
+                try:
+                    out = root.get_image_features(
+                        **(packed_inputs(rows, one, p, channels) if packed else
+                           padded_inputs(names, rows, one, p, channels)), return_dict=True)
+                    _check_no_deepstack(out)
+                    pooled, side = out.pooler_output, n
+                    break
+                except (ValueError, TypeError, RuntimeError, IndexError, NotImplementedError) as e:
+                    errors.append(f"{n}x{n}: {type(e).__name__}: {e}")
+            else:
+                raise UnsupportedModel(f"get_image_features fails on one image as "
+                                       f"{'packed' if packed else 'padded'} patch rows ({device}): "
+                                       + "; ".join(errors)) from None
             dims = 3
         else:
             size = side or getattr(vc, "image_size", None)
@@ -297,7 +323,7 @@ def _probe_on(config, cls, device: str, grid: bool = False, side=None, padded: b
                  if not n.startswith(LM_ATTRS) and p.requires_grad]
         grads = torch.autograd.grad(total, [p for _, p in named], allow_unused=True)
     unused = tuple(n for (n, _), g in zip(named, grads) if g is None)
-    probed = None if grid or padded or packed else size
+    probed = None if grid else side if padded or packed else size
     return pooled, root, unused, (tuple(n for n in names if n in _IMAGE_KEYWORDS), dims), probed
 
 
@@ -322,4 +348,27 @@ def text_reads_vision(inner_cls, parts: tuple) -> str:
             part = next((p for p in parts if re.search(rf"self\.{p}\b", src)), None)
             if part:
                 return f"{klass.__name__}.{name}: {part}"
+    return ""
+
+
+def text_reads_table(inner_cls, lm_attr: str) -> str:
+    """Where the model's own code reads the language model's input-embedding table outside the
+    embedding (``self.<lm>.embed_tokens.weight``: Gemma 4's pad row for its per-layer inputs),
+    ``"Class.method"``, or "": a vocabulary-parallel (text TP) or ZeRO-3-sharded table is not
+    whole on a rank, and DTensor would gather all of it on every rank for that read."""
+    import re
+
+    pattern = rf"self\.{lm_attr}\.embed_tokens\.weight\b"
+    for klass in inner_cls.__mro__:
+        if klass.__module__.startswith("torch"):
+            break
+        for name, fn in vars(klass).items():
+            if name == "__init__" or not callable(fn):
+                continue
+            try:
+                src = inspect.getsource(fn)
+            except (OSError, TypeError):
+                continue
+            if re.search(pattern, src):
+                return f"{klass.__name__}.{name}"
     return ""

@@ -81,9 +81,13 @@ def shrink_config(config, *, text: dict = None, vision: dict = None, top: dict =
     text0, vision0 = config.get_text_config(), config.vision_config
     experts = {k: _fit(text0, k, v) for k, v in EXPERTS.items() if getattr(text0, k, None) is not None}
     text, vision = {**TEXT, **experts, **(text or {})}, {**VISION, **(vision or {})}
+    if getattr(vision0, "num_key_value_heads", None) == getattr(vision0, "num_attention_heads", 0):
+        vision.setdefault("num_key_value_heads", vision["num_attention_heads"])  # no GQA (Gemma 4's)
     widths = {text0.hidden_size: text["hidden_size"], vision0.hidden_size: vision["hidden_size"]}
-    head_dim = getattr(text0, "head_dim", None) or text0.hidden_size // text0.num_attention_heads
+    head_dim = text0.to_dict().get("head_dim") or text0.hidden_size // text0.num_attention_heads
     widths.setdefault(head_dim, text["head_dim"])
+    if "vocab_size" in text:  # a second table of the vocabulary's size (Gemma 4's per-layer one)
+        widths.setdefault(text0.vocab_size, text["vocab_size"])
     text_d = {**_shrunk(text0.to_dict(), text, widths), "model_type": text0.model_type}
     rope = _scaled_rope(text0.to_dict().get("rope_parameters"), text["head_dim"] / head_dim)
     if rope is not None:
@@ -103,8 +107,37 @@ def shrink_config(config, *, text: dict = None, vision: dict = None, top: dict =
                 d[k] = max(depth // 2 - 1, 0)
     out = AutoConfig.for_model(config.model_type, **{**top_d, "text_config": text_d,
                                                      "vision_config": vision_d})
+    overrides = _per_layer(text0, out.get_text_config(), widths, text["head_dim"] / head_dim)
+    if overrides is not None:  # a heterogeneous LM (per-layer head widths): rebuilt with them
+        text_d.update(per_layer_config=overrides, layer_types=out.get_text_config().layer_types)
+        out = AutoConfig.for_model(config.model_type, **{**top_d, "text_config": text_d,
+                                                         "vision_config": vision_d})
     out._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
     _mrope_sections(config, out.get_text_config())
+    return out
+
+
+def _per_layer(text0, text, widths: dict, ratio: float):
+    """The per-layer overrides of a heterogeneous language model (``per_layer_config``: Gemma
+    4's wider heads on its full-attention layers) for the copy ``text``: each new layer takes
+    the overrides of the first original layer of its type (``layer_types``; else of its
+    index), widths replaced as elsewhere and head widths scaled with the head; None where the
+    config has none."""
+    given = text0.to_dict().get("per_layer_config")
+    if not isinstance(given, dict) or not given:
+        return None
+    given = {int(k): v for k, v in given.items()}
+    types0, types = getattr(text0, "layer_types", None), getattr(text, "layer_types", None)
+    out = {}
+    for i in range(text.num_hidden_layers):
+        src = types0.index(types[i]) if types0 and types and types[i] in types0 else i
+        layer = {}
+        for k, v in given.get(src, {}).items():
+            if isinstance(v, int) and not isinstance(v, bool):
+                v = widths.get(v, max(1, round(v * ratio)) if k.endswith("head_dim") else v)
+            layer[k] = v
+        if layer:
+            out[i] = layer
     return out
 
 

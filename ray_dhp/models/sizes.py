@@ -11,6 +11,7 @@ import functools
 from dataclasses import dataclass
 
 from ray_dhp.models import family_of
+from ray_dhp.models.layer_config import layer_max, layer_values
 from ray_dhp.models.tuning import trains as trains_under
 
 AUDIO_PREFIX = "model.audio_tower."  # the thinker's audio encoder (`ray_dhp.planning.memory_audio`)
@@ -221,9 +222,9 @@ def _block_norms(model, vision_names: set, tc) -> int:
 def _head_norms(model, vision_names: set, tc) -> bool:
     """Whether the LM's attention layers hold per-head q/k norms: 1-D weights of ``head_dim``
     elements inside its attention modules (``*attn.*``), at least two (q and k)."""
-    hd = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    hd = layer_values(tc, "head_dim") if layer_max(tc, "head_dim") else [tc.hidden_size // tc.num_attention_heads]
     found = [n for n, p in model.named_parameters() if n not in vision_names and p.dim() == 1
-             and p.numel() == hd and "attn." in n and not n.startswith(AUDIO_PREFIX)]
+             and p.numel() in hd and "attn." in n and not n.startswith(AUDIO_PREFIX)]
     return len(found) >= 2
 
 

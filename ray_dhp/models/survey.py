@@ -106,7 +106,9 @@ def survey() -> list[Status]:
                                   else "from the plan's regions")
         m = family.merge_size(None)
         images = ("patch rows + grid" if family.grid_input else
-                  f"padded patch rows per image + spatial_shapes, a row per {m}x{m} patches"
+                  f"padded patch rows per image + "
+                  f"{'image_position_ids' if 'image_position_ids' in family.image_kwargs else 'spatial_shapes'}"
+                  f", a row per {m}x{m} patches"
                   if family.padded_input else
                   f"one NaViT strip + target_sizes, a row per {m}x{m} patches"
                   if family.packed_input else f"{family.rows_per_image} rows per image")

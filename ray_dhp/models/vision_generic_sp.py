@@ -6,7 +6,8 @@ with nothing written for the model: the tower's own code runs, hooked at two sea
   SP rank's contiguous share of each image's ``T`` tokens (``T`` need not divide by SP: the
   shares differ by at most one token), slices the rotary ``position_embeddings`` (cos, sin) it
   is handed to the same tokens (and any other keyword tensor with the tokens first: Llama 4's
-  complex rotary table ``freqs_ci [T, 1, d]``), and hands the layers an `UlyssesContext` as a keyword
+  complex rotary table ``freqs_ci [T, 1, d]``; or with the images first and the tokens next:
+  Gemma 4's patch positions ``[images, T, 2]``, from which its encoder builds its rotary), and hands the layers an `UlyssesContext` as a keyword
   (``CTX_KWARG``), which the layers pass on to attention as transformers passes any keyword
   argument; the masks stay whole (only attention reads them, after the all-to-all, over the whole
   sequence). A forward hook gathers the encoder's output back to all ``T`` tokens.
@@ -139,6 +140,19 @@ class _Gathered(tuple):
         return (self._entry(i) for i in range(len(self)))
 
 
+def _all_queries(mask, total: int):
+    """A 4-D mask over all ``total`` queries: as it is, or, where the tower built it from its
+    cut hidden states (its encoder builds the mask itself: Gemma 4's, ``[B, 1, T_local, T]``),
+    its one row repeated, which is exact where every query row is the same (a bidirectional
+    padding mask: only the keys are masked); any other raises."""
+    if not torch.is_tensor(mask) or mask.dim() != 4 or mask.shape[-2] in (1, total):
+        return mask
+    if not bool((mask == mask[..., :1, :]).all()):
+        raise RuntimeError(f"an attention mask over {mask.shape[-2]} of {total} queries whose rows "
+                           "differ: the tower builds it from its cut tokens")
+    return mask[..., :1, :].expand(*mask.shape[:-2], total, mask.shape[-1])
+
+
 def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
     """The attention registry's signature (``[B, H, T_local, d]`` in, ``[B, T_local, H, d]``
     out): sequence -> heads, the inner implementation over all tokens, heads -> sequence."""
@@ -161,7 +175,7 @@ def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
             .permute(2, 1, 3, 0, 4).unbind(0)
     else:  # fewer key/value heads: each its own
         q, k, v = (seq_to_heads(t.permute(2, 0, 1, 3), ctx).permute(1, 2, 0, 3) for t in (query, key, value))
-    out, _ = fn(module, q, k, v, attention_mask, **kwargs)  # [B, T, H/sp, d]
+    out, _ = fn(module, q, k, v, _all_queries(attention_mask, q.shape[2]), **kwargs)  # [B, T, H/sp, d]
     return heads_to_seq(out.transpose(0, 1), ctx).transpose(0, 1), None
 
 
@@ -208,6 +222,9 @@ def _pre(encoder, args, kwargs):
                 raise RuntimeError(f"{type(encoder).__name__}: {k} {tuple(v.shape)} may be per image "
                                    f"or per token ({total} images of {total} tokens)")
             kwargs[k] = v.narrow(0, lo, ctx.local_len)
+        elif k not in (key, "position_embeddings") and "mask" not in k and torch.is_tensor(v) \
+                and v.dim() >= 2 and tuple(v.shape[:2]) == tuple(hidden.shape[:2]):
+            kwargs[k] = v.narrow(1, lo, ctx.local_len)  # per image and token (Gemma 4's positions)
     if _takes_kwargs(encoder):
         kwargs[CTX_KWARG] = ctx
     else:  # it hands its layers no keywords: its attention modules hold the context meanwhile

@@ -52,8 +52,8 @@ def _is_param(t: torch.Tensor) -> bool:
 
 def _inputs(family, root, vc, names: tuple) -> tuple:
     """``(keywords, patch tokens)`` of the family probe's image for ``get_image_features``."""
-    from ray_dhp.models.generic_probe import (PADDED_SIDE, grid_geometry, image_inputs,
-                                              packed_inputs, padded_inputs)
+    from ray_dhp.models.generic_probe import (grid_geometry, image_inputs, packed_inputs,
+                                              padded_inputs, padded_side)
 
     channels = getattr(vc, "in_channels", None) or getattr(vc, "num_channels", 3)
     if family.grid_input:
@@ -63,7 +63,7 @@ def _inputs(family, root, vc, names: tuple) -> tuple:
             rows = rows.reshape(-1, channels, p, p)
         return {"pixel_values": rows, "image_grid_thw": torch.tensor([[1, side, side]])}, side * side
     if family.padded_input or family.packed_input:
-        n, p = PADDED_SIDE, vc.patch_size
+        n, p = padded_side(family.merge_size(None)), vc.patch_size
         if family.packed_input:
             return packed_inputs(torch.ones(n * n, channels * p * p), torch.tensor([[1, n, n]]),
                                  p, channels), n * n

@@ -72,6 +72,7 @@ from ray_dhp.planning.links import all_to_all_s as _all_to_all
 from ray_dhp.planning.links import link_bw as _bw
 from ray_dhp.planning.links import zero_extra_s as _zero_extra
 from ray_dhp.planning.memory import ActivationSettings, merged, vision_depth
+from ray_dhp.models.layer_config import layer_max
 from ray_dhp.models.sizes import vision_width
 from ray_dhp.parallel.nodes import fill_nodes
 
@@ -126,7 +127,7 @@ def text_flops(config, text_params: int, vision_tokens: int, text_tokens: int,
     from ray_dhp.planning.experts import inactive_expert_params
 
     matmul = text_params - (0 if tied else tc.vocab_size * tc.hidden_size) - inactive_expert_params(config)
-    d = tc.num_attention_heads * (getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads)
+    d = tc.num_attention_heads * (layer_max(tc, "head_dim") or tc.hidden_size // tc.num_attention_heads)
     return (6 * matmul * s + 6 * tc.num_hidden_layers * d * s * s) * _recompute(settings)
 
 

@@ -31,6 +31,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
+from ray_dhp.models.layer_config import layer_max
 from ray_dhp.models.sizes import ParamCounts
 from ray_dhp.planning.memory_layers import layer_extra, routed_rows_bytes, text_layers
 from ray_dhp.planning.memory_state import rank_state
@@ -156,8 +157,9 @@ def text_activation_parts(tc, tokens: int, tp: int, s: ActivationSettings,
     other, h, layers, d = layers, tc.hidden_size, tc.num_hidden_layers, s.dtype_bytes
     i, routed = _mlp_widths(tc)
     heads = tc.num_attention_heads
-    hd = getattr(tc, "head_dim", None) or h // heads
-    kv = 2 * tc.num_key_value_heads * hd
+    hd = layer_max(tc, "head_dim") or h // heads  # the widest layer's (per-layer configs)
+    kv_heads = layer_max(tc, "num_key_value_heads")
+    kv = 2 * kv_heads * hd
     local = tp if seq_parallel else 1  # norms and residuals on 1/tp of the tokens
     norm = (4 * h + 4 + 2 * d * h) / local
     # autocast over fp32 weights: each norm's normalised input stays fp32, and each projection
@@ -165,7 +167,7 @@ def text_activation_parts(tc, tokens: int, tp: int, s: ActivationSettings,
     cast_norm = (4 - d) * h / local if s.autocast else 0.0
     attention = (d * (2 * heads * hd + kv) + 4 * heads) / tp
     if head_norms:  # q (heads) and k (kv heads): fp32 input + rsqrt per head + output in d
-        attention += (heads + tc.num_key_value_heads) * ((4 + d) * hd + 4) / tp
+        attention += (heads + kv_heads) * ((4 + d) * hd + 4) / tp
     mlp = 4 * d * i / tp + 4 * d * routed
     per_block = tokens * (2 * norm + attention + mlp
                           + (2 * cast_norm + 3 * d * h / local if s.autocast else 0.0))
@@ -274,7 +276,7 @@ def cp_working_bytes(tc, tokens: float, tp: int, cp: int, s: ActivationSettings,
     if ring_form(tc, tp, cp):
         return ring_working_bytes(tc, tokens, tp, cp, s.dtype_bytes, sample_tokens)
     hd = tc.hidden_size // tc.num_attention_heads
-    kv = tc.num_key_value_heads
+    kv = layer_max(tc, "num_key_value_heads")
     kv = tc.num_attention_heads if (kv // tp) % cp else kv
     return 2 * tokens / cp * (2 * tc.hidden_size + 2 * kv * hd) / tp * s.dtype_bytes
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ray_dhp.models import FAMILIES, family_of
+from ray_dhp.models.layer_config import layer_max
 from ray_dhp.models.sizes import count_params, vision_width
 from ray_dhp.parallel.balance import COUNT, TEXT_CALL_TOKENS, Balancer, CostModel, encoder_replicas
 
@@ -144,7 +145,7 @@ def cost_model_of(config, counts=None) -> CostModel:
     window = (getattr(vc, "window_size", 0) // vc.patch_size) ** 2 if full < depth else 0
     tied = getattr(config, "tie_word_embeddings", False) or getattr(tc, "tie_word_embeddings", False)
     matmul = counts.text - (0 if tied else tc.vocab_size * tc.hidden_size)
-    d = tc.num_attention_heads * (getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads)
+    d = tc.num_attention_heads * (layer_max(tc, "head_dim") or tc.hidden_size // tc.num_attention_heads)
     return CostModel(merge=merge, vision_linear=6 * (counts.vision - merger) * merge + 6 * merger,
                      vision_full=12 * h * full * merge, vision_window=12 * h * (depth - full) * merge,
                      window=window, text_linear=6 * matmul * merge,

@@ -116,7 +116,7 @@ class TextPhase:
             videos[seconds] = to_device(batch["second_per_grid_ts"], dev)
         if batch.get("cu_seqlens") is not None and (self.family.stateful_mixers or cp > 1 or self._segment_attention):
             extra[SEGMENTS_KWARG] = batch["cu_seqlens"]  # the mixers' / attention's (CP's too) segments
-        with self._autocast():
+        with self._autocast(), self._row_reads():
             out = self.text_model(**self.family.lm_inputs(self.config, dict(
                 input_ids=to_device(batch["input_ids"], dev),
                 attention_mask=None if mask is None else to_device(mask, dev),
@@ -125,6 +125,17 @@ class TextPhase:
                 image_grid_thw=None if grid is None else to_device(grid, dev),
                 use_cache=False, **videos, **extra)))
         return batch, handed, out.logits
+
+    def _row_reads(self):
+        """`ShardedRowReads` where the family's text forward reads rows of its embedding table
+        outside the embedding (`GenericFamily.text_reads_table`): a vocabulary-parallel or ZeRO-3
+        table then serves them row by row, never gathered whole."""
+        import contextlib
+
+        from ray_dhp.parallel.table_rows import ShardedRowReads
+
+        return ShardedRowReads() if getattr(self.family, "text_reads_table", "") else \
+            contextlib.nullcontext()
 
     def _text_forward_backward(self, samples, feats: dict, n_targets: int):
         dev, router = self.groups.device, self._router_loss

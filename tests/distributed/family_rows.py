@@ -20,6 +20,7 @@ The family's own extra cases (directory loading and export, LoRA, variants) stay
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable, NamedTuple
 
@@ -27,7 +28,7 @@ from ray_dhp.config.train_loop import TrainLoopConfig
 from ray_dhp.parallel.topology import EncoderDegrees
 from tests.distributed.generic_cases import TOL as GENERIC_TOL
 from tests.distributed.generic_cases import TOLS as GENERIC_TOLS
-from tests.distributed.generic_cases import ROTARY_KEY_BIAS, VISION_SP, ZERO_GRAD
+from tests.distributed.generic_cases import ROTARY_KEY_BIAS, STEPS, VISION_SP, ZERO_GRAD
 from tests.distributed.parity import (CFG, GENERIC_FAMILIES, GENERIC_MOE_FAMILIES, dense_layout,
                                       make_steps, moe_layout)
 from tests.distributed import family_checks as checks
@@ -217,7 +218,7 @@ GENERIC_LAYOUTS = {
 }
 #: the generic families whose LM plan refuses text sequence parallelism (the driver says why:
 #: LFM2's plan shards only the embedding; `tests/unit/test_text_sp_plans.py` keeps this current)
-GENERIC_NO_TEXT_SP = ("lfm2_vl", "lfm3_vl", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr")
+GENERIC_NO_TEXT_SP = ("lfm2_vl", "lfm3_vl", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr", "gemma4")
 #: text SP with activation checkpointing, disjoint (recomputed sharded blocks; `AfterLayers`'s
 #: check across the recompute) where the derived plan has each kind of region: Gemma 3 (four
 #: norms, Megatron regions), Kimi-K2.5 (MLA attention gathered, a sparse block sliced)
@@ -244,7 +245,8 @@ def _generic_row(family: str) -> Row:
     rotary = family in ROTARY_KEY_BIAS  # its key biases have a real gradient: compared too
     return Row(family, layouts, frozenset(lay for f, lay in GENERIC_DEFAULT if f == family),
                dict(GENERIC_TOLS.get(family, GENERIC_TOL), skip=() if rotary else ZERO_GRAD),
-               grads=True, check=None if rotary else checks.zero_grad_is_noise)
+               grads=True, check=None if rotary else checks.zero_grad_is_noise,
+               cfg=dataclasses.replace(CFG, num_steps=STEPS[family]) if family in STEPS else CFG)
 
 
 # -- generic families with a mixture-of-experts LM, under expert parallelism ----------------------

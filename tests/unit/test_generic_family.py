@@ -92,3 +92,57 @@ def test_a_navit_strip_is_laid_out_as_the_family_processor_lays_it():
     ours = packed_inputs(rows, grid, 14, 3)
     assert torch.equal(ours["pixel_values"], out["pixel_values"].float())
     assert torch.equal(ours["target_sizes"], out["target_sizes"])
+
+
+def test_patch_positions_are_laid_out_as_gemma4s_processor_lays_them():
+    """Gemma 4's tower takes each image's patch rows padded to the longest with each patch's
+    ``(x, y)`` (``image_position_ids``, -1 on padding; `padded_inputs`): from ray_dhp's patch
+    rows it is what transformers' own image processor makes of the same images (two sizes, no
+    resize or rescale), up to the processor's longer padding; each image's soft tokens are its
+    patches over the 3x3 pooling, as the processor counts them."""
+    import numpy as np
+    from PIL import Image
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    from ray_dhp.data.tiles import tile_rows
+    from ray_dhp.models.generic_probe import padded_input, padded_inputs
+
+    from transformers import Gemma4ForConditionalGeneration
+
+    assert padded_input(Gemma4ForConditionalGeneration)
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 255, (h, w, 3), dtype=np.uint8) for h, w in ((48, 96), (96, 48))]
+    out = Gemma4ImageProcessorPil(patch_size=16, max_soft_tokens=70)(
+        images=[Image.fromarray(a) for a in images], return_tensors="pt", do_resize=False,
+        do_rescale=False)
+    rows = torch.cat([tile_rows(torch.tensor(a, dtype=torch.float32).permute(2, 0, 1)[None], 16)
+                      for a in images])
+    grid = torch.tensor([[1, a.shape[0] // 16, a.shape[1] // 16] for a in images])
+    ours = padded_inputs(("image_position_ids",), rows, grid, 16, 3)
+    n = ours["pixel_values"].shape[1]
+    assert "spatial_shapes" not in ours
+    assert torch.equal(ours["pixel_values"], out["pixel_values"][:, :n].float())
+    assert torch.equal(ours["image_position_ids"], out["image_position_ids"][:, :n].long())
+    assert (out["image_position_ids"][:, n:] == -1).all()
+    assert (grid.prod(-1) // 9).tolist() == out["num_soft_tokens_per_image"].tolist()
+
+
+def test_gemma4_is_read_from_its_own_metadata():
+    """Gemma 4's tower goes the padded route (``image_position_ids``; its 3x3 pooling read from
+    the probe's rows), its heterogeneous text config shrinks layer by layer (the full-attention
+    layer's wider heads), and the read of its embedding table's pad row outside the embedding
+    is found (served row by row under text TP / ZeRO-3: `ray_dhp.parallel.table_rows`)."""
+    from ray_dhp.models.generic_probe import probe
+    from transformers import Gemma4ForConditionalGeneration
+
+    config = demo.tiny_model_config("gemma4")
+    text = config.get_text_config()
+    assert text.per_layer_config[1].head_dim == 2 * text.per_layer_config[0].head_dim == 32
+    assert config.vision_config.num_key_value_heads == config.vision_config.num_attention_heads
+    pooled, *_, side = probe(config, Gemma4ForConditionalGeneration, padded=True)
+    assert side == 12 and sum(p.shape[0] for p in pooled) == (12 // 3) ** 2
+    family = family_of(config)
+    assert family.padded_input and family.merge_size(config) == 3
+    assert family.image_kwargs == ("image_position_ids",)
+    assert family.text_reads_table == "Gemma4Model.forward"
+    assert family.vision_parts == ("vision_tower", "embed_vision") and not family.vision_sp_refusal
