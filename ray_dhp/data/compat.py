@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Optional
 
 from ray_dhp.config.checks import ConfigError
 
@@ -162,12 +161,14 @@ def _check_model_processor(processor, config, processor_at: str, model_file: str
                           f"{list(processor.ids['image'])} but {model_file} {where}={want}; the "
                           "processor belongs to another model.")
     image = Image.new("RGB", (64, 48))
-    pixels, grid, reps = processor.encode_images([image])
+    pixels, grid, reps, per_image = processor.encode_images([image])
     tiled = processor.image_processor(images=[image], return_tensors="pt").get("image_grid_thw") is None
-    rows = int(grid.prod(-1)[0]) // processor.merge_size ** 2
+    rows = int(per_image["item_rows"][0]) if per_image else \
+        int(grid.prod(-1)[0]) // processor.merge_size ** 2  # anyres: the processor's count
     size = getattr(getattr(config, "vision_config", None), "image_size", None)
     side = int(grid[0, -1]) * processor.patch_size
-    if tiled and isinstance(size, int) and side != size:
+    whole = size // processor.patch_size * processor.patch_size if isinstance(size, int) else None
+    if tiled and whole is not None and side != whole:  # (a tile's whole patches: `_tiled`)
         raise ConfigError(f"{processor_at}: the image processor makes {side}-px images but "
                           f"{model_file} vision_config.image_size={size}; the processor belongs "
                           "to another model.")

@@ -239,9 +239,9 @@ class FamilySpec:
 
         return importlib.import_module(self.vision_module)
 
-    def plan_vision(self, config, grid_thw, sp: int):
-        """The SP split of one replica's images (`vision_module`'s ``plan_for``)."""
-        return self.vision_ops().plan_for(self.name, config, grid_thw, sp)
+    def plan_vision(self, config, grid_thw, sp: int, **items):
+        """The SP split of one replica's images (`vision_module`'s ``plan_for``; ``items``: anyres)."""
+        return self.vision_ops().plan_for(self.name, config, grid_thw, sp, **items)
 
     def vision_forward(self, visual, pixel_values, plan, sp_rank: int, sp_group, comm=None):
         return self.vision_ops().vision_forward(self.name, visual, pixel_values, plan, sp_rank,
