@@ -102,4 +102,4 @@ ROTARY_KEY_BIAS = ("paddleocr_vl",)
 # this list against it).
 VISION_SP = ("gemma3", "llava", "paligemma", "aya_vision", "cohere2_vision", "mistral3", "idefics3",
              "smolvlm", "lighton_ocr", "shieldgemma2", "video_llava", "lfm2_vl", "llama4",
-             "llava_onevision")
+             "llava_onevision", "llava_next", "llava_next_video")
