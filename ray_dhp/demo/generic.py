@@ -136,9 +136,10 @@ def own_processor(config):
 
     cls = processor_class_from_name(PROCESSOR_MAPPING_NAMES[config.model_type])
 
-    class WithoutVideo(cls):  # no video processor: nothing to check
-        def check_argument_for_proper_class(self, name, arg):
-            return None if arg is None else super().check_argument_for_proper_class(name, arg)
+    class WithoutVideo(cls):  # no video processor: not an attribute (checked, saved)
+        @classmethod
+        def get_attributes(klass):
+            return [a for a in super().get_attributes() if a != "video_processor"]
 
         def __reduce__(self):
             return own_processor, (config,)
