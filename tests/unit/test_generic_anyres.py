@@ -78,3 +78,15 @@ def test_image_newline_is_held_by_the_vision_side():
     assert shell.image_newline is model.model.image_newline
     assert family.visual(model) is shell  # one shell per model: the parts materialise into it
     assert family.encoder_parts("vision", model) == {"model.": shell}
+
+
+def test_a_processor_that_does_not_tile_anyres_is_refused_in_the_driver():
+    """A processor in the default (Qwen) format counts rows from the patch grid: for an anyres
+    model that count is wrong, so the driver refuses it, naming the reason."""
+    from ray_dhp.config.checks import ConfigError
+    from ray_dhp.data.compat import check_processor_fits
+
+    config = demo.tiny_model_config(FAMILY)
+    check_processor_fits(demo.tiny_processor(FAMILY), config, processor_at="p", model_at="m")
+    with pytest.raises(ConfigError, match="anyres"):
+        check_processor_fits(demo.tiny_processor("qwen2_vl"), config, processor_at="p", model_at="m")
