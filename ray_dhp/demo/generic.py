@@ -136,10 +136,17 @@ def own_processor(config):
 
     cls = processor_class_from_name(PROCESSOR_MAPPING_NAMES[config.model_type])
 
-    class WithoutVideo(cls):  # no video processor: not an attribute (checked, saved)
-        @classmethod
-        def get_attributes(klass):
-            return [a for a in super().get_attributes() if a != "video_processor"]
+    class WithoutVideo(cls):  # no video processor: None is not checked, nor saved
+        def check_argument_for_proper_class(self, name, arg):
+            return None if arg is None else super().check_argument_for_proper_class(name, arg)
+
+        def save_pretrained(self, *args, **kwargs):
+            self.get_attributes = lambda: [a for a in cls.get_attributes()
+                                           if getattr(self, a, None) is not None]
+            try:
+                return super().save_pretrained(*args, **kwargs)
+            finally:
+                del self.get_attributes
 
         def __reduce__(self):
             return own_processor, (config,)
