@@ -35,9 +35,10 @@ padded patch rows per image with their ``spatial_shapes`` (`padded_inputs`: SigL
 NaFlex, LFM2-VL's) or one NaViT strip with ``target_sizes`` (`packed_inputs`: MiniCPM-V's, as
 its image processor lays it out) or "anyres" tiles with each image's original ``image_sizes``
 (`anyres`: LLaVA-NeXT's, -OneVision's; the rows per image the processor's count, the
-``image_newline`` parameter a vision part, `ray_dhp.models.generic_shell`), vision data parallelism, vision Ulysses sequence parallelism where the
-tower's layers call attention through transformers' interface (`ray_dhp.models.vision_generic_sp`;
-refused with the reason where they do not: ``vision_sp_refusal``), text TP, Megatron text
+``image_newline`` parameter a vision part, `ray_dhp.models.generic_shell`), vision data
+parallelism, vision Ulysses sequence parallelism where the tower's layers call attention
+through transformers' interface (`ray_dhp.models.vision_generic_sp`; refused with the reason
+where they do not: ``vision_sp_refusal``), text TP, Megatron text
 sequence parallelism where the plan and the decoder layers allow it
 (`ray_dhp.models.text_sp_plans`), ZeRO 1-3 for the text side. Packing where it is exact
 (`ray_dhp.models.generic_packing`). A mixture-of-experts language model: its router loss and
