@@ -40,7 +40,8 @@ def _split(s: Sample) -> dict:
 def _images(samples: Sequence[Sample]) -> dict:
     """The model's visual inputs of the samples, in batch order: ``image_grid_thw`` /
     ``pixel_values`` of their images, ``video_grid_thw`` / ``pixel_values_videos`` /
-    ``second_per_grid_ts`` of their videos (None where there are none); pixels only if every
+    ``second_per_grid_ts`` of their videos (None where there are none), ``image_sizes`` of
+    the images where the samples carry them (anyres; else None); pixels only if every
     sample with such items carries pixels (text-only ranks may get grids without pixels)."""
     split = [_split(s) for s in samples if s.image_grid_thw is not None]
     out = {}
@@ -50,6 +51,9 @@ def _images(samples: Sequence[Sample]) -> dict:
         pixels = [p for p, _ in got]
         out[px_key] = None if not got or any(p is None for p in pixels) else torch.cat(pixels)
         out[grid_key] = torch.cat([g for _, g in got]) if got else None
+    sizes = [s.image_sizes[torch.tensor([k == 1 for k in item_kinds(s)])] for s in samples
+             if s.image_grid_thw is not None and s.image_sizes is not None]
+    out["image_sizes"] = torch.cat(sizes) if sizes else None  # anyres images' original sizes
     seconds = [s.second_per_grid_ts for s in samples if s.second_per_grid_ts is not None]
     out["second_per_grid_ts"] = torch.cat(seconds) if seconds else None
     return out

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Optional
 
 from ray_dhp.config.checks import ConfigError
 
@@ -57,6 +56,11 @@ def _same_size(a, b) -> bool:
     return (sa or a) == (sb or b)
 
 
+_ANYRES = ("{}: the model of {} tiles each image anyres (image_grid_pinpoints: its feature rows "
+           "per image depend on the image's original size), but this processor gives no tiles "
+           "with image_sizes; use the model's own transformers processor.")
+
+
 def check_processor_fits(processor, config, *, processor_at: str, model_at: str) -> None:
     """ConfigError naming both sides' file and field for the first way ``processor`` (a
     `VLProcessor`) does not fit the model ``config``. ``processor_at`` / ``model_at`` say where
@@ -77,6 +81,8 @@ def check_processor_fits(processor, config, *, processor_at: str, model_at: str)
     tok = processor.tokenizer
     if "image" in processor.ids:  # the model's own processor (`ray_dhp.data.model_processor`)
         _check_model_processor(processor, config, processor_at, model_file)
+    elif getattr(config, "image_grid_pinpoints", None) is not None:
+        raise ConfigError(_ANYRES.format(processor_at, model_file))
     for key, field in processor.format.config_ids:  # the family's (`PromptFormat.config_ids`)
         want, where = _config_value(config, field)
         if key not in processor.ids:
@@ -162,12 +168,16 @@ def _check_model_processor(processor, config, processor_at: str, model_file: str
                           f"{list(processor.ids['image'])} but {model_file} {where}={want}; the "
                           "processor belongs to another model.")
     image = Image.new("RGB", (64, 48))
-    pixels, grid, reps = processor.encode_images([image])
+    pixels, grid, reps, per_image = processor.encode_images([image])
     tiled = processor.image_processor(images=[image], return_tensors="pt").get("image_grid_thw") is None
-    rows = int(grid.prod(-1)[0]) // processor.merge_size ** 2
+    if getattr(config, "image_grid_pinpoints", None) is not None and not per_image:
+        raise ConfigError(_ANYRES.format(processor_at, model_file))
+    rows = int(per_image["item_rows"][0]) if per_image else \
+        int(grid.prod(-1)[0]) // processor.merge_size ** 2  # anyres: the processor's count
     size = getattr(getattr(config, "vision_config", None), "image_size", None)
     side = int(grid[0, -1]) * processor.patch_size
-    if tiled and isinstance(size, int) and side != size:
+    whole = size // processor.patch_size * processor.patch_size if isinstance(size, int) else None
+    if tiled and whole is not None and side != whole:  # (a tile's whole patches: `_tiled`)
         raise ConfigError(f"{processor_at}: the image processor makes {side}-px images but "
                           f"{model_file} vision_config.image_size={size}; the processor belongs "
                           "to another model.")

@@ -21,9 +21,12 @@ What is read from the processor (nothing is written per model):
 Pixels: fixed-size images ``[n, C, S, S]`` become patch rows with the grid ``(1, S/P, S/P)``
 (`ray_dhp.data.tiles.tile_rows`; the tower's shell turns them back into images), the layout
 every data mechanism counts feature rows in; a processor that gives patch rows with an
-``image_grid_thw`` is taken as it is, one that gives padded patch rows with each patch's
+``image_grid_thw`` is taken as it is; one that gives padded patch rows with each patch's
 position (``image_position_ids``) becomes patch rows and grids (`positioned_rows`), its own
-placeholder counts (``num_soft_tokens_per_image``) checked against them. Records with videos or audio are bad samples
+placeholder counts (``num_soft_tokens_per_image``) checked against them; an anyres processor's
+tiles (``[n, tiles, C, S, S]`` with ``image_sizes``: LLaVA-NeXT's, -OneVision's) become each
+image's tiles as patch rows with the grid ``(tiles, S/P, S/P)``, its ``image_sizes`` and its rows
+as the processor counts them (`ModelProcessor._tiled`; `Sample.item_rows`). Records with videos or audio are bad samples
 here (the reason is named): this path covers images.
 
 `run_processor` is how a run gets its processor: for a family whose samples its own processor
@@ -118,7 +121,7 @@ class ModelProcessor(VLProcessor):
 
     def encode_images(self, images: list):
         if not images:
-            return None, None, []
+            return None, None, [], {}
         try:
             out = self.image_processor(images=images, return_tensors="pt")
             reps = [self.processor.replace_image_token(out, image_idx=i) for i in range(len(images))]
@@ -126,24 +129,47 @@ class ModelProcessor(VLProcessor):
             raise BadSample(f"image processor refused the image(s): {type(exc).__name__}: "
                             f"{exc}") from exc
         pixels = out["pixel_values"].to(torch.float32)
+        if pixels.dim() == 5 and out.get("image_sizes") is not None:  # each image's tiles
+            return self._tiled(images, reps, out["image_sizes"])
         if pixels.shape[0] != len(images) and out.get("image_grid_thw") is None:
             raise ValueError(f"{type(self.image_processor).__name__} makes {pixels.shape[0]} "
                              f"pixel tensors of {len(images)} image(s) (crops of an image: e.g. "
                              "pan-and-scan); the model processor path takes one "
                              "fixed-size image per image")
         if out.get("image_grid_thw") is not None:  # patch rows with their grid already
-            return pixels, out["image_grid_thw"].to(torch.long), reps
+            return pixels, out["image_grid_thw"].to(torch.long), reps, {}
         if out.get("image_position_ids") is not None:  # padded patch rows with their positions
             rows, grid = positioned_rows(pixels, out["image_position_ids"], self.patch_size)
             _check_counts(out, grid, self.merge_size, type(self.image_processor).__name__)
-            return rows, grid, reps
+            return rows, grid, reps, {}
         side, p = pixels.shape[-1], self.patch_size
         if pixels.dim() != 4 or pixels.shape[-2] != side or side % (p * self.merge_size):
             raise ValueError(f"{type(self.image_processor).__name__} gives pixels of shape "
                              f"{tuple(pixels.shape)}: the model processor path takes fixed "
                              f"square images of a multiple of {p * self.merge_size} px")
         grid = torch.tensor([[1, side // p, side // p]] * pixels.shape[0], dtype=torch.long)
-        return tile_rows(pixels, p), grid, reps
+        return tile_rows(pixels, p), grid, reps, {}
+
+    def _tiled(self, images: list, reps: list, sizes) -> tuple:
+        """An anyres processor's images (``[n, tiles, C, S, S]`` padded to the most tiles, with
+        each image's original ``image_sizes``): each image's own tiles (the processor run on it
+        alone: no padding) as patch rows with the grid ``(tiles, S/P, S/P)``, and its feature
+        rows as the processor counts them (the row tokens of its ``replace_image_token``)."""
+        words = [w for w in self.tokenizer.convert_ids_to_tokens(list(self.ids["image"])) if w]
+        counts = [sum(r.count(w) for w in words) for r in reps]
+        rows, grids, p = [], [], self.patch_size
+        for image in images:
+            tiles = self.image_processor(images=[image], return_tensors="pt")["pixel_values"][0]
+            if tiles.shape[-1] != tiles.shape[-2]:
+                raise ValueError(f"{type(self.image_processor).__name__} makes tiles of "
+                                 f"{tuple(tiles.shape[-2:])} px: not square")
+            k = tiles.shape[-1] // p  # whole patches: the tower's stride-P patch convolution
+            tiles = tiles[..., :k * p, :k * p]  # never reads the rest (384 px / 14: 27 a side)
+            rows.append(tile_rows(tiles.to(torch.float32), p))
+            grids.append([tiles.shape[0], tiles.shape[-1] // p, tiles.shape[-1] // p])
+        per_image = {"image_sizes": torch.as_tensor(sizes, dtype=torch.long).reshape(-1, 2),
+                     "item_rows": torch.tensor(counts, dtype=torch.long)}
+        return torch.cat(rows), torch.tensor(grids, dtype=torch.long), reps, per_image
 
     def _encode_video(self, source, max_pixels):
         raise BadSample("a video: the model's own processor path covers images only")

@@ -43,7 +43,8 @@ from ray_dhp.data.chat import (AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, VIDEO_PLACE
                                placeholder_kinds)
 from ray_dhp.data.images import ImageError, load_image
 from ray_dhp.data.reading import Record
-from ray_dhp.data.sample import IGNORE_INDEX, BadSample, Sample, _image_paths, _messages
+from ray_dhp.data.sample import (IGNORE_INDEX, BadSample, Sample, _image_paths, _messages,
+                                  item_fields)
 from ray_dhp.data.video import VideoError, video_sources
 from ray_dhp.models.prompt_format import DEFAULT_PROMPT_FORMAT
 
@@ -214,7 +215,7 @@ class VLProcessor:
             images = [load_image(p, max_pixels) for p in paths]
         except ImageError as exc:
             raise BadSample(str(exc)) from exc
-        pixel_values, grid, image_pads = self.encode_images(images)
+        pixel_values, grid, image_pads, per_image = self.encode_images(images)
         clips = [self._encode_video(v, max_pixels) for v in videos]
         audio, audio_lengths, audio_pads = self._encode_audio(record.data, data_root, kinds)
         try:
@@ -225,6 +226,7 @@ class VLProcessor:
                                   pads=self.pads)
         visual = self._in_placeholder_order([k for k in kinds if k in VISUAL_KINDS], pixel_values,
                                             grid, clips)
+        items = item_fields(visual, per_image, self.merge_size)
         input_ids, labels = self._tokenize(text, spans)
         if max_tokens is not None and len(input_ids) > max_tokens:
             raise BadSample(f"too long: {len(input_ids)} tokens > max_tokens={max_tokens}")
@@ -233,14 +235,15 @@ class VLProcessor:
         mm = self._token_types(input_ids)
         if audio_lengths is not None:
             self._mark_audio(input_ids, mm, audio_pads)
-        rows = [int(g.prod()) // self.merge_size**2 for g in visual[1]] if visual[1] is not None else []
+        rows = [] if visual[1] is None else items["item_rows"].tolist() if items else \
+            [int(g.prod()) // self.merge_size**2 for g in visual[1]]
         for kind, name in ((1, "image"), (2, "video")):
             want = sum(n for n, k in zip(rows, visual[2].tolist()) if k == kind) if rows else 0
             if int((mm == kind).sum()) != want:
                 raise ValueError(f"{name} tokens were merged or split by the tokenizer: "
                                  f"{int((mm == kind).sum())} for {want} feature rows; the "
                                  f"{name} placeholder must be a special token")
-        return Sample(record.index, input_ids, labels, mm, *visual, audio, audio_lengths)
+        return Sample(record.index, input_ids, labels, mm, *visual, audio, audio_lengths, **items)
 
     def _token_types(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``mm_token_type_ids``: 1 on the image rows' tokens, 2 on the video rows' (audio: 3,
@@ -316,10 +319,12 @@ class VLProcessor:
         return messages
 
     def encode_images(self, images: list):
-        """``(pixel rows, grids, pad strings)`` of a record's images (Nones and ``[]``
-        without): each image's pad repeated once per feature row."""
+        """``(pixel rows, grids, pad strings, per image)`` of a record's images (Nones, ``[]``
+        and ``{}`` without): each image's pad repeated once per feature row; ``per image``:
+        ``{"image_sizes", "item_rows"}`` where the rows are not the grids' (`Sample`), else
+        ``{}``."""
         if not images:
-            return None, None, []
+            return None, None, [], {}
         if self.image_processor is None:
             raise BadSample("no image processor: the record has images but the processor has no "
                             "image processor")
@@ -330,7 +335,7 @@ class VLProcessor:
                             f"{exc}") from exc
         grid = out["image_grid_thw"].to(torch.long)
         pads = [self.pads[0] * (n // self.merge_size**2) for n in grid.prod(-1).tolist()]
-        return out["pixel_values"].to(torch.float32), grid, pads
+        return out["pixel_values"].to(torch.float32), grid, pads, {}
 
     def _tokenize(self, text: str, spans: list[tuple[int, int]]):
         try:

@@ -12,7 +12,7 @@ import torch
 
 from ray_dhp.data.images import upright_size
 
-__all__ = ["BadSample", "reason_kind", "Sample", "image_grid", "IGNORE_INDEX"]
+__all__ = ["BadSample", "reason_kind", "Sample", "image_grid", "item_fields", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -62,6 +62,11 @@ class Sample:
         audio_features: ``[n_mels, frames]`` float32 log-mel features of the record's audio
             clips concatenated along time, in placeholder order (`ray_dhp.data.audio`), or None.
         audio_lengths: ``[num_clips]`` frames of each clip, or None.
+        image_sizes: ``[num_items, 2]`` each item's original ``(height, width)``, where the
+            processor gives them and the rows depend on them (anyres tiling: the item's grid is
+            ``(tiles, S/P, S/P)``), or None.
+        item_rows: ``[num_items]`` feature rows (placeholder tokens) of each item where they
+            are not its grid's ``t*h*w / merge**2``: the processor's own count (anyres), or None.
     """
 
     index: int
@@ -74,11 +79,30 @@ class Sample:
     second_per_grid_ts: torch.Tensor | None = None
     audio_features: torch.Tensor | None = None
     audio_lengths: torch.LongTensor | None = None
+    image_sizes: torch.LongTensor | None = None
+    item_rows: torch.LongTensor | None = None
 
     @property
     def num_tokens(self) -> int:
         """Sequence length L."""
         return int(self.input_ids.numel())
+
+
+def item_fields(visual: tuple, per_image: dict, merge: int) -> dict:
+    """`Sample`'s ``image_sizes`` / ``item_rows`` of a record's items in placeholder order
+    (``visual``: `VLProcessor._in_placeholder_order`'s) from ``per_image`` (the images' own, in
+    their order; ``{}``: none, the grids count the rows): a video's rows its grid's, its size
+    its frames'."""
+    if not per_image or visual[1] is None:
+        return {}
+    sizes, rows = iter(per_image["image_sizes"].tolist()), iter(per_image["item_rows"].tolist())
+    out_sizes, out_rows = [], []
+    for kind, g in zip(visual[2].tolist(), visual[1].tolist()):
+        image = kind == 1
+        out_sizes.append(next(sizes) if image else [0, 0])
+        out_rows.append(next(rows) if image else g[0] * g[1] * g[2] // merge ** 2)
+    return {"image_sizes": torch.tensor(out_sizes, dtype=torch.long),
+            "item_rows": torch.tensor(out_rows, dtype=torch.long)}
 
 
 def image_grid(path_or_pil, image_processor, prompt_format=None) -> tuple[int, int, int]:

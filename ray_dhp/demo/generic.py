@@ -19,7 +19,8 @@ read nothing written for the family: transformers' default config of the model t
 patch, merge and temporal sizes (56..112-px images), and a tower on padded rows per image
 (SigLIP 2's NaFlex, LFM2-VL's) or on patch rows without Qwen's ``spatial_merge_size``
 (Kimi-K2.5's, whose processor patchifies in raster order) the same with one frame per image
-and raster-ordered rows.
+and raster-ordered rows. An anyres model (``image_grid_pinpoints``: LLaVA-NeXT's, -OneVision's)
+gets its own processor class (`tiled_processor`) behind `ray_dhp.data.model_processor`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ import torch
 from ray_dhp.demo.tokenizer import _token_ids, build_tokenizer
 from ray_dhp.models.shrink import IMAGE_SIDE, PATCH
 
-__all__ = ["tiny_generic_config", "tiny_generic_processor", "IMAGE_SIDE", "PATCH"]
+__all__ = ["tiny_generic_config", "tiny_generic_processor", "tiled_processor", "own_processor",
+           "IMAGE_SIDE", "PATCH"]
 
 
 def _raster_processor():
@@ -89,6 +91,8 @@ def tiny_generic_processor(model_type: str):
 
     config = tiny_generic_config(model_type)
     family = family_of(config)
+    if family.tiled_input:  # anyres tiles: the model's own processor counts each image's rows
+        return tiled_processor(config)
     if family.grid_input or family.padded_input or family.packed_input:  # any size: Qwen2-VL's
         vc = config.vision_config
         limits = dict(min_pixels=IMAGE_SIDE ** 2, max_pixels=(2 * IMAGE_SIDE) ** 2,
@@ -104,3 +108,60 @@ def tiny_generic_processor(model_type: str):
     images = SiglipImageProcessorPil(size={"height": IMAGE_SIDE, "width": IMAGE_SIDE})
     return VLProcessor(build_tokenizer(),
                        TileImageProcessor(images, patch_size=PATCH, merge_size=family.merge_size(None)))
+
+
+def tiled_processor(config):
+    """The model's own processor class (transformers' processor and PIL image processor of
+    ``config.model_type``) at the tiny sizes, as a `ray_dhp.data.model_processor.ModelProcessor`:
+    56-px tiles of the config's (tiny) ``image_grid_pinpoints``, the demo tokenizer and chat
+    template, the image token ``<|image_pad|>`` (`own_processor`)."""
+    from ray_dhp.data.model_processor import ModelProcessor
+
+    return ModelProcessor(own_processor(config), patch_size=PATCH, merge_size=1)
+
+
+def own_processor(config):
+    """``config.model_type``'s transformers processor for the tiny config: the keywords its
+    ``__init__`` names set from the config (``num_image_tokens``: a tile's patches;
+    ``patch_size``; ``vision_feature_select_strategy``; one additional token, the class token
+    the "default" strategy drops); a video processor the class names left out (it needs
+    torchvision). Pickled as the call that builds it (its class is made here)."""
+    import inspect
+
+    from transformers.models.auto.image_processing_auto import (
+        IMAGE_PROCESSOR_MAPPING_NAMES, get_image_processor_class_from_name)
+    from transformers.models.auto.processing_auto import (PROCESSOR_MAPPING_NAMES,
+                                                          processor_class_from_name)
+
+    from ray_dhp.demo.processor import CHAT_TEMPLATE
+
+    cls = processor_class_from_name(PROCESSOR_MAPPING_NAMES[config.model_type])
+
+    class WithoutVideo(cls):  # no video processor: None is not checked, nor saved
+        def check_argument_for_proper_class(self, name, arg):
+            return None if arg is None else super().check_argument_for_proper_class(name, arg)
+
+        def save_pretrained(self, *args, **kwargs):
+            self.get_attributes = lambda: [a for a in cls.get_attributes()
+                                           if getattr(self, a, None) is not None]
+            try:
+                return super().save_pretrained(*args, **kwargs)
+            finally:
+                del self.get_attributes
+
+        def __reduce__(self):
+            return own_processor, (config,)
+
+    pil = IMAGE_PROCESSOR_MAPPING_NAMES[config.model_type]["pil"]
+    images = get_image_processor_class_from_name(pil)(
+        size={"height": IMAGE_SIDE, "width": IMAGE_SIDE},
+        crop_size={"height": IMAGE_SIDE, "width": IMAGE_SIDE},
+        image_grid_pinpoints=config.image_grid_pinpoints)
+    strategy = config.vision_feature_select_strategy
+    known = {"num_image_tokens": (IMAGE_SIDE // PATCH) ** 2, "patch_size": PATCH,
+             "vision_feature_select_strategy": strategy, "video_processor": None,
+             "num_additional_image_tokens": int(strategy == "default"),
+             "image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}
+    names = inspect.signature(cls.__init__).parameters
+    return WithoutVideo(image_processor=images, tokenizer=build_tokenizer(),
+                        chat_template=CHAT_TEMPLATE, **{k: v for k, v in known.items() if k in names})

@@ -169,9 +169,7 @@ class FamilySpec:
     vision_rotary: bool = True
     vision_fused_qkv: bool = True  # one qkv linear (its 3h output saved), else q, k, v apart
     projector_dim: Optional[Callable] = None  # (config) -> width of a feature row, if not the tower's
-    # The seam's ``pooler_output``: a tuple of row blocks (the Qwen-VL models) or one
-    # ``[rows, width]`` tensor (models that ``masked_scatter`` it whole, e.g. InternVL).
-    pooled_tuple: bool = True
+    pooled_tuple: bool = True  # the seam's pooler_output: a tuple of row blocks, else one tensor
     vision_zero3: bool = True  # False: `ray_dhp.models.fsdp_vision` cannot unit this tower
     model_processor: bool = False  # True: the model's own transformers processor makes samples
     #                                (`ray_dhp.data.model_processor`); False: `prompt_format`'s
@@ -241,9 +239,9 @@ class FamilySpec:
 
         return importlib.import_module(self.vision_module)
 
-    def plan_vision(self, config, grid_thw, sp: int):
-        """The SP split of one replica's images (`vision_module`'s ``plan_for``)."""
-        return self.vision_ops().plan_for(self.name, config, grid_thw, sp)
+    def plan_vision(self, config, grid_thw, sp: int, **items):
+        """The SP split of one replica's images (`vision_module`'s ``plan_for``; ``items``: anyres)."""
+        return self.vision_ops().plan_for(self.name, config, grid_thw, sp, **items)
 
     def vision_forward(self, visual, pixel_values, plan, sp_rank: int, sp_group, comm=None):
         return self.vision_ops().vision_forward(self.name, visual, pixel_values, plan, sp_rank,

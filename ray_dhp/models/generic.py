@@ -32,18 +32,21 @@ Covered today: towers on fixed-size images (one tile per image: ``image_size`` f
 config) and towers that take each image at its own size: patch rows with an ``image_grid_thw``
 (GLM-4V's; Kimi-K2.5's as ``[N, C, P, P]`` patch images, its merge read from the probe's rows)
 padded patch rows per image with their ``spatial_shapes`` or each patch's ``image_position_ids``
-(`padded_inputs`: SigLIP 2's NaFlex, LFM2-VL's; Gemma 4's) or one NaViT strip with ``target_sizes`` (`packed_inputs`: MiniCPM-V's, as
-its image processor lays it out), vision data parallelism, vision Ulysses sequence parallelism where the
-tower's layers call attention through transformers' interface (`ray_dhp.models.vision_generic_sp`;
-refused with the reason where they do not: ``vision_sp_refusal``), text TP, Megatron text
+(`padded_inputs`: SigLIP 2's NaFlex, LFM2-VL's; Gemma 4's) or one NaViT strip with
+``target_sizes`` (`packed_inputs`: MiniCPM-V's, as its image processor lays it out) or "anyres"
+tiles with each image's original ``image_sizes`` (`anyres`: LLaVA-NeXT's, -OneVision's; the rows
+per image the processor's count, the ``image_newline`` parameter a vision part,
+`ray_dhp.models.generic_shell`), vision data parallelism, vision Ulysses sequence parallelism
+where the tower's layers call attention through transformers' interface
+(`ray_dhp.models.vision_generic_sp`; refused with the reason where they do not:
+``vision_sp_refusal``), text TP, Megatron text
 sequence parallelism where the plan and the decoder layers allow it
 (`ray_dhp.models.text_sp_plans`), ZeRO 1-3 for the text side. Packing where it is exact
 (`ray_dhp.models.generic_packing`). A mixture-of-experts language model: its router loss and
 expert parallelism read from its own metadata (`ray_dhp.models.generic_moe`). Refused in the
 driver, with the reason: text sequence parallelism where it cannot be derived, vision ZeRO-3;
 and the whole model where it has an audio encoder, its text forward reads a vision part
-(`text_reads_vision`) or its rows depend on the original image size (`anyres_refusal`); not
-covered yet. Language-model parameters the stock model never steps
+(`text_reads_vision`); not covered yet. Language-model parameters the stock model never steps
 are held frozen (`fixed_params`); a text forward that reads rows of its embedding table outside
 the embedding (`text_reads_table`: Gemma 4's pad row) has them served row by row from a
 vocabulary-parallel or ZeRO-3 table (`ray_dhp.parallel.table_rows`).
@@ -64,12 +67,13 @@ from dataclasses import dataclass
 import torch
 
 from ray_dhp.models.base import EncoderSpec, FamilySpec
+from ray_dhp.models.generic_shell import ShellEncoder
 from ray_dhp.models.contract import SEAM
 from ray_dhp.models.generic_moe import _meta_lm, dense_plan, moe_spec, unreached
 from ray_dhp.models.generic_packing import packing_rule
 from ray_dhp.models.segments import SEGMENTS_KWARG
-from ray_dhp.models.generic_probe import (LM_ATTRS, UnsupportedModel,  # noqa: F401 (re-exported)
-                                          anyres_refusal, grid_geometry, grid_input,
+from ray_dhp.models.generic_probe import (LM_ATTRS, PADDED_SIDE, UnsupportedModel,  # noqa: F401 (re-exported)
+                                          anyres, grid_geometry, grid_input,
                                           image_inputs, packed_input, packed_inputs,
                                           padded_input, padded_inputs, probe,
                                           text_reads_table, text_reads_vision)
@@ -102,37 +106,6 @@ def seam_class(config):
 
 
 @dataclass(frozen=True)
-class ShellEncoder(EncoderSpec):
-    """An encoder whose module is a *shell* of ``model.model``'s own class holding only the
-    encoder's parts (the same module objects, names ``<part>.<name>``), so the model's own
-    ``get_image_features`` runs on it unchanged."""
-
-    root: str = "model"  # where the parts live: ``model.model``, or "" (the model's top)
-
-    def _owner(self, model) -> torch.nn.Module:
-        return model.get_submodule(self.root) if self.root else model
-
-    def module(self, model) -> torch.nn.Module:
-        inner = self._owner(model)
-        shell = type(inner).__new__(type(inner))
-        torch.nn.Module.__init__(shell)
-        shell.__dict__.update({k: v for k, v in vars(inner).items()  # plain attributes the
-                               if not k.startswith("_") and not isinstance(v, torch.nn.Module)})
-        shell.config = inner.config  # code reads (Ovis2's visual_vocab_size), no modules
-        for p in self.parts:
-            shell.add_module(p, getattr(inner, p))
-        return shell
-
-    @property
-    def prefix(self) -> str:
-        return f"{self.root}." if self.root else ""
-
-    def part_modules(self, model) -> dict:
-        inner = self._owner(model)
-        return {f"{self.prefix}{p}.": getattr(inner, p) for p in self.parts}
-
-
-@dataclass(frozen=True)
 class GenericFamily(FamilySpec):
     """A `FamilySpec` read from a transformers model (see the module docstring)."""
 
@@ -146,6 +119,7 @@ class GenericFamily(FamilySpec):
     grid_input: bool = False           # the tower takes patch rows + image_grid_thw (GLM-4V's)
     padded_input: bool = False         # the tower takes padded rows per image + spatial_shapes
     packed_input: bool = False         # the tower takes one NaViT strip + target_sizes (MiniCPM-V)
+    tiled_input: bool = False          # anyres tiles + each image's image_sizes (`anyres`)
     vision_unused: tuple = ()          # vision parameters no gradient reaches (names under model.)
     fixed_params: tuple = ()           # LM parameters the stock model never steps (below)
     pooled_dims: int = 2               # a pooled tensor's dims: 3 = [images, rows, d] (VideoLLaVA)
@@ -206,7 +180,8 @@ class GenericFamily(FamilySpec):
                                         kwargs["image_grid_thw"], vc.patch_size,
                                         getattr(vc, "num_channels", 3)))
         elif kwargs.get("pixel_values") is not None and not self.grid_input:
-            kwargs.update(image_inputs(self.image_kwargs, self.pixel_dims, kwargs["pixel_values"]))
+            kwargs.update(image_inputs(self.image_kwargs, self.pixel_dims, kwargs["pixel_values"],
+                                       kwargs.get("image_sizes") if self.tiled_input else None))
         return self.lm_inputs(config, kwargs)
 
     # -- validation -----------------------------------------------------------------------------
@@ -246,8 +221,9 @@ def _family(cls, config_json: str) -> GenericFamily:
     grid = grid_input(cls, vc)
     padded = not grid and padded_input(cls)
     packed = not grid and not padded and packed_input(cls, config)
+    tiled = not (grid or padded or packed) and anyres(config)
     pooled, inner, unused, (image_kwargs, pixel_dims), probed = probe(config, cls, grid, padded,
-                                                                      packed)
+                                                                      packed, tiled)
     is_sequence = isinstance(pooled, (list, tuple))
     pooled_dims = 2 if is_sequence else pooled.dim()
     if is_sequence:
@@ -261,6 +237,9 @@ def _family(cls, config_json: str) -> GenericFamily:
             raise UnsupportedModel(f"model_type {model_type!r}: {rows} feature rows for a "
                                    f"{side}x{side}-patch image do not tile it in squares"
                                    + (f" of {m0}x{m0} (its spatial_merge_size)" if m0 else ""))
+    elif tiled:  # rows per image from its size (the processor counts them): patch rows, as its
+        # own pack_image_features checks a base tile's rows against (image_size // patch_size)^2
+        m = 1
     else:
         size, patch = _image_geometry(vc)
         side = probed // patch  # the probe's image: the tower's, or smaller on CPU
@@ -310,9 +289,10 @@ def _family(cls, config_json: str) -> GenericFamily:
         **packing_rule(inner, decoder, config.get_text_config(), params),
         vision_module="ray_dhp.models.vision_generic",
         vision_parts=parts,
-        merger_prefixes=tuple(f"{top}{p}." for p in parts if p != tower),
+        merger_prefixes=tuple(f"{top}{p}" + ("" if isinstance(getattr(inner, p), torch.nn.Parameter)
+                                             else ".") for p in parts if p != tower),
         merge_size=lambda config, _m=m: _m,
-        image_patches=lambda config, _n=0 if grid or padded or packed else (size // patch) ** 2: _n,
+        image_patches=lambda config, _n=(size // patch) ** 2 if size else 0: _n,
         vision_heads=lambda vision_config: vision_config.num_attention_heads,
         vision_depth=lambda vision_config: vision_config.num_hidden_layers,
         projector_dim=lambda config: config.get_text_config().hidden_size,
@@ -320,8 +300,9 @@ def _family(cls, config_json: str) -> GenericFamily:
         vision_zero3=False,
         model_processor=True,
         vision_unused=unused, fixed_params=fixed, image_kwargs=image_kwargs, pixel_dims=pixel_dims, grid_input=grid,
-        padded_input=padded, packed_input=packed,
-        lm_attr=lm_attr, tower=tower, root=root, lm_path=lm_path, rows_per_image=rows, text_plan_refusal=refusal,
+        padded_input=padded, packed_input=packed, tiled_input=tiled,
+        lm_attr=lm_attr, tower=tower, root=root, lm_path=lm_path,
+        rows_per_image=0 if tiled else rows, text_plan_refusal=refusal,
         forward_params=params, moe=moe, vision_sp_refusal=sp_refusal,
         text_reads_table=text_reads_table(type(inner), lm_attr))
 
@@ -367,8 +348,6 @@ def _check_covered(cls, config) -> None:
         raise UnsupportedModel(f"model_type {mt!r}: {cls.__name__}.forward takes no pixel_values "
                                "(its images go by another name): the stock model the engine is "
                                "exact against could not be run")
-    if anyres_refusal(config):
-        raise UnsupportedModel(anyres_refusal(config))
     if hasattr(cls, "get_audio_features"):
         raise UnsupportedModel(f"model_type {mt!r} has an audio encoder, which the generic family "
                                "does not cover yet")
@@ -389,7 +368,8 @@ def _parts(inner, model_type: str) -> tuple:
     if lm is None:
         raise UnsupportedModel(f"model_type {model_type!r}: model.model has no language_model "
                                f"(children: {names})")
-    parts = tuple(n for n in names if n != lm)
+    parts = tuple(n for n in names if n != lm) + tuple(  # and parameters it holds itself
+        n for n, _ in inner.named_parameters(recurse=False))  # (image_newline)
     vc = inner.config.vision_config
     tower = next((n for n in parts
                   if isinstance(getattr(getattr(inner, n), "config", None), type(vc))), parts[0])

@@ -10,9 +10,9 @@ import inspect
 
 import torch
 
-__all__ = ["LM_ATTRS", "anyres_refusal", "UnsupportedModel", "grid_geometry", "grid_input", "image_inputs", "packed_input",
-           "packed_inputs", "padded_input", "padded_side", "processor_inputs", "padded_inputs", "probe", "root_of", "text_reads_table",
-           "text_reads_vision"]
+__all__ = ["LM_ATTRS", "anyres", "UnsupportedModel", "grid_geometry", "grid_input", "image_inputs", "packed_input",
+           "packed_inputs", "padded_input", "padded_side", "processor_inputs", "padded_inputs", "probe", "root_of",
+           "text_reads_table", "text_reads_vision"]
 
 LM_ATTRS = ("language_model", "text_model")
 
@@ -21,12 +21,16 @@ class UnsupportedModel(ValueError):
     """The model cannot be trained generically; the message says why."""
 
 
-def image_inputs(names: tuple, pixel_dims: int, images: torch.Tensor) -> dict:
+def image_inputs(names: tuple, pixel_dims: int, images: torch.Tensor, sizes=None) -> dict:
     """``get_image_features``'s keywords for ``images`` ``[n, C, H, W]``: ``pixel_values``
     (with a leading batch axis where the model takes ``[1, n, C, H, W]``, Idefics3's) and,
-    where it names them, ``image_sizes`` (``[n, 2]`` heights and widths, Mistral 3's)."""
+    where it names them, ``image_sizes`` (``[n, 2]`` heights and widths: ``sizes``, each image's
+    original size where the model tiles it (`anyres`: ``images`` are then its tiles), else the
+    images' own, Mistral 3's)."""
     out = {"pixel_values": images if pixel_dims == 4 else images[None]}
-    if "image_sizes" in names:
+    if "image_sizes" in names and sizes is not None:
+        out["image_sizes"] = torch.as_tensor(sizes, dtype=torch.long)
+    elif "image_sizes" in names:
         out["image_sizes"] = torch.tensor([list(images.shape[-2:])] * images.shape[0],
                                           device=images.device)
     return out
@@ -120,18 +124,35 @@ def packed_inputs(rows: torch.Tensor, grid: torch.LongTensor, patch: int, channe
             "target_sizes": grid[:, 1:].to(device=rows.device, dtype=torch.int32)}
 
 
-def anyres_refusal(config) -> str:
-    """Why a model whose rows per image depend on the image's own size beyond a patch grid is
-    not covered, or "": a config with ``image_grid_pinpoints`` (LLaVA-NeXT's and -OneVision's
-    "anyres": a base tile plus the tiles of the pinpoint that fits the image best, their rows
-    unpadded to the image's aspect ratio, an ``image_newline`` row after each row of rows; the
-    processor's ``image_sizes`` carry the original size)."""
-    if getattr(config, "image_grid_pinpoints", None) is None:
-        return ""
-    return (f"model_type {config.model_type!r}: its feature rows per image depend on the image's "
-            "original size (image_grid_pinpoints: anyres tiles unpadded to the aspect ratio of the "
-            "processor's image_sizes, plus image_newline rows), which the generic family's row "
-            "count (patches per m x m square of each image's (tiles, h, w) grid) cannot express yet")
+def anyres(config) -> bool:
+    """Whether the model tiles each image "anyres" (a config with ``image_grid_pinpoints``:
+    LLaVA-NeXT's and -OneVision's): a base tile of the whole image plus the tiles of the
+    pinpoint that fits it best, the tiles' rows unpadded to the image's aspect ratio with an
+    ``image_newline`` row after each row of rows, so an image's rows depend on its original size
+    (the ``image_sizes`` its processor gives, which ``get_image_features`` takes). The data side
+    takes each image's row count from the processor (`ray_dhp.data.sample.Sample.item_rows`)
+    and the vision side hands its ``image_sizes`` on (`ray_dhp.models.vision_generic`)."""
+    return getattr(config, "image_grid_pinpoints", None) is not None
+
+
+def _anyres_probe(model, config, channels: int, size: int, device: str) -> tuple:
+    """``(pooled, 4)`` of one ``size``-px square image tiled as the model tiles it: its base
+    tile and the tiles of the best pinpoint, as many as ``get_image_features`` splits off for
+    that size (tried from one tile up; ``image_sizes`` stay on CPU: the model reads them as
+    integers)."""
+    most = max(h * w for h, w in config.image_grid_pinpoints) // (size * size)
+    errors = []
+    for tiles in range(2, most + 2):
+        try:
+            out = model.get_image_features(
+                pixel_values=torch.ones(tiles, channels, size, size),
+                image_sizes=torch.tensor([[size, size]], device="cpu"), return_dict=True)
+            _check_no_deepstack(out)
+            return out.pooler_output, 4
+        except (ValueError, TypeError, RuntimeError, IndexError, NotImplementedError) as e:
+            errors.append(f"{tiles} tiles: {type(e).__name__}: {e}")
+    raise UnsupportedModel(f"get_image_features fails on one {size}-px anyres image ({device}); "
+                           + "; ".join(errors[-2:]))
 
 
 def root_of(model) -> torch.nn.Module:
@@ -221,12 +242,13 @@ class _LayoutRefusal(UnsupportedModel):
     """A refusal read from the model's layout or config (the same on any device)."""
 
 
-def probe(config, cls, grid: bool = False, padded: bool = False, packed: bool = False):
+def probe(config, cls, grid: bool = False, padded: bool = False, packed: bool = False,
+          tiled: bool = False):
     """`_probe_on` the meta device; where ``get_image_features`` cannot run there (shapes that
     depend on values), on CPU with a copy of the config of small widths (`shrink_config`: the
     same depths and image geometry, so the same rows and the same unused parameters)."""
     try:
-        return _probe_on(config, cls, "meta", grid, padded=padded, packed=packed)
+        return _probe_on(config, cls, "meta", grid, padded=padded, packed=packed, tiled=tiled)
     except _LayoutRefusal:
         raise  # the model's layout, not the meta device: a CPU probe would say the same
     except UnsupportedModel as meta_error:
@@ -241,7 +263,8 @@ def probe(config, cls, grid: bool = False, padded: bool = False, packed: bool = 
         errors = []
         for side in _cpu_sides(config.vision_config):  # a small image first: a real backward
             try:
-                return _probe_on(small, cls, "cpu", grid, side, padded=padded, packed=packed)
+                return _probe_on(small, cls, "cpu", grid, side if not tiled else None,
+                                 padded=padded, packed=packed, tiled=tiled)
             except UnsupportedModel as e:
                 errors.append(str(e))
         raise UnsupportedModel(f"{meta_error}; on CPU at small widths: {'; '.join(errors)}")
@@ -269,7 +292,7 @@ def padded_side(merge: int) -> int:
 
 
 def _probe_on(config, cls, device: str, grid: bool = False, side=None, padded: bool = False,
-              packed: bool = False):
+              packed: bool = False, tiled: bool = False):
     """``(pooler_output, inner model, unused, (image keywords, pixel dims), image side)`` of one
     image (``side`` px a side, default the tower's ``image_size``) through the model's own
     ``get_image_features``, built and run on the meta device (shapes only, no memory);
@@ -307,6 +330,9 @@ def _probe_on(config, cls, device: str, grid: bool = False, side=None, padded: b
                                        f"{'packed' if packed else 'padded'} patch rows ({device}): "
                                        + "; ".join(errors)) from None
             dims = 3
+        elif tiled:  # an anyres image at the tower's tile size (`anyres`)
+            size = vc.image_size
+            pooled, dims = _anyres_probe(root, config, channels, size, device)
         else:
             size = side or getattr(vc, "image_size", None)
             if not isinstance(size, int):

@@ -169,7 +169,8 @@ def _fit(text0, key: str, value):
 def tiny_config(base, *, text: dict = None, top: dict = None):
     """A random-init sized copy of ``base`` (transformers' default config of a model type): widths
     as `shrink_config`, 2 text and 2 vision layers, 56-px images of 14-px patches, per-image token
-    counts 4 (2x2 squares of the 4x4 patch grid), a tower's optional pooling head off (SigLIP's
+    counts 4 (2x2 squares of the 4x4 patch grid), anyres tilings of 56-px tiles (`_tiles`), a
+    tower's optional pooling head off (SigLIP's
     ``vision_use_head``: ``get_image_features`` never reads it), M-RoPE sections for the tiny
     head where the config leaves them to the modeling code (its default, scaled), no tied embeddings, fp32, ``sdpa``
     (``eager`` for a class that has no ``sdpa`` path).
@@ -179,7 +180,7 @@ def tiny_config(base, *, text: dict = None, top: dict = None):
     text = {"num_hidden_layers": 2, "max_position_embeddings": 4096, "tie_word_embeddings": False,
             **(text or {})}
     top = {**{k: (IMAGE_SIDE // PATCH // 2) ** 2 for k in _IMAGE_TOKEN_COUNTS if hasattr(base, k)},
-           "tie_word_embeddings": False, **(top or {})}
+           "tie_word_embeddings": False, **_tiles(base), **(top or {})}
     config = shrink_config(base, text=text, vision=vision, top=top)
     for sub in (config, config.get_text_config(), config.vision_config):
         sub.dtype = "float32"
@@ -187,6 +188,15 @@ def tiny_config(base, *, text: dict = None, top: dict = None):
     if any(getattr(config.get_text_config(), k, None) for k in EXPERTS if "experts" in k):
         config._experts_implementation = "eager"  # the per-expert loop: grouped_mm has no fp64
     return config
+
+
+def _tiles(base) -> dict:
+    """``image_grid_pinpoints`` (anyres tilings: each a whole number of the tower's tiles a side)
+    at the tiny tile: the same tilings of `IMAGE_SIDE`-px tiles."""
+    pins, size = getattr(base, "image_grid_pinpoints", None), getattr(base.vision_config, "image_size", None)
+    if not pins or not isinstance(size, int):
+        return {}
+    return {"image_grid_pinpoints": [[h * IMAGE_SIDE // size, w * IMAGE_SIDE // size] for h, w in pins]}
 
 
 def _supports_sdpa(config) -> bool:

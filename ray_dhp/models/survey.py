@@ -111,7 +111,9 @@ def survey() -> list[Status]:
                   f", a row per {m}x{m} patches"
                   if family.padded_input else
                   f"one NaViT strip + target_sizes, a row per {m}x{m} patches"
-                  if family.packed_input else f"{family.rows_per_image} rows per image")
+                  if family.packed_input else
+                  "anyres tiles + image_sizes, rows per image from its original size"
+                  if family.tiled_input else f"{family.rows_per_image} rows per image")
         vision = ("vision Ulysses SP + DP" if not family.vision_sp_refusal
                   else f"vision DP (SP refused: {family.vision_sp_refusal})")
         out.append(Status(model_type, cls_name, "generic",

@@ -18,7 +18,7 @@ import torch
 
 __all__ = ["SEQUENCE_PARALLEL", "CONTEXT_PARALLEL", "row_tokens", "dim", "has_input", "rows", "cost", "plan", "local_rows", "inputs",
            "forward", "install_slot", "text_inputs", "zero3_refusal", "shard", "item_kinds",
-           "row_modalities"]
+           "row_modalities", "item_rows"]
 
 SEQUENCE_PARALLEL = True  # Ulysses over the tower's attention heads
 CONTEXT_PARALLEL = True  # its rows follow their placeholder tokens (`row_tokens`): sliceable
@@ -43,8 +43,16 @@ def rows(family, config, sample) -> int:
     """Merged rows of ``sample``'s images and videos."""
     if sample.image_grid_thw is None:
         return 0
-    merge = family.merge_size(config)
-    return int(sample.image_grid_thw.prod(-1).sum()) // (merge * merge)
+    return int(item_rows(sample, family.merge_size(config)).sum())
+
+
+def item_rows(sample, merge: int) -> torch.LongTensor:
+    """``[items]`` feature rows of each of ``sample``'s images and videos: the processor's count
+    where the sample carries one (``item_rows``: an anyres image's rows depend on its original
+    size), else ``t*h*w / merge**2`` of its grid."""
+    if getattr(sample, "item_rows", None) is not None:
+        return sample.item_rows
+    return sample.image_grid_thw.prod(-1) // (merge * merge)
 
 
 def cost(sample, model) -> int:
@@ -55,8 +63,15 @@ def cost(sample, model) -> int:
 def plan(family, config, samples, sp: int, micro_batch=None):
     """The SP split of one replica's images and videos (None: it has none; each image's rows
     depend on it alone: ``micro_batch`` plays no part)."""
-    grids = [s.image_grid_thw for s in samples if s.image_grid_thw is not None]
-    return family.plan_vision(config, torch.cat(grids), sp) if grids else None
+    mine = [s for s in samples if s.image_grid_thw is not None]
+    if not mine:
+        return None
+    items = {}
+    if any(getattr(s, "image_sizes", None) is not None for s in mine):  # anyres images
+        merge = family.merge_size(config)
+        items = {"image_sizes": torch.cat([s.image_sizes for s in mine]),
+                 "item_rows": torch.cat([item_rows(s, merge) for s in mine])}
+    return family.plan_vision(config, torch.cat([s.image_grid_thw for s in mine]), sp, **items)
 
 
 def local_rows(plan, sp_rank: int, rows: torch.Tensor) -> torch.Tensor:
@@ -130,6 +145,6 @@ def row_modalities(samples, merge: int) -> torch.LongTensor:
     out = []
     for s in samples:
         if s.image_grid_thw is not None:
-            for k, n in zip(item_kinds(s), (s.image_grid_thw.prod(-1) // (merge * merge)).tolist()):
+            for k, n in zip(item_kinds(s), item_rows(s, merge).tolist()):
                 out.append(torch.full((n,), k, dtype=torch.long))
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)

@@ -17,6 +17,12 @@ With ``vision.sequence_parallel > 1`` the same forward runs with the tower's enc
 the SP ranks (`ray_dhp.models.vision_generic_sp`; the driver refuses it, with the reason, for a
 tower that cannot be split so): the plan cuts the replica's rows over the ranks, each returns
 its cut.
+
+An anyres image (`ray_dhp.models.generic_probe.anyres`: LLaVA-NeXT's and -OneVision's tiling)
+comes as its tiles (grid ``(tiles, S/P, S/P)``) with its original size: the plan carries each
+image's ``image_sizes`` (kept on CPU: the model reads them as integers) and its feature rows from
+the processor's count, and ``get_image_features`` gets the tiles with the sizes, so each image
+is packed (unpadded, ``image_newline`` rows) by the model's own code, whole, on one replica.
 """
 
 from __future__ import annotations
@@ -39,18 +45,23 @@ class ImagePlan(VisionShardPlan):
     patch: int = 14
     channels: int = 3
     family: object = None  # the `GenericFamily` (how get_image_features takes the images)
+    image_sizes: Optional[torch.Tensor] = None  # [n, 2] each image's original size (anyres)
 
 
-def plan_for(family: str, config, grid_thw: torch.LongTensor, sp: int) -> ImagePlan:
+def plan_for(family: str, config, grid_thw: torch.LongTensor, sp: int, image_sizes=None,
+             item_rows=None) -> ImagePlan:
     """One replica's images, their rows cut in ``sp`` contiguous, balanced pieces (the tower's
-    tokens are split by `ray_dhp.models.vision_generic_sp`, the rows after the gather)."""
+    tokens are split by `ray_dhp.models.vision_generic_sp`, the rows after the gather);
+    ``image_sizes`` / ``item_rows``: each image's original size and feature rows where they
+    are not its grid's (an anyres image: `ray_dhp.data.sample.Sample.item_rows`)."""
     from ray_dhp.models import family_of
     from ray_dhp.models.vision_generic_sp import token_split
 
     grid = torch.as_tensor(grid_thw, dtype=torch.long).cpu()
     family = family_of(config)
     merge = family.merge_size(config)
-    rows = int((grid.prod(-1) // (merge * merge)).sum())
+    rows = int((grid.prod(-1) // (merge * merge)).sum()) if item_rows is None else \
+        int(torch.as_tensor(item_rows).sum())
     patches = grid.prod(-1).to(torch.int32)
     vc = config.vision_config
     cuts = [0]
@@ -58,7 +69,9 @@ def plan_for(family: str, config, grid_thw: torch.LongTensor, sp: int) -> ImageP
         cuts.append(cuts[-1] + n)
     return ImagePlan(grid_thw=grid, order=torch.arange(rows), cuts=cuts, merge_unit=merge * merge,
                      cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.int32), patches.cumsum(0, dtype=torch.int32)]),
-                     patch=vc.patch_size, channels=getattr(vc, "num_channels", 3), family=family)
+                     patch=vc.patch_size, channels=getattr(vc, "num_channels", 3), family=family,
+                     image_sizes=None if image_sizes is None else
+                     torch.as_tensor(image_sizes, dtype=torch.long).cpu())
 
 
 
@@ -127,7 +140,8 @@ def _whole(visual: torch.nn.Module, pixel_values: torch.Tensor, plan: ImagePlan)
         inputs = padded_inputs(spec.image_kwargs, pixel_values, plan.grid_thw, plan.patch, plan.channels)
     else:
         images = _images(pixel_values, plan.grid_thw, plan.patch, plan.channels)
-        inputs = image_inputs(spec.image_kwargs, spec.pixel_dims, images)
+        inputs = image_inputs(spec.image_kwargs, spec.pixel_dims, images,  # anyres: its tiles,
+                              plan.image_sizes if spec.tiled_input else None)  # original sizes
     pooled = visual.get_image_features(**inputs, return_dict=True).pooler_output
     if isinstance(pooled, (list, tuple)):
         return torch.cat([p.reshape(-1, p.shape[-1]) for p in pooled])

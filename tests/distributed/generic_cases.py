@@ -116,4 +116,5 @@ ROTARY_KEY_BIAS = ("paddleocr_vl",)
 # SP for them, with the reason: `GenericFamily.vision_sp_refusal`; `test_generic_sp.py` checks
 # this list against it).
 VISION_SP = ("gemma3", "llava", "paligemma", "aya_vision", "cohere2_vision", "mistral3", "idefics3",
-             "smolvlm", "lighton_ocr", "shieldgemma2", "video_llava", "lfm2_vl", "llama4", "gemma4")
+             "smolvlm", "lighton_ocr", "shieldgemma2", "video_llava", "lfm2_vl", "llama4", "gemma4",
+             "llava_onevision", "llava_next", "llava_next_video")
