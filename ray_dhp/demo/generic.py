@@ -133,7 +133,7 @@ def own_processor(config):
     from transformers.models.auto.processing_auto import (PROCESSOR_MAPPING_NAMES,
                                                           processor_class_from_name)
 
-    from ray_dhp.demo.processor import CHAT_TEMPLATE
+    from ray_dhp.demo.tokenizer import CHAT_TEMPLATE
 
     cls = processor_class_from_name(PROCESSOR_MAPPING_NAMES[config.model_type])
 
