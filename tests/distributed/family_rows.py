@@ -114,6 +114,7 @@ INTERNVL = Row("internvl", {
                                          {"activation_checkpointing": True}),
     "disjoint-2v-2t-text-sp-checkpointing": (dense_layout("disjoint", (2, 1), (2, 1), text_sp=True),
                                              {"activation_checkpointing": True}),
+    "collocated-text-zero3-dp2": (dict(dense_layout("collocated", (1, 2), (1, 2)), text_zero=3), {}),
 }, frozenset({"collocated-sp2-tp2"}), EXACT_GRADS, grads=True)
 
 

@@ -74,7 +74,7 @@ def _internvl3_5_config():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["collocated-sp2-tp2", "disjoint-1v-2t"])
+@pytest.mark.parametrize("case", ["collocated-sp2-tp2", "disjoint-1v-2t", "collocated-text-zero3-dp2"])
 def test_internvl3_5_with_a_qwen3_lm_is_exact(case, tmp_path):
     """The q/k norms see only the local heads under TP: their gradients are summed over the TP
     group (`FamilySpec.tp_partial_grad_suffixes`); everything else as InternVL3. Slow only: the
