@@ -24,7 +24,7 @@ every data mechanism counts feature rows in; a processor that gives patch rows w
 ``image_grid_thw`` is taken as it is; one that gives padded patch rows with each patch's
 position (``image_position_ids``) becomes patch rows and grids (`positioned_rows`), its own
 placeholder counts (``num_soft_tokens_per_image``) checked against them; an anyres processor's
-tiles (``[n, tiles, C, S, S]`` with ``image_sizes``: LLaVA-NeXT's, -OneVision's) become each
+tiles (``[n, tiles, C, S, S]`` with ``image_sizes``, from ``image_grid_pinpoints``) become each
 image's tiles as patch rows with the grid ``(tiles, S/P, S/P)``, its ``image_sizes`` and its rows
 as the processor counts them (`ModelProcessor._tiled`; `Sample.item_rows`). Records with videos or audio are bad samples
 here (the reason is named): this path covers images.
@@ -196,8 +196,8 @@ class ModelProcessor(VLProcessor):
 def positioned_rows(pixels: torch.Tensor, positions: torch.Tensor, patch: int) -> tuple:
     """ray_dhp's patch rows ``[N, C*P*P]`` (raster order per image, each row ``(C, P, P)``) and
     ``(1, h, w)`` grids from padded patch rows ``[n, L, P*P*C]`` (each row ``(P, P, C)``) with
-    each patch's ``(x, y)`` (``image_position_ids [n, L, 2]``, -1 on padding: Gemma 4's image
-    processor); the inverse of `ray_dhp.models.generic_probe.padded_inputs`. Raises ValueError
+    each patch's ``(x, y)`` (``image_position_ids [n, L, 2]``, -1 on padding, as such an image
+    processor gives them); the inverse of `ray_dhp.models.generic_probe.padded_inputs`. Raises ValueError
     where an image's patches are not its whole raster grid in raster order."""
     blocks, grid = [], []
     for x, pos in zip(pixels, torch.as_tensor(positions, dtype=torch.long)):

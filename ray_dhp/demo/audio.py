@@ -90,13 +90,7 @@ def omni_config(tok, ids: dict, text: dict, vision: dict):
         audio_token_index=a_id, audio_start_token_id=bos, audio_end_token_id=eos,
         image_token_index=ids["image_token_id"], video_token_index=ids["video_token_id"],
         user_token_id=tok.convert_tokens_to_ids("user"))
-    config.vision_start_token_id, config.vision_end_token_id = (ids["vision_start_token_id"],
-                                                                ids["vision_end_token_id"])
-    config.pad_token_id, config.eos_token_id = ids["pad_token_id"], ids["eos_token_id"]
-    for sub in (config, config.text_config, config.vision_config, config.audio_config):
-        sub.dtype = "float32"
-    config._attn_implementation = "sdpa"
-    return config
+    return _finished(config, ids)
 
 
 def omni3_config(tok, ids: dict, text: dict, vision: dict):
@@ -120,13 +114,19 @@ def omni3_config(tok, ids: dict, text: dict, vision: dict):
         text_config=text, vision_config=vision, audio_config=audio, audio_token_id=a_id,
         audio_start_token_id=start, image_token_id=ids["image_token_id"],
         video_token_id=ids["video_token_id"], user_token_id=tok.convert_tokens_to_ids("user"))
+    config._experts_implementation = "eager"  # transformers' grouped_mm has no fp64
+    return _finished(config, ids)
+
+
+def _finished(config, ids: dict):
+    """A tiny thinker config's common tail: the vision / pad / eos token ids from ``ids``, fp32
+    everywhere, sdpa."""
     config.vision_start_token_id, config.vision_end_token_id = (ids["vision_start_token_id"],
                                                                 ids["vision_end_token_id"])
     config.pad_token_id, config.eos_token_id = ids["pad_token_id"], ids["eos_token_id"]
     for sub in (config, config.text_config, config.vision_config, config.audio_config):
         sub.dtype = "float32"
     config._attn_implementation = "sdpa"
-    config._experts_implementation = "eager"  # transformers' grouped_mm has no fp64
     return config
 
 

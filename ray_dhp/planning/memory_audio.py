@@ -27,8 +27,8 @@ indices, and per pooled row ``ln_post``'s input and statistics and ``proj``'s in
 activation checkpointing each layer keeps only its input (``d·h``), plus one layer recomputed;
 with eager attention the chunk's ``heads × n_window²`` scores and probabilities are added.
 Under ``bf16_autocast`` the bf16 copies of the tower's linear and convolution weights that
-autocast keeps for backward (`audio_cast_bytes`; without them the Omni autocast row planned
-0.946 of the measured activations, with them 0.989).
+autocast keeps for backward (`audio_cast_bytes`; without them the audio autocast row of the
+plan-accuracy matrix planned 0.946 of the measured activations, with them 0.989).
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ def audio_cast_bytes(audio: AudioCounts, s: ActivationSettings, layers: int) -> 
     """The bf16 copies autocast keeps of the tower's weights (`ray_dhp.planning.memory.
     weight_cast_bytes` for the audio tower; none without autocast): 2 B per linear / convolution
     weight; under activation checkpointing the ``layers`` blocks' copies are made again as each
-    is recomputed: the rest's plus one block's. Measured on the tiny Qwen2.5-Omni thinker (the
-    ``omni audio DP2 bf16_autocast`` row)."""
+    is recomputed: the rest's plus one block's. Measured by the plan-accuracy matrix's audio
+    ``bf16_autocast`` row."""
     if not s.autocast:
         return 0.0
     if not s.checkpointing:
