@@ -54,8 +54,15 @@ def make_steps(tmp_path, family: str, cfg: TrainLoopConfig, *, num_samples=16, t
     demo processor)."""
     path = demo.make_dataset(tmp_path / f"data_{family}", num_samples=num_samples, seed=cfg.optim.seed,
                              text_only_every=text_only_every, image_sizes=image_sizes)
-    processor = demo.tiny_processor(family) if processor is None else processor
+    return sampler_steps(path, demo.tiny_processor(family) if processor is None else processor, cfg)
+
+
+def sampler_steps(path, processor, cfg: TrainLoopConfig, *, allow_audio: bool = False) -> list:
+    """The first ``cfg.optim.num_steps`` steps a `StepSampler` makes of the data file ``path``
+    with ``processor`` (what the loop's loader hands the engine); ``allow_audio``: records with
+    audio train (a layout with an audio group, as the loader sets it)."""
     sampler = StepSampler(read_annotations(path), processor, resolve_data_root(path), cfg.sampler_config())
+    sampler.allow_audio = allow_audio
     return [sampler.next_step() for _ in range(cfg.optim.num_steps)]
 
 

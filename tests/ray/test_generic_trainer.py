@@ -21,57 +21,27 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.parity import GENERIC_FAMILIES as FAMILIES
+from tests.ray.family_runs import (GENERIC_FAMILIES, TOL, assert_losses, family_data, family_trainer,
+                                   reference_losses)
 
-DEFAULT: set = set()  # all slow: see the module docstring
-TOL = {"gemma3": 1e-7, "paligemma": 1e-7, "shieldgemma2": 1e-7, "aya_vision": 1e-7, "cohere2_vision": 1e-7,
-       "glm4v": 1e-7, "glm46v": 1e-7, "glmga": 1e-7, "glm4v_moe": 1e-7,
-       # fp32 inside the stock models (SigLIP 2's position-table resize, DeepSeek-V3's router):
-       # tests/distributed/generic_cases.py
-       "lfm2_vl": 1e-7, "cosmos3_edge": 1e-7, "kimi_k25": 1e-7,
-       # Gemma 4's tower pools in fp32 (its features depend on which images share a call): its
-       # losses drift up to 2.6e-8 in test_families.py's 3-step vision DP2 runs (generic_cases.py)
-       "gemma4": 1e-7}
+#: hand-written families trained here too: InternVL (InternViT tiles, no generic test trained it
+#: through the trainer) and the Omni thinkers with their audio group (`family_runs.degrees`)
+HAND = ("internvl", "qwen2_5_omni", "qwen3_omni_moe")
 
 
-def _trainer(family: str, data: str, storage: str, model_dir: str = None):
-    import ray.train
-
-    from ray_dhp import DHPConfig, DisaggregatedTrainer, ModuleParallel, demo
-    from ray_dhp.train.callbacks import MetricsHistory
-    from tests.ray.loops import fp64_loop
-    from tests.ray.private_run import LOOP
-
-    model = dict(model=model_dir) if model_dir else dict(model=demo.tiny_model_config(family),
-                                                         processor=demo.tiny_processor(family))
-    dhp = DHPConfig(**model, vision=ModuleParallel(data_parallel=2),
-                    text=ModuleParallel(tensor_parallel=2))
-    return DisaggregatedTrainer(
-        fp64_loop(), train_loop_config=dict(LOOP), dhp_config=dhp,
-        scaling_config=ray.train.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
-        run_config=ray.train.RunConfig(name=f"generic_{family}", storage_path=storage,
-                                       callbacks=[MetricsHistory(LOOP["num_steps"])]),
-        datasets={"train": data})
-
-
-@pytest.mark.parametrize("family", [pytest.param(f, marks=() if f in DEFAULT else (pytest.mark.slow,))
-                                    for f in FAMILIES])
-def test_trainer_trains_a_generic_family_exactly(family, tmp_path, ray_start):
+@pytest.mark.slow  # all slow: see the module docstring
+@pytest.mark.parametrize("family", GENERIC_FAMILIES + HAND)
+def test_trainer_trains_a_family_exactly(family, tmp_path, ray_start):
     from ray_dhp.config.train_loop import TrainLoopConfig
     from ray_dhp.train.callbacks import read_history
-    from tests.distributed.parity import make_steps, run_reference
     from tests.ray.private_run import LOOP
 
-    steps = make_steps(tmp_path, family, TrainLoopConfig(**LOOP))
-    ref = [h["loss"] for h in run_reference(family, TrainLoopConfig(**LOOP), steps,
-                                            torch.float64)["history"]]
-    data = tmp_path / f"data_{family}" / "data.jsonl"
-    history = read_history(_trainer(family, str(data), str(tmp_path / "runs")).fit())
-    got = [h["loss"] for h in sorted(history, key=lambda h: h["step"])]  # a checkpointing
-    # step's report may land after the next one's
-    assert len(got) == len(ref) == LOOP["num_steps"]
-    errs = [abs(g - r) / abs(r) for g, r in zip(got, ref)]
-    assert max(errs) < TOL.get(family, 1e-10), (got, ref, errs)
+    cfg = TrainLoopConfig(**LOOP)
+    data, steps = family_data(tmp_path, family, cfg)
+    ref = reference_losses(family, cfg, steps, torch.float64)
+    assert len(ref) == LOOP["num_steps"]
+    history = read_history(family_trainer(family, str(data), str(tmp_path / "runs"), LOOP).fit())
+    assert_losses(history, ref, TOL.get(family, 1e-10))
 
 
 @pytest.mark.parametrize("family", [pytest.param("gemma3", marks=pytest.mark.slow),
@@ -81,23 +51,18 @@ def test_trainer_trains_a_model_directory_with_its_own_processor(family, tmp_pat
     from ray_dhp.data.model_processor import ModelProcessor, run_processor
     from ray_dhp.demo.model_dirs import model_dir
     from ray_dhp.train.callbacks import read_history
-    from tests.distributed.parity import make_steps, run_reference
     from tests.ray.private_run import LOOP
 
     path = str(tmp_path / "model")
     config = model_dir(family, path, weights=True, seed=3)
     processor = run_processor(path, path)
     assert isinstance(processor, ModelProcessor)
-    steps = make_steps(tmp_path, family, TrainLoopConfig(**LOOP), processor=processor)
+    cfg = TrainLoopConfig(**LOOP)
+    data, steps = family_data(tmp_path, family, cfg, processor=processor)
     assert any(int((s.mm_token_type_ids == 1).sum()) for mb in steps[0] for s in mb)
-    ref = [h["loss"] for h in run_reference(family, TrainLoopConfig(**LOOP), steps, torch.float64,
-                                            model=path)["history"]]
-    data = tmp_path / f"data_{family}" / "data.jsonl"
-    history = read_history(_trainer(family, str(data), str(tmp_path / "runs"), path).fit())
-    got = [h["loss"] for h in sorted(history, key=lambda h: h["step"])]
-    assert len(got) == len(ref) == LOOP["num_steps"]
-    errs = [abs(g - r) / abs(r) for g, r in zip(got, ref)]
-    assert max(errs) < TOL.get(family, 1e-10), (got, ref, errs)
+    ref = reference_losses(family, cfg, steps, torch.float64, model=path)
+    history = read_history(family_trainer(family, str(data), str(tmp_path / "runs"), LOOP, path).fit())
+    assert_losses(history, ref, TOL.get(family, 1e-10))
     assert config.image_token_id != demo_image_token_id()
 
 
@@ -107,40 +72,3 @@ def demo_image_token_id() -> int:
 
     return build_tokenizer().convert_tokens_to_ids("<|image_pad|>")
 
-
-@pytest.mark.slow
-def test_cli_trains_a_model_directory_with_its_own_processor(tmp_path, ray_start, capsys):
-    """``ray-dhp train RUN.yaml`` with ``model.path`` a Gemma 3 directory (weights and its own
-    processor) and ``data.train`` a file: every step's loss equals the stock model's from the
-    same directory on the same processor's samples (fp32, the run file's precision: 1e-5
-    relative, as the README's fp32 parity)."""
-    import json
-
-    import yaml
-
-    from ray_dhp.cli import main
-    from ray_dhp.config.train_loop import TrainLoopConfig
-    from ray_dhp.data.model_processor import run_processor
-    from ray_dhp.demo.model_dirs import model_dir
-    from ray_dhp.run_file import load_run_file
-    from tests.distributed.parity import make_steps, run_reference
-
-    path = str(tmp_path / "model")
-    model_dir("gemma3", path, weights=True, seed=3)
-    run = {"model": {"path": path}, "vision": {"data_parallel": 2}, "text": {"tensor_parallel": 2},
-           "placement": "collocated",
-           "optim": {"lr": 1e-3, "global_batch_size": 4, "num_steps": 3, "log_every": 1,
-                     "warmup_steps": 1, "max_grad_norm": 1.0, "seed": 0},
-           "scaling": {"resources_per_worker": {"CPU": 1}},
-           "run": {"name": "gemma3_dir", "storage_path": str(tmp_path / "runs")}}
-    loop = TrainLoopConfig(**{**load_run_file(None).train_loop_config(), **run["optim"]})
-    steps = make_steps(tmp_path, "gemma3", loop, processor=run_processor(path, path))
-    run["data"] = {"train": str(tmp_path / "data_gemma3" / "data.jsonl")}
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
-    ref = [h["loss"] for h in run_reference("gemma3", loop, steps, torch.float32, model=path)["history"]]
-    assert main(["train", str(tmp_path / "run.yaml")]) == 0
-    lines = (tmp_path / "runs" / "gemma3_dir" / "ray_dhp_metrics.jsonl").read_text().splitlines()
-    got = [m["loss"] for m in sorted((json.loads(x) for x in lines if x.strip()), key=lambda m: m["step"])]
-    assert len(got) == len(ref) == 3
-    errs = [abs(g - r) / abs(r) for g, r in zip(got, ref)]
-    assert max(errs) < 1e-5, (got, ref, errs)
