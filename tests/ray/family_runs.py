@@ -77,18 +77,20 @@ def assert_losses(history: list, ref: list, tol: float) -> None:
     assert max(errs) < tol, (got, ref, errs)
 
 
-def family_trainer(family: str, data: str, storage: str, loop: dict, model_dir: str = None):
-    """`DisaggregatedTrainer` of the family's tiny demo model (or ``model_dir`` with its own
-    processor) at `degrees`, the built-in loop in fp64 (`tests.ray.loops.fp64_loop`)."""
+def family_trainer(family: str, data: str, storage: str, loop: dict, model=None):
+    """`DisaggregatedTrainer` of the family's tiny demo model at `degrees`, the built-in loop in
+    fp64 (`tests.ray.loops.fp64_loop`); ``model``: a model directory (with its own processor) or
+    another config of the family (with its demo processor) instead."""
     import ray.train
 
     from ray_dhp import DHPConfig, DisaggregatedTrainer, ModuleParallel, demo
     from ray_dhp.train.callbacks import MetricsHistory
     from tests.ray.loops import fp64_loop
 
-    model = dict(model=model_dir) if model_dir else dict(model=demo.tiny_model_config(family),
-                                                         processor=demo.tiny_processor(family))
-    dhp = DHPConfig(**model, **{k: ModuleParallel(**v) for k, v in degrees(family).items()})
+    spec = dict(model=model) if isinstance(model, str) else dict(
+        model=demo.tiny_model_config(family) if model is None else model,
+        processor=demo.tiny_processor(family))
+    dhp = DHPConfig(**spec, **{k: ModuleParallel(**v) for k, v in degrees(family).items()})
     assert dhp.num_workers == 2
     return DisaggregatedTrainer(
         fp64_loop(), train_loop_config=dict(loop), dhp_config=dhp,

@@ -1,14 +1,18 @@
-"""Generic families (`ray_dhp.models.generic`) through the public trainer: `DisaggregatedTrainer`
-with nothing written for the model (vision DP2 + text TP2 collocated on 2 workers, fp64) trains
-every step's loss equal to the single-process stock model's on the same samples (rel 1e-10;
-1e-7 for the Gemma and Cohere rows, whose norm gradients are ill-conditioned in fp64: see
-``tests/distributed/test_generic.py``). The driver's checks (the model, the processor, the
+"""Every family through the public trainer (issue #41): `DisaggregatedTrainer` with nothing written
+for a generic family (`ray_dhp.models.generic`), and the hand-written families no other trainer
+test trains exactly (InternVL3 and InternVL3.5, the Qwen2.5-Omni and Qwen3-Omni thinkers with
+their audio group), at `tests.ray.family_runs.degrees` (vision DP2 + text TP2 collocated on 2
+workers; the Omni thinkers vision SP2 + audio DP2 + text TP2), fp64, trains every step's loss equal
+to the single-process stock model's on the same samples (rel 1e-10, or the family's
+`family_runs.TOL`, each with its reason). The driver's checks (the model, the processor, the
 layout) run on the generic family as on a hand-written one. Every case is ``-m slow`` (a Ray fit
-each, ~30 s on 2 cores); the default run keeps their parts: the generic families' fp64 parity and
-a model directory loaded sharded with its own processor through the engine
+each, ~30 s on 2 idle cores, ~2 min on a loaded machine); the default run keeps their parts: every
+family's fp64 parity through the engine (``tests/distributed/test_families.py``), a model
+directory loaded sharded with its own processor through the engine
 (``tests/distributed/test_generic.py``), the driver's processor checks
 (``tests/unit/test_model_processor.py``, ``test_processor_fit.py``) and the trainer's own path
-(``tests/ray/test_mixture.py``, ``test_fault_tolerance.py``).
+(``tests/ray/test_mixture.py``, ``test_fault_tolerance.py``). The same families through
+``ray-dhp train RUN.yaml``: ``test_cli_families.py``.
 
 `test_trainer_trains_a_model_directory_with_its_own_processor`: what a user does with a downloaded
 checkpoint — ``DHPConfig(model=<directory>)`` and nothing else: the weights, and the samples made
@@ -42,6 +46,23 @@ def test_trainer_trains_a_family_exactly(family, tmp_path, ray_start):
     assert len(ref) == LOOP["num_steps"]
     history = read_history(family_trainer(family, str(data), str(tmp_path / "runs"), LOOP).fit())
     assert_losses(history, ref, TOL.get(family, 1e-10))
+
+
+@pytest.mark.slow
+def test_trainer_trains_internvl3_5_exactly(tmp_path, ray_start):
+    """InternVL with a Qwen3 LM (per-head q/k norms all-reduced under TP), as InternVL3.5: the demo
+    offers InternVL3's Qwen2 LM only; the config is `test_internvl.py`'s."""
+    from ray_dhp.config.train_loop import TrainLoopConfig
+    from ray_dhp.train.callbacks import read_history
+    from tests.distributed.test_internvl import _internvl3_5_config
+    from tests.ray.private_run import LOOP
+
+    config, cfg = _internvl3_5_config(), TrainLoopConfig(**LOOP)
+    assert config.text_config.model_type == "qwen3"
+    data, steps = family_data(tmp_path, "internvl", cfg)
+    ref = reference_losses("internvl", cfg, steps, torch.float64, model=config)
+    trainer = family_trainer("internvl", str(data), str(tmp_path / "runs"), LOOP, model=config)
+    assert_losses(read_history(trainer.fit()), ref, 1e-10)
 
 
 @pytest.mark.parametrize("family", [pytest.param("gemma3", marks=pytest.mark.slow),
