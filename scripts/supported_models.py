@@ -16,7 +16,8 @@ DOC = ROOT / "docs" / "supported_models.md"
 BEGIN, END = "<!-- survey:begin -->", "<!-- survey:end -->"
 VERIFIED = ("fp64 exact: collocated vision {vision} + text TP2{text_sp}, disjoint 1 + TP2, text ZeRO-3 DP2 "
             "(`tests/distributed/test_families.py`); `DisaggregatedTrainer` "
-            "(`tests/ray/test_generic_trainer.py`)")
+            "(`tests/ray/test_generic_trainer.py`) and `ray-dhp train RUN.yaml` with `model.demo` "
+            "(fp32, `tests/ray/test_cli_families.py`)")
 EXPERTS = ("; expert parallelism EP2 collocated DP2 and disjoint 1 + DP2, experts TP-sharded, "
            "the router loss incl. (`tests/distributed/test_families.py`)")
 
