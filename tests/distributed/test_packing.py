@@ -44,6 +44,7 @@ sums routing probabilities in fp32 (~1e-7 of a term weighing ~1e-2 of the loss,
 test_qwen3_5_moe.py).
 """
 
+import inspect
 from dataclasses import replace
 
 import pytest
@@ -102,6 +103,13 @@ CASES = [
     ("paligemma", "dp2v-tp2", GENERIC_TP2, 80, False),  # bidirectional image prefix blocks
     ("paligemma", "dp2v-tp2-text-sp", dict(GENERIC_TP2, text_sequence_parallel=True), 80, False),
     ("aya_vision", "dp2v-tp2", GENERIC_TP2, 80, False),  # sliding-window layers
+    # sliding-window layers with image blocks: each sample's masks built alone (`packed_masks`)
+    ("gemma3", "sp2v-tp2", TP2, 80, False),
+    ("gemma3", "disjoint-1v-tp2", DISJOINT_TP2, 80, False),
+    ("shieldgemma2", "sp2v-tp2", TP2, 80, False),
+    # short causal convolutions, one row per sample (`stateful_mixers` read from the module tree)
+    ("lfm3_vl", "dp2v-tp2", GENERIC_TP2, 80, False),
+    ("lfm3_vl", "disjoint-1v-tp2", DISJOINT_TP2, 80, False),
     # every other generic family that packs (unit/test_packing.py's per-sample logits), one row
     *[(f, "dp2v-tp2", GENERIC_TP2, 80, False)
       for f in ("cohere2_vision", "smolvlm", "glm46v", "lighton_ocr", "glmga",
@@ -235,19 +243,72 @@ def test_packed_bf16_autocast_tracks_fp32(padded_reference):
         assert abs(g["loss"] - r["loss"]) <= 1e-3 * r["loss"], (g["loss"], r["loss"])
 
 
-@pytest.mark.parametrize("family, match", [
-    ("gemma3", "sliding-window layers attend bidirectionally inside an image"),
-    ("lfm3_vl", "'conv' layers, which would carry state across packed samples")])
-def test_generic_packing_refused_with_the_reason(family, match):
+def _hybrid_lfm2_vl():
+    from tests.unit.test_packing import lfm2_vl_hybrid_config
+
+    return lfm2_vl_hybrid_config()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, layout", [("sp2v-tp2", TP2), ("disjoint-1v-tp2", DISJOINT_TP2)])
+def test_lfm2_vl_hybrid_packed_equals_padded_fp64(name, layout, tmp_path):
+    """LFM2-VL with LFM2's hybrid decoder (a short-convolution layer, then attention; the
+    released models' layout, which transformers' default config lacks): the conv layers run one
+    row per sample, the attention layer per sample; LFM2-VL's tolerances (`TOLS`)."""
+    config = _hybrid_lfm2_vl()
+    cfg = replace(CFG, packing=False)
+    steps = packable_steps(tmp_path, "lfm2_vl", cfg)
+    ref = run_reference("lfm2_vl", cfg, steps, torch.float64, model=config)
+    got = run_engine("lfm2_vl", layout, replace(CFG, packing=True), steps, torch.float64,
+                     grads=True, model=config)
+    assert_packed_parity("lfm2_vl", got, ref)
+
+
+def _gemma3_transformers_masks():
+    """Rank side of Gemma 3's negative control: its packed rows keep transformers' own packed
+    masks (the image blocks of its sliding-window layers looked up at packed positions)."""
+    import ray_dhp.models as models
+    from ray_dhp import demo
+
+    models._BY_MODEL_TYPE["gemma3"] = replace(models.family_of(demo.tiny_model_config("gemma3")),
+                                              packed_masks=False)
+
+
+@pytest.mark.slow
+def test_gemma3_packed_without_per_sample_masks_fails_parity(padded_reference):
+    """The negative control of the Gemma 3 rows (SP2/TP2) without the per-sample masks: out of
+    tolerance, the loss itself (measured 1e-4 relative when it was refused)."""
+    _, steps, ref = padded_reference("gemma3")
+    got = run_engine("gemma3", TP2, replace(CFG, packing=True), steps, torch.float64,
+                     grads=True, prepare=_gemma3_transformers_masks)
+    loss_errs = [abs(g["loss"] - r["loss"]) / r["loss"] for g, r in zip(got["history"], ref["history"])]
+    assert max(loss_errs) > 1e-6, loss_errs
+    with pytest.raises(AssertionError, match="out of tolerance"):
+        assert_packed_parity("gemma3", got, ref)
+
+
+def test_generic_packing_refused_with_the_reason():
     """Generic families whose packed rows would not compute what their samples compute alone are
-    refused in the driver (`ray_dhp.models.generic_packing`): Gemma 3 (``token_type_ids`` image
-    blocks on sliding-window layers; measured packed != one per row at 1e-4 of the loss) and
-    LFM-VL's short-convolution layers; the ones rows cover above pack, with their positions."""
+    refused in the driver (`ray_dhp.models.generic_packing`): MiniCPM-V 4.7's ``get_rope_index``
+    takes other arguments than each sample's positions are computed with; Gemma 3 without a
+    static ``create_masks_for_generate`` (its image blocks on sliding-window layers) would be;
+    the ones rows cover above pack, with their positions."""
+    import transformers
+
     from ray_dhp import demo
     from ray_dhp.models import family_of
+    from ray_dhp.models.generic_packing import packing_rule
 
-    config = demo.tiny_model_config(family)
-    with pytest.raises(ValueError, match=f"data.packing.*{match}"):
+    config = demo.tiny_model_config("minicpmv4_7")
+    with pytest.raises(ValueError, match="data.packing.*its get_rope_index takes"):
         family_of(config).validate_layout(config, sp=1, tp=1, packing=True)
+    gemma = demo.tiny_model_config("gemma3")
+    with torch.device("meta"):
+        model = transformers.Gemma3ForConditionalGeneration(gemma)
+    params = tuple(inspect.signature(type(model).forward).parameters)
+    rule = packing_rule(model.model, model.model.language_model, gemma.text_config, params)
+    assert not rule["packing"] and "create_masks_for_generate" in rule["packing_reason"]
+    assert packing_rule(model.model, model.model.language_model, gemma.text_config, params,
+                        type(model))["packed_masks"]
     assert family_of(demo.tiny_model_config("llava")).packed_positions == "1d"
     assert family_of(demo.tiny_model_config("glm4v")).packed_positions == "mrope"
