@@ -158,7 +158,8 @@ class GenericFamily(FamilySpec):
     def lm_inputs(self, config, kwargs: dict) -> dict:
         """The keywords the stock forward names (others dropped) and ``use_cache`` (its
         ``**kwargs`` reach the LM: without it a cache is built, and the mask code then ignores
-        packed positions) and packed rows' segments (`SEGMENTS_KWARG`, on to attention), plus ``token_type_ids`` (1 on image tokens) where the forward takes them."""
+        packed positions) and packed rows' segments (`SEGMENTS_KWARG`, on to attention), plus ``token_type_ids`` (1 on image tokens) where the forward takes them
+        and, for `packed_masks` on packed rows (no 2-D mask), each sample's own masks."""
         out = {k: v for k, v in kwargs.items()
                if k in self.forward_params or k in ("use_cache", SEGMENTS_KWARG)}
         if "token_type_ids" in self.forward_params and kwargs.get("mm_token_type_ids") is not None:

@@ -17,16 +17,22 @@ pack_text_batch`, which passes ``position_ids`` and no 2-D ``attention_mask``):
   the block-diagonal mask onto it. A forward that takes ``token_type_ids`` attends bidirectionally
   inside an image: as ``block_sequence_ids`` (looked up at row indices, exact: PaliGemma) on full
   attention; but a sliding-window layer gets those blocks as an ``or_mask_function``, which is
-  looked up at the *packed positions*, i.e. at another sample's tokens (Gemma 3: measured
-  packed != one per row, loss 1e-4 relative). Such a model (``token_type_ids`` in its forward
-  and ``sliding_attention`` layers) is refused. Exactness is measured in fp64
+  looked up at the *packed positions*, i.e. at another sample's tokens (Gemma 3: measured 0.79 of
+  a row's largest logit). Such a model (``token_type_ids`` in its forward and
+  ``sliding_attention`` layers) gets ``packed_masks``: each sample's masks built alone by its
+  class's own static ``create_masks_for_generate`` and placed block-diagonally
+  (`ray_dhp.models.packed_masks`); without one it is refused. Exactness is measured in fp64
   (tests/distributed/test_packing.py). Without a varlen kernel the packed rows' attention runs
   one sample at a time (`ray_dhp.models.segment_attention`) unless the forward takes
   ``token_type_ids`` (``segment_attention=False``: the block mask stays) or the layers have
   windows.
-* **No state along the sequence** besides attention: a language model whose config lists
-  ``layer_types`` that are not attention (e.g. a short convolution, ``"conv"``) would carry it
-  across the samples of a row, so packing is refused for it, naming the types.
+* **No state across samples** besides attention: a language model whose config lists
+  ``layer_types`` that are not attention (a short convolution, ``"conv"``) carries state along
+  the sequence; its ``stateful_mixers`` are read from the decoder layers of those types (the
+  one child holding a ``layer_idx``, as transformers' cache-holding mixers do, and its one
+  ``nn.Linear`` child back to the hidden width) and run one row per sample from a zero state
+  (`ray_dhp.models.segments`). Where the module tree does not name one of each, packing is
+  refused, naming the types.
 """
 
 from __future__ import annotations

@@ -118,3 +118,14 @@ ROTARY_KEY_BIAS = ("paddleocr_vl",)
 VISION_SP = ("gemma3", "llava", "paligemma", "aya_vision", "cohere2_vision", "mistral3", "idefics3",
              "smolvlm", "lighton_ocr", "shieldgemma2", "video_llava", "lfm2_vl", "llama4", "gemma4",
              "llava_onevision", "llava_next", "llava_next_video")
+
+
+def lfm2_vl_hybrid_config():
+    """The tiny LFM2-VL with LFM2's hybrid decoder (transformers' default config has attention
+    only: the released models list ``full_attn_idxs``): a short-convolution layer, then an
+    attention layer (the packing rows, `test_packing.py`)."""
+    from ray_dhp import demo
+
+    config = demo.tiny_model_config("lfm2_vl")
+    config.text_config.layer_types = ["conv", "full_attention"]
+    return config

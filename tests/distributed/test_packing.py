@@ -53,7 +53,7 @@ import torch
 from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.parity import (packable_steps, GENERIC_FAMILIES, assert_parity, copy_errors,
                                       reference_fixture, run_engine, run_reference)
-from tests.distributed.generic_cases import TOL, TOLS, ZERO_GRAD
+from tests.distributed.generic_cases import TOL, TOLS, ZERO_GRAD, lfm2_vl_hybrid_config
 
 CFG = TrainLoopConfig(lr=1e-3, global_batch_size=8, micro_batches=2, num_steps=3,
                       max_grad_norm=0.5, weight_decay=0.1, lr_schedule="cosine", warmup_steps=1,
@@ -243,19 +243,13 @@ def test_packed_bf16_autocast_tracks_fp32(padded_reference):
         assert abs(g["loss"] - r["loss"]) <= 1e-3 * r["loss"], (g["loss"], r["loss"])
 
 
-def _hybrid_lfm2_vl():
-    from tests.unit.test_packing import lfm2_vl_hybrid_config
-
-    return lfm2_vl_hybrid_config()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name, layout", [("sp2v-tp2", TP2), ("disjoint-1v-tp2", DISJOINT_TP2)])
 def test_lfm2_vl_hybrid_packed_equals_padded_fp64(name, layout, tmp_path):
     """LFM2-VL with LFM2's hybrid decoder (a short-convolution layer, then attention; the
     released models' layout, which transformers' default config lacks): the conv layers run one
     row per sample, the attention layer per sample; LFM2-VL's tolerances (`TOLS`)."""
-    config = _hybrid_lfm2_vl()
+    config = lfm2_vl_hybrid_config()
     cfg = replace(CFG, packing=False)
     steps = packable_steps(tmp_path, "lfm2_vl", cfg)
     ref = run_reference("lfm2_vl", cfg, steps, torch.float64, model=config)

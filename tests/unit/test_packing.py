@@ -371,15 +371,6 @@ def test_gemma3_packed_masks_per_sample_fp64(family, dataset):
     assert _max_sample_error(*_generic_logits(family, dataset, spec=old)) > 1e-3
 
 
-def lfm2_vl_hybrid_config():
-    """The tiny LFM2-VL with LFM2's hybrid decoder (transformers' default config has attention
-    only: the released models list ``full_attn_idxs``): a short-convolution layer, then an
-    attention layer."""
-    config = tiny_model_config("lfm2_vl")
-    config.text_config.layer_types = ["conv", "full_attention"]
-    return config
-
-
 @pytest.mark.parametrize("family", ["lfm3_vl", pytest.param("lfm2_vl", marks=pytest.mark.slow)])
 def test_short_conv_packed_one_row_per_sample_fp64(family, dataset):
     """LFM-VL's short causal convolution (``conv`` layer types) carries its window along the
@@ -389,6 +380,7 @@ def test_short_conv_packed_one_row_per_sample_fp64(family, dataset):
     padded row's within 1e-12 (fp64; measured 0 to 4e-16). The negative control: without the
     reset the window runs into the next sample (measured 0.55 of the row's largest logit)."""
     from ray_dhp.models import family_of
+    from tests.distributed.generic_cases import lfm2_vl_hybrid_config
 
     config = lfm2_vl_hybrid_config() if family == "lfm2_vl" else tiny_model_config(family)
     spec = family_of(config)
