@@ -371,7 +371,8 @@ def test_gemma3_packed_masks_per_sample_fp64(family, dataset):
     assert _max_sample_error(*_generic_logits(family, dataset, spec=old)) > 1e-3
 
 
-@pytest.mark.parametrize("family", ["lfm3_vl", pytest.param("lfm2_vl", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["lfm3_vl", "lfm2_vl"])
 def test_short_conv_packed_one_row_per_sample_fp64(family, dataset):
     """LFM-VL's short causal convolution (``conv`` layer types) carries its window along the
     sequence: the generic family reads its mixers from the module tree (the layer's child with a
