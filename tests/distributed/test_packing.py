@@ -110,6 +110,7 @@ CASES = [
     # sliding-window layers with image blocks: each sample's masks built alone (`packed_masks`)
     ("gemma3", "sp2v-tp2", TP2, 80, False),
     ("gemma3", "disjoint-1v-tp2", DISJOINT_TP2, 80, False),
+    ("gemma3", "sp2v-tp2-text-sp", TEXT_SP, 80, False),  # the masks on the gathered sequence
     ("shieldgemma2", "sp2v-tp2", TP2, 80, False),
     # short causal convolutions, one row per sample (`stateful_mixers` read from the module tree)
     ("lfm3_vl", "dp2v-tp2", GENERIC_TP2, 80, False),
