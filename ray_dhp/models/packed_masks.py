@@ -18,7 +18,7 @@ positions ``0..n-1``, no padding mask), i.e. exactly the masks the sample gets o
 they are placed on the block diagonal of the packed row, and nothing else is attended. A sample
 thus attends exactly what it attends alone. `ray_dhp.models.generic_packing` decides which
 models need it (a mask that reads per-token inputs other than the positions on layers whose
-rule transformers remaps); this module names no family.
+rule transformers remaps); its code names no family (Gemma 3 above is the example).
 
 The mapping is in the model's attention implementation's format: ``sdpa``: boolean
 ``[R, 1, L, L]``; ``eager``: additive (0 where attended, the dtype's lowest value elsewhere).
