@@ -83,10 +83,10 @@ def test_presets_have_the_published_sizes(preset, total):
     assert round((counts.vision + counts.text) / 1e9, 2) == total
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", FAMILY, "qwen2_5_omni"])
+@pytest.mark.parametrize("family", ["qwen3_5", FAMILY, "qwen2_5_omni", "qwen3_omni_moe"])
 def test_driver_takes_packing_and_refuses_it_for_gemma3(family, tmp_path):
     """The recurrent families pack (their Gated DeltaNet layers run one row per packed sample,
-    tests/distributed/test_packing.py), so does the Qwen2.5-Omni thinker (its own
+    tests/distributed/test_packing.py), so do the Qwen-Omni thinkers (their own
     get_rope_index, tests/distributed/test_omni_packing.py); a family that cannot pack (Gemma 3,
     `ray_dhp.models.generic_packing`) fails in the driver naming the key, from a run file
     (``data.packing``) or the Python API (``train_loop_config.packing``), before any worker
