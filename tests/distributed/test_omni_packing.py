@@ -130,3 +130,26 @@ def test_omni_packed_text_sp_zero3_and_ep(omni, family, name, layout):
     got = run_engine(family, layout, PACKED, steps, torch.float64, grads=True)
     worst = _check(family, got, ref, layout)
     print(f"{family} packed {name}: worst update {worst[0]:.2e}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_omni3_videos_under_context_parallel(tmp_path, packed):
+    """Qwen3-Omni's fractional video positions survive the LM's context parallelism (text CP2,
+    vision SP2, no audio group: images, videos and text, 2 steps of 4): each CP rank's slice of
+    the positions is the sample's own, unrounded, padded (`step.text`: per-sample positions,
+    then sliced) and packed (the packed rows' positions, sliced); the tolerances above. Rounded
+    to integers (as the padded CP path did): gradients 2e-2..2e-1 off (measured)."""
+    from tests.distributed.omni_cases import TXT, VID
+
+    cfg = TrainLoopConfig(lr=1e-3, global_batch_size=4, micro_batches=1, num_steps=2,
+                          max_grad_norm=0.5, weight_decay=0.1, seed=0, max_tokens=340, packing=packed)
+    records = omni_records(tmp_path, cfg, family="qwen3_omni_moe")
+    mbs = [(IMG[3], TXT[0], VID[1], TXT[1]), (VID[0], IMG[1], TXT[0], IMG[2])]
+    steps = [[[dataclasses.replace(records[i], index=n * 4 + j) for j, i in enumerate(mb)]]
+             for n, mb in enumerate(mbs)]
+    ref = run_reference("qwen3_omni_moe", dataclasses.replace(cfg, packing=False), steps, torch.float64)
+    layout = dict(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1, text_tp=1, text_cp=2)
+    got = run_engine("qwen3_omni_moe", layout, cfg, steps, torch.float64, grads=True)
+    worst = assert_parity(got, ref, **dict(TOLS["qwen3_omni_moe"], skip=()))
+    print(f"qwen3_omni_moe videos cp2 {'packed' if packed else 'padded'}: worst update {worst[0]:.2e}")
