@@ -16,7 +16,7 @@ Tolerance as test_packing.py's (fp64, 1e-10 relative on loss, grad-norm, every c
 every parameter and update of every rank's copy): packing changes only summation orders. A
 sample's audio rows at another sample's placeholders, or positions that ignore the clips, are
 O(1e-3) or more on the loss; Qwen3-Omni's video positions rounded to integers are 2e-2 on the
-video sample's logits (tests/unit/test_packing.py). Qwen3-Omni as its matrix row
+video sample's logits (tests/unit/test_omni_packing.py). Qwen3-Omni as its matrix row
 (`family_rows.OMNI3`): the loss 1e-8 (the stock router loss sums the routing probabilities in fp32
 even in fp64, over the micro-batch's real tokens, which the packed rows count the same: padding
 excluded), its audio key biases (an exact gradient of 0) left out and checked to be noise.
@@ -87,7 +87,7 @@ def _layout(placement, vision, audio_dp, text, **extra) -> dict:
 @pytest.mark.parametrize("family", ["qwen2_5_omni", "qwen3_omni_moe"])
 def test_omni_packed_collocated(omni, family):
     """Collocated: vision SP2, audio DP2, text TP2 on 2 workers (slow: ~80 s on 2 loaded cores;
-    the default suite's cases are unit/test_packing.py's packed-vs-padded thinker logits)."""
+    the default suite's cases are unit/test_omni_packing.py's packed-vs-padded thinker logits)."""
     steps, ref = omni(family)
     got = run_engine(family, _layout("collocated", (2, 1), 2, (2, 1)), PACKED, steps, torch.float64,
                      grads=True)
