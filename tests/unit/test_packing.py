@@ -390,33 +390,3 @@ def test_short_conv_packed_one_row_per_sample_fp64(family, dataset):
         (f"layers.{i}.conv", "out_proj") for i, t in enumerate(types) if t == "conv")
     assert _max_sample_error(*_generic_logits(family, dataset, config, segments=True)) <= 1e-12
     assert _max_sample_error(*_generic_logits(family, dataset, config)) > 1e-3
-
-
-def test_omni_thinker_packed_forward_equals_padded_fp64(tmp_path):
-    """The Qwen2.5-Omni thinker (`FamilySpec.rope_index`: its own ``get_rope_index`` behind the
-    Qwen-VL signature, each sample's clip lengths handed in): an image, a clip, a record with an
-    image and a clip, and text-only records pack into rows whose audio placeholders take the
-    clips in order; each sample's logits equal its padded row's within 1e-12 (measured: equal
-    bitwise). Positions that ignored the image (the 1-D fallback for the image + clip record) are
-    O(1) off. A record with its clip before its image (``AUDIO_FIRST``) needs the clip's length
-    to place the image: get_rope_index without it, or with another, raises."""
-    from ray_dhp.config.train_loop import TrainLoopConfig
-    from ray_dhp.models import FAMILIES
-    from ray_dhp.models.qwen2_5_omni import audio_inputs
-    from tests.distributed.omni_cases import AUD, AUDIO_FIRST, BOTH, IMG, TXT, omni_records
-
-    records = omni_records(tmp_path, TrainLoopConfig(), audio_first=True)
-    samples = [records[i] for i in (IMG[0], AUD[0], BOTH, TXT[0], AUDIO_FIRST, IMG[1])]
-    assert records[AUDIO_FIRST].audio_lengths is not None
-    family, config = FAMILIES["qwen2_5_omni"], tiny_model_config("qwen2_5_omni")
-    model = build_model(config, seed=0, dtype=torch.float64).eval()
-    padded = pad_text_batch(samples, 0)
-    packed = pack_text_batch(samples, 0, 180, rope_index=family.rope_index(model))
-    assert pack_rows([s.num_tokens for s in samples], 180) == [range(0, 3), range(3, 6)]
-    audio = audio_inputs(samples)
-    common = dict(pixel_values=padded["pixel_values"].double(), image_grid_thw=padded["image_grid_thw"],
-                  input_features=audio["input_features"].double(),
-                  feature_attention_mask=audio["feature_attention_mask"], use_cache=False)
-    assert_packed_logits_equal(model, samples, padded, packed, common)
-    both = packed["position_ids"][1:, packed["sample_ids"] == 2]  # the image + clip record
-    assert not torch.equal(both, torch.arange(both.shape[1]).expand(3, -1))
