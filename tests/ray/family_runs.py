@@ -26,6 +26,8 @@ TOL = {"gemma3": 1e-7, "paligemma": 1e-7, "shieldgemma2": 1e-7, "aya_vision": 1e
        # Gemma 4's tower pools in fp32 (its features depend on which images share a call): its
        # losses drift up to 2.6e-8 in test_families.py's 3-step vision DP2 runs (generic_cases.py)
        "gemma4": 1e-7,
+       # fp32 routers / norms / a rotary parameter inside the stock models (generic_cases.py)
+       "mistral_large4": 1e-7, "minimax_m3_vl": 1e-7, "qwen4_exp": 1e-7,
        # Qwen3-Omni's stock router loss sums the routing probabilities in fp32 even in fp64: the
        # loss tolerance of its fp64 engine rows (tests/distributed/family_rows.py, OMNI3)
        "qwen3_omni_moe": 1e-8}
