@@ -3,6 +3,7 @@ sample per row) or packed (several samples per row, each still seeing only itsel
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Optional
 
@@ -144,7 +145,10 @@ def _positions(sample: Sample, rope_index: Optional[RopeIndex], one_dimensional:
     pos, _ = rope_index(sample.input_ids[None], sample.mm_token_type_ids[None],
                         image_grid_thw=vis["image_grid_thw"], video_grid_thw=vis["video_grid_thw"],
                         **extra)
-    return pos[:, 0].to(torch.long)
+    pos = pos[:, 0]
+    # whole positions as long; a rule that places video frames at fractional times (seconds per
+    # temporal patch x positions per second, kept unrounded) keeps its floating positions
+    return pos if pos.is_floating_point() and not torch.equal(pos, pos.round()) else pos.to(torch.long)
 
 
 def sample_positions(sample: Sample, rope_index: Optional[RopeIndex], one_dimensional: bool) -> torch.Tensor:
@@ -186,7 +190,8 @@ def pack_text_batch(samples: Sequence[Sample], pad_id: int, max_tokens: Optional
         The keys of `pad_text_batch` (``input_ids``, ``labels``, ``mm_token_type_ids`` are
         ``[R, L]``; ``attention_mask`` is None, see above; ``pixel_values``/``image_grid_thw``
         in sample order) plus:
-        ``position_ids`` ``[4, R, L]`` long: row 0 the text positions, rows 1-3 the M-RoPE
+        ``position_ids`` ``[4, R, L]`` long (floating where a sample's rule gives fractional
+        positions, as the model computes them): row 0 the text positions, rows 1-3 the M-RoPE
         (temporal, height, width) positions of each sample computed alone (padding: 0, 1, ...,
         a segment of its own; ``one_dimensional``: row 0 alone, ``[R, L]``); ``targets``
         ``[R, L]``: next-token targets within each sample (-100 at its last token and on
@@ -228,7 +233,8 @@ def pack_text_batch(samples: Sequence[Sample], pad_id: int, max_tokens: Optional
             "targets": IGNORE_INDEX, "sample_ids": -1}
     batch = {k: _pad(cols[k], length, v) for k, v in fill.items()}
     batch["attention_mask"] = None
-    batch["position_ids"] = torch.stack(cols["position_ids"], dim=1)
+    dtype = functools.reduce(torch.promote_types, [p.dtype for p in cols["position_ids"]])
+    batch["position_ids"] = torch.stack([p.to(dtype) for p in cols["position_ids"]], dim=1)
     if one_dimensional:
         batch["position_ids"] = batch["position_ids"][0]
     batch["cu_seqlens"] = torch.cumsum(torch.tensor([0] + lengths), 0)

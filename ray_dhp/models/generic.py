@@ -128,6 +128,7 @@ class GenericFamily(FamilySpec):
     text_sp_refusal: str = ""          # why text SP is refused (`ray_dhp.models.text_sp_plans`)
     vision_sp_refusal: str = ""        # why vision SP > 1 is refused ("" when the tower splits)
     text_reads_table: str = ""         # where the text forward reads an embedding row (`ShardedRowReads`)
+    packed_masks: bool = False         # packed rows' masks per sample (`ray_dhp.models.packed_masks`)
 
     # -- model access ---------------------------------------------------------------------------
 
@@ -157,11 +158,21 @@ class GenericFamily(FamilySpec):
     def lm_inputs(self, config, kwargs: dict) -> dict:
         """The keywords the stock forward names (others dropped) and ``use_cache`` (its
         ``**kwargs`` reach the LM: without it a cache is built, and the mask code then ignores
-        packed positions) and packed rows' segments (`SEGMENTS_KWARG`, on to attention), plus ``token_type_ids`` (1 on image tokens) where the forward takes them."""
+        packed positions) and packed rows' segments (`SEGMENTS_KWARG`, on to attention), plus ``token_type_ids`` (1 on image tokens) where the forward takes them
+        and, for `packed_masks` on packed rows (no 2-D mask), each sample's own masks."""
         out = {k: v for k, v in kwargs.items()
                if k in self.forward_params or k in ("use_cache", SEGMENTS_KWARG)}
         if "token_type_ids" in self.forward_params and kwargs.get("mm_token_type_ids") is not None:
             out["token_type_ids"] = (kwargs["mm_token_type_ids"] == 1).long()
+        if self.packed_masks and kwargs.get("attention_mask") is None \
+                and kwargs.get("position_ids") is not None:  # packed rows: each sample's own masks
+            import transformers
+
+            from ray_dhp.models.packed_masks import packed_mask_mapping
+
+            out["attention_mask"] = packed_mask_mapping(
+                getattr(transformers, self.model_class), config, kwargs["position_ids"],
+                token_type_ids=out.get("token_type_ids"))
         return out
 
     def stock_inputs(self, config, kwargs: dict) -> dict:
@@ -286,7 +297,7 @@ def _family(cls, config_json: str) -> GenericFamily:
             lambda text_config: hf_sp_plan(text_sp, lm_path, text_config, head_path)),
         text_sp_refusal=text_sp_refusal,
         tp_partial_grad_suffixes=partial,
-        **packing_rule(inner, decoder, config.get_text_config(), params),
+        **packing_rule(inner, decoder, config.get_text_config(), params, cls),
         vision_module="ray_dhp.models.vision_generic",
         vision_parts=parts,
         merger_prefixes=tuple(f"{top}{p}" + ("" if isinstance(getattr(inner, p), torch.nn.Parameter)

@@ -31,7 +31,8 @@ SPEC = FamilySpec(
 
 
 def packed_rope_index(model):
-    """The thinker's ``get_rope_index`` behind the Qwen-VL signature packing calls it with
+    """The thinker's ``get_rope_index`` (Qwen2.5-Omni's, and Qwen3-Omni's of the same signature)
+    behind the Qwen-VL signature packing calls it with
     (`ray_dhp.data.collate.pack_text_batch`, one sample at a time): the grids, an all-ones mask,
     the clips' frames (``audio_seqlens``: audio placeholders take positions after the text
     before them, as in the stock forward, whose ``feature_attention_mask`` gives the same

@@ -16,12 +16,18 @@ longest chunk, which is a whole chunk whenever any clip spans one; a batch of sh
 windows longer than each of them: the same attention either way.)
 
 The rows of a clip are counted by transformers' own rule (`audio_tokens`, what the stock
-processor pads a clip with and ``get_rope_index`` positions). Text sequence parallelism and
-packed rows are refused (not covered for this family yet).
+processor pads a clip with and ``get_rope_index`` positions). Packed rows take each sample's
+positions from the thinker's own ``get_rope_index`` (Qwen2.5-Omni's signature, so its adapter
+`ray_dhp.models.qwen2_5_omni.packed_rope_index`: the clips' lengths included; video frames at
+fractional times, seconds per temporal patch x ``position_id_per_seconds``, kept unrounded as
+the stock forward keeps them); audio and deepstack rows fill the packed placeholders in sample
+order, and the router loss counts the packed rows' real tokens (`ray_dhp.models.moe`). Text
+sequence parallelism is refused (no plan for this family yet).
 """
 
 from ray_dhp.models.base import EncoderSpec, FamilySpec, MoESpec
 from ray_dhp.models.prompt_format import QWEN3_OMNI
+from ray_dhp.models.qwen2_5_omni import packed_rope_index
 from ray_dhp.models.qwen3_vl_moe import sparse_layers, text_tp_plan
 
 
@@ -44,8 +50,7 @@ SPEC = FamilySpec(
     tp_partial_grad_suffixes=("self_attn.q_norm.weight", "self_attn.k_norm.weight"),
     num_deepstack=lambda config: len(config.vision_config.deepstack_visual_indexes),
     moe=MoESpec(router_suffix="mlp.gate", experts_suffix="mlp.experts", sparse_layers=sparse_layers),
-    packing=False,
-    packing_reason="packed rows are not verified for the Qwen3-Omni thinker yet",
+    rope_index_adapter=packed_rope_index,  # its own get_rope_index (Qwen2.5-Omni's signature)
     video_seconds_key="video_second_per_grid",
     merger_prefixes=("model.visual.merger.", "model.visual.merger_list."),
     encoders=(EncoderSpec("audio", parts=("audio_tower",), ops="ray_dhp.models.audio_omni"),),

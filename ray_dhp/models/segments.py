@@ -27,7 +27,9 @@ raises (a transformers version that renamed it would otherwise share state silen
 The segments come as a forward keyword argument, `SEGMENTS_KWARG`: ``cu_seqlens`` ``[S + 1]``
 over the row-major flattened ``[R * L]`` tokens (`ray_dhp.data.collate.pack_text_batch`). A
 keyword argument travels with the call through transformers' decoder layers and non-reentrant
-activation checkpointing's recomputation. A forward without it (padded batches, the reference)
+activation checkpointing's recomputation. A mixer with no resetting recurrence named (a
+``(suffix, output)`` pair found in a generic model's module tree, e.g. a short convolution)
+runs one row per segment instead, each from a zero state (`segment_per_row`). A forward without it (padded batches, the reference)
 is left untouched. Which modules carry state, the name and chunk of their recurrence and its
 resetting twin are family facts (`FamilySpec.stateful_mixers`); this module names no family.
 """
@@ -42,33 +44,42 @@ from typing import Callable, Optional
 
 from torch import nn
 
-from ray_dhp.parallel.segments import SEGMENTS_KWARG, SegmentLayout, segment_layout
+from ray_dhp.parallel.segments import SEGMENTS_KWARG, SegmentLayout, segment_layout, segment_per_row
 
-__all__ = ["SEGMENTS_KWARG", "SegmentRows", "StatefulMixer", "install_segment_rows"]
+__all__ = ["SEGMENTS_KWARG", "SegmentRows", "StatefulMixer", "install_segment_rows", "stateful_mixer"]
 
 
 @dataclass(frozen=True)
 class StatefulMixer:
     """A family fact: the LM's modules named ``*.<suffix>`` carry state; ``output``: their child
     projecting the mixed channels per token; ``recurrence``: the names their forward may call
-    the chunked recurrence by (the first one found on the module, else in its class's module);
+    the chunked recurrence by (the first one found on the module, else in its class's module;
+    empty: no reset to hand, so each segment runs as a row of its own, `segment_per_row`);
     ``resetting``: that recurrence with a ``starts`` ``[B, L]`` (bool) keyword, zero state at
     each; ``chunk``: its chunk; ``window``: the module's attribute holding its causal conv's
     kernel width ("" for none)."""
 
     suffix: str
     output: str
-    recurrence: tuple
-    resetting: Callable
+    recurrence: tuple = ()
+    resetting: Optional[Callable] = None
     chunk: int = 64
     window: str = ""
 
     def layout(self, mixer: nn.Module, cu_seqlens, row_length: int) -> SegmentLayout:
+        if not self.recurrence:
+            return segment_per_row(cu_seqlens)
         gap = getattr(mixer, self.window) - 1 if self.window else 0
         return segment_layout(cu_seqlens, row_length, align=self.chunk, gap=gap)
 
     def resetter(self, mixer: nn.Module) -> "_Resetter":
         return _Resetter(mixer, self)
+
+
+def stateful_mixer(entry) -> StatefulMixer:
+    """A `StatefulMixer`, or one from a ``(suffix, output)`` pair (a mixer found in the module
+    tree, `ray_dhp.models.generic_packing`: no recurrence known, one row per segment)."""
+    return entry if isinstance(entry, StatefulMixer) else StatefulMixer(*entry)
 
 
 _ACTIVE = contextvars.ContextVar("ray_dhp_resetting_recurrence", default=None)
@@ -94,7 +105,9 @@ class _Resetter:
     `leave` bracket one packed call."""
 
     def __init__(self, mixer: nn.Module, spec: StatefulMixer):
-        self.spec = spec
+        self.spec, self._token, self.dispatch = spec, None, None
+        if not spec.recurrence:  # nothing to reset: rows of one segment
+            return
         owner, name = _recurrence_owner(mixer, spec.recurrence)
         found = getattr(owner, name)
         if not isinstance(found, _Dispatch):
@@ -103,6 +116,8 @@ class _Resetter:
         self.dispatch, self.name, self._token = found, name, None
 
     def enter(self, starts) -> None:
+        if self.dispatch is None:
+            return
         run = functools.partial(self.spec.resetting, starts=starts, chunk_size=self.spec.chunk)
         self._token = _ACTIVE.set([self.dispatch, run, 0])
 
@@ -184,10 +199,12 @@ class SegmentRows:
 
 
 def install_segment_rows(model: nn.Module, mixers: tuple, required: bool = False) -> int:
-    """`SegmentRows` on every module of ``model`` named by a `StatefulMixer` of ``mixers``
+    """`SegmentRows` on every module of ``model`` named by a `StatefulMixer` (or a ``(suffix,
+    output)`` pair, `stateful_mixer`) of ``mixers``
     (``required``: see `SegmentRows`). Call it once, after the tensor-parallel plan and LoRA
     (the output child must be the module the forward calls). Returns how many."""
     count = 0
+    mixers = tuple(map(stateful_mixer, mixers))
     for name, module in model.named_modules():
         for spec in mixers:
             if name == spec.suffix or name.endswith("." + spec.suffix):

@@ -148,23 +148,26 @@ def shard_text(model, family, dp_mesh, reduce_dtype, tp_first: bool) -> FSDPShar
     `FamilySpec`). Call it after the TP plan and LoRA and before the parameter lists are taken
     (``fully_shard`` replaces the parameters with their sharded DTensors)."""
     units = text_units(model, family)
-    return FSDPShards(_odd_dtype(units) + units, model, dp_mesh, reduce_dtype, tp_first=tp_first,
-                      chain=units)
+    return FSDPShards(_odd_dtype(units, model) + units, model, dp_mesh, reduce_dtype,
+                      tp_first=tp_first, chain=units)
 
 
-def _odd_dtype(units: list) -> list:
-    """The sub-modules of ``units`` whose own parameters have another dtype than the rest of
-    their unit (a router kept in fp32 in a model of another dtype): each is a unit of its own
-    (FSDP2 gathers one dtype per unit), sharded before its parent and gathered by its own
-    pre-forward (outside the prefetch chain); the outermost such module only, where one holds
-    another (a router's fp32 statistics under the fp32 router: one unit)."""
+def _odd_dtype(units: list, root) -> list:
+    """The sub-modules of ``units`` (and of the ``root`` outside them) whose own parameters have
+    another dtype than the rest of their unit (a router kept in fp32 in a model of another dtype,
+    an fp32 rotary parameter beside the final norm): each is a unit of its own (FSDP2 gathers one
+    dtype per unit), sharded before its parent and gathered by its own pre-forward (outside the
+    prefetch chain); the outermost such module only, where one holds another (a router's fp32
+    statistics under the fp32 router: one unit)."""
     out = []
-    for unit in units:
+    in_units = {id(m) for unit in units for m in unit.modules()}
+    for unit in [*units, root]:
         counts: dict = {}
         for p in unit.parameters():
             counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
         main = max(counts, key=counts.get, default=None)
-        inside: set = set()  # modules under one already taken
+        # modules under one already taken (the root: every unit's modules are its units')
+        inside: set = set(in_units) if unit is root else set()
         for m in unit.modules():
             if m is not unit and id(m) not in inside and m._parameters \
                     and all(p is None or p.dtype != main for p in m._parameters.values()):

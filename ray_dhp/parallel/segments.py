@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SEGMENTS_KWARG", "SegmentLayout", "segment_layout"]
+__all__ = ["SEGMENTS_KWARG", "SegmentLayout", "segment_layout", "segment_per_row"]
 
 SEGMENTS_KWARG = "packed_segments"
 
@@ -76,6 +76,21 @@ def segment_layout(cu_seqlens: torch.Tensor, row_length: int, align: int = 1,
     starts = torch.zeros(rows * width, dtype=torch.bool)
     starts[row * width + start] = True
     return SegmentLayout(to_rows.view(rows, width), place, starts.view(rows, width))
+
+
+def segment_per_row(cu_seqlens: torch.Tensor) -> SegmentLayout:
+    """One row per segment, ``[S, M]`` (``M`` the longest; zeros after each end): the layout of a
+    mixer whose state has no reset to hand (every row starts from its own zero state)."""
+    cu = cu_seqlens.to("cpu", torch.long)
+    lengths = cu[1:] - cu[:-1]
+    if lengths.numel() == 0 or bool((lengths <= 0).any()):
+        raise ValueError(f"{SEGMENTS_KWARG}: cu_seqlens must rise strictly from 0, got {cu.tolist()}")
+    total, width = int(cu[-1]), int(lengths.max())
+    col = torch.arange(width)
+    to_rows = torch.where(col[None, :] < lengths[:, None], cu[:-1, None] + col[None, :], total)
+    seg = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    to_packed = seg * width + (torch.arange(total) - cu[:-1][seg])
+    return SegmentLayout(to_rows, to_packed, col[None, :].expand(len(lengths), width) == 0)
 
 
 def _aligned_starts(rows: list, lengths: list, align: int, gap: int) -> torch.Tensor:

@@ -7,6 +7,8 @@ states."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ray_dhp.models.contract import check_features_consumed
@@ -185,9 +187,11 @@ class TextPhase:
         if rope is None:  # 1-D positions
             pos = torch.arange(length).expand(rows, length)
         else:
-            pos = torch.zeros(3, rows, length, dtype=torch.long)
-            for i, s in enumerate(samples):
-                pos[:, i, :s.num_tokens] = sample_positions(s, rope, False)
+            own = [sample_positions(s, rope, False) for s in samples]  # long, or fractional times
+            pos = torch.zeros(3, rows, length, dtype=functools.reduce(
+                torch.promote_types, [p.dtype for p in own], torch.long))
+            for i, (s, p) in enumerate(zip(samples, own)):
+                pos[:, i, :s.num_tokens] = p
         return {"input_ids": cut(batch["input_ids"]), "mm_token_type_ids": cut(batch["mm_token_type_ids"]),
                 "targets": cut(shift_labels(batch["labels"])),
                 "sample_ids": cut(sample_ids_of(batch, samples)), "position_ids": cut(pos),

@@ -220,7 +220,8 @@ GENERIC_LAYOUTS = {
 }
 #: the generic families whose LM plan refuses text sequence parallelism (the driver says why:
 #: LFM2's plan shards only the embedding; `tests/unit/test_text_sp_plans.py` keeps this current)
-GENERIC_NO_TEXT_SP = ("lfm2_vl", "lfm3_vl", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr", "gemma4")
+GENERIC_NO_TEXT_SP = ("lfm2_vl", "lfm3_vl", "minicpmv4_6", "minicpmv4_7", "minicpm_ocr", "gemma4",
+                      "mistral_large4", "qwen4_exp")
 #: text SP with activation checkpointing, disjoint (recomputed sharded blocks; `AfterLayers`'s
 #: check across the recompute) where the derived plan has each kind of region: Gemma 3 (four
 #: norms, Megatron regions), Kimi-K2.5 (MLA attention gathered, a sparse block sliced)

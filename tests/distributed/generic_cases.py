@@ -86,12 +86,26 @@ LFM2_VL = dict(loss_tol=1e-7, param_tol=1e-6, update_tol=1e-6, grad_tol=1e-6)
 # rows run 2 steps (`STEPS`), held to 1e-4 (as Cohere's), the loss and grad-norm to 4e-6 (about
 # ten times that grad-norm).
 GEMMA4 = dict(loss_tol=4e-6, param_tol=1e-4, update_tol=1e-4, grad_tol=1e-4)
+# Mistral Large 4 (an MLA LM with DeepSeek-style routing) keeps two parameters in fp32 inside an
+# fp64 model: its router (``mlp.gate``) and a trained rotary parameter (``rotary_emb.alpha``); their
+# gradients are fp32 sums over the tokens. The stock model's own gradients over four samples in
+# one call vs 2 + 2 differ by 8.1e-7 (``alpha``) and 1.3e-7 (the router), every fp64 weight by
+# < 4.2e-16 (measured). With text ZeRO-3 DP2 (3 steps) the attention's per-head softmax scaling
+# follows (parameters 6.0e-9, its step-3 gradient 2.3e-7); collocated DP2 + TP2 and disjoint
+# 1 + TP2 (one text replica) within 1e-10. Held to the router tolerance of GLM-4.5V.
+# MiniMax-M3-VL's Gemma-style RMSNorms compute in fp32 (``self._norm(x.float())``, ``1 + w``):
+# measured with text ZeRO-3 DP2 / text SP (3 steps) their gradients 1.5e-7 / 1.4e-7, parameters
+# and updates 1.0e-7 / 8.2e-8, nothing else out of 1e-10; held to Gemma 3's tolerance.
+# Qwen4-Exp's language model is Qwen3.5-like (zero-centred fp32 RMSNorms, the Gated DeltaNet's
+# ``A_log`` in fp32): with text ZeRO-3 DP2 (3 steps) gradients 1.4e-5 by step 3, updates 6.0e-6,
+# parameters 5.1e-7, as MiniCPM-V 4.6's (same LM kind); held to 1e-4 as those.
 STEPS = {"gemma4": 2}  # runs shorter than `tests.distributed.parity.CFG`'s 3 steps (reason above)
 TOLS = {"llama4": LFM2_VL, "minicpmv4_6": COHERE, "minicpmv4_7": COHERE, "minicpm_ocr": COHERE,
         "gemma3": GEMMA, "gemma4": GEMMA4, "paligemma": GEMMA, "shieldgemma2": GEMMA, "aya_vision": COHERE,
         "cohere2_vision": COHERE, "glm4v": GLM, "glm46v": GLM, "glmga": GLM, "glm4v_moe": GLM_MOE,
         "lfm2_vl": LFM2_VL, "cosmos3_edge": LFM2_VL, "kimi_k25": GLM_MOE, "got_ocr2": dict(TOL, grad_tol=1e-8), "pp_chart2table": dict(TOL, grad_tol=1e-8),
-        "llava_onevision1_5": LFM2_VL, "ernie4_5_vl_moe": GLM_MOE}
+        "llava_onevision1_5": LFM2_VL, "ernie4_5_vl_moe": GLM_MOE, "mistral_large4": GLM_MOE,
+        "minimax_m3_vl": GEMMA, "qwen4_exp": COHERE}
 # A key projection's bias in a tower without rotary positions (CLIP's, SigLIP's) has an exact
 # gradient of 0 (it adds ``q . b`` to every logit of a query, which the softmax cancels): both
 # runs' gradients are rounding noise, and AdamW turns noise into O(lr) steps of either sign.
@@ -118,3 +132,14 @@ ROTARY_KEY_BIAS = ("paddleocr_vl",)
 VISION_SP = ("gemma3", "llava", "paligemma", "aya_vision", "cohere2_vision", "mistral3", "idefics3",
              "smolvlm", "lighton_ocr", "shieldgemma2", "video_llava", "lfm2_vl", "llama4", "gemma4",
              "llava_onevision", "llava_next", "llava_next_video")
+
+
+def lfm2_vl_hybrid_config():
+    """The tiny LFM2-VL with LFM2's hybrid decoder (transformers' default config has attention
+    only: the released models list ``full_attn_idxs``): a short-convolution layer, then an
+    attention layer (the packing rows, `test_packing.py`)."""
+    from ray_dhp import demo
+
+    config = demo.tiny_model_config("lfm2_vl")
+    config.text_config.layer_types = ["conv", "full_attention"]
+    return config

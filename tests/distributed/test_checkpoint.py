@@ -277,3 +277,44 @@ def test_packed_resume_mid_epoch_matches_uninterrupted(data, tmp_path):
     assert second["first"] == 3
     assert first["drawn"] + second["drawn"] == [[[s.index for s in mb] for mb in st] for st in steps]
     assert_matches(first["history"] + second["history"], second, ref)
+
+
+@pytest.mark.slow
+def test_omni_packed_resume_mid_epoch_at_expert_parallel(tmp_path):
+    """The Qwen3-Omni thinker packed (rows of at most 340 tokens: images, clips, the image + clip
+    record, text and 335-token videos): 3 steps collocated at vision SP2 / audio DP2 / text TP2,
+    saved mid-epoch (12 of the 13 records drawn), resumed at vision DP2 / audio DP2 / text DP2
+    with expert parallelism EP2 (the experts resharded, the packed rows shared out over two
+    text replicas), 3 more steps (into the next epoch) == 6 uninterrupted reference steps. The
+    loss 1e-8 and the audio key biases left out, as the family's matrix row
+    (`family_rows.OMNI3`: the router loss's fp32 sums; an exact zero gradient)."""
+    from dataclasses import replace
+
+    from ray_dhp.data.collate import pack_rows
+    from ray_dhp.demo.omni import make_omni_dataset
+    from ray_dhp.parallel.topology import EncoderDegrees
+    from ray_dhp.step.reference import ReferenceTrainer
+    from tests.distributed.family_checks import OMNI3_ZERO_GRAD
+    from tests.distributed.omni_cases import CLIP_SECONDS
+
+    family = "qwen3_omni_moe"
+    data = str(make_omni_dataset(tmp_path / "data", videos=2, clip_seconds=CLIP_SECONDS[family]))
+    cfg = replace(CFG, packing=True, max_tokens=340)
+    sampler = _sampler(data, cfg, family)
+    trainer = ReferenceTrainer(demo.tiny_model_config(family), cfg.optim, precision=cfg.precision, dtype=DTYPE)
+    steps = [sampler.next_step() for _ in range(cfg.optim.num_steps)]
+    ref = {"history": [trainer.step(s) for s in steps], "params": trainer.named_parameters()}
+    rows = [pack_rows([s.num_tokens for s in mb], cfg.data.max_tokens) for st in steps for mb in st]
+    assert any(len(r) > 1 for rs in rows for r in rs)  # rows hold several samples
+    assert any(s.audio_lengths is not None for st in steps[:3] for mb in st for s in mb)
+    audio = {"audio": EncoderDegrees(dp=2)}
+    before = dict(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1, text_tp=2, encoders=audio)
+    after = dict(placement="collocated", vision_dp=2, vision_sp=1, text_dp=2, text_tp=1, text_ep=2,
+                 encoders=audio)
+    root = str(tmp_path / "ckpt")
+    first = run(before, data, stop=3, save_at=(3,), ckpt_root=root, cfg=cfg, family=family)
+    second = run(after, data, resume_from=root, cfg=cfg, family=family)
+    assert second["first"] == 3
+    assert first["drawn"] + second["drawn"] == [[[s.index for s in mb] for mb in st] for st in steps]
+    assert_matches(first["history"] + second["history"], second, ref, loss_tol=1e-8,
+                   skip=OMNI3_ZERO_GRAD)

@@ -16,8 +16,12 @@ take no vision SP): LLaVA (default run; also disjoint), Mistral 3, Idefics3 (1-D
 GLM-4V (M-RoPE from its get_rope_index), PaliGemma (bidirectional image prefix), Aya Vision
 (sliding-window layers), GLM-4.5V (a mixture-of-experts LM, at text DP2 with EP2: the router
 loss counts the packed rows' real tokens), every other generic family that packs (one row each),
-LLaVA with text ZeRO-3 and with LoRA; Gemma 3 and LFM-VL are refused with the reason (the
-last test). Qwen3-VL-MoE packs at SP2/TP2 (`LOSS_TOL`).
+LLaVA with text ZeRO-3 and with LoRA; Gemma 3 and ShieldGemma 2 (image blocks on sliding-window
+layers: each sample's masks built alone, `ray_dhp.models.packed_masks`) at vision SP2 + text TP2
+and disjoint 1 + TP2, with a negative control (transformers' own packed masks); LFM3-VL and
+LFM2-VL with LFM2's hybrid decoder (short convolutions run one row per sample, their mixers read
+from the module tree) at vision DP2 or SP2 + TP2 and disjoint 1 + TP2. What stays refused is
+refused with the reason (the last test). Qwen3-VL-MoE packs at SP2/TP2 (`LOSS_TOL`).
 
 Tolerance (fp64): 1e-10 relative on loss, grad-norm, every parameter, every update and (Qwen3.5
 rows) every clipped gradient. Packing changes only summation orders: inside attention (a longer,
@@ -39,8 +43,8 @@ Generic families take test_generic.py's tolerances (``TOLS``: Gemma/Cohere/GLM n
 position-table gradients summed over vision DP2 or text DP in another order, up to 1e-6..1e-4 on
 updates, loss 1e-7; 1e-10 otherwise) and skip its ``ZERO_GRAD`` key biases (exact gradient 0,
 noise in both runs): the layout's own reorderings, which packing leaves unchanged. A packed sample
-seeing another's tokens is an O(1e-4..1e-2) loss error (measured: Gemma 3 1e-4, LLaVA with the
-mask's packed detection off 1e-3).
+seeing another's tokens is an O(1e-6..1e-2) loss error (measured: Gemma 3 with transformers' own
+packed masks 2.7e-6..2.5e-4, LLaVA with the mask's packed detection off 1e-3).
 
 `FP32_SUMS` (Qwen3.5 families): their RMSNorm weights compute in fp32 even in an fp64 model
 (``x.float()``, ``weight.float()``; the Gated DeltaNet's ``A_log`` through ``A_log.float()``),
@@ -53,6 +57,7 @@ sums routing probabilities in fp32 (~1e-7 of a term weighing ~1e-2 of the loss,
 test_qwen3_5_moe.py).
 """
 
+import inspect
 from dataclasses import replace
 
 import pytest
@@ -62,7 +67,7 @@ from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.fp64_recurrence import fp64_delta_rule
 from tests.distributed.parity import (packable_steps, GENERIC_FAMILIES, assert_parity, copy_errors,
                                       reference_fixture, run_engine, run_reference)
-from tests.distributed.generic_cases import TOL, TOLS, ZERO_GRAD
+from tests.distributed.generic_cases import TOL, TOLS, ZERO_GRAD, lfm2_vl_hybrid_config
 
 CFG = TrainLoopConfig(lr=1e-3, global_batch_size=8, micro_batches=2, num_steps=3,
                       max_grad_norm=0.5, weight_decay=0.1, lr_schedule="cosine", warmup_steps=1,
@@ -112,6 +117,14 @@ CASES = [
     ("paligemma", "dp2v-tp2", GENERIC_TP2, 80, False),  # bidirectional image prefix blocks
     ("paligemma", "dp2v-tp2-text-sp", dict(GENERIC_TP2, text_sequence_parallel=True), 80, False),
     ("aya_vision", "dp2v-tp2", GENERIC_TP2, 80, False),  # sliding-window layers
+    # sliding-window layers with image blocks: each sample's masks built alone (`packed_masks`)
+    ("gemma3", "sp2v-tp2", TP2, 80, False),
+    ("gemma3", "disjoint-1v-tp2", DISJOINT_TP2, 80, False),
+    ("gemma3", "sp2v-tp2-text-sp", TEXT_SP, 80, False),  # the masks on the gathered sequence
+    ("shieldgemma2", "sp2v-tp2", TP2, 80, False),
+    # short causal convolutions, one row per sample (`stateful_mixers` read from the module tree)
+    ("lfm3_vl", "dp2v-tp2", GENERIC_TP2, 80, False),
+    ("lfm3_vl", "disjoint-1v-tp2", DISJOINT_TP2, 80, False),
     # every other generic family that packs (unit/test_packing.py's per-sample logits), one row
     *[(f, "dp2v-tp2", GENERIC_TP2, 80, False)
       for f in ("cohere2_vision", "smolvlm", "glm46v", "lighton_ocr", "glmga",
@@ -243,21 +256,6 @@ def _without_state_reset():
         family, stateful_mixers=(replace(spec, chunk=1, window="", resetting=no_reset),))
 
 
-def test_qwen3_5_packed_without_state_reset_fails_parity(padded_reference):
-    """The negative control of the Qwen3.5 rows: the same case (SP2/TP2) without the reset is
-    far out of tolerance — the loss itself, not only some weights (measured 4.7e-5..7.2e-5 relative
-    per step: the tiny random model's decaying state carries little across a boundary; the
-    bound 1e-6 is 10^4 times the case's tolerance)."""
-    _, steps, ref = padded_reference("qwen3_5")
-    got = run_engine("qwen3_5", TP2, replace(CFG, packing=True), steps, torch.float64,
-                     grads=True, prepare=_without_state_reset)
-    loss_errs = [abs(g["loss"] - r["loss"]) / r["loss"] for g, r in zip(got["history"], ref["history"])]
-    print("loss relative errors without the reset", loss_errs)
-    assert min(loss_errs) > 1e-6, loss_errs
-    with pytest.raises(AssertionError, match="out of tolerance"):
-        assert_packed_parity("qwen3_5", got, ref)
-
-
 @pytest.mark.slow
 def test_packed_bf16_autocast_tracks_fp32(padded_reference):
     """bf16 autocast with packing and TP=2 runs and its loss stays within 0.1% of the padded fp32
@@ -271,19 +269,74 @@ def test_packed_bf16_autocast_tracks_fp32(padded_reference):
         assert abs(g["loss"] - r["loss"]) <= 1e-3 * r["loss"], (g["loss"], r["loss"])
 
 
-@pytest.mark.parametrize("family, match", [
-    ("gemma3", "sliding-window layers attend bidirectionally inside an image"),
-    ("lfm3_vl", "'conv' layers, which would carry state across packed samples")])
-def test_generic_packing_refused_with_the_reason(family, match):
+@pytest.mark.slow
+@pytest.mark.parametrize("name, layout", [("sp2v-tp2", TP2), ("disjoint-1v-tp2", DISJOINT_TP2)])
+def test_lfm2_vl_hybrid_packed_equals_padded_fp64(name, layout, tmp_path):
+    """LFM2-VL with LFM2's hybrid decoder (a short-convolution layer, then attention; the
+    released models' layout, which transformers' default config lacks): the conv layers run one
+    row per sample, the attention layer per sample; LFM2-VL's tolerances (`TOLS`)."""
+    config = lfm2_vl_hybrid_config()
+    cfg = replace(CFG, packing=False)
+    steps = packable_steps(tmp_path, "lfm2_vl", cfg)
+    ref = run_reference("lfm2_vl", cfg, steps, torch.float64, model=config)
+    got = run_engine("lfm2_vl", layout, replace(CFG, packing=True), steps, torch.float64,
+                     grads=True, model=config)
+    assert_packed_parity("lfm2_vl", got, ref)
+
+
+def _gemma3_transformers_masks():
+    """Rank side of Gemma 3's negative control: its packed rows keep transformers' own packed
+    masks (the image blocks of its sliding-window layers looked up at packed positions)."""
+    import ray_dhp.models as models
+    from ray_dhp import demo
+
+    models._BY_MODEL_TYPE["gemma3"] = replace(models.family_of(demo.tiny_model_config("gemma3")),
+                                              packed_masks=False)
+
+
+@pytest.mark.parametrize("family, prepare", [
+    ("qwen3_5", _without_state_reset),
+    pytest.param("gemma3", _gemma3_transformers_masks, marks=pytest.mark.slow)])
+def test_packed_without_the_sample_boundaries_fails_parity(family, prepare, padded_reference):
+    """The negative controls (SP2/TP2): Qwen3.5 without the recurrent layers' reset, Gemma 3
+    without the per-sample masks, are far out of tolerance — the loss itself, not only some
+    weights (measured: Qwen3.5 5e-5..7e-5 relative per step, the tiny random model's decaying
+    state carries little across a boundary; Gemma 3 2.1e-4, 2.5e-4, 2.7e-6; the bound 1e-6 is 10^4 times
+    Qwen3.5's tolerance, 10 times Gemma 3's)."""
+    _, steps, ref = padded_reference(family)
+    got = run_engine(family, TP2, replace(CFG, packing=True), steps, torch.float64,
+                     grads=True, prepare=prepare)
+    loss_errs = [abs(g["loss"] - r["loss"]) / r["loss"] for g, r in zip(got["history"], ref["history"])]
+    assert min(loss_errs) > 1e-6, loss_errs
+    with pytest.raises(AssertionError, match="out of tolerance"):
+        assert_packed_parity(family, got, ref)
+
+
+def test_generic_packing_refused_with_the_reason():
     """Generic families whose packed rows would not compute what their samples compute alone are
-    refused in the driver (`ray_dhp.models.generic_packing`): Gemma 3 (``token_type_ids`` image
-    blocks on sliding-window layers; measured packed != one per row at 1e-4 of the loss) and
-    LFM-VL's short-convolution layers; the ones rows cover above pack, with their positions."""
+    refused in the driver (`ray_dhp.models.generic_packing`): MiniCPM-V 4.7's ``get_rope_index``
+    takes other arguments than each sample's positions are computed with; Gemma 3 without a
+    static ``create_masks_for_generate`` (its image blocks on sliding-window layers) would be;
+    the ones rows cover above pack, with their positions (and LFM3-VL's short convolutions as
+    stateful mixers read from its module tree)."""
+    import transformers
+
     from ray_dhp import demo
     from ray_dhp.models import family_of
+    from ray_dhp.models.generic_packing import packing_rule
 
-    config = demo.tiny_model_config(family)
-    with pytest.raises(ValueError, match=f"data.packing.*{match}"):
+    config = demo.tiny_model_config("minicpmv4_7")
+    with pytest.raises(ValueError, match="data.packing.*its get_rope_index takes"):
         family_of(config).validate_layout(config, sp=1, tp=1, packing=True)
+    gemma = demo.tiny_model_config("gemma3")
+    with torch.device("meta"):
+        model = transformers.Gemma3ForConditionalGeneration(gemma)
+    params = tuple(inspect.signature(type(model).forward).parameters)
+    rule = packing_rule(model.model, model.model.language_model, gemma.text_config, params)
+    assert not rule["packing"] and "create_masks_for_generate" in rule["packing_reason"]
+    assert packing_rule(model.model, model.model.language_model, gemma.text_config, params,
+                        type(model))["packed_masks"]
+    assert family_of(demo.tiny_model_config("lfm3_vl")).stateful_mixers == (
+        ("layers.0.conv", "out_proj"), ("layers.1.conv", "out_proj"))  # read from the module tree
     assert family_of(demo.tiny_model_config("llava")).packed_positions == "1d"
     assert family_of(demo.tiny_model_config("glm4v")).packed_positions == "mrope"

@@ -31,7 +31,9 @@ TOL = {"gemma3": 1e-7, "paligemma": 1e-7, "shieldgemma2": 1e-7, "aya_vision": 1e
        "lfm2_vl": 1e-7, "cosmos3_edge": 1e-7, "kimi_k25": 1e-7,
        # Gemma 4's tower pools in fp32 (its features depend on which images share a call): its
        # losses drift up to 2.6e-8 in test_families.py's 3-step vision DP2 runs (generic_cases.py)
-       "gemma4": 1e-7}
+       "gemma4": 1e-7,
+       # fp32 routers / norms / a rotary parameter inside the stock models (generic_cases.py)
+       "mistral_large4": 1e-7, "minimax_m3_vl": 1e-7, "qwen4_exp": 1e-7}
 
 
 def _trainer(family: str, data: str, storage: str, model_dir: str = None):

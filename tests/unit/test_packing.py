@@ -329,14 +329,20 @@ def test_refused_where_not_plain_causal_inside_a_sample():
     assert "'eager'" in install_segment_attention(lm) and lm.config._attn_implementation == "eager"
 
 
-def _generic_logits(family_name, dataset):
+def _generic_logits(family_name, dataset, config=None, spec=None, segments=False):
     """``(samples, padded, packed, padded logits, packed logits)`` of a generic family's tiny
-    fp64 model, each forward's keywords as the family hands them to the stock forward."""
+    fp64 model (``config``: another config of it; ``spec``: another `FamilySpec` for it), each
+    forward's keywords as the family hands them to the stock forward; ``segments``: its
+    `stateful_mixers` run one row per sample (`install_segment_rows`), the packed forward given
+    the batch's ``cu_seqlens`` as the engine gives them."""
     from ray_dhp.models import family_of
+    from ray_dhp.models.segments import SEGMENTS_KWARG, install_segment_rows
 
-    config = tiny_model_config(family_name)
-    spec, samples = family_of(config), _samples(family_name, dataset)
+    config = config or tiny_model_config(family_name)
+    spec, samples = spec or family_of(config), _samples(family_name, dataset)
     model = build_model(config, seed=0, dtype=torch.float64).eval()
+    if segments:
+        assert install_segment_rows(spec.language_model(model), spec.stateful_mixers) > 0
     pad_id = config.get_text_config().pad_token_id or 0
     padded = pad_text_batch(samples, pad_id)
     packed = pack_text_batch(samples, pad_id, MAX_TOKENS, rope_index=spec.rope_index(model),
@@ -349,6 +355,8 @@ def _generic_logits(family_name, dataset):
         kw = spec.stock_inputs(config, {**{k: v for k, v in kw.items() if v is not None},
                                         "use_cache": False})
         kw["pixel_values"] = kw["pixel_values"].double()
+        if segments and batch is packed:
+            kw[SEGMENTS_KWARG] = packed["cu_seqlens"]
         with torch.no_grad():
             logits.append(model(**kw).logits)
     return samples, packed, logits[0], logits[1]
@@ -382,41 +390,40 @@ def test_generic_packed_forward_equals_padded_fp64(family, dataset):
     assert _max_sample_error(*_generic_logits(family, dataset)) <= tol
 
 
-def test_gemma3_packed_forward_differs_which_is_why_it_is_refused(dataset):
-    """The measurement behind Gemma 3's refusal: its sliding-window layers' image blocks are
-    looked up at packed positions, so a packed sample attends where it would not alone (a text
-    sample packed after an image sample; measured 0.79 of the row's largest logit)."""
+@pytest.mark.parametrize("family", ["gemma3", pytest.param("shieldgemma2", marks=pytest.mark.slow)])
+def test_gemma3_packed_masks_per_sample_fp64(family, dataset):
+    """Gemma 3's sliding-window layers read their image blocks through a mask rule transformers
+    evaluates at packed positions: packed, the masks are built per sample by the model's own
+    ``create_masks_for_generate`` (`ray_dhp.models.packed_masks`) and each sample's logits equal
+    its padded row's within 1e-12 (fp64; measured 0). The negative control: the same packed rows
+    with transformers' own packed-mask detection (``packed_masks`` off) differ (a text sample
+    packed after an image sample attends where it would not alone; measured 0.79 of the row's
+    largest logit)."""
     from ray_dhp.models import family_of
 
-    assert not family_of(tiny_model_config("gemma3")).packing
-    assert _max_sample_error(*_generic_logits("gemma3", dataset)) > 1e-3
+    spec = family_of(tiny_model_config(family))
+    assert spec.packing and spec.packed_masks and not spec.segment_attention
+    assert _max_sample_error(*_generic_logits(family, dataset)) <= 1e-12
+    old = replace(spec, packed_masks=False)
+    assert _max_sample_error(*_generic_logits(family, dataset, spec=old)) > 1e-3
 
 
-def test_omni_thinker_packed_forward_equals_padded_fp64(tmp_path):
-    """The Qwen2.5-Omni thinker (`FamilySpec.rope_index`: its own ``get_rope_index`` behind the
-    Qwen-VL signature, each sample's clip lengths handed in): an image, a clip, a record with an
-    image and a clip, and text-only records pack into rows whose audio placeholders take the
-    clips in order; each sample's logits equal its padded row's within 1e-12 (measured: equal
-    bitwise). Positions that ignored the image (the 1-D fallback for the image + clip record) are
-    O(1) off. A record with its clip before its image (``AUDIO_FIRST``) needs the clip's length
-    to place the image: get_rope_index without it, or with another, raises."""
-    from ray_dhp.config.train_loop import TrainLoopConfig
-    from ray_dhp.models import FAMILIES
-    from ray_dhp.models.qwen2_5_omni import audio_inputs
-    from tests.distributed.omni_cases import AUD, AUDIO_FIRST, BOTH, IMG, TXT, omni_records
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["lfm3_vl", "lfm2_vl"])
+def test_short_conv_packed_one_row_per_sample_fp64(family, dataset):
+    """LFM-VL's short causal convolution (``conv`` layer types) carries its window along the
+    sequence: the generic family reads its mixers from the module tree (the layer's child with a
+    ``layer_idx``, its one projection back to the hidden width: ``layers.i.conv``, ``out_proj``)
+    and runs them one row per sample (`ray_dhp.models.segments`): each sample's logits equal its
+    padded row's within 1e-12 (fp64; measured 0 to 4e-16). The negative control: without the
+    reset the window runs into the next sample (measured 0.55 of the row's largest logit)."""
+    from ray_dhp.models import family_of
+    from tests.distributed.generic_cases import lfm2_vl_hybrid_config
 
-    records = omni_records(tmp_path, TrainLoopConfig(), audio_first=True)
-    samples = [records[i] for i in (IMG[0], AUD[0], BOTH, TXT[0], AUDIO_FIRST, IMG[1])]
-    assert records[AUDIO_FIRST].audio_lengths is not None
-    family, config = FAMILIES["qwen2_5_omni"], tiny_model_config("qwen2_5_omni")
-    model = build_model(config, seed=0, dtype=torch.float64).eval()
-    padded = pad_text_batch(samples, 0)
-    packed = pack_text_batch(samples, 0, 180, rope_index=family.rope_index(model))
-    assert pack_rows([s.num_tokens for s in samples], 180) == [range(0, 3), range(3, 6)]
-    audio = audio_inputs(samples)
-    common = dict(pixel_values=padded["pixel_values"].double(), image_grid_thw=padded["image_grid_thw"],
-                  input_features=audio["input_features"].double(),
-                  feature_attention_mask=audio["feature_attention_mask"], use_cache=False)
-    assert_packed_logits_equal(model, samples, padded, packed, common)
-    both = packed["position_ids"][1:, packed["sample_ids"] == 2]  # the image + clip record
-    assert not torch.equal(both, torch.arange(both.shape[1]).expand(3, -1))
+    config = lfm2_vl_hybrid_config() if family == "lfm2_vl" else tiny_model_config(family)
+    spec = family_of(config)
+    types = config.get_text_config().layer_types
+    assert spec.packing and spec.stateful_mixers == tuple(
+        (f"layers.{i}.conv", "out_proj") for i, t in enumerate(types) if t == "conv")
+    assert _max_sample_error(*_generic_logits(family, dataset, config, segments=True)) <= 1e-12
+    assert _max_sample_error(*_generic_logits(family, dataset, config)) > 1e-3

@@ -83,12 +83,13 @@ def test_presets_have_the_published_sizes(preset, total):
     assert round((counts.vision + counts.text) / 1e9, 2) == total
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", FAMILY, "qwen2_5_omni"])
-def test_driver_takes_packing_and_refuses_it_for_gemma3(family, tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_5", FAMILY, "qwen2_5_omni", "qwen3_omni_moe"])
+def test_driver_takes_packing_and_refuses_it_where_it_cannot(family, tmp_path):
     """The recurrent families pack (their Gated DeltaNet layers run one row per packed sample,
-    tests/distributed/test_packing.py), so does the Qwen2.5-Omni thinker (its own
-    get_rope_index, tests/distributed/test_omni_packing.py); a family that cannot pack (Gemma 3,
-    `ray_dhp.models.generic_packing`) fails in the driver naming the key, from a run file
+    tests/distributed/test_packing.py), so do the Qwen-Omni thinkers (their own
+    get_rope_index, tests/distributed/test_omni_packing.py); a family that cannot pack
+    (MiniCPM-V 4.7: its get_rope_index takes other arguments, `ray_dhp.models.generic_packing`;
+    Gemma 3 packs now) fails in the driver naming the key, from a run file
     (``data.packing``) or the Python API (``train_loop_config.packing``), before any worker
     starts."""
     import ray.train
@@ -98,9 +99,9 @@ def test_driver_takes_packing_and_refuses_it_for_gemma3(family, tmp_path):
     from ray_dhp.train.trainer import DisaggregatedTrainer
 
     load_run_file(None, [f"model.demo={family}", "data.packing=true"]).validate()
-    with pytest.raises(ValueError, match=r"data.packing=true is not covered for the gemma3 "):
-        load_run_file(None, ["model.demo=gemma3", "data.packing=true"]).validate()
-    refused = "gemma3"
+    refused = "minicpmv4_7"
+    with pytest.raises(ValueError, match=rf"data.packing=true is not covered for the {refused} "):
+        load_run_file(None, [f"model.demo={refused}", "data.packing=true"]).validate()
     data = tmp_path / "data.jsonl"  # the datasets are checked first: one that exists
     data.write_text("")
     dhp = DHPConfig(model=demo.tiny_model_config(refused), processor=demo.tiny_processor(refused))
