@@ -1,22 +1,21 @@
 """Published model dimensions, usable without weights (``model: {family: ..., preset: ...}``).
 
-The dimensions are those of the public Hugging Face ``config.json`` files of Qwen2.5-VL,
-Gemma 3 (4B/12B/27B: the variant table of transformers' ``convert_gemma3_weights.py``, with the
-released checkpoints' 262,208-token vocabulary), LLaVA-1.5 (``llava-hf/llava-1.5-{7b,13b}-hf``:
-CLIP ViT-L/14 at 336 px + Vicuna), Mistral Small 3.1 (``Mistral-Small-3.1-24B``: Pixtral tower +
-Mistral text), Idefics3 (``Idefics3-8B-Llama3``: SigLIP at 364 px + Llama 3 8B), GLM-4.1V
-(``GLM-4.1V-9B``: its ViT on patch rows + GLM-4 9B), 
-Qwen2.5-Omni (its thinker, below) and Qwen3.5 (9B: transformers' own ``Qwen3_5Config`` defaults, its "Qwen3.5-9B style
-configuration"; 27B: the released ``Qwen/Qwen3.5-27B`` text config), Qwen3.5-MoE (below) and
-Qwen3-VL-MoE; only the
-fields that shape parameters, parallel degrees and memory are listed (token ids included so a
-config built from them is complete). `ray-dhp plan` builds such a model on the meta device to
-count parameters per rank; nothing is downloaded.
+`preset_dims` is the one entry point; this module holds the families with a file of their own
+(``ray_dhp/models/``), `ray_dhp.cli.presets_generic` those the generic family runs (its sources
+are listed there). The dimensions here are those of the public Hugging Face ``config.json`` files
+of Qwen2.5-VL, Qwen2.5-Omni (its thinker, below), Qwen3.5 (9B: transformers' own
+``Qwen3_5Config`` defaults, its "Qwen3.5-9B style configuration"; 27B: the released
+``Qwen/Qwen3.5-27B`` text config), Qwen3.5-MoE, Qwen3-VL (dense, below), Qwen3-VL-MoE and
+InternVL3 (below); only the fields that shape parameters, parallel degrees and memory are listed
+(token ids included so a config built from them is complete). `ray-dhp plan` builds such a model
+on the meta device to count parameters per rank; nothing is downloaded.
 """
 
 from __future__ import annotations
 
 import copy
+
+from ray_dhp.cli.presets_generic import GENERIC_PRESETS
 
 _QWEN2_5_VL_VISION = {
     "depth": 32, "hidden_size": 1280, "num_heads": 16, "intermediate_size": 3456,
@@ -125,6 +124,24 @@ def _qwen3_vl_moe(hidden: int, layers: int, heads: int, moe_intermediate: int,
     }
 
 
+
+# Qwen3-VL dense (Qwen/Qwen3-VL-4B-Instruct config.json, vendored with its vision_config in public
+# repos; Qwen/Qwen3-VL-8B-Instruct: 36 layers of width 4096, 32 heads / 8 KV heads, the 27-block
+# 1152-wide ViT of the 8B and 32B, 262,144 positions, as public notes on its config.json state, and
+# a Qwen3-8B FFN of 12288 - the count then equals its BF16 index's total_size / 2 exactly).
+_QWEN3_VL_4B_VISION = {**_QWEN3_VL_VISION, "depth": 24, "hidden_size": 1024,
+                       "intermediate_size": 4096, "deepstack_visual_indexes": [5, 11, 17]}
+
+
+def _qwen3_vl(vision: dict, hidden: int, layers: int, intermediate: int, tied: bool) -> dict:
+    out = _qwen3_vl_moe(hidden, layers, 32, 0, intermediate)
+    drop = ("moe_intermediate_size", "num_experts", "num_experts_per_tok", "decoder_sparse_step",
+            "mlp_only_layers", "router_aux_loss_coef")
+    text = {k: v for k, v in out["text_config"].items() if k not in drop}
+    text.update({"num_key_value_heads": 8, "tie_word_embeddings": tied})
+    return {**out, "model_type": "qwen3_vl", "vision_config": {**vision, "out_hidden_size": hidden},
+            "text_config": text, "tie_word_embeddings": tied}
+
 # InternVL3 (OpenGVLab/InternVL3-*-hf, transformers' ``internvl``): InternViT-300M-448px-V2.5
 # (1B-14B: 24 layers, width 1024, 16 heads, LayerNorm) or InternViT-6B-448px-V2.5 (38B, 78B: 45
 # layers, width 3200, 25 heads, RMSNorm with q/k norm), 448-px tiles of 14-px patches, pixel
@@ -184,120 +201,7 @@ def _qwen2_5_omni(hidden: int, layers: int, heads: int, kv_heads: int, intermedi
     }
 
 
-# -- generic families (any transformers VLM with the mm_encoder_outputs seam, models/generic.py) --
-
-_GEMMA3_VISION = {  # SigLIP so400m at 896 px: 4,096 patches pooled to 256 soft tokens per image
-    "hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27,
-    "num_attention_heads": 16, "num_channels": 3, "image_size": 896, "patch_size": 14,
-    "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6, "vision_use_head": False,
-}
-
-
-def _gemma3(hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
-            query_scale: int) -> dict:
-    return {
-        "model_type": "gemma3",
-        "vision_config": dict(_GEMMA3_VISION),
-        "text_config": {
-            "hidden_size": hidden, "intermediate_size": hidden * 4, "num_hidden_layers": layers,
-            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-            "vocab_size": 262208, "sliding_window": 1024, "query_pre_attn_scalar": query_scale,
-            "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
-        },
-        "mm_tokens_per_image": 256, "image_token_index": 262144, "boi_token_index": 255999,
-        "eoi_token_index": 256000,
-    }
-
-
-_CLIP_L_336 = {  # CLIP ViT-L/14 at 336 px: 576 patches per image
-    "model_type": "clip_vision_model", "hidden_size": 1024, "intermediate_size": 4096,
-    "num_hidden_layers": 24, "num_attention_heads": 16, "image_size": 336, "patch_size": 14,
-    "projection_dim": 768,
-}
-
-
-def _llava_1_5(hidden: int, layers: int, heads: int, intermediate: int) -> dict:
-    return {
-        "model_type": "llava",
-        "vision_config": dict(_CLIP_L_336),
-        "text_config": {
-            "model_type": "llama", "hidden_size": hidden, "intermediate_size": intermediate,
-            "num_hidden_layers": layers, "num_attention_heads": heads,
-            "num_key_value_heads": heads, "vocab_size": 32064, "max_position_embeddings": 4096,
-            "rms_norm_eps": 1e-5,
-        },
-        "image_token_index": 32000, "vision_feature_layer": -2,
-        "vision_feature_select_strategy": "default", "projector_hidden_act": "gelu",
-    }
-
-
-def _mistral3(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int) -> dict:
-    return {
-        "model_type": "mistral3",
-        "vision_config": {  # Pixtral: images up to 1,540 px, 14-px patches, 2x2 merged
-            "model_type": "pixtral", "hidden_size": 1024, "intermediate_size": 4096,
-            "num_hidden_layers": 24, "num_attention_heads": 16, "head_dim": 64,
-            "image_size": 1540, "patch_size": 14, "num_channels": 3,
-        },
-        "text_config": {
-            "model_type": "mistral", "hidden_size": hidden, "intermediate_size": intermediate,
-            "num_hidden_layers": layers, "num_attention_heads": heads,
-            "num_key_value_heads": kv_heads, "head_dim": 128, "vocab_size": 131072,
-            "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
-        },
-        "tie_word_embeddings": False, "image_token_index": 10, "spatial_merge_size": 2, "vision_feature_layer": -1,
-        "multimodal_projector_bias": False, "projector_hidden_act": "gelu",
-    }
-
-
-def _idefics3_8b() -> dict:
-    return {
-        "model_type": "idefics3",
-        "vision_config": {  # SigLIP so400m at 364 px: 26x26 patches, pixel-shuffled 2x2 -> 169 rows
-            "hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27,
-            "num_attention_heads": 16, "image_size": 364, "patch_size": 14,
-        },
-        "text_config": {
-            "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
-            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-            "vocab_size": 128259, "rope_theta": 500000.0, "max_position_embeddings": 131072,
-            "rms_norm_eps": 1e-5,
-        },
-        "scale_factor": 2, "image_token_id": 128257,
-    }
-
-
-def _glm4v_9b() -> dict:
-    return {
-        "model_type": "glm4v",
-        "vision_config": {  # patch rows + image_grid_thw, 2x2 merged
-            "hidden_size": 1536, "depth": 24, "num_heads": 12, "intermediate_size": 13696,
-            "image_size": 336, "patch_size": 14, "out_hidden_size": 4096,
-            "spatial_merge_size": 2, "temporal_patch_size": 2,
-        },
-        "text_config": {
-            "hidden_size": 4096, "num_hidden_layers": 40, "num_attention_heads": 32,
-            "num_key_value_heads": 2, "intermediate_size": 13696, "vocab_size": 151552,
-            "max_position_embeddings": 65536,
-        },
-    }
-
-
 PRESETS = {
-    "idefics3": {"8b": _idefics3_8b()},
-    "glm4v": {"9b": _glm4v_9b()},
-    "gemma3": {
-        "4b": _gemma3(2560, 34, 8, 4, 256, 256),
-        "12b": _gemma3(3840, 48, 16, 8, 256, 256),
-        "27b": _gemma3(5376, 62, 32, 16, 128, 168),
-    },
-    "llava": {
-        "1.5-7b": _llava_1_5(4096, 32, 32, 11008),
-        "1.5-13b": _llava_1_5(5120, 40, 40, 13824),
-    },
-    "mistral3": {
-        "24b": _mistral3(5120, 40, 32, 8, 32768),
-    },
     "internvl": {
         "1b": _internvl3(_INTERNVIT_300M, 896, 24, 14, 2, 4864, tied=True),
         "2b": _internvl3(_INTERNVIT_300M, 1536, 28, 12, 2, 8960, tied=True),
@@ -323,10 +227,15 @@ PRESETS = {
         "122b-a10b": _qwen3_5_moe(3072, 48, 32, 256, 8, 1024, 64),
         "397b-a17b": _qwen3_5_moe(4096, 60, 32, 512, 10, 1024, 64),
     },
+    "qwen3_vl": {
+        "4b": _qwen3_vl(_QWEN3_VL_4B_VISION, 2560, 36, 9728, tied=True),
+        "8b": _qwen3_vl(_QWEN3_VL_VISION, 4096, 36, 12288, tied=False),
+    },
     "qwen3_vl_moe": {
         "30b-a3b": _qwen3_vl_moe(2048, 48, 32, 768, 6144),
         "235b-a22b": _qwen3_vl_moe(4096, 94, 64, 1536, 12288),
     },
+    **GENERIC_PRESETS,
 }
 
 

@@ -113,8 +113,8 @@ class FamilySpec:
     packing: bool = True  # False: samples cannot share a row (see packing_reason)
     packing_reason: str = "packed rows are not covered for it"
     # Token mixers of the LM that carry state along the sequence (a causal conv, a recurrence),
-    # as ((module-name suffix, child projecting its output per token), ...): in packed rows each
-    # runs on one row per sample, from a zero state (`ray_dhp.models.segments`).
+    # as `models.segments.StatefulMixer`s (chunk-aligned packed rows, the recurrence reset per
+    # sample) or (suffix, output) pairs (one row per sample): `ray_dhp.models.segments`.
     stateful_mixers: tuple = ()
     # The LM's attention is plain causal inside a sample (no bidirectional image blocks), so a
     # packed row may run it one sample at a time (`ray_dhp.models.segment_attention`, which also

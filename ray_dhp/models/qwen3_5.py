@@ -23,14 +23,17 @@ Tensor parallelism shards both mixers by heads:
 Packing: the gated attention layers keep packed samples apart through the mask transformers
 builds from the packed position ids (as Qwen-VL's); the Gated DeltaNet layers carry state along
 the sequence (the causal ``conv1d`` window and the delta rule's recurrent state), and the torch
-path of transformers' layer takes no sequence boundaries, so each runs on one row per packed
-sample (`STATEFUL_MIXERS`, `ray_dhp.models.segments`): every sample starts from a zero conv
-window and a zero state, and ``out_proj`` sees the packed rows. Under TP the layer's input is
+path of transformers' layer takes no sequence boundaries, so each runs on the packed rows laid
+out chunk-aligned, with a gated delta rule that resets its state where a sample starts
+(`STATEFUL_MIXERS`, `ray_dhp.models.segments`, `ray_dhp.models.delta_rule`): every sample
+starts from a zero conv window and a zero state, and ``out_proj`` sees the packed rows. Under TP the layer's input is
 replicated (whole sequence, the rank's heads); under text SP it is gathered along the sequence
 before the layer (``text_sp_plan``), so the segments always index the whole row.
 """
 
 from ray_dhp.models.base import FamilySpec
+from ray_dhp.models.delta_rule import chunk_gated_delta_rule_with_resets
+from ray_dhp.models.segments import StatefulMixer
 from ray_dhp.models.text_plans import sequence_parallel_text_plan, standard_text_plan
 
 
@@ -65,11 +68,17 @@ def cp_mixers(tc) -> tuple:
         inputs={"in_proj_qkv": (k, k, v), "in_proj_z": (v,), "in_proj_b": hv, "in_proj_a": hv},
         output="out_proj", params={"conv1d.weight": (k, k, v), "dt_bias": hv, "A_log": hv},
         attrs=("key_dim", "value_dim", "conv_dim", "num_k_heads", "num_v_heads"),
-        heads=text_tp_divisors(tc))),)
+        heads=text_tp_divisors(tc), packing=STATEFUL_MIXERS[0])),)
 
 # The Gated DeltaNet layers (``layers.*.linear_attn``) carry state; ``out_proj`` maps their
-# channels back to the residual stream per token.
-STATEFUL_MIXERS = (("linear_attn", "out_proj"),)
+# channels back to the residual stream per token; their forward calls the chunked recurrence
+# (64-token chunks) as the global ``torch_chunk_gated_delta_rule`` (transformers 5.25; an
+# instance attribute ``chunk_gated_delta_rule`` in earlier versions), after a causal conv1d of
+# ``conv_kernel_size`` taps.
+STATEFUL_MIXERS = (StatefulMixer("linear_attn", "out_proj",
+                                 recurrence=("chunk_gated_delta_rule", "torch_chunk_gated_delta_rule"),
+                                 resetting=chunk_gated_delta_rule_with_resets, chunk=64,
+                                 window="conv_kernel_size"),)
 
 
 def text_tp_plan(tc, prefix: str = "model.language_model") -> dict:

@@ -135,7 +135,10 @@ def count_params(config, tuning=None) -> ParamCounts:
     from accelerate import init_empty_weights
 
     family = family_of(config)
-    with init_empty_weights():
+    # under the meta device too: some classes fill their experts eagerly (Llama 4's
+    # ``torch.zeros`` of every layer's experts, 5 GiB a layer at Scout's dims), which
+    # init_empty_weights alone lets allocate before it moves them to meta
+    with torch.device("meta"), init_empty_weights():
         model = getattr(transformers, family.model_class)._from_config(config, dtype=torch.float32)
     model.tie_weights()  # init_empty_weights re-wraps every registered parameter, ties too: a tied
     # weight (embedding = lm_head) is one parameter, counted once (as `build_meta_model` holds it)

@@ -35,8 +35,8 @@ of each all-to-all is the other one (its adjoint). DeepSpeed-Ulysses (Jacobs et 
   ``R x L`` tokens, the `ray_dhp.parallel.segments.SEGMENTS_KWARG` keyword that travels down the
   decoder layers) reach `cp_attention`, which after the all-to-all runs causal attention per
   segment (no token attends across a sample boundary, no ``L x L`` mask), and the head-sharded
-  stateful mixers, which lay each segment out as a row of its own (their state starts at zero
-  at every sample, `ray_dhp.parallel.context_mixers`).
+  stateful mixers, which lay the rows out chunk-aligned and reset their recurrence at every
+  sample (their state starts at zero at every sample, `ray_dhp.parallel.context_mixers`).
 * The function is registered in transformers' attention registry (``AttentionInterface``) as
   ``"ray_dhp_cp"`` and selected by the language model's ``config._attn_implementation``; the CP
   group travels on each attention module (``module._ray_dhp_cp``), never in a global.

@@ -39,13 +39,15 @@ input styles (prepended) and after its output styles.
 
 Packed rows (``data.packing``): the mixer's keyword `ray_dhp.parallel.segments.SEGMENTS_KWARG`
 (``cu_seqlens`` over the whole ``R x L`` packed tokens) is taken by the pre-hook; after the
-all-to-all each projection's ``[R, L, C / cp]`` is laid out as one row per segment ``[S, M,
-C / cp]`` (`ray_dhp.parallel.segments.segment_rows_index`: the segment at the start of its row,
-zeros after its end), so the conv window and the recurrent state start at zero at every sample
-as for the sample alone, and the output projection's input is laid back out as ``[R, L, C /
-cp]`` before the reverse all-to-all. (`ray_dhp.models.segments.SegmentRows` does the same
-without CP, on the mixer's input; under CP the input is only a stand-in, so the layout change
-moves after the all-to-all.)
+all-to-all each projection's ``[R, L, C / cp]`` is laid out in the family's aligned rows
+``[R, W, C / cp]`` (``packing``, the family's stateful-mixer fact: its ``layout(mixer, cu,
+length)``, a `ray_dhp.parallel.segments.SegmentLayout` with every segment at a chunk start and
+zeros before it, and its ``resetter(mixer)``, which runs the mixer's recurrence with the state
+reset at those starts), so the conv window and the recurrent state start at zero at every
+sample as for the sample alone, and the output projection's input is laid back out as ``[R,
+L, C / cp]`` before the reverse all-to-all. (`ray_dhp.models.segments.SegmentRows` does the
+same without CP, on the mixer's input; under CP the input is only a stand-in, so the layout
+change moves after the all-to-all.)
 """
 
 from __future__ import annotations
@@ -68,13 +70,15 @@ class MixerHeads:
     global ones). ``inputs``: child projection -> segments of its output channels;
     ``output``: the child projecting the mixer's channels back per token; ``params``: parameter
     path -> segments along dim 0; ``attrs``: attributes holding global widths; ``heads``:
-    ``(what, count)`` the ``tp x cp`` degree must divide."""
+    ``(what, count)`` the ``tp x cp`` degree must divide; ``packing``: how packed rows keep
+    samples apart (module docstring; None: packed rows refused)."""
 
     inputs: dict
     output: str
     params: dict = field(default_factory=dict)
     attrs: tuple = ()
     heads: tuple = ()
+    packing: object = None
 
 
 def mixer_refusal(mixers: tuple, tp: int, cp: int):
@@ -108,9 +112,12 @@ def _seg(segments: tuple, tp: int) -> tuple:
 
 def _install(mixer, spec: MixerHeads, group, cp: int, rank: int, tp: int, comm,
              packed: bool = False) -> None:
-    from ray_dhp.parallel.segments import SEGMENTS_KWARG, segment_rows_index
+    from ray_dhp.parallel.segments import SEGMENTS_KWARG
 
     state = {}
+    if packed and spec.packing is None:
+        raise ValueError(f"{type(mixer).__name__}: packed rows need the mixer's packing fact")
+    resetter = spec.packing.resetter(mixer) if spec.packing is not None else None
 
     def ctx(local_len: int) -> UlyssesContext:
         return UlyssesContext(group=group, seq_lens=[local_len] * cp, rank=rank, comm=comm, tag=_TAG)
@@ -124,13 +131,16 @@ def _install(mixer, spec: MixerHeads, group, cp: int, rank: int, tp: int, comm,
         if cu is None and packed:
             raise RuntimeError(f"{type(_m).__name__} was called without {SEGMENTS_KWARG!r}: packed "
                                "samples would share its state")
-        if cu is not None:  # packed rows: one row per segment on the whole sequence
-            to_rows, to_packed = segment_rows_index(cu)
-            if to_packed.numel() != b * s * cp:
-                raise ValueError(f"{SEGMENTS_KWARG} cover {to_packed.numel()} tokens, the mixer's "
-                                 f"rows {b} x {s * cp}")
-            state["rows"], state["packed"] = to_rows.to(h.device), to_packed.to(h.device)
-            shape = (*to_rows.shape, d)
+        if cu is not None:  # packed rows: the aligned rows on the whole sequence
+            if resetter is None:
+                raise ValueError(f"{type(_m).__name__}: packed rows need the mixer's packing fact")
+            layout = spec.packing.layout(_m, cu, s * cp).to(h.device)
+            if layout.to_packed.numel() != b * s * cp:
+                raise ValueError(f"{SEGMENTS_KWARG} cover {layout.to_packed.numel()} tokens, the "
+                                 f"mixer's rows {b} x {s * cp}")
+            state["layout"] = layout
+            resetter.enter(layout.starts)
+            shape = (*layout.to_rows.shape, d)
         stand_in = h.new_zeros(()).expand(*shape)
         if "hidden_states" in kwargs:
             kwargs = {**kwargs, "hidden_states": stand_in}
@@ -141,19 +151,20 @@ def _install(mixer, spec: MixerHeads, group, cp: int, rank: int, tp: int, comm,
         _shadow(shadows)
         return args, kwargs
 
-    def leave(*_):
-        for key in ("local", "rows", "packed"):
+    def leave(m, *_):
+        for key in ("local", "layout"):
             state.pop(key, None)
         _unshadow(shadows)
+        if resetter is not None:
+            resetter.leave(m)
 
     def to_heads(out, order):
         y = _to_heads(out, order, ctx(out.shape[1]))
-        return y if "rows" not in state else _segment_rows(y, state["rows"])
+        return y if "layout" not in state else state["layout"].rows(y)
 
     def to_seq(y):
-        if "packed" in state:
-            b, s = state["local"].shape[:2]
-            y = y.reshape(-1, y.shape[-1]).index_select(0, state["packed"]).view(b, s * cp, -1)
+        if "layout" in state:
+            y = state["layout"].packed(y, state["local"].shape[0])
         return _to_seq(y, ctx(y.shape[1] // cp))
 
     for path, segments in spec.inputs.items():
@@ -184,13 +195,6 @@ def _to_heads(x: torch.Tensor, order: torch.Tensor, uc: UlyssesContext) -> torch
     lists every rank's channels, rank by rank)."""
     x = x.index_select(-1, order.to(x.device)).transpose(0, 1).unsqueeze(-1)  # [S_l, B, C, 1]
     return seq_to_heads(x, uc).squeeze(-1).transpose(0, 1)
-
-
-def _segment_rows(y: torch.Tensor, to_rows: torch.Tensor) -> torch.Tensor:
-    """``[R, L, C]`` packed rows -> ``[S, M, C]``, segment ``s`` at the start of row ``s`` and
-    zeros after its end (`ray_dhp.parallel.segments.segment_rows_index`)."""
-    flat = torch.cat([y.reshape(-1, y.shape[-1]), y.new_zeros(1, y.shape[-1])])
-    return flat.index_select(0, to_rows.reshape(-1)).view(*to_rows.shape, y.shape[-1])
 
 
 def _to_seq(y: torch.Tensor, uc: UlyssesContext) -> torch.Tensor:

@@ -253,24 +253,30 @@ class Reference(NamedTuple):
 _REFERENCES: dict = {}
 
 
-def reference_key(family: str, cfg: TrainLoopConfig, dtype, make) -> tuple:
-    return family, repr(cfg), str(dtype), make
+def reference_key(family: str, cfg: TrainLoopConfig, dtype, make, prepare=None) -> tuple:
+    return (family, repr(cfg), str(dtype), make) + ((prepare,) if prepare is not None else ())
 
 
 def shared_reference(tmp_path_factory, family: str, cfg: TrainLoopConfig = CFG, *,
-                     dtype=torch.float64, make=make_steps) -> Reference:
+                     dtype=torch.float64, make=make_steps, prepare=None) -> Reference:
     """``Reference(cfg, steps, ref)``: the steps ``make(tmp, family, cfg)`` and the stock
     single-process model's trajectory on them (`run_reference` in ``dtype``), built once per test
-    process for each ``(family, cfg, dtype, make)`` (``tmp_path_factory``: pytest's, session-wide)."""
-    key = reference_key(family, cfg, dtype, make)
+    process for each ``(family, cfg, dtype, make)`` (``tmp_path_factory``: pytest's, session-wide);
+    ``prepare``: run before the reference, returns its undo (`fp64_delta_rule`)."""
+    key = reference_key(family, cfg, dtype, make, prepare)
     if key not in _REFERENCES:
         steps = make(tmp_path_factory.mktemp(family), family, cfg)
-        _REFERENCES[key] = Reference(cfg, steps, run_reference(family, cfg, steps, dtype))
+        undo = prepare() if prepare is not None else None
+        try:
+            _REFERENCES[key] = Reference(cfg, steps, run_reference(family, cfg, steps, dtype))
+        finally:
+            if undo is not None:
+                undo()
     return _REFERENCES[key]
 
 
 def reference_fixture(family: str | None = None, cfg: TrainLoopConfig = CFG, *,
-                      dtype=torch.float64, make=make_steps, name: str = "reference"):
+                      dtype=torch.float64, make=make_steps, name: str = "reference", prepare=None):
     """A module-scoped pytest fixture named ``name`` whose value is
     ``get(family=family, **changes) -> Reference(cfg, steps, ref)``: ``cfg`` with ``changes``
     (`dataclasses.replace`), the steps ``make(tmp_path, family, cfg)`` made of it and the stock
@@ -282,7 +288,7 @@ def reference_fixture(family: str | None = None, cfg: TrainLoopConfig = CFG, *,
     def fixture(tmp_path_factory):
         def get(fam: str | None = family, **changes) -> Reference:
             return shared_reference(tmp_path_factory, fam, dataclasses.replace(cfg, **changes),
-                                    dtype=dtype, make=make)
+                                    dtype=dtype, make=make, prepare=prepare)
 
         return get
 

@@ -7,8 +7,10 @@ a cut falls inside a sample (often inside an image's rows): the slice's position
 sample's own rule on the whole row (`ray_dhp.data.collate.pack_text_batch`), its targets are
 shifted within each sample, the boundary delivers each CP rank only the feature rows of its
 slices, `cp_attention` runs causal attention per packed segment after the all-to-all, and the
-head-sharded Gated DeltaNet layers (Qwen3.5) lay each segment out as a row of its own, so their
-conv window and state start at zero at every sample.
+head-sharded Gated DeltaNet layers (Qwen3.5) lay the rows out chunk-aligned and reset their
+recurrence at every sample, so their conv window and state start at zero at every sample.
+Qwen3.5 rows run that recurrence in fp64 on both sides, as test_packing.py's
+(`fp64_delta_rule`).
 
 Tolerances: test_packing.py's (here `assert_packed_parity`: 1e-10 relative on loss, grad-norm, every
 parameter, every update of every rank's copy, and for Qwen3.5 every clipped gradient; its
@@ -30,6 +32,7 @@ import torch
 
 from ray_dhp.config.train_loop import TrainLoopConfig
 from ray_dhp.data.collate import pack_rows
+from tests.distributed.fp64_recurrence import fp64_delta_rule
 from tests.distributed.parity import (packable_steps, assert_parity, copy_errors, reference_fixture,
                                       run_engine)
 
@@ -42,7 +45,8 @@ FP32 = ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "input_layernorm.w
 
 
 
-padded_reference = reference_fixture(cfg=CFG, make=packable_steps, name="padded_reference")
+padded_reference = reference_fixture(cfg=CFG, make=packable_steps, name="padded_reference",
+                                     prepare=fp64_delta_rule)
 
 
 def assert_packed_parity(family, got, ref) -> tuple:
@@ -108,7 +112,7 @@ def test_packed_under_cp_equals_padded_fp64(family, layout, padded_reference):
     _, steps, ref = padded_reference(family, **_steps(family))
     assert _cuts_inside_samples(steps, layout["text_cp"])
     got = run_engine(family, layout, replace(CFG, packing=True, num_steps=len(steps)), steps, torch.float64,
-                     grads=family == "qwen3_5")
+                     grads=family == "qwen3_5", prepare=fp64_delta_rule if family == "qwen3_5" else None)
     worst = assert_packed_parity(family, got, ref)
     print(f"{family} packed {layout}: worst update error {worst[0]:.1e} ({worst[2]})")
     comm = got["per_rank"][-1]["comm"]  # the last rank hosts the LM in both placements
@@ -129,16 +133,19 @@ def _attention_across_samples():
 
 
 def _state_across_samples():
-    """Negative control's rank side: the head-sharded mixers lay the packed tokens out as one
-    row (`segment_rows_index` read by the mixers' hooks at install), so the conv window and the
-    recurrent state flow from one sample into the next."""
-    import ray_dhp.parallel.segments as segments
+    """Negative control's rank side: the head-sharded mixers lay their rows out with samples back
+    to back (chunk 1, no conv gap) and a recurrence that never resets (the family's
+    `StatefulMixer` that `cp_mixers` hands them), so the conv window and the recurrent state
+    flow from one sample into the next (test_packing.py's `_without_state_reset`)."""
+    from ray_dhp.models import qwen3_5
 
-    def identity(cu):
-        total = int(cu[-1])
-        return torch.arange(total).view(1, total), torch.arange(total)
+    fp64_delta_rule()
+    (spec,) = qwen3_5.STATEFUL_MIXERS
 
-    segments.segment_rows_index = identity
+    def no_reset(*args, starts, **kwargs):
+        return spec.resetting(*args, starts=None, **kwargs)
+
+    qwen3_5.STATEFUL_MIXERS = (replace(spec, chunk=1, window="", resetting=no_reset),)
 
 
 @pytest.mark.slow

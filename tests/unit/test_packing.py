@@ -151,24 +151,38 @@ def test_cu_seqlens_are_the_samples_and_the_padded_tails(dataset, model64):
     assert torch.equal(packed["position_ids"][0].reshape(-1)[starts], torch.zeros_like(starts))
 
 
-def test_segment_rows_index_round_trips():
-    from ray_dhp.models.segments import segment_rows_index
+def test_segment_layout_aligns_segments_and_round_trips():
+    """Rows of 10 tokens, segments 3+1+6 and 2+8: each row's first segment at 0, every later one
+    at the next multiple of 4 at least 2 zeros after the previous end."""
+    from ray_dhp.parallel.segments import segment_layout
 
-    cu = torch.tensor([0, 3, 4, 8, 10])
-    to_rows, to_packed = segment_rows_index(cu)
-    assert to_rows.tolist() == [[0, 1, 2, 10], [3, 10, 10, 10], [4, 5, 6, 7], [8, 9, 10, 10]]
-    assert torch.equal(to_rows.reshape(-1)[to_packed], torch.arange(10))
+    cu = torch.tensor([0, 3, 4, 10, 12, 20])
+    layout = segment_layout(cu, 10, align=4, gap=2)
+    gap = 20
+    assert layout.to_rows.tolist() == [
+        [0, 1, 2, gap, gap, gap, gap, gap, 3, gap, gap, gap, 4, 5, 6, 7, 8, 9],
+        [10, 11, gap, gap, 12, 13, 14, 15, 16, 17, 18, 19, gap, gap, gap, gap, gap, gap]]
+    assert layout.starts.nonzero().tolist() == [[0, 0], [0, 8], [0, 12], [1, 0], [1, 4]]
+    assert torch.equal(layout.to_rows.reshape(-1)[layout.to_packed], torch.arange(20))
+    x = torch.randn(2, 10, 3)
+    assert torch.equal(layout.packed(layout.rows(x), 2), x)
+    plain = segment_layout(cu, 10)  # align 1, no gap: the packed rows themselves
+    assert torch.equal(plain.to_rows, torch.arange(20).view(2, 10))
     with pytest.raises(ValueError, match="rise strictly"):
-        segment_rows_index(torch.tensor([0, 3, 3]))
+        segment_layout(torch.tensor([0, 3, 3]), 3)
+    with pytest.raises(ValueError, match="crosses a row end"):
+        segment_layout(torch.tensor([0, 3, 12, 20]), 10)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", pytest.param("qwen3_5_moe", marks=pytest.mark.slow)])
 def test_recurrent_packed_forward_equals_padded_fp64(family, dataset):
     """Qwen3.5's Gated DeltaNet layers in packed rows: with `install_segment_rows` (the family's
-    `stateful_mixers`) and the batch's ``cu_seqlens`` each sample's logits equal its padded
-    row's within 1e-12 (fp64; the delta rule runs in fp32 on the same per-sample values as
-    padded: measured ~1e-16); without the segments, the conv window and the recurrent state
-    run on into the next sample of a row and the logits differ by far more."""
+    `stateful_mixers`: chunk-aligned rows, the state reset where a sample starts) and the batch's
+    ``cu_seqlens`` each sample's logits equal its padded row's within 1e-12 (fp64; the delta rule
+    runs in fp32; its forward gives the same bits on the same per-sample values: measured
+    ~1e-16). Negative controls: without the segments, and with the samples only the conv's 3
+    zeros apart (chunk 1) and the reset disabled (the conv window starts from zeros, the
+    recurrent state runs on into the next sample), the logits differ by far more."""
     from ray_dhp.models import FAMILIES
     from ray_dhp.models.segments import SEGMENTS_KWARG, install_segment_rows
 
@@ -180,11 +194,16 @@ def test_recurrent_packed_forward_equals_padded_fp64(family, dataset):
                   use_cache=False)
     with pytest.raises(AssertionError):  # the negative control: no reset at sample boundaries
         assert_packed_logits_equal(model, samples, padded, packed, common)
-    mixers = FAMILIES[family].stateful_mixers
-    assert install_segment_rows(model.model.language_model, mixers) == sum(
-        t == "linear_attention" for t in model.config.text_config.layer_types)
-    assert_packed_logits_equal(model, samples, padded, packed, common,
-                               {SEGMENTS_KWARG: packed["cu_seqlens"]})
+    (spec,) = FAMILIES[family].stateful_mixers
+    layers = sum(t == "linear_attention" for t in model.config.text_config.layer_types)
+    segments = {SEGMENTS_KWARG: packed["cu_seqlens"]}
+    leaky = build_model(tiny_model_config(family), seed=0, dtype=torch.float64).eval()
+    no_reset = replace(spec, chunk=1, resetting=lambda *a, starts, **k: spec.resetting(*a, starts=None, **k))
+    assert install_segment_rows(leaky.model.language_model, (no_reset,)) == layers
+    with pytest.raises(AssertionError):  # samples 3 zeros apart, no state reset
+        assert_packed_logits_equal(leaky, samples, padded, packed, common, segments)
+    assert install_segment_rows(model.model.language_model, (spec,)) == layers
+    assert_packed_logits_equal(model, samples, padded, packed, common, segments)
 
 
 def test_one_dimensional_packed_forward_equals_padded_fp64(dataset):
@@ -206,28 +225,46 @@ def test_one_dimensional_packed_forward_equals_padded_fp64(dataset):
     assert_packed_logits_equal(model, samples, padded, packed, common)
 
 
+def _cumsum_with_resets(x, starts, chunk_size=1):
+    """A running sum restarting at every start (``chunk_size`` 1: any token may start)."""
+    ids = starts.long().cumsum(1)
+    out = torch.zeros_like(x)
+    for r in range(x.shape[0]):
+        for i in ids[r].unique():
+            at = ids[r] == i
+            out[r, at] = x[r, at].cumsum(0)
+    return out
+
+
 def test_required_segments_refuse_a_forward_without_them():
     """Installed by a packing engine (``required=True``), a mixer called without the segments
     raises: a transformers forward that stopped handing its keyword arguments down would
-    otherwise let packed samples share the recurrent state silently."""
-    from ray_dhp.models.segments import SEGMENTS_KWARG, install_segment_rows
+    otherwise let packed samples share the recurrent state silently; so does a forward that no
+    longer calls the recurrence by the family's name."""
+    from ray_dhp.models.segments import SEGMENTS_KWARG, StatefulMixer, install_segment_rows
 
     class Mixer(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.out_proj = torch.nn.Linear(2, 2)
+            self.scan = lambda x: x.cumsum(1)  # state along the sequence
 
         def forward(self, hidden_states):
-            return self.out_proj(hidden_states.cumsum(1))  # state along the sequence
+            return self.out_proj(self.scan(hidden_states))
 
     model = torch.nn.Sequential(Mixer())
-    assert install_segment_rows(model, (("0", "out_proj"),), required=True) == 1
+    spec = StatefulMixer("0", "out_proj", recurrence=("scan",), resetting=_cumsum_with_resets, chunk=1)
+    assert install_segment_rows(model, (spec,), required=True) == 1
     x = torch.randn(1, 5, 2)
     got = model[0](hidden_states=x, **{SEGMENTS_KWARG: torch.tensor([0, 2, 5])})
     want = torch.cat([model[0].out_proj(x[:, :2].cumsum(1)), model[0].out_proj(x[:, 2:].cumsum(1))], 1)
     assert torch.allclose(got, want)
+    assert torch.allclose(model[0].scan(x), x.cumsum(1))  # outside a packed call: the stock one
     with pytest.raises(RuntimeError, match="packed samples would share its state"):
         model[0](hidden_states=x)
+    model[0].forward = lambda hidden_states: model[0].out_proj(hidden_states.cumsum(1))
+    with pytest.raises(RuntimeError, match="did not call 'scan'"):
+        model[0](hidden_states=x, **{SEGMENTS_KWARG: torch.tensor([0, 2, 5])})
 
 
 def test_segment_attention_equals_padded_fp64_one_call_per_segment(dataset, monkeypatch):

@@ -1,0 +1,292 @@
+"""Published dims of the generic families (`ray_dhp.models.generic`), merged into
+`ray_dhp.cli.presets.PRESETS` (`preset_dims` stays the one entry point).
+
+Sources, by family:
+
+- ``gemma3`` 4b/12b/27b: the variant table of transformers' ``convert_gemma3_weights.py``, with
+  the released checkpoints' 262,208-token vocabulary.
+- ``llava`` 1.5-7b/13b: ``llava-hf/llava-1.5-{7b,13b}-hf`` (CLIP ViT-L/14 at 336 px + Vicuna).
+- ``mistral3`` 24b: ``Mistral-Small-3.1-24B`` (Pixtral tower + Mistral text).
+- ``idefics3`` 8b: ``Idefics3-8B-Llama3`` (SigLIP at 364 px + Llama 3 8B).
+- ``glm4v`` 9b: ``GLM-4.1V-9B`` (its ViT on patch rows + GLM-4 9B).
+- ``gemma4`` 31b: the released ``google/gemma-4-31B-it`` ``config.json`` (as printed in public
+  model reports on GitHub); the tower's defaults are transformers' ``Gemma4VisionConfig``.
+- ``llama4`` scout-17b-16e: the released ``meta-llama/Llama-4-Scout-17B-16E`` ``config.json``
+  (vendored by TensorRT-LLM's and NxD Inference's Llama 4 tests); its text dims are also
+  transformers' ``Llama4TextConfig`` defaults, whose docstring names that checkpoint.
+- ``glm4v_moe`` 106b-a12b (GLM-4.5V) and ``glm46v`` 9b (GLM-4.6V-Flash, GLM-4.1V-9B's
+  architecture): transformers' ``Glm4vMoeConfig`` / ``Glm46VConfig`` defaults, documented there
+  as the "GLM-4.5V" / "GLM-4.6V style configuration".
+- ``ernie4_5_vl_moe`` 28b-a3b: transformers' ``Ernie4_5_VLMoeConfig`` defaults (its docstring
+  checkpoint ``baidu/ERNIE-4.5-VL-28B-A3B-PT``).
+- ``kimi_k25`` 1t-a32b: the released ``moonshotai/Kimi-K2.5`` ``text_config`` (Kimi K2: a
+  DeepSeek-V3 MLA + MoE LM, vendored in public loader tests) and its MoonViT tower, which is
+  transformers' ``Kimi_K25VisionConfig`` default (27 layers, width 1152, 16 heads).
+- ``paligemma`` 3b-224: ``google/paligemma-3b-pt-224`` (transformers' ``PaliGemmaConfig``
+  defaults, with the released 257,216-token vocabulary of the ``config.json`` files transformers'
+  own ColPali conversion script copies).
+
+Only the fields that shape parameters, parallel degrees and memory are listed (token ids
+included so a config built from them is complete).
+"""
+
+from __future__ import annotations
+
+_GEMMA3_VISION = {  # SigLIP so400m at 896 px: 4,096 patches pooled to 256 soft tokens per image
+    "hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27,
+    "num_attention_heads": 16, "num_channels": 3, "image_size": 896, "patch_size": 14,
+    "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6, "vision_use_head": False,
+}
+
+
+def _gemma3(hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
+            query_scale: int) -> dict:
+    return {
+        "model_type": "gemma3",
+        "vision_config": dict(_GEMMA3_VISION),
+        "text_config": {
+            "hidden_size": hidden, "intermediate_size": hidden * 4, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+            "vocab_size": 262208, "sliding_window": 1024, "query_pre_attn_scalar": query_scale,
+            "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+        },
+        "mm_tokens_per_image": 256, "image_token_index": 262144, "boi_token_index": 255999,
+        "eoi_token_index": 256000,
+    }
+
+
+_CLIP_L_336 = {  # CLIP ViT-L/14 at 336 px: 576 patches per image
+    "model_type": "clip_vision_model", "hidden_size": 1024, "intermediate_size": 4096,
+    "num_hidden_layers": 24, "num_attention_heads": 16, "image_size": 336, "patch_size": 14,
+    "projection_dim": 768,
+}
+
+
+def _llava_1_5(hidden: int, layers: int, heads: int, intermediate: int) -> dict:
+    return {
+        "model_type": "llava",
+        "vision_config": dict(_CLIP_L_336),
+        "text_config": {
+            "model_type": "llama", "hidden_size": hidden, "intermediate_size": intermediate,
+            "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": heads, "vocab_size": 32064, "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-5,
+        },
+        "image_token_index": 32000, "vision_feature_layer": -2,
+        "vision_feature_select_strategy": "default", "projector_hidden_act": "gelu",
+    }
+
+
+def _mistral3(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int) -> dict:
+    return {
+        "model_type": "mistral3",
+        "vision_config": {  # Pixtral: images up to 1,540 px, 14-px patches, 2x2 merged
+            "model_type": "pixtral", "hidden_size": 1024, "intermediate_size": 4096,
+            "num_hidden_layers": 24, "num_attention_heads": 16, "head_dim": 64,
+            "image_size": 1540, "patch_size": 14, "num_channels": 3,
+        },
+        "text_config": {
+            "model_type": "mistral", "hidden_size": hidden, "intermediate_size": intermediate,
+            "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "head_dim": 128, "vocab_size": 131072,
+            "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        },
+        "tie_word_embeddings": False, "image_token_index": 10, "spatial_merge_size": 2, "vision_feature_layer": -1,
+        "multimodal_projector_bias": False, "projector_hidden_act": "gelu",
+    }
+
+
+def _idefics3_8b() -> dict:
+    return {
+        "model_type": "idefics3",
+        "vision_config": {  # SigLIP so400m at 364 px: 26x26 patches, pixel-shuffled 2x2 -> 169 rows
+            "hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27,
+            "num_attention_heads": 16, "image_size": 364, "patch_size": 14,
+        },
+        "text_config": {
+            "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "vocab_size": 128259, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-5,
+        },
+        "scale_factor": 2, "image_token_id": 128257,
+    }
+
+
+def _glm4v_9b() -> dict:
+    return {
+        "model_type": "glm4v",
+        "vision_config": {  # patch rows + image_grid_thw, 2x2 merged
+            "hidden_size": 1536, "depth": 24, "num_heads": 12, "intermediate_size": 13696,
+            "image_size": 336, "patch_size": 14, "out_hidden_size": 4096,
+            "spatial_merge_size": 2, "temporal_patch_size": 2,
+        },
+        "text_config": {
+            "hidden_size": 4096, "num_hidden_layers": 40, "num_attention_heads": 32,
+            "num_key_value_heads": 2, "intermediate_size": 13696, "vocab_size": 151552,
+            "max_position_embeddings": 65536,
+        },
+    }
+
+
+
+
+def _gemma4_31b() -> dict:
+    return {
+        "model_type": "gemma4",
+        "vision_config": {  # 16-px patches, 3x3 pooled: 280 soft tokens per image by default
+            "hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27,
+            "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 72,
+            "patch_size": 16, "pooling_kernel_size": 3, "position_embedding_size": 10240,
+            "standardize": True, "use_clipped_linears": False,
+        },
+        "text_config": {  # sliding : full = 5 : 1; full layers: head_dim 512, 4 KV heads, K = V
+            "hidden_size": 5376, "intermediate_size": 21504, "num_hidden_layers": 60,
+            "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 256,
+            "global_head_dim": 512, "num_global_key_value_heads": 4, "attention_k_eq_v": True,
+            "hidden_size_per_layer_input": 0, "vocab_size": 262144,
+            "vocab_size_per_layer_input": 262144, "sliding_window": 1024,
+            "max_position_embeddings": 262144, "final_logit_softcapping": 30.0,
+            "use_bidirectional_attention": "vision", "enable_moe_block": False,
+            "tie_word_embeddings": True,
+        },
+        "audio_config": None, "tie_word_embeddings": True, "vision_soft_tokens_per_image": 280,
+        "image_token_id": 258880, "video_token_id": 258884, "audio_token_id": 258881,
+        "boi_token_id": 255999, "eoi_token_id": 258882,
+    }
+
+
+def _llama4_scout() -> dict:
+    return {
+        "model_type": "llama4",
+        "vision_config": {  # 336-px tiles of 14-px patches, pixel shuffle 0.5: 144 rows a tile
+            "hidden_size": 1408, "intermediate_size": 5632, "num_hidden_layers": 34,
+            "num_attention_heads": 16, "image_size": 336, "patch_size": 14,
+            "pixel_shuffle_ratio": 0.5, "projector_input_dim": 4096,
+            "projector_output_dim": 4096, "vision_output_dim": 4096,
+            "multi_modal_projector_bias": False,
+        },
+        "text_config": {  # every layer sparse: 16 routed experts, top-1, plus a shared expert
+            "hidden_size": 5120, "intermediate_size": 8192, "intermediate_size_mlp": 16384,
+            "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8,
+            "head_dim": 128, "num_local_experts": 16, "num_experts_per_tok": 1,
+            "interleave_moe_layer_step": 1, "vocab_size": 202048, "use_qk_norm": True,
+            "max_position_embeddings": 262144, "rms_norm_eps": 1e-5,
+            "router_aux_loss_coef": 0.001, "tie_word_embeddings": False,
+        },
+        "tie_word_embeddings": False, "image_token_index": 200092, "boi_token_index": 200080,
+        "eoi_token_index": 200081,
+    }
+
+
+_GLM4V_VISION = {  # patch rows + image_grid_thw, 2x2 merged (GLM-4.1V's tower)
+    "hidden_size": 1536, "depth": 24, "num_heads": 12, "intermediate_size": 13696,
+    "image_size": 336, "patch_size": 14, "out_hidden_size": 4096, "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+}
+
+
+def _glm4_5v() -> dict:
+    return {
+        "model_type": "glm4v_moe",
+        "vision_config": dict(_GLM4V_VISION),
+        "text_config": {  # GLM-4.5-Air: layer 0 dense, then 128 routed experts (top-8) + 1 shared
+            "hidden_size": 4096, "intermediate_size": 10944, "num_hidden_layers": 46,
+            "num_attention_heads": 96, "num_key_value_heads": 8, "attention_bias": True,
+            "moe_intermediate_size": 1408, "n_routed_experts": 128, "n_shared_experts": 1,
+            "num_experts_per_tok": 8, "first_k_dense_replace": 1, "n_group": 1,
+            "topk_group": 1, "vocab_size": 151424, "tie_word_embeddings": False,
+        },
+        "tie_word_embeddings": False,
+    }
+
+
+def _glm4_6v_flash() -> dict:
+    return {
+        "model_type": "glm46v",
+        "vision_config": dict(_GLM4V_VISION),
+        "text_config": {
+            "hidden_size": 4096, "num_hidden_layers": 40, "num_attention_heads": 32,
+            "num_key_value_heads": 2, "intermediate_size": 13696, "vocab_size": 151552,
+        },
+        "tie_word_embeddings": False,
+    }
+
+
+def _ernie4_5_vl_28b() -> dict:
+    return {
+        "model_type": "ernie4_5_vl_moe",
+        "vision_config": {  # Qwen2-VL-style ViT on patch rows, 2x2 merged
+            "depth": 32, "hidden_size": 1280, "num_heads": 16, "intermediate_size": 5120,
+            "patch_size": 14, "spatial_merge_size": 2,
+        },
+        "text_config": {  # per sparse layer: 64 text + 64 vision experts (width 1536 / 512), top-6
+            "hidden_size": 2560, "intermediate_size": 12288, "num_hidden_layers": 28,
+            "num_attention_heads": 20, "num_key_value_heads": 4, "vocab_size": 103424,
+            "moe_intermediate_size": [1536, 512], "moe_num_experts": 64, "moe_k": 6,
+            "moe_num_shared_experts": 2, "tie_word_embeddings": True,
+        },
+        "tie_word_embeddings": True,
+    }
+
+
+def _kimi_k25() -> dict:
+    return {
+        "model_type": "kimi_k25",
+        "vision_config": {  # MoonViT on 14-px patches, 2x2 merged
+            "hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27,
+            "num_attention_heads": 16, "patch_size": 14, "merge_kernel_size": [2, 2],
+            "pos_emb_height": 64, "pos_emb_width": 64, "pos_emb_time": 4,
+        },
+        "text_config": {  # Kimi K2: MLA, layer 0 dense, then 384 routed experts (top-8) + 1 shared
+            "model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432,
+            "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 64,
+            "num_key_value_heads": 64, "q_lora_rank": 1536, "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+            "n_routed_experts": 384, "n_shared_experts": 1, "num_experts_per_tok": 8,
+            "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+            "routed_scaling_factor": 2.827, "norm_topk_prob": True, "vocab_size": 163840,
+            "max_position_embeddings": 262144, "tie_word_embeddings": False,
+        },
+        "projection_hidden_size": 1152, "tie_word_embeddings": False,
+    }
+
+
+def _paligemma_3b_224() -> dict:
+    return {
+        "model_type": "paligemma",
+        "vision_config": {  # SigLIP so400m at 224 px: 256 patches, each a soft token
+            "hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27,
+            "num_attention_heads": 16, "image_size": 224, "patch_size": 14,
+            "projection_dim": 2048, "vision_use_head": False,
+        },
+        "text_config": {  # Gemma 2B
+            "model_type": "gemma", "hidden_size": 2048, "intermediate_size": 16384,
+            "num_hidden_layers": 18, "num_attention_heads": 8, "num_key_value_heads": 1,
+            "head_dim": 256, "vocab_size": 257216,
+        },
+        "hidden_size": 2048, "projection_dim": 2048, "image_token_index": 257152,
+    }
+
+
+GENERIC_PRESETS = {
+    "idefics3": {"8b": _idefics3_8b()},
+    "glm4v": {"9b": _glm4v_9b()},
+    "gemma3": {
+        "4b": _gemma3(2560, 34, 8, 4, 256, 256),
+        "12b": _gemma3(3840, 48, 16, 8, 256, 256),
+        "27b": _gemma3(5376, 62, 32, 16, 128, 168),
+    },
+    "llava": {
+        "1.5-7b": _llava_1_5(4096, 32, 32, 11008),
+        "1.5-13b": _llava_1_5(5120, 40, 40, 13824),
+    },
+    "mistral3": {"24b": _mistral3(5120, 40, 32, 8, 32768)},
+    "gemma4": {"31b": _gemma4_31b()},
+    "llama4": {"scout-17b-16e": _llama4_scout()},
+    "glm4v_moe": {"106b-a12b": _glm4_5v()},
+    "glm46v": {"9b": _glm4_6v_flash()},
+    "ernie4_5_vl_moe": {"28b-a3b": _ernie4_5_vl_28b()},
+    "kimi_k25": {"1t-a32b": _kimi_k25()},
+    "paligemma": {"3b-224": _paligemma_3b_224()},
+}
