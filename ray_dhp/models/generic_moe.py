@@ -61,9 +61,12 @@ def expert_widths(text_config) -> tuple:
     VL's ``[text, vision]``: ``text_moe`` / ``vision_moe``, each ``num_experts`` wide); ``()`` for
     a dense model."""
     width = getattr(text_config, "moe_intermediate_size", None)
-    if width is None and expert_count(text_config) > 1 and \
-            getattr(text_config, "intermediate_size_mlp", None) is not None:
-        width = text_config.intermediate_size  # Llama 4's: its dense MLPs' is intermediate_size_mlp
+    if width is None and expert_count(text_config) > 1 and any(
+            getattr(text_config, k, None) is not None
+            for k in ("intermediate_size_mlp", "dense_intermediate_size")):
+        # Llama 4's / MiniMax-M3's: their dense MLPs' width is intermediate_size_mlp /
+        # dense_intermediate_size
+        width = text_config.intermediate_size
     if width is None:
         return ()
     return tuple(width) if isinstance(width, (list, tuple)) else (width,)

@@ -1,5 +1,6 @@
 """Model FLOPs of a step (the MFU metric's numerator) from the step's real samples."""
 
+import pytest
 import torch
 
 from ray_dhp import demo
@@ -53,3 +54,19 @@ def test_moe_text_flops_count_the_active_parameters():
     counts = count_params(config)
     active = (text_flops(config, counts.text, 0, 1) - 6 * 48 * 4096) / 6
     assert round(active / 1e9, 2) == 3.04
+
+
+@pytest.mark.parametrize("family", ["minimax_m3_vl", "llama4"])
+def test_inactive_experts_of_a_model_whose_experts_take_intermediate_size(family):
+    """MiniMax-M3-VL / Llama 4 name no ``moe_intermediate_size``: their experts are
+    ``intermediate_size`` wide (their dense MLPs' width has another key), so a token skips
+    ``E - k`` of them in each sparse layer (the built-in loop's FLOPs metric raised on
+    MiniMax-M3-VL before: no widths)."""
+    from ray_dhp.planning.experts import inactive_expert_params, sparse_layer_count
+
+    config = demo.tiny_model_config(family)
+    tc = config.text_config
+    experts = getattr(tc, "num_local_experts", None) or tc.num_experts
+    assert sparse_layer_count(config) > 0
+    assert inactive_expert_params(config) == sparse_layer_count(config) * 3 * tc.hidden_size * (
+        experts - tc.num_experts_per_tok) * tc.intermediate_size
