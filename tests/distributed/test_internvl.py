@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.distributed.family_rows import EXACT_GRADS as TOL
+from tests.distributed.family_checks import internvl3_5_config as _internvl3_5_config
 from tests.distributed.family_rows import INTERNVL
 from tests.distributed.parity import CFG, assert_parity, make_steps, run_engine, run_reference
 
@@ -56,22 +57,6 @@ def test_internvl_directory_loads_sharded_and_exports(tmp_path):
 
 
 # -- InternVL3.5: the same family with a Qwen3 language model ------------------------------------
-
-def _internvl3_5_config():
-    """The tiny InternVL with a Qwen3 LM (per-head q/k RMSNorms, head_dim 16), as InternVL3.5."""
-    from transformers import InternVLConfig
-
-    from ray_dhp import demo
-
-    base = demo.tiny_model_config(FAMILY)
-    text = {**base.text_config.to_dict(), "model_type": "qwen3", "head_dim": 16}
-    for key in ("layer_types", "architectures", "transformers_version"):
-        text.pop(key, None)
-    config = InternVLConfig(**{**base.to_dict(), "text_config": text,
-                               "vision_config": base.vision_config.to_dict()})
-    config._attn_implementation = "sdpa"
-    return config
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["collocated-sp2-tp2", "disjoint-1v-2t", "collocated-text-zero3-dp2"])

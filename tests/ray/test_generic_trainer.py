@@ -51,10 +51,10 @@ def test_trainer_trains_a_family_exactly(family, tmp_path, ray_start):
 @pytest.mark.slow
 def test_trainer_trains_internvl3_5_exactly(tmp_path, ray_start):
     """InternVL with a Qwen3 LM (per-head q/k norms all-reduced under TP), as InternVL3.5: the demo
-    offers InternVL3's Qwen2 LM only; the config is `test_internvl.py`'s."""
+    offers InternVL3's Qwen2 LM only; the config is `family_checks.internvl3_5_config`."""
     from ray_dhp.config.train_loop import TrainLoopConfig
     from ray_dhp.train.callbacks import read_history
-    from tests.distributed.test_internvl import _internvl3_5_config
+    from tests.distributed.family_checks import internvl3_5_config as _internvl3_5_config
     from tests.ray.private_run import LOOP
 
     config, cfg = _internvl3_5_config(), TrainLoopConfig(**LOOP)
