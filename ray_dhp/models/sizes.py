@@ -132,16 +132,16 @@ def count_params(config, tuning=None) -> ParamCounts:
     `ray_dhp.config.tuning.Tuning`, also count the frozen ones."""
     import torch
     import transformers
-    from accelerate import init_empty_weights
-
     family = family_of(config)
-    # under the meta device too: some classes fill their experts eagerly (Llama 4's
-    # ``torch.zeros`` of every layer's experts, 5 GiB a layer at Scout's dims), which
-    # init_empty_weights alone lets allocate before it moves them to meta
-    with torch.device("meta"), init_empty_weights():
+    # on the meta device: every tensor the classes make is meta, also those they fill eagerly
+    # (Llama 4's ``torch.zeros`` of every layer's experts, 5 GiB a layer at Scout's dims, which
+    # accelerate's init_empty_weights lets allocate before it moves them; its re-wrapping of
+    # each parameter also copies a parameter's attributes into ``Parameter.__new__``, which
+    # breaks under a TorchFunctionMode that tags tensors: `ray_dhp.parallel.devcheck`)
+    with torch.device("meta"):
         model = getattr(transformers, family.model_class)._from_config(config, dtype=torch.float32)
-    model.tie_weights()  # init_empty_weights re-wraps every registered parameter, ties too: a tied
-    # weight (embedding = lm_head) is one parameter, counted once (as `build_meta_model` holds it)
+    model.tie_weights()  # a tied weight (embedding = lm_head) is one parameter, counted once (as
+    # `build_meta_model` holds it)
     plan = family.text_tp_plan(config.text_config)
     experts = set()
     if family.moe is not None:
