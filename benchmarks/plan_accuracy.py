@@ -84,7 +84,14 @@ GENERIC_ROWS = _generic_rows()
 # Both sides' activations are measured from the model's own code on the meta device where that
 # runs (the tower: `ray_dhp.models.vision_saved`; the decoder layers: `ray_dhp.models.text_saved`);
 # the others keep the block formulas.
-GENERIC_GAPS: dict = {}
+GENERIC_GAPS: dict = {
+    # measured 46,644 B vs 82,491 B planned (0.565): its tiny config keeps the released Gated
+    # DeltaNet head widths (32 value heads x 128, 16 key heads x 128 at hidden 64), where the
+    # planner's linear-attention activation model over-counts what the chunked recurrence saves
+    # (Qwen3.5's row, narrower heads, 1.000); not yet re-modelled
+    "qwen4_exp": {"activations": (0.5, "Gated DeltaNet at its released head widths: the plan "
+                                  "over-counts the recurrence's saved tensors (1.77x); open")},
+}
 
 CASES = (
     Case("demo SP2 / TP2", slow=False),
