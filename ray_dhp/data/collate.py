@@ -151,6 +151,12 @@ def _positions(sample: Sample, rope_index: Optional[RopeIndex], one_dimensional:
     return pos if pos.is_floating_point() and not torch.equal(pos, pos.round()) else pos.to(torch.long)
 
 
+def positions_dtype(positions: Sequence[torch.Tensor]) -> torch.dtype:
+    """One dtype for several samples' positions: long, or floating where a rule gave fractional
+    ones (`_positions`)."""
+    return functools.reduce(torch.promote_types, [p.dtype for p in positions], torch.long)
+
+
 def sample_positions(sample: Sample, rope_index: Optional[RopeIndex], one_dimensional: bool) -> torch.Tensor:
     """``[3, n]`` M-RoPE positions of ``sample`` alone, as the model computes them (the LM's
     context parallelism slices them, `ray_dhp.step.text`)."""
@@ -233,7 +239,7 @@ def pack_text_batch(samples: Sequence[Sample], pad_id: int, max_tokens: Optional
             "targets": IGNORE_INDEX, "sample_ids": -1}
     batch = {k: _pad(cols[k], length, v) for k, v in fill.items()}
     batch["attention_mask"] = None
-    dtype = functools.reduce(torch.promote_types, [p.dtype for p in cols["position_ids"]])
+    dtype = positions_dtype(cols["position_ids"])
     batch["position_ids"] = torch.stack([p.to(dtype) for p in cols["position_ids"]], dim=1)
     if one_dimensional:
         batch["position_ids"] = batch["position_ids"][0]

@@ -7,8 +7,6 @@ states."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ray_dhp.models.contract import check_features_consumed
@@ -167,7 +165,7 @@ class TextPhase:
         rope rule, then sliced); no attention mask (causal over the whole sequence, or per
         packed segment, `cp_attention`), no grids (positions are given); a packed batch keeps
         its ``cu_seqlens`` over the whole rows."""
-        from ray_dhp.data.collate import sample_positions
+        from ray_dhp.data.collate import positions_dtype, sample_positions
         from ray_dhp.parallel.context import slice_sequence
 
         cp, c = self.groups.topology.text.cp, self.groups.text_cp_rank
@@ -188,8 +186,7 @@ class TextPhase:
             pos = torch.arange(length).expand(rows, length)
         else:
             own = [sample_positions(s, rope, False) for s in samples]  # long, or fractional times
-            pos = torch.zeros(3, rows, length, dtype=functools.reduce(
-                torch.promote_types, [p.dtype for p in own], torch.long))
+            pos = torch.zeros(3, rows, length, dtype=positions_dtype(own))
             for i, (s, p) in enumerate(zip(samples, own)):
                 pos[:, i, :s.num_tokens] = p
         return {"input_ids": cut(batch["input_ids"]), "mm_token_type_ids": cut(batch["mm_token_type_ids"]),
