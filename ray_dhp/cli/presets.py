@@ -5,8 +5,8 @@
 are listed there). The dimensions here are those of the public Hugging Face ``config.json`` files
 of Qwen2.5-VL, Qwen2.5-Omni (its thinker, below), Qwen3.5 (9B: transformers' own
 ``Qwen3_5Config`` defaults, its "Qwen3.5-9B style configuration"; 27B: the released
-``Qwen/Qwen3.5-27B`` text config), Qwen3.5-MoE, Qwen3-VL (dense, below), Qwen3-VL-MoE and
-InternVL3 (below); only the fields that shape parameters, parallel degrees and memory are listed
+``Qwen/Qwen3.5-27B`` text config), Qwen3.5-MoE, Qwen3-VL (dense, below), Qwen3-VL-MoE,
+InternVL3 and InternVL3.5 (below) and Qwen3-Omni's thinker (below); only the fields that shape parameters, parallel degrees and memory are listed
 (token ids included so a config built from them is complete). `ray-dhp plan` builds such a model
 on the meta device to count parameters per rank; nothing is downloaded.
 """
@@ -172,6 +172,44 @@ def _internvl3(vision: dict, hidden: int, layers: int, heads: int, kv_heads: int
     }
 
 
+# InternVL3.5-8B (OpenGVLab/InternVL3_5-8B, transformers' ``internvl`` with a ``qwen3`` text config):
+# InternViT-300M-448px-V2.5 (as InternVL3's) and Qwen3-8B, the sizes InternVL's own documentation
+# tables (0.3B vision + 8.2B language = 8.5B). Qwen3-8B: 36 layers of width 4096, 32 heads / 8 KV
+# heads of 128, FFN 12288, 151,936 rows, untied - keras-hub's ``qwen3_8b_en`` preset gives its
+# total, 8,190,735,360, which this LM counts exactly; image token 151671 and 40,960 positions as
+# the InternVL3.5 HF configs vendored in public loader tests.
+def _internvl3_5(vision: dict, hidden: int, layers: int, heads: int, kv_heads: int,
+                 intermediate: int, tied: bool = False) -> dict:
+    out = _internvl3(vision, hidden, layers, heads, kv_heads, intermediate, tied)
+    out["text_config"].update({"model_type": "qwen3", "head_dim": 128, "vocab_size": 151936,
+                               "max_position_embeddings": 40960})
+    return {**out, "image_token_id": 151671}
+
+
+# Qwen3-Omni-30B-A3B's thinker (Qwen/Qwen3-Omni-30B-A3B-Instruct ``thinker_config``): transformers'
+# ``Qwen3OmniMoe{Audio,Vision}EncoderConfig`` defaults, documented as that checkpoint (audio: 32
+# layers, d_model 1280, 20 heads, FFN 5120, 128 mel bins, convs of 480 channels, ``n_window`` 50;
+# vision: Qwen3-VL's 27-block 1152-wide ViT, 16-px patches, deepstack after blocks 8, 16, 24),
+# both projecting to the LM width; the LM is Qwen3-30B-A3B's shape: the text config's defaults
+# for width (2048) and experts (128 of width 768, top-8), with the released 48 layers, 32 query /
+# 4 KV heads of 128 (the public config as public notes on it and keras-hub's Qwen3-Omni preset
+# note state) and 152,064 rows (the logits of vLLM-Omni's dump of the thinker). keras-hub's
+# figure, 30,532,122,624, is this LM at 151,936 rows exactly (`tests/unit/test_generic_presets.py`).
+def _qwen3_omni_moe_30b_a3b() -> dict:
+    return {
+        "model_type": "qwen3_omni_moe_thinker",
+        "audio_config": {"output_dim": 2048},
+        "vision_config": {"out_hidden_size": 2048},
+        "text_config": {
+            "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
+            "num_key_value_heads": 4, "head_dim": 128, "moe_intermediate_size": 768,
+            "num_experts": 128, "num_experts_per_tok": 8, "vocab_size": 152064,
+            "tie_word_embeddings": False,
+        },
+        "tie_word_embeddings": False,
+    }
+
+
 # Qwen2.5-Omni-7B's thinker (Qwen/Qwen2.5-Omni-7B ``thinker_config``; transformers'
 # ``Qwen2_5OmniThinkerConfig``, whose sub-config defaults are these dims): the Qwen2.5-7B LM, the
 # Qwen2.5-VL 32-block 1280-wide windowed ViT (full attention in blocks 7, 15, 23, 31) and a
@@ -209,6 +247,7 @@ PRESETS = {
         "14b": _internvl3(_INTERNVIT_300M, 5120, 48, 40, 8, 13824),
         "38b": _internvl3(_INTERNVIT_6B, 5120, 64, 40, 8, 27648),
         "78b": _internvl3(_INTERNVIT_6B, 8192, 80, 64, 8, 29568),
+        "3.5-8b": _internvl3_5(_INTERNVIT_300M, 4096, 36, 32, 8, 12288),
     },
     "qwen2_5_vl": {
         "7b": _qwen2_5_vl(3584, 28, 28, 4, 18944),
@@ -217,6 +256,9 @@ PRESETS = {
     },
     "qwen2_5_omni": {
         "7b": _qwen2_5_omni(3584, 28, 28, 4, 18944),
+    },
+    "qwen3_omni_moe": {
+        "30b-a3b": _qwen3_omni_moe_30b_a3b(),
     },
     "qwen3_5": {
         "9b": _qwen3_5(4096, 32, 16, 4, 12288, 16, 32),

@@ -26,6 +26,29 @@ Sources, by family:
   defaults, with the released 257,216-token vocabulary of the ``config.json`` files transformers'
   own ColPali conversion script copies).
 
+- ``smolvlm`` 2.2b: ``HuggingFaceTB/SmolVLM2-2.2B-Instruct`` as Google's AI Edge Torch
+  re-authors it (``ai_edge_torch/generative/examples/smolvlm2``, whose ``verify.py`` checks it
+  against that checkpoint): a SigLIP tower of 27 layers, width 1152, 16 heads, FFN 4304 on a
+  27 x 27 grid of 14-px patches (``image_size`` 378 there), pixel shuffle 3, a bias-free
+  connector, and a SmolLM2-1.7B-shaped LM (24 layers, width 2048, 32 heads = 32 KV heads, FFN
+  8192, 49,280-token vocabulary, untied head), image token 49190.
+- ``llava_onevision`` 7b: ``llava-hf/llava-onevision-qwen2-7b-ov-hf`` as transformers'
+  ``convert_llava_onevision_weights_to_hf.py`` builds it: its SigLIP tower (26 layers: the last
+  one dropped) is ``LlavaOnevisionConfig``'s vision default; its LM is ``Qwen/Qwen2-7B-Instruct``
+  (the printed ``Qwen2Config`` of that checkpoint: 28 layers, width 3584, 28 heads / 4 KV heads,
+  FFN 18944, 152,064 rows, untied) with the script's two added tokens padded to a multiple of 64:
+  152,128 rows.
+- ``lfm2_vl`` 450m: the released ``LiquidAI/LFM2-VL-450M`` ``config.json`` (vendored with its
+  model card in public repos): SigLIP2 NaFlex base (12 layers, width 768, 256 positions), a
+  2-layer projector of width 2560 after a 2x2 pixel unshuffle, and LFM2-350M (16 layers of
+  width 1024: 10 short-convolution and 6 attention layers, 16 heads / 8 KV heads, FFN 6656 before
+  LFM2's auto-adjustment, 65,536 tokens, tied).
+- ``minicpmv4_6`` 1.3b: ``openbmb/MiniCPM-V-4.6``'s ``config.json`` as TensorRT-LLM's MiniCPM-V
+  4.6 config test transcribes it: SigLIP2-400M (27 layers, width 1152, FFN 4304, 14-px patches,
+  the window-attention merger after layer 6) and a Qwen3.5-0.8B hybrid LM (24 layers of width
+  1024, one gated-attention layer in 4, head_dim 256, 8 heads / 2 KV heads, FFN 3584, Gated
+  DeltaNet 16 + 16 heads of 128, 248,094 tokens, tied).
+
 Only the fields that shape parameters, parallel degrees and memory are listed (token ids
 included so a config built from them is complete).
 """
@@ -269,6 +292,76 @@ def _paligemma_3b_224() -> dict:
     }
 
 
+def _smolvlm2_2_2b() -> dict:
+    return {
+        "model_type": "smolvlm",
+        "vision_config": {  # 27 x 27 patches a tile, pixel-shuffled 3x3 -> 81 LM rows
+            "hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27,
+            "num_attention_heads": 16, "image_size": 378, "patch_size": 14,
+        },
+        "text_config": {
+            "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
+            "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 32,
+            "vocab_size": 49280, "tie_word_embeddings": False,
+        },
+        "scale_factor": 3, "image_token_id": 49190, "tie_word_embeddings": False,
+    }
+
+
+def _llava_onevision_7b() -> dict:
+    return {  # the vision tower is LlavaOnevisionConfig's default (SigLIP so400m at 384 px, 26 layers)
+        "model_type": "llava_onevision",
+        "text_config": {
+            "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
+            "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+            "vocab_size": 152128, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False,
+        },
+        "image_token_index": 151646, "video_token_index": 151647, "tie_word_embeddings": False,
+    }
+
+
+def _lfm2_vl_450m() -> dict:
+    conv, attn = "conv", "full_attention"
+    return {
+        "model_type": "lfm2_vl",
+        "vision_config": {  # NaFlex: 16-px patches, a 16 x 16 position table resized per image
+            "model_type": "siglip2_vision_model", "hidden_size": 768, "intermediate_size": 3072,
+            "num_hidden_layers": 12, "num_attention_heads": 12, "num_patches": 256,
+            "patch_size": 16, "vision_use_head": False,
+        },
+        "text_config": {
+            "model_type": "lfm2", "hidden_size": 1024, "intermediate_size": 6656,
+            "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 8,
+            "vocab_size": 65536, "max_position_embeddings": 128000, "norm_eps": 1e-5,
+            "layer_types": [conv, conv, attn, conv, conv, attn, conv, conv, attn, conv, attn,
+                            conv, attn, conv, attn, conv],
+        },
+        "downsample_factor": 2, "projector_hidden_size": 2560, "projector_bias": True,
+        "image_token_id": 396, "tie_word_embeddings": True,
+    }
+
+
+def _minicpm_v4_6() -> dict:
+    return {
+        "model_type": "minicpmv4_6",
+        "vision_config": {
+            "hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27,
+            "num_attention_heads": 16, "image_size": 980, "patch_size": 14,
+        },
+        "text_config": {  # Qwen3.5-0.8B: 3 Gated DeltaNet layers per gated-attention layer
+            "model_type": "qwen3_5_text", "hidden_size": 1024, "intermediate_size": 3584,
+            "num_hidden_layers": 24, "num_attention_heads": 8, "num_key_value_heads": 2,
+            "head_dim": 256, "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+            "linear_num_value_heads": 16, "linear_value_head_dim": 128, "vocab_size": 248094,
+            "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+        },
+        "insert_layer_id": 6, "image_size": 1120, "drop_vision_last_layer": False,
+        "image_token_id": 248056, "video_token_id": 248057, "tie_word_embeddings": True,
+    }
+
+
 GENERIC_PRESETS = {
     "idefics3": {"8b": _idefics3_8b()},
     "glm4v": {"9b": _glm4v_9b()},
@@ -289,4 +382,8 @@ GENERIC_PRESETS = {
     "ernie4_5_vl_moe": {"28b-a3b": _ernie4_5_vl_28b()},
     "kimi_k25": {"1t-a32b": _kimi_k25()},
     "paligemma": {"3b-224": _paligemma_3b_224()},
+    "smolvlm": {"2.2b": _smolvlm2_2_2b()},
+    "llava_onevision": {"7b": _llava_onevision_7b()},
+    "lfm2_vl": {"450m": _lfm2_vl_450m()},
+    "minicpmv4_6": {"1.3b": _minicpm_v4_6()},
 }

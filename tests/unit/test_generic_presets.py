@@ -117,3 +117,67 @@ def test_plan_recommends_a_layout_on_8_gpus_of_80_gb(tmp_path, capsys, family, p
         assert rc == 1 and "no layout fits" in out
     else:
         assert rc == 0 and "recommended: " in out
+
+
+# The six presets of issue #41's second round (sources in `ray_dhp.cli.presets_generic` and
+# `ray_dhp.cli.presets`): the published total and the tolerance its rounding leaves (None where
+# no total is published for exactly these modules), and the language model's published count
+# where one exists, held exactly (its audio tower left out).
+_SIX = [
+    # InternVL3.5-8B: 0.3B vision + 8.2B language = 8.5B in InternVL's table; 8.528B counted.
+    # Its Qwen3-8B: keras-hub's qwen3_8b_en preset, 8,190,735,360 parameters.
+    ("internvl", "3.5-8b", 8.5, 0.005, 8_190_735_360),
+    # SmolVLM2-2.2B: 2.2B in its name; 2.247B counted (0.43B SigLIP + connector, 1.81B LM).
+    ("smolvlm", "2.2b", 2.2, 0.025, None),
+    # LLaVA-OneVision-7B: its LM is Qwen2-7B (keras-hub's Qwen2.5-Math-7B preset of the same shape:
+    # 7,615,616,512) with 64 more rows in the embedding and the head (152,064 -> 152,128).
+    ("llava_onevision", "7b", None, None, 7_615_616_512 + 2 * 64 * 3584),
+    # LFM2-VL-450M: 450M in its name (350M LM + 86M SigLIP2 base on its card); 450.8M counted.
+    ("lfm2_vl", "450m", 0.45, 0.005, None),
+    # MiniCPM-V 4.6: 1.3B total (vLLM's recipe: SigLIP2-400M + Qwen3.5-0.8B); 1.300B counted.
+    ("minicpmv4_6", "1.3b", 1.3, 0.005, None),
+    # Qwen3-Omni-30B-A3B's thinker: keras-hub's figure, 30,532,122,624, is Qwen3-30B-A3B's LM at
+    # 151,936 rows; the thinker's head and embedding have 152,064 (128 more of width 2048 each).
+    # With its 0.54B ViT and 0.65B audio tower the thinker counts 31.72B.
+    ("qwen3_omni_moe", "30b-a3b", None, None, 30_532_122_624 + 2 * 128 * 2048),
+]
+
+
+def _six(n: int) -> list:
+    return [r[:n] if i == 0 else pytest.param(*r[:n], marks=_SLOW) for i, r in enumerate(_SIX)]
+
+
+@pytest.mark.parametrize("family, preset, published, rel, lm", _six(5))
+def test_six_more_presets_count_the_published_sizes(family, preset, published, rel, lm):
+    """Meta-device totals of the second round's presets against the published figures above."""
+    from ray_dhp.cli.models import config_from_dims
+    from ray_dhp.models import family_of
+    from ray_dhp.models.sizes import count_params
+
+    config = config_from_dims(preset_dims(family, preset))
+    assert family_of(config).name == family
+    counts = count_params(config)
+    if published is not None:
+        assert (counts.vision + counts.text) / 1e9 == pytest.approx(published, rel=rel)
+    if lm is not None:
+        assert counts.text - sum(p.numel for p in counts.text_sizes if p.audio) == lm
+
+
+@pytest.mark.parametrize("family, preset", _six(2))
+def test_plan_recommends_a_layout_for_the_six_on_8_gpus_of_80_gb(tmp_path, capsys, family, preset):
+    """`ray-dhp plan --recommend --gpus 8` on H100s under bf16_mixed: a layout for five of the
+    six; Qwen3-Omni's 31.7B thinker (18 B/param of state) does not fit in 8 x 72.4 GiB (its
+    closest, collocated with EP8, needs 83.1 GiB a GPU), and the verdict names the remedies."""
+    from ray_dhp.cli import main
+
+    run = tmp_path / "run.yaml"
+    run.write_text(f"model: {{family: {family}, preset: {preset}}}\n"
+                   "optim: {global_batch_size: 32, micro_batches: 4, activation_checkpointing: true}\n"
+                   "precision: bf16_mixed\nscaling: {use_gpu: true, accelerator: h100}\n")
+    rc = main(["plan", str(run), "--recommend", "--gpus", "8"])
+    out = capsys.readouterr().out
+    assert "recommendation for 8 GPUs" in out and "h100 79.1 GiB" in out
+    if family == "qwen3_omni_moe":
+        assert rc == 1 and "no layout fits" in out and "precision.policy=bf16" in out
+    else:
+        assert rc == 0 and "recommended: " in out
