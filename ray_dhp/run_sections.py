@@ -28,7 +28,8 @@ class ModelSection:
 
     demo: Optional[str] = option("qwen2_5_vl", "tiny random-init demo model of this family "
                                  "(qwen2_5_vl, qwen2_vl, qwen3_vl, qwen3_vl_moe, qwen3_5, "
-                                 "qwen3_5_moe, internvl, qwen2_5_omni, qwen3_omni_moe, or any generic "
+                                 "qwen3_5_moe, internvl, internvl3_5 (InternVL with a Qwen3 LM), "
+                                 "qwen2_5_omni, qwen3_omni_moe, or any generic "
                                  "model type of docs/supported_models.md, e.g. gemma3); used when "
                                  "path, preset and config are unset")
     path: Optional[str] = option(None, "local Hugging Face model directory, or a Hub model id "

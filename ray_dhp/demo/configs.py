@@ -7,7 +7,8 @@ from ray_dhp.demo.tokenizer import CHAT_TEMPLATE, _token_ids, build_tokenizer
 
 __all__ = ["FAMILIES", "AUDIO_FAMILIES", "tiny_model_config"]
 
-FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "internvl")
+FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "internvl",
+            "internvl3_5")
 #: families with an audio encoder (their tiny config and processor: `ray_dhp.demo.audio`)
 AUDIO_FAMILIES = ("qwen2_5_omni", "qwen3_omni_moe")
 
@@ -69,7 +70,8 @@ _TINY_QWEN3_5_MOE = {**{k: v for k, v in _TINY_MOE.items()
 
 #: Tiny InternVL: 56-px tiles of 14-px patches (4x4 patches, 2x2 feature rows per tile), an
 #: InternViT of hidden 32, 4 heads, 2 layers (LayerNorm, no q/k norm, mean pooling: InternVL3's
-#: 300M tower), pixel shuffle 0.5 and a Qwen2 LM with 1-D RoPE.
+#: 300M tower), pixel shuffle 0.5 and a Qwen2 LM with 1-D RoPE; ``internvl3_5`` (InternVL3.5)
+#: the same with a Qwen3 LM (per-head q/k RMSNorms, head_dim 16, no q/k/v biases).
 _TINY_INTERNVL_TILE = 56
 _TINY_INTERNVL_VISION = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
                          "intermediate_size": 64, "image_size": _TINY_INTERNVL_TILE,
@@ -78,13 +80,15 @@ _TINY_INTERNVL_VISION = {"hidden_size": 32, "num_hidden_layers": 2, "num_attenti
                          "attention_dropout": 0.0, "projection_dropout": 0.0}
 
 
-def _tiny_internvl(tie_word_embeddings: bool):
+def _tiny_internvl(tie_word_embeddings: bool, lm: str = "qwen2"):
     from transformers import InternVLConfig
 
     ids = _token_ids()
     vocab = -(-len(build_tokenizer()) // 8) * 8
-    text = {**_text_config(ids, vocab), "model_type": "qwen2", "tie_word_embeddings": tie_word_embeddings,
+    text = {**_text_config(ids, vocab), "model_type": lm, "tie_word_embeddings": tie_word_embeddings,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    if lm == "qwen3":
+        text["head_dim"] = 16
     config = InternVLConfig(text_config=text, vision_config=dict(_TINY_INTERNVL_VISION),
                             image_token_id=ids["image_token_id"], downsample_ratio=0.5,
                             image_seq_length=(_TINY_INTERNVL_TILE // 14 // 2) ** 2,
@@ -117,6 +121,8 @@ def tiny_model_config(family: str = "qwen2_5_vl", *, tie_word_embeddings: bool =
         tie_word_embeddings: share one weight between the input embedding and ``lm_head`` (as
             Qwen2.5-VL-3B and the small Qwen3-VL models do).
 
+    ``"internvl"``: InternVL3 (InternViT + Qwen2 LM, `_tiny_internvl`); ``"internvl3_5"``:
+    InternVL3.5, the same with a Qwen3 LM (model type ``internvl``, family ``internvl``).
     ``"qwen2_5_omni"``: the Qwen2.5-Omni *thinker* (`ray_dhp.demo.audio.omni_config`);
     ``"qwen3_omni_moe"``: the Qwen3-Omni thinker (`ray_dhp.demo.audio.omni3_config`: Qwen3-VL's
     tiny ViT, Qwen3-VL-MoE's tiny LM, a tiny chunked-conv audio tower).
@@ -125,8 +131,8 @@ def tiny_model_config(family: str = "qwen2_5_vl", *, tie_word_embeddings: bool =
         from ray_dhp.demo.generic import tiny_generic_config
 
         return tiny_generic_config(family)
-    if family == "internvl":
-        return _tiny_internvl(tie_word_embeddings)
+    if family in ("internvl", "internvl3_5"):
+        return _tiny_internvl(tie_word_embeddings, "qwen3" if family == "internvl3_5" else "qwen2")
     if family == "qwen3_omni_moe":
         from ray_dhp.demo.audio import QWEN3_OMNI_AUDIO_TOKENS, omni3_config, omni_tokenizer
 

@@ -47,7 +47,7 @@ def tiny_processor(family: str = "qwen2_5_vl", *, min_side: int = 56, max_side: 
 
     from ray_dhp.data.processing import VLProcessor
 
-    if family == "internvl":
+    if family in ("internvl", "internvl3_5"):  # InternVL3 and 3.5 tile images alike
         return VLProcessor(build_tokenizer(), _tiny_tiler(max_side))
 
     geo = _vision_geometry(family)

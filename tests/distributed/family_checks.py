@@ -188,16 +188,8 @@ def omni_audio(got, ref, case):
 # -- InternVL3.5: InternVL with a Qwen3 language model (test_internvl.py, tests/ray) ---------------
 
 def internvl3_5_config():
-    """The tiny InternVL with a Qwen3 LM (per-head q/k RMSNorms, head_dim 16), as InternVL3.5."""
-    from transformers import InternVLConfig
-
+    """The tiny InternVL with a Qwen3 LM (per-head q/k RMSNorms, head_dim 16), as InternVL3.5: the
+    demo's ``internvl3_5`` model (`ray_dhp.demo.tiny_model_config`), which ``model.demo`` names."""
     from ray_dhp import demo
 
-    base = demo.tiny_model_config("internvl")
-    text = {**base.text_config.to_dict(), "model_type": "qwen3", "head_dim": 16}
-    for key in ("layer_types", "architectures", "transformers_version"):
-        text.pop(key, None)
-    config = InternVLConfig(**{**base.to_dict(), "text_config": text,
-                               "vision_config": base.vision_config.to_dict()})
-    config._attn_implementation = "sdpa"
-    return config
+    return demo.tiny_model_config("internvl3_5")

@@ -193,6 +193,26 @@ def test_tiny_internvl_tiles_and_stock_forward(records, dataset):
     assert torch.isfinite(loss) and grad is not None and grad.abs().sum() > 0
 
 
+def test_tiny_internvl3_5_is_internvl_with_a_qwen3_lm():
+    """``model.demo: internvl3_5``: the tiny InternVL (same tower, tiles and token ids) with a
+    Qwen3 LM (head_dim 16, per-head q/k norms), read as the ``internvl`` family; its processor is
+    InternVL's tiler."""
+    from transformers import InternVLForConditionalGeneration
+
+    from ray_dhp.data.tiles import TileImageProcessor
+    from ray_dhp.models import family_of
+
+    v3, v35 = tiny_model_config("internvl"), tiny_model_config("internvl3_5")
+    assert (v3.text_config.model_type, v35.text_config.model_type) == ("qwen2", "qwen3")
+    assert v35.text_config.head_dim == 16 and family_of(v35).name == "internvl"
+    assert v35.vision_config.to_dict() == v3.vision_config.to_dict()
+    assert v35.image_token_id == v3.image_token_id and v35._attn_implementation == "sdpa"
+    assert isinstance(tiny_processor("internvl3_5").image_processor, TileImageProcessor)
+    with torch.device("meta"):
+        model = InternVLForConditionalGeneration(v35)
+    assert model.model.language_model.layers[0].self_attn.q_norm.weight.shape == (16,)
+
+
 def test_mrope_positions_are_2d_on_image_tokens(processor, records, dataset):
     sample = processor.process(records[2], resolve_data_root(dataset))  # 112x84 -> grid 6x8
     model = _model_class("qwen2_5_vl")(tiny_model_config())
