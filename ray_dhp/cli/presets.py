@@ -174,7 +174,7 @@ def _internvl3(vision: dict, hidden: int, layers: int, heads: int, kv_heads: int
 
 # InternVL3.5-8B (OpenGVLab/InternVL3_5-8B, transformers' ``internvl`` with a ``qwen3`` text config):
 # InternViT-300M-448px-V2.5 (as InternVL3's) and Qwen3-8B, the sizes InternVL's own documentation
-# tables (0.3B vision + 8.2B language = 8.5B). Qwen3-8B: 36 layers of width 4096, 32 heads / 8 KV
+# tables (``docs/en/internvl3.5/quick_start.md``: 0.3B vision + 8.2B language = 8.5B). Qwen3-8B: 36 layers of width 4096, 32 heads / 8 KV
 # heads of 128, FFN 12288, 151,936 rows, untied - keras-hub's ``qwen3_8b_en`` preset gives its
 # total, 8,190,735,360, which this LM counts exactly; image token 151671 and 40,960 positions as
 # the InternVL3.5 HF configs vendored in public loader tests.
@@ -193,7 +193,8 @@ def _internvl3_5(vision: dict, hidden: int, layers: int, heads: int, kv_heads: i
 # both projecting to the LM width; the LM is Qwen3-30B-A3B's shape: the text config's defaults
 # for width (2048) and experts (128 of width 768, top-8), with the released 48 layers, 32 query /
 # 4 KV heads of 128 (the public config as public notes on it and keras-hub's Qwen3-Omni preset
-# note state) and 152,064 rows (the logits of vLLM-Omni's dump of the thinker). keras-hub's
+# note state) and 152,064 rows (the logits of the thinker in vLLM-Omni's transformers model-structure
+# dump, ``benchmarks/qwen3-omni``). keras-hub's
 # figure, 30,532,122,624, is this LM at 151,936 rows exactly (`tests/unit/test_generic_presets.py`).
 def _qwen3_omni_moe_30b_a3b() -> dict:
     return {

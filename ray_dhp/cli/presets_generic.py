@@ -35,11 +35,11 @@ Sources, by family:
 - ``llava_onevision`` 7b: ``llava-hf/llava-onevision-qwen2-7b-ov-hf`` as transformers'
   ``convert_llava_onevision_weights_to_hf.py`` builds it: its SigLIP tower (26 layers: the last
   one dropped) is ``LlavaOnevisionConfig``'s vision default; its LM is ``Qwen/Qwen2-7B-Instruct``
-  (the printed ``Qwen2Config`` of that checkpoint: 28 layers, width 3584, 28 heads / 4 KV heads,
-  FFN 18944, 152,064 rows, untied) with the script's two added tokens padded to a multiple of 64:
-  152,128 rows.
+  (that checkpoint's ``Qwen2Config`` as printed in public notes, e.g. the ``Retruth/deontic``
+  repository: 28 layers, width 3584, 28 heads / 4 KV heads, FFN 18944, 152,064 rows, untied)
+  with the script's two added tokens padded to a multiple of 64: 152,128 rows.
 - ``lfm2_vl`` 450m: the released ``LiquidAI/LFM2-VL-450M`` ``config.json`` (vendored with its
-  model card in public repos): SigLIP2 NaFlex base (12 layers, width 768, 256 positions), a
+  model card in public repos, e.g. ``varun00391/local-finetuned-model``): SigLIP2 NaFlex base (12 layers, width 768, 256 positions), a
   2-layer projector of width 2560 after a 2x2 pixel unshuffle, and LFM2-350M (16 layers of
   width 1024: 10 short-convolution and 6 attention layers, 16 heads / 8 KV heads, FFN 6656 before
   LFM2's auto-adjustment, 65,536 tokens, tied).
