@@ -80,18 +80,15 @@ GENERIC_ROWS = _generic_rows()
 
 # Generic families whose activations (or step peak) the planner misses by more than 5%, with the
 # reason (none since 2026-12-04: the last three, step peaks, were ZeRO-1's freed gradients and the
-# frozen parameters' buckets, now modelled); the state is exact for every one.
+# frozen parameters' buckets, now modelled; Qwen4-Exp's activations, below); the state is exact for
+# every one.
 # Both sides' activations are measured from the model's own code on the meta device where that
 # runs (the tower: `ray_dhp.models.vision_saved`; the decoder layers: `ray_dhp.models.text_saved`);
 # the others keep the block formulas.
-GENERIC_GAPS: dict = {
-    # measured 46,644 B vs 82,491 B planned (0.565): its tiny config keeps the released Gated
-    # DeltaNet head widths (32 value heads x 128, 16 key heads x 128 at hidden 64), where the
-    # planner's linear-attention activation model over-counts what the chunked recurrence saves
-    # (Qwen3.5's row, narrower heads, 1.000); not yet re-modelled
-    "qwen4_exp": {"activations": (0.5, "Gated DeltaNet at its released head widths: the plan "
-                                  "over-counts the recurrence's saved tensors (1.77x); open")},
-}
+GENERIC_GAPS: dict = {}
+# (Qwen4-Exp's activations read 0.565 until the decoder probe split a ``rowwise_split_input``
+# module's input as DTensor does, a slice of its own: the probe had marked the hyper-connections'
+# normed input sharded, and with it the whole Gated DeltaNet mixer computed from it.)
 
 CASES = (
     Case("demo SP2 / TP2", slow=False),

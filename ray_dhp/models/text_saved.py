@@ -13,7 +13,9 @@ translates), followed through the forward: a column-parallel module's output is 
 every tensor computed from a sharded one (a `torch.overrides.TorchFunctionMode` sees every op),
 until a row-parallel module's output (its all-reduce) makes it replicated again; a fused gate_up
 whose output is gathered (``colwise_gather_output``) stays replicated, and the row-parallel
-module after it (``rowwise_split_input``) keeps its input's local slice (sharded). A layer the
+module after it (``rowwise_split_input``) keeps its input's local slice, a storage of its own
+(sharded), the input itself replicated for whatever else reads it (Qwen4-Exp's hyper-connections
+mix the normed residual they split into the token mixer's input). A layer the
 plan does not shard (LFM2's short-convolution blocks) is whole on every TP rank. Under text
 sequence parallelism every per-token activation is ``1/tp`` of the whole
 (`ray_dhp.planning.memory.text_activation_parts`).
@@ -133,9 +135,24 @@ def _hook_plan(decoder, plan: dict, mode: _Sharding) -> list:
             hooks.append(module.register_forward_hook(lambda _m, _a, out: mode.mark(out)))
         elif style in ("rowwise", "rowwise_split_input"):
             if style == "rowwise_split_input":
-                hooks.append(module.register_forward_pre_hook(lambda _m, args: mode.mark(args)))
+                hooks.append(module.register_forward_pre_hook(
+                    lambda _m, args: _split_input(args, mode)))
             hooks.append(module.register_forward_hook(lambda _m, _a, out: mode.mark(out, False)))
     return hooks
+
+
+def _split_input(args: tuple, mode: _Sharding) -> tuple:
+    """A ``rowwise_split_input`` module's arguments as the TP rank runs it: each replicated input
+    split into its local slice (DTensor's redistribution: a new storage, ``1/tp`` of the input,
+    the one the linear saves), the caller's tensor left replicated (what else reads it, e.g. a
+    hyper-connection's mix of its normed input, keeps the whole tensor)."""
+    def split(x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            x = x.clone()
+            mode.mark(x)
+        return x
+
+    return tuple(split(a) for a in args)
 
 
 def _is_param(t: torch.Tensor) -> bool:

@@ -91,3 +91,27 @@ def test_probe_follows_the_row_length_and_measures_experts_not_handed_the_routin
     assert probed.stubbed == frozenset()
     assert [r + s for r, s in probed.layers] == pytest.approx(_cpu_saved(llama4, family_of(llama4)))
     assert text_saved_per_token(demo.tiny_model_config("glm4v_moe"), 4).stubbed  # its sparse layer
+
+
+def test_split_input_slices_its_own_storage_and_leaves_the_callers_tensor_replicated():
+    """A ``rowwise_split_input`` linear saves its input's local slice (DTensor's redistribution:
+    a storage of its own); the caller's tensor stays whole on the rank. Qwen4-Exp's hyper-
+    connections split their normed ``hc_count x h`` input into ``input_mix_weight_down`` and mix
+    the whole one into the Gated DeltaNet's input: marking the caller's tensor sharded had halved
+    the whole mixer under TP2 (its plan-accuracy row read 0.565, now 1.001)."""
+    from ray_dhp import demo
+    from ray_dhp.models import text_saved_per_token
+
+    config = demo.tiny_model_config("qwen4_exp")
+    tc = config.get_text_config()
+    probed = text_saved_per_token(config, 4)
+    assert set(tc.layer_types) == {"linear_attention"}
+    # sharded: the two hyper-connections' slices (fp32, hc_count x h) and the shared expert's
+    # gate, up, activation and product (its colwise / rowwise pair); the mixer replicated
+    split = 2 * 4 * tc.hc_count * tc.hidden_size
+    assert all(s == split + 4 * 4 * tc.shared_expert_intermediate_size for _, s in probed.layers)
+    assert all(r > 20 * s for r, s in probed.layers)
+    # GLM-4V's fused gate_up -> down_proj: the slice is the only saved copy of down_proj's input
+    glm = text_saved_per_token(demo.tiny_model_config("glm4v"), 4)
+    gtc = demo.tiny_model_config("glm4v").get_text_config()
+    assert all(s >= 4 * gtc.intermediate_size for _, s in glm.layers)
