@@ -85,6 +85,10 @@ Sources, by family:
   windowed attention with global layers 2, 5, 8, 11, 256 output channels; a Qwen-0.5B-shaped LM:
   24 layers, width 1024, 16 heads = 16 KV heads, FFN 2816, 151,860 rows, tied), as public
   loaders transcribe its ``config.json``.
+- ``shieldgemma2`` 4b: ``google/shieldgemma-2-4b-it`` as transformers'
+  ``convert_shieldgemma2_weights_orbax_to_hf.py`` configures it: Gemma 3 4B's dims (the
+  ``gemma3`` 4b preset's tower and LM: 34 layers, width 2560, 8 heads / 4 KV heads of 256, FFN
+  10240, 262,208 rows, the head tied to the embedding) with 8,192 positions.
 
 Only the fields that shape parameters, parallel degrees and memory are listed (token ids
 included so a config built from them is complete).
@@ -519,6 +523,12 @@ def _got_ocr2() -> dict:
     }
 
 
+def _shieldgemma2_4b() -> dict:
+    out = _gemma3(2560, 34, 8, 4, 256, 256)  # Gemma 3 4B, its image classifier's head tied
+    out["text_config"].update({"max_position_embeddings": 8192, "tie_word_embeddings": True})
+    return {**out, "model_type": "shieldgemma2", "tie_word_embeddings": True}
+
+
 GENERIC_PRESETS = {
     "idefics3": {"8b": _idefics3_8b()},
     "glm4v": {"9b": _glm4v_9b()},
@@ -550,4 +560,5 @@ GENERIC_PRESETS = {
     "paddleocr_vl": {"0.9b": _paddleocr_vl_0_9b()},
     "glm_ocr": {"0.9b": _glm_ocr()},
     "got_ocr2": {"580m": _got_ocr2()},
+    "shieldgemma2": {"4b": _shieldgemma2_4b()},
 }

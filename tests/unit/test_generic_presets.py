@@ -206,6 +206,8 @@ _THIRD = [
     # of decoder layers): the card leaves out the 59,392 x 1536 embedding and untied head (0.18B);
     # 1.107B counted in all, 0.925B without them, within 3% of 0.9B.
     ("glm_ocr", "0.9b", 0.9, 0.03, None, 2 * 59392 * 1536),
+    # ShieldGemma 2: Gemma 3 4B's dims, so the Gemma 3 card's 4.3B (4.300B counted).
+    ("shieldgemma2", "4b", 4.30, 0.005, None, 0),
 ]
 
 
