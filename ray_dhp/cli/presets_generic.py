@@ -89,6 +89,14 @@ Sources, by family:
   ``convert_shieldgemma2_weights_orbax_to_hf.py`` configures it: Gemma 3 4B's dims (the
   ``gemma3`` 4b preset's tower and LM: 34 layers, width 2560, 8 heads / 4 KV heads of 256, FFN
   10240, 262,208 rows, the head tied to the embedding) with 8,192 positions.
+- ``cohere2_vision`` 112b: ``CohereLabs/command-a-vision-07-2025`` (Command A Vision) as
+  KerasFormers' ``cohere2_vision/config.py`` transcribes its ``config.json``: a SigLIP2 so400m
+  tower at 512 px (27 layers, width 1152, 16 heads, FFN 4304, 16-px patches, pixel-shuffled 2x2)
+  with a SwiGLU connector of width 36,864, and Command A (64 layers, width 12288, 96 heads / 8 KV
+  heads of 128, FFN 36864, one full-attention layer in 4 beside 4,096-token sliding windows,
+  256,000 rows, tied). The tower's pooling head is left out: the model reads
+  ``last_hidden_state``, and the checkpoint's 223.7 GB of F16 (public model tables) leaves no
+  room for it.
 
 Only the fields that shape parameters, parallel degrees and memory are listed (token ids
 included so a config built from them is complete).
@@ -529,6 +537,25 @@ def _shieldgemma2_4b() -> dict:
     return {**out, "model_type": "shieldgemma2", "tie_word_embeddings": True}
 
 
+def _command_a_vision() -> dict:
+    return {
+        "model_type": "cohere2_vision",
+        "vision_config": {  # SigLIP2 so400m at 512 px: 32 x 32 patches, 256 LM rows per tile
+            "model_type": "siglip_vision_model", "hidden_size": 1152, "intermediate_size": 4304,
+            "num_hidden_layers": 27, "num_attention_heads": 16, "image_size": 512,
+            "patch_size": 16, "vision_use_head": False,
+        },
+        "text_config": {  # Command A
+            "model_type": "cohere2", "hidden_size": 12288, "intermediate_size": 36864,
+            "num_hidden_layers": 64, "num_attention_heads": 96, "num_key_value_heads": 8,
+            "head_dim": 128, "vocab_size": 256000, "sliding_window": 4096,
+            "layer_norm_eps": 1e-5, "tie_word_embeddings": True,
+        },
+        "downsample_factor": 2, "alignment_intermediate_size": 36864, "image_token_id": 255036,
+        "tie_word_embeddings": True,
+    }
+
+
 GENERIC_PRESETS = {
     "idefics3": {"8b": _idefics3_8b()},
     "glm4v": {"9b": _glm4v_9b()},
@@ -561,4 +588,5 @@ GENERIC_PRESETS = {
     "glm_ocr": {"0.9b": _glm_ocr()},
     "got_ocr2": {"580m": _got_ocr2()},
     "shieldgemma2": {"4b": _shieldgemma2_4b()},
+    "cohere2_vision": {"112b": _command_a_vision()},
 }
