@@ -97,6 +97,15 @@ Sources, by family:
   256,000 rows, tied). The tower's pooling head is left out: the model reads
   ``last_hidden_state``, and the checkpoint's 223.7 GB of F16 (public model tables) leaves no
   room for it.
+- ``mistral_large4`` 1t-a52b: ``mistralai/Mistral-Large-4-1T-A52B``, transformers'
+  ``MistralLarge4Config`` defaults (its docstring checkpoint; the Pixtral tower's dims spelled out
+  there: 30 layers, width 2048, 16 heads, FFN 6144, 14-px patches up to 1,540 px; the text
+  config's: 72 layers of width 6144, MLA with a 512-wide latent KV and a DSA indexer in every
+  layer, layer 0 dense (FFN 24576), then 128 routed experts of width 6144, top-4, plus one shared
+  expert, 204,800 rows, untied).
+- ``pp_chart2table`` 0.58b: ``PaddlePaddle/PP-Chart2Table_safetensors``, transformers'
+  ``PPChart2TableConfig`` defaults (its docstring checkpoint): GOT-OCR 2.0's architecture (the
+  ``got_ocr2`` preset's SAM ViT-B tower and 24-layer Qwen LM of 151,860 rows, tied).
 
 Only the fields that shape parameters, parallel degrees and memory are listed (token ids
 included so a config built from them is complete).
@@ -556,6 +565,32 @@ def _command_a_vision() -> dict:
     }
 
 
+def _mistral_large4() -> dict:
+    return {
+        "model_type": "mistral_large4",
+        "vision_config": {  # Pixtral-style: 14-px patches, images up to 1,540 px, 2x2 merged
+            "model_type": "pixtral", "hidden_size": 2048, "intermediate_size": 6144,
+            "num_hidden_layers": 30, "num_attention_heads": 16, "patch_size": 14,
+            "image_size": 1540, "hidden_act": "silu",
+        },
+        "text_config": {  # MLA + DSA indexer; layer 0 dense, then 128 routed experts (top-4) + 1 shared
+            "vocab_size": 204800, "hidden_size": 6144, "intermediate_size": 24576,
+            "moe_intermediate_size": 6144, "num_hidden_layers": 72, "num_attention_heads": 64,
+            "num_key_value_heads": 64, "n_shared_experts": 1, "n_routed_experts": 128,
+            "num_experts_per_tok": 4, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+            "v_head_dim": 128, "qk_nope_head_dim": 64, "index_head_dim": 128,
+            "index_n_heads": 32, "index_topk": 2048, "first_k_dense_replace": 1,
+            "max_position_embeddings": 1048576, "tie_word_embeddings": False,
+        },
+        "image_token_index": 10, "spatial_merge_size": 2, "multimodal_projector_bias": False,
+        "tie_word_embeddings": False,
+    }
+
+
+def _pp_chart2table() -> dict:
+    return {**_got_ocr2(), "model_type": "pp_chart2table"}  # GOT-OCR 2.0's dims
+
+
 GENERIC_PRESETS = {
     "idefics3": {"8b": _idefics3_8b()},
     "glm4v": {"9b": _glm4v_9b()},
@@ -589,4 +624,6 @@ GENERIC_PRESETS = {
     "got_ocr2": {"580m": _got_ocr2()},
     "shieldgemma2": {"4b": _shieldgemma2_4b()},
     "cohere2_vision": {"112b": _command_a_vision()},
+    "mistral_large4": {"1t-a52b": _mistral_large4()},
+    "pp_chart2table": {"0.58b": _pp_chart2table()},
 }

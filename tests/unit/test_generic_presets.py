@@ -210,9 +210,16 @@ _THIRD = [
     ("shieldgemma2", "4b", 4.30, 0.005, None, 0),
     # Command A Vision: 111.9B in public model tables of its safetensors; 111.868B counted.
     ("cohere2_vision", "112b", 111.9, 0.0005, None, 0),
+    # Mistral Large 4: "1T total / 52B active" announced, its staged Hub id
+    # Mistral-Large-4.0-1T05-A52B: 1.05T; 1051.8B counted (51.9B active less the input embedding).
+    ("mistral_large4", "1t-a52b", 1050.0, 0.005, None, 0),
+    # PP-Chart2Table: 0.58B in PaddleOCR's model table, GOT-OCR 2.0's "580M" (a sum of rounded
+    # parts, 80M + 0.5B) for its architecture; 0.5605B counted, as PaddleMIX counts GOT: 3.4% under.
+    ("pp_chart2table", "0.58b", 0.58, 0.035, None, 0),
 ]
 
-_THIRD_NO_FIT = ("cohere2_vision",)  # 112B: 2 TB of bf16_mixed state on 8 x 72.4 GiB
+# 112B and 1.05T: 2 TB and 19 TB of bf16_mixed state against 8 x 72.4 GiB
+_THIRD_NO_FIT = ("cohere2_vision", "mistral_large4")
 
 
 def _third(n: int) -> list:
@@ -239,7 +246,8 @@ def test_third_round_presets_count_the_published_sizes(family, preset, published
 def test_plan_recommends_a_layout_for_the_third_round_on_8_gpus_of_80_gb(tmp_path, capsys, family,
                                                                          preset):
     """`ray-dhp plan --recommend --gpus 8` on H100s under bf16_mixed: a layout for each but
-    Command A Vision (112B at 18 B/param), whose verdict names the remedies."""
+    Command A Vision (112B at 18 B/param) and Mistral Large 4 (1.05T), whose verdicts name the
+    remedies."""
     from ray_dhp.cli import main
 
     run = tmp_path / "run.yaml"
