@@ -106,6 +106,13 @@ Sources, by family:
 - ``pp_chart2table`` 0.58b: ``PaddlePaddle/PP-Chart2Table_safetensors``, transformers'
   ``PPChart2TableConfig`` defaults (its docstring checkpoint): GOT-OCR 2.0's architecture (the
   ``got_ocr2`` preset's SAM ViT-B tower and 24-layer Qwen LM of 151,860 rows, tied).
+- ``llava_onevision1_5`` 4b: ``lmms-lab/LLaVA-OneVision-1.5-4B-Instruct``: its RICE-ViT is
+  transformers' ``LlavaOnevision1_5VisionConfig`` default (docstring checkpoint that model: 24
+  layers, width 1024, 16 heads, FFN 4096, 14-px patch rows, 2x2 merged; also LoongForge's
+  ``llava_vit.yaml``), its LM the text config defaults of the project's own remote code
+  (``LLaVAOneVision1_5_TextConfig`` in the LLaVA-OneVision-1.5 repository, with ``RiceConfig``'s
+  ``text_hidden_size`` 2560): Qwen3-4B's shape (36 layers, width 2560, 32 heads / 8 KV heads of
+  128, FFN 9728, 151,936 rows) with an untied head, as transformers' composite default too.
 
 Only the fields that shape parameters, parallel degrees and memory are listed (token ids
 included so a config built from them is complete).
@@ -591,6 +598,24 @@ def _pp_chart2table() -> dict:
     return {**_got_ocr2(), "model_type": "pp_chart2table"}  # GOT-OCR 2.0's dims
 
 
+def _llava_onevision1_5_4b() -> dict:
+    return {
+        "model_type": "llava_onevision1_5",
+        "vision_config": {  # RICE-ViT on 14-px patch rows, 2x2 merged to the LM width
+            "depth": 24, "hidden_size": 1024, "intermediate_size": 4096, "num_heads": 16,
+            "patch_size": 14, "spatial_merge_size": 2, "out_hidden_size": 2560,
+        },
+        "text_config": {  # Qwen3-4B's shape, head untied
+            "model_type": "qwen3", "hidden_size": 2560, "intermediate_size": 9728,
+            "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 262144,
+            "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        },
+        "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
+        "vision_end_token_id": 151653, "tie_word_embeddings": False,
+    }
+
+
 GENERIC_PRESETS = {
     "idefics3": {"8b": _idefics3_8b()},
     "glm4v": {"9b": _glm4v_9b()},
@@ -626,4 +651,5 @@ GENERIC_PRESETS = {
     "cohere2_vision": {"112b": _command_a_vision()},
     "mistral_large4": {"1t-a52b": _mistral_large4()},
     "pp_chart2table": {"0.58b": _pp_chart2table()},
+    "llava_onevision1_5": {"4b": _llava_onevision1_5_4b()},
 }

@@ -216,6 +216,9 @@ _THIRD = [
     # PP-Chart2Table: 0.58B in PaddleOCR's model table, GOT-OCR 2.0's "580M" (a sum of rounded
     # parts, 80M + 0.5B) for its architecture; 0.5605B counted, as PaddleMIX counts GOT: 3.4% under.
     ("pp_chart2table", "0.58b", 0.58, 0.035, None, 0),
+    # LLaVA-OneVision-1.5-4B: its LM is Qwen3-4B (keras-hub's qwen3_4b_en preset: 4,022,468,096,
+    # tied) with the untied head of 151,936 x 2560 its config sets; 4.742B in all.
+    ("llava_onevision1_5", "4b", None, None, 4_022_468_096 + 151936 * 2560, 0),
 ]
 
 # 112B and 1.05T: 2 TB and 19 TB of bf16_mixed state against 8 x 72.4 GiB
