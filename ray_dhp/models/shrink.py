@@ -81,8 +81,10 @@ def shrink_config(config, *, text: dict = None, vision: dict = None, top: dict =
     text0, vision0 = config.get_text_config(), config.vision_config
     experts = {k: _fit(text0, k, v) for k, v in EXPERTS.items() if getattr(text0, k, None) is not None}
     text, vision = {**TEXT, **experts, **(text or {})}, {**VISION, **(vision or {})}
-    if getattr(vision0, "num_key_value_heads", None) == getattr(vision0, "num_attention_heads", 0):
-        vision.setdefault("num_key_value_heads", vision["num_attention_heads"])  # no GQA (Gemma 4's)
+    heads0, kv0 = getattr(vision0, "num_attention_heads", 0), getattr(vision0, "num_key_value_heads", None)
+    if isinstance(kv0, int) and isinstance(heads0, int) and heads0 % kv0 == 0:
+        # the tower's query heads per key/value head kept (no GQA: Gemma 4's; GQA: LFM3-VL's)
+        vision.setdefault("num_key_value_heads", max(1, vision["num_attention_heads"] * kv0 // heads0))
     widths = {text0.hidden_size: text["hidden_size"], vision0.hidden_size: vision["hidden_size"]}
     head_dim = text0.to_dict().get("head_dim") or text0.hidden_size // text0.num_attention_heads
     widths.setdefault(head_dim, text["head_dim"])
