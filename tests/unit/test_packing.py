@@ -503,3 +503,19 @@ def test_qwen3_5_lm_generic_packed_forward_equals_padded_fp64(family, dataset):
         errs.append(_max_sample_error(*_generic_logits(
             family, dataset, config, spec=replace(spec, packed_positions="1d"), segments=True)))
     assert min(errs) > 1e-3, errs
+
+
+@pytest.mark.slow
+def test_qwen4_exp_linear_attention_packed_one_row_per_sample_fp64(dataset):
+    """Qwen4-Exp's language model (a mixture of experts) has Gated DeltaNet layers
+    (``linear_attention``, a type transformers builds a recurrent mask for): the generic family
+    runs them one row per sample, and each sample's logits equal its padded row's within 1e-12
+    (fp64, its tiny default config: linear attention only; measured 2.7e-16). Without the
+    per-sample rows the state runs into the next sample (measured 2.3e-2)."""
+    from ray_dhp.models import family_of
+
+    spec = family_of(tiny_model_config("qwen4_exp"))
+    assert spec.packing and spec.stateful_mixers == (("layers.0.linear_attn", "out_proj"),
+                                                     ("layers.1.linear_attn", "out_proj"))
+    assert _max_sample_error(*_generic_logits("qwen4_exp", dataset, segments=True)) <= 1e-12
+    assert _max_sample_error(*_generic_logits("qwen4_exp", dataset)) > 1e-3
