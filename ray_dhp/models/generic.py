@@ -70,11 +70,11 @@ from ray_dhp.models.base import EncoderSpec, FamilySpec
 from ray_dhp.models.generic_shell import ShellEncoder
 from ray_dhp.models.contract import SEAM
 from ray_dhp.models.generic_moe import _meta_lm, dense_plan, moe_spec, unreached
-from ray_dhp.models.generic_packing import packing_rule
+from ray_dhp.models.generic_packing import packed_rope_index, packing_rule
 from ray_dhp.models.segments import SEGMENTS_KWARG
 from ray_dhp.models.generic_probe import (LM_ATTRS, PADDED_SIDE, UnsupportedModel,  # noqa: F401 (re-exported)
                                           anyres, grid_geometry, grid_input,
-                                          image_inputs, packed_input, packed_inputs,
+                                          image_inputs, packed_grid, packed_input, packed_inputs,
                                           padded_input, padded_inputs, probe,
                                           text_reads_table, text_reads_vision)
 from ray_dhp.models.text_plans import HF_STYLES, hf_text_plan
@@ -174,6 +174,15 @@ class GenericFamily(FamilySpec):
                 getattr(transformers, self.model_class), config, kwargs["position_ids"],
                 token_type_ids=out.get("token_type_ids"))
         return out
+
+    def rope_index(self, model):
+        """The model's own ``get_rope_index`` called on a packed sample with the arguments its
+        signature names, the grids as the stock forward takes them
+        (`ray_dhp.models.generic_packing.packed_rope_index`); None for 1-D positions."""
+        if self.packed_positions == "1d":
+            return None
+        return packed_rope_index(self.vision_owner(model).get_rope_index,
+                                 packed_grid if self.packed_input else None)
 
     def stock_inputs(self, config, kwargs: dict) -> dict:
         kwargs = super().stock_inputs(config, kwargs)
@@ -297,7 +306,8 @@ def _family(cls, config_json: str) -> GenericFamily:
             lambda text_config: hf_sp_plan(text_sp, lm_path, text_config, head_path)),
         text_sp_refusal=text_sp_refusal,
         tp_partial_grad_suffixes=partial,
-        **packing_rule(inner, decoder, config.get_text_config(), params, cls),
+        **packing_rule(inner, decoder, config.get_text_config(), params, cls,
+                       tuple(packed_grid(torch.zeros(0, 3))) if packed else ("image_grid_thw",)),
         vision_module="ray_dhp.models.vision_generic",
         vision_parts=parts,
         merger_prefixes=tuple(f"{top}{p}" + ("" if isinstance(getattr(inner, p), torch.nn.Parameter)

@@ -11,7 +11,7 @@ import inspect
 import torch
 
 __all__ = ["LM_ATTRS", "anyres", "UnsupportedModel", "grid_geometry", "grid_input", "image_inputs", "packed_input",
-           "packed_inputs", "padded_input", "padded_side", "processor_inputs", "padded_inputs", "probe", "root_of",
+           "packed_grid", "packed_inputs", "padded_input", "padded_side", "processor_inputs", "padded_inputs", "probe", "root_of",
            "text_reads_table", "text_reads_vision"]
 
 LM_ATTRS = ("language_model", "text_model")
@@ -118,10 +118,17 @@ def packed_inputs(rows: torch.Tensor, grid: torch.LongTensor, patch: int, channe
     row per image: ``pixel_values [1, C, P, N*P]`` (patch ``k`` in columns ``k*P .. k*P+P``, as
     the family's image processor's ``reshape_by_patch`` lays an image out) and ``target_sizes
     [n, 2]`` (int32, as the processor makes them)."""
-    grid = torch.as_tensor(grid, dtype=torch.long).cpu()
     x = rows.reshape(-1, channels, patch, patch).permute(1, 2, 0, 3)
     return {"pixel_values": x.reshape(1, channels, patch, -1),
-            "target_sizes": grid[:, 1:].to(device=rows.device, dtype=torch.int32)}
+            **packed_grid(grid, rows.device)}
+
+
+def packed_grid(grid: torch.LongTensor, device=None) -> dict:
+    """The grid keywords a `packed_input` model takes for images of ``(1, h, w)`` grid rows:
+    ``target_sizes [n, 2]`` (int32, as its processor makes them), what `packed_inputs` hands
+    its tower and the stock forward its ``get_rope_index``."""
+    grid = torch.as_tensor(grid, dtype=torch.long).cpu()
+    return {"target_sizes": grid[:, 1:].to(device=device, dtype=torch.int32)}
 
 
 def anyres(config) -> bool:

@@ -134,6 +134,18 @@ VISION_SP = ("gemma3", "llava", "paligemma", "aya_vision", "cohere2_vision", "mi
              "llava_onevision", "llava_next", "llava_next_video")
 
 
+def qwen3_5_lm_hybrid_config(family: str):
+    """The tiny config of a generic family whose language model is a Qwen3.5 (MiniCPM-V 4.6 /
+    4.7, MiniCPM-OCR: ``qwen3_5_text``) with a Gated DeltaNet layer, then a gated full-attention
+    layer (the released models' mix; the tiny default's two layers are both linear attention,
+    which reads no positions): the packing rows, `test_packing.py`."""
+    from ray_dhp import demo
+
+    config = demo.tiny_model_config(family)
+    config.text_config.layer_types = ["linear_attention", "full_attention"]
+    return config
+
+
 def lfm2_vl_hybrid_config():
     """The tiny LFM2-VL with LFM2's hybrid decoder (transformers' default config has attention
     only: the released models list ``full_attn_idxs``): a short-convolution layer, then an

@@ -20,7 +20,9 @@ LLaVA with text ZeRO-3 and with LoRA; Gemma 3 and ShieldGemma 2 (image blocks on
 layers: each sample's masks built alone, `ray_dhp.models.packed_masks`) at vision SP2 + text TP2
 and disjoint 1 + TP2, with a negative control (transformers' own packed masks); LFM3-VL and
 LFM2-VL with LFM2's hybrid decoder (short convolutions run one row per sample, their mixers read
-from the module tree) at vision DP2 or SP2 + TP2 and disjoint 1 + TP2. What stays refused is
+from the module tree) at vision DP2 or SP2 + TP2 and disjoint 1 + TP2; MiniCPM-V 4.7 (canvas
+M-RoPE from its own get_rope_index, with a negative control: 1-D positions) and MiniCPM-OCR,
+their Qwen3.5 LM's Gated DeltaNet layers run one row per sample, at vision DP2 + TP2. What stays refused is
 refused with the reason (the last test). Qwen3-VL-MoE packs at SP2/TP2 (`LOSS_TOL`).
 
 Tolerance (fp64): 1e-10 relative on loss, grad-norm, every parameter, every update and (Qwen3.5
@@ -67,7 +69,8 @@ from ray_dhp.config.train_loop import TrainLoopConfig
 from tests.distributed.fp64_recurrence import fp64_delta_rule
 from tests.distributed.parity import (packable_steps, GENERIC_FAMILIES, assert_parity, copy_errors,
                                       reference_fixture, run_engine, run_reference)
-from tests.distributed.generic_cases import TOL, TOLS, ZERO_GRAD, lfm2_vl_hybrid_config
+from tests.distributed.generic_cases import (TOL, TOLS, ZERO_GRAD, lfm2_vl_hybrid_config,
+                                             qwen3_5_lm_hybrid_config)
 
 CFG = TrainLoopConfig(lr=1e-3, global_batch_size=8, micro_batches=2, num_steps=3,
                       max_grad_norm=0.5, weight_decay=0.1, lr_schedule="cosine", warmup_steps=1,
@@ -284,6 +287,76 @@ def test_lfm2_vl_hybrid_packed_equals_padded_fp64(name, layout, tmp_path):
     assert_packed_parity("lfm2_vl", got, ref)
 
 
+@pytest.fixture(scope="module")
+def qwen3_5_lm_reference(tmp_path_factory):
+    """``get(family) -> (steps, reference)``: the padded single-process trajectory of a
+    generic family with a Qwen3.5 language model on `qwen3_5_lm_hybrid_config` (a Gated
+    DeltaNet layer, then full attention), the recurrence in fp64 (`fp64_delta_rule`), built once
+    per family."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            cfg = replace(CFG, packing=False)
+            steps = packable_steps(tmp_path_factory.mktemp(family), family, cfg)
+            undo = fp64_delta_rule()
+            try:
+                cache[family] = steps, run_reference(family, cfg, steps, torch.float64,
+                                                     model=qwen3_5_lm_hybrid_config(family))
+            finally:
+                undo()
+        return cache[family]
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["minicpmv4_7", "minicpm_ocr"])
+def test_qwen3_5_lm_generic_packed_equals_padded_fp64(family, qwen3_5_lm_reference):
+    """MiniCPM-V 4.7 (each sample's canvas M-RoPE from its own ``get_rope_index``, called with
+    the arguments its signature names: `ray_dhp.models.generic_packing.packed_rope_index`) and
+    MiniCPM-OCR (1-D positions) at vision DP2 + text TP2, their Qwen3.5 language model with a
+    Gated DeltaNet layer (one row per sample) and a full-attention layer (per sample), the
+    recurrence in fp64 on both sides (`fp64_delta_rule`: transformers' torch recurrence computes
+    in fp32 and rounds by the layout): loss, every gradient, update and rank's copy within the
+    family's `TOLS` (the zero-centred RMSNorms' fp32 sums, generic_cases.py). Measured (3 steps):
+    MiniCPM-V 4.7 loss <= 8.3e-16, worst update 1.0e-7 (a post-attention RMSNorm weight);
+    MiniCPM-OCR loss <= 1.0e-10, worst update 6.0e-8 (an attention k_norm weight): only the
+    fp32-computed norm weights move beyond 1e-10."""
+    steps, ref = qwen3_5_lm_reference(family)
+    got = run_engine(family, GENERIC_TP2, replace(CFG, packing=True), steps, torch.float64,
+                     grads=True, model=qwen3_5_lm_hybrid_config(family), prepare=fp64_delta_rule)
+    print(family, "worst (update, parameter, name):",
+          assert_parity(got, ref, skip=ZERO_GRAD, **TOLS.get(family, TOL)),
+          "loss:", [abs(g["loss"] - r["loss"]) / r["loss"]
+                    for g, r in zip(got["history"], ref["history"])])
+
+
+def _minicpm_v4_7_one_dimensional():
+    """Rank side of MiniCPM-V 4.7's negative control: its packed samples take 1-D positions
+    (0..n-1 on every axis) in place of its canvas M-RoPE rule; the recurrence in fp64."""
+    import ray_dhp.models as models
+
+    models._BY_MODEL_TYPE["minicpmv4_7"] = replace(
+        models.family_of(qwen3_5_lm_hybrid_config("minicpmv4_7")), packed_positions="1d")
+    return fp64_delta_rule()
+
+
+@pytest.mark.slow
+def test_minicpm_v4_7_packed_without_its_rope_index_fails_parity(qwen3_5_lm_reference):
+    """The positions matter: MiniCPM-V 4.7's packed samples with 1-D positions instead of its own
+    ``get_rope_index`` (the case above otherwise) are far out of tolerance, the loss itself
+    (measured 9.1e-6, 3.4e-5, 5.5e-4 relative per step; the family's loss tolerance is 1e-7)."""
+    steps, ref = qwen3_5_lm_reference("minicpmv4_7")
+    got = run_engine("minicpmv4_7", GENERIC_TP2, replace(CFG, packing=True), steps,
+                     torch.float64, grads=True, model=qwen3_5_lm_hybrid_config("minicpmv4_7"),
+                     prepare=_minicpm_v4_7_one_dimensional)
+    loss_errs = [abs(g["loss"] - r["loss"]) / r["loss"] for g, r in zip(got["history"], ref["history"])]
+    print("minicpmv4_7 1-D positions, loss errors:", loss_errs)
+    assert min(loss_errs) > 1e-6, loss_errs
+    with pytest.raises(AssertionError, match="out of tolerance"):
+        assert_packed_parity("minicpmv4_7", got, ref)
+
+
 def _gemma3_transformers_masks():
     """Rank side of Gemma 3's negative control: its packed rows keep transformers' own packed
     masks (the image blocks of its sliding-window layers looked up at packed positions)."""
@@ -314,20 +387,17 @@ def test_packed_without_the_sample_boundaries_fails_parity(family, prepare, padd
 
 def test_generic_packing_refused_with_the_reason():
     """Generic families whose packed rows would not compute what their samples compute alone are
-    refused in the driver (`ray_dhp.models.generic_packing`): MiniCPM-V 4.7's ``get_rope_index``
-    takes other arguments than each sample's positions are computed with; Gemma 3 without a
-    static ``create_masks_for_generate`` (its image blocks on sliding-window layers) would be;
-    the ones rows cover above pack, with their positions (and LFM3-VL's short convolutions as
-    stateful mixers read from its module tree)."""
+    refused in the driver (`ray_dhp.models.generic_packing`): a ``get_rope_index`` that needs an
+    argument a packed sample does not hand it; Gemma 3 without a static
+    ``create_masks_for_generate`` (its image blocks on sliding-window layers) would be; the ones
+    rows cover above pack, with their positions (and LFM3-VL's short convolutions and MiniCPM-V
+    4.7's Gated DeltaNet layers as stateful mixers read from the module tree)."""
     import transformers
 
     from ray_dhp import demo
     from ray_dhp.models import family_of
     from ray_dhp.models.generic_packing import packing_rule
 
-    config = demo.tiny_model_config("minicpmv4_7")
-    with pytest.raises(ValueError, match="data.packing.*its get_rope_index takes"):
-        family_of(config).validate_layout(config, sp=1, tp=1, packing=True)
     gemma = demo.tiny_model_config("gemma3")
     with torch.device("meta"):
         model = transformers.Gemma3ForConditionalGeneration(gemma)
@@ -340,3 +410,15 @@ def test_generic_packing_refused_with_the_reason():
         ("layers.0.conv", "out_proj"), ("layers.1.conv", "out_proj"))  # read from the module tree
     assert family_of(demo.tiny_model_config("llava")).packed_positions == "1d"
     assert family_of(demo.tiny_model_config("glm4v")).packed_positions == "mrope"
+    # a get_rope_index that needs what a packed sample does not hand it is refused; MiniCPM-V
+    # 4.7's (its grids as target_sizes, as its stock forward takes them) packs, its Gated
+    # DeltaNet layers (linear_attention: transformers' recurrent mask) one row per sample
+    inner = type("Inner", (), {"get_rope_index": lambda self, input_ids, image_grid_thw,
+                               audio_seqlens: None})()
+    rule = packing_rule(inner, model.model.language_model, gemma.text_config, params, type(model))
+    assert not rule["packing"] and "needs ('audio_seqlens',)" in rule["packing_reason"]
+    config = demo.tiny_model_config("minicpmv4_7")
+    family_of(config).validate_layout(config, sp=1, tp=1, packing=True)
+    assert family_of(config).packed_positions == "mrope"
+    assert family_of(config).stateful_mixers == (("layers.0.linear_attn", "out_proj"),
+                                                 ("layers.1.linear_attn", "out_proj"))

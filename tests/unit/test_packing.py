@@ -329,12 +329,13 @@ def test_refused_where_not_plain_causal_inside_a_sample():
     assert "'eager'" in install_segment_attention(lm) and lm.config._attn_implementation == "eager"
 
 
-def _generic_logits(family_name, dataset, config=None, spec=None, segments=False):
+def _generic_logits(family_name, dataset, config=None, spec=None, segments=False, edit=None):
     """``(samples, padded, packed, padded logits, packed logits)`` of a generic family's tiny
     fp64 model (``config``: another config of it; ``spec``: another `FamilySpec` for it), each
     forward's keywords as the family hands them to the stock forward; ``segments``: its
     `stateful_mixers` run one row per sample (`install_segment_rows`), the packed forward given
-    the batch's ``cu_seqlens`` as the engine gives them."""
+    the batch's ``cu_seqlens`` as the engine gives them; ``edit``: changes the packed batch
+    before its forward (a negative control)."""
     from ray_dhp.models import family_of
     from ray_dhp.models.segments import SEGMENTS_KWARG, install_segment_rows
 
@@ -348,6 +349,8 @@ def _generic_logits(family_name, dataset, config=None, spec=None, segments=False
     packed = pack_text_batch(samples, pad_id, MAX_TOKENS, rope_index=spec.rope_index(model),
                              one_dimensional=spec.packed_positions == "1d")
     assert len(pack_rows([s.num_tokens for s in samples], MAX_TOKENS)) < len(samples)
+    if edit is not None:
+        edit(packed)
     logits = []
     for batch in (padded, packed):
         kw = {k: batch.get(k) for k in ("input_ids", "attention_mask", "position_ids",
@@ -427,3 +430,92 @@ def test_short_conv_packed_one_row_per_sample_fp64(family, dataset):
         (f"layers.{i}.conv", "out_proj") for i, t in enumerate(types) if t == "conv")
     assert _max_sample_error(*_generic_logits(family, dataset, config, segments=True)) <= 1e-12
     assert _max_sample_error(*_generic_logits(family, dataset, config)) > 1e-3
+
+
+def _positions_not_restarted(packed):
+    """A packed batch's positions counted on along each row (every axis), not restarted at
+    each sample (a negative control)."""
+    pos = packed["position_ids"]
+    packed["position_ids"] = torch.arange(pos.shape[-1]).expand(pos.shape).clone()
+
+
+def test_minicpm_v4_7_packed_positions_are_its_own_rope_index(dataset):
+    """MiniCPM-V 4.7's ``get_rope_index`` (a canvas M-RoPE over each image's thumbnail and
+    slices) takes the images' grids as ``target_sizes``, the name its stock forward hands them
+    on under: the generic family calls it on each packed sample alone with the arguments its
+    signature names (`ray_dhp.models.generic_packing.packed_rope_index`), and each sample's
+    positions equal what the model computes for the padded batch (exact: integers), its text
+    positions restarting at 0. Its language model's Gated DeltaNet layers (``linear_attention``,
+    a type transformers builds a recurrent mask for) carry state: they run one row per sample."""
+    from ray_dhp.models import family_of
+    from ray_dhp.models.generic_packing import rope_index_refusal
+    from ray_dhp.models.generic_probe import packed_grid
+
+    config = tiny_model_config("minicpmv4_7")
+    spec = family_of(config)
+    with torch.device("meta"):
+        model = build_model(config)
+    inner = spec.vision_owner(model)
+    assert spec.packing and spec.packed_positions == "mrope"
+    assert "target_sizes" in rope_index_refusal(type(inner).get_rope_index)  # not Qwen-VL's names
+    assert spec.stateful_mixers == (("layers.0.linear_attn", "out_proj"),
+                                    ("layers.1.linear_attn", "out_proj"))
+    samples = _samples("minicpmv4_7", dataset)
+    packed = pack_text_batch(samples, 0, MAX_TOKENS, rope_index=spec.rope_index(model))
+    padded = pad_text_batch(samples, 0)
+    ref, _ = inner.get_rope_index(padded["input_ids"], padded["mm_token_type_ids"],
+                                  attention_mask=padded["attention_mask"],
+                                  **packed_grid(padded["image_grid_thw"]))
+    ids, canvas = packed["sample_ids"], 0
+    for i, s in enumerate(samples):
+        got = packed["position_ids"][:, ids == i]
+        assert torch.equal(got[0], torch.arange(s.num_tokens))
+        assert torch.equal(got[1:], ref[:, i, :s.num_tokens])
+        canvas += not torch.equal(got[1:], got[:1].expand(3, -1))
+    assert canvas >= 3  # the image samples' positions are 2-D canvases, not 1-D
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["minicpmv4_7", "minicpm_ocr", "minicpmv4_6"])
+def test_qwen3_5_lm_generic_packed_forward_equals_padded_fp64(family, dataset):
+    """MiniCPM-V 4.7 (canvas M-RoPE from its own ``get_rope_index``), MiniCPM-OCR and MiniCPM-V
+    4.6 (1-D positions): a Qwen3.5 language model, here with a Gated DeltaNet layer then a gated
+    full-attention layer (`qwen3_5_lm_hybrid_config`; the tiny default has linear attention only,
+    which reads no positions). Packed, each sample's logits equal its padded row's within 1e-12
+    of the row's largest logit (fp64; measured 3.5e-16 / 4.9e-16 for the first two). Negative
+    controls, each far out of that: the Gated DeltaNet state carried into the next sample (no
+    per-sample rows; measured 5.8e-2 / 6.0e-2 / 5.8e-2), positions counted on along the row
+    instead of restarting per sample (a sample's attention then reaches the samples before it;
+    measured 0.44 each) and, for MiniCPM-V 4.7, 1-D positions in place of its canvas rule
+    (measured 9.2e-2)."""
+    from ray_dhp.models import family_of
+    from tests.distributed.generic_cases import qwen3_5_lm_hybrid_config
+
+    config = qwen3_5_lm_hybrid_config(family)
+    spec = family_of(config)
+    assert spec.packing and spec.stateful_mixers == (("layers.0.linear_attn", "out_proj"),)
+    assert spec.packed_positions == ("mrope" if family == "minicpmv4_7" else "1d")
+    assert _max_sample_error(*_generic_logits(family, dataset, config, segments=True)) <= 1e-12
+    errs = [_max_sample_error(*_generic_logits(family, dataset, config)),
+            _max_sample_error(*_generic_logits(family, dataset, config, segments=True,
+                                               edit=_positions_not_restarted))]
+    if family == "minicpmv4_7":
+        errs.append(_max_sample_error(*_generic_logits(
+            family, dataset, config, spec=replace(spec, packed_positions="1d"), segments=True)))
+    assert min(errs) > 1e-3, errs
+
+
+@pytest.mark.slow
+def test_qwen4_exp_linear_attention_packed_one_row_per_sample_fp64(dataset):
+    """Qwen4-Exp's language model (a mixture of experts) has Gated DeltaNet layers
+    (``linear_attention``, a type transformers builds a recurrent mask for): the generic family
+    runs them one row per sample, and each sample's logits equal its padded row's within 1e-12
+    (fp64, its tiny default config: linear attention only; measured 2.7e-16). Without the
+    per-sample rows the state runs into the next sample (measured 2.3e-2)."""
+    from ray_dhp.models import family_of
+
+    spec = family_of(tiny_model_config("qwen4_exp"))
+    assert spec.packing and spec.stateful_mixers == (("layers.0.linear_attn", "out_proj"),
+                                                     ("layers.1.linear_attn", "out_proj"))
+    assert _max_sample_error(*_generic_logits("qwen4_exp", dataset, segments=True)) <= 1e-12
+    assert _max_sample_error(*_generic_logits("qwen4_exp", dataset)) > 1e-3

@@ -84,22 +84,30 @@ def test_presets_have_the_published_sizes(preset, total):
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", FAMILY, "qwen2_5_omni", "qwen3_omni_moe"])
-def test_driver_takes_packing_and_refuses_it_where_it_cannot(family, tmp_path):
+def test_driver_takes_packing_and_refuses_it_where_it_cannot(family, tmp_path, monkeypatch):
     """The recurrent families pack (their Gated DeltaNet layers run one row per packed sample,
     tests/distributed/test_packing.py), so do the Qwen-Omni thinkers (their own
-    get_rope_index, tests/distributed/test_omni_packing.py); a family that cannot pack
-    (MiniCPM-V 4.7: its get_rope_index takes other arguments, `ray_dhp.models.generic_packing`;
-    Gemma 3 packs now) fails in the driver naming the key, from a run file
-    (``data.packing``) or the Python API (``train_loop_config.packing``), before any worker
-    starts."""
+    get_rope_index, tests/distributed/test_omni_packing.py); a family that cannot pack fails in
+    the driver naming the key, from a run file (``data.packing``) or the Python API
+    (``train_loop_config.packing``), before any worker starts. Every family of the demo packs
+    now (MiniCPM-V 4.7 since its get_rope_index is called with the arguments its signature
+    names, `ray_dhp.models.generic_packing`), so the refused one is LLaVA's family with the
+    refusal `packing_rule` gives a get_rope_index that needs an argument a sample lacks."""
+    from dataclasses import replace
+
     import ray.train
 
+    import ray_dhp.models as models
     from ray_dhp import DHPConfig
+    from ray_dhp.models.generic_packing import rope_index_refusal
     from ray_dhp.run_file import load_run_file
     from ray_dhp.train.trainer import DisaggregatedTrainer
 
     load_run_file(None, [f"model.demo={family}", "data.packing=true"]).validate()
-    refused = "minicpmv4_7"
+    refused = "llava"
+    reason = rope_index_refusal(lambda self, input_ids, image_grid_thw, audio_seqlens: None)
+    monkeypatch.setitem(models._BY_MODEL_TYPE, refused, replace(
+        models.family_of(demo.tiny_model_config(refused)), packing=False, packing_reason=reason))
     with pytest.raises(ValueError, match=rf"data.packing=true is not covered for the {refused} "):
         load_run_file(None, [f"model.demo={refused}", "data.packing=true"]).validate()
     data = tmp_path / "data.jsonl"  # the datasets are checked first: one that exists
