@@ -42,7 +42,8 @@ GENERIC_FAMILIES = ("gemma3", "llava", "paligemma", "aya_vision", "cohere2_visio
                     "lfm3_vl", "glm_ocr", "video_llava", "glm4v_moe", "lfm2_vl",
                     "kimi_k25", "cosmos3_edge", "paddleocr_vl", "llava_onevision1_5", "ernie4_5_vl_moe", "llama4",
                     "minicpmv4_6", "minicpmv4_7", "minicpm_ocr", "gemma4", "llava_onevision",
-                    "llava_next", "llava_next_video", "mistral_large4", "minimax_m3_vl", "qwen4_exp")
+                    "llava_next", "llava_next_video", "mistral_large4", "minimax_m3_vl", "qwen4_exp",
+                    "exaone4_5")
 #: the generic families with a mixture-of-experts LM among them, verified with expert parallelism
 #: too (`tests/distributed/test_generic_moe.py`)
 GENERIC_MOE_FAMILIES = ("glm4v_moe", "ernie4_5_vl_moe")

@@ -131,7 +131,8 @@ CASES = [
     # every other generic family that packs (unit/test_packing.py's per-sample logits), one row
     *[(f, "dp2v-tp2", GENERIC_TP2, 80, False)
       for f in ("cohere2_vision", "smolvlm", "glm46v", "lighton_ocr", "glmga",
-                "hyperclovax_vision_v2", "got_ocr2", "pp_chart2table", "glm_ocr", "video_llava")],
+                "hyperclovax_vision_v2", "got_ocr2", "pp_chart2table", "glm_ocr", "video_llava",
+                "exaone4_5")],
     ("qwen3_vl_moe", "sp2-tp2", TP2, 80, False),  # router loss over the packed rows' real tokens
 ]
 _QWEN3_5_FP32 = ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "input_layernorm.weight",

@@ -374,7 +374,7 @@ def _max_sample_error(samples, packed, ref, got) -> float:
 _GENERIC_PACKED = ["llava"] + [pytest.param(f, marks=pytest.mark.slow) for f in (
     "paligemma", "aya_vision", "cohere2_vision", "mistral3", "idefics3", "smolvlm", "glm4v",
     "glm46v", "glmga", "glm_ocr", "lighton_ocr", "hyperclovax_vision_v2", "got_ocr2",
-    "pp_chart2table", "video_llava")]
+    "pp_chart2table", "video_llava", "exaone4_5")]
 
 
 @pytest.mark.parametrize("family", _GENERIC_PACKED)
