@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 __all__ = ["BALANCE_MODES", "TEXT_CALL_TOKENS", "CostModel", "Balancer", "lpt", "lpt_padded",
-           "lpt_grouped", "padded_groups", "pack_bins", "pack_order", "rows_in_order", "contiguous", "imbalance",
-           "balanced_micro_batches", "decode_owners"]
+           "lpt_grouped", "padded_groups", "pack_bins", "pack_order", "rows_in_order", "contiguous",
+           "imbalance", "balanced_micro_batches", "decode_owners"]
 
 BALANCE_MODES = ("cost", "count")
 

@@ -6,11 +6,12 @@ out, laid out by `pack_order` and cut by `ray_dhp.data.collate.pack_rows`; None:
 pads every row to the longest. The plan's samples all have one length ``s`` (its
 ``--text-tokens`` plus the image's rows), so a row holds at most ``k = max_tokens // s`` of
 them, and the replica's ``n`` samples make ``r = ceil(n / k)`` rows of ``ceil(n / r) · s``
-tokens (tests/unit/test_plan_packing.py checks these against the engine's rows). Its activations are those of these rows
-(a last, shorter row is padded to the longest), not of ``n`` padded samples; eager attention
-keeps a row-by-row score matrix per packed row (the engine masks a whole row). The cost model
-counts attention FLOPs per segment (each sample's ``s²``, what varlen attention computes) and
-the linears on the rows' tokens, the padded tail included.
+tokens (tests/unit/test_plan_packing.py checks these against the engine's rows). Its
+activations are those of these rows (a last, shorter row is padded to the longest), not of
+``n`` padded samples; eager attention keeps a row-by-row score matrix per packed row (the
+engine masks a whole row). The cost model counts attention FLOPs per segment (each sample's
+``s²``, what varlen attention computes) and the linears on the rows' tokens, the padded tail
+included.
 """
 
 from __future__ import annotations
