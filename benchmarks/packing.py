@@ -1,5 +1,5 @@
 """Packing, measured (issue #43): tokens/s, padding and per-replica balance of one SFT-like length
-mix trained three ways, side by side in one run on the same ranks, model and samples.
+mix trained four ways, side by side in one run on the same ranks, model and samples.
 
 The mix, in the shape of LLaVA-style instruction data (`make_mix`): 1-3 turns, 20-1,000 text
 tokens a sample (log-uniform), 0-2 images of mixed resolution (56..168 px), a quarter
@@ -10,18 +10,25 @@ text DP = ranks), fp32, the same steps of ``--batch`` samples:
   micro-batch to its longest sample, one row per sample;
 * ``padded-groups``: ``balance: cost`` (the default): replicas balanced by the cost model,
   each replica's samples padded in groups of similar length;
-* ``packed``: ``packing: true``: each replica's samples packed into rows of ``--max-tokens``.
+* ``packed``: ``packing: true``: each replica's samples packed into rows of ``--max-tokens``,
+  laid out first fit decreasing (`ray_dhp.parallel.balance.pack_order`);
+* ``packed-in-order``: the same packed rows cut in the replica's sample order, as before
+  issue #43's row-tail fix (the engine's balancer without ``max_tokens``: no `pack_order`).
 
 Per contender: median step time over the timed steps, real tokens per second (tokens of the
 samples, image placeholders included), the padding fraction (1 - real / tokens the text
 forward ran, rows x row length summed over replicas) and the per-replica text cost max/mean
 (`ray_dhp.parallel.balance.CostModel.text` of the samples each replica ran, the worst step's
-and the mean). Nothing here asserts.
+and the mean), and the CPU seconds of a step (both ranks' process CPU time summed, the median
+over every round's steps: on a machine shared with other jobs their time slices count in the
+wall time, not in this). Nothing here asserts.
 
-With ``--repeat N`` the three contenders run in turn N times and each reports its quickest
-round (a shared machine's busy spells then hit every contender).
+With ``--repeat N`` the contenders run in turn N times and each reports its quickest
+round (a shared machine's busy spells then hit every contender). ``--modes`` runs some of them
+(comma-separated, in that order each round).
 
-Run: ``python -m benchmarks.packing [--ranks 2] [--family qwen2_5_vl] [--steps 4] [--repeat 2]``; writes
+Run: ``python -m benchmarks.packing [--ranks 2] [--family qwen2_5_vl] [--steps 4] [--repeat 2]
+[--modes packed-in-order,packed]``; writes
 ``benchmarks/results/packing-<family>-<hw>-<date>.json`` and ``.png``.
 """
 
@@ -42,7 +49,7 @@ REPO = os.path.dirname(HERE)
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-MODES = ("padding", "padded-groups", "packed")
+MODES = ("padding", "padded-groups", "packed-in-order", "packed")
 _WORDS = ("red", "green", "blue", "yellow", "circle", "square", "triangle", "one", "two", "three",
           "shape", "image", "the", "a", "of", "and", "is", "in", "picture", "colour")
 _SIZES = ((56, 56), (84, 56), (112, 84), (168, 112), (56, 112))
@@ -93,7 +100,7 @@ def _config(mode: str, batch: int, max_tokens: int):
 
     return TrainLoopConfig(lr=1e-4, global_batch_size=batch, num_steps=10_000, max_grad_norm=1.0,
                            seed=0, balance="count" if mode == "padding" else "cost",
-                           packing=mode == "packed", max_tokens=max_tokens)
+                           packing=mode.startswith("packed"), max_tokens=max_tokens)
 
 
 def _body(rank, world, family, mode, data, batch, max_tokens, steps, warmup):
@@ -108,13 +115,15 @@ def _body(rank, world, family, mode, data, batch, max_tokens, steps, warmup):
     from ray_dhp.parallel.mesh import build_groups
     from ray_dhp.parallel.topology import Topology
     from ray_dhp.step.engine import DHPEngine
-    from ray_dhp.step.microbatch import cost_model_of
+    from ray_dhp.step.microbatch import balancer_for, cost_model_of
 
     cfg = _config(mode, batch, max_tokens)
     groups = build_groups(Topology.build(placement="collocated", vision_dp=world, vision_sp=1,
                                          text_dp=world, text_tp=1), torch.device("cpu"))
     config = demo.tiny_model_config(family)
     engine = DHPEngine(config, groups, cfg.step_config())
+    if mode == "packed-in-order":  # no row budget in the balancer: replicas' samples in order
+        engine._balancer = balancer_for(cfg.optim.balance, config, packing=True)
     sampler = StepSampler(read_annotations(data), demo.tiny_processor(family), resolve_data_root(data), cfg.sampler_config())
     cost = cost_model_of(config)
     ran = {"tokens": 0, "cost": 0}
@@ -127,53 +136,66 @@ def _body(rank, world, family, mode, data, batch, max_tokens, steps, warmup):
         return out
 
     engine._text_batch = counted
-    times, real, padded, imbalance = [], [], [], []
+    times, cpu, real, padded, imbalance = [], [], [], [], []
     for k in range(warmup + steps):
         step = sampler.next_step()
         ran.update(tokens=0, cost=0)
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         engine.step(step)
+        spent = time.process_time() - c0  # this rank's CPU seconds (not others' jobs' time)
         dist.barrier()
         elapsed = time.perf_counter() - t0
-        per = torch.tensor([ran["tokens"], ran["cost"]], dtype=torch.float64)
+        per = torch.tensor([ran["tokens"], ran["cost"], spent], dtype=torch.float64)
         every = [torch.zeros_like(per) for _ in range(world)]
         dist.all_gather(every, per)
         if k < warmup:
             continue
         times.append(elapsed)
+        cpu.append(sum(float(e[2]) for e in every))
         real.append(sum(len(s.input_ids) for mb in step for s in mb))
         padded.append(sum(float(e[0]) for e in every))
         costs = [float(e[1]) for e in every]
         imbalance.append(max(costs) / statistics.mean(costs))
-    return {"times": times, "real": real, "padded": padded, "imbalance": imbalance}
+    return {"times": times, "cpu": cpu, "real": real, "padded": padded, "imbalance": imbalance}
 
 
 def run(family: str, ranks: int, batch: int, max_tokens: int, steps: int, warmup: int,
-        num: int, workdir: str, repeat: int = 1) -> dict:
+        num: int, workdir: str, repeat: int = 1, modes=MODES) -> dict:
     from ray_dhp.train.launch import spawn
 
     data = make_mix(os.path.join(workdir, "mix"), num)
     out = {"family": family, "ranks": ranks, "batch": batch, "max_tokens": max_tokens,
            "steps": steps, "samples": num, "repeat": repeat, "modes": {}}
-    runs: dict = {mode: [] for mode in MODES}
+    runs: dict = {mode: [] for mode in modes}
     for _ in range(repeat):  # round robin: a busy spell of a shared machine hits every contender
-        for mode in MODES:
+        for mode in modes:
             runs[mode].append(spawn(_body, ranks, (family, mode, data, batch, max_tokens, steps, warmup))[0])
-    for mode in MODES:
+    for mode in modes:
         r = min(runs[mode], key=lambda x: statistics.median(x["times"]))  # the quietest round
         t = statistics.median(r["times"])
         real = statistics.mean(r["real"])
+        cpu = statistics.median(c for x in runs[mode] for c in x["cpu"])  # every round's steps
         out["modes"][mode] = {
-            "step_s": t, "tokens_per_s": real / t,
+            "step_s": t, "tokens_per_s": real / t, "cpu_s_per_step": cpu,
             "padding_fraction": 1 - sum(r["real"]) / sum(r["padded"]),
             "cost_max_over_mean": max(r["imbalance"]), "cost_max_over_mean_avg": statistics.mean(r["imbalance"]),
-            "raw": r, "step_s_per_round": [statistics.median(x["times"]) for x in runs[mode]]}
-        print(f"[packing] {mode:14s} step {t:.3f}s  {real / t:8.0f} tok/s  padding "
+            "raw": r, "step_s_per_round": [statistics.median(x["times"]) for x in runs[mode]],
+            "cpu_s_per_round": [statistics.median(x["cpu"]) for x in runs[mode]]}
+        print(f"[packing] {mode:16s} step {t:.3f}s  {real / t:8.0f} tok/s  cpu {cpu:.3f}s  padding "
               f"{out['modes'][mode]['padding_fraction']:.1%}  cost max/mean {max(r['imbalance']):.3f}",
               flush=True)
-    base = out["modes"]["padded-groups"]["tokens_per_s"]
-    out["packed_over_padded_groups"] = out["modes"]["packed"]["tokens_per_s"] / base
+    tps = {m: v["tokens_per_s"] for m, v in out["modes"].items()}
+    if "packed" in tps and "padded-groups" in tps:
+        out["packed_over_padded_groups"] = tps["packed"] / tps["padded-groups"]
+    if "packed" in tps and "packed-in-order" in tps:
+        out["packed_over_packed_in_order"] = tps["packed"] / tps["packed-in-order"]
+        out["packed_in_order_over_packed_cpu"] = (out["modes"]["packed-in-order"]["cpu_s_per_step"]
+                                                  / out["modes"]["packed"]["cpu_s_per_step"])
+        # per round, the two packed contenders' median steps side by side (they ran in turn)
+        out["packed_in_order_over_packed_per_round"] = [
+            statistics.median(a["times"]) / statistics.median(b["times"])
+            for a, b in zip(runs["packed-in-order"], runs["packed"])]
     return out
 
 
@@ -183,11 +205,15 @@ def plot(res: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.6))
     modes = list(res["modes"])
-    a.bar(modes, [res["modes"][m]["tokens_per_s"] for m in modes], color=["#999", "#69c", "#c63"])
+    colors = [{"padding": "#999", "padded-groups": "#69c", "packed-in-order": "#e9a"}.get(m, "#c63")
+              for m in modes]
+    a.bar(modes, [res["modes"][m]["tokens_per_s"] for m in modes], color=colors)
     a.set_ylabel("real tokens / s")
-    b.bar(modes, [100 * res["modes"][m]["padding_fraction"] for m in modes], color=["#999", "#69c", "#c63"])
+    b.bar(modes, [100 * res["modes"][m]["padding_fraction"] for m in modes], color=colors)
+    for ax in (a, b):
+        ax.tick_params(axis="x", labelsize=8)
     b.set_ylabel("padding (% of tokens run)")
     fig.suptitle(f"packing, {res['family']} tiny, {res['ranks']} ranks, batch {res['batch']}")
     fig.tight_layout()
@@ -206,18 +232,23 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--samples", type=int, default=200)
     p.add_argument("--hw", default="cpu2")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"comma-separated contenders, run in this order each round (default: {','.join(MODES)})")
     p.add_argument("--repeat", type=int, default=1,
-                   help="rounds of the three contenders, in turn; each takes its quickest round")
+                   help="rounds of the four contenders, in turn; each takes its quickest round")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as d:
-        res = run(a.family, a.ranks, a.batch, a.max_tokens, a.steps, a.warmup, a.samples, d, a.repeat)
+        res = run(a.family, a.ranks, a.batch, a.max_tokens, a.steps, a.warmup, a.samples, d, a.repeat,
+                  tuple(a.modes.split(",")))
     res["date"] = datetime.date.today().isoformat()
     os.makedirs(RESULTS, exist_ok=True)
     stem = os.path.join(RESULTS, f"packing-{a.family}-{a.hw}-{res['date']}")
     with open(stem + ".json", "w") as f:
         json.dump(res, f, indent=1)
     plot(res, stem + ".png")
-    print(f"[packing] packed / padded groups: {res['packed_over_padded_groups']:.2f}x; wrote {stem}.json/.png")
+    ratios = "; ".join(f"{k}: {res[k]:.2f}x" for k in ("packed_over_padded_groups", "packed_over_packed_in_order")
+                       if k in res)
+    print(f"[packing] {ratios}; wrote {stem}.json/.png")
 
 
 if __name__ == "__main__":

@@ -57,8 +57,8 @@ class DataConfig(Section):
         max_tokens: samples longer than this many tokens are bad data (None = no limit); with
             ``packing`` also the length of a packed row.
         packing: concatenate each text replica's samples of a micro-batch into rows of at most
-            ``max_tokens`` tokens (in sample order, as few rows as a greedy fill, evened out; one
-            row if max_tokens is None)
+            ``max_tokens`` tokens (filled first fit decreasing, as few rows as that makes,
+            evened out; one row if max_tokens is None)
             instead of padding one sample per row. Each sample keeps its own positions,
             attention and targets, so the update equals the padded one; it saves the compute
             spent on padding.

@@ -12,6 +12,7 @@ import torch
 from ray_dhp.data.sample import IGNORE_INDEX, Sample
 from ray_dhp.models import encoder_operations
 from ray_dhp.models.vision_encoder import item_kinds, row_modalities
+from ray_dhp.parallel.balance import rows_in_order
 
 __all__ = ["pad_text_batch", "pack_text_batch", "pack_rows", "row_modalities", "sample_positions"]
 
@@ -93,35 +94,14 @@ def pad_text_batch(samples: Sequence[Sample], pad_id: int, *, pad_to_multiple_of
 
 
 def pack_rows(lengths: Sequence[int], max_tokens: Optional[int]) -> list[range]:
-    """Order-preserving packing: consecutive samples share a row of at most ``max_tokens``
-    tokens (None: one row for all), in as few rows as a greedy fill makes, and those rows as
-    even as the order allows. Every row is padded to the longest, so a greedy fill (each row
-    as full as ``max_tokens`` allows) can leave a long padded tail on the last row; here the
-    fill's cap is the smallest that still needs no more rows (binary search), which minimises
-    the longest row for that row count. Samples keep their order, so feature rows stay in
-    sample order. Returns the sample-index range of each row."""
-    n = len(lengths)
-    for i, t in enumerate(lengths):
-        if max_tokens is not None and t > max_tokens:
-            raise ValueError(f"sample {i} has {t} tokens > max_tokens={max_tokens}; such samples "
-                             f"are bad data and should have been skipped when processing")
-    if max_tokens is None or n == 0:
-        return [range(0, n)]
-
-    def greedy(cap: int) -> list[range]:
-        rows, start, used = [], 0, 0
-        for i, t in enumerate(lengths):
-            if i > start and used + t > cap:
-                rows.append(range(start, i))
-                start, used = i, 0
-            used += t
-        return rows + [range(start, n)]
-
-    count, lo, hi = len(greedy(max_tokens)), max(lengths), max_tokens
-    while lo < hi:  # the smallest cap that needs no more rows than the full greedy fill
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if len(greedy(mid)) <= count else (mid + 1, hi)
-    return greedy(lo)
+    """Order-preserving packing (`ray_dhp.parallel.balance.rows_in_order`): consecutive samples
+    share a row of at most ``max_tokens`` tokens (None: one row for all), in as few rows as a
+    greedy fill makes, and those rows as even as the order allows (every row is padded to the
+    longest). Samples keep their order, so feature rows stay in sample order; the engine hands
+    a replica's samples in `ray_dhp.parallel.balance.pack_order` (`Balancer.text_replicas`), so
+    these rows are at most as many and as long as the first-fit-decreasing rows of
+    `pack_bins`. Returns the sample-index range of each row."""
+    return rows_in_order(lengths, max_tokens)
 
 
 RopeIndex = Callable[..., tuple]
@@ -167,7 +147,8 @@ def pack_text_batch(samples: Sequence[Sample], pad_id: int, max_tokens: Optional
                     rope_index: Optional[RopeIndex] = None, one_dimensional: bool = False,
                     pad_to_multiple_of: int = 1) -> dict:
     """Pack samples, in order, into rows of at most ``max_tokens`` tokens (`pack_rows`: as few
-    rows as a greedy fill, evened out).
+    rows as a greedy fill, evened out; the engine orders a replica's samples by `pack_order`
+    first, so its rows are filled first fit decreasing).
 
     Every sample keeps its own attention, positions and targets, so the loss and gradients equal
     those of the padded batch: positions restart at each sample, no token attends across a

@@ -192,8 +192,11 @@ class StepSampler:
                         for idx in bal.micro_batches(samples, self.cfg.micro_batches)]
             cuts = cut_micro_batches([0] * len(samples), micro_batches=self.cfg.micro_batches)
         else:
+            # the replicas' samples, unordered (no packed order: only their tokens count here)
+            sets = dataclasses.replace(bal, max_tokens=None) if cost else None
+
             def assign(rng):  # the engine's text replicas of those samples
-                return bal.text_replicas(samples[rng.start:rng.stop], replicas)
+                return sets.text_replicas(samples[rng.start:rng.stop], replicas)
             cuts = cut_micro_batches([s.num_tokens for s in samples], budget=budget,
                                      replicas=replicas, min_size=min_size,
                                      assign=assign if cost else None)

@@ -68,7 +68,7 @@ class BoundaryPlan:
 
 
 def _ids(x) -> torch.Tensor:
-    """A ``range`` or an ascending LongTensor of global row ids, as a LongTensor."""
+    """A ``range`` or a LongTensor of global row ids, as a LongTensor."""
     return torch.arange(x.start, x.stop) if isinstance(x, range) else torch.as_tensor(x, dtype=torch.long)
 
 
@@ -77,9 +77,9 @@ def plan_boundary(topology: Topology, rank: int, held: dict, needed: dict) -> Bo
 
     Args:
         held: vision world rank -> LongTensor of the global row ids it computed, in local order.
-        needed: text world rank -> the global row ids it consumes (its samples' rows), ascending:
-            a ``range`` (contiguous samples) or a LongTensor (any samples, e.g. a balanced
-            assignment); it receives them in that order.
+        needed: text world rank -> the global row ids it consumes (its samples' rows), each
+            once: a ``range`` (contiguous samples) or a LongTensor (any samples in any order,
+            e.g. a balanced assignment laid out as packed rows); it receives them in that order.
     """
     world = topology.world_size
     needed = {r: _ids(x) for r, x in needed.items()}
@@ -106,9 +106,11 @@ def plan_boundary(topology: Topology, rank: int, held: dict, needed: dict) -> Bo
     ]
     ids = torch.cat(recv_ids) if recv_ids else torch.zeros(0, dtype=torch.long)
     perm = torch.argsort(ids)
-    if my_need is not None and not torch.equal(ids[perm], my_need):
-        raise RuntimeError("boundary plan: the vision group does not cover the rows a text rank "
-                           "needs (exactly once, ascending)")
+    if my_need is not None:  # received (ascending after argsort) -> the order it needs them in
+        perm = perm[torch.argsort(torch.argsort(my_need))]
+        if not torch.equal(ids[perm], my_need):
+            raise RuntimeError("boundary plan: the vision group does not cover the rows a text "
+                               "rank needs (exactly once)")
     tc = topology.text.coord(rank)
     return BoundaryPlan(send_pos, recv_counts, perm, grad_sources,
                         returns_grad=tc is not None and tc[1] == 0, rank=rank)

@@ -1,15 +1,17 @@
 """Packed text rows in the plan (`ray-dhp plan`, ``--recommend``) when ``data.packing`` is on.
 
-The engine packs a text replica's samples of a micro-batch, in order, into rows of at most
-``data.max_tokens`` tokens (`ray_dhp.data.collate.pack_rows`; None: one row) and pads every row
-to the longest, in as few rows as a greedy fill makes, evened out. The plan's samples all
-have one length ``s`` (its ``--text-tokens`` plus the image's rows), so a row holds at most
-``k = max_tokens // s`` of them, and the replica's ``n`` samples make ``r = ceil(n / k)`` rows
-of ``ceil(n / r) · s`` tokens. Its activations are those of these rows
-(a last, shorter row is padded to the longest), not of ``n`` padded samples; eager attention
-keeps a row-by-row score matrix per packed row (the engine masks a whole row). The cost model
-counts attention FLOPs per segment (each sample's ``s²``, what varlen attention computes) and
-the linears on the rows' tokens, the padded tail included.
+The engine packs a text replica's samples of a micro-batch into rows of at most
+``data.max_tokens`` tokens (`ray_dhp.parallel.balance.pack_bins`: first fit decreasing, evened
+out, laid out by `pack_order` and cut by `ray_dhp.data.collate.pack_rows`; None: one row) and
+pads every row to the longest. The plan's samples all have one length ``s`` (its
+``--text-tokens`` plus the image's rows), so a row holds at most ``k = max_tokens // s`` of
+them, and the replica's ``n`` samples make ``r = ceil(n / k)`` rows of ``ceil(n / r) · s``
+tokens (tests/unit/test_plan_packing.py checks these against the engine's rows). Its
+activations are those of these rows (a last, shorter row is padded to the longest), not of
+``n`` padded samples; eager attention keeps a row-by-row score matrix per packed row (the
+engine masks a whole row). The cost model counts attention FLOPs per segment (each sample's
+``s²``, what varlen attention computes) and the linears on the rows' tokens, the padded tail
+included.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class Packing:
             return 0, 0
         per_row = samples if self.max_tokens is None else max(1, self.max_tokens // sample_tokens)
         rows = -(-samples // min(per_row, samples))
-        return rows, -(-samples // rows) * sample_tokens  # as even as `pack_rows` makes them
+        return rows, -(-samples // rows) * sample_tokens  # as even as `pack_bins` makes them
 
     def text_tokens(self, samples: int, sample_tokens: int) -> tuple:
         """``(tokens, attention row length)`` of a text replica's activations: the packed rows'

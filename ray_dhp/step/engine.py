@@ -254,7 +254,8 @@ class DHPEngine(EncoderPhases, TextPhase, UpdateMixin):
     def balancer(self) -> Balancer:
         """The run's `Balancer` (``cfg.optim.balance``), built on first use from the model config."""
         if getattr(self, "_balancer", None) is None:
-            self._balancer = balancer_for(self.cfg.optim.balance, self.config, packing=self.cfg.packing)
+            self._balancer = balancer_for(self.cfg.optim.balance, self.config, packing=self.cfg.packing,
+                                          max_tokens=self.cfg.max_tokens)
         return self._balancer
 
     def _text_plan(self, full) -> dict:

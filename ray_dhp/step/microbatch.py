@@ -55,7 +55,7 @@ class EncoderLayout:
     plans: list     # per dp replica: shard plan, or None (no input)
 
     def rows_of(self, indices) -> torch.Tensor:
-        """Feature rows of the samples ``indices`` (ascending), concatenated in order."""
+        """Feature rows of the samples ``indices``, concatenated in their order."""
         parts = [torch.arange(self.offsets[i], self.offsets[i + 1]) for i in indices]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
@@ -75,7 +75,8 @@ class MicroBatchLayout:
     """Who does what for one micro-batch; identical on every rank (plain data)."""
 
     encoders: dict              # encoder name -> EncoderLayout (module order)
-    text_samples: list          # per text dp replica: ascending list of sample indices
+    text_samples: list          # per text dp replica: its sample indices, ascending (packed
+    #                             rows: in `pack_order`, the order its rows lay them out)
     text_groups: Optional[list] = None  # per text replica: its samples as padded groups run in
     #                                     turn (lists of sample indices); None: one group each
 
@@ -153,12 +154,13 @@ def cost_model_of(config, counts=None) -> CostModel:
                      text_call=6 * matmul * merge * TEXT_CALL_TOKENS)
 
 
-def balancer_for(mode: str, config, counts=None, *, packing: bool = False) -> Balancer:
+def balancer_for(mode: str, config, counts=None, *, packing: bool = False,
+                 max_tokens=None) -> Balancer:
     """The `Balancer` of policy ``mode`` for the model ``config`` (no cost model is built for
-    "count"); ``packing``: the engine packs text rows (``TrainLoopConfig.packing``) instead of
-    padding."""
+    "count"); ``packing``: the engine packs text rows (``TrainLoopConfig.packing``) of at most
+    ``max_tokens`` tokens instead of padding."""
     return Balancer(mode, cost_model_of(config, counts) if mode == "cost" else None,
-                    padded=not packing)
+                    padded=not packing, max_tokens=max_tokens if packing else None)
 
 
 @dataclass

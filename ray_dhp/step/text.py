@@ -196,7 +196,8 @@ class TextPhase:
 
     def _context_layout(self, samples) -> tuple:
         """``(length, starts)``: the row length `_text_batch` gives ``samples`` (padded: the
-        longest; packed: the fullest row of `pack_rows`), rounded up to the sequence-parallel x
+        longest; packed: the fullest row of `pack_rows`, the samples in the layout's
+        `pack_order`), rounded up to the sequence-parallel x
         context-parallel multiple, and each sample's first column in its row."""
         from ray_dhp.data.collate import pack_rows
         from ray_dhp.parallel.text_sp import pad_multiple

@@ -101,7 +101,7 @@ def build_loader(config: Union[TrainLoopConfig, dict], engine=None, ctx=None, pr
         from ray_dhp.step.microbatch import balancer_for
 
         balancer = balancer_for(cfg.optim.balance, load_model_config(ctx.dhp_config.model),
-                                packing=cfg.data.packing)
+                                packing=cfg.data.packing, max_tokens=cfg.data.max_tokens)
     processor = build_processor(ctx, cfg) if processor is None else processor
     return StepLoader(make_sampler(cfg.sampler_config(), processor), ctx.groups, prefetch=cfg.data.prefetch,
                       num_workers=cfg.data.data_workers, balancer=balancer)

@@ -257,10 +257,10 @@ def test_packed_resume_mid_epoch_matches_uninterrupted(data, tmp_path):
     (16 samples, 4 per step: step 3 of the epoch's 4), resumed at vision DP2 + text DP2 (the
     packed rows shared out over two text replicas), 3 more steps == 6 uninterrupted reference
     steps: the same samples in the same micro-batches at every step (so the same packed rows,
-    `pack_rows` of them), every loss, every rank's copy of every parameter (``TOL``)."""
+    `pack_bins` of them), every loss, every rank's copy of every parameter (``TOL``)."""
     from dataclasses import replace
 
-    from ray_dhp.data.collate import pack_rows
+    from ray_dhp.parallel.balance import pack_bins
     from ray_dhp.step.reference import ReferenceTrainer
 
     cfg = replace(CFG, packing=True, max_tokens=80)
@@ -268,7 +268,7 @@ def test_packed_resume_mid_epoch_matches_uninterrupted(data, tmp_path):
     trainer = ReferenceTrainer(demo.tiny_model_config(FAMILY), cfg.optim, precision=cfg.precision, dtype=DTYPE)
     steps = [sampler.next_step() for _ in range(cfg.optim.num_steps)]
     ref = {"history": [trainer.step(s) for s in steps], "params": trainer.named_parameters()}
-    rows = [pack_rows([s.num_tokens for s in mb], cfg.data.max_tokens) for st in steps for mb in st]
+    rows = [pack_bins([s.num_tokens for s in mb], cfg.data.max_tokens) for st in steps for mb in st]
     assert any(len(r) > 1 for rs in rows for r in rs)  # rows hold several samples
     root = str(tmp_path)
     first = run(COLLOCATED_SP2_TP2, data, stop=3, save_at=(3,), ckpt_root=root, cfg=cfg)
@@ -290,7 +290,7 @@ def test_omni_packed_resume_mid_epoch_at_expert_parallel(tmp_path):
     (`family_rows.OMNI3`: the router loss's fp32 sums; an exact zero gradient)."""
     from dataclasses import replace
 
-    from ray_dhp.data.collate import pack_rows
+    from ray_dhp.parallel.balance import pack_bins
     from ray_dhp.demo.omni import make_omni_dataset
     from ray_dhp.parallel.topology import EncoderDegrees
     from ray_dhp.step.reference import ReferenceTrainer
@@ -304,7 +304,7 @@ def test_omni_packed_resume_mid_epoch_at_expert_parallel(tmp_path):
     trainer = ReferenceTrainer(demo.tiny_model_config(family), cfg.optim, precision=cfg.precision, dtype=DTYPE)
     steps = [sampler.next_step() for _ in range(cfg.optim.num_steps)]
     ref = {"history": [trainer.step(s) for s in steps], "params": trainer.named_parameters()}
-    rows = [pack_rows([s.num_tokens for s in mb], cfg.data.max_tokens) for st in steps for mb in st]
+    rows = [pack_bins([s.num_tokens for s in mb], cfg.data.max_tokens) for st in steps for mb in st]
     assert any(len(r) > 1 for rs in rows for r in rs)  # rows hold several samples
     assert any(s.audio_lengths is not None for st in steps[:3] for mb in st for s in mb)
     audio = {"audio": EncoderDegrees(dp=2)}

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from ray_dhp.config.train_loop import TrainLoopConfig
-from ray_dhp.data.collate import pack_rows
+from ray_dhp.parallel.balance import pack_bins
 from tests.distributed.fp64_recurrence import fp64_delta_rule
 from tests.distributed.parity import (packable_steps, assert_parity, copy_errors, reference_fixture,
                                       run_engine)
@@ -90,11 +90,12 @@ def _steps(family: str) -> dict:
 
 def _cuts_inside_samples(steps, cp: int) -> bool:
     """Whether some CP cut of a packed row falls strictly inside a sample (the case is
-    meaningful: a sample's tokens are split between CP ranks)."""
+    meaningful: a sample's tokens are split between CP ranks), the rows laid out as the one text
+    replica lays them out (`pack_bins`, in layout order)."""
     for st in steps:
         for mb in st:
             sizes = [int(s.num_tokens) for s in mb]
-            rows = pack_rows(sizes, CFG.data.max_tokens)
+            rows = pack_bins(sizes, CFG.data.max_tokens)
             length = -(-max(sum(sizes[i] for i in r) for r in rows) // cp) * cp
             cuts = [length // cp * c for c in range(1, cp)]
             for r in rows:

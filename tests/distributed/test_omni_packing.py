@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from ray_dhp.config.train_loop import TrainLoopConfig
-from ray_dhp.data.collate import pack_rows
+from ray_dhp.parallel.balance import pack_bins
 from ray_dhp.parallel.topology import EncoderDegrees
 from tests.distributed import family_checks as checks
 from tests.distributed.omni_cases import AUD, BOTH, IMG, STEPS, omni_records
@@ -56,8 +56,9 @@ def omni(tmp_path_factory):
             samples = omni_records(root, CFG, family=family)
             steps = [[[dataclasses.replace(samples[i], index=n * 8 + k * 4 + j) for j, i in enumerate(mb)]
                       for k, mb in enumerate(step)] for n, step in enumerate(STEPS)]
-            rows = [pack_rows([s.num_tokens for s in mb], CFG.data.max_tokens) for st in steps for mb in st]
-            # meaningful: a row holds an image, a clip and the image + clip record together
+            rows = [pack_bins([s.num_tokens for s in mb], CFG.data.max_tokens) for st in steps for mb in st]
+            # meaningful: a row holds an image, a clip and the image + clip record together (the
+            # rows one text replica lays out, `pack_bins`; two micro-batches reorder theirs)
             first = [STEPS[0][0][i] for i in rows[0][0]]
             assert {IMG[0], AUD[0], BOTH} <= set(first), first
             assert any(len(r) > 1 for r in rows)

@@ -13,6 +13,8 @@ import re
 import pytest
 
 from ray_dhp.cli.plan import plan_text, settings_of
+from ray_dhp.data.collate import pack_rows
+from ray_dhp.parallel.balance import pack_order
 from ray_dhp.planning.memory import GIB, text_activation_bytes
 from ray_dhp.planning.packing import Packing
 from ray_dhp.run_file import load_run_file
@@ -33,6 +35,19 @@ def test_packed_rows_of_uniform_samples():
     assert Packing(None).rows(5, 1536) == (1, 7680)  # no limit: one row
     assert Packing(1536).rows(5, 1536) == (5, 1536)  # one sample per row: as padded
     assert Packing(8192).rows(1, 1536) == (1, 1536)
+
+
+@pytest.mark.parametrize("max_tokens", [None, 1000, 2048, 4096])
+def test_plan_rows_are_the_engines_rows_of_uniform_samples(max_tokens):
+    """The plan's rows are those the engine lays out (`pack_order`, then `pack_rows`) for
+    samples of one length."""
+    for n in range(1, 13):
+        for s in (100, 333, 512, 1000):
+            lengths = [s] * n
+            laid = [lengths[i] for i in pack_order(lengths, max_tokens)]
+            rows = pack_rows(laid, max_tokens)
+            want = (len(rows), max(sum(laid[i] for i in r) for r in rows))
+            assert Packing(max_tokens).rows(n, s) == want, (n, s)
 
 
 # the example runs bf16_autocast with activation checkpointing: each block's fp32 input is kept

@@ -58,6 +58,27 @@ def _boundary_roundtrip(topo, held, needed):
     return plans, out
 
 
+def test_boundary_plan_delivers_rows_in_the_order_a_text_rank_needs_them():
+    """A packing replica needs its rows in its samples' packed order (`pack_order`), not
+    ascending: the plan receives them in that order, and the gradients go back row by row."""
+    topo = Topology.build(placement="collocated", vision_dp=2, vision_sp=1, text_dp=2, text_tp=1)
+    held = {0: torch.tensor([0, 1, 2, 3, 4]), 1: torch.tensor([5, 6, 7, 8, 9])}
+    needed = {0: torch.tensor([7, 8, 0, 1, 5]), 1: torch.tensor([4, 2, 3, 9, 6])}
+    plans, out = _boundary_roundtrip(topo, held, needed)
+    assert out[0].tolist() == [7, 8, 0, 1, 5] and out[1].tolist() == [4, 2, 3, 9, 6]
+    for r in (0, 1):  # the gradient of each received row lands back on that row
+        g = torch.zeros(10, dtype=torch.long)
+        grad = needed[r] * 10  # a row's gradient: ten times its id
+        back = torch.empty_like(grad)
+        back[plans[r].recv_perm] = grad
+        off = 0
+        for src in range(2):
+            n = plans[r].recv_counts[src]
+            g[held[src][plans[src].send_pos[r]]] += back[off:off + n]
+            off += n
+        assert g[needed[r]].tolist() == (needed[r] * 10).tolist()
+
+
 def test_boundary_plan_delivers_each_text_rank_its_rows_and_one_gradient_per_row():
     topo = Topology.build(placement="disjoint", vision_dp=2, vision_sp=2, text_dp=1, text_tp=2)
     # vision replica 0 holds rows 0..5 (window-permuted), replica 1 rows 6..9; text needs all.
