@@ -169,8 +169,8 @@ def _odd_dtype(units: list, root) -> list:
         # modules under one already taken (the root: every unit's modules are its units')
         inside: set = set(in_units) if unit is root else set()
         for m in unit.modules():
-            if m is not unit and id(m) not in inside and m._parameters \
-                    and all(p is None or p.dtype != main for p in m._parameters.values()):
+            own = [p for p in m._parameters.values() if p is not None]  # a dropped slot is None
+            if m is not unit and id(m) not in inside and own and all(p.dtype != main for p in own):
                 out.append(m)
                 inside.update(id(s) for s in m.modules())
     return out

@@ -40,3 +40,18 @@ def test_the_roots_fp32_parameter_and_each_layers_router_are_units_of_their_own(
 def test_a_uniform_model_has_none():
     lm = _LM().to(torch.float64)
     assert _odd_dtype(list(lm.layers), lm) == []
+
+
+def test_a_module_whose_only_parameter_slot_was_dropped_is_no_unit():
+    """A text shard drops the vision-side parameters it does not hold by setting their slots to
+    None (LLaVA-NeXT's ``image_newline`` on the model that also holds the language model): such a
+    module has no parameter of another dtype, and taking it as a unit would shard every unit
+    under it twice (FSDP2: "Cannot concatenate overlapping meshes")."""
+    class _Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = _LM().to(torch.float64)
+            self.register_parameter("image_newline", None)
+
+    outer = _Outer()
+    assert _odd_dtype(list(outer.lm.layers), outer) == []
