@@ -96,14 +96,9 @@ def test_new_family_presets_count_the_published_totals(family, preset, published
     assert (counts.vision + counts.text) / 1e9 == pytest.approx(published, rel=rel)
 
 
-@pytest.mark.parametrize("family, preset", _rows(2))
-def test_plan_recommends_a_layout_on_8_gpus_of_80_gb(tmp_path, capsys, family, preset):
-    """`ray-dhp plan --recommend --gpus 8` on H100s (80 GB) gives its verdict for each preset: a
-    layout with its per-GPU peak, or "no layout fits" with the remedies where bf16_mixed state
-    (18 B/param) cannot fit in 8 x 72.4 GiB: Gemma 4 31B (~65 GiB of state a GPU, text TP capped
-    at 4 by its full-attention layers' 4 KV heads; it fits under precision bf16: TP4 x DP2, 66.9
-    GiB), Llama 4 Scout (109B; no expert parallelism for its transposed experts), GLM-4.5V
-    (106B: 248 GiB a GPU at EP8) and Kimi K2.5 (1T)."""
+def _recommend_on_8_h100(tmp_path, capsys, family: str, preset: str):
+    """``(exit code, output)`` of `ray-dhp plan --recommend --gpus 8` on H100s (80 GB) under
+    bf16_mixed for a preset, its header checked."""
     from ray_dhp.cli import main
 
     run = tmp_path / "run.yaml"
@@ -113,6 +108,18 @@ def test_plan_recommends_a_layout_on_8_gpus_of_80_gb(tmp_path, capsys, family, p
     rc = main(["plan", str(run), "--recommend", "--gpus", "8"])
     out = capsys.readouterr().out
     assert "recommendation for 8 GPUs" in out and "h100 79.1 GiB" in out
+    return rc, out
+
+
+@pytest.mark.parametrize("family, preset", _rows(2))
+def test_plan_recommends_a_layout_on_8_gpus_of_80_gb(tmp_path, capsys, family, preset):
+    """`ray-dhp plan --recommend --gpus 8` on H100s (80 GB) gives its verdict for each preset: a
+    layout with its per-GPU peak, or "no layout fits" with the remedies where bf16_mixed state
+    (18 B/param) cannot fit in 8 x 72.4 GiB: Gemma 4 31B (~65 GiB of state a GPU, text TP capped
+    at 4 by its full-attention layers' 4 KV heads; it fits under precision bf16: TP4 x DP2, 66.9
+    GiB), Llama 4 Scout (109B; no expert parallelism for its transposed experts), GLM-4.5V
+    (106B: 248 GiB a GPU at EP8) and Kimi K2.5 (1T)."""
+    rc, out = _recommend_on_8_h100(tmp_path, capsys, family, preset)
     if family in _NO_FIT:
         assert rc == 1 and "no layout fits" in out
     else:
@@ -168,15 +175,7 @@ def test_plan_recommends_a_layout_for_the_six_on_8_gpus_of_80_gb(tmp_path, capsy
     """`ray-dhp plan --recommend --gpus 8` on H100s under bf16_mixed: a layout for five of the
     six; Qwen3-Omni's 31.7B thinker (18 B/param of state) does not fit in 8 x 72.4 GiB (its
     closest, collocated with EP8, needs 83.1 GiB a GPU), and the verdict names the remedies."""
-    from ray_dhp.cli import main
-
-    run = tmp_path / "run.yaml"
-    run.write_text(f"model: {{family: {family}, preset: {preset}}}\n"
-                   "optim: {global_batch_size: 32, micro_batches: 4, activation_checkpointing: true}\n"
-                   "precision: bf16_mixed\nscaling: {use_gpu: true, accelerator: h100}\n")
-    rc = main(["plan", str(run), "--recommend", "--gpus", "8"])
-    out = capsys.readouterr().out
-    assert "recommendation for 8 GPUs" in out and "h100 79.1 GiB" in out
+    rc, out = _recommend_on_8_h100(tmp_path, capsys, family, preset)
     if family == "qwen3_omni_moe":
         assert rc == 1 and "no layout fits" in out and "precision.policy=bf16" in out
     else:
@@ -251,15 +250,7 @@ def test_plan_recommends_a_layout_for_the_third_round_on_8_gpus_of_80_gb(tmp_pat
     """`ray-dhp plan --recommend --gpus 8` on H100s under bf16_mixed: a layout for each but
     Command A Vision (112B at 18 B/param) and Mistral Large 4 (1.05T), whose verdicts name the
     remedies."""
-    from ray_dhp.cli import main
-
-    run = tmp_path / "run.yaml"
-    run.write_text(f"model: {{family: {family}, preset: {preset}}}\n"
-                   "optim: {global_batch_size: 32, micro_batches: 4, activation_checkpointing: true}\n"
-                   "precision: bf16_mixed\nscaling: {use_gpu: true, accelerator: h100}\n")
-    rc = main(["plan", str(run), "--recommend", "--gpus", "8"])
-    out = capsys.readouterr().out
-    assert "recommendation for 8 GPUs" in out and "h100 79.1 GiB" in out
+    rc, out = _recommend_on_8_h100(tmp_path, capsys, family, preset)
     if family in _THIRD_NO_FIT:
         assert rc == 1 and "no layout fits" in out and "precision.policy=bf16" in out
     else:
