@@ -408,22 +408,38 @@ def test_gemma3_packed_masks_per_sample_fp64(family, dataset):
     assert _max_sample_error(*_generic_logits(family, dataset, spec=old)) > 1e-3
 
 
+def test_layers_that_carry_state_are_every_kind_but_softmax_attention():
+    """`generic_packing` runs one row per sample the layers of every type but softmax attention:
+    a short convolution and a linear attention (a recurrence) carry state along the sequence
+    (the slow test below measures what each leaks packed without)."""
+    from ray_dhp.models.generic_packing import _stateful_type
+
+    assert [t for t in ("full_attention", "sliding_attention", "chunked_attention",
+                        "indexed_attention", "linear_attention", "conv", "mamba")
+            if _stateful_type(t)] == ["linear_attention", "conv", "mamba"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["lfm3_vl", "lfm2_vl"])
+@pytest.mark.parametrize("family", ["lfm3_vl", "lfm2_vl", "minicpmv4_6", "qwen4_exp"])
 def test_short_conv_packed_one_row_per_sample_fp64(family, dataset):
     """LFM-VL's short causal convolution (``conv`` layer types) carries its window along the
-    sequence: the generic family reads its mixers from the module tree (the layer's child with a
-    ``layer_idx``, its one projection back to the hidden width: ``layers.i.conv``, ``out_proj``)
-    and runs them one row per sample (`ray_dhp.models.segments`): each sample's logits equal its
-    padded row's within 1e-12 (fp64; measured 0 to 4e-16). The negative control: without the
-    reset the window runs into the next sample (measured 0.55 of the row's largest logit)."""
+    sequence, as a linear attention (``linear_attention``: the Gated DeltaNet of MiniCPM-V 4.6's
+    Qwen3.5 LM and of Qwen4-Exp) carries its conv window and recurrent state: the generic family
+    reads these mixers from the module tree (the layer's child with a ``layer_idx``, its one
+    projection back to the hidden width: ``layers.i.conv`` / ``layers.i.linear_attn``,
+    ``out_proj``) and runs them one row per sample (`ray_dhp.models.segments`): each sample's
+    logits equal its padded row's within 1e-12 (fp64; measured 0 to 4.4e-16). The negative
+    control: without the reset the state runs into the next sample (measured 0.55 of the row's
+    largest logit for LFM3-VL, 0.12 MiniCPM-V 4.6, 0.023 Qwen4-Exp: what these two packed before
+    their linear attention counted as stateful)."""
     from ray_dhp.models import family_of
     from tests.distributed.generic_cases import lfm2_vl_hybrid_config
 
     config = lfm2_vl_hybrid_config() if family == "lfm2_vl" else tiny_model_config(family)
     spec = family_of(config)
     types = config.get_text_config().layer_types
+    mixer = {"conv": "conv", "linear_attention": "linear_attn"}
     assert spec.packing and spec.stateful_mixers == tuple(
-        (f"layers.{i}.conv", "out_proj") for i, t in enumerate(types) if t == "conv")
+        (f"layers.{i}.{mixer[t]}", "out_proj") for i, t in enumerate(types) if t in mixer)
     assert _max_sample_error(*_generic_logits(family, dataset, config, segments=True)) <= 1e-12
     assert _max_sample_error(*_generic_logits(family, dataset, config)) > 1e-3
