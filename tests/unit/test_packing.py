@@ -323,6 +323,7 @@ def test_refused_where_not_plain_causal_inside_a_sample():
     assert "window" in refusal(NS(sliding_window=4096, use_sliding_window=True))
     assert refusal(NS(sliding_window=4096, use_sliding_window=False)) == ""
     assert "chunked" in refusal(NS(attention_chunk_size=8192))
+    assert "'indexed_attention'" in refusal(NS(layer_types=["indexed_attention"]))  # Mistral Large 4
     assert "bidirectional" in refusal(NS(), causal_in_sample=False)
     lm = torch.nn.Module()
     lm.config = NS(_attn_implementation="eager")
