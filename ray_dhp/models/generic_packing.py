@@ -81,7 +81,7 @@ def packing_rule(inner, lm, text_config, forward_params: tuple, model_cls=None,
 
 def stateful_mixers(lm, text_config) -> tuple:
     """``(mixers, refusal)``: `FamilySpec.stateful_mixers` of the decoder ``lm`` — for every
-    layer whose ``layer_types`` entry is not attention (a short convolution, ``"conv"``), its
+    layer whose ``layer_types`` entry is not softmax attention (`_carries_state`), its
     token-mixing child (the one child that holds a ``layer_idx``, as transformers' cache-holding
     mixers do) and that child's output projection (its one ``nn.Linear`` child back to the
     hidden width) — or ``((), why)`` where the module tree does not say."""

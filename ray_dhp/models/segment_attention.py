@@ -44,6 +44,12 @@ def refusal(text_config, causal_in_sample: bool = True) -> str:
                     if "sliding" in str(t) or "chunked" in str(t)})
     if types:
         return f"its {', '.join(map(repr, types))} layers attend through a window"
+    # another attention kind (an indexer's sparse selection, ``indexed_attention``) may read the
+    # 4-D mask itself: only plain softmax attention runs per segment without one
+    other = sorted({str(t) for t in getattr(text_config, "layer_types", None) or ()
+                    if str(t).endswith("attention") and str(t) not in ("full_attention", "linear_attention")})
+    if other:
+        return f"its {', '.join(map(repr, other))} layers may read the attention mask themselves"
     if getattr(text_config, "layer_types", None) is None and getattr(text_config, "sliding_window", None) \
             and getattr(text_config, "use_sliding_window", True):
         return "its attention has a sliding window"

@@ -155,3 +155,21 @@ def lfm2_vl_hybrid_config():
     config = demo.tiny_model_config("lfm2_vl")
     config.text_config.layer_types = ["conv", "full_attention"]
     return config
+
+
+#: The generic families that pack (`ray_dhp.models.generic_packing`: every one but MiniCPM-V 4.7,
+#: refused with the reason, test_packing.py's last test), each a row of test_packing.py's
+#: disjoint pipelined packing test (which checks the family packs).
+PACKING_FAMILIES = (
+    "gemma3", "llava", "paligemma", "aya_vision", "cohere2_vision", "mistral3", "idefics3",
+    "smolvlm", "glm4v", "glm46v", "lighton_ocr", "glmga", "hyperclovax_vision_v2", "got_ocr2",
+    "pp_chart2table", "shieldgemma2", "lfm3_vl", "glm_ocr", "video_llava", "glm4v_moe", "lfm2_vl",
+    "kimi_k25", "cosmos3_edge", "paddleocr_vl", "llava_onevision1_5", "ernie4_5_vl_moe", "llama4",
+    "minicpmv4_6", "minicpm_ocr", "gemma4", "llava_onevision", "llava_next", "llava_next_video",
+    "mistral_large4", "minimax_m3_vl", "qwen4_exp", "minicpmv4_7", "exaone4_5")
+#: the packing rows' model where not the family's tiny config (LFM2-VL: its hybrid decoder, the
+#: released models' layout, whose short convolutions packing runs one row per sample)
+PACKING_MODELS = {"lfm2_vl": lfm2_vl_hybrid_config}
+#: the packing rows' ``max_tokens`` where not 80: the LLaVA-NeXT kinds' anyres samples reach
+#: 101 tokens (80 would skip them as too long, the other samples still 30-75)
+PACKING_MAX_TOKENS = {"llava_onevision": 128, "llava_next": 128, "llava_next_video": 128}

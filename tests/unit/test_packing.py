@@ -323,6 +323,7 @@ def test_refused_where_not_plain_causal_inside_a_sample():
     assert "window" in refusal(NS(sliding_window=4096, use_sliding_window=True))
     assert refusal(NS(sliding_window=4096, use_sliding_window=False)) == ""
     assert "chunked" in refusal(NS(attention_chunk_size=8192))
+    assert "'indexed_attention'" in refusal(NS(layer_types=["indexed_attention"]))  # Mistral Large 4
     assert "bidirectional" in refusal(NS(), causal_in_sample=False)
     lm = torch.nn.Module()
     lm.config = NS(_attn_implementation="eager")
@@ -374,7 +375,9 @@ def _max_sample_error(samples, packed, ref, got) -> float:
 _GENERIC_PACKED = ["llava"] + [pytest.param(f, marks=pytest.mark.slow) for f in (
     "paligemma", "aya_vision", "cohere2_vision", "mistral3", "idefics3", "smolvlm", "glm4v",
     "glm46v", "glmga", "glm_ocr", "lighton_ocr", "hyperclovax_vision_v2", "got_ocr2",
-    "pp_chart2table", "video_llava", "exaone4_5")]
+    "pp_chart2table", "video_llava", "kimi_k25", "cosmos3_edge", "paddleocr_vl",
+    "llava_onevision1_5", "ernie4_5_vl_moe", "llama4", "gemma4", "mistral_large4",
+    "minimax_m3_vl", "exaone4_5")]
 
 
 @pytest.mark.parametrize("family", _GENERIC_PACKED)
@@ -382,7 +385,9 @@ def test_generic_packed_forward_equals_padded_fp64(family, dataset):
     """Every generic family that packs (`ray_dhp.models.generic_packing`): each sample's logits
     from the packed rows (its positions from the family's rule, no 2-D mask, ``use_cache=False``
     as the family's inputs carry it) equal its padded row's within 1e-12 of the row's largest
-    logit (fp64; measured 0 to 4e-16). PaliGemma's Gemma RMSNorm computes in fp32
+    logit (fp64; measured 0 to 8e-16). Not here: the LLaVA-NeXT kinds (an anyres sample of 101
+    tokens is over ``MAX_TOKENS``), Gemma 3 / ShieldGemma 2 and the stateful mixers (below).
+    PaliGemma's Gemma RMSNorm computes in fp32
     (``x.float()``): a 1e-16 difference of the attention sums that crosses an fp32 rounding moves
     a value by up to 2^-24 ~ 6e-8 (measured 6.5e-8); it is held to 1e-6, far below a sample
     attending across a boundary (0.79, the Gemma 3 test below)."""
@@ -411,23 +416,39 @@ def test_gemma3_packed_masks_per_sample_fp64(family, dataset):
     assert _max_sample_error(*_generic_logits(family, dataset, spec=old)) > 1e-3
 
 
+def test_layers_that_carry_state_are_every_kind_but_softmax_attention():
+    """`generic_packing` runs one row per sample the layers of every type but softmax attention:
+    a short convolution and a linear attention (a recurrence) carry state along the sequence
+    (the slow test below measures what each leaks packed without)."""
+    from ray_dhp.models.generic_packing import _carries_state
+
+    assert [t for t in ("full_attention", "sliding_attention", "chunked_attention",
+                        "indexed_attention", "linear_attention", "conv", "mamba")
+            if _carries_state(t)] == ["linear_attention", "conv", "mamba"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["lfm3_vl", "lfm2_vl"])
+@pytest.mark.parametrize("family", ["lfm3_vl", "lfm2_vl", "minicpmv4_6", "qwen4_exp"])
 def test_short_conv_packed_one_row_per_sample_fp64(family, dataset):
     """LFM-VL's short causal convolution (``conv`` layer types) carries its window along the
-    sequence: the generic family reads its mixers from the module tree (the layer's child with a
-    ``layer_idx``, its one projection back to the hidden width: ``layers.i.conv``, ``out_proj``)
-    and runs them one row per sample (`ray_dhp.models.segments`): each sample's logits equal its
-    padded row's within 1e-12 (fp64; measured 0 to 4e-16). The negative control: without the
-    reset the window runs into the next sample (measured 0.55 of the row's largest logit)."""
+    sequence, as a linear attention (``linear_attention``: the Gated DeltaNet of MiniCPM-V 4.6's
+    Qwen3.5 LM and of Qwen4-Exp) carries its conv window and recurrent state: the generic family
+    reads these mixers from the module tree (the layer's child with a ``layer_idx``, its one
+    projection back to the hidden width: ``layers.i.conv`` / ``layers.i.linear_attn``,
+    ``out_proj``) and runs them one row per sample (`ray_dhp.models.segments`): each sample's
+    logits equal its padded row's within 1e-12 (fp64; measured 0 to 4.4e-16). The negative
+    control: without the reset the state runs into the next sample (measured 0.55 of the row's
+    largest logit for LFM3-VL, 0.12 MiniCPM-V 4.6, 0.023 Qwen4-Exp: what these two packed before
+    their linear attention counted as stateful)."""
     from ray_dhp.models import family_of
     from tests.distributed.generic_cases import lfm2_vl_hybrid_config
 
     config = lfm2_vl_hybrid_config() if family == "lfm2_vl" else tiny_model_config(family)
     spec = family_of(config)
     types = config.get_text_config().layer_types
+    mixer = {"conv": "conv", "linear_attention": "linear_attn"}
     assert spec.packing and spec.stateful_mixers == tuple(
-        (f"layers.{i}.conv", "out_proj") for i, t in enumerate(types) if t == "conv")
+        (f"layers.{i}.{mixer[t]}", "out_proj") for i, t in enumerate(types) if t in mixer)
     assert _max_sample_error(*_generic_logits(family, dataset, config, segments=True)) <= 1e-12
     assert _max_sample_error(*_generic_logits(family, dataset, config)) > 1e-3
 
