@@ -83,15 +83,22 @@ def chunk_gated_delta_rule_with_resets(query, key, value, g, beta, starts=None,
         state = torch.zeros((b, v_heads, dk, dv), dtype=new_values.dtype, device=new_values.device)
     else:
         state = initial_state.to(new_values)
-    out = torch.zeros_like(new_values)
     query = query * cum_decay.exp().unsqueeze(-1)
     key = key * (cum_decay[..., -1:] - cum_decay).exp().unsqueeze(-1)
     chunk_decay = cum_decay[..., -1].exp()[..., None, None]
-    for i in range(query.shape[2]):
-        state = state * keep[:, i, None, None, None]  # a segment starts here: from a zero state
-        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state
-        out[:, :, i] = query[:, :, i] @ state + intra[:, :, i] @ v_new
-        state = state * chunk_decay[:, :, i] + key[:, :, i].transpose(-1, -2) @ v_new
-    out = out.reshape(b, v_heads, -1, dv)[:, :, :length]
+    # The scan takes chunk i of each tensor from one unbind per tensor and stacks its outputs once:
+    # one autograd node each, whose backward stacks the chunks' gradients. Indexing chunk i
+    # (``x[:, :, i]``) and writing into a preallocated output would instead build a full-size
+    # zero gradient per chunk and tensor, O(chunks²) work a packed row of many chunks pays.
+    # The per-chunk arithmetic is the same, so the values are the same bit for bit.
+    out = []
+    per_chunk = zip(keep.unbind(1), new_values.unbind(2), k_cumdecay.unbind(2), query.unbind(2),
+                    intra.unbind(2), chunk_decay.unbind(2), key.unbind(2))
+    for kept, values_i, k_cumdecay_i, query_i, intra_i, decay_i, key_i in per_chunk:
+        state = state * kept[:, None, None, None]  # a segment starts here: from a zero state
+        v_new = values_i - k_cumdecay_i @ state
+        out.append(query_i @ state + intra_i @ v_new)
+        state = state * decay_i + key_i.transpose(-1, -2) @ v_new
+    out = torch.stack(out, dim=2).reshape(b, v_heads, -1, dv)[:, :, :length]
     out = out.transpose(1, 2).to(initial_dtype, memory_format=torch.contiguous_format)
     return out, (state if output_final_state else None)
