@@ -11,7 +11,7 @@ text DP = ranks), fp32, the same steps of ``--batch`` samples:
 * ``padded-groups``: ``balance: cost`` (the default): replicas balanced by the cost model,
   each replica's samples padded in groups of similar length;
 * ``packed``: ``packing: true``: each replica's samples packed into rows of ``--max-tokens``,
-  laid out first fit decreasing (`ray_dhp.parallel.balance.pack_order`);
+  laid out first fit decreasing (`ray_dhp.parallel.packed_rows.pack_order`);
 * ``packed-in-order``: the same packed rows cut in the replica's sample order, as before
   issue #43's row-tail fix (the engine's balancer without ``max_tokens``: no `pack_order`).
 

@@ -1,16 +1,12 @@
 """Published dims of the generic families (`ray_dhp.models.generic`), merged into
 `ray_dhp.cli.presets.PRESETS` (`preset_dims` stays the one entry point).
 
-Sources, by family (the OCR / document families' in `ray_dhp.cli.presets_ocr`):
+Sources, by family (the Gemma line's in `ray_dhp.cli.presets_gemma`, the LLaVA line's in
+`ray_dhp.cli.presets_llava`, the OCR / document families' in `ray_dhp.cli.presets_ocr`):
 
-- ``gemma3`` 4b/12b/27b: the variant table of transformers' ``convert_gemma3_weights.py``, with
-  the released checkpoints' 262,208-token vocabulary.
-- ``llava`` 1.5-7b/13b: ``llava-hf/llava-1.5-{7b,13b}-hf`` (CLIP ViT-L/14 at 336 px + Vicuna).
 - ``mistral3`` 24b: ``Mistral-Small-3.1-24B`` (Pixtral tower + Mistral text).
 - ``idefics3`` 8b: ``Idefics3-8B-Llama3`` (SigLIP at 364 px + Llama 3 8B).
 - ``glm4v`` 9b: ``GLM-4.1V-9B`` (its ViT on patch rows + GLM-4 9B).
-- ``gemma4`` 31b: the released ``google/gemma-4-31B-it`` ``config.json`` (as printed in public
-  model reports on GitHub); the tower's defaults are transformers' ``Gemma4VisionConfig``.
 - ``llama4`` scout-17b-16e: the released ``meta-llama/Llama-4-Scout-17B-16E`` ``config.json``
   (vendored by TensorRT-LLM's and NxD Inference's Llama 4 tests); its text dims are also
   transformers' ``Llama4TextConfig`` defaults, whose docstring names that checkpoint.
@@ -22,22 +18,12 @@ Sources, by family (the OCR / document families' in `ray_dhp.cli.presets_ocr`):
 - ``kimi_k25`` 1t-a32b: the released ``moonshotai/Kimi-K2.5`` ``text_config`` (Kimi K2: a
   DeepSeek-V3 MLA + MoE LM, vendored in public loader tests) and its MoonViT tower, which is
   transformers' ``Kimi_K25VisionConfig`` default (27 layers, width 1152, 16 heads).
-- ``paligemma`` 3b-224: ``google/paligemma-3b-pt-224`` (transformers' ``PaliGemmaConfig``
-  defaults, with the released 257,216-token vocabulary of the ``config.json`` files transformers'
-  own ColPali conversion script copies).
-
 - ``smolvlm`` 2.2b: ``HuggingFaceTB/SmolVLM2-2.2B-Instruct`` as Google's AI Edge Torch
   re-authors it (``ai_edge_torch/generative/examples/smolvlm2``, whose ``verify.py`` checks it
   against that checkpoint): a SigLIP tower of 27 layers, width 1152, 16 heads, FFN 4304 on a
   27 x 27 grid of 14-px patches (``image_size`` 378 there), pixel shuffle 3, a bias-free
   connector, and a SmolLM2-1.7B-shaped LM (24 layers, width 2048, 32 heads = 32 KV heads, FFN
   8192, 49,280-token vocabulary, untied head), image token 49190.
-- ``llava_onevision`` 7b: ``llava-hf/llava-onevision-qwen2-7b-ov-hf`` as transformers'
-  ``convert_llava_onevision_weights_to_hf.py`` builds it: its SigLIP tower (26 layers: the last
-  one dropped) is ``LlavaOnevisionConfig``'s vision default; its LM is ``Qwen/Qwen2-7B-Instruct``
-  (that checkpoint's ``Qwen2Config`` as printed in public notes, e.g. the ``Retruth/deontic``
-  repository: 28 layers, width 3584, 28 heads / 4 KV heads, FFN 18944, 152,064 rows, untied)
-  with the script's two added tokens padded to a multiple of 64: 152,128 rows.
 - ``lfm2_vl`` 450m: the released ``LiquidAI/LFM2-VL-450M`` ``config.json`` (vendored with its
   model card in public repos, e.g. ``varun00391/local-finetuned-model``): SigLIP2 NaFlex base (12 layers, width 768, 256 positions), a
   2-layer projector of width 2560 after a 2x2 pixel unshuffle, and LFM2-350M (16 layers of
@@ -48,25 +34,6 @@ Sources, by family (the OCR / document families' in `ray_dhp.cli.presets_ocr`):
   the window-attention merger after layer 6) and a Qwen3.5-0.8B hybrid LM (24 layers of width
   1024, one gated-attention layer in 4, head_dim 256, 8 heads / 2 KV heads, FFN 3584, Gated
   DeltaNet 16 + 16 heads of 128, 248,094 tokens, tied).
-- ``llava_next`` 1.6-mistral-7b: ``llava-hf/llava-v1.6-mistral-7b-hf`` as transformers'
-  ``convert_llava_next_weights_to_hf.py`` builds it: ``LlavaNextConfig``'s CLIP ViT-L/14 336-px
-  tower and the text config of ``mistralai/Mistral-7B-Instruct-v0.2`` (Mistral 7B: 32 layers,
-  width 4096, 32 heads / 8 KV heads, FFN 14336, 32,000 rows, untied; transformers'
-  ``MistralConfig`` defaults, with 32,768 positions and rope theta 1e6), the script's two added
-  tokens padded to a multiple of 64: 32,064 rows.
-- ``llava_next_video`` 7b: ``llava-hf/LLaVA-NeXT-Video-7B-hf`` as transformers'
-  ``convert_llava_next_video_weights_to_hf.py`` builds it from ``lmms-lab/LLaVA-NeXT-Video-7B``:
-  the same CLIP tower and ``lmsys/vicuna-7b-v1.5`` (Llama 2 7B: 32 layers, width 4096, 32 heads,
-  FFN 11008, 4,096 positions; transformers' ``LlamaConfig`` defaults) with the script's linear
-  RoPE scaling of factor 2 and three added tokens padded to 64: 32,064 rows.
-- ``video_llava`` 7b: ``LanguageBind/Video-LLaVA-7B-hf`` as transformers'
-  ``convert_video_llava_weights_to_hf.py`` builds it: ``VideoLlavaConfig``'s two CLIP ViT-L/14
-  towers at 224 px (image and video: 256 patches a frame) and ``lmsys/vicuna-7b-v1.5`` with three
-  added tokens padded to 64: 32,064 rows.
-- ``shieldgemma2`` 4b: ``google/shieldgemma-2-4b-it`` as transformers'
-  ``convert_shieldgemma2_weights_orbax_to_hf.py`` configures it: Gemma 3 4B's dims (the
-  ``gemma3`` 4b preset's tower and LM: 34 layers, width 2560, 8 heads / 4 KV heads of 256, FFN
-  10240, 262,208 rows, the head tied to the embedding) with 8,192 positions.
 - ``cohere2_vision`` 112b: ``CohereLabs/command-a-vision-07-2025`` (Command A Vision) as
   KerasFormers' ``cohere2_vision/config.py`` transcribes its ``config.json``: a SigLIP2 so400m
   tower at 512 px (27 layers, width 1152, 16 heads, FFN 4304, 16-px patches, pixel-shuffled 2x2)
@@ -81,13 +48,6 @@ Sources, by family (the OCR / document families' in `ray_dhp.cli.presets_ocr`):
   config's: 72 layers of width 6144, MLA with a 512-wide latent KV and a DSA indexer in every
   layer, layer 0 dense (FFN 24576), then 128 routed experts of width 6144, top-4, plus one shared
   expert, 204,800 rows, untied).
-- ``llava_onevision1_5`` 4b: ``lmms-lab/LLaVA-OneVision-1.5-4B-Instruct``: its RICE-ViT is
-  transformers' ``LlavaOnevision1_5VisionConfig`` default (docstring checkpoint that model: 24
-  layers, width 1024, 16 heads, FFN 4096, 14-px patch rows, 2x2 merged; also LoongForge's
-  ``llava_vit.yaml``), its LM the text config defaults of the project's own remote code
-  (``LLaVAOneVision1_5_TextConfig`` in the LLaVA-OneVision-1.5 repository, with ``RiceConfig``'s
-  ``text_hidden_size`` 2560): Qwen3-4B's shape (36 layers, width 2560, 32 heads / 8 KV heads of
-  128, FFN 9728, 151,936 rows) with an untied head, as transformers' composite default too.
 
 Only the fields that shape parameters, parallel degrees and memory are listed (token ids
 included so a config built from them is complete).
@@ -95,51 +55,9 @@ included so a config built from them is complete).
 
 from __future__ import annotations
 
+from ray_dhp.cli.presets_gemma import GEMMA_PRESETS
+from ray_dhp.cli.presets_llava import LLAVA_PRESETS
 from ray_dhp.cli.presets_ocr import OCR_PRESETS
-
-_GEMMA3_VISION = {  # SigLIP so400m at 896 px: 4,096 patches pooled to 256 soft tokens per image
-    "hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27,
-    "num_attention_heads": 16, "num_channels": 3, "image_size": 896, "patch_size": 14,
-    "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6, "vision_use_head": False,
-}
-
-
-def _gemma3(hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
-            query_scale: int) -> dict:
-    return {
-        "model_type": "gemma3",
-        "vision_config": dict(_GEMMA3_VISION),
-        "text_config": {
-            "hidden_size": hidden, "intermediate_size": hidden * 4, "num_hidden_layers": layers,
-            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-            "vocab_size": 262208, "sliding_window": 1024, "query_pre_attn_scalar": query_scale,
-            "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
-        },
-        "mm_tokens_per_image": 256, "image_token_index": 262144, "boi_token_index": 255999,
-        "eoi_token_index": 256000,
-    }
-
-
-_CLIP_L_336 = {  # CLIP ViT-L/14 at 336 px: 576 patches per image
-    "model_type": "clip_vision_model", "hidden_size": 1024, "intermediate_size": 4096,
-    "num_hidden_layers": 24, "num_attention_heads": 16, "image_size": 336, "patch_size": 14,
-    "projection_dim": 768,
-}
-
-
-def _llava_1_5(hidden: int, layers: int, heads: int, intermediate: int) -> dict:
-    return {
-        "model_type": "llava",
-        "vision_config": dict(_CLIP_L_336),
-        "text_config": {
-            "model_type": "llama", "hidden_size": hidden, "intermediate_size": intermediate,
-            "num_hidden_layers": layers, "num_attention_heads": heads,
-            "num_key_value_heads": heads, "vocab_size": 32064, "max_position_embeddings": 4096,
-            "rms_norm_eps": 1e-5,
-        },
-        "image_token_index": 32000, "vision_feature_layer": -2,
-        "vision_feature_select_strategy": "default", "projector_hidden_act": "gelu",
-    }
 
 
 def _mistral3(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int) -> dict:
@@ -191,31 +109,6 @@ def _glm4v_9b() -> dict:
             "num_key_value_heads": 2, "intermediate_size": 13696, "vocab_size": 151552,
             "max_position_embeddings": 65536,
         },
-    }
-
-
-def _gemma4_31b() -> dict:
-    return {
-        "model_type": "gemma4",
-        "vision_config": {  # 16-px patches, 3x3 pooled: 280 soft tokens per image by default
-            "hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27,
-            "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 72,
-            "patch_size": 16, "pooling_kernel_size": 3, "position_embedding_size": 10240,
-            "standardize": True, "use_clipped_linears": False,
-        },
-        "text_config": {  # sliding : full = 5 : 1; full layers: head_dim 512, 4 KV heads, K = V
-            "hidden_size": 5376, "intermediate_size": 21504, "num_hidden_layers": 60,
-            "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 256,
-            "global_head_dim": 512, "num_global_key_value_heads": 4, "attention_k_eq_v": True,
-            "hidden_size_per_layer_input": 0, "vocab_size": 262144,
-            "vocab_size_per_layer_input": 262144, "sliding_window": 1024,
-            "max_position_embeddings": 262144, "final_logit_softcapping": 30.0,
-            "use_bidirectional_attention": "vision", "enable_moe_block": False,
-            "tie_word_embeddings": True,
-        },
-        "audio_config": None, "tie_word_embeddings": True, "vision_soft_tokens_per_image": 280,
-        "image_token_id": 258880, "video_token_id": 258884, "audio_token_id": 258881,
-        "boi_token_id": 255999, "eoi_token_id": 258882,
     }
 
 
@@ -315,23 +208,6 @@ def _kimi_k25() -> dict:
     }
 
 
-def _paligemma_3b_224() -> dict:
-    return {
-        "model_type": "paligemma",
-        "vision_config": {  # SigLIP so400m at 224 px: 256 patches, each a soft token
-            "hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27,
-            "num_attention_heads": 16, "image_size": 224, "patch_size": 14,
-            "projection_dim": 2048, "vision_use_head": False,
-        },
-        "text_config": {  # Gemma 2B
-            "model_type": "gemma", "hidden_size": 2048, "intermediate_size": 16384,
-            "num_hidden_layers": 18, "num_attention_heads": 8, "num_key_value_heads": 1,
-            "head_dim": 256, "vocab_size": 257216,
-        },
-        "hidden_size": 2048, "projection_dim": 2048, "image_token_index": 257152,
-    }
-
-
 def _smolvlm2_2_2b() -> dict:
     return {
         "model_type": "smolvlm",
@@ -345,19 +221,6 @@ def _smolvlm2_2_2b() -> dict:
             "vocab_size": 49280, "tie_word_embeddings": False,
         },
         "scale_factor": 3, "image_token_id": 49190, "tie_word_embeddings": False,
-    }
-
-
-def _llava_onevision_7b() -> dict:
-    return {  # the vision tower is LlavaOnevisionConfig's default (SigLIP so400m at 384 px, 26 layers)
-        "model_type": "llava_onevision",
-        "text_config": {
-            "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
-            "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
-            "vocab_size": 152128, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
-            "tie_word_embeddings": False,
-        },
-        "image_token_index": 151646, "video_token_index": 151647, "tie_word_embeddings": False,
     }
 
 
@@ -402,57 +265,6 @@ def _minicpm_v4_6() -> dict:
     }
 
 
-def _llava_next_mistral_7b() -> dict:
-    return {  # the CLIP ViT-L/14 336-px tower is LlavaNextConfig's default; AnyRes tiles of 336 px
-        "model_type": "llava_next",
-        "vision_config": dict(_CLIP_L_336),
-        "text_config": {
-            "model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
-            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-            "vocab_size": 32064, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-            "sliding_window": None, "tie_word_embeddings": False,
-        },
-        "image_token_index": 32000, "vision_feature_layer": -2,
-        "vision_feature_select_strategy": "default", "tie_word_embeddings": False,
-    }
-
-
-_VICUNA_7B_V1_5 = {  # Llama 2 7B, 3 added tokens padded to 64 rows
-    "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
-    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
-    "vocab_size": 32064, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
-}
-
-
-def _llava_next_video_7b() -> dict:
-    return {
-        "model_type": "llava_next_video",
-        "vision_config": dict(_CLIP_L_336),
-        "text_config": {**_VICUNA_7B_V1_5, "rope_parameters": {
-            "rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
-        "video_token_index": 32000, "image_token_index": 32001, "vision_feature_layer": -2,
-        "vision_feature_select_strategy": "default", "tie_word_embeddings": False,
-    }
-
-
-def _video_llava_7b() -> dict:
-    return {  # one CLIP ViT-L/14 at 224 px for images and one for the 8 frames of a video
-        "model_type": "video_llava",
-        "vision_config": {**_CLIP_L_336, "image_size": 224},
-        "text_config": dict(_VICUNA_7B_V1_5),
-        "image_token_index": 32000, "video_token_index": 32001, "vision_feature_layer": -2,
-        "vision_feature_select_strategy": "default", "tie_word_embeddings": False,
-    }
-
-
-def _shieldgemma2_4b() -> dict:
-    out = _gemma3(2560, 34, 8, 4, 256, 256)  # Gemma 3 4B, its image classifier's head tied
-    out["text_config"].update({"max_position_embeddings": 8192, "tie_word_embeddings": True})
-    return {**out, "model_type": "shieldgemma2", "tie_word_embeddings": True}
-
-
 def _command_a_vision() -> dict:
     return {
         "model_type": "cohere2_vision",
@@ -494,54 +306,21 @@ def _mistral_large4() -> dict:
     }
 
 
-def _llava_onevision1_5_4b() -> dict:
-    return {
-        "model_type": "llava_onevision1_5",
-        "vision_config": {  # RICE-ViT on 14-px patch rows, 2x2 merged to the LM width
-            "depth": 24, "hidden_size": 1024, "intermediate_size": 4096, "num_heads": 16,
-            "patch_size": 14, "spatial_merge_size": 2, "out_hidden_size": 2560,
-        },
-        "text_config": {  # Qwen3-4B's shape, head untied
-            "model_type": "qwen3", "hidden_size": 2560, "intermediate_size": 9728,
-            "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
-            "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 262144,
-            "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-        },
-        "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
-        "vision_end_token_id": 151653, "tie_word_embeddings": False,
-    }
-
-
 GENERIC_PRESETS = {
     **OCR_PRESETS,
+    **GEMMA_PRESETS,
+    **LLAVA_PRESETS,
     "idefics3": {"8b": _idefics3_8b()},
     "glm4v": {"9b": _glm4v_9b()},
-    "gemma3": {
-        "4b": _gemma3(2560, 34, 8, 4, 256, 256),
-        "12b": _gemma3(3840, 48, 16, 8, 256, 256),
-        "27b": _gemma3(5376, 62, 32, 16, 128, 168),
-    },
-    "llava": {
-        "1.5-7b": _llava_1_5(4096, 32, 32, 11008),
-        "1.5-13b": _llava_1_5(5120, 40, 40, 13824),
-    },
     "mistral3": {"24b": _mistral3(5120, 40, 32, 8, 32768)},
-    "gemma4": {"31b": _gemma4_31b()},
     "llama4": {"scout-17b-16e": _llama4_scout()},
     "glm4v_moe": {"106b-a12b": _glm4_5v()},
     "glm46v": {"9b": _glm4_6v_flash()},
     "ernie4_5_vl_moe": {"28b-a3b": _ernie4_5_vl_28b()},
     "kimi_k25": {"1t-a32b": _kimi_k25()},
-    "paligemma": {"3b-224": _paligemma_3b_224()},
     "smolvlm": {"2.2b": _smolvlm2_2_2b()},
-    "llava_onevision": {"7b": _llava_onevision_7b()},
     "lfm2_vl": {"450m": _lfm2_vl_450m()},
     "minicpmv4_6": {"1.3b": _minicpm_v4_6()},
-    "llava_next": {"1.6-mistral-7b": _llava_next_mistral_7b()},
-    "llava_next_video": {"7b": _llava_next_video_7b()},
-    "video_llava": {"7b": _video_llava_7b()},
-    "shieldgemma2": {"4b": _shieldgemma2_4b()},
     "cohere2_vision": {"112b": _command_a_vision()},
     "mistral_large4": {"1t-a52b": _mistral_large4()},
-    "llava_onevision1_5": {"4b": _llava_onevision1_5_4b()},
 }

@@ -12,7 +12,7 @@ import torch
 from ray_dhp.data.sample import IGNORE_INDEX, Sample
 from ray_dhp.models import encoder_operations
 from ray_dhp.models.vision_encoder import item_kinds, row_modalities
-from ray_dhp.parallel.balance import rows_in_order
+from ray_dhp.parallel.packed_rows import rows_in_order
 
 __all__ = ["pad_text_batch", "pack_text_batch", "pack_rows", "row_modalities", "sample_positions"]
 
@@ -94,11 +94,11 @@ def pad_text_batch(samples: Sequence[Sample], pad_id: int, *, pad_to_multiple_of
 
 
 def pack_rows(lengths: Sequence[int], max_tokens: Optional[int]) -> list[range]:
-    """Order-preserving packing (`ray_dhp.parallel.balance.rows_in_order`): consecutive samples
+    """Order-preserving packing (`ray_dhp.parallel.packed_rows.rows_in_order`): consecutive samples
     share a row of at most ``max_tokens`` tokens (None: one row for all), in as few rows as a
     greedy fill makes, and those rows as even as the order allows (every row is padded to the
     longest). Samples keep their order, so feature rows stay in sample order; the engine hands
-    a replica's samples in `ray_dhp.parallel.balance.pack_order` (`Balancer.text_replicas`), so
+    a replica's samples in `ray_dhp.parallel.packed_rows.pack_order` (`Balancer.text_replicas`), so
     these rows are at most as many and as long as the first-fit-decreasing rows of
     `pack_bins`. Returns the sample-index range of each row."""
     return rows_in_order(lengths, max_tokens)

@@ -75,8 +75,8 @@ from ray_dhp.models.segments import SEGMENTS_KWARG
 from ray_dhp.models.generic_probe import (LM_ATTRS, PADDED_SIDE, UnsupportedModel,  # noqa: F401 (re-exported)
                                           anyres, grid_geometry, grid_input,
                                           image_inputs, packed_grid, packed_input, packed_inputs,
-                                          padded_input, padded_inputs, probe,
-                                          text_reads_table, text_reads_vision)
+                                          padded_input, padded_inputs, probe)
+from ray_dhp.models.generic_reads import text_reads_table, text_reads_vision
 from ray_dhp.models.text_plans import HF_STYLES, hf_text_plan
 from ray_dhp.models.text_sp_plans import hf_sp_plan, sp_layout
 from ray_dhp.models.vision_generic_sp import refusal as sp_refusal_of

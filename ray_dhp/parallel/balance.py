@@ -15,9 +15,9 @@ slowest part's cost is as small as a greedy can make it:
   pads five 64-token samples to 290. The cut minimises ``sum(size x cost(longest)) + call x
   groups`` exactly (dynamic programming over the samples in length order); `lpt_grouped`
   assigns the text replicas by that cost (`lpt_padded`: one padded batch per replica).
-* `pack_bins` / `pack_order` — a packing text replica's rows (every row padded to the longest):
-  first fit decreasing into as few rows as it makes, evened out (MULTIFIT), and the order that
-  lays its samples out row after row, so the order-preserving cut (`rows_in_order`) makes them.
+* `Balancer.text_replicas` with ``max_tokens`` — a packing text replica's samples in
+  `pack_order` (`ray_dhp.parallel.packed_rows`): the rows of `pack_bins` (every row padded to
+  the longest), laid out row after row.
 * `balanced_micro_batches` — equal-count micro-batches (as today) whose vision and text costs
   are both even, so neither group of a disjoint pipeline waits on a heavy micro-batch.
 * `decode_owners` — the loader's decode owners (image pixels per sample) over all ranks.
@@ -36,9 +36,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
+from ray_dhp.parallel.packed_rows import pack_order
+
 __all__ = ["BALANCE_MODES", "TEXT_CALL_TOKENS", "CostModel", "Balancer", "lpt", "lpt_padded",
-           "lpt_grouped", "padded_groups", "pack_bins", "pack_order", "rows_in_order", "contiguous",
-           "imbalance", "balanced_micro_batches", "decode_owners"]
+           "lpt_grouped", "padded_groups", "contiguous", "imbalance", "balanced_micro_batches",
+           "decode_owners"]
 
 BALANCE_MODES = ("cost", "count")
 
@@ -143,109 +145,6 @@ def lpt_grouped(lengths: Sequence[int], parts: int, cost, call: int) -> list[lis
         best[p].append(after[p])
         out[p].append(i)
     return [sorted(o) for o in out]
-
-
-def _first_fit(order: Sequence[int], lengths: Sequence[int], cap: int,
-               rows: Optional[int]) -> Optional[list[list[int]]]:
-    """First fit of ``order`` (indices of ``lengths``) into rows of at most ``cap`` tokens, at
-    most ``rows`` of them (None: as many as needed); None where they do not fit."""
-    out: list[list[int]] = []
-    load: list[int] = []
-    for i in order:
-        t = lengths[i]
-        r = next((r for r in range(len(out)) if load[r] + t <= cap), None)
-        if r is None:
-            if rows is not None and len(out) >= rows:
-                return None
-            out.append([])
-            load.append(0)
-            r = len(out) - 1
-        out[r].append(i)
-        load[r] += t
-    return out
-
-
-def _check_rows(lengths: Sequence[int], max_tokens: Optional[int]) -> None:
-    for i, t in enumerate(lengths):
-        if max_tokens is not None and t > max_tokens:
-            raise ValueError(f"sample {i} has {t} tokens > max_tokens={max_tokens}; such samples "
-                             f"are bad data and should have been skipped when processing")
-
-
-def rows_in_order(lengths: Sequence[int], max_tokens: Optional[int]) -> list[range]:
-    """Order-preserving rows: consecutive samples share a row of at most ``max_tokens`` tokens
-    (None: one row for all), as few rows as a greedy fill makes, and those as even as the order
-    allows: the fill's cap is the smallest that still needs no more rows (binary search), which
-    minimises the longest row for that row count (every row is padded to the longest). Returns
-    the sample-index range of each row."""
-    _check_rows(lengths, max_tokens)
-    n = len(lengths)
-    if max_tokens is None or n == 0:
-        return [range(0, n)]
-
-    def greedy(cap: int) -> list[range]:
-        rows, start, used = [], 0, 0
-        for i, t in enumerate(lengths):
-            if i > start and used + t > cap:
-                rows.append(range(start, i))
-                start, used = i, 0
-            used += t
-        return rows + [range(start, n)]
-
-    count, lo, hi = len(greedy(max_tokens)), max(lengths), max_tokens
-    while lo < hi:  # the smallest cap that needs no more rows than the full greedy fill
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if len(greedy(mid)) <= count else (mid + 1, hi)
-    return greedy(lo)
-
-
-def _padded(lengths: Sequence[int], rows) -> tuple:
-    """``(tokens run, rows)`` of ``rows`` (index lists) padded to the longest."""
-    return len(rows) * max(sum(lengths[i] for i in r) for r in rows), len(rows)
-
-
-def pack_bins(lengths: Sequence[int], max_tokens: Optional[int]) -> list[list[int]]:
-    """Samples of ``lengths`` tokens as packed rows of at most ``max_tokens`` tokens, in any
-    order (None: one row), every row padded to the longest. Three candidate fills: MULTIFIT (as
-    many rows as first fit decreasing needs at ``max_tokens``, at the smallest cap, by binary
-    search, at which it still needs no more), longest processing time first into that many rows,
-    and the samples as given. Each is laid out (its rows by their first sample, each ascending)
-    and cut by the order-preserving `rows_in_order`, as `ray_dhp.data.collate.pack_rows` will
-    cut it; the rows of the fewest padded tokens win (ties: fewer rows, then the earlier
-    candidate), in the order they are laid out, so `pack_order` is their concatenation and never
-    pads more than the order given. Pure and deterministic (ties by index): the same token
-    counts give the same rows."""
-    _check_rows(lengths, max_tokens)
-    n = len(lengths)
-    if max_tokens is None or n <= 1:
-        return [list(range(n))] if n else []
-    order = sorted(range(n), key=lambda i: (-lengths[i], i))
-    rows = len(_first_fit(order, lengths, max_tokens, None))
-    lo, hi = max(max(lengths), -(-sum(lengths) // rows)), max_tokens
-    while lo < hi:  # the smallest cap first fit decreasing packs into ``rows`` rows
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if _first_fit(order, lengths, mid, rows) is not None else (mid + 1, hi)
-    load, lpt_rows = [0] * rows, [[] for _ in range(rows)]
-    for i in order:  # LPT into the same number of rows: sometimes more even
-        r = min(range(rows), key=lambda r: (load[r], r))
-        load[r] += lengths[i]
-        lpt_rows[r].append(i)
-    candidates = [_first_fit(order, lengths, lo, rows)]
-    if max(load) <= max_tokens:
-        candidates.append(lpt_rows)
-    candidates.append([list(range(n))])  # as given: the order-preserving rows
-    laid = []
-    for c in candidates:  # each laid out (rows by first sample, each ascending) and cut in order
-        seq = [i for r in sorted((sorted(r) for r in c if r), key=lambda r: r[0]) for i in r]
-        laid.append([[seq[q] for q in r] for r in rows_in_order([lengths[i] for i in seq], max_tokens)])
-    return min(laid, key=lambda c: _padded(lengths, c))
-
-
-def pack_order(lengths: Sequence[int], max_tokens: Optional[int]) -> list[int]:
-    """The sample order whose consecutive runs are the rows of `pack_bins`: laid out in this
-    order, the order-preserving cut (`rows_in_order`, `ray_dhp.data.collate.pack_rows`) makes
-    exactly those rows."""
-    return [i for row in pack_bins(lengths, max_tokens) for i in row]
 
 
 def imbalance(costs: Sequence[float], assignment: Sequence[Sequence[int]]) -> float:

@@ -1,7 +1,7 @@
 """Packed text rows in the plan (`ray-dhp plan`, ``--recommend``) when ``data.packing`` is on.
 
 The engine packs a text replica's samples of a micro-batch into rows of at most
-``data.max_tokens`` tokens (`ray_dhp.parallel.balance.pack_bins`: first fit decreasing, evened
+``data.max_tokens`` tokens (`ray_dhp.parallel.packed_rows.pack_bins`: first fit decreasing, evened
 out, laid out by `pack_order` and cut by `ray_dhp.data.collate.pack_rows`; None: one row) and
 pads every row to the longest. The plan's samples all have one length ``s`` (its
 ``--text-tokens`` plus the image's rows), so a row holds at most ``k = max_tokens // s`` of

@@ -395,7 +395,7 @@ def packable_steps(tmp_path, fam, cfg):
     """`make_steps` for the packing cases, checked meaningful: several packed rows per
     micro-batch and several samples in some row, as one text replica lays them out (`pack_bins`:
     `pack_order`, then `pack_rows`; a ``reference_fixture`` ``make``)."""
-    from ray_dhp.parallel.balance import pack_bins
+    from ray_dhp.parallel.packed_rows import pack_bins
 
     steps = make_steps(tmp_path, fam, cfg)
     rows = [pack_bins([s.num_tokens for s in mb], cfg.data.max_tokens) for st in steps for mb in st]

@@ -260,7 +260,7 @@ def test_packed_resume_mid_epoch_matches_uninterrupted(data, tmp_path):
     `pack_bins` of them), every loss, every rank's copy of every parameter (``TOL``)."""
     from dataclasses import replace
 
-    from ray_dhp.parallel.balance import pack_bins
+    from ray_dhp.parallel.packed_rows import pack_bins
     from ray_dhp.step.reference import ReferenceTrainer
 
     cfg = replace(CFG, packing=True, max_tokens=80)
@@ -290,7 +290,7 @@ def test_omni_packed_resume_mid_epoch_at_expert_parallel(tmp_path):
     (`family_rows.OMNI3`: the router loss's fp32 sums; an exact zero gradient)."""
     from dataclasses import replace
 
-    from ray_dhp.parallel.balance import pack_bins
+    from ray_dhp.parallel.packed_rows import pack_bins
     from ray_dhp.demo.omni import make_omni_dataset
     from ray_dhp.parallel.topology import EncoderDegrees
     from ray_dhp.step.reference import ReferenceTrainer

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from ray_dhp.config.train_loop import TrainLoopConfig
-from ray_dhp.parallel.balance import pack_bins
+from ray_dhp.parallel.packed_rows import pack_bins
 from tests.distributed.fp64_recurrence import fp64_delta_rule
 from tests.distributed.parity import (packable_steps, assert_parity, copy_errors, reference_fixture,
                                       run_engine)

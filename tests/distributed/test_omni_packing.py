@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from ray_dhp.config.train_loop import TrainLoopConfig
-from ray_dhp.parallel.balance import pack_bins
+from ray_dhp.parallel.packed_rows import pack_bins
 from ray_dhp.parallel.topology import EncoderDegrees
 from tests.distributed import family_checks as checks
 from tests.distributed.omni_cases import AUD, BOTH, IMG, STEPS, omni_records

@@ -13,7 +13,8 @@ from ray_dhp.step.engine import layout_micro_batch
 from ray_dhp.data.collate import pack_rows
 from ray_dhp.parallel.balance import (Balancer, balanced_micro_batches, contiguous,
                                       decode_owners, imbalance, lpt, lpt_grouped, lpt_padded,
-                                      pack_bins, pack_order, padded_groups)
+                                      padded_groups)
+from ray_dhp.parallel.packed_rows import pack_bins, pack_order
 from ray_dhp.step.microbatch import balancer_for, cost_model_of
 from ray_dhp.parallel.topology import Topology
 

@@ -126,10 +126,10 @@ def test_plan_recommends_a_layout_on_8_gpus_of_80_gb(tmp_path, capsys, family, p
         assert rc == 0 and "recommended: " in out
 
 
-# The six presets of issue #41's second round (sources in `ray_dhp.cli.presets_generic` and
-# `ray_dhp.cli.presets`): the published total and the tolerance its rounding leaves (None where
-# no total is published for exactly these modules), and the language model's published count
-# where one exists, held exactly (its audio tower left out).
+# The six presets of issue #41's second round (sources in `ray_dhp.cli.presets_generic`, the
+# modules it merges, and `ray_dhp.cli.presets`): the published total and the tolerance its
+# rounding leaves (None where no total is published for exactly these modules), and the language
+# model's published count where one exists, held exactly (its audio tower left out).
 _SIX = [
     # InternVL3.5-8B: 0.3B vision + 8.2B language = 8.5B in InternVL's table; 8.528B counted.
     # Its Qwen3-8B: keras-hub's qwen3_8b_en preset, 8,190,735,360 parameters.
@@ -182,8 +182,9 @@ def test_plan_recommends_a_layout_for_the_six_on_8_gpus_of_80_gb(tmp_path, capsy
         assert rc == 0 and "recommended: " in out
 
 
-# The presets of issue #41's third round (sources in `ray_dhp.cli.presets_generic`): as `_SIX`,
-# with ``outside``: parameters the published figure does not count (0 where it counts them all).
+# The presets of issue #41's third round (sources in `ray_dhp.cli.presets_generic` and the
+# modules it merges): as `_SIX`, with ``outside``: parameters the published figure does not count
+# (0 where it counts them all).
 _THIRD = [
     # GOT-OCR 2.0: PaddleMIX's GOT training script (``train_GOT.py``) prints its all-params count
     # for stepfun-ai/GOT-OCR2_0: 560,528,640, held exactly (the paper's "580M" rounds 80M + 0.5B).

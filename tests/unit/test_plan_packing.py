@@ -14,7 +14,7 @@ import pytest
 
 from ray_dhp.cli.plan import plan_text, settings_of
 from ray_dhp.data.collate import pack_rows
-from ray_dhp.parallel.balance import pack_order
+from ray_dhp.parallel.packed_rows import pack_order
 from ray_dhp.planning.memory import GIB, text_activation_bytes
 from ray_dhp.planning.packing import Packing
 from ray_dhp.run_file import load_run_file
