@@ -27,9 +27,13 @@ With ``--repeat N`` the contenders run in turn N times and each reports its quic
 round (a shared machine's busy spells then hit every contender). ``--modes`` runs some of them
 (comma-separated, in that order each round).
 
-Run: ``python -m benchmarks.packing [--ranks 2] [--family qwen2_5_vl] [--steps 4] [--repeat 2]
-[--modes packed-in-order,packed]``; writes
-``benchmarks/results/packing-<family>-<hw>-<date>.json`` and ``.png``.
+``--text wide`` widens the language model (`WIDE_TEXT`: the "Qwen3.5 tiny-wide shape", hidden 256,
+4 layers in Qwen3.5's 3:1 order of Gated DeltaNet and full attention, 64-dim attention heads),
+where the LM's per-token work dominates a step; the vision tower stays the demo's.
+
+Run: ``python -m benchmarks.packing [--ranks 2] [--family qwen2_5_vl] [--text demo|wide] [--steps 4]
+[--repeat 2] [--modes packed-in-order,packed]``; writes
+``benchmarks/results/packing-<family>[-wide]-<hw>-<date>.json`` and ``.png``.
 """
 
 from __future__ import annotations
@@ -53,6 +57,40 @@ MODES = ("padding", "padded-groups", "packed-in-order", "packed")
 _WORDS = ("red", "green", "blue", "yellow", "circle", "square", "triangle", "one", "two", "three",
           "shape", "image", "the", "a", "of", "and", "is", "in", "picture", "colour")
 _SIZES = ((56, 56), (84, 56), (112, 84), (168, 112), (56, 112))
+
+
+# The LM of "a Qwen3.5 tiny-wide shape" (issue #43): 4x the demo's width, Qwen3.5's layer order
+# (three Gated DeltaNet layers, then one gated full-attention layer), 64-dim heads. Keys a text
+# config lacks are skipped; a decoder without linear attention keeps its one layer kind.
+WIDE_TEXT = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                 layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
+                 linear_key_head_dim=32, linear_value_head_dim=32)
+
+
+def model_config(family: str, text: str = "demo"):
+    """The demo's tiny config of ``family``, its LM widened for ``text="wide"`` (`WIDE_TEXT`)."""
+    from ray_dhp import demo
+
+    config = demo.tiny_model_config(family)
+    if text == "demo":
+        return config
+    tc = config.text_config
+    kinds = getattr(tc, "layer_types", None)
+    for k, v in WIDE_TEXT.items():
+        if k == "layer_types":  # a decoder without linear attention keeps its one kind
+            if not kinds:
+                continue
+            v = v if "linear_attention" in kinds else [kinds[0]] * WIDE_TEXT["num_hidden_layers"]
+        if hasattr(tc, k):
+            setattr(tc, k, v)
+    rope = getattr(tc, "rope_parameters", None) or {}
+    if "mrope_section" in rope:  # the demo's split of the frequency pairs, scaled to the new heads
+        pairs = int(WIDE_TEXT["head_dim"] * rope.get("partial_rotary_factor", 1.0)) // 2
+        old = rope["mrope_section"]
+        rope["mrope_section"] = [x * pairs // sum(old) for x in old]
+    config.vision_config.out_hidden_size = tc.hidden_size
+    return config
 
 
 def _text(rng, n: int) -> str:
@@ -103,7 +141,7 @@ def _config(mode: str, batch: int, max_tokens: int):
                            packing=mode.startswith("packed"), max_tokens=max_tokens)
 
 
-def _body(rank, world, family, mode, data, batch, max_tokens, steps, warmup):
+def _body(rank, world, family, mode, data, batch, max_tokens, steps, warmup, text="demo"):
     import time
 
     import torch
@@ -120,7 +158,7 @@ def _body(rank, world, family, mode, data, batch, max_tokens, steps, warmup):
     cfg = _config(mode, batch, max_tokens)
     groups = build_groups(Topology.build(placement="collocated", vision_dp=world, vision_sp=1,
                                          text_dp=world, text_tp=1), torch.device("cpu"))
-    config = demo.tiny_model_config(family)
+    config = model_config(family, text)
     engine = DHPEngine(config, groups, cfg.step_config())
     if mode == "packed-in-order":  # no row budget in the balancer: replicas' samples in order
         engine._balancer = balancer_for(cfg.optim.balance, config, packing=True)
@@ -161,16 +199,16 @@ def _body(rank, world, family, mode, data, batch, max_tokens, steps, warmup):
 
 
 def run(family: str, ranks: int, batch: int, max_tokens: int, steps: int, warmup: int,
-        num: int, workdir: str, repeat: int = 1, modes=MODES) -> dict:
+        num: int, workdir: str, repeat: int = 1, modes=MODES, text: str = "demo") -> dict:
     from ray_dhp.train.launch import spawn
 
     data = make_mix(os.path.join(workdir, "mix"), num)
-    out = {"family": family, "ranks": ranks, "batch": batch, "max_tokens": max_tokens,
+    out = {"family": family, "text": text, "ranks": ranks, "batch": batch, "max_tokens": max_tokens,
            "steps": steps, "samples": num, "repeat": repeat, "modes": {}}
     runs: dict = {mode: [] for mode in modes}
     for _ in range(repeat):  # round robin: a busy spell of a shared machine hits every contender
         for mode in modes:
-            runs[mode].append(spawn(_body, ranks, (family, mode, data, batch, max_tokens, steps, warmup))[0])
+            runs[mode].append(spawn(_body, ranks, (family, mode, data, batch, max_tokens, steps, warmup, text))[0])
     for mode in modes:
         r = min(runs[mode], key=lambda x: statistics.median(x["times"]))  # the quietest round
         t = statistics.median(r["times"])
@@ -215,7 +253,7 @@ def plot(res: dict, path: str) -> None:
     for ax in (a, b):
         ax.tick_params(axis="x", labelsize=8)
     b.set_ylabel("padding (% of tokens run)")
-    fig.suptitle(f"packing, {res['family']} tiny, {res['ranks']} ranks, batch {res['batch']}")
+    fig.suptitle(f"packing, {res['family']} tiny{'-wide' if res.get('text') == 'wide' else ''}, {res['ranks']} ranks, batch {res['batch']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -225,6 +263,8 @@ def main(argv=None) -> None:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", default="qwen2_5_vl")
+    p.add_argument("--text", choices=("demo", "wide"), default="demo",
+                   help="the LM's shape: the demo's, or WIDE_TEXT (a Qwen3.5 tiny-wide shape)")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=2048)
@@ -239,10 +279,11 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as d:
         res = run(a.family, a.ranks, a.batch, a.max_tokens, a.steps, a.warmup, a.samples, d, a.repeat,
-                  tuple(a.modes.split(",")))
+                  tuple(a.modes.split(",")), a.text)
     res["date"] = datetime.date.today().isoformat()
     os.makedirs(RESULTS, exist_ok=True)
-    stem = os.path.join(RESULTS, f"packing-{a.family}-{a.hw}-{res['date']}")
+    shape = "" if a.text == "demo" else f"-{a.text}"
+    stem = os.path.join(RESULTS, f"packing-{a.family}{shape}-{a.hw}-{res['date']}")
     with open(stem + ".json", "w") as f:
         json.dump(res, f, indent=1)
     plot(res, stem + ".png")
