@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["COMPUTE_DTYPE", "chunk_gated_delta_rule_with_resets"]
+__all__ = ["COMPUTE_DTYPE", "chunk_gated_delta_rule_with_resets", "scan_chunks"]
 
 # transformers' torch recurrence computes in fp32 whatever its inputs' dtype; so does this one.
 # Its fp32 backward rounds by the tensors' sizes and layout (one ulp moves with the rows a segment
@@ -40,6 +40,27 @@ def chunk_resets(starts: torch.Tensor, chunk_size: int) -> torch.Tensor:
         raise ValueError(f"a packed segment starts inside a {chunk_size}-token chunk: lay the rows "
                          f"out with segment_layout(align={chunk_size})")
     return per_chunk[..., 0]
+
+
+def scan_chunks(state, keep, new_values, k_cumdecay, query, intra, chunk_decay, key):
+    """The sequential scan over chunks (dim 2 of the ``[B, H, chunks, ...]`` tensors; ``keep``
+    ``[B, chunks]``: 0 where a segment starts, the state zeroed before that chunk). Returns the
+    ``[B, H, chunks, chunk, dv]`` outputs and the last state.
+
+    Chunk ``i`` of each tensor comes from one ``unbind`` per tensor, and the outputs are stacked
+    once: one autograd node each, whose backward stacks the chunks' gradients. Indexing chunk
+    ``i`` (``x[:, :, i]``) and writing into a preallocated output would instead build a full-size
+    zero gradient per chunk and tensor, O(chunks²) work a packed row of many chunks pays (the same
+    per-chunk arithmetic, so the values are the same bit for bit; `benchmarks/delta_rule_scan.py`)."""
+    out = []
+    per_chunk = zip(keep.unbind(1), new_values.unbind(2), k_cumdecay.unbind(2), query.unbind(2),
+                    intra.unbind(2), chunk_decay.unbind(2), key.unbind(2))
+    for kept, values_i, k_cumdecay_i, query_i, intra_i, decay_i, key_i in per_chunk:
+        state = state * kept[:, None, None, None]  # a segment starts here: from a zero state
+        v_new = values_i - k_cumdecay_i @ state
+        out.append(query_i @ state + intra_i @ v_new)
+        state = state * decay_i + key_i.transpose(-1, -2) @ v_new
+    return torch.stack(out, dim=2), state
 
 
 def chunk_gated_delta_rule_with_resets(query, key, value, g, beta, starts=None,
@@ -86,19 +107,7 @@ def chunk_gated_delta_rule_with_resets(query, key, value, g, beta, starts=None,
     query = query * cum_decay.exp().unsqueeze(-1)
     key = key * (cum_decay[..., -1:] - cum_decay).exp().unsqueeze(-1)
     chunk_decay = cum_decay[..., -1].exp()[..., None, None]
-    # The scan takes chunk i of each tensor from one unbind per tensor and stacks its outputs once:
-    # one autograd node each, whose backward stacks the chunks' gradients. Indexing chunk i
-    # (``x[:, :, i]``) and writing into a preallocated output would instead build a full-size
-    # zero gradient per chunk and tensor, O(chunks²) work a packed row of many chunks pays.
-    # The per-chunk arithmetic is the same, so the values are the same bit for bit.
-    out = []
-    per_chunk = zip(keep.unbind(1), new_values.unbind(2), k_cumdecay.unbind(2), query.unbind(2),
-                    intra.unbind(2), chunk_decay.unbind(2), key.unbind(2))
-    for kept, values_i, k_cumdecay_i, query_i, intra_i, decay_i, key_i in per_chunk:
-        state = state * kept[:, None, None, None]  # a segment starts here: from a zero state
-        v_new = values_i - k_cumdecay_i @ state
-        out.append(query_i @ state + intra_i @ v_new)
-        state = state * decay_i + key_i.transpose(-1, -2) @ v_new
-    out = torch.stack(out, dim=2).reshape(b, v_heads, -1, dv)[:, :, :length]
+    out, state = scan_chunks(state, keep, new_values, k_cumdecay, query, intra, chunk_decay, key)
+    out = out.reshape(b, v_heads, -1, dv)[:, :, :length]
     out = out.transpose(1, 2).to(initial_dtype, memory_format=torch.contiguous_format)
     return out, (state if output_final_state else None)
