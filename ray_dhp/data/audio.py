@@ -56,7 +56,7 @@ class AudioSettings:
     Attributes:
         max_seconds: refuse longer clips (a bad sample) instead of truncating them; None: the
             feature extractor's window (``n_samples / sampling_rate``: 30 s for Whisper's
-            default, 300 s for Qwen2.5-Omni's released extractor).
+            default, 300 s for the released extractor of an audio-LM family in `ray_dhp.models`).
     """
 
     max_seconds: Optional[float] = None

@@ -43,8 +43,8 @@ def _config_value(config, name):
 
 
 def _same_size(a, b) -> bool:
-    """Equal geometry, a square written either way: InternVL's config keeps ``patch_size`` as
-    ``(14, 14)`` where its image processor says ``14``."""
+    """Equal geometry, a square written either way: a family's vision config may keep
+    ``patch_size`` as ``(14, 14)`` where its image processor says ``14``."""
     def sides(v):
         return tuple(v) if isinstance(v, (list, tuple)) else None
 

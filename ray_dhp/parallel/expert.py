@@ -28,7 +28,8 @@ The forward of a sparse block on one rank, for its ``T`` tokens routed top-k (th
 3. the received rows are grouped by local expert and pass that expert's SwiGLU
    (``torch._grouped_mm`` on CUDA where available, a loop over the local experts otherwise);
 4. the outputs go back (all-to-all), are scaled by their routing weights and summed into the
-   tokens (``index_add_``), as the stock ``Qwen3VLMoeTextExperts`` does.
+   tokens (``index_add_``), as the stock transformers experts module does (the fused
+   ``gate_up_proj`` layout).
 
 Every EP rank runs the same three all-to-alls per sparse layer in the same order, forward and
 (reversed) backward: valid under NCCL. The experts' parameters are DTensors ``Shard(0)`` over a
@@ -150,7 +151,7 @@ class _AllToAll(torch.autograd.Function):
 
 def _ep_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-    """`Qwen3VLMoeTextExperts.forward` with this rank's experts only (module docstring)."""
+    """The stock experts' ``forward`` with this rank's experts only (module docstring)."""
     group, comm = self.ep_group, self.ep_comm
     ep = dist.get_world_size(group)
     gate_up, down = self.gate_up_proj.to_local(), self.down_proj.to_local()

@@ -21,7 +21,8 @@ all-gathered along the channels and it keeps its gate and up pieces (forward all
    experts: the CPU path; fp64 too), the all-gather + keep above, ``act(gate) * up`` on the
    rank's ``I/tp`` columns, ``down_proj``'s local columns: a partial ``[T k, H]``;
 3. scaled by the routing weights and summed into the tokens (``index_add_``), then all-reduced
-   over TP (backward: identity), which is the stock ``Qwen3VLMoeTextExperts`` output.
+   over TP (backward: identity), which is the stock transformers experts module's output (the
+   fused ``gate_up_proj`` layout).
 
 Every TP rank runs the same collectives in the same order (two all-reduces and one all-gather
 per sparse layer forward, their adjoints in backward): valid under NCCL. The experts' gradients
@@ -98,7 +99,7 @@ class _ReduceOut(torch.autograd.Function):
 
 def _tp_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-    """`Qwen3VLMoeTextExperts.forward` with this rank's intermediate slices (module docstring)."""
+    """The stock experts' ``forward`` with this rank's intermediate slices (module docstring)."""
     mesh, comm = self.tp_mesh, self.tp_comm
     group = mesh.get_group()
     x = CopyToTP.apply(hidden_states, group, comm, "text.experts_tp.grad")

@@ -5,15 +5,16 @@ The plan itself (``ray_dhp.models.base.sequence_parallel_text_plan``) is paralle
 only the sequence shard for backward). What is left here is model glue that runs between the
 styled modules:
 
-* Qwen3-VL's deepstack: after each of the first decoder layers the model adds vision features
-  at the image-token positions (``_deepstack_process(hidden, visual_pos_masks, embeds)``) with
-  the *full* ``[B, S]`` mask and all image rows, while the hidden states are this rank's
-  sequence shard ``[B, S / tp, D]``. ``install_deepstack_shard`` gives the text model an
-  instance-level ``_deepstack_process`` that slices the mask to the local positions and picks
-  the matching feature rows. Every TP rank holds all feature rows but adds only its own, so
-  the deepstack features enter through ``_copy_to_tp`` (Megatron's "f": identity forward,
-  all-reduce SUM over the TP group backward): every rank, and TP rank 0 which returns the
-  feature gradients to the vision group, then holds the whole gradient.
+* deepstack (`FamilySpec.num_deepstack` > 0): after each of the first decoder layers the model
+  adds vision features at the image-token positions
+  (``_deepstack_process(hidden, visual_pos_masks, embeds)``) with the *full* ``[B, S]`` mask and
+  all image rows, while the hidden states are this rank's sequence shard ``[B, S / tp, D]``.
+  ``install_deepstack_shard`` gives the text model an instance-level ``_deepstack_process`` that
+  slices the mask to the local positions and picks the matching feature rows. Every TP rank
+  holds all feature rows but adds only its own, so the deepstack features enter through
+  ``_copy_to_tp`` (Megatron's "f": identity forward, all-reduce SUM over the TP group backward):
+  every rank, and TP rank 0 which returns the feature gradients to the vision group, then holds
+  the whole gradient.
 * the sequence length must be a multiple of tp: the engine pads (``pad_multiple``).
 """
 

@@ -8,8 +8,9 @@ checkpointing, which recomputes the forward):
 * vision: ``6 * P_v * L_v`` for the linears over ``L_v`` patch tokens (the merger, ``merge²``
   times narrower in tokens, is counted per merged row), plus attention ``12 * h_v * L_v * s`` per
   block, ``s = L_v`` in full-attention blocks and the window (``(window_size / patch_size)²``
-  patches) in Qwen2.5-VL's window blocks; a video attends per frame, ``s`` = its frame's patches
-  (``Workload.vision_segment``, `ray_dhp.planning.video`);
+  patches) in a windowed tower's window blocks (those not in ``fullatt_block_indexes``); a video
+  attends per frame, ``s`` = its frame's patches (``Workload.vision_segment``,
+  `ray_dhp.planning.video`);
 * text: ``6 * P_t * L_t`` over ``L_t = text tokens + L_v / merge²`` (image tokens after the
   merge; the input embedding is a lookup, not counted), plus causal attention ``6 * d * L_t²``
   per layer (half of the full ``12 * d * L_t²``). A mixture-of-experts LM counts its *active*
@@ -88,7 +89,8 @@ def _recompute(settings: ActivationSettings) -> float:
 
 def _vision_spans(vc) -> tuple:
     """(full-attention blocks, window-attention blocks, patches per window) as ray_dhp.planning.memory
-    counts them: Qwen2.5-VL lists its full blocks, the other families attend fully everywhere."""
+    counts them: a windowed tower lists its full blocks (``fullatt_block_indexes``), the other
+    towers attend fully everywhere."""
     depth = vision_depth(vc)
     full = len(getattr(vc, "fullatt_block_indexes", None) or range(depth))
     window = (getattr(vc, "window_size", 0) // vc.patch_size) ** 2 if full < depth else 0

@@ -67,7 +67,7 @@ class ActivationSettings:
 
 
 def vision_depth(vc) -> int:
-    """ViT blocks: ``depth`` (Qwen towers) or ``num_hidden_layers`` (InternViT)."""
+    """ViT blocks: ``depth`` (towers that count blocks as ``depth``), else ``num_hidden_layers``."""
     return getattr(vc, "depth", None) or vc.num_hidden_layers
 
 
@@ -80,8 +80,8 @@ def merged(config) -> int:
 
 def _mlp_widths(tc) -> tuple:
     """(TP-sharded, TP-replicated) MLP width per token: a dense ``intermediate_size``; an MoE LM
-    without one (Qwen3.5-MoE: every layer sparse) has its shared expert (TP-sharded) and its
-    top-k routed experts' (replicated on the TP ranks, `ray_dhp.models.qwen3_5_moe`)."""
+    without one (every layer sparse) has its shared expert (TP-sharded) and its top-k routed
+    experts' (replicated on the TP ranks, `ray_dhp.models.generic_moe`)."""
     if getattr(tc, "intermediate_size", None):
         return tc.intermediate_size, 0
     from ray_dhp.models.generic_moe import expert_widths
@@ -116,7 +116,8 @@ def text_activation_parts(tc, tokens: int, tp: int, s: ActivationSettings,
     the int64 ids and labels and the fp32 logits of the vocab-parallel loss (``4·vocab/tp``).
     Measured on the engine at TP 1 and 2 with ``saved_tensors_hooks`` (``benchmarks/plan_accuracy.py``).
     ``head_norms`` (`ParamCounts.text_head_norms`): per-head q and k RMSNorms, each keeping its
-    fp32 input, ``rsqrt`` per head and normalised output in ``d`` (measured on Qwen3-VL's LM).
+    fp32 input, ``rsqrt`` per head and normalised output in ``d`` (measured on the head-norm LMs
+    of `benchmarks/plan_accuracy.py`).
     ``transient``: the logits' gradient at the start of the backward (``4·vocab/tp``), the block
     recomputed at a time under activation checkpointing and, under CP, one layer's all-to-all
     buffers. ``layers`` (`ray_dhp.planning.memory_layers.text_layers`): the layers with another
@@ -239,8 +240,9 @@ def weight_cast_bytes(config, counts: ParamCounts, tp: int, s: ActivationSetting
     TP shard; not the input embedding (a lookup, not cast) nor the norms (fp32 multiplies).
     With activation checkpointing the blocks' copies are not kept: each is made again as its
     block is recomputed (one block's at a time); the parts outside the blocks (``lm_head``, the
-    tower's patch embedding and merger) keep theirs. Measured on the tiny Qwen2.5-VL
-    (`benchmarks/plan_accuracy.py`, the ``bf16_autocast`` rows)."""
+    tower's patch embedding and merger) keep theirs. Measured on the demo's tiny model (the default
+    family of `ray_dhp.demo.configs.tiny_model_config`; `benchmarks/plan_accuracy.py`, the
+    ``demo ... bf16_autocast`` rows)."""
     if not s.autocast:
         return WeightCasts()
     from ray_dhp.planning.memory_vision import vision_block_weights

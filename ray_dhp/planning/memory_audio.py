@@ -1,12 +1,13 @@
-"""The audio encoder's group in `ray-dhp plan` (Qwen2.5-Omni's thinker: ``model.audio_tower``, a
-Whisper-style encoder): its parameters, per-rank model state and activations, and the tokens a
-clip adds to the language model's sequence.
+"""The audio encoder's group in `ray-dhp plan` (an audio LM's thinker: ``model.audio_tower``, a
+Whisper-style encoder; the family's ``audio`` encoder module in `ray_dhp.models`): its parameters,
+per-rank model state and activations, and the tokens a clip adds to the language model's sequence.
 
-Tokens of a clip of ``seconds`` (transformers' ``Qwen2_5OmniAudioEncoder``): the Whisper feature
-extractor gives 100 log-mel frames per second (hop 160 at 16 kHz); ``conv2`` (stride 2) halves
-them into the encoder, ``(frames - 1) // 2 + 1`` tokens (50 per second); after the layers a
-stride-2 average pool halves them again into the LM, ``(tokens - 2) // 2 + 1`` rows (25 per
-second: the thinker's ``position_id_per_seconds``). Attention runs inside chunks of
+Tokens of a clip of ``seconds`` (the Whisper-style tower's stock transformers encoder class, the
+``audio`` operations' ``tower_class``): the Whisper feature extractor gives 100 log-mel frames
+per second (hop 160 at 16 kHz); ``conv2`` (stride 2) halves them into the encoder,
+``(frames - 1) // 2 + 1`` tokens (50 per second); after the layers a stride-2 average pool halves
+them again into the LM, ``(tokens - 2) // 2 + 1`` rows (25 per second: the thinker's
+``position_id_per_seconds``). Attention runs inside chunks of
 ``2 · n_window`` mel frames (``n_window`` tokens: 100 in the released model); the convolutions see
 each clip cut into such chunks, the last padded to the longest chunk.
 

@@ -83,7 +83,8 @@ def layer_extra(layers: TextLayers, tc, tokens: float, row_tokens: float, tp: in
     the residual's post-norms). ``one``: what the largest single layer saves beyond
     one such layer (the block recomputed at a time under activation checkpointing).
     ``gathered``: under text SP a sparse block runs on the all-gathered sequence, whose whole
-    ``h``-wide copy it keeps (the Qwen3.5-MoE text SP row: text 0.948 without it, 0.969 with)."""
+    ``h``-wide copy it keeps (the MoE text SP row of `benchmarks/plan_accuracy.py`: text 0.948
+    without it, 0.969 with)."""
     norms = (layers.norms - 2) * norm
     mixer = sparse = 0.0
     if layers.mixers:

@@ -1,15 +1,16 @@
 """Vision activation bytes for `ray-dhp plan` (`ray_dhp.planning.memory` re-exports these).
 
-The count is what autograd saves for backward inside a Qwen vision tower (each storage once,
-parameters excluded), per patch token, as measured with ``torch.autograd.graph.saved_tensors_hooks``
-on the stock transformers towers at their published widths (``tests/unit/test_vision_memory.py``
-compares it with the measured bytes; ``benchmarks/video_sp.py`` at 16 frames). ``d`` is the
-activation element size (`ActivationSettings.dtype_bytes`), ``h`` the ViT width, ``i`` its MLP
-width. Per block and token:
+The count is what autograd saves for backward inside a hand-written family's vision tower (each
+storage once, parameters excluded), per patch token, as measured with
+``torch.autograd.graph.saved_tensors_hooks`` on the stock transformers towers at their published
+widths (``tests/unit/test_vision_memory.py`` compares it with the measured bytes;
+``benchmarks/video_sp.py`` at 16 frames). ``d`` is the activation element size
+(`ActivationSettings.dtype_bytes`), ``h`` the ViT width, ``i`` its MLP width. Per block and token:
 
-* two norms. Qwen2.5-VL's RMSNorm upcasts to fp32 and keeps the fp32 input, the fp32
-  ``rsqrt`` and the normalised input in the model's dtype: ``4h + 4 + d·h`` bytes each; the other
-  towers' LayerNorm keeps its input and fp32 mean and rstd: ``d·h + 8``;
+* two norms. An RMSNorm tower's (`FamilySpec.vision_norm` ``"rms_norm"``) upcasts to fp32 and
+  keeps the fp32 input, the fp32 ``rsqrt`` and the normalised input in the model's dtype:
+  ``4h + 4 + d·h`` bytes each; the other towers' LayerNorm keeps its input and fp32 mean and
+  rstd: ``d·h + 8``;
 * attention (SDPA/flash): the qkv projection's input ``h`` and output ``3h``, the rotated q and k
   and the attention output (``3h``) in ``d`` bytes, plus the kernel's fp32 log-sum-exp (one per
   head); a tower that does not rotate q and k (`FamilySpec.vision_rotary` False: towers with
@@ -20,16 +21,16 @@ width. Per block and token:
   (the output all-to-all's result; measured on a rotary tower with a fused qkv, taken as the same
   for a tower without rotary);
 * the MLP: its input ``h`` and ``m·i``, where ``m`` counts the ``i``-wide tensors its activation
-  path keeps: Qwen2.5-VL's gated SiLU 4 (gate, SiLU output, up, product), Qwen2-VL's QuickGELU 3
-  (fc1 output, sigmoid, product: ``x·sigmoid(1.702x)`` is three ops), a one-op GELU 2 (fc1 output,
-  GELU output).
+  path keeps: a gated SiLU 4 (gate, SiLU output, up, product), QuickGELU 3 (fc1 output, sigmoid,
+  product: ``x·sigmoid(1.702x)`` is three ops), a one-op GELU 2 (fc1 output, GELU output).
 
 Once per token: the patch input of the Conv3d (``C·T·P²`` values), the rotary ``cos`` and
-``sin`` (fp32, ``head_dim`` each, shared by every block), Qwen3-VL's interpolation indices (4
-int64), the merger (its norm, then its two linears' inputs and the GELU's: ``3·d·h`` per token,
-the merged rows being ``merge²·h`` wide) and each deepstack merger (the same without re-keeping
-its norm input, the block output the next block keeps already). Under Ulysses SP every term is
-``1/sp`` of the tokens, but for a tower that runs its once-per-token parts whole on every SP rank
+``sin`` (fp32, ``head_dim`` each, shared by every block), a learned position table's
+interpolation indices (4 int64, a config with ``num_position_embeddings``), the merger (its norm,
+then its two linears' inputs and the GELU's: ``3·d·h`` per token, the merged rows being
+``merge²·h`` wide) and each deepstack merger (the same without re-keeping its norm input, the
+block output the next block keeps already). Under Ulysses SP every term is ``1/sp`` of the
+tokens, but for a tower that runs its once-per-token parts whole on every SP rank
 (`ray_dhp.models.vision_once_split`: a generic family's, whose layers alone split) those. With ``attention="eager"`` the ``heads × s²`` score and probability
 matrices are added; with activation checkpointing each block keeps only its input, plus one block
 recomputed.
@@ -57,7 +58,7 @@ _MLP_KEPT = {"silu": 4, "quick_gelu": 3, "gelu": 2, "gelu_pytorch_tanh": 2}
 
 def _vision_mlp(vc) -> int:
     """The MLP width: ``intermediate_size`` (``mlp_dim``: SAM-style towers), else the width
-    times ``mlp_ratio`` (Qwen2-VL's)."""
+    times ``mlp_ratio`` (towers that give their MLP width as a ratio)."""
     i = getattr(vc, "intermediate_size", None) or getattr(vc, "mlp_dim", None)
     return i if i else int(vision_width(vc) * getattr(vc, "mlp_ratio", 4))
 
@@ -138,7 +139,7 @@ def _probed(config, d: int):
 
 
 def _depth(vc) -> int:
-    """ViT blocks: ``depth`` (Qwen towers) or ``num_hidden_layers`` (InternViT)."""
+    """ViT blocks: ``depth`` (towers that count blocks as ``depth``), else ``num_hidden_layers``."""
     return getattr(vc, "depth", None) or vc.num_hidden_layers
 
 

@@ -232,7 +232,7 @@ def _pad_tail(batch: dict, multiple: int, pad_id: int, attended: bool = True) ->
     later one, and the tail has no targets, so the loss and gradients are unchanged — and a batch
     without padding keeps an all-ones mask, so attention stays mask-free (``is_causal``) instead
     of materialising an ``S x S`` mask. Not ``attended`` (mask 0): a family whose attention is
-    not plain causal (`FamilySpec.segment_attention` False: PaliGemma's bidirectional prefix
+    not plain causal (`FamilySpec.segment_attention` False: a prefix LM's bidirectional prefix
     would let the real tokens see an attended tail)."""
     length = batch["input_ids"].shape[1]
     extra = -length % multiple
