@@ -31,8 +31,11 @@ round (a shared machine's busy spells then hit every contender). ``--modes`` run
 4 layers in Qwen3.5's 3:1 order of Gated DeltaNet and full attention, 64-dim attention heads),
 where the LM's per-token work dominates a step; the vision tower stays the demo's.
 
+``--device cuda`` runs each rank on a GPU of its own (NCCL; ``--precision bf16_mixed`` for a GPU's
+policy): `benchmarks/gpu/run_gpu.py --packing` runs the contenders that way on one GPU.
+
 Run: ``python -m benchmarks.packing [--ranks 2] [--family qwen2_5_vl] [--text demo|wide] [--steps 4]
-[--repeat 2] [--modes packed-in-order,packed]``; writes
+[--repeat 2] [--modes packed-in-order,packed] [--device cuda --precision bf16_mixed]``; writes
 ``benchmarks/results/packing-<family>[-wide]-<hw>-<date>.json`` and ``.png``.
 """
 
@@ -133,15 +136,17 @@ def make_mix(path: str, num: int, seed: int = 0) -> str:
     return out
 
 
-def _config(mode: str, batch: int, max_tokens: int):
+def _config(mode: str, batch: int, max_tokens: int, precision: str = "fp32"):
     from ray_dhp.config.train_loop import TrainLoopConfig
 
     return TrainLoopConfig(lr=1e-4, global_batch_size=batch, num_steps=10_000, max_grad_norm=1.0,
                            seed=0, balance="count" if mode == "padding" else "cost",
-                           packing=mode.startswith("packed"), max_tokens=max_tokens)
+                           packing=mode.startswith("packed"), max_tokens=max_tokens,
+                           precision=precision)
 
 
-def _body(rank, world, family, mode, data, batch, max_tokens, steps, warmup, text="demo"):
+def _body(rank, world, family, mode, data, batch, max_tokens, steps, warmup, text="demo",
+          precision="fp32", on="cpu"):
     import time
 
     import torch
@@ -155,9 +160,11 @@ def _body(rank, world, family, mode, data, batch, max_tokens, steps, warmup, tex
     from ray_dhp.step.engine import DHPEngine
     from ray_dhp.step.microbatch import balancer_for, cost_model_of
 
-    cfg = _config(mode, batch, max_tokens)
+    cfg = _config(mode, batch, max_tokens, precision)
+    cuda = on == "cuda"  # one GPU per rank (`spawn(..., backend="cuda:nccl")` set this rank's)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     groups = build_groups(Topology.build(placement="collocated", vision_dp=world, vision_sp=1,
-                                         text_dp=world, text_tp=1), torch.device("cpu"))
+                                         text_dp=world, text_tp=1), device)
     config = model_config(family, text)
     engine = DHPEngine(config, groups, cfg.step_config())
     if mode == "packed-in-order":  # no row budget in the balancer: replicas' samples in order
@@ -181,10 +188,12 @@ def _body(rank, world, family, mode, data, batch, max_tokens, steps, warmup, tex
         dist.barrier()
         t0, c0 = time.perf_counter(), time.process_time()
         engine.step(step)
+        if cuda:
+            torch.cuda.synchronize(device)
         spent = time.process_time() - c0  # this rank's CPU seconds (not others' jobs' time)
         dist.barrier()
         elapsed = time.perf_counter() - t0
-        per = torch.tensor([ran["tokens"], ran["cost"], spent], dtype=torch.float64)
+        per = torch.tensor([ran["tokens"], ran["cost"], spent], dtype=torch.float64, device=device)
         every = [torch.zeros_like(per) for _ in range(world)]
         dist.all_gather(every, per)
         if k < warmup:
@@ -199,16 +208,19 @@ def _body(rank, world, family, mode, data, batch, max_tokens, steps, warmup, tex
 
 
 def run(family: str, ranks: int, batch: int, max_tokens: int, steps: int, warmup: int,
-        num: int, workdir: str, repeat: int = 1, modes=MODES, text: str = "demo") -> dict:
+        num: int, workdir: str, repeat: int = 1, modes=MODES, text: str = "demo",
+        device: str = "cpu", precision: str = "fp32", timeout_s: float = 1800.0) -> dict:
     from ray_dhp.train.launch import spawn
 
     data = make_mix(os.path.join(workdir, "mix"), num)
-    out = {"family": family, "text": text, "ranks": ranks, "batch": batch, "max_tokens": max_tokens,
+    out = {"family": family, "text": text, "device": device, "precision": precision, "ranks": ranks, "batch": batch, "max_tokens": max_tokens,
            "steps": steps, "samples": num, "repeat": repeat, "modes": {}}
     runs: dict = {mode: [] for mode in modes}
+    backend = "cuda:nccl" if device == "cuda" else "gloo"
     for _ in range(repeat):  # round robin: a busy spell of a shared machine hits every contender
         for mode in modes:
-            runs[mode].append(spawn(_body, ranks, (family, mode, data, batch, max_tokens, steps, warmup, text))[0])
+            args = (family, mode, data, batch, max_tokens, steps, warmup, text, precision, device)
+            runs[mode].append(spawn(_body, ranks, args, backend=backend, timeout_s=timeout_s)[0])
     for mode in modes:
         r = min(runs[mode], key=lambda x: statistics.median(x["times"]))  # the quietest round
         t = statistics.median(r["times"])
@@ -272,6 +284,9 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--samples", type=int, default=200)
     p.add_argument("--hw", default="cpu2")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: one GPU per rank, NCCL (benchmarks/gpu/run_gpu.py runs it on one)")
+    p.add_argument("--precision", default="fp32", help="the precision policy (fp32, bf16_mixed, ...)")
     p.add_argument("--modes", default=",".join(MODES),
                    help=f"comma-separated contenders, run in this order each round (default: {','.join(MODES)})")
     p.add_argument("--repeat", type=int, default=1,
@@ -279,7 +294,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as d:
         res = run(a.family, a.ranks, a.batch, a.max_tokens, a.steps, a.warmup, a.samples, d, a.repeat,
-                  tuple(a.modes.split(",")), a.text)
+                  tuple(a.modes.split(",")), a.text, a.device, a.precision)
     res["date"] = datetime.date.today().isoformat()
     os.makedirs(RESULTS, exist_ok=True)
     shape = "" if a.text == "demo" else f"-{a.text}"
