@@ -25,7 +25,9 @@ SP2 + TP2 and disjoint 1 + TP2, LFM3-VL with text ZeRO-3 DP2, LFM2-VL with LoRA;
 (canvas M-RoPE from its own get_rope_index, with a negative control: 1-D positions) and
 MiniCPM-OCR, their Qwen3.5 LM's Gated DeltaNet layers run one row per sample, at vision DP2 +
 TP2. Every generic family that packs (`PACKING_FAMILIES`, linear-attention LMs included: their
-Gated DeltaNet one row per sample) has a disjoint 1 + TP2 row with the pipelined schedule. What stays refused is
+Gated DeltaNet one row per sample) has a disjoint 1 + TP2 row with the pipelined schedule, and a
+collocated row (`COLLOCATED_ROWS`: vision SP2 + TP2 where the tower takes SP, else DP2 + TP2) where
+none above covers it. What stays refused is
 refused with the reason (the last test). Qwen3-VL-MoE packs at SP2/TP2 (`LOSS_TOL`).
 
 Tolerance (fp64): 1e-10 relative on loss, grad-norm, every parameter, every update and (Qwen3.5
@@ -73,7 +75,7 @@ from tests.distributed.fp64_recurrence import fp64_delta_rule
 from tests.distributed.parity import (packable_steps, GENERIC_FAMILIES, assert_parity, copy_errors,
                                       reference_fixture, run_engine, run_reference)
 from tests.distributed.generic_cases import (PACKING_FAMILIES, PACKING_MAX_TOKENS,
-                                             PACKING_MODELS, STEPS, TOL, TOLS,
+                                             PACKING_MODELS, STEPS, TOL, TOLS, VISION_SP,
                                              ZERO_GRAD, lfm2_vl_hybrid_config,
                                              qwen3_5_lm_hybrid_config)
 
@@ -283,6 +285,41 @@ def _padded(family, padded_reference, tmp_path, **changes):
     return steps, run_reference(family, cfg, steps, torch.float64, model=_model(family))
 
 
+#: The generic families that pack with no collocated row above (`CASES`, or a test of their own:
+#: LFM2-VL's hybrid decoder, MiniCPM-V 4.7 / MiniCPM-OCR's Qwen3.5 LM): each gets one in
+#: `test_generic_packed_collocated_fp64`.
+COLLOCATED_ROWS = tuple(f for f in PACKING_FAMILIES if f not in (
+    {f for f, _, lay, _, _ in CASES if lay["placement"] == "collocated"}
+    | {"lfm2_vl", "minicpmv4_7", "minicpm_ocr"}))
+
+
+def _packed_row(family, layout, padded_reference, tmp_path, **engine):
+    """A generic family's packed rows at ``layout`` against the same samples one per row
+    (`_padded`), test_generic's tolerances (`TOLS`), every clipped gradient of every step of
+    every rank; its `PACKING_MODELS` model, `STEPS` and `PACKING_MAX_TOKENS` where it has them."""
+    from ray_dhp import demo
+    from ray_dhp.models import family_of
+
+    assert family_of(_model(family) or demo.tiny_model_config(family)).packing
+    max_tokens = PACKING_MAX_TOKENS.get(family, 80)
+    steps, ref = _padded(family, padded_reference, tmp_path, num_steps=STEPS.get(family, 3),
+                         max_tokens=max_tokens)
+    cfg = replace(CFG, packing=True, num_steps=len(steps), max_tokens=max_tokens)
+    got = run_engine(family, layout, cfg, steps, torch.float64, grads=True, model=_model(family),
+                     prepare=_prepare(family), **engine)
+    print(family, "worst (update, parameter, name):", assert_packed_parity(family, got, ref))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", COLLOCATED_ROWS)
+def test_generic_packed_collocated_fp64(family, padded_reference, tmp_path):
+    """Every generic family that packs and has no collocated packed row above (`COLLOCATED_ROWS`),
+    collocated on 2 ranks: vision SP2 + text TP2 where its tower takes Ulysses SP
+    (`generic_cases.VISION_SP`), else vision DP2 + text TP2; packed rows vs the same samples one
+    per row (`_packed_row`)."""
+    _packed_row(family, TP2 if family in VISION_SP else GENERIC_TP2, padded_reference, tmp_path)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", PACKING_FAMILIES)
 def test_generic_packed_disjoint_pipelined_fp64(family, padded_reference, tmp_path):
@@ -293,17 +330,7 @@ def test_generic_packed_disjoint_pipelined_fp64(family, padded_reference, tmp_pa
     reorder), every clipped gradient of every step of every rank. LFM2-VL with its hybrid
     decoder (`PACKING_MODELS`); Gemma 4 for `STEPS` steps (its fp32 pooler's noise,
     generic_cases.py); the LLaVA-NeXT kinds' rows of 128 tokens (`PACKING_MAX_TOKENS`)."""
-    from ray_dhp import demo
-    from ray_dhp.models import family_of
-
-    assert family_of(_model(family) or demo.tiny_model_config(family)).packing
-    max_tokens = PACKING_MAX_TOKENS.get(family, 80)
-    steps, ref = _padded(family, padded_reference, tmp_path, num_steps=STEPS.get(family, 3),
-                         max_tokens=max_tokens)
-    cfg = replace(CFG, packing=True, num_steps=len(steps), max_tokens=max_tokens)
-    got = run_engine(family, DISJOINT_TP2, cfg, steps, torch.float64, schedule="pipelined",
-                     grads=True, model=_model(family), prepare=_prepare(family))
-    print(family, "worst (update, parameter, name):", assert_packed_parity(family, got, ref))
+    _packed_row(family, DISJOINT_TP2, padded_reference, tmp_path, schedule="pipelined")
 
 
 def _without_state_reset():
