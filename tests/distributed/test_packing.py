@@ -286,10 +286,12 @@ def _padded(family, padded_reference, tmp_path, **changes):
 
 
 #: The generic families that pack with no collocated row above (`CASES`, or a test of their own:
-#: LFM2-VL's hybrid decoder, MiniCPM-V 4.7 / MiniCPM-OCR's Qwen3.5 LM): each gets one in
+#: LFM2-VL's hybrid decoder, MiniCPM-V 4.7 / MiniCPM-OCR's Qwen3.5 LM), and those whose tower
+#: takes Ulysses SP (`VISION_SP`) with no collocated row at vision SP2: each gets one in
 #: `test_generic_packed_collocated_fp64`.
 COLLOCATED_ROWS = tuple(f for f in PACKING_FAMILIES if f not in (
-    {f for f, _, lay, _, _ in CASES if lay["placement"] == "collocated"}
+    {f for f, _, lay, _, _ in CASES if lay["placement"] == "collocated"
+     and (lay["vision_sp"] == 2 or f not in VISION_SP)}
     | {"lfm2_vl", "minicpmv4_7", "minicpm_ocr"}))
 
 
