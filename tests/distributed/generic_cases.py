@@ -131,7 +131,7 @@ ROTARY_KEY_BIAS = ("paddleocr_vl",)
 # this list against it).
 VISION_SP = ("gemma3", "llava", "paligemma", "aya_vision", "cohere2_vision", "mistral3", "idefics3",
              "smolvlm", "lighton_ocr", "shieldgemma2", "video_llava", "lfm2_vl", "llama4", "gemma4",
-             "llava_onevision", "llava_next", "llava_next_video")
+             "llava_onevision", "llava_next", "llava_next_video", "mistral_large4")
 
 
 def qwen3_5_lm_hybrid_config(family: str):
