@@ -7,7 +7,9 @@ computes the stock transformers model's summed cross-entropy over every valid va
 at the same weights. The validation set has 7 records, two of them
 text-only and one bad (skipped, not replaced), in batches of 3 records: 2, 3 and 1 valid samples;
 with DP2 the batch of 1 cannot feed both replicas and a ghost fills it. A slow case cuts the
-batches by a token budget instead (several micro-batches per batch).
+batches by a token budget instead (several micro-batches per batch); another trains and evaluates
+on packed rows (`data.packing`, rows of 80 tokens: the evaluation forward runs the packed rows as
+training does, and equals the reference's one sample per forward).
 
 Tolerance: fp64, 1e-10 relative (as the parity matrix, see tests/distributed/test_parity.py): the
 only differences are summation orders (~1e-14). Training with evaluations must be *bit-identical*
@@ -15,6 +17,8 @@ to training without them (same process, same seed): losses, grad norms and every
 Every sub-module is back in training mode after every evaluation (checked directly: with the
 tiny models' dropout 0, no number would show a module left in eval mode).
 """
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -83,15 +87,15 @@ def _modes(engine) -> dict:
             if module is not None for n, m in module.named_modules()}
 
 
-def _body(rank, world, layout, steps, val, val_cfg):
+def _body(rank, world, layout, steps, val, val_cfg, cfg=CFG):
     from ray_dhp.data.eval_loader import EvalLoader
     from ray_dhp.step.engine import DHPEngine
     from ray_dhp.parallel.mesh import build_groups
 
     groups = build_groups(Topology.build(**layout), torch.device("cpu"))
     model = demo.tiny_model_config(FAMILY)
-    with_eval = DHPEngine(model, groups, CFG.step_config(), dtype=torch.float64)
-    plain = DHPEngine(model, groups, CFG.step_config(), dtype=torch.float64)
+    with_eval = DHPEngine(model, groups, cfg.step_config(), dtype=torch.float64)
+    plain = DHPEngine(model, groups, cfg.step_config(), dtype=torch.float64)
     loader = EvalLoader(_val_sampler(val, val_cfg), groups, batch_size=val_cfg.eval_batch(),
                         balancer=with_eval.balancer())
     modes = [_modes(with_eval)]  # every sub-module's `training` flag, before/after each evaluation
@@ -117,6 +121,8 @@ def _body(rank, world, layout, steps, val, val_cfg):
 # micro-batch hold one sample (30-37 tokens with the chat template) each, never two, so 3
 # micro-batches of 2 samples at DP2
 BUDGET = TrainLoopConfig(global_batch_size=4, micro_batch_tokens=40, eval_batch_size=7)
+# training and evaluation on packed rows of 80 tokens (samples of 30-43 tokens: 2 a row)
+PACKED = replace(CFG, packing=True, max_tokens=80)
 
 LAYOUTS = {
     "collocated-sp2-tp2": dict(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1, text_tp=2),
@@ -131,8 +137,11 @@ LAYOUTS = {
     # the LM's context parallelism: each CP rank sums its slice's targets (`ray_dhp.parallel.context`)
     "collocated-sp2-cp2": dict(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1,
                                text_tp=1, text_cp=2),
+    # packed rows (`PACKED`), train and evaluate
+    "collocated-sp2-tp2-packed": dict(placement="collocated", vision_dp=1, vision_sp=2, text_dp=1,
+                                      text_tp=2),
 }
-SLOW = ("budget", "stage3", "cp2")
+SLOW = ("budget", "stage3", "cp2", "packed")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=(pytest.mark.slow,) if n.endswith(SLOW) else ())
@@ -140,9 +149,10 @@ SLOW = ("budget", "stage3", "cp2")
 def test_eval_loss_matches_reference_and_leaves_training_unchanged(name, data):
     steps, val, ref = data
     layout = LAYOUTS[name]
-    val_cfg = BUDGET if name.endswith("budget") else CFG
+    cfg = PACKED if name.endswith("packed") else CFG
+    val_cfg = BUDGET if name.endswith("budget") else cfg
     outs = run_on_ranks(_body, Topology.build(**layout).world_size,
-                        args=(layout, steps, val, val_cfg))
+                        args=(layout, steps, val, val_cfg, cfg))
     if name.endswith("budget"):
         assert outs[0]["micro_batches"] == [3], outs[0]["micro_batches"]
     for rank, out in enumerate(outs):
